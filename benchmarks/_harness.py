@@ -1,0 +1,112 @@
+"""Shared helpers for cudalab's benchmark scripts: timing loops, tables, JSON.
+
+Each script measures cudalab next to raw cuda.bindings, torch and CuPy in the same run
+(those that are importable), prints a table and writes JSON beside it (``--json PATH``).
+Per-call costs use the median of several repeats of a tight loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+
+def time_per_call(fn: Callable[[], object], number: int = 20000, repeat: int = 7,
+                  warmup: int = 1000) -> float:
+    """Median seconds per call of ``fn`` over ``repeat`` loops of ``number`` calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - t0) / number)
+    return statistics.median(samples)
+
+
+def time_loop(loop: Callable[[int], object], number: int = 20000, repeat: int = 7) -> float:
+    """Median seconds per iteration of ``loop(number)``, a function running its own loop.
+
+    Use this form to compare against raw bindings without an extra Python frame per call.
+    """
+    loop(min(number, 1000))
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        loop(number)
+        samples.append((time.perf_counter() - t0) / number)
+    return statistics.median(samples)
+
+
+def optional_import(name: str):
+    try:
+        return __import__(name, fromlist=["_"])
+    except Exception:
+        return None
+
+
+class Table:
+    """Rows of (metric, value, unit, note) printed as an aligned text table."""
+
+    def __init__(self, title: str):
+        self.title = title
+        self.rows: list[dict] = []
+
+    def add(self, metric: str, value: float | None, unit: str = "µs", note: str = "") -> None:
+        self.rows.append({"metric": metric, "value": value, "unit": unit, "note": note})
+
+    def render(self) -> str:
+        w = max([len(r["metric"]) for r in self.rows] + [6])
+        lines = [self.title, "=" * len(self.title)]
+        for r in self.rows:
+            v = r["value"]
+            val = "n/a" if v is None else (f"{v:10.3f}" if isinstance(v, float) else f"{v:>10}")
+            lines.append(f"{r['metric']:<{w}}  {val} {r['unit']:<4} {r['note']}")
+        return "\n".join(lines)
+
+
+def environment(backend_name: str, device_name: str) -> dict:
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "backend": backend_name,
+        "device": device_name,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", default=None, help="write results as JSON to this path")
+    p.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    return p.parse_args()
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2, default=str)
+
+
+def interleaved(loops: dict[str, Callable[[int], object]], number: int = 20000,
+                rounds: int = 9) -> dict[str, float]:
+    """Median seconds per iteration for each loop, measured round-robin.
+
+    Alternating the contenders within each round spreads clock and cache drift evenly, so
+    ratios between them are more stable than back-to-back measurements.
+    """
+    for loop in loops.values():
+        loop(min(number, 1000))
+    samples: dict[str, list[float]] = {k: [] for k in loops}
+    for _ in range(rounds):
+        for key, loop in loops.items():
+            t0 = time.perf_counter()
+            loop(number)
+            samples[key].append((time.perf_counter() - t0) / number)
+    return {k: statistics.median(v) for k, v in samples.items()}

@@ -1,0 +1,113 @@
+"""cudalab: a torch.cuda-style CUDA runtime without PyTorch, and a Jupyter toolkit over it.
+
+``import cudalab`` is cheap: it creates no CUDA context and imports neither the driver
+bindings nor numpy; those load on first use. Set ``CUDALAB_SIMULATOR=1`` (or call
+:func:`use_simulator` first) to run on simulated devices without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from cudalab._driver import use_simulator
+from cudalab.devices import (
+    Device,
+    DeviceProperties,
+    can_device_access_peer,
+    current_device,
+    device,
+    device_count,
+    device_of,
+    get_arch_list,
+    get_device_capability,
+    get_device_name,
+    get_device_properties,
+    get_gencode_flags,
+    init,
+    ipc_collect,
+    is_available,
+    is_initialized,
+    mem_get_info,
+    set_device,
+    synchronize,
+)
+from cudalab.errors import (
+    CudaError,
+    CudaUnavailableError,
+    DriverNotFoundError,
+    KernelCompileError,
+    NvmlError,
+    OutOfMemoryError,
+)
+from cudalab.events import Event
+from cudalab.streams import (
+    ExternalStream,
+    Stream,
+    StreamContext,
+    current_stream,
+    default_stream,
+    set_stream,
+    stream,
+)
+from cudalab.sync_debug import get_sync_debug_mode, set_sync_debug_mode
+
+__version__ = "0.1.0"
+
+# Public names that live in heavier modules, loaded on first access.
+_LAZY: dict[str, str] = {
+    # memory API (torch.cuda top-level names)
+    **{
+        name: "cudalab.memory"
+        for name in (
+            "memory_allocated", "max_memory_allocated", "reset_max_memory_allocated",
+            "memory_reserved", "max_memory_reserved", "memory_cached", "max_memory_cached",
+            "reset_max_memory_cached", "reset_peak_memory_stats", "reset_accumulated_memory_stats",
+            "memory_stats", "memory_stats_as_nested_dict", "memory_summary", "empty_cache",
+            "set_per_process_memory_fraction", "get_per_process_memory_fraction",
+            "caching_allocator_alloc", "caching_allocator_delete", "get_allocator_backend",
+            "memory_snapshot",
+        )
+    },
+    # device arrays and pinned memory
+    **{
+        name: "cudalab.array"
+        for name in ("DeviceArray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like",
+                     "asarray", "from_dlpack")
+    },
+    **{name: "cudalab.memory.pinned" for name in ("empty_pinned", "pin_memory", "is_pinned")},
+    # NVML (torch units)
+    **{
+        name: "cudalab.nvml"
+        for name in ("utilization", "memory_usage", "temperature", "power_draw", "clock_rate",
+                     "list_gpu_processes", "device_memory_used")
+    },
+}
+_SUBMODULES = {"memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"cudalab.{name}")
+    raise AttributeError(f"module 'cudalab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
+
+
+__all__ = [
+    "CudaError", "CudaUnavailableError", "Device", "DeviceProperties", "DriverNotFoundError",
+    "Event", "ExternalStream", "KernelCompileError", "NvmlError", "OutOfMemoryError", "Stream",
+    "StreamContext", "can_device_access_peer", "current_device", "current_stream",
+    "default_stream", "device", "device_count", "device_of", "get_arch_list",
+    "get_device_capability", "get_device_name", "get_device_properties", "get_gencode_flags",
+    "get_sync_debug_mode", "init", "ipc_collect", "is_available", "is_initialized",
+    "mem_get_info", "set_device", "set_stream", "set_sync_debug_mode", "stream", "synchronize",
+    "use_simulator", *sorted(_LAZY),
+]

@@ -1,0 +1,473 @@
+"""The driver seam: the one narrow interface between cudalab and a CUDA driver.
+
+Everything above this package (devices, streams, the allocator, RNG, magics, widgets) talks
+to a :class:`Backend` and never imports ``cuda.bindings`` or NVML itself. Two implementations
+exist: :mod:`cudalab._driver.cuda` over ``cuda.bindings.driver`` and
+:mod:`cudalab._driver.simulator` (host memory, host clocks, numpy kernels), chosen explicitly
+with ``CUDALAB_SIMULATOR=1`` or :func:`cudalab.use_simulator`.
+
+Conventions shared by both implementations (the tests in ``tests/`` check them on both):
+
+* Handles (streams, events, modules, functions) are opaque values owned by the caller, who
+  must destroy them. The layer above never inspects them except through
+  :meth:`Backend.handle_int`. The null (legacy default) stream is the handle returned by
+  :meth:`Backend.null_stream`.
+* Device pointers and host pointers are plain ``int`` addresses; copies use unified
+  addressing, so one :meth:`memcpy` serves H2D, D2H, D2D and peer copies.
+* Calls that need a context take the device ordinal explicitly (``device``) and make that
+  device's primary context current on the calling thread if it is not already. Calls that
+  take only a stream or event handle need no context, except on the null stream, where the
+  caller must first make the stream's device current with :meth:`set_context`.
+* Failures raise :class:`cudalab.CudaError` (out of memory: :class:`CudaOutOfMemory`,
+  a subclass the allocator catches to run its retry ladder). Queries that can be "not ready"
+  return ``False`` instead of raising.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+# Stream flags (values of CU_STREAM_*).
+STREAM_DEFAULT = 0
+STREAM_NON_BLOCKING = 1
+
+# Event flags (values of CU_EVENT_*).
+EVENT_DEFAULT = 0
+EVENT_BLOCKING_SYNC = 1
+EVENT_DISABLE_TIMING = 2
+EVENT_INTERPROCESS = 4
+
+#: Size in bytes of an IPC event handle (CUipcEventHandle).
+IPC_HANDLE_SIZE = 64
+
+#: Status values returned by :class:`FastPaths` callables (CUresult numbering).
+STATUS_SUCCESS = 0
+STATUS_NOT_READY = 600
+
+
+class FastPaths(NamedTuple):
+    """Unchecked callables for the hottest calls, each returning a tuple ``(status, ...)``.
+
+    ``Event.record``/``query`` and ``Stream.query`` call these directly, saving a Python
+    frame per call (the real backend hands out the cuda.bindings functions themselves).
+    A non-zero status other than STATUS_NOT_READY is turned into an exception with
+    :meth:`Backend.status_error`.
+    """
+
+    event_record: Callable[[Any, Any], tuple]
+    event_query: Callable[[Any], tuple]
+    stream_query: Callable[[Any], tuple]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Static properties of one device, read once (torch's ``_CudaDeviceProperties`` fields)."""
+
+    ordinal: int
+    name: str
+    major: int
+    minor: int
+    total_memory: int
+    multi_processor_count: int
+    uuid: str  # "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (NVML's spelling)
+    pci_bus_id: str  # "0000:00:06.0"
+    pci_domain_id: int
+    pci_device_id: int
+    l2_cache_size: int
+    max_threads_per_multi_processor: int
+    max_threads_per_block: int
+    warp_size: int
+    regs_per_multiprocessor: int
+    shared_memory_per_block: int
+    shared_memory_per_block_optin: int
+    shared_memory_per_multiprocessor: int
+    clock_rate: int  # kHz
+    memory_clock_rate: int  # kHz
+    memory_bus_width: int  # bits
+    is_integrated: bool
+    is_multi_gpu_board: bool
+    unified_addressing: bool
+    simulated: bool = False
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+class Backend(abc.ABC):
+    """One CUDA driver, real or simulated. One instance per process."""
+
+    #: "cuda" or "simulator".
+    name: str = "abstract"
+    #: True for the simulator; everything that shows a device must then say "simulated".
+    simulated: bool = False
+
+    # ---------------------------------------------------------------- lifecycle and identity
+    @abc.abstractmethod
+    def init(self) -> None:
+        """Initialise the driver (idempotent). Raises CudaError or DriverNotFoundError."""
+
+    @abc.abstractmethod
+    def driver_version(self) -> int:
+        """CUDA driver API version, e.g. 13000 for CUDA 13.0."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """Number of visible devices after init (0 allowed)."""
+
+    @abc.abstractmethod
+    def device_info(self, device: int) -> DeviceInfo:
+        """Static properties of ``device``."""
+
+    def handle_int(self, handle: Any) -> int:
+        """The C value of a stream/event/module handle, as an int."""
+        return int(handle)
+
+    def fast_paths(self) -> FastPaths:
+        """Status-returning callables for the hot paths (default: wrap the checked methods)."""
+
+        from cudalab.errors import CudaError
+
+        last = self._last_fast_error = threading.local()
+
+        def guarded(fn: Callable[..., bool | None]) -> Callable[..., tuple]:
+            def call(*args: Any) -> tuple:
+                try:
+                    done = fn(*args)
+                except CudaError as exc:  # keep the full exception for status_error()
+                    last.exc = exc
+                    return (exc.code,)
+                return (STATUS_SUCCESS,) if done is not False else (STATUS_NOT_READY,)
+
+            return call
+
+        return FastPaths(guarded(self.event_record), guarded(self.event_query),
+                         guarded(self.stream_query))
+
+    def status_error(self, status: int, call: str) -> Exception:
+        """The exception for a failed status returned by a :class:`FastPaths` callable."""
+        from cudalab.errors import CudaError
+
+        last = getattr(self, "_last_fast_error", None)
+        exc = getattr(last, "exc", None) if last is not None else None
+        if exc is not None and exc.code == int(status):
+            last.exc = None
+            return exc
+        return CudaError(int(status), f"CUDA error {int(status)}", "", call=call)
+
+    # ---------------------------------------------------------------- contexts
+    @abc.abstractmethod
+    def set_context(self, device: int) -> None:
+        """Make ``device``'s primary context current on the calling thread."""
+
+    @abc.abstractmethod
+    def synchronize(self, device: int) -> None:
+        """Wait for all work on ``device`` (cuCtxSynchronize)."""
+
+    @abc.abstractmethod
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        """Whether ``device`` can access memory of ``peer`` directly."""
+
+    @abc.abstractmethod
+    def enable_peer_access(self, device: int, peer: int) -> None:
+        """Let ``device`` access ``peer``'s memory (already enabled is not an error)."""
+
+    # ---------------------------------------------------------------- memory
+    @abc.abstractmethod
+    def mem_alloc(self, device: int, nbytes: int) -> int:
+        """Synchronous device allocation (cuMemAlloc). Raises CudaOutOfMemory when full."""
+
+    @abc.abstractmethod
+    def mem_free(self, device: int, ptr: int) -> None:
+        """Free memory from :meth:`mem_alloc` (synchronises the device, like cuMemFree)."""
+
+    @abc.abstractmethod
+    def mem_alloc_async(self, device: int, nbytes: int, stream: Any) -> int:
+        """Stream-ordered allocation from the device's default pool (cuMemAllocAsync)."""
+
+    @abc.abstractmethod
+    def mem_free_async(self, device: int, ptr: int, stream: Any) -> None:
+        """Stream-ordered free (cuMemFreeAsync)."""
+
+    @abc.abstractmethod
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        """(free, total) bytes of ``device`` as the driver sees them."""
+
+    @abc.abstractmethod
+    def host_alloc(self, nbytes: int) -> int:
+        """Page-locked host memory, portable across devices (cuMemHostAlloc)."""
+
+    @abc.abstractmethod
+    def host_free(self, ptr: int) -> None:
+        """Free memory from :meth:`host_alloc`."""
+
+    @abc.abstractmethod
+    def memcpy(self, device: int, dst: int, src: int, nbytes: int) -> None:
+        """Synchronous copy between any two addresses (host, device or peer)."""
+
+    @abc.abstractmethod
+    def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """Stream-ordered copy between any two addresses (host, device or peer)."""
+
+    @abc.abstractmethod
+    def memcpy_peer_async(
+        self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: Any
+    ) -> None:
+        """Copy between two devices' memory on ``stream`` (works without peer access)."""
+
+    @abc.abstractmethod
+    def memset_d8(self, device: int, ptr: int, value: int, nbytes: int) -> None:
+        """Synchronous byte fill."""
+
+    @abc.abstractmethod
+    def memset_d8_async(self, device: int, ptr: int, value: int, nbytes: int, stream: Any) -> None:
+        """Stream-ordered byte fill."""
+
+    @abc.abstractmethod
+    def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: Any) -> None:
+        """Stream-ordered fill of ``count`` 32-bit words (``ptr`` 4-byte aligned)."""
+
+    @abc.abstractmethod
+    def pointer_device(self, ptr: int) -> int | None:
+        """Device ordinal owning device pointer ``ptr``; None for host or unknown memory."""
+
+    # ---------------------------------------------------------------- streams
+    @abc.abstractmethod
+    def null_stream(self, device: int) -> Any:
+        """Handle of the legacy default stream (handle value 0)."""
+
+    @abc.abstractmethod
+    def stream_create(self, device: int, flags: int = STREAM_NON_BLOCKING, priority: int = 0) -> Any:
+        """A new stream on ``device``; ``priority`` is clamped to the device's range."""
+
+    @abc.abstractmethod
+    def stream_from_int(self, device: int, value: int) -> Any:
+        """Wrap a stream created elsewhere (CuPy, torch, raw bindings) given its C value.
+
+        The handle is not owned: never pass it to :meth:`stream_destroy`. ``value`` 0 is the
+        null stream, 1 the legacy stream, 2 the per-thread default stream.
+        """
+
+    @abc.abstractmethod
+    def stream_destroy(self, stream: Any) -> None:
+        """Destroy a stream made by :meth:`stream_create`."""
+
+    @abc.abstractmethod
+    def stream_query(self, stream: Any) -> bool:
+        """True when all work queued on ``stream`` has completed."""
+
+    @abc.abstractmethod
+    def stream_synchronize(self, stream: Any) -> None:
+        """Block the host until ``stream`` is idle."""
+
+    @abc.abstractmethod
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        """Make future work on ``stream`` wait for ``event`` (no host sync)."""
+
+    @abc.abstractmethod
+    def stream_priority(self, stream: Any) -> int:
+        """The stream's (clamped) priority."""
+
+    @abc.abstractmethod
+    def stream_priority_range(self, device: int) -> tuple[int, int]:
+        """(least, greatest) priority; greatest is numerically smallest, e.g. (0, -5)."""
+
+    @abc.abstractmethod
+    def stream_is_capturing(self, stream: Any) -> bool:
+        """True while ``stream`` is being captured into a CUDA graph."""
+
+    # ---------------------------------------------------------------- events
+    @abc.abstractmethod
+    def event_create(self, device: int, flags: int = EVENT_DISABLE_TIMING) -> Any:
+        """A new event on ``device`` with CU_EVENT_* ``flags``."""
+
+    @abc.abstractmethod
+    def event_destroy(self, event: Any) -> None:
+        """Destroy an event."""
+
+    @abc.abstractmethod
+    def event_record(self, event: Any, stream: Any) -> None:
+        """Record ``event`` on ``stream``. Hot path: no allocation, no logging."""
+
+    @abc.abstractmethod
+    def event_query(self, event: Any) -> bool:
+        """True when the event has completed (or was never recorded)."""
+
+    @abc.abstractmethod
+    def event_synchronize(self, event: Any) -> None:
+        """Block the host until the event completes."""
+
+    @abc.abstractmethod
+    def event_elapsed_time(self, start: Any, end: Any) -> float:
+        """Milliseconds between two completed timing events."""
+
+    @abc.abstractmethod
+    def ipc_event_handle(self, event: Any) -> bytes:
+        """IPC handle (64 bytes) of an event created with EVENT_INTERPROCESS."""
+
+    @abc.abstractmethod
+    def ipc_open_event(self, device: int, handle: bytes) -> Any:
+        """Open an event exported by another process."""
+
+    # ---------------------------------------------------------------- modules and kernels
+    @abc.abstractmethod
+    def module_load(self, device: int, image: bytes) -> Any:
+        """Load a CUBIN image into ``device``'s context."""
+
+    @abc.abstractmethod
+    def module_unload(self, module: Any) -> None:
+        """Unload a module."""
+
+    @abc.abstractmethod
+    def module_function(self, module: Any, name: str) -> Any:
+        """Look up a ``extern "C"`` kernel by name."""
+
+    @abc.abstractmethod
+    def make_args(self, signature: Sequence[str]) -> KernelArgs:
+        """A reusable argument pack for a kernel with the given parameter types.
+
+        Types: "p" (pointer), "i4", "u4", "i8", "u8", "f4", "f8".
+        """
+
+    @abc.abstractmethod
+    def launch(
+        self,
+        function: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        stream: Any,
+        args: KernelArgs,
+    ) -> None:
+        """Launch ``function`` on ``stream`` with a packed argument list."""
+
+    # ---------------------------------------------------------------- virtual memory (VMM)
+    # Used by expandable segments: reserve a large address range once, then map physical
+    # pages into it on demand (cuMemAddressReserve / cuMemCreate / cuMemMap).
+    def vmm_granularity(self, device: int) -> int:
+        """Minimum page size for :meth:`vmm_create` on ``device`` (2 MiB on current GPUs)."""
+        raise NotImplementedError(f"{self.name} backend has no virtual memory management")
+
+    def vmm_reserve(self, device: int, size: int) -> int:
+        """Reserve ``size`` bytes of device virtual address space (no memory behind it)."""
+        raise NotImplementedError(f"{self.name} backend has no virtual memory management")
+
+    def vmm_free_address(self, ptr: int, size: int) -> None:
+        """Return a range from :meth:`vmm_reserve` (everything must be unmapped)."""
+        raise NotImplementedError(f"{self.name} backend has no virtual memory management")
+
+    def vmm_create(self, device: int, size: int) -> Any:
+        """Allocate ``size`` bytes of physical device memory (a multiple of the granularity).
+
+        Raises OutOfMemoryError when the device is full.
+        """
+        raise NotImplementedError(f"{self.name} backend has no virtual memory management")
+
+    def vmm_release(self, handle: Any) -> None:
+        """Release physical memory from :meth:`vmm_create` (after unmapping)."""
+        raise NotImplementedError(f"{self.name} backend has no virtual memory management")
+
+    def vmm_map(self, device: int, ptr: int, size: int, handle: Any) -> None:
+        """Map ``handle`` at ``ptr`` and make it read/write for ``device``."""
+        raise NotImplementedError(f"{self.name} backend has no virtual memory management")
+
+    def vmm_unmap(self, ptr: int, size: int) -> None:
+        """Unmap a range mapped by :meth:`vmm_map` (the caller synchronises first)."""
+        raise NotImplementedError(f"{self.name} backend has no virtual memory management")
+
+    # ---------------------------------------------------------------- stream-ordered pools
+    # Used by the cudaMallocAsync allocator backend: a private cuMemPool per device with an
+    # unlimited release threshold, its usage read from pool attributes.
+    def pool_create(self, device: int) -> Any:
+        """A new memory pool on ``device`` that keeps freed memory cached."""
+        raise NotImplementedError(f"{self.name} backend has no memory pools")
+
+    def pool_destroy(self, pool: Any) -> None:
+        """Destroy a pool (all its allocations must be freed)."""
+        raise NotImplementedError(f"{self.name} backend has no memory pools")
+
+    def pool_alloc_async(self, pool: Any, nbytes: int, stream: Any) -> int:
+        """Stream-ordered allocation from ``pool``; free with :meth:`mem_free_async`."""
+        raise NotImplementedError(f"{self.name} backend has no memory pools")
+
+    def pool_usage(self, pool: Any) -> tuple[int, int, int, int]:
+        """(reserved current, reserved high, used current, used high) in bytes."""
+        raise NotImplementedError(f"{self.name} backend has no memory pools")
+
+    def pool_reset_high(self, pool: Any) -> None:
+        """Reset the reserved/used high-water marks to the current values."""
+        raise NotImplementedError(f"{self.name} backend has no memory pools")
+
+    def pool_trim(self, pool: Any, keep: int = 0) -> None:
+        """Release cached memory above ``keep`` bytes back to the device."""
+        raise NotImplementedError(f"{self.name} backend has no memory pools")
+
+    # ---------------------------------------------------------------- NVML
+    @abc.abstractmethod
+    def nvml(self) -> Nvml:
+        """The management library beside this driver (may raise NvmlError on use)."""
+
+
+class KernelArgs(abc.ABC):
+    """A packed kernel parameter list: set values, then pass to :meth:`Backend.launch`.
+
+    Packing once and reusing the pack keeps the launch hot path free of per-call encoding.
+    """
+
+    signature: tuple[str, ...]
+
+    @abc.abstractmethod
+    def set(self, *values: Any) -> KernelArgs:
+        """Store one value per parameter (in signature order); returns self."""
+
+    @property
+    @abc.abstractmethod
+    def values(self) -> tuple:
+        """The values last stored, as Python numbers."""
+
+
+class Nvml(abc.ABC):
+    """Device management queries (NVML), keyed by the CUDA device's UUID string.
+
+    Every method may raise :class:`cudalab.NvmlError` with a readable message (library
+    missing, driver not loaded, query not supported on this device).
+    """
+
+    simulated: bool = False
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """Devices NVML sees (all of them, ignoring CUDA_VISIBLE_DEVICES)."""
+
+    @abc.abstractmethod
+    def uuids(self) -> list[str]:
+        """UUIDs in NVML index order."""
+
+    @abc.abstractmethod
+    def utilization(self, uuid: str) -> tuple[int, int]:
+        """(gpu %, memory %) over the last sample period."""
+
+    @abc.abstractmethod
+    def memory_info(self, uuid: str) -> tuple[int, int, int]:
+        """(total, free, used) bytes for the whole device."""
+
+    @abc.abstractmethod
+    def temperature(self, uuid: str) -> int:
+        """GPU temperature in degrees C."""
+
+    @abc.abstractmethod
+    def power_usage(self, uuid: str) -> int:
+        """Power draw in milliwatts."""
+
+    @abc.abstractmethod
+    def clock_sm(self, uuid: str) -> int:
+        """Current SM clock in MHz."""
+
+    @abc.abstractmethod
+    def processes(self, uuid: str) -> list[tuple[int, int | None]]:
+        """Compute processes as (pid, used bytes or None when NVML cannot tell)."""
+
+
+#: Signature of a simulator kernel: impl(sim_backend, grid, block, shared_mem, *arg_values).
+SimKernel = Callable[..., None]

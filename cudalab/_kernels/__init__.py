@@ -1,0 +1,9 @@
+"""The runtime's own CUDA kernels, each with its numpy implementation for the simulator.
+
+Importing this package defines them all (``cudalab.kernels.all_kernels()`` relies on it).
+"""
+
+from cudalab._kernels.fill import FILL_KERNELS, fill_kernel
+from cudalab._kernels.spin import spin
+
+__all__ = ["FILL_KERNELS", "fill_kernel", "spin"]

@@ -1,0 +1,233 @@
+"""The ``cudalab`` command (also ``python -m cudalab``).
+
+Subcommands are one function each (``_cmd_<name>``) registered in :func:`build_parser`;
+``info`` is the first. Imports of cudalab's runtime happen inside the subcommands, so
+``cudalab --help`` and ``--version`` never touch a driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+GIB = 1024**3
+
+SIMULATOR_BANNER = "SIMULATOR: these devices are simulated"
+SIMULATOR_BACKEND = "simulator (no GPU used; all values simulated)"
+SIMULATOR_HINT = "run `cudalab info --simulator` (or set CUDALAB_SIMULATOR=1) to see simulated devices"
+
+
+def _version() -> str:
+    try:
+        import cudalab
+
+        version = getattr(cudalab, "__version__", None)
+        if version:
+            return str(version)
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        return dist_version("cudalab")
+    except (ImportError, PackageNotFoundError):
+        return "unknown"
+
+
+def _cuda_version(value: int) -> str:
+    """13000 -> "13.0" (CUDA's major*1000 + minor*10 encoding)."""
+    return f"{value // 1000}.{(value % 1000) // 10}"
+
+
+def _nvrtc_version() -> str:
+    try:
+        from cudalab._driver import nvrtc
+
+        major, minor = nvrtc.version()
+        return f"{major}.{minor}"
+    except (ImportError, AttributeError, RuntimeError):
+        return "unavailable"
+
+
+# ---------------------------------------------------------------------------------- info
+def _gather_info() -> dict[str, Any]:
+    """Everything ``info`` shows, as plain data (the --json output)."""
+    from cudalab import _driver
+    from cudalab.errors import NvmlError
+
+    simulated = _driver.selected_backend_name() == "simulator"
+    info: dict[str, Any] = {
+        "version": _version(),
+        "backend": "simulator" if simulated else "cuda",
+        "simulated": simulated,
+        "driver_version": None,
+        "driver_version_int": None,
+        "nvrtc_version": _nvrtc_version(),
+        "nvml": None,
+        "devices": [],
+        "error": None,
+    }
+    try:
+        backend = _driver.get_backend()
+        backend.init()
+        count = backend.device_count()
+        driver = backend.driver_version()
+    except (ImportError, RuntimeError, OSError) as exc:
+        info["error"] = _reason(exc, info["backend"])
+        return info
+    info["driver_version_int"] = driver
+    info["driver_version"] = _cuda_version(driver)
+    if count == 0:
+        info["error"] = "the CUDA driver reports no devices"
+        return info
+    try:
+        backend.nvml().device_count()
+        info["nvml"] = "available"
+    except NvmlError as exc:
+        info["nvml"] = f"unavailable: {exc}"
+
+    from cudalab import devices, nvml
+
+    for index in range(count):
+        props = devices.get_device_properties(index)
+        free, total = devices.mem_get_info(index)
+        row = {
+            "index": index,
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "memory_free": int(free),
+            "memory_total": int(total),
+            "multi_processor_count": props.multi_processor_count,
+            "uuid": props.uuid,
+        }
+        snap = nvml.device_snapshot(index)
+        snap.pop("simulated")
+        row.update(snap)
+        info["devices"].append(row)
+    return info
+
+
+def _reason(exc: BaseException, backend: str) -> str:
+    """Why no device can be shown, in one line."""
+    if isinstance(exc, ImportError):
+        name = exc.name or ""
+        if name == "cuda" or name.startswith("cuda."):
+            return f"the CUDA Python bindings are not installed ({exc}); pip install cuda-bindings"
+        return f"cudalab's {backend} backend could not be imported ({exc})"
+    return str(exc).strip() or type(exc).__name__
+
+
+def _degree() -> str:
+    """"°C", or "C" where stdout cannot encode the degree sign."""
+    try:
+        "°".encode(sys.stdout.encoding or "ascii")
+        return "°C"
+    except (UnicodeEncodeError, LookupError):
+        return "C"
+
+
+def _na(value: Any, fmt: Callable[[Any], str]) -> str:
+    return "n/a" if value is None else fmt(value)
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for r in [header, *rows]:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _format_info(info: dict[str, Any]) -> str:
+    simulated = info["simulated"]
+    lines = []
+    if simulated:
+        lines.append(SIMULATOR_BANNER)
+    sim = " (simulated)" if simulated else ""
+    lines.append(f"cudalab  {info['version']}")
+    lines.append(f"backend  {SIMULATOR_BACKEND if simulated else 'cuda'}")
+    if info["driver_version"] is not None:
+        lines.append(f"driver   CUDA {info['driver_version']} ({info['driver_version_int']}){sim}")
+    else:
+        lines.append("driver   unavailable")
+    lines.append(f"NVRTC    {info['nvrtc_version']}")
+    if info["error"] is not None:
+        lines.append("")
+        lines.append(f"No CUDA devices: {info['error']}")
+        if not simulated:
+            lines.append(f"hint: {SIMULATOR_HINT}")
+        return "\n".join(lines)
+    if info["nvml"] != "available":
+        lines.append(f"NVML     {info['nvml']}")
+    lines.append("")
+    deg = _degree()
+    header = ["#", "name", "cap", "memory free / total", "SMs", "UUID",
+              "util", "temp", "power", "SM clock"]
+    rows = []
+    for d in info["devices"]:
+        rows.append([
+            str(d["index"]),
+            d["name"],
+            d["capability"],
+            f"{d['memory_free'] / GIB:.1f} / {d['memory_total'] / GIB:.1f} GiB",
+            str(d["multi_processor_count"]),
+            d["uuid"],
+            _na(d["utilization"], lambda v: f"{v} %"),
+            _na(d["temperature"], lambda v: f"{v} {deg}"),
+            _na(d["power_draw"], lambda v: f"{v / 1000:.1f} W"),
+            _na(d["clock_rate"], lambda v: f"{v} MHz"),
+        ])
+    lines.extend(_table(header, rows, right={0, 3, 4, 6, 7, 8, 9}))
+    return "\n".join(lines)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from cudalab import _driver
+
+    if args.simulator:
+        _driver.use_simulator()
+    try:
+        _driver.selected_backend_name()
+    except ValueError as exc:  # CUDALAB_SIMULATOR set to something unintelligible
+        print(f"cudalab: error: {exc}", file=sys.stderr)
+        return 2
+    info = _gather_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(_format_info(info))
+    return 0
+
+
+# ---------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cudalab",
+        description="cudalab: torch.cuda's runtime without PyTorch.",
+    )
+    parser.add_argument("--version", action="version", version=f"cudalab {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    info = sub.add_parser("info", help="show the driver, NVRTC and the devices",
+                          description="Show cudalab's version, the backend, the CUDA driver and "
+                                      "NVRTC versions and a table of devices with NVML readings.")
+    info.add_argument("--simulator", action="store_true",
+                      help="use the simulator (no GPU; all values simulated)")
+    info.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 0
+    return func(args)

@@ -1,0 +1,521 @@
+"""Devices: lazy initialisation, the per-thread current device, device properties.
+
+Names and semantics follow ``torch.cuda``. The current device is per thread and kept in
+Python (``current_device()`` makes no driver call); the driver context is made current
+only when an operation needs it (:func:`_ensure_context`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from cudalab import _driver
+from cudalab.errors import CudaError, CudaUnavailableError, DriverNotFoundError
+
+__all__ = [
+    "Device",
+    "DeviceProperties",
+    "is_available",
+    "is_initialized",
+    "init",
+    "device_count",
+    "current_device",
+    "set_device",
+    "device",
+    "device_of",
+    "get_device_name",
+    "get_device_capability",
+    "get_device_properties",
+    "can_device_access_peer",
+    "mem_get_info",
+    "synchronize",
+    "get_arch_list",
+    "get_gencode_flags",
+    "ipc_collect",
+]
+
+
+class Device:
+    """A CUDA device identifier, like ``torch.device("cuda", 1)``.
+
+    Accepts ``Device(1)``, ``Device("cuda")``, ``Device("cuda:1")``, ``Device("cuda", 1)``.
+    ``index`` is None for the bare ``"cuda"`` (meaning the current device).
+    """
+
+    __slots__ = ("type", "index")
+
+    def __init__(self, spec: Any = "cuda", index: int | None = None):
+        if isinstance(spec, Device):
+            dtype, didx = spec.type, spec.index
+        elif isinstance(spec, int) and not isinstance(spec, bool):
+            dtype, didx = "cuda", spec
+        elif isinstance(spec, str):
+            dtype, didx = _parse_device_string(spec)
+        else:
+            raise TypeError(f"expected a device index, 'cuda', 'cuda:N' or Device, got {spec!r}")
+        if index is not None:
+            if didx is not None:
+                raise ValueError(f"device {spec!r} already has an index; got index={index!r} too")
+            didx = index
+        if didx is not None:
+            if isinstance(didx, bool) or not isinstance(didx, int):
+                raise TypeError(f"device index must be an int, got {didx!r}")
+            if didx < 0:
+                raise ValueError(f"device index must be non-negative, got {didx}")
+        self.type = dtype
+        self.index = didx
+
+    def __repr__(self) -> str:
+        return f"Device({str(self)!r})"
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            try:
+                other = Device(other)
+            except (TypeError, ValueError):
+                return NotImplemented
+        if not isinstance(other, Device):
+            return NotImplemented
+        return self.type == other.type and self.index == other.index
+
+    def __hash__(self) -> int:
+        return hash((self.type, self.index))
+
+
+def _parse_device_string(text: str) -> tuple[str, int | None]:
+    s = text.strip()
+    kind, sep, num = s.partition(":")
+    if kind != "cuda":
+        raise ValueError(f"expected a CUDA device like 'cuda' or 'cuda:1', got {text!r}")
+    if not sep:
+        return "cuda", None
+    if not num.isdigit():
+        raise ValueError(f"invalid device string {text!r}: the index after 'cuda:' must be a number")
+    return "cuda", int(num)
+
+
+class DeviceProperties:
+    """Properties of one device with torch's attribute names (``_CudaDeviceProperties``).
+
+    ``uuid`` is NVML's spelling (``"GPU-…"``), a plain string. ``simulated`` is True on the
+    simulator.
+    """
+
+    __slots__ = (
+        "index", "name", "major", "minor", "total_memory", "multi_processor_count", "uuid",
+        "pci_bus_id", "pci_device_id", "pci_domain_id", "L2_cache_size",
+        "max_threads_per_multi_processor", "max_threads_per_block", "warp_size",
+        "regs_per_multiprocessor", "shared_memory_per_block", "shared_memory_per_block_optin",
+        "shared_memory_per_multiprocessor", "clock_rate", "memory_clock_rate",
+        "memory_bus_width", "is_integrated", "is_multi_gpu_board", "unified_addressing",
+        "simulated",
+    )
+
+    def __init__(self, info):
+        self.index = info.ordinal
+        self.name = info.name
+        self.major = info.major
+        self.minor = info.minor
+        self.total_memory = info.total_memory
+        self.multi_processor_count = info.multi_processor_count
+        self.uuid = info.uuid
+        self.pci_bus_id = info.pci_bus_id
+        self.pci_device_id = info.pci_device_id
+        self.pci_domain_id = info.pci_domain_id
+        self.L2_cache_size = info.l2_cache_size
+        self.max_threads_per_multi_processor = info.max_threads_per_multi_processor
+        self.max_threads_per_block = info.max_threads_per_block
+        self.warp_size = info.warp_size
+        self.regs_per_multiprocessor = info.regs_per_multiprocessor
+        self.shared_memory_per_block = info.shared_memory_per_block
+        self.shared_memory_per_block_optin = info.shared_memory_per_block_optin
+        self.shared_memory_per_multiprocessor = info.shared_memory_per_multiprocessor
+        self.clock_rate = info.clock_rate
+        self.memory_clock_rate = info.memory_clock_rate
+        self.memory_bus_width = info.memory_bus_width
+        self.is_integrated = info.is_integrated
+        self.is_multi_gpu_board = info.is_multi_gpu_board
+        self.unified_addressing = info.unified_addressing
+        self.simulated = info.simulated
+
+    @property
+    def gcnArchName(self) -> str:  # noqa: N802 - torch's name
+        return ""
+
+    def __repr__(self) -> str:
+        sim = ", simulated=True" if self.simulated else ""
+        return (
+            f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+            f"total_memory={self.total_memory // (1024 * 1024)}MB, "
+            f"multi_processor_count={self.multi_processor_count}, uuid={self.uuid}, "
+            f"pci_bus_id={self.pci_bus_id}, L2_cache_size={self.L2_cache_size // (1024 * 1024)}MB"
+            f"{sim})"
+        )
+
+
+# --------------------------------------------------------------------------- state
+class _ThreadState(threading.local):
+    """Per-thread current device (the driver context is tracked by the backend)."""
+
+    def __init__(self) -> None:
+        self.device = 0
+
+
+_tls = _ThreadState()
+_init_lock = threading.RLock()
+_initialized = False
+_in_bad_fork = False
+_count = 0  # valid after init
+_props: list[DeviceProperties | None] = []
+_backend_obj = None
+_fast = None  # FastPaths of the backend, set at init
+_count_cache: int | None = None
+
+
+def _after_fork_in_child() -> None:
+    global _initialized, _in_bad_fork
+    if _initialized:
+        _in_bad_fork = True
+        _initialized = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def is_initialized() -> bool:
+    """Whether cudalab has initialised CUDA in this process (and not lost it to a fork)."""
+    return _initialized and not _in_bad_fork
+
+
+def init() -> None:
+    """Initialise CUDA now (otherwise it happens on first use). Idempotent."""
+    _lazy_init()
+
+
+def _lazy_init() -> None:
+    if _initialized:
+        return
+    with _init_lock:
+        _do_init()
+
+
+def _do_init() -> None:
+    global _initialized, _count, _props, _backend_obj, _count_cache, _fast
+    if _initialized:
+        return
+    if _in_bad_fork:
+        raise RuntimeError(
+            "Cannot re-initialize CUDA in forked subprocess. To use CUDA with "
+            "multiprocessing, you must use the 'spawn' start method"
+        )
+    backend = _driver.get_backend()
+    try:
+        backend.init()
+    except DriverNotFoundError as exc:
+        raise CudaUnavailableError(
+            f"cudalab cannot use CUDA: {exc}. To run without a GPU, set CUDALAB_SIMULATOR=1 "
+            "(or call cudalab.use_simulator() first) to use the simulated devices."
+        ) from exc
+    count = backend.device_count()
+    if count <= 0:
+        raise CudaUnavailableError("No CUDA GPUs are available")
+    _backend_obj = backend
+    _fast = backend.fast_paths()
+    _count = count
+    _count_cache = count
+    _props = [None] * count
+    _initialized = True
+
+
+def _backend():
+    """The initialised backend (initialising CUDA on first call)."""
+    if not _initialized:
+        _lazy_init()
+    return _backend_obj
+
+
+# --------------------------------------------------------------------------- counting
+def _parse_visible_devices(value: str) -> list[int] | list[str]:
+    """Parse CUDA_VISIBLE_DEVICES the way the driver does (torch's rules).
+
+    Integer entries are read until the first invalid or negative one; ``GPU-``/``MIG-``
+    prefixed entries are returned as strings for UUID matching. Duplicates make the list
+    empty (the driver then sees no device).
+    """
+    items = [x.strip() for x in value.split(",")]
+    if items and items[0].startswith(("GPU-", "MIG-")):
+        out_s: list[str] = []
+        for item in items:
+            if not item.startswith(("GPU-", "MIG-")):
+                break
+            if item in out_s:
+                return []
+            out_s.append(item)
+        return out_s
+    out: list[int] = []
+    for item in items:
+        digits = ""
+        for ch in item:
+            if ch.isdigit() or (ch in "+-" and not digits):
+                digits += ch
+            else:
+                break
+        try:
+            idx = int(digits)
+        except ValueError:
+            break
+        if idx < 0:
+            break
+        if idx in out:
+            return []
+        out.append(idx)
+    return out
+
+
+def _count_without_init() -> int | None:
+    """Device count from NVML and CUDA_VISIBLE_DEVICES, without creating a CUDA context."""
+    try:
+        uuids = _driver.get_backend().nvml().uuids()
+    except Exception:  # NVML missing, driver not loaded, ...: let the driver answer
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return len(uuids)
+    parsed = _parse_visible_devices(visible)
+    if parsed and isinstance(parsed[0], str):
+        count = 0
+        for prefix in parsed:
+            matches = [u for u in uuids if u.startswith(prefix)]
+            if len(matches) != 1:
+                break
+            count += 1
+        return count
+    count = 0
+    for idx in parsed:
+        if idx >= len(uuids):
+            break
+        count += 1
+    return count
+
+
+def device_count() -> int:
+    """Number of usable devices; 0 when there is no driver or GPU (never raises).
+
+    Like torch, this does not initialise CUDA on the real backend: it asks NVML and parses
+    ``CUDA_VISIBLE_DEVICES``, falling back to the driver only if NVML cannot answer.
+    """
+    global _count_cache
+    if _initialized:
+        return _count
+    if _count_cache is not None:
+        return _count_cache
+    backend_name = _driver.selected_backend_name()
+    if backend_name == "cuda":
+        n = _count_without_init()
+        if n is not None:
+            if n > 0:
+                _count_cache = n
+            return n
+    try:
+        backend = _driver.get_backend()
+        backend.init()
+        n = backend.device_count()
+    except (DriverNotFoundError, CudaError, OSError):
+        return 0
+    if n > 0:
+        _count_cache = n
+    return n
+
+
+def is_available() -> bool:
+    """True when at least one device (real, or simulated when selected) can be used."""
+    return device_count() > 0
+
+
+# --------------------------------------------------------------------------- current device
+def _invalid(index: int) -> ValueError:
+    n = device_count()
+    valid = f"valid indices are 0..{n - 1}" if n else "no device is available"
+    return ValueError(f"Invalid device index {index}: cudalab sees {n} CUDA device(s); {valid}")
+
+
+def _device_index(device: Any = None, optional: bool = True) -> int:
+    """Normalise a device argument (None, int, "cuda", "cuda:N", Device) to a valid index."""
+    if type(device) is int:
+        if not _initialized:
+            _lazy_init()
+        if 0 <= device < _count:
+            return device
+        raise _invalid(device)
+    if device is None:
+        if not optional:
+            raise ValueError("a device index is required here; got None")
+        return current_device()
+    if isinstance(device, bool):
+        raise TypeError(f"expected a device index, got {device!r}")
+    if isinstance(device, int):
+        return _device_index(int(device))
+    if isinstance(device, (str, Device)):
+        dev = Device(device)
+        if dev.index is None:
+            return current_device()
+        return _device_index(dev.index)
+    idx = getattr(device, "device_index", None)
+    if isinstance(idx, int):
+        return _device_index(idx)
+    raise TypeError(f"expected a device index, 'cuda', 'cuda:N' or Device, got {device!r}")
+
+
+def current_device() -> int:
+    """Index of this thread's current device (no driver call)."""
+    if not _initialized:
+        _lazy_init()
+    return _tls.device
+
+
+def set_device(device: Any) -> None:
+    """Make ``device`` current for this thread. A negative int is ignored (like torch)."""
+    if isinstance(device, int) and not isinstance(device, bool) and device < 0:
+        return
+    idx = _device_index(device)
+    _tls.device = idx
+    _ensure_context(idx)
+
+
+def _ensure_context(device: int) -> None:
+    """Make ``device``'s primary context current on this thread if it is not already.
+
+    The backend keeps the only record of which context is current (its own calls switch
+    contexts too), so this always asks it; the check there is one thread-local read.
+    """
+    _backend_obj.set_context(device) if _initialized else _backend().set_context(device)
+
+
+class device:  # noqa: N801 - torch's name
+    """Context manager that changes the current device (``torch.cuda.device``).
+
+    A negative index or None leaves the device unchanged.
+    """
+
+    __slots__ = ("idx", "prev_idx")
+
+    def __init__(self, device: Any):
+        if device is None or (isinstance(device, int) and not isinstance(device, bool) and device < 0):
+            self.idx = -1
+        else:
+            self.idx = _device_index(device)
+        self.prev_idx = -1
+
+    def __enter__(self):
+        if self.idx >= 0:
+            self.prev_idx = current_device()
+            if self.prev_idx != self.idx:
+                set_device(self.idx)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.idx >= 0 and self.prev_idx != self.idx and self.prev_idx >= 0:
+            set_device(self.prev_idx)
+        return False
+
+
+class device_of(device):  # noqa: N801 - torch's name
+    """Context manager selecting the device of ``obj`` (an array, stream or event).
+
+    Objects not on a CUDA device (no ``device_index``) leave the device unchanged.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, obj: Any):
+        idx = getattr(obj, "device_index", None)
+        if idx is None:
+            dev = getattr(obj, "device", None)
+            idx = getattr(dev, "index", dev if isinstance(dev, int) else None)
+        super().__init__(idx if isinstance(idx, int) else -1)
+
+
+# --------------------------------------------------------------------------- properties
+def get_device_properties(device: Any = None) -> DeviceProperties:
+    """Properties of ``device`` (read from the driver once, then cached)."""
+    idx = _device_index(device)
+    props = _props[idx]
+    if props is None:
+        props = _props[idx] = DeviceProperties(_backend().device_info(idx))
+    return props
+
+
+def get_device_name(device: Any = None) -> str:
+    """The device's name (simulated devices say so)."""
+    return get_device_properties(device).name
+
+
+def get_device_capability(device: Any = None) -> tuple[int, int]:
+    """(major, minor) compute capability."""
+    p = get_device_properties(device)
+    return (p.major, p.minor)
+
+
+def can_device_access_peer(device: Any, peer_device: Any) -> bool:
+    """Whether ``device`` can access ``peer_device``'s memory directly."""
+    a = _device_index(device, optional=False)
+    b = _device_index(peer_device, optional=False)
+    if a == b:
+        return False
+    return _backend().can_access_peer(a, b)
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) device memory in bytes, as the driver reports them."""
+    idx = _device_index(device)
+    return _backend().mem_get_info(idx)
+
+
+def synchronize(device: Any = None) -> None:
+    """Wait for all work on ``device`` to finish."""
+    from cudalab import sync_debug
+
+    if sync_debug._mode:
+        sync_debug._report("cudalab.synchronize()")
+    idx = _device_index(device)
+    _backend().synchronize(idx)
+
+
+def get_arch_list() -> list[str]:
+    """Architectures cudalab can build kernels for (NVRTC's supported ``sm_XX`` list).
+
+    cudalab compiles its kernels at run time for the device's own architecture, so this is
+    what the installed NVRTC supports; [] when CUDA is unavailable, like torch.
+    """
+    if not is_available():
+        return []
+    try:
+        from cudalab._driver import nvrtc
+
+        return list(nvrtc.supported_archs())
+    except Exception:
+        return []
+
+
+def get_gencode_flags() -> str:
+    """``-gencode`` flags for :func:`get_arch_list`, in torch's format."""
+    flags = []
+    for arch in get_arch_list():
+        num = arch.split("_", 1)[1]
+        flags.append(f"-gencode compute=compute_{num},code={arch}")
+    return " ".join(flags)
+
+
+def ipc_collect() -> None:
+    """Release memory received from other processes that is no longer referenced.
+
+    cudalab does not import device memory from other processes (only IPC events), so there
+    is nothing to collect; it still initialises CUDA like torch's version does.
+    """
+    _lazy_init()

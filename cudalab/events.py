@@ -1,0 +1,182 @@
+"""Events: markers in a stream's work, for synchronisation and timing (``torch.cuda.Event``).
+
+Like torch, the driver event is created lazily on the first ``record`` (on the recording
+stream's device) or ``ipc_handle``. ``record`` and ``query`` are hot paths: one Python frame
+over the backend call, no allocation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cudalab import devices as _devices
+from cudalab import streams as _streams
+from cudalab import sync_debug as _sync
+from cudalab._driver.base import (
+    EVENT_BLOCKING_SYNC,
+    EVENT_DEFAULT,
+    EVENT_DISABLE_TIMING,
+    EVENT_INTERPROCESS,
+    IPC_HANDLE_SIZE,
+    STATUS_NOT_READY,
+)
+
+__all__ = ["Event"]
+
+
+class Event:
+    """A CUDA event.
+
+    Args:
+        enable_timing: the event records a timestamp usable by :meth:`elapsed_time`.
+        blocking: :meth:`synchronize` blocks the thread in the driver instead of spinning.
+        interprocess: the event can be shared with other processes via :meth:`ipc_handle`
+            (incompatible with ``enable_timing``, a CUDA rule).
+
+    The event owns its driver handle: ``close()`` releases it now, otherwise garbage
+    collection does (never during interpreter exit).
+    """
+
+    __slots__ = ("_handle", "_flags", "enable_timing", "blocking", "interprocess",
+                 "device_index", "_b", "_rec", "_q", "__weakref__")
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False):
+        if interprocess and enable_timing:
+            raise ValueError("an interprocess Event cannot have enable_timing=True (CUDA requires "
+                             "interprocess events to disable timing)")
+        flags = EVENT_DEFAULT if enable_timing else EVENT_DISABLE_TIMING
+        if blocking:
+            flags |= EVENT_BLOCKING_SYNC
+        if interprocess:
+            flags |= EVENT_INTERPROCESS
+        self._flags = flags
+        self.enable_timing = bool(enable_timing)
+        self.blocking = bool(blocking)
+        self.interprocess = bool(interprocess)
+        self._handle = None
+        self.device_index = -1
+        self._b = None
+        self._rec = self._q = None
+
+    # ------------------------------------------------------------------ creation
+    def _bind(self) -> Any:
+        b = self._b = _devices._backend()
+        fast = _devices._fast
+        self._rec = fast.event_record
+        self._q = fast.event_query
+        return b
+
+    def _create(self, device: int) -> Any:
+        b = self._bind()
+        self._handle = b.event_create(device, self._flags)
+        self.device_index = device
+        return self._handle
+
+    @classmethod
+    def from_ipc_handle(cls, device: Any, handle: bytes) -> Event:
+        """Open an event exported by another process with :meth:`ipc_handle`."""
+        if not isinstance(handle, (bytes, bytearray, memoryview)):
+            raise TypeError(f"handle must be bytes from Event.ipc_handle(), got {type(handle).__name__}")
+        handle = bytes(handle)
+        if len(handle) != IPC_HANDLE_SIZE:
+            raise ValueError(f"an event IPC handle has {IPC_HANDLE_SIZE} bytes, got {len(handle)}")
+        idx = _devices._device_index(device)
+        self = cls(enable_timing=False, interprocess=True)
+        b = self._bind()
+        self._handle = b.ipc_open_event(idx, handle)
+        self.device_index = idx
+        return self
+
+    # ------------------------------------------------------------------ hot paths
+    def record(self, stream: Any = None) -> Event:
+        """Record the event on ``stream`` (default: the current stream)."""
+        if stream is None:
+            stream = _streams.current_stream()
+        h = self._handle
+        if h is None:
+            h = self._create(stream.device_index)
+        if stream._null:
+            _devices._ensure_context(stream.device_index)
+        if self._rec(h, stream._handle)[0]:
+            self._record_failed(stream)
+        return self
+
+    def _record_failed(self, stream: Any) -> None:
+        """Explain a failed record (off the hot path: the device check happens only here)."""
+        if stream.device_index != self.device_index:
+            raise ValueError(
+                f"Event was created on cuda:{self.device_index} but is being recorded on a "
+                f"stream of cuda:{stream.device_index}"
+            )
+        self._b.event_record(self._handle, stream._handle)  # raises the driver's error
+
+    def query(self) -> bool:
+        """True if the work captured by the event has completed (or it was never recorded)."""
+        h = self._handle
+        if h is None:
+            return True
+        err = self._q(h)[0]
+        if not err:
+            return True
+        if err == STATUS_NOT_READY:
+            return False
+        raise self._b.status_error(err, "cuEventQuery")
+
+    def synchronize(self) -> None:
+        """Block the host until the event completes."""
+        if _sync._mode:
+            _sync._report("Event.synchronize()")
+        h = self._handle
+        if h is not None:
+            self._b.event_synchronize(h)
+
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: current) wait for this event, without blocking the host."""
+        if stream is None:
+            stream = _streams.current_stream()
+        stream.wait_event(self)
+
+    def elapsed_time(self, end_event: Event) -> float:
+        """Milliseconds between this event and ``end_event`` (both recorded and completed)."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with enable_timing=True to measure "
+                               "elapsed time")
+        if self._handle is None or end_event._handle is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return self._b.event_elapsed_time(self._handle, end_event._handle)
+
+    def ipc_handle(self) -> bytes:
+        """A 64-byte handle another process can open with :meth:`from_ipc_handle`."""
+        if not self.interprocess:
+            raise RuntimeError("ipc_handle() needs an Event created with interprocess=True")
+        h = self._handle
+        if h is None:
+            h = self._create(_devices.current_device())
+        return self._b.ipc_event_handle(h)
+
+    # ------------------------------------------------------------------ ownership
+    @property
+    def cuda_event(self) -> int:
+        """The driver handle as an int (0 before the first record)."""
+        return 0 if self._handle is None else self._b.handle_int(self._handle)
+
+    def close(self) -> None:
+        """Release the driver handle now (idempotent)."""
+        h = self._handle
+        if h is not None:
+            self._handle = None
+            self._b.event_destroy(h)
+
+    def __del__(self) -> None:
+        try:
+            h = self._handle
+            if h is not None and not _streams._exiting:
+                self._handle = None
+                self._b.event_destroy(h)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        where = f"cuda:{self.device_index}" if self._handle is not None else "uninitialized"
+        return f"<cudalab.Event {where} timing={self.enable_timing}>"

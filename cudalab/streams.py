@@ -1,0 +1,329 @@
+"""Streams: ordered queues of GPU work, and the per-thread, per-device current stream.
+
+Follows ``torch.cuda``: :class:`Stream` (created non-blocking, priority clamped to the
+device's range), :class:`ExternalStream` for handles made elsewhere, ``current_stream``,
+``default_stream`` (the legacy null stream, ``cuda_stream == 0``), ``set_stream`` and the
+``stream(s)`` context manager. The current stream lives in a thread-local list indexed by
+device, so ``current_stream()`` is a couple of attribute reads and no driver call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any
+
+from cudalab import devices as _devices
+from cudalab import sync_debug as _sync
+from cudalab._driver.base import STATUS_NOT_READY, STREAM_NON_BLOCKING
+
+__all__ = [
+    "Stream",
+    "ExternalStream",
+    "StreamContext",
+    "current_stream",
+    "default_stream",
+    "set_stream",
+    "stream",
+]
+
+_exiting = False
+
+
+def _mark_exiting() -> None:
+    global _exiting
+    _exiting = True
+
+
+atexit.register(_mark_exiting)
+
+
+class Stream:
+    """A CUDA stream on one device (``torch.cuda.Stream``).
+
+    Args:
+        device: the device (None = current).
+        priority: lower numbers mean higher priority; values outside the device's range
+            are clamped to it (on an H100 the range is 0 … -5).
+
+    The stream owns its driver handle: ``close()`` releases it now, otherwise it is
+    released when the object is garbage collected (never during interpreter exit, when the
+    driver may already be gone). ``with s:`` makes it the current stream of its device.
+    """
+
+    __slots__ = ("_handle", "device_index", "cuda_stream", "_owned", "_null", "_b", "_ctx_stack",
+                 "_q", "__weakref__")
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
+        if kwargs:
+            raise TypeError(f"Stream() got unexpected keyword arguments {sorted(kwargs)}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"stream priority must be an int, got {priority!r}")
+        idx = _devices._device_index(device)
+        b = _devices._backend()
+        self._b = b
+        self._q = _devices._fast.stream_query
+        self._handle = b.stream_create(idx, STREAM_NON_BLOCKING, priority)
+        self.device_index = idx
+        self.cuda_stream = b.handle_int(self._handle)
+        self._owned = True
+        self._null = False
+        self._ctx_stack = None
+
+    @classmethod
+    def _wrap(cls, device: int, handle: Any, owned: bool) -> Stream:
+        self = object.__new__(cls)
+        b = _devices._backend()
+        self._b = b
+        self._q = _devices._fast.stream_query
+        self._handle = handle
+        self.device_index = device
+        self.cuda_stream = b.handle_int(handle)
+        self._owned = owned
+        self._null = self.cuda_stream == 0
+        self._ctx_stack = None
+        return self
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def device(self) -> _devices.Device:
+        """The stream's device as a :class:`cudalab.Device`."""
+        return _devices.Device("cuda", self.device_index)
+
+    @property
+    def priority(self) -> int:
+        """The (clamped) priority the stream was created with."""
+        self._check_open()
+        if self._null:
+            return 0
+        return self._b.stream_priority(self._handle)
+
+    @staticmethod
+    def priority_range(device: Any = None) -> tuple[int, int]:
+        """(least, greatest) priority for ``device``; greatest is numerically smaller."""
+        idx = _devices._device_index(device)
+        return _devices._backend().stream_priority_range(idx)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol (version 0, handle), understood by cuda.core and torch."""
+        return (0, self.cuda_stream)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Stream):
+            return self.device_index == other.device_index and self.cuda_stream == other.cuda_stream
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.device_index, self.cuda_stream))
+
+    def __repr__(self) -> str:
+        state = "" if self._handle is not None else " closed"
+        return (f"<cudalab.{type(self).__name__} device=cuda:{self.device_index} "
+                f"cuda_stream={self.cuda_stream:#x}{state}>")
+
+    # ------------------------------------------------------------------ work
+    def query(self) -> bool:
+        """True if all work submitted to the stream has completed."""
+        if self._null:
+            _devices._ensure_context(self.device_index)
+        err = self._q(self._handle)[0]
+        if not err:
+            return True
+        if err == STATUS_NOT_READY:
+            return False
+        raise self._b.status_error(err, "cuStreamQuery")
+
+    def synchronize(self) -> None:
+        """Block the host until all work on the stream has completed."""
+        if _sync._mode:
+            _sync._report("Stream.synchronize()")
+        if self._null:
+            _devices._ensure_context(self.device_index)
+        self._b.stream_synchronize(self._handle)
+
+    def wait_event(self, event: Any) -> None:
+        """Make all future work on this stream wait for ``event`` (no host sync)."""
+        h = event._handle
+        if h is None:  # never recorded: nothing to wait for (torch does the same)
+            return
+        if self._null:
+            _devices._ensure_context(self.device_index)
+        self._b.stream_wait_event(self._handle, h)
+
+    def wait_stream(self, stream: Stream) -> None:
+        """Make all future work on this stream wait for the work queued so far on ``stream``."""
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: Any = None) -> Any:
+        """Record ``event`` (a new one if None) on this stream and return it."""
+        from cudalab.events import Event
+
+        if event is None:
+            event = Event()
+        event.record(self)
+        return event
+
+    # ------------------------------------------------------------------ ownership
+    def close(self) -> None:
+        """Release the driver handle now (idempotent). Work already queued still runs."""
+        h = self._handle
+        if h is not None and self._owned:
+            self._handle = None
+            self._b.stream_destroy(h)
+
+    def _check_open(self) -> None:
+        if self._handle is None:
+            raise RuntimeError(f"{self!r} was closed")
+
+    def __del__(self) -> None:
+        try:
+            if self._owned and self._handle is not None and not _exiting:
+                self._b.stream_destroy(self._handle)
+                self._handle = None
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> Stream:
+        ctx = StreamContext(self)
+        ctx.__enter__()
+        if self._ctx_stack is None:
+            self._ctx_stack = []
+        self._ctx_stack.append(ctx)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self._ctx_stack.pop().__exit__(*exc)
+        return False
+
+
+class ExternalStream(Stream):
+    """A stream created outside cudalab (by CuPy, torch, raw bindings), given its handle.
+
+    cudalab never destroys it: the creator must keep it alive while it is in use.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, stream_ptr: int, device: Any = None):
+        if isinstance(stream_ptr, bool) or not isinstance(stream_ptr, int) or stream_ptr < 0:
+            raise TypeError(f"stream_ptr must be a non-negative int handle, got {stream_ptr!r}")
+        idx = _devices._device_index(device)
+        b = _devices._backend()
+        self._b = b
+        self._q = _devices._fast.stream_query
+        self._handle = b.stream_from_int(idx, stream_ptr)
+        self.device_index = idx
+        self.cuda_stream = stream_ptr
+        self._owned = False
+        self._null = stream_ptr == 0
+        self._ctx_stack = None
+
+
+# --------------------------------------------------------------------------- current stream
+class _StreamState(threading.local):
+    def __init__(self) -> None:
+        self.current: list[Stream | None] | None = None
+
+
+_state = _StreamState()
+_defaults: list[Stream | None] = []
+_defaults_lock = threading.Lock()
+
+
+def _thread_streams() -> list:
+    _devices._lazy_init()
+    cur = _state.current = [None] * _devices._count
+    return cur
+
+
+def default_stream(device: Any = None) -> Stream:
+    """The legacy default (null) stream of ``device`` (``cuda_stream == 0``)."""
+    idx = _devices._device_index(device)
+    if _defaults:
+        s = _defaults[idx]
+        if s is not None:
+            return s
+    with _defaults_lock:
+        if not _defaults:
+            _defaults.extend([None] * _devices._count)
+        s = _defaults[idx]
+        if s is None:
+            s = _defaults[idx] = Stream._wrap(idx, _devices._backend().null_stream(idx), owned=False)
+        return s
+
+
+def current_stream(device: Any = None) -> Stream:
+    """This thread's current stream on ``device`` (None = current device)."""
+    cur = _state.current
+    if cur is None:
+        cur = _thread_streams()
+    d = _devices._tls.device if device is None else _devices._device_index(device)
+    s = cur[d]
+    if s is None:
+        s = cur[d] = default_stream(d)
+    return s
+
+
+def set_stream(stream: Stream | None) -> None:
+    """Make ``stream`` current on its device and make that device current (torch semantics).
+
+    Prefer the :func:`stream` context manager, which restores the previous stream.
+    """
+    if stream is None:
+        return
+    if not isinstance(stream, Stream):
+        raise TypeError(f"set_stream expects a cudalab.Stream, got {stream!r}")
+    cur = _state.current
+    if cur is None:
+        cur = _thread_streams()
+    if _devices._tls.device != stream.device_index:
+        _devices.set_device(stream.device_index)
+    cur[stream.device_index] = stream
+
+
+class StreamContext:
+    """Select a stream for the duration of a ``with`` block (``torch.cuda.StreamContext``).
+
+    Inside the block the stream is current on its device and that device is current; on
+    exit both the previous device and the previous streams are restored. None is a no-op.
+    """
+
+    __slots__ = ("stream", "idx", "src_prev_stream", "dst_prev_stream", "prev_device")
+
+    def __init__(self, stream: Stream | None):
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(f"expected a cudalab.Stream or None, got {stream!r}")
+        self.stream = stream
+        self.idx = -1 if stream is None else stream.device_index
+        self.src_prev_stream = None
+        self.dst_prev_stream = None
+        self.prev_device = -1
+
+    def __enter__(self) -> Stream | None:
+        s = self.stream
+        if s is None:
+            return None
+        self.prev_device = _devices.current_device()
+        self.src_prev_stream = current_stream(self.prev_device)
+        if self.prev_device != s.device_index:
+            self.dst_prev_stream = current_stream(s.device_index)
+        set_stream(s)
+        return s
+
+    def __exit__(self, *exc: Any) -> bool:
+        s = self.stream
+        if s is None:
+            return False
+        cur = _state.current
+        if self.dst_prev_stream is not None:
+            cur[s.device_index] = self.dst_prev_stream
+        if _devices._tls.device != self.prev_device:
+            _devices.set_device(self.prev_device)
+        cur[self.prev_device] = self.src_prev_stream
+        return False
+
+
+def stream(stream: Stream | None) -> StreamContext:
+    """Context manager selecting ``stream`` (``torch.cuda.stream``)."""
+    return StreamContext(stream)

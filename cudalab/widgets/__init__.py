@@ -1,0 +1,1 @@
+"""Live ipywidgets dashboards (MemoryDashboard, SnapshotViewer): issue 7, not yet built."""

@@ -1,0 +1,94 @@
+"""Test harness: picks the backend for the whole session, and the ``gpu`` marker.
+
+* ``CUDALAB_SIMULATOR=1`` (CI): the simulator; ``@pytest.mark.gpu`` tests are skipped.
+* otherwise, if a real GPU answers: the real backend, and every test runs on it.
+* otherwise the harness selects the simulator explicitly (printed in the header), so a
+  developer's laptop runs the same suite as CI. The library itself never falls back.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+_REASON = ""
+
+
+def _probe_real_gpu() -> tuple[bool, str]:
+    try:
+        from cudalab._driver.cuda import CudaBackend
+
+        b = CudaBackend()
+        b.init()
+        n = b.device_count()
+        if n <= 0:
+            return False, "no CUDA device"
+        return True, f"{n} x {b.device_info(0).name}"
+    except Exception as exc:  # no driver, no device, bindings missing
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+if os.environ.get("CUDALAB_SIMULATOR", "").strip().lower() in {"1", "true", "yes", "on"}:
+    _BACKEND = "simulator"
+    _REASON = "CUDALAB_SIMULATOR=1"
+else:
+    ok, why = _probe_real_gpu()
+    if ok:
+        _BACKEND = "cuda"
+        _REASON = why
+    else:
+        os.environ["CUDALAB_SIMULATOR"] = "1"
+        _BACKEND = "simulator"
+        _REASON = f"no real GPU ({why}); the test harness selected the simulator"
+
+HAS_GPU = _BACKEND == "cuda"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a real CUDA GPU (skipped on the simulator)")
+    config.addinivalue_line("markers", "multigpu: needs at least two real GPUs")
+
+
+def pytest_report_header(config):
+    return f"cudalab backend: {_BACKEND} ({_REASON})"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a real GPU (running on the simulator)")
+    for item in items:
+        if not HAS_GPU and ("gpu" in item.keywords or "multigpu" in item.keywords):
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def backend():
+    """The active Backend (simulator or real), initialised."""
+    import cudalab
+    from cudalab import devices
+
+    cudalab.init()
+    return devices._backend()
+
+
+@pytest.fixture
+def two_devices():
+    """Skip unless two devices exist (the simulator has two by default)."""
+    import cudalab
+
+    if cudalab.device_count() < 2:
+        pytest.skip("needs two devices")
+    return (0, 1)
+
+
+@pytest.fixture(autouse=True)
+def _restore_runtime_state():
+    """Leave device 0 and the default streams current after each test."""
+    yield
+    from cudalab import devices, streams
+
+    if devices.is_initialized():
+        if devices._tls.device != 0:
+            devices.set_device(0)
+        if streams._state.current is not None:
+            streams._state.current = [None] * devices._count
