@@ -75,7 +75,8 @@ _LAZY: dict[str, str] = {
         for name in ("DeviceArray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like",
                      "asarray", "from_dlpack")
     },
-    **{name: "cudalab.memory.pinned" for name in ("empty_pinned", "pin_memory", "is_pinned")},
+    **{name: "cudalab.memory.pinned" for name in ("empty_pinned", "pin_memory", "is_pinned",
+                                                   "pinned_memory_stats", "empty_pinned_cache")},
     # NVML (torch units)
     **{
         name: "cudalab.nvml"

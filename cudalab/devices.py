@@ -164,6 +164,9 @@ class _ThreadState(threading.local):
 
     def __init__(self) -> None:
         self.device = 0
+        #: current stream per device (owned by cudalab.streams; one TLS object keeps
+        #: current_stream() to a single thread-local lookup)
+        self.streams = None
 
 
 _tls = _ThreadState()

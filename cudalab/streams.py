@@ -221,19 +221,14 @@ class ExternalStream(Stream):
 
 
 # --------------------------------------------------------------------------- current stream
-class _StreamState(threading.local):
-    def __init__(self) -> None:
-        self.current: list[Stream | None] | None = None
-
-
-_state = _StreamState()
+_tls = _devices._tls  # per thread: .device (current device) and .streams (current streams)
 _defaults: list[Stream | None] = []
 _defaults_lock = threading.Lock()
 
 
 def _thread_streams() -> list:
     _devices._lazy_init()
-    cur = _state.current = [None] * _devices._count
+    cur = _tls.streams = [None] * _devices._count
     return cur
 
 
@@ -255,10 +250,11 @@ def default_stream(device: Any = None) -> Stream:
 
 def current_stream(device: Any = None) -> Stream:
     """This thread's current stream on ``device`` (None = current device)."""
-    cur = _state.current
+    t = _tls
+    cur = t.streams
     if cur is None:
         cur = _thread_streams()
-    d = _devices._tls.device if device is None else _devices._device_index(device)
+    d = t.device if device is None else _devices._device_index(device)
     s = cur[d]
     if s is None:
         s = cur[d] = default_stream(d)
@@ -274,10 +270,10 @@ def set_stream(stream: Stream | None) -> None:
         return
     if not isinstance(stream, Stream):
         raise TypeError(f"set_stream expects a cudalab.Stream, got {stream!r}")
-    cur = _state.current
+    cur = _tls.streams
     if cur is None:
         cur = _thread_streams()
-    if _devices._tls.device != stream.device_index:
+    if _tls.device != stream.device_index:
         _devices.set_device(stream.device_index)
     cur[stream.device_index] = stream
 
@@ -315,10 +311,10 @@ class StreamContext:
         s = self.stream
         if s is None:
             return False
-        cur = _state.current
+        cur = _tls.streams
         if self.dst_prev_stream is not None:
             cur[s.device_index] = self.dst_prev_stream
-        if _devices._tls.device != self.prev_device:
+        if _tls.device != self.prev_device:
             _devices.set_device(self.prev_device)
         cur[self.prev_device] = self.src_prev_stream
         return False

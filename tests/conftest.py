@@ -85,10 +85,10 @@ def two_devices():
 def _restore_runtime_state():
     """Leave device 0 and the default streams current after each test."""
     yield
-    from cudalab import devices, streams
+    from cudalab import devices
 
     if devices.is_initialized():
         if devices._tls.device != 0:
             devices.set_device(0)
-        if streams._state.current is not None:
-            streams._state.current = [None] * devices._count
+        if devices._tls.streams is not None:
+            devices._tls.streams = [None] * devices._count

@@ -31,6 +31,22 @@ Model:
   live allocation; any other address is taken as a host address if it is a plausible
   user-space address. :meth:`SimulatorBackend.host_view` and :meth:`SimulatorBackend.array`
   expose memory to kernels and tests.
+* **Virtual memory (VMM).** :meth:`SimulatorBackend.vmm_reserve` hands out address ranges
+  from a region of its own above every device's range (``_VMM_BASE`` to ``2**53``), each
+  range backed by its own lazily committed ``MAP_NORESERVE`` mapping so that translation
+  stays linear; reservations are separated by at least one unmapped 2 MiB granule, so no
+  access can run from one into the next. Physical memory from
+  :meth:`SimulatorBackend.vmm_create` counts against the device's capacity (shared with
+  ``mem_alloc`` and pools). Mapped ranges are usable by copies, fills, kernels, ``array`` and
+  ``pointer_device`` (also across adjacent mappings); unmapped ones are refused like freed
+  memory. Unmapping discards the contents (``MADV_DONTNEED``): a handle mapped again reads
+  zeros, where a real GPU would keep its data. One handle can be mapped at one place at a time
+  (a second mapping raises ``CUDA_ERROR_NOT_SUPPORTED``).
+* **Stream-ordered pools.** A pool takes chunks (multiples of 2 MiB) from the device's
+  sub-allocator and serves allocations from them best fit (512-byte granules); freed memory
+  stays cached in the pool (an unlimited release threshold) until ``pool_trim`` or
+  ``pool_destroy``. ``mem_free_async`` returns memory to its pool when the stream reaches the
+  free. Usage counts allocations rounded up to 512 bytes.
 * **Streams.** Each stream is a FIFO of operations that normally runs at once, in the
   caller's thread. The simulator-only test hooks :meth:`SimulatorBackend.pause_stream` and
   :meth:`SimulatorBackend.resume_stream` hold a stream's work back so that tests can observe
@@ -48,6 +64,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import ctypes
 import itertools
 import mmap
@@ -96,6 +113,10 @@ DEVICE_STRIDE = 1 << 40
 #: Most simulated devices (and the most CUDALAB_SIMULATOR_DEVICES accepts).
 MAX_DEVICES = 64
 _FAKE_END = FAKE_BASE + MAX_DEVICES * DEVICE_STRIDE  # < 2**53
+#: Virtual memory (vmm_reserve) lives above every device's range, below 2**53.
+_VMM_BASE = _FAKE_END
+_VMM_END = 1 << 53
+_VMM_GRANULARITY = 2 << 20
 _USER_LIMIT = 1 << 47  # end of the x86-64/aarch64 (48-bit VA) user address space
 _PAGE = mmap.PAGESIZE
 _GRANULE = 512
@@ -538,6 +559,142 @@ class _Device:
         return off + nbytes <= a + self.alloc_size[a]
 
 
+class _VmmHandle:
+    """Physical memory from :meth:`SimulatorBackend.vmm_create` (a CUmemGenericAllocationHandle).
+
+    Its capacity returns to the device once it is released and unmapped, in either order.
+    """
+
+    __slots__ = ("backend", "dev", "handle", "size", "released", "mapped", "freed")
+
+    def __init__(self, backend, dev: _Device, handle: int, size: int):
+        self.backend = backend
+        self.dev = dev
+        self.handle = handle
+        self.size = size
+        self.released = False
+        self.mapped = False
+        self.freed = False
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def __repr__(self) -> str:
+        state = ("freed" if self.freed else "released, still mapped" if self.released
+                 else "mapped" if self.mapped else "unmapped")
+        return (f"<simulated physical memory handle 0x{self.handle:x} on device "
+                f"{self.dev.ordinal} ({self.size} bytes, {state})>")
+
+
+class _VmmRange:
+    """One reservation from :meth:`SimulatorBackend.vmm_reserve` and its mappings."""
+
+    __slots__ = ("start", "size", "device", "mm", "addr", "maps", "map_starts")
+
+    def __init__(self, start: int, size: int, device: int, mm: mmap.mmap):
+        self.start = start
+        self.size = size
+        self.device = device
+        self.mm = mm
+        self.addr = _address_of(mm)
+        self.maps: dict[int, tuple[int, _VmmHandle]] = {}  # start -> (size, handle)
+        self.map_starts: list[int] = []  # sorted
+
+
+class _Pool:
+    """A stream-ordered memory pool (cuMemPoolCreate) with an unlimited release threshold.
+
+    Chunks (multiples of 2 MiB) come from the device's sub-allocator; inside them a best-fit
+    allocator (512-byte granules, coalescing within one chunk only, so idle chunks can be
+    given back) serves allocations. Offsets are relative to the device's fake base.
+    """
+
+    __slots__ = ("backend", "dev", "handle", "destroyed", "chunks", "chunk_offs", "free_size",
+                 "free_end", "free_by_size", "allocs", "freeing", "reserved", "reserved_high",
+                 "used", "used_high")
+
+    def __init__(self, backend, dev: _Device, handle: int):
+        self.backend = backend
+        self.dev = dev
+        self.handle = handle
+        self.destroyed = False
+        self.chunks: dict[int, int] = {}  # offset -> size, in creation order
+        self.chunk_offs: list[int] = []  # sorted
+        self.free_size: dict[int, int] = {}  # free block offset -> size
+        self.free_end: dict[int, int] = {}  # free block end -> offset
+        self.free_by_size: list[tuple[int, int]] = []  # sorted (size, offset)
+        self.allocs: dict[int, int] = {}  # live allocation offset -> size
+        self.freeing: set[int] = set()  # offsets with a stream-ordered free queued
+        self.reserved = self.reserved_high = self.used = self.used_high = 0
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def __repr__(self) -> str:
+        state = " (destroyed)" if self.destroyed else ""
+        return (f"<simulated memory pool 0x{self.handle:x} on device {self.dev.ordinal}: "
+                f"{self.used} of {self.reserved} bytes used{state}>")
+
+    def _add_free(self, off: int, size: int) -> None:
+        self.free_size[off] = size
+        self.free_end[off + size] = off
+        bisect.insort(self.free_by_size, (size, off))
+
+    def _remove_free(self, off: int) -> int:
+        size = self.free_size.pop(off)
+        del self.free_end[off + size]
+        del self.free_by_size[bisect.bisect_left(self.free_by_size, (size, off))]
+        return size
+
+    def take(self, size: int) -> int | None:
+        """Best fit (lowest offset among equals); None when no cached block holds ``size``."""
+        by_size = self.free_by_size
+        j = bisect.bisect_left(by_size, (size, -1))
+        if j == len(by_size):
+            return None
+        fsize, off = by_size[j]
+        self._remove_free(off)
+        if fsize > size:
+            self._add_free(off + size, fsize - size)
+        self.allocs[off] = size
+        self.used += size
+        if self.used > self.used_high:
+            self.used_high = self.used
+        return off
+
+    def add_chunk(self, off: int, size: int) -> None:
+        self.chunks[off] = size
+        bisect.insort(self.chunk_offs, off)
+        self.reserved += size
+        if self.reserved > self.reserved_high:
+            self.reserved_high = self.reserved
+        self._add_free(off, size)
+
+    def give(self, off: int) -> None:
+        """Return the allocation at ``off`` to the pool's cache (coalescing in its chunk)."""
+        size = self.allocs.pop(off)
+        self.used -= size
+        chunk = self.chunk_offs[bisect.bisect_right(self.chunk_offs, off) - 1]
+        chunk_end = chunk + self.chunks[chunk]
+        start, end = off, off + size
+        prev = self.free_end.get(start)
+        if prev is not None and prev >= chunk:
+            self._remove_free(prev)
+            start = prev
+        if end < chunk_end and end in self.free_size:
+            end += self._remove_free(end)
+        self._add_free(start, end - start)
+
+    def idle_chunks(self) -> list[int]:
+        """Offsets of chunks with nothing allocated, the most recently created first."""
+        return [c for c in reversed(self.chunks) if self.free_size.get(c) == self.chunks[c]]
+
+    def drop_chunk(self, off: int) -> None:
+        self._remove_free(off)
+        self.reserved -= self.chunks.pop(off)
+        del self.chunk_offs[bisect.bisect_left(self.chunk_offs, off)]
+
+
 # ------------------------------------------------------------------------------ backend
 class SimulatorBackend(Backend):
     """A simulated CUDA driver (see the module documentation for the model).
@@ -571,6 +728,12 @@ class SimulatorBackend(Backend):
         self._host: dict[int, tuple[mmap.mmap, int]] = {}
         self._host_starts: list[int] = []
         self._host_graveyard: list[mmap.mmap] = []
+        # Virtual memory reservations by start address, and the stream-ordered pools'
+        # live allocations and chunks by device address.
+        self._vmm_ranges: dict[int, _VmmRange] = {}
+        self._vmm_starts: list[int] = []
+        self._pool_ptrs: dict[int, _Pool] = {}
+        self._pool_chunks: dict[int, _Pool] = {}
         # Streams with queued operations, and a counter bumped whenever an event completes.
         self._pending: set[_Stream] = set()
         self._stream_handles: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -688,10 +851,17 @@ class SimulatorBackend(Backend):
         if not p:
             return
         with self._mem_lock:
-            loc = self._alloc_start(p)
-            if loc is None or loc[1] in loc[0].async_freeing:
-                raise _invalid_value(call)
-            loc[0].async_freeing.add(loc[1])
+            pool = self._pool_ptrs.get(p)
+            if pool is not None:  # a pool allocation: back to its pool in stream order
+                off = p - pool.dev.base
+                if off in pool.freeing:
+                    raise _invalid_value(call)
+                pool.freeing.add(off)
+            else:
+                loc = self._alloc_start(p)
+                if loc is None or loc[1] in loc[0].async_freeing or p in self._pool_chunks:
+                    raise _invalid_value(call)
+                loc[0].async_freeing.add(loc[1])
         self._submit(s, self._free, (p, call, True))
 
     def mem_get_info(self, device: int) -> tuple[int, int]:
@@ -820,6 +990,8 @@ class SimulatorBackend(Backend):
         d = self._owner(p)
         if d is None:
             return None
+        if p >= _VMM_BASE:  # _owner answers only for mapped virtual memory
+            return d
         dev = self._devs[d]
         with self._mem_lock:
             return d if dev.find(p - dev.base, 1) else None
@@ -1140,6 +1312,227 @@ class SimulatorBackend(Backend):
         self._submit(s, self._kernel_op,
                      (function, g, b, smem, args.values, self._devs[s.device].physical))
 
+    # ------------------------------------------------------------ virtual memory (VMM)
+    def vmm_granularity(self, device: int) -> int:
+        self._device(device, "cuMemGetAllocationGranularity")
+        return _VMM_GRANULARITY
+
+    def vmm_reserve(self, device: int, size: int) -> int:
+        """Reserve ``size`` bytes (a multiple of the granularity) of virtual address space,
+        backed by a host mapping of its own that the kernel commits only where it is used."""
+        call = "cuMemAddressReserve"
+        d = self._device(device, call)
+        n = self._vmm_size(size, call)
+        try:
+            mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, OverflowError) as exc:
+            raise _out_of_memory(
+                call, f"out of memory (the simulator could not reserve {n} bytes of host "
+                      f"address space: {exc})") from None
+        with self._mem_update(call):
+            start = self._vmm_place(n)
+            if start is None:
+                mm.close()
+                raise _out_of_memory(call, "out of memory (simulated virtual address space "
+                                           "exhausted)")
+            self._vmm_ranges[start] = _VmmRange(start, n, d, mm)
+            bisect.insort(self._vmm_starts, start)
+            self._flush_graveyard()
+        self._devs[d].touched = True
+        return start
+
+    def vmm_free_address(self, ptr: int, size: int) -> None:
+        """Return a reservation (``ptr`` and ``size`` exactly as reserved, nothing mapped)."""
+        call = "cuMemAddressFree"
+        p = self._ptr(ptr, call)
+        n = self._size(size, call)
+        with self._mem_update(call):
+            r = self._vmm_ranges.get(p)
+            if r is None or r.size != n:
+                raise _invalid_value(call, f"0x{p:x}+{n} is not a reservation from "
+                                           "vmm_reserve")
+            if r.maps:
+                raise _invalid_value(call, f"0x{p:x}+{n} still has {len(r.maps)} mapping(s); "
+                                           "unmap them first")
+            del self._vmm_ranges[p]
+            del self._vmm_starts[bisect.bisect_left(self._vmm_starts, p)]
+            # Work held back on a paused stream may still reference the range: keep the
+            # host mapping until nothing is queued.
+            self._host_graveyard.append(r.mm)
+            self._flush_graveyard()
+
+    def vmm_create(self, device: int, size: int) -> Any:
+        """Physical memory of ``size`` bytes (a multiple of the granularity), counted against
+        the device's capacity; OutOfMemoryError when it does not fit."""
+        call = "cuMemCreate"
+        d = self._device(device, call)
+        n = self._vmm_size(size, call)
+        dev = self._devs[d]
+        with self._mem_update(call):
+            if n > dev.usable - dev.used:
+                raise _out_of_memory(call)
+            dev.used += n
+        dev.touched = True
+        return _VmmHandle(self, dev, _next_handle(), n)
+
+    def vmm_release(self, handle: Any) -> None:
+        """Release a handle. Like cuMemRelease this is allowed while it is mapped: the memory
+        returns to the device when it is unmapped."""
+        call = "cuMemRelease"
+        h = self._vmm_handle(handle, call)
+        with self._mem_update(call):
+            if h.released:
+                raise _invalid_value(call, f"{h!r} was already released")
+            h.released = True
+            if not h.mapped:
+                self._vmm_free_physical(h)
+
+    def vmm_map(self, device: int, ptr: int, size: int, handle: Any) -> None:
+        """Map the first ``size`` bytes of ``handle`` at ``ptr`` (granularity-aligned, inside
+        one reservation, not mapped yet) and make them accessible."""
+        call = "cuMemMap"
+        d = self._device(device, call)
+        p = self._ptr(ptr, call)
+        n = self._vmm_size(size, call)
+        h = self._vmm_handle(handle, call)
+        if p % _VMM_GRANULARITY:
+            raise _invalid_value(call, f"address 0x{p:x} is not aligned to the granularity "
+                                       f"{_VMM_GRANULARITY}")
+        if n > h.size:
+            raise _invalid_value(call, f"size {n} is larger than the handle's {h.size} bytes")
+        with self._mem_update(call):
+            if h.released:
+                raise _invalid_value(call, f"{h!r} was released")
+            if h.mapped:
+                raise CudaError(801, "CUDA_ERROR_NOT_SUPPORTED",
+                                "operation not supported (the simulator maps a physical "
+                                "allocation at one place at a time)", call=call)
+            r = self._vmm_range_at(p)
+            if r is None or p + n > r.start + r.size:
+                raise _invalid_value(call, f"0x{p:x}+{n} is not inside one reservation")
+            starts = r.map_starts
+            i = bisect.bisect_right(starts, p) - 1
+            if (i >= 0 and starts[i] + r.maps[starts[i]][0] > p) or (
+                    i + 1 < len(starts) and starts[i + 1] < p + n):
+                raise _invalid_value(call, f"0x{p:x}+{n} overlaps a mapped range")
+            bisect.insort(starts, p)
+            r.maps[p] = (n, h)
+            h.mapped = True
+        self._devs[d].touched = True
+
+    def vmm_unmap(self, ptr: int, size: int) -> None:
+        """Unmap ``[ptr, ptr + size)``: whole mappings only (one or several adjacent ones).
+
+        The range becomes inaccessible and its contents are discarded; handles already
+        released return their memory to the device.
+        """
+        call = "cuMemUnmap"
+        p = self._ptr(ptr, call)
+        n = self._vmm_size(size, call)
+        if self._pending:
+            self._pump()
+        with self._mem_update(call):
+            r = self._vmm_range_at(p)
+            covered = []
+            cur, stop = p, p + n
+            while r is not None and cur < stop:
+                m = r.maps.get(cur)
+                if m is None:
+                    break
+                covered.append(cur)
+                cur += m[0]
+            if r is None or cur != stop:
+                raise _invalid_value(call, f"0x{p:x}+{n} is not exactly a set of whole "
+                                           "mappings from vmm_map")
+            for s in covered:
+                _, h = r.maps.pop(s)
+                del r.map_starts[bisect.bisect_left(r.map_starts, s)]
+                h.mapped = False
+                if h.released:
+                    self._vmm_free_physical(h)
+            try:
+                r.mm.madvise(mmap.MADV_DONTNEED, p - r.start, n)
+            except (OSError, ValueError, AttributeError):  # pragma: no cover - no madvise
+                ctypes.memset(r.addr + (p - r.start), 0, n)
+
+    # ------------------------------------------------------------ stream-ordered pools
+    def pool_create(self, device: int) -> Any:
+        d = self._device(device, "cuMemPoolCreate")
+        dev = self._devs[d]
+        dev.touched = True
+        return _Pool(self, dev, _next_handle())
+
+    def pool_destroy(self, pool: Any) -> None:
+        """Destroy a pool. Like cuMemPoolDestroy, allocations still live (or with a free
+        still queued) stay valid: the pool's memory returns to the device when the last one
+        is freed; cached memory returns now."""
+        call = "cuMemPoolDestroy"
+        pl = self._pool(pool, call)
+        with self._mem_update(call):
+            if pl.destroyed:
+                raise _invalid_value(call, f"{pl!r} was already destroyed")
+            pl.destroyed = True
+            self._pool_drop_idle(pl, 0)
+
+    def pool_alloc_async(self, pool: Any, nbytes: int, stream: Any) -> int:
+        """Allocate from the pool's cache, growing it by whole 2 MiB chunks when nothing
+        cached fits (OutOfMemoryError when the device cannot hold the chunk)."""
+        call = "cuMemAllocFromPoolAsync"
+        pl = self._pool(pool, call)
+        self._stream(stream, call)
+        n = self._size(nbytes, call)
+        if n == 0:
+            return 0  # the real driver accepts size 0 too (checked on an H100)
+        size = -(-n // _GRANULE) * _GRANULE
+        dev = pl.dev
+        with self._mem_update(call):
+            if pl.destroyed:
+                raise _invalid_value(call, f"{pl!r} was destroyed")
+            off = pl.take(size)
+            if off is None:
+                chunk = -(-size // _VMM_GRANULARITY) * _VMM_GRANULARITY
+                if chunk > dev.usable - dev.used:
+                    raise _out_of_memory(call)
+                if dev.mm is None:
+                    self._map(dev, call)
+                coff = dev.take(chunk)
+                if coff is None:
+                    raise _out_of_memory(call)
+                self._pool_chunks[dev.base + coff] = pl
+                pl.add_chunk(coff, chunk)
+                off = pl.take(size)
+            p = dev.base + off
+            self._pool_ptrs[p] = pl
+        dev.touched = True
+        return p
+
+    def pool_usage(self, pool: Any) -> tuple[int, int, int, int]:
+        """(reserved current, reserved high, used current, used high) after letting queued
+        runnable work (frees included) run."""
+        pl = self._pool(pool, "cuMemPoolGetAttribute")
+        if self._pending:
+            self._pump()
+        with self._mem_lock:
+            return pl.reserved, pl.reserved_high, pl.used, pl.used_high
+
+    def pool_reset_high(self, pool: Any) -> None:
+        pl = self._pool(pool, "cuMemPoolSetAttribute")
+        with self._mem_lock:
+            pl.reserved_high = pl.reserved
+            pl.used_high = pl.used
+
+    def pool_trim(self, pool: Any, keep: int = 0) -> None:
+        """Give chunks with nothing allocated back to the device (most recent first) until
+        the pool holds at most ``keep`` bytes or no idle chunk is left."""
+        call = "cuMemPoolTrimTo"
+        pl = self._pool(pool, call)
+        k = self._size(keep, call)
+        if self._pending:
+            self._pump()
+        with self._mem_update(call):
+            self._pool_drop_idle(pl, k)
+
     # ------------------------------------------------------------ NVML
     def nvml(self) -> SimulatedNvml:
         if self._nvml is None:
@@ -1218,6 +1611,9 @@ class SimulatorBackend(Backend):
             d = (p - FAKE_BASE) // DEVICE_STRIDE
             if d < len(self._devs):
                 return d
+        elif _VMM_BASE <= p < _VMM_END and self._vmm_ranges:
+            hit = self._vmm_translate(p, 1)
+            return None if hit is None else hit[1]
         return None
 
     def _alloc_start(self, p: int) -> tuple[_Device, int] | None:
@@ -1284,8 +1680,12 @@ class SimulatorBackend(Backend):
                     self._run_deferred_frees()
 
     def _free_locked(self, p: int, call: str, from_async: bool) -> None:
+        pool = self._pool_ptrs.get(p)
+        if pool is not None:
+            self._pool_free_locked(pool, p, call, from_async)
+            return
         loc = self._alloc_start(p)
-        if loc is None:
+        if loc is None or p in self._pool_chunks:
             raise CudaError(1, "CUDA_ERROR_INVALID_VALUE", "invalid argument", call=call)
         dev, off = loc
         if from_async:
@@ -1326,8 +1726,123 @@ class SimulatorBackend(Backend):
                 except BufferError:  # still exported somewhere: let the GC unmap it
                     pass
 
+    # -- virtual memory and pool internals
+    @contextlib.contextmanager
+    def _mem_update(self, call: str):
+        """Hold the memory lock for a bookkeeping update; frees re-entering from finalizers
+        meanwhile are deferred to its end (as in :meth:`_alloc`)."""
+        with self._mem_lock:
+            if self._mem_busy:
+                raise RuntimeError(f"simulator: {call} re-entered from a finalizer during a "
+                                   "memory bookkeeping update")
+            self._mem_busy = True
+            try:
+                yield
+            finally:
+                self._mem_busy = False
+                if self._deferred_frees:
+                    self._run_deferred_frees()
+
+    @classmethod
+    def _vmm_size(cls, size: Any, call: str) -> int:
+        n = cls._size(size, call)
+        if n == 0 or n % _VMM_GRANULARITY:
+            raise _invalid_value(call, f"size {n} is not a positive multiple of the "
+                                       f"granularity {_VMM_GRANULARITY}")
+        return n
+
+    def _vmm_handle(self, handle: Any, call: str) -> _VmmHandle:
+        if type(handle) is _VmmHandle and handle.backend is self and not handle.freed:
+            return handle
+        raise _invalid_value(call, f"{handle!r} is not a live physical memory handle of this "
+                                   "simulator")
+
+    def _vmm_free_physical(self, h: _VmmHandle) -> None:
+        # Lock held: the handle is released and unmapped.
+        h.freed = True
+        h.dev.used -= h.size
+
+    def _vmm_place(self, n: int) -> int | None:
+        """First fit for a new reservation, one granule clear of its neighbours."""
+        gap = _VMM_GRANULARITY
+        cand = _VMM_BASE
+        for s in self._vmm_starts:
+            if cand + n + gap <= s:
+                break
+            cand = max(cand, s + self._vmm_ranges[s].size + gap)
+        return cand if cand + n <= _VMM_END else None
+
+    def _vmm_range_at(self, p: int) -> _VmmRange | None:
+        starts = self._vmm_starts
+        i = bisect.bisect_right(starts, p) - 1
+        if i < 0:
+            return None
+        r = self._vmm_ranges[starts[i]]
+        return r if p < r.start + r.size else None
+
+    def _vmm_translate(self, p: int, n: int) -> tuple[int, int] | None:
+        """(host address, device of the memory) for [p, p + n) when it lies in mapped
+        memory (adjacent mappings of one reservation are contiguous), else None."""
+        with self._mem_lock:
+            r = self._vmm_range_at(p)
+            if r is None:
+                return None
+            starts = r.map_starts
+            i = bisect.bisect_right(starts, p) - 1
+            if i < 0:
+                return None
+            size, h = r.maps[starts[i]]
+            end = starts[i] + size
+            if p >= end:
+                return None
+            stop = p + n
+            while end < stop:
+                m = r.maps.get(end)
+                if m is None:
+                    return None
+                end += m[0]
+            return r.addr + (p - r.start), h.dev.ordinal
+
+    def _pool(self, pool: Any, call: str) -> _Pool:
+        if type(pool) is _Pool and pool.backend is self and not pool.destroyed:
+            return pool
+        raise _invalid_value(call, f"{pool!r} is not a live memory pool of this simulator")
+
+    def _pool_free_locked(self, pool: _Pool, p: int, call: str, from_async: bool) -> None:
+        # Lock held and _mem_busy set (from _free_locked).
+        off = p - pool.dev.base
+        if from_async:
+            pool.freeing.discard(off)
+        elif off in pool.freeing:  # a stream-ordered free is already queued
+            raise _invalid_value(call)
+        del self._pool_ptrs[p]
+        pool.give(off)
+        if pool.destroyed and not pool.allocs:
+            self._pool_drop_idle(pool, 0)
+
+    def _pool_drop_idle(self, pool: _Pool, keep: int) -> None:
+        """Give idle chunks back to the device while the pool holds more than ``keep``."""
+        dev = pool.dev
+        for c in pool.idle_chunks():
+            if pool.reserved <= keep:
+                break
+            pool.drop_chunk(c)
+            del self._pool_chunks[dev.base + c]
+            size = dev.release(c)[0]
+            if dev.mm is not None:  # chunks are 2 MiB aligned: whole pages
+                try:
+                    dev.mm.madvise(mmap.MADV_DONTNEED, c, size)
+                except (OSError, ValueError, AttributeError):
+                    pass
+
     def _addr(self, p: int, n: int, call: str) -> int:
         """Host address of [p, p + n), after checking that the range is usable."""
+        if p >= _VMM_BASE:
+            hit = self._vmm_translate(p, n) if self._vmm_ranges else None
+            if hit is not None:
+                return hit[0]
+            raise _invalid_value(
+                call, f"device range 0x{p:x}+{n} is not inside mapped simulated virtual memory")
         if p >= FAKE_BASE:
             d = self._owner(p)
             if d is not None:

@@ -1,0 +1,275 @@
+"""Allocator benchmark (issue 3): cache-hit latency, stats getters, fragmentation on real traces.
+
+In one run, side by side:
+
+* cache-hit alloc+free pair for 512 B, 1 MiB, 8 MiB, 64 MiB: cudalab's
+  ``caching_allocator_alloc/delete`` and the allocator object's own methods, CuPy's
+  ``MemoryPool.malloc`` (Cython), torch's ``caching_allocator_alloc/delete`` (Python API),
+  ``torch.empty`` + drop, and raw ``cuMemAllocAsync``/``cuMemFreeAsync``;
+* ``memory_allocated()`` and ``memory_stats()`` against torch's;
+* fragmentation: allocation traces recorded from torch running real models (a transformer
+  encoder and a ResNet-style conv net, with varying batch sizes) are replayed through
+  cudalab's allocator on the simulator; peak reserved is compared with torch's own.
+
+    python benchmarks/allocator.py [--json out.json] [--quick]
+    (CUDALAB_BENCH_TRACES=DIR keeps the recorded torch traces there)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _harness import Table, environment, interleaved, optional_import, parse_args, write_json  # noqa: E402
+
+SIZES = [("512 B", 512), ("1 MiB", 1 << 20), ("8 MiB", 8 << 20), ("64 MiB", 64 << 20)]
+
+
+# --------------------------------------------------------------------------- latency
+def latency(n: int, rounds: int, sim: bool) -> dict:
+    import cudalab
+    import cudalab.memory as cm
+
+    torch = None if sim else optional_import("torch")
+    cupy = None if sim else optional_import("cupy")
+    out: dict = {}
+    stream = cudalab.current_stream()
+    for label, size in SIZES:
+        loops = {}
+
+        def ours(k, a=cm.caching_allocator_alloc, f=cm.caching_allocator_delete, sz=size):
+            for _ in range(k):
+                f(a(sz))
+
+        loops["cudalab caching_allocator_alloc+delete"] = ours
+        from cudalab.memory.allocator import get_allocator
+
+        alloc_obj = get_allocator(0)
+        if alloc_obj is not None and hasattr(alloc_obj, "malloc") and hasattr(alloc_obj, "free"):
+            def ours_raw(k, a=alloc_obj.malloc, f=alloc_obj.free, sz=size, st=stream):
+                for _ in range(k):
+                    f(a(sz, st))
+
+            loops["cudalab allocator.malloc+free"] = ours_raw
+        if cupy is not None:
+            pool = cupy.cuda.MemoryPool()
+
+            def cupy_pair(k, m=pool.malloc, sz=size):
+                for _ in range(k):
+                    m(sz)  # freed back to the pool when the MemoryPointer dies
+
+            loops["CuPy MemoryPool.malloc+drop"] = cupy_pair
+        if torch is not None and torch.cuda.is_available():
+            def torch_pair(k, a=torch.cuda.caching_allocator_alloc,
+                           f=torch.cuda.caching_allocator_delete, sz=size):
+                for _ in range(k):
+                    f(a(sz))
+
+            def torch_empty(k, e=torch.empty, sz=size, u8=torch.uint8):
+                for _ in range(k):
+                    e(sz, dtype=u8, device="cuda")
+
+            loops["torch caching_allocator_alloc+delete"] = torch_pair
+            loops["torch.empty+drop"] = torch_empty
+        if not sim:
+            from cuda.bindings import driver as d
+
+            err, rs = d.cuStreamCreate(1)
+
+            def raw_async(k, a=d.cuMemAllocAsync, f=d.cuMemFreeAsync, sz=size, st=rs):
+                for _ in range(k):
+                    f(a(sz, st)[1], st)
+
+            loops["raw cuMemAllocAsync+cuMemFreeAsync"] = raw_async
+        out[label] = {k: v * 1e6 for k, v in interleaved(loops, n, rounds).items()}
+        if not sim:
+            d.cuStreamSynchronize(rs)
+            d.cuStreamDestroy(rs)
+    # stats getters
+    getters = {
+        "cudalab memory_allocated()": lambda k, f=cm.memory_allocated: [f() for _ in range(k)],
+        "cudalab memory_stats()": lambda k, f=cm.memory_stats: [f() for _ in range(k)],
+    }
+    if torch is not None and torch.cuda.is_available():
+        getters["torch memory_allocated()"] = lambda k, f=torch.cuda.memory_allocated: [f() for _ in range(k)]
+        getters["torch memory_stats()"] = lambda k, f=torch.cuda.memory_stats: [f() for _ in range(k)]
+    # Getters are measured one contender at a time: interleaving them with torch's 190 µs
+    # dict-building calls evicts the other contender's code from the CPU caches.
+    out["getters"] = {k: interleaved({k: loop}, max(n // 10, 200), rounds)[k] * 1e6
+                      for k, loop in getters.items()}
+    return out
+
+
+# --------------------------------------------------------------------------- traces
+def _transformer(torch, nn, dev, quick, batch, seq):
+    layer = nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=6).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for step in range(3 if quick else 6):
+        b = batch + (step % 3) * (batch // 2)  # varying batch sizes
+        x = torch.randn(b, seq, 512, device=dev)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _convnet(torch, nn, dev, quick, batch, hw):
+    layers, c = [], 3
+    for width in (64, 128, 256, 512):
+        layers += [nn.Conv2d(c, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+                   nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+                   nn.MaxPool2d(2)]
+        c = width
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 1000)).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3 if quick else 6):
+        b = batch + (step % 3) * (batch // 4)
+        x = torch.randn(b, 3, hw, hw, device=dev)
+        y = torch.randint(0, 1000, (b,), device=dev)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+WORKLOADS = [("transformer b16 s256", _transformer, (16, 256)),
+             ("transformer b8 s1024", _transformer, (8, 1024)),
+             ("convnet b32 224px", _convnet, (32, 224)),
+             ("convnet b96 128px", _convnet, (96, 128))]
+
+
+def _record_one(index: int, directory: str, quick: bool) -> dict:
+    """Run one workload in this (fresh) process with torch's history recording on."""
+    import torch
+    from torch import nn
+
+    name, fn, args = WORKLOADS[index]
+    dev = torch.device("cuda:0")
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python", context="alloc")
+    fn(torch, nn, dev, quick, *args)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = [(e["action"], e["addr"], e["size"], e["stream"])
+             for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_requested")]
+    path = os.path.join(directory, name.replace(" ", "_") + ".pkl")
+    with open(path, "wb") as f:
+        pickle.dump({"name": name, "trace": trace,
+                     "torch_peak_reserved": torch.cuda.max_memory_reserved(),
+                     "torch_peak_allocated": torch.cuda.max_memory_allocated()}, f, protocol=4)
+    return {"name": name, "path": path, "entries": len(trace)}
+
+
+def record_torch_traces(directory: str, quick: bool) -> list[dict]:
+    """Record torch's allocator trace of each workload, each in a fresh process.
+
+    A fresh process matters: blocks that outlive one workload (cuBLAS workspaces, cached
+    segments) would otherwise shape the next workload's placement without being in its trace.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    runs = []
+    for i in range(len(WORKLOADS)):
+        with ctx.Pool(1) as pool:
+            runs.append(pool.apply(_record_one, (i, directory, quick)))
+    return runs
+
+
+REPLAY = r"""
+import pickle, sys, time
+import cudalab, cudalab.memory as cm
+data = pickle.load(open(sys.argv[1], "rb"))
+streams = {}
+live = {}
+skipped = 0
+t0 = time.perf_counter()
+for action, addr, size, stream in data["trace"]:
+    if action == "alloc":
+        s = streams.get(stream)
+        if s is None:
+            s = streams[stream] = cudalab.default_stream() if stream == 0 else cudalab.Stream()
+        live[addr] = cm.caching_allocator_alloc(size, 0, s)
+    else:
+        p = live.pop(addr, None)
+        if p is None:
+            skipped += 1
+        else:
+            cm.caching_allocator_delete(p)
+dt = time.perf_counter() - t0
+print(cm.max_memory_reserved(0), cm.max_memory_allocated(0), skipped, len(data["trace"]) / dt)
+"""
+
+
+def replay_traces(runs: list[dict]) -> list[dict]:
+    """Replay each torch trace through cudalab's allocator on a fresh simulator process."""
+    rows = []
+    env = dict(os.environ, CUDALAB_SIMULATOR="1", CUDALAB_SIMULATOR_DEVICES="1",
+               CUDALAB_SIMULATOR_MEMORY="200GiB")
+    for run in runs:
+        r = subprocess.run([sys.executable, "-c", REPLAY, run["path"]], capture_output=True,
+                           text=True, env=env, timeout=600)
+        with open(run["path"], "rb") as f:
+            data = pickle.load(f)
+        if r.returncode != 0:
+            rows.append({"name": run["name"], "error": r.stderr.strip().splitlines()[-1:]})
+            continue
+        ours_res, ours_alloc, skipped, rate = r.stdout.split()
+        rows.append({
+            "name": run["name"], "entries": run["entries"],
+            "torch_peak_reserved": data["torch_peak_reserved"],
+            "torch_peak_allocated": data["torch_peak_allocated"],
+            "cudalab_peak_reserved": int(ours_res), "cudalab_peak_allocated": int(ours_alloc),
+            "skipped": int(skipped), "replay_entries_per_s": float(rate),
+        })
+    return rows
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    import cudalab
+
+    cudalab.init()
+    backend = cudalab.devices._backend()
+    sim = backend.simulated
+    name = cudalab.get_device_name(0)
+    n = 2000 if args.quick else 20000
+    results = {"env": environment(backend.name, name)}
+    lat = latency(n, 5 if args.quick else 9, sim)
+    results["latency_us"] = lat
+    t = Table(f"cudalab allocator benchmark — {name} ({backend.name})")
+    for label, _ in SIZES:
+        for k, v in lat[label].items():
+            t.add(f"{label:>6}  {k}", v)
+    for k, v in lat["getters"].items():
+        t.add(k, v)
+    torch = None if sim else optional_import("torch")
+    if torch is not None and torch.cuda.is_available():
+        directory = os.environ.get("CUDALAB_BENCH_TRACES") or tempfile.mkdtemp()
+        os.makedirs(directory, exist_ok=True)
+        runs = record_torch_traces(directory, args.quick)
+        rows = replay_traces(runs)
+        results["fragmentation"] = rows
+        for row in rows:
+            if "error" in row:
+                t.add(f"replay {row['name']}", None, "", f"error {row['error']}")
+                continue
+            ratio = row["cudalab_peak_reserved"] / row["torch_peak_reserved"]
+            t.add(f"peak reserved {row['name']}", row["cudalab_peak_reserved"] / 2**20, "MiB",
+                  f"torch {row['torch_peak_reserved'] / 2**20:.1f} MiB, ratio {ratio:.4f}; "
+                  f"{row['entries']} entries, replay {row['replay_entries_per_s']:.0f}/s, "
+                  f"skipped {row['skipped']}")
+    else:
+        t.add("fragmentation", None, "", "needs torch on a GPU (traces recorded there)")
+    print(t.render())
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

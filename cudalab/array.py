@@ -1,0 +1,911 @@
+"""A small device array: memory from cudalab's caching allocator, with a shape and a dtype.
+
+Not a tensor library: :class:`DeviceArray` holds memory and moves it (host <-> device <->
+peer copies, fills, views), and speaks the interchange protocols (``__cuda_array_interface__``
+v3 and DLPack) so CuPy, PyTorch, Numba and cuda.core can work on it without copying.
+
+Memory and streams (torch's rules):
+
+* An array's memory comes from :func:`cudalab.memory.caching_allocator_alloc` on the current
+  stream of its device; that stream is remembered as :attr:`DeviceArray.stream`. The memory
+  goes back to the allocator (stream-ordered: no host sync) when the last reference to the
+  array, or to any view of it, disappears. Use :meth:`DeviceArray.record_stream` when other
+  streams use the memory.
+* ``fill_``, ``copy_`` and the creation functions queue work on the *current* stream of the
+  array's device; :meth:`DeviceArray.numpy` copies on the array's own stream and waits for it.
+* ``non_blocking=True`` is asynchronous only with page-locked host memory from
+  :func:`cudalab.empty_pinned` / :func:`cudalab.pin_memory` (the pinned pool then keeps the
+  host buffer from being reused until the copy is done); with ordinary (pageable) numpy
+  memory the copy waits, as CUDA effectively does for pageable memory anyway.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+from typing import Any
+
+import numpy as np
+
+from cudalab import _dlpack
+from cudalab import devices as _devices
+from cudalab import streams as _streams
+from cudalab import sync_debug as _sync
+
+__all__ = [
+    "DeviceArray",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "empty_like",
+    "zeros_like",
+    "asarray",
+    "from_dlpack",
+    "SUPPORTED_DTYPES",
+]
+
+#: dtypes a DeviceArray can hold (bfloat16 too when ml_dtypes is installed).
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(name)
+    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                 "uint64", "float16", "float32", "float64", "complex64", "complex128")
+)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+#: dtype arguments already seen (np.float32, "float32", np.dtype(...)) -> their dtype.
+_DTYPE_CACHE: dict[Any, np.dtype] = {d: d for d in SUPPORTED_DTYPES}
+_FLOAT32 = np.dtype(np.float32)
+_SUPPORTED_TEXT = ("bool, int8, int16, int32, int64, uint8, uint16, uint32, uint64, float16, "
+                   "float32, float64, complex64, complex128, bfloat16 (with ml_dtypes)")
+
+# DLPack "stream" values with a fixed meaning (CUDA): legacy and per-thread default streams.
+_LEGACY_STREAM = 1
+_CUDA_DEVICE_TYPES = (_dlpack.kDLCUDA, _dlpack.kDLCUDAManaged)
+
+
+# --------------------------------------------------------------------------- lazy imports
+_mem = None
+_pinned = None
+
+
+def _memory():
+    global _mem
+    if _mem is None:
+        from cudalab import memory
+
+        _mem = memory
+    return _mem
+
+
+def _pinned_pool():
+    global _pinned
+    if _pinned is None:
+        from cudalab.memory import pinned
+
+        _pinned = pinned
+    return _pinned
+
+
+def _release_device_memory(ptr: int) -> None:
+    """Return ``ptr`` to the caching allocator; a finalizer: never raises."""
+    if _streams._exiting:  # the process is ending: the driver reclaims everything
+        return
+    try:
+        _memory().caching_allocator_delete(ptr)
+    except Exception as exc:
+        try:
+            warnings.warn(f"cudalab: returning device memory 0x{ptr:x} to the allocator "
+                          f"failed: {exc}", RuntimeWarning, stacklevel=2)
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------- normalisation
+def _bfloat16() -> np.dtype:
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("dtype 'bfloat16' needs the optional 'ml_dtypes' package "
+                        "(pip install ml_dtypes); numpy has no bfloat16 of its own") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _normalize_dtype(dtype: Any, default: np.dtype | None = _FLOAT32) -> np.dtype:
+    try:
+        dt = _DTYPE_CACHE.get(dtype)
+    except TypeError:  # unhashable
+        dt = None
+    if dt is not None:
+        return dt
+    if dtype is None:
+        if default is None:
+            raise TypeError("a dtype is required")
+        return default
+    if isinstance(dtype, str) and dtype.strip().lower() in ("bfloat16", "bf16"):
+        return _bfloat16()
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"unsupported dtype {dtype!r}; cudalab arrays support {_SUPPORTED_TEXT}"
+                        ) from None
+    if dt in _SUPPORTED:
+        _remember_dtype(dtype, dt)
+        return dt
+    if dt.name == "bfloat16" and dt.itemsize == 2:  # ml_dtypes' (numpy has none of its own)
+        _remember_dtype(dtype, dt)
+        return dt
+    raise TypeError(f"unsupported dtype {dt}; cudalab arrays support {_SUPPORTED_TEXT}")
+
+
+def _remember_dtype(key: Any, dt: np.dtype) -> None:
+    try:
+        if len(_DTYPE_CACHE) < 256:
+            _DTYPE_CACHE[key] = dt
+    except TypeError:
+        pass
+
+
+def _normalize_shape(shape: Any) -> tuple[int, ...]:
+    t = type(shape)
+    if t is int:
+        if shape >= 0:
+            return (shape,)
+    elif t is tuple:
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return shape
+    bad = TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
+    if hasattr(shape, "__index__"):
+        items: tuple = (shape,)
+    else:
+        try:
+            items = tuple(shape)
+        except TypeError:
+            raise bad from None
+    if any(isinstance(d, (bool, np.bool_)) or not hasattr(d, "__index__") for d in items):
+        raise bad
+    dims = tuple(operator.index(d) for d in items)
+    for d in dims:
+        if d < 0:
+            raise ValueError(f"negative dimension {d} in shape {dims}: sizes must be >= 0")
+    return dims
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides = []
+    acc = itemsize
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    if 0 in shape:
+        return True
+    acc = itemsize
+    for d, s in zip(reversed(shape), reversed(strides)):
+        if d != 1 and s != acc:
+            return False
+        acc *= d
+    return True
+
+
+def _stream_of(device: int):
+    return _streams.current_stream(device)
+
+
+def _null_context(stream) -> None:
+    if stream._null:
+        _devices._ensure_context(stream.device_index)
+
+
+def _same_stream(a: int, b: int) -> bool:
+    # 0 (null) and 1 (CU_STREAM_LEGACY) name the same legacy default stream.
+    return a == b or (a in (0, 1) and b in (0, 1))
+
+
+def _wait_stream(waiter, producer) -> None:
+    """Make ``waiter`` wait for the work queued so far on ``producer`` (no host sync)."""
+    if (waiter.device_index == producer.device_index
+            and _same_stream(waiter.cuda_stream, producer.cuda_stream)):
+        return
+    # The legacy/per-thread pseudo handles act on the current context: make it the right one.
+    _devices._ensure_context(producer.device_index)
+    ev = producer.record_event()
+    _devices._ensure_context(waiter.device_index)
+    waiter.wait_event(ev)
+
+
+def _foreign_waits_for(value: int, ours) -> None:
+    """Another library's stream ``value`` waits for ``ours`` (a DLPack export)."""
+    if not _same_stream(value, ours.cuda_stream):
+        _wait_stream(_streams.ExternalStream(value, ours.device_index), ours)
+
+
+def _waits_for_foreign(ours, value: int) -> None:
+    """``ours`` waits for another library's stream ``value`` (a CAI import)."""
+    if not _same_stream(value, ours.cuda_stream):
+        _wait_stream(ours, _streams.ExternalStream(value, ours.device_index))
+
+
+# --------------------------------------------------------------------------- the array
+class DeviceArray:
+    """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
+
+    ``DeviceArray(shape, dtype=float32, device=None)`` is :func:`cudalab.empty`. Attributes:
+    ``shape``, ``dtype`` (numpy), ``strides`` (bytes), ``device`` / ``device_index`` (int),
+    ``nbytes``, ``size``, ``ndim``, ``itemsize``, ``ptr`` (= :meth:`data_ptr`), ``stream``
+    (the stream the memory was allocated on).
+    """
+
+    __slots__ = ("_ptr", "_shape", "_dtype", "_strides", "_device", "_stream", "_base",
+                 "_nbytes", "_size", "_contiguous", "_read_only", "_owns", "__weakref__")
+
+    def __init__(self, shape: Any, dtype: Any = np.float32, device: Any = None):
+        self._owns = False
+        shape = _normalize_shape(shape)
+        dt = _normalize_dtype(dtype)
+        if device is None:
+            dev = _devices.current_device()
+            stream = _streams.current_stream()
+        else:
+            dev = _devices._device_index(device)
+            stream = _streams.current_stream(dev)
+        size = math.prod(shape)
+        nbytes = size * dt.itemsize
+        self._ptr = _memory().caching_allocator_alloc(nbytes, dev, stream) if nbytes else 0
+        self._owns = nbytes > 0
+        self._shape = shape
+        self._dtype = dt
+        self._strides = None  # C-contiguous: computed on demand
+        self._device = dev
+        self._stream = stream
+        self._base = None
+        self._nbytes = nbytes
+        self._size = size
+        self._contiguous = True
+        self._read_only = False
+
+    def __del__(self) -> None:
+        # The last reference to an owning array (views hold it in ``_base``) is gone: hand
+        # the block back to the allocator, stream-ordered. Never raises.
+        try:
+            if self._owns:
+                self._owns = False
+                _release_device_memory(self._ptr)
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def _wrap(cls, ptr: int, shape: tuple[int, ...], dtype: np.dtype,
+              strides: tuple[int, ...] | None, device: int, stream, base: Any,
+              read_only: bool = False) -> DeviceArray:
+        """An array over memory kept alive by ``base`` (a view, or imported memory)."""
+        self = object.__new__(cls)
+        self._owns = False
+        itemsize = dtype.itemsize
+        size = math.prod(shape)
+        if strides is not None and _is_c_contiguous(shape, strides, itemsize):
+            strides = None
+        self._ptr = ptr
+        self._shape = shape
+        self._dtype = dtype
+        self._strides = strides
+        self._device = device
+        self._stream = stream
+        self._base = base
+        self._nbytes = size * itemsize
+        self._size = size
+        self._contiguous = strides is None
+        self._read_only = read_only
+        return self
+
+    def _view(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
+        base = self if self._base is None else self._base
+        return DeviceArray._wrap(ptr, shape, dtype, None, self._device, self._stream, base,
+                                 self._read_only)
+
+    # ------------------------------------------------------------------ attributes
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Strides in bytes (numpy's convention)."""
+        s = self._strides
+        return _c_strides(self._shape, self._dtype.itemsize) if s is None else s
+
+    @property
+    def device(self) -> int:
+        """Index of the device holding the memory."""
+        return self._device
+
+    @property
+    def device_index(self) -> int:
+        return self._device
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self._dtype.itemsize
+
+    @property
+    def ptr(self) -> int:
+        """Device address of the first element (0 for an empty array)."""
+        return self._ptr
+
+    def data_ptr(self) -> int:
+        """Device address of the first element (torch's name)."""
+        return self._ptr
+
+    @property
+    def stream(self):
+        """The stream the memory was allocated on (and :meth:`numpy` copies on)."""
+        return self._stream
+
+    @property
+    def base(self) -> Any:
+        """The object keeping this view's memory alive (None for an array owning it)."""
+        return self._base
+
+    def is_contiguous(self) -> bool:
+        """True when the elements are laid out in C order without gaps."""
+        return self._contiguous
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d DeviceArray")
+        return self._shape[0]
+
+    def __repr__(self) -> str:
+        sim = " (simulated)" if _devices._backend().simulated else ""
+        return (f"DeviceArray(shape={self._shape}, dtype={self._dtype}, "
+                f"device='cuda:{self._device}{sim}')")
+
+    def __array__(self, *args: Any, **kwargs: Any):
+        raise TypeError("implicit conversion of a DeviceArray to a numpy array is not allowed: "
+                        "call .numpy() to copy it to the host")
+
+    # ------------------------------------------------------------------ checks
+    def _require_contiguous(self, what: str) -> None:
+        if not self._contiguous:
+            raise ValueError(f"{what} needs a C-contiguous DeviceArray; this one has shape "
+                             f"{self._shape} and strides {self.strides}")
+
+    def _require_writable(self, what: str) -> None:
+        if self._read_only:
+            raise ValueError(f"{what}: this DeviceArray was imported read-only (DLPack "
+                             "read-only flag) and cannot be written")
+        self._require_contiguous(what)
+
+    def _allocation_ptr(self) -> int:
+        """Address of the allocator block behind this array (0: not cudalab's memory)."""
+        root = self if self._base is None else self._base
+        if type(root) is DeviceArray and root._base is None:
+            return root._ptr
+        return 0
+
+    # ------------------------------------------------------------------ host copies
+    def numpy(self, out: np.ndarray | None = None, non_blocking: bool = False) -> np.ndarray:
+        """Copy to the host on the array's stream and wait for it; returns a numpy array.
+
+        ``out``: an existing C-contiguous numpy array of the same shape and dtype to copy
+        into. With ``non_blocking=True`` and ``out`` from :func:`cudalab.empty_pinned` the copy
+        is only queued: synchronise the array's stream (or an event) before reading ``out``.
+        """
+        self._require_contiguous("DeviceArray.numpy()")
+        if out is None:
+            out = np.empty(self._shape, self._dtype)
+            non_blocking = False
+        else:
+            _check_host_operand(out, self, "DeviceArray.numpy(out=...)", writable=True)
+        n = self._nbytes
+        if n == 0:
+            return out
+        stream = self._stream
+        if stream._handle is None:  # the allocation stream was closed: use the current one
+            stream = _stream_of(self._device)
+        host = out.__array_interface__["data"][0]
+        _host_transfer(self._device, host, self._ptr, n, stream, host, non_blocking,
+                       "DeviceArray.numpy")
+        return out
+
+    def copy_(self, src: Any, non_blocking: bool = False) -> DeviceArray:
+        """Copy ``src`` (numpy array, DeviceArray on any device, or a CUDA array of another
+        library) into this array; same shape and dtype required. Returns self.
+
+        Runs on the current stream of this array's device. Host sources: waits for the copy
+        unless ``non_blocking`` and the source is pinned memory (see the module notes).
+        Device sources never block the host.
+        """
+        self._require_writable("DeviceArray.copy_()")
+        if isinstance(src, DeviceArray):
+            return self._copy_from_device(src)
+        if not isinstance(src, np.ndarray):
+            foreign = _foreign_cuda_array(src)
+            if foreign is not None:
+                return self._copy_from_device(foreign)
+            src = np.asarray(src)
+        _check_host_operand(src, self, "DeviceArray.copy_()", writable=False)
+        n = self._nbytes
+        if n == 0:
+            return self
+        host = src.__array_interface__["data"][0]
+        _host_transfer(self._device, self._ptr, host, n, _stream_of(self._device), host,
+                       non_blocking, "DeviceArray.copy_ (host to device)")
+        return self
+
+    def _copy_from_device(self, src: DeviceArray) -> DeviceArray:
+        if src._shape != self._shape or src._dtype != self._dtype:
+            raise ValueError(
+                f"DeviceArray.copy_(): source has shape {src._shape} and dtype {src._dtype}, "
+                f"destination has shape {self._shape} and dtype {self._dtype}; they must match "
+                "exactly (no broadcasting or casting)")
+        src._require_contiguous("DeviceArray.copy_() source")
+        n = self._nbytes
+        if n == 0:
+            return self
+        stream = _stream_of(self._device)
+        b = stream._b
+        if src._device == self._device:
+            _null_context(stream)
+            b.memcpy_async(self._device, self._ptr, src._ptr, n, stream._handle)
+            return self
+        # Peer copy on the destination's current stream, ordered after the source device's
+        # current stream, and that stream ordered after the copy (torch's cross-device rule).
+        src_stream = _stream_of(src._device)
+        _wait_stream(stream, src_stream)
+        _null_context(stream)
+        b.memcpy_peer_async(self._ptr, self._device, src._ptr, src._device, n, stream._handle)
+        _wait_stream(src_stream, stream)
+        return self
+
+    def to(self, device: Any, non_blocking: bool = False) -> DeviceArray:
+        """This array on ``device``: itself if already there, else a copy (peer copy)."""
+        dev = _devices._device_index(device)
+        if dev == self._device:
+            return self
+        out = empty(self._shape, self._dtype, device=dev)
+        out.copy_(self, non_blocking=non_blocking)
+        return out
+
+    # ------------------------------------------------------------------ device work
+    def fill_(self, value: Any) -> DeviceArray:
+        """Set every element to ``value`` (converted to the dtype as numpy does). Returns self.
+
+        Byte-uniform patterns use cuMemsetD8, 4-byte ones cuMemsetD32, other 2/4/8-byte
+        patterns cudalab's fill kernels; runs on the current stream.
+        """
+        self._require_writable("DeviceArray.fill_()")
+        try:
+            pattern = np.array(value, dtype=self._dtype).tobytes()
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"fill_: {value!r} cannot be stored as {self._dtype}: {exc}") from None
+        if len(pattern) != self._dtype.itemsize:
+            raise ValueError(f"fill_: expected a scalar, got {value!r}")
+        if self._nbytes:
+            _fill(self._ptr, pattern, self._size, self._device, _stream_of(self._device))
+        return self
+
+    def record_stream(self, stream: Any) -> None:
+        """Mark the memory as used by ``stream``: the allocator will not hand it out again
+        until the work queued on ``stream`` so far has completed (torch's record_stream).
+
+        A no-op for memory cudalab did not allocate (arrays imported with from_dlpack)."""
+        if not isinstance(stream, _streams.Stream):
+            raise TypeError(f"record_stream expects a cudalab.Stream, got {stream!r}")
+        ptr = self._allocation_ptr()
+        if ptr:
+            _memory().record_stream(ptr, stream)
+
+    # ------------------------------------------------------------------ views
+    def view(self, dtype: Any) -> DeviceArray:
+        """The same memory seen as ``dtype`` (the last axis rescales, like numpy)."""
+        dt = _normalize_dtype(dtype)
+        if dt == self._dtype:
+            return self._view(self._ptr, self._shape, dt)
+        self._require_contiguous("DeviceArray.view(dtype)")
+        old, new = self._dtype.itemsize, dt.itemsize
+        if not self._shape:
+            if old != new:
+                raise ValueError(f"cannot view a 0-d {self._dtype} array as {dt}: the item "
+                                 "sizes differ")
+            return self._view(self._ptr, (), dt)
+        last = self._shape[-1] * old
+        if last % new:
+            raise ValueError(f"cannot view {self._dtype} as {dt}: the last axis is {last} bytes, "
+                             f"not a multiple of {new}")
+        return self._view(self._ptr, self._shape[:-1] + (last // new,), dt)
+
+    def reshape(self, *shape: Any) -> DeviceArray:
+        """A view with a new shape (one dimension may be -1); the array must be contiguous."""
+        if len(shape) == 1:
+            shape = shape[0]
+        try:
+            dims = [operator.index(shape)]
+        except TypeError:
+            try:
+                dims = [operator.index(d) for d in shape]
+            except TypeError:
+                raise TypeError(f"reshape: shape must be ints, got {shape!r}") from None
+        self._require_contiguous("DeviceArray.reshape()")
+        unknown = [i for i, d in enumerate(dims) if d == -1]
+        if len(unknown) > 1:
+            raise ValueError("reshape: only one dimension can be -1")
+        if any(d < -1 for d in dims):
+            raise ValueError(f"reshape: invalid dimension in {tuple(dims)}")
+        if unknown:
+            known = math.prod(d for d in dims if d != -1)
+            if known == 0 or self._size % known:
+                raise ValueError(f"cannot reshape array of size {self._size} into shape "
+                                 f"{tuple(dims)}")
+            dims[unknown[0]] = self._size // known
+        new = tuple(dims)
+        if math.prod(new) != self._size:
+            raise ValueError(f"cannot reshape array of size {self._size} into shape {new}")
+        return self._view(self._ptr, new, self._dtype)
+
+    def __getitem__(self, key: Any) -> DeviceArray:
+        """Basic indexing along the first axis: ``a[i]`` and ``a[start:stop]`` (step 1) are
+        views; nothing is copied."""
+        if isinstance(key, tuple):
+            if len(key) != 1:
+                raise IndexError("DeviceArray supports indexing along the first axis only "
+                                 "(one integer or one slice)")
+            key = key[0]
+        if key is Ellipsis:
+            return self._view(self._ptr, self._shape, self._dtype)
+        if not self._shape:
+            raise IndexError("a 0-d DeviceArray cannot be indexed")
+        self._require_contiguous("DeviceArray indexing")
+        n = self._shape[0]
+        row = math.prod(self._shape[1:]) * self._dtype.itemsize
+        if isinstance(key, slice):
+            start, stop, step = key.indices(n)
+            if step != 1:
+                raise ValueError(f"DeviceArray slices must have step 1, got step {step}")
+            length = max(0, stop - start)
+            ptr = self._ptr + start * row if length and row else self._ptr
+            return self._view(ptr, (length,) + self._shape[1:], self._dtype)
+        if isinstance(key, (bool, np.bool_)):
+            raise TypeError("boolean indices are not supported")
+        try:
+            i = operator.index(key)
+        except TypeError:
+            raise TypeError(f"DeviceArray indices must be integers or slices, got "
+                            f"{type(key).__name__}") from None
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {operator.index(key)} is out of bounds for axis 0 with "
+                             f"size {n}")
+        return self._view(self._ptr + i * row, self._shape[1:], self._dtype)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``a[key] = scalar`` fills, ``a[key] = array`` copies (same shape and dtype)."""
+        target = self[key]
+        if isinstance(value, (int, float, complex, bool, np.generic)):
+            target.fill_(value)
+            return
+        if not isinstance(value, (DeviceArray, np.ndarray)):
+            value = _foreign_cuda_array(value) or np.asarray(value, dtype=target._dtype)
+        if isinstance(value, np.ndarray):
+            value = np.ascontiguousarray(
+                np.broadcast_to(value.astype(target._dtype, copy=False), target._shape))
+        target.copy_(value)
+
+    # ------------------------------------------------------------------ interchange
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """CUDA Array Interface v3; ``stream`` is the current stream of the array's device
+        (the consumer waits for it; 1 stands for the legacy default stream)."""
+        if self._dtype.name == "bfloat16":
+            raise AttributeError("a bfloat16 DeviceArray has no __cuda_array_interface__ "
+                                 "(the interface has no typestr for it): use DLPack")
+        s = _stream_of(self._device).cuda_stream
+        return {
+            "shape": self._shape,
+            "typestr": self._dtype.str,
+            "data": (self._ptr, self._read_only),
+            "version": 3,
+            "strides": self._strides,
+            "stream": s if s else _LEGACY_STREAM,
+        }
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_dlpack.kDLCUDA, self._device)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> Any:
+        """Export as a DLPack capsule (versioned when ``max_version >= (1, 0)``).
+
+        ``stream``: the consumer's stream (an int: 1 legacy default, 2 per-thread default,
+        else a stream handle; -1 for no synchronisation; None means the legacy default). The
+        consumer's stream is made to wait for this device's current stream.
+        """
+        if dl_device is not None:
+            dl_device = tuple(dl_device)
+            if dl_device != (_dlpack.kDLCUDA, self._device):
+                raise BufferError(f"__dlpack__: cannot export to device {dl_device}; the array "
+                                  f"is on (kDLCUDA={_dlpack.kDLCUDA}, {self._device})")
+        if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
+            raise TypeError(f"__dlpack__: stream must be an int or None, got {stream!r}")
+        if stream == 0:
+            raise ValueError("__dlpack__: stream=0 is ambiguous and not allowed for CUDA by "
+                             "the DLPack protocol; use 1 for the legacy default stream")
+        src = self
+        if copy:
+            src = empty(self._shape, self._dtype, device=self._device)
+            src.copy_(self)
+        if stream != -1:
+            _foreign_waits_for(_LEGACY_STREAM if stream is None else stream,
+                               _stream_of(self._device))
+        versioned = max_version is not None and tuple(max_version)[0] >= 1
+        if src._read_only and not versioned:
+            raise BufferError("__dlpack__: a read-only array can only be exported to a "
+                              "consumer that understands DLPack >= 1.0 (max_version)")
+        return _dlpack.export_capsule(src, src._ptr, src._shape, src.strides, src._dtype,
+                                      _dlpack.kDLCUDA, src._device, versioned, src._read_only)
+
+
+# --------------------------------------------------------------------------- helpers
+def _check_host_operand(arr: np.ndarray, dev: DeviceArray, what: str, writable: bool) -> None:
+    if arr.shape != dev._shape or arr.dtype != dev._dtype:
+        raise ValueError(
+            f"{what}: the host array has shape {arr.shape} and dtype {arr.dtype}, the "
+            f"DeviceArray has shape {dev._shape} and dtype {dev._dtype}; they must match "
+            "exactly (no broadcasting or casting)")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what}: the host array is not C-contiguous (strides {arr.strides}); "
+                         "pass np.ascontiguousarray(a) instead")
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{what}: the host array is read-only")
+
+
+def _host_transfer(device: int, dst: int, src: int, n: int, stream, host: int,
+                   non_blocking: bool, what: str) -> None:
+    """Copy ``n`` bytes between the device and host address ``host`` (``dst`` or ``src``) on
+    ``stream``. Waits for it, unless ``non_blocking`` and ``host`` is pinned memory from the
+    pinned pool, which then records the use so the buffer is not reused too early."""
+    pinned = non_blocking and _pinned_pool()._lookup(host, n)
+    if not pinned:
+        _sync._note_sync(what)  # before queuing: in "error" mode nothing is left in flight
+    _null_context(stream)
+    stream._b.memcpy_async(device, dst, src, n, stream._handle)
+    if pinned:
+        _pinned_pool().record_use(host, stream)
+    else:
+        stream._b.stream_synchronize(stream._handle)
+
+
+def _fill(ptr: int, pattern: bytes, count: int, device: int, stream) -> None:
+    """Write ``count`` copies of the item ``pattern`` at ``ptr`` on ``stream``."""
+    b = stream._b
+    h = stream._handle
+    nbytes = count * len(pattern)
+    _null_context(stream)
+    if pattern.count(pattern[0]) == len(pattern):
+        b.memset_d8_async(device, ptr, pattern[0], nbytes, h)
+        return
+    itemsize = len(pattern)
+    if itemsize == 4 and ptr % 4 == 0:
+        b.memset_d32_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
+        return
+    if itemsize == 16:
+        if pattern[:8] == pattern[8:]:
+            _fill_kernel(ptr, pattern[:8], 2 * count, stream)
+            return
+        # Two different 8-byte halves (complex128 with re != im): write one element, then
+        # double the filled prefix with device-to-device copies (log2(count) copies).
+        _fill_kernel(ptr, pattern[:8], 1, stream)
+        _fill_kernel(ptr + 8, pattern[8:], 1, stream)
+        done = 1
+        while done < count:
+            step = min(done, count - done)
+            b.memcpy_async(device, ptr + done * 16, ptr, step * 16, h)
+            done += step
+        return
+    _fill_kernel(ptr, pattern, count, stream)
+
+
+def _fill_kernel(ptr: int, pattern: bytes, count: int, stream) -> None:
+    from cudalab._kernels import fill_kernel
+    from cudalab.kernels import launch_config_1d
+
+    kernel = fill_kernel(len(pattern))
+    grid, block = launch_config_1d(count, 256, max_blocks=8192)
+    kernel.launch(grid, block, (ptr, int.from_bytes(pattern, "little"), count), stream=stream)
+
+
+def _is_capsule(obj: Any) -> bool:
+    return _dlpack.is_capsule(obj)
+
+
+def _foreign_cuda_array(obj: Any) -> DeviceArray | None:
+    """A zero-copy DeviceArray over another library's CUDA array, or None if ``obj`` is not
+    one (DLPack with a CUDA device, or ``__cuda_array_interface__``)."""
+    dev_fn = getattr(obj, "__dlpack_device__", None)
+    if dev_fn is not None and hasattr(obj, "__dlpack__"):
+        try:
+            dev_type = int(dev_fn()[0])
+        except Exception:
+            dev_type = None
+        if dev_type in _CUDA_DEVICE_TYPES:
+            return from_dlpack(obj)
+        if dev_type is not None:
+            return None
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _from_cuda_array_interface(obj)
+    return None
+
+
+def _from_cuda_array_interface(obj: Any) -> DeviceArray:
+    cai = obj.__cuda_array_interface__
+    try:
+        shape = tuple(int(d) for d in cai["shape"])
+        typestr = cai["typestr"]
+        ptr, read_only = cai["data"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TypeError(f"invalid __cuda_array_interface__ on {type(obj).__name__}: {exc}") from None
+    if cai.get("mask") is not None:
+        raise TypeError("__cuda_array_interface__ with a mask is not supported")
+    dtype = _normalize_dtype(np.dtype(typestr))
+    strides = cai.get("strides")
+    strides = None if strides is None else tuple(int(s) for s in strides)
+    ptr = int(ptr or 0)
+    device = None
+    if ptr:
+        device = _devices._backend().pointer_device(ptr)
+    if device is None:
+        device = _devices.current_device()
+    ours = _stream_of(device)
+    foreign = cai.get("stream") if cai.get("version", 0) >= 3 else None
+    if foreign is not None:
+        if foreign == 0:
+            raise ValueError("__cuda_array_interface__: stream 0 is not allowed (v3); "
+                             "1 means the legacy default stream")
+        _waits_for_foreign(ours, int(foreign))
+    return DeviceArray._wrap(ptr, shape, dtype, strides, device, ours, obj, bool(read_only))
+
+
+# --------------------------------------------------------------------------- creation
+def empty(shape: Any, dtype: Any = np.float32, device: Any = None) -> DeviceArray:
+    """Uninitialised array (memory from the caching allocator, current stream)."""
+    return DeviceArray(shape, dtype, device)
+
+
+def zeros(shape: Any, dtype: Any = np.float32, device: Any = None) -> DeviceArray:
+    """Array of zeros (a stream-ordered memset on the current stream)."""
+    a = DeviceArray(shape, dtype, device)
+    if a._nbytes:
+        stream = _stream_of(a._device)
+        _null_context(stream)
+        stream._b.memset_d8_async(a._device, a._ptr, 0, a._nbytes, stream._handle)
+    return a
+
+
+def ones(shape: Any, dtype: Any = np.float32, device: Any = None) -> DeviceArray:
+    """Array of ones."""
+    return DeviceArray(shape, dtype, device).fill_(1)
+
+
+def full(shape: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
+    """Array filled with ``fill_value``; dtype defaults to numpy's for the value (int64,
+    float64, complex128, bool)."""
+    if dtype is None:
+        if isinstance(fill_value, DeviceArray):
+            raise TypeError("full: fill_value must be a scalar")
+        dtype = np.asarray(fill_value).dtype
+    return DeviceArray(shape, dtype, device).fill_(fill_value)
+
+
+def _like(a: Any, dtype: Any, device: Any) -> tuple[tuple[int, ...], Any, Any]:
+    if isinstance(a, DeviceArray):
+        return a._shape, a._dtype if dtype is None else dtype, a._device if device is None else device
+    shape = getattr(a, "shape", None)
+    a_dtype = getattr(a, "dtype", None)
+    if shape is None or a_dtype is None:
+        a = np.asarray(a)
+        shape, a_dtype = a.shape, a.dtype
+    return tuple(shape), a_dtype if dtype is None else dtype, device
+
+
+def empty_like(a: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
+    """Uninitialised array with ``a``'s shape and dtype (and device, for a DeviceArray)."""
+    shape, dt, dev = _like(a, dtype, device)
+    return empty(shape, dt, dev)
+
+
+def zeros_like(a: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
+    """Zeros with ``a``'s shape and dtype (and device, for a DeviceArray)."""
+    shape, dt, dev = _like(a, dtype, device)
+    return zeros(shape, dt, dev)
+
+
+def asarray(obj: Any, device: Any = None, dtype: Any = None) -> DeviceArray:
+    """``obj`` as a DeviceArray.
+
+    A DeviceArray already on ``device`` with ``dtype`` is returned as is, one on another
+    device is copied there. CUDA arrays of other libraries (DLPack or
+    ``__cuda_array_interface__``) are wrapped without copying. Anything else goes through
+    ``numpy.asarray(obj, dtype)`` and is copied to the device (waiting for the copy).
+    """
+    if not isinstance(obj, (DeviceArray, np.ndarray)):
+        foreign = _foreign_cuda_array(obj)
+        if foreign is not None:
+            obj = foreign
+    if isinstance(obj, DeviceArray):
+        if dtype is not None and _normalize_dtype(dtype) != obj._dtype:
+            raise TypeError(f"asarray: cannot convert a {obj._dtype} DeviceArray to "
+                            f"{_normalize_dtype(dtype)} on the device (cudalab has no cast "
+                            "kernels); convert on the host: asarray(a.numpy().astype(dtype))")
+        return obj if device is None else obj.to(device)
+    dt = None if dtype is None else _normalize_dtype(dtype)
+    host = np.asarray(obj, dtype=dt)
+    if dt is None:
+        _normalize_dtype(host.dtype)  # reject object, string, datetime... with a clear error
+    host = np.ascontiguousarray(host)
+    out = empty(host.shape, host.dtype, device=device)
+    out.copy_(host)
+    return out
+
+
+def from_dlpack(obj: Any) -> DeviceArray:
+    """Wrap a CUDA tensor from another library (CuPy, torch, JAX, cudalab...) without copying.
+
+    ``obj`` implements ``__dlpack__``/``__dlpack_device__`` (or is a DLPack capsule). The
+    producer is asked to make cudalab's current stream (of the tensor's device) wait for its
+    work; the result keeps the producer's memory alive. Non-CUDA tensors raise BufferError.
+    """
+    if _is_capsule(obj):
+        t = _dlpack.import_capsule(obj, _CUDA_DEVICE_TYPES)
+        device = _devices._device_index(t.device_id)
+        return DeviceArray._wrap(t.data, t.shape, _normalize_dtype(t.dtype), t.strides, device,
+                                 _stream_of(device), t, t.read_only)
+    if not hasattr(obj, "__dlpack__"):
+        raise TypeError(f"from_dlpack: {type(obj).__name__} does not implement the DLPack "
+                        "protocol (__dlpack__ / __dlpack_device__)")
+    dev_type, dev_id = (int(x) for x in obj.__dlpack_device__())
+    if dev_type not in _CUDA_DEVICE_TYPES:
+        name = _dlpack.DEVICE_TYPE_NAMES.get(dev_type, f"device type {dev_type}")
+        raise BufferError(
+            f"from_dlpack: {type(obj).__name__} lives on {name} (DLPack device type "
+            f"{dev_type}), not on a CUDA device; cudalab.from_dlpack imports only CUDA memory "
+            "(use cudalab.asarray() to copy host data to the GPU)")
+    device = _devices._device_index(dev_id)
+    ours = _stream_of(device)
+    s = ours.cuda_stream or _LEGACY_STREAM
+    # The tensor's device is current during the exchange: producers such as torch refuse a
+    # stream of another device than the current one.
+    with _devices.device(device):
+        try:
+            capsule = obj.__dlpack__(stream=s, max_version=_dlpack.DLPACK_VERSION)
+        except TypeError:  # a producer older than DLPack 1.0 (no max_version keyword)
+            capsule = obj.__dlpack__(stream=s)
+    t = _dlpack.import_capsule(capsule, _CUDA_DEVICE_TYPES, producer=obj)
+    if t.device_id != dev_id:
+        raise BufferError(f"from_dlpack: __dlpack_device__ said device {dev_id} but the "
+                          f"capsule is on device {t.device_id}")
+    return DeviceArray._wrap(t.data, t.shape, _normalize_dtype(t.dtype), t.strides, device,
+                             ours, t, t.read_only)

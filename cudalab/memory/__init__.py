@@ -1,0 +1,318 @@
+"""Device memory: the caching allocator and torch's ``torch.cuda`` memory API.
+
+Every function takes ``device`` as None (the current device), an int, ``"cuda"``,
+``"cuda:N"`` or a :class:`cudalab.Device`, and behaves like its ``torch.cuda`` namesake:
+the statistics readers return 0 (or ``{}``) without initialising CUDA when nothing was
+ever allocated, ``memory_stats()`` returns exactly torch's 122 keys (sorted),
+``memory_summary()`` prints torch's table, and out-of-memory raises
+:class:`cudalab.OutOfMemoryError` with torch's message.
+
+Settings come from ``CUDALAB_ALLOC_CONF`` (or torch's ``PYTORCH_ALLOC_CONF`` /
+``PYTORCH_CUDA_ALLOC_CONF``), read when the first allocator is created; see
+:func:`parse_alloc_conf` for the grammar. The allocator itself is
+:class:`~cudalab.memory.allocator.DeviceCachingAllocator`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from cudalab import devices as _devices
+from cudalab import streams as _streams
+from cudalab.memory.allocator import (
+    Allocator,
+    DeviceCachingAllocator,
+    UncachedAllocator,
+    _active,
+    _allocators,
+    allocator_config,
+    existing_allocator,
+    find_owner,
+    get_allocator,
+)
+from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
+from cudalab.memory.stats import STAT_KEYS, nested_from_flat, render_memory_summary, zero_stats
+
+__all__ = [
+    "Allocator",
+    "AllocatorConfig",
+    "DeviceCachingAllocator",
+    "UncachedAllocator",
+    "STAT_KEYS",
+    "caching_allocator_alloc",
+    "caching_allocator_delete",
+    "empty_cache",
+    "get_allocator_backend",
+    "get_per_process_memory_fraction",
+    "max_memory_allocated",
+    "max_memory_cached",
+    "max_memory_reserved",
+    "mem_get_info",
+    "memory_allocated",
+    "memory_cached",
+    "memory_reserved",
+    "memory_snapshot",
+    "memory_stats",
+    "memory_stats_as_nested_dict",
+    "memory_summary",
+    "parse_alloc_conf",
+    "record_stream",
+    "render_memory_summary",
+    "reset_accumulated_memory_stats",
+    "reset_max_memory_allocated",
+    "reset_max_memory_cached",
+    "reset_peak_memory_stats",
+    "set_per_process_memory_fraction",
+]
+
+
+_tls = _devices._tls
+
+
+def _reader(device: Any) -> Allocator | None:
+    """The allocator whose counters a getter reads; None if CUDA is not initialised (torch
+    then reports 0 without initialising it) or nothing was ever allocated there."""
+    if not _devices._initialized:
+        return None
+    d = _devices._tls.device if device is None else _devices._device_index(device)
+    a = _allocators[d] if d < len(_allocators) else None
+    if a is not None and a._pending_frees:
+        a.sync_pending()
+    return a
+
+
+# --------------------------------------------------------------------------- getters
+def memory_allocated(device: Any = None) -> int:
+    """Bytes currently handed out by the allocator (``allocated_bytes.all.current``)."""
+    if device is None and _devices._initialized:  # the common call, inlined
+        d = _tls.device
+        a = _allocators[d] if d < len(_allocators) else None
+        if a is not None and a._pending_frees:
+            a.sync_pending()
+    else:
+        a = _reader(device)
+    if a is None:
+        return 0
+    st = a.stats
+    return st.small.b_alloc + st.large.b_alloc
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    """Peak of :func:`memory_allocated` since the start or the last peak reset."""
+    a = _reader(device)
+    return 0 if a is None else a.stats.agg.b_alloc_peak
+
+
+def memory_reserved(device: Any = None) -> int:
+    """Bytes held by the allocator, handed out or cached (``reserved_bytes.all.current``)."""
+    a = _reader(device)
+    if a is None:
+        return 0
+    st = a.stats
+    return st.small.b_res + st.large.b_res
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    """Peak of :func:`memory_reserved`."""
+    a = _reader(device)
+    return 0 if a is None else a.stats.agg.b_res_peak
+
+
+def memory_cached(device: Any = None) -> int:
+    """Deprecated; see :func:`memory_reserved`."""
+    warnings.warn("`cudalab.memory_cached` has been renamed to `cudalab.memory_reserved`",
+                  FutureWarning, stacklevel=2)
+    return memory_reserved(device)
+
+
+def max_memory_cached(device: Any = None) -> int:
+    """Deprecated; see :func:`max_memory_reserved`."""
+    warnings.warn("`cudalab.max_memory_cached` has been renamed to `cudalab.max_memory_reserved`",
+                  FutureWarning, stacklevel=2)
+    return max_memory_reserved(device)
+
+
+def memory_stats(device: Any = None, extended: bool = False) -> dict[str, int]:
+    """torch's ``memory_stats()``: exactly its 122 keys, sorted, all ints.
+
+    ``{}`` when CUDA is not initialised (as torch). ``extended=True`` adds cudalab's extra
+    keys: ``largest_free_block`` (bytes of the biggest cached block), ``pending_free_blocks``
+    (freed blocks waiting for record_stream events) and ``outstanding_events``.
+    """
+    if not _devices._initialized:
+        return {}
+    d = _devices._tls.device if device is None else _devices._device_index(device)
+    a = _allocators[d] if d < len(_allocators) else None
+    if a is None:
+        cfg = allocator_config()
+        out = zero_stats(-1 if cfg.max_split_size >= (1 << 64) - 1 else cfg.max_split_size)
+    else:
+        out = a.memory_stats()
+    if extended:
+        native = isinstance(a, DeviceCachingAllocator)
+        out = dict(out)
+        out["largest_free_block"] = a.largest_free_block() if native else 0
+        out["pending_free_blocks"] = a.stats.current("n_pend") if a is not None else 0
+        out["outstanding_events"] = a._n_events if native else 0
+        out = dict(sorted(out.items()))
+    return out
+
+
+def memory_stats_as_nested_dict(device: Any = None) -> dict:
+    """torch's ``memory_stats_as_nested_dict()`` ({} when CUDA is not initialised)."""
+    return nested_from_flat(memory_stats(device))
+
+
+def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    """torch's ``memory_summary()`` table (header "cudalab CUDA memory summary")."""
+    d = _devices._device_index(device)
+    stats = memory_stats(d)
+    return render_memory_summary(stats, d, abbreviated)
+
+
+def memory_snapshot() -> list[dict]:
+    """torch's ``memory_snapshot()``: every device's segments, as plain dicts and lists."""
+    out: list[dict] = []
+    for a in list(_active):
+        out.extend(a.segments())
+    return out
+
+
+# --------------------------------------------------------------------------- resets
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Every ``peak`` becomes the current value (torch's ``reset_peak_memory_stats``)."""
+    a = existing_allocator(_devices._device_index(device))
+    if a is not None:
+        a.reset_peak_stats()
+
+
+def reset_accumulated_memory_stats(device: Any = None) -> None:
+    """``allocated``/``freed`` and the ``num_*`` counters back to 0."""
+    a = existing_allocator(_devices._device_index(device))
+    if a is not None:
+        a.reset_accumulated_stats()
+
+
+def reset_max_memory_allocated(device: Any = None) -> None:
+    """Deprecated alias of :func:`reset_peak_memory_stats` (resets *all* peaks, as torch)."""
+    warnings.warn(
+        "cudalab.reset_max_memory_allocated now calls cudalab.reset_peak_memory_stats, "
+        "which resets /all/ peak memory stats.", FutureWarning, stacklevel=2)
+    reset_peak_memory_stats(device)
+
+
+def reset_max_memory_cached(device: Any = None) -> None:
+    """Deprecated alias of :func:`reset_peak_memory_stats` (resets *all* peaks, as torch)."""
+    warnings.warn(
+        "cudalab.reset_max_memory_cached now calls cudalab.reset_peak_memory_stats, "
+        "which resets /all/ peak memory stats.", FutureWarning, stacklevel=2)
+    reset_peak_memory_stats(device)
+
+
+# --------------------------------------------------------------------------- control
+def empty_cache() -> None:
+    """Return every cached block that is not part of a live segment to the driver."""
+    if not _devices._initialized:
+        return
+    for a in list(_active):
+        a.empty_cache()
+
+
+def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+    """Cap this process's reserved memory on ``device`` at ``fraction`` of its total memory.
+
+    Like torch, ``fraction`` must be a float (TypeError otherwise) in [0, 1] (ValueError).
+    """
+    d = _devices._device_index(device)
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`")
+    if fraction < 0 or fraction > 1:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    get_allocator(d).set_memory_fraction(fraction)
+
+
+def get_per_process_memory_fraction(device: Any = None) -> float:
+    """The fraction set by :func:`set_per_process_memory_fraction` (1.0 when none)."""
+    return get_allocator(_devices._device_index(device)).get_memory_fraction()
+
+
+def get_allocator_backend() -> str:
+    """The allocator backend in use: "native" (cudaMallocAsync is not implemented yet)."""
+    return allocator_config().backend
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes of ``device`` as the driver reports them."""
+    return _devices.mem_get_info(device)
+
+
+# --------------------------------------------------------------------------- raw allocation
+def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -> int:
+    """Allocate ``size`` bytes from the caching allocator (torch's function of the same name).
+
+    ``stream`` is a :class:`cudalab.Stream` or an int stream handle (default: the current
+    stream of ``device``). Returns the device pointer (0 for ``size == 0``, like torch);
+    release it with :func:`caching_allocator_delete`.
+    """
+    if device is None and _devices._initialized:
+        d = _devices._tls.device
+        if stream is None:  # the current stream of the current device, resolved cheaply
+            stream = _streams.current_stream().cuda_stream
+    else:
+        d = _devices._device_index(device)
+    a = _allocators[d] if d < len(_allocators) else None
+    if a is None:
+        a = get_allocator(d)
+    return a.malloc(size, stream)
+
+
+def caching_allocator_delete(mem_ptr: int) -> None:
+    """Free memory from :func:`caching_allocator_alloc` (0 is ignored, like torch).
+
+    A pointer that is not live in any of cudalab's allocators (double free, foreign
+    pointer) raises ValueError and changes nothing.
+    """
+    for a in _active:
+        if mem_ptr in a._live:
+            a.free(mem_ptr)
+            return
+    if mem_ptr == 0 and type(mem_ptr) is int:
+        return
+    from cudalab.memory.allocator import _bad_pointer
+
+    raise _bad_pointer(mem_ptr)
+
+
+def record_stream(ptr: int, stream: Any) -> None:
+    """Mark allocator memory ``ptr`` as used on ``stream`` (torch's ``Tensor.record_stream``).
+
+    When ``ptr`` is freed, its block is reused only after the work queued on ``stream`` up
+    to that moment has finished; no host synchronisation happens on the free path.
+    """
+    a = find_owner(ptr)
+    if a is None:
+        from cudalab.memory.allocator import _bad_pointer
+
+        raise _bad_pointer(ptr)
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        stream = _streams.ExternalStream(stream, device=a.device)
+    a.record_stream(ptr, stream)
+
+
+_LAZY = {
+    # interop shims and the pinned host pool, loaded on demand
+    "cupy_allocator": "cudalab.memory.interop",
+    "CudalabNumbaMemoryManager": "cudalab.memory.interop",
+    "pinned_memory_stats": "cudalab.memory.pinned",
+    "empty_pinned_cache": "cudalab.memory.pinned",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cudalab.memory' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,359 @@
+"""Page-locked (pinned) host memory from a caching allocator, as numpy arrays.
+
+Pinned memory is what makes host <-> device copies truly asynchronous (and faster), but
+``cuMemHostAlloc``/``cuMemFreeHost`` are slow and synchronising, so blocks are cached:
+
+* sizes are rounded up to 512 bytes, then to the next power of two, and cached in
+  exact-size free lists (CuPy's ``PinnedMemoryPool``): no splitting or merging;
+* a block whose memory an asynchronous copy may still be reading or writing is not handed
+  out again until that copy is done: :func:`record_use` records an event on the copy's
+  stream (``DeviceArray.copy_(..., non_blocking=True)`` and ``DeviceArray.numpy(out=...,
+  non_blocking=True)`` do it for you), and a freed block is reused only once all its
+  events have completed (torch's CachingHostAllocator rule);
+* the array's memory returns to the cache when the last numpy array (or view) over it goes
+  away; returns from finalizers are lock-free and filed at the next allocation.
+
+``cudalab.empty_pinned(shape, dtype)``, ``cudalab.pin_memory(a)``, ``cudalab.is_pinned(a)``,
+:func:`pinned_memory_stats` and :func:`empty_pinned_cache` are the public API.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+import threading
+from typing import Any
+
+import numpy as np
+
+from cudalab.array import _normalize_dtype, _normalize_shape
+from cudalab.errors import OutOfMemoryError
+
+__all__ = [
+    "empty_pinned",
+    "pin_memory",
+    "is_pinned",
+    "record_use",
+    "pinned_memory_stats",
+    "empty_pinned_cache",
+    "CachingHostAllocator",
+    "round_size",
+]
+
+_MIN_BLOCK = 512
+
+
+def round_size(nbytes: int) -> int:
+    """512-byte multiple, then the next power of two (CuPy's pinned pool rounding)."""
+    n = max(nbytes, 1)
+    n = -(-n // _MIN_BLOCK) * _MIN_BLOCK
+    return 1 << (n - 1).bit_length()
+
+
+class _Block:
+    __slots__ = ("ptr", "size", "requested", "events")
+
+    def __init__(self, ptr: int, size: int):
+        self.ptr = ptr
+        self.size = size
+        self.requested = 0
+        #: (device, stream value) -> (event handle, EventPool) of the last recorded use.
+        self.events: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+class CachingHostAllocator:
+    """The process's pinned host memory cache (one per process: pinned memory is portable
+    across devices)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._backend = None
+        self._free: dict[int, list[_Block]] = {}
+        self._used: dict[int, _Block] = {}
+        self._used_starts: list[int] = []  # sorted ptrs of used blocks, for address lookups
+        self._returned: collections.deque[_Block] = collections.deque()
+        self._event_pools: dict[int, Any] = {}
+        # counters
+        self._allocated_bytes = 0
+        self._requested_bytes = 0
+        self._cached_bytes = 0
+        self._cached_blocks = 0
+        self._peak_allocated = 0
+        self._host_allocs = 0
+        self._host_frees = 0
+        self._cache_hits = 0
+
+    # ------------------------------------------------------------------ plumbing
+    def _b(self):
+        b = self._backend
+        if b is None:
+            from cudalab import devices
+
+            b = self._backend = devices._backend()
+        return b
+
+    def _event_pool(self, device: int):
+        pool = self._event_pools.get(device)
+        if pool is None:
+            from cudalab.memory.events import EventPool
+
+            pool = self._event_pools.setdefault(device, EventPool(self._b(), device))
+        return pool
+
+    def _drain(self) -> None:
+        """File blocks released by finalizers (lock held)."""
+        returned = self._returned
+        while returned:
+            block = returned.popleft()
+            if self._used.pop(block.ptr, None) is None:
+                continue
+            del self._used_starts[bisect.bisect_left(self._used_starts, block.ptr)]
+            self._allocated_bytes -= block.size
+            self._requested_bytes -= block.requested
+            self._free.setdefault(block.size, []).append(block)
+            self._cached_bytes += block.size
+            self._cached_blocks += 1
+
+    def _ready(self, block: _Block) -> bool:
+        """True when no recorded use of ``block`` is pending; returns finished events."""
+        events = block.events
+        if not events:
+            return True
+        query = self._b().event_query
+        for key, (ev, pool) in list(events.items()):
+            if not query(ev):
+                return False
+            del events[key]
+            pool.put(ev)
+        return True
+
+    def _find_used(self, ptr: int, nbytes: int = 1) -> _Block | None:
+        starts = self._used_starts
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i < 0:
+            return None
+        block = self._used[starts[i]]
+        if ptr + max(nbytes, 1) <= block.ptr + block.size:
+            return block
+        return None
+
+    # ------------------------------------------------------------------ allocation
+    def malloc(self, nbytes: int) -> _Block:
+        """A block of at least ``nbytes`` (cached if one is free and no copy uses it)."""
+        size = round_size(nbytes)
+        with self._lock:
+            if self._returned:
+                self._drain()
+            block = self._take_cached(size)
+            if block is not None:
+                self._register(block, nbytes)
+                return block
+        block = self._allocate(size)
+        with self._lock:
+            self._register(block, nbytes)
+        return block
+
+    def _register(self, block: _Block, nbytes: int) -> None:
+        """Count ``block`` as handed out (lock held)."""
+        block.requested = nbytes
+        self._used[block.ptr] = block
+        bisect.insort(self._used_starts, block.ptr)
+        self._allocated_bytes += block.size
+        self._requested_bytes += nbytes
+        if self._allocated_bytes > self._peak_allocated:
+            self._peak_allocated = self._allocated_bytes
+
+    def _take_cached(self, size: int) -> _Block | None:
+        blocks = self._free.get(size)
+        if not blocks:
+            return None
+        for i in range(len(blocks) - 1, -1, -1):
+            block = blocks[i]
+            if self._ready(block):
+                del blocks[i]
+                self._cached_bytes -= size
+                self._cached_blocks -= 1
+                self._cache_hits += 1
+                return block
+        return None
+
+    def _allocate(self, size: int) -> _Block:
+        b = self._b()
+        try:
+            ptr = b.host_alloc(size)
+        except OutOfMemoryError:
+            self.empty_cache()
+            try:
+                ptr = b.host_alloc(size)
+            except OutOfMemoryError as exc:
+                raise OutOfMemoryError(
+                    text=f"out of pinned host memory allocating {size} bytes "
+                         f"({self.stats()['allocated_bytes']} bytes of pinned memory in use): "
+                         f"{exc}") from exc
+        with self._lock:
+            self._host_allocs += 1
+        return _Block(ptr, size)
+
+    def release(self, block: _Block) -> None:
+        """Give ``block`` back (called from finalizers: lock-free, never raises)."""
+        self._returned.append(block)
+
+    # ------------------------------------------------------------------ uses by copies
+    def record_use(self, ptr: int, stream: Any) -> bool:
+        """Record that work queued on ``stream`` uses the pinned memory at ``ptr``.
+
+        The block is then not reused before that work completes. Returns False (and does
+        nothing) when ``ptr`` is not memory from this allocator.
+        """
+        device = stream.device_index
+        key = (device, stream.cuda_stream)
+        b = self._b()
+        if stream._null:
+            from cudalab import devices
+
+            devices._ensure_context(device)
+        # Held across two quick, non-blocking driver calls (event create/record): that keeps
+        # concurrent record_use calls on one block simple. Finalizers never take this lock.
+        with self._lock:
+            self._drain()
+            block = self._find_used(ptr)
+            if block is None:
+                return False
+            entry = block.events.get(key)
+            if entry is None:
+                pool = self._event_pool(device)
+                entry = block.events[key] = (pool.get(), pool)
+            b.event_record(entry[0], stream._handle)
+        return True
+
+    def lookup(self, ptr: int, nbytes: int = 1) -> bool:
+        """True when [ptr, ptr + nbytes) lies inside pinned memory in use."""
+        with self._lock:
+            self._drain()
+            return self._find_used(ptr, nbytes) is not None
+
+    # ------------------------------------------------------------------ cache control
+    def empty_cache(self) -> None:
+        """Free every cached block that no pending copy uses (others stay cached)."""
+        to_free: list[_Block] = []
+        with self._lock:
+            self._drain()
+            for size, blocks in list(self._free.items()):
+                keep = []
+                for block in blocks:
+                    (to_free if self._ready(block) else keep).append(block)
+                if keep:
+                    self._free[size] = keep
+                else:
+                    del self._free[size]
+            for block in to_free:
+                self._cached_bytes -= block.size
+                self._cached_blocks -= 1
+        b = self._b() if to_free else None
+        for block in to_free:
+            b.host_free(block.ptr)
+            with self._lock:
+                self._host_frees += 1
+
+    def stats(self) -> dict[str, int]:
+        """Counters: bytes/blocks in use and cached, peak, host allocations and frees."""
+        with self._lock:
+            self._drain()
+            pending = sum(1 for blocks in self._free.values() for b in blocks if b.events)
+            return {
+                "allocated_bytes": self._allocated_bytes,
+                "allocated_blocks": len(self._used),
+                "requested_bytes": self._requested_bytes,
+                "cached_bytes": self._cached_bytes,
+                "cached_blocks": self._cached_blocks,
+                "cached_blocks_pending": pending,
+                "reserved_bytes": self._allocated_bytes + self._cached_bytes,
+                "peak_allocated_bytes": self._peak_allocated,
+                "num_host_alloc": self._host_allocs,
+                "num_host_free": self._host_frees,
+                "num_cache_hits": self._cache_hits,
+            }
+
+
+_allocator = CachingHostAllocator()
+_typestrs: dict[np.dtype, str] = {}  # dtype -> its array-interface typestr ("" if none)
+
+
+class _PinnedBuffer:
+    """Owner of one block: numpy arrays over the block keep it alive (as their ``base``)."""
+
+    __slots__ = ("__array_interface__", "_block")
+
+    def __init__(self, block: _Block, shape: tuple[int, ...], typestr: str):
+        self._block = block
+        self.__array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (block.ptr, False),
+            "version": 3,
+        }
+
+    def __del__(self) -> None:
+        try:
+            _allocator.release(self._block)  # lock-free: safe from any finalizer context
+        except BaseException:
+            pass
+
+
+# --------------------------------------------------------------------------- public API
+def empty_pinned(shape: Any, dtype: Any = np.float32) -> np.ndarray:
+    """An uninitialised numpy array in page-locked memory from the pinned cache."""
+    shape = _normalize_shape(shape)
+    dt = _normalize_dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    block = _allocator.malloc(nbytes)
+    typestr = _typestrs.get(dt)
+    if typestr is None:
+        typestr = _typestrs[dt] = dt.str if np.dtype(dt.str) == dt else ""
+    if typestr:  # the array interface can name the dtype: no view needed
+        return np.asarray(_PinnedBuffer(block, shape, typestr))
+    raw = np.asarray(_PinnedBuffer(block, (nbytes,), "|u1"))  # e.g. ml_dtypes' bfloat16
+    return raw.view(dt).reshape(shape)
+
+
+def pin_memory(array: Any) -> np.ndarray:
+    """A pinned copy of ``array`` (``array`` itself when it is already pinned)."""
+    a = np.asarray(array)
+    if is_pinned(a):
+        return a
+    out = empty_pinned(a.shape, a.dtype)
+    np.copyto(out, a)
+    return out
+
+
+def is_pinned(array: Any) -> bool:
+    """True when ``array`` (a numpy array) lies in pinned memory from cudalab's cache."""
+    if not isinstance(array, np.ndarray):
+        if not hasattr(array, "__array_interface__"):
+            return False
+        array = np.asarray(array)
+    return _allocator.lookup(array.__array_interface__["data"][0])
+
+
+def record_use(ptr: int, stream: Any) -> bool:
+    """Record that work queued on ``stream`` uses pinned memory at ``ptr`` (see module doc)."""
+    return _allocator.record_use(ptr, stream)
+
+
+def _lookup(ptr: int, nbytes: int) -> bool:
+    return _allocator.lookup(ptr, nbytes)
+
+
+def pinned_memory_stats() -> dict[str, int]:
+    """Pinned cache counters: ``allocated_bytes``/``allocated_blocks`` (in use, rounded
+    sizes), ``requested_bytes``, ``cached_bytes``/``cached_blocks`` (free, kept),
+    ``cached_blocks_pending`` (free but possibly still used by a copy), ``reserved_bytes``,
+    ``peak_allocated_bytes``, ``num_host_alloc``/``num_host_free`` (driver calls) and
+    ``num_cache_hits``."""
+    return _allocator.stats()
+
+
+def empty_pinned_cache() -> None:
+    """Return cached pinned blocks to the driver (blocks a pending copy uses stay cached)."""
+    _allocator.empty_cache()

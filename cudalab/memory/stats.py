@@ -1,0 +1,404 @@
+"""Allocator statistics: flat counters, torch's ``memory_stats`` dict and ``memory_summary`` text.
+
+torch keeps, per device, nine ``StatArray``\\ s (``allocation``, ``segment``, ``active``,
+``inactive_split``, ``allocated_bytes``, ``reserved_bytes``, ``active_bytes``,
+``inactive_split_bytes``, ``requested_bytes``), each a {current, peak, allocated, freed}
+quadruple for the aggregate and for the small and large pools, plus two plain stats
+(``oversize_allocations``, ``oversize_segments``) and six scalars: 122 keys once flattened.
+
+Updating 4 × 3 numbers per stat on every allocation would cost more than the rest of the
+allocator's hot path together, so the counters are stored in a reduced form from which
+torch's values are derived exactly when they are read:
+
+* ``freed`` is never stored: ``freed = allocated - current + base``, where ``base`` is the
+  value of ``current`` at the last ``reset_accumulated`` (all three move together).
+* the aggregate (``all``) stores only its peaks: its current/allocated/freed values are
+  the sums of the two pools'.
+* ``active`` is ``allocation`` plus the blocks freed but still awaiting events
+  (``record_stream``), so it is derived from ``allocation`` and the pending counters; its
+  peak only needs its own bookkeeping while something is pending.
+
+:class:`Counters` holds one pool's (or the aggregate's) numbers; :class:`DeviceStats` one
+device's. The allocator updates the fields directly on its hot path; everything else goes
+through the helper methods here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+__all__ = [
+    "Counters",
+    "DeviceStats",
+    "STAT_NAMES",
+    "POOL_NAMES",
+    "METRICS",
+    "STAT_KEYS",
+    "format_size",
+    "render_memory_summary",
+]
+
+#: torch's StatArray names, in the order of torch's nested dict.
+STAT_NAMES = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+#: Pool names in torch's nested dict order.
+POOL_NAMES = ("all", "small_pool", "large_pool")
+METRICS = ("current", "peak", "allocated", "freed")
+_PLAIN = ("oversize_allocations", "oversize_segments")
+_SCALARS = (
+    "num_alloc_retries",
+    "num_ooms",
+    "max_split_size",
+    "num_sync_all_streams",
+    "num_device_alloc",
+    "num_device_free",
+)
+
+# The tracked ("primary") counters: n_ = a count, b_ = bytes.
+#   n_alloc/b_alloc: allocation / allocated_bytes     n_seg/b_res: segment / reserved_bytes
+#   n_split/b_split: inactive_split(_bytes)           b_req: requested_bytes
+_CODES = ("n_alloc", "b_alloc", "b_req", "n_seg", "b_res", "n_split", "b_split")
+_SLOTS = tuple(
+    name for code in _CODES for name in (code, code + "_acc", code + "_peak", code + "_base")
+) + ("n_pend", "b_pend", "n_act_peak", "b_act_peak", "n_act_base", "b_act_base")
+
+
+class Counters:
+    """The reduced counters of one pool (the aggregate uses only the ``*_peak`` fields).
+
+    For each code in ``n_alloc b_alloc b_req n_seg b_res n_split b_split``: ``<code>``
+    (current), ``<code>_acc`` (allocated since reset), ``<code>_peak``, ``<code>_base``
+    (current at the last accumulated reset). ``n_pend``/``b_pend``: blocks freed but waiting
+    for their ``record_stream`` events; ``n_act_peak``/``b_act_peak``: peaks of ``active``
+    reached while something was pending; ``n_act_base``/``b_act_base``: ``active`` at reset.
+    """
+
+    __slots__ = _SLOTS
+
+    def __init__(self) -> None:
+        for name in _SLOTS:
+            setattr(self, name, 0)
+
+    def reset_peak(self) -> None:
+        for code in _CODES:
+            setattr(self, code + "_peak", getattr(self, code))
+        self.n_act_peak = self.n_alloc + self.n_pend
+        self.b_act_peak = self.b_alloc + self.b_pend
+
+    def reset_accumulated(self) -> None:
+        for code in _CODES:
+            setattr(self, code + "_acc", 0)
+            setattr(self, code + "_base", getattr(self, code))
+        self.n_act_base = self.n_alloc + self.n_pend
+        self.b_act_base = self.b_alloc + self.b_pend
+
+
+def _all_keys() -> list[str]:
+    keys = [f"{stat}.{pool}.{metric}" for stat in STAT_NAMES for pool in POOL_NAMES
+            for metric in METRICS]
+    keys += [f"{plain}.{metric}" for plain in _PLAIN for metric in METRICS]
+    return keys + list(_SCALARS)
+
+
+#: torch's 122 ``memory_stats()`` keys, sorted as torch sorts them.
+STAT_KEYS: tuple[str, ...] = tuple(sorted(_all_keys()))
+assert len(STAT_KEYS) == 122
+
+# --------------------------------------------------------------------------- fast dict build
+# memory_stats() must stay well under torch's ~100 us, so the dict is built by a function
+# generated once from the derivation rules below: one pass over the counters, values
+# written in sorted key order into a copy of a template dict (cheaper than dict(zip(...))).
+_TRACKED = {
+    "allocation": "n_alloc", "allocated_bytes": "b_alloc", "requested_bytes": "b_req",
+    "segment": "n_seg", "reserved_bytes": "b_res", "inactive_split": "n_split",
+    "inactive_split_bytes": "b_split",
+}
+
+
+def _value_expr(key: str) -> str:
+    """Python expression for one stats key over s (small), l (large), a (agg), st."""
+    parts = key.split(".")
+    if len(parts) == 1:
+        return f"st.{key}"
+    if len(parts) == 2:  # oversize_allocations / oversize_segments
+        c = "st.ov_alloc" if parts[0] == "oversize_allocations" else "st.ov_seg"
+        return {"current": c, "peak": f"{c}_peak", "allocated": f"{c}_acc",
+                "freed": f"{c}_acc - {c} + {c}_base"}[parts[1]]
+    stat, pool, metric = parts
+    if stat in ("active", "active_bytes"):
+        k = "n" if stat == "active" else "b"
+        code, pend, apeak, abase = f"{k}_alloc", f"{k}_pend", f"{k}_act_peak", f"{k}_act_base"
+        if pool == "all":
+            cur = f"(s.{code} + s.{pend} + l.{code} + l.{pend})"
+            acc = f"(s.{code}_acc + l.{code}_acc)"
+            return {"current": cur, "peak": f"max(a.{code}_peak, a.{apeak})", "allocated": acc,
+                    "freed": f"{acc} - {cur} + s.{abase} + l.{abase}"}[metric]
+        p = "s" if pool == "small_pool" else "l"
+        cur = f"({p}.{code} + {p}.{pend})"
+        return {"current": cur, "peak": f"max({p}.{code}_peak, {p}.{apeak})",
+                "allocated": f"{p}.{code}_acc",
+                "freed": f"{p}.{code}_acc - {cur} + {p}.{abase}"}[metric]
+    code = _TRACKED[stat]
+    if pool == "all":
+        cur = f"(s.{code} + l.{code})"
+        acc = f"(s.{code}_acc + l.{code}_acc)"
+        return {"current": cur, "peak": f"a.{code}_peak", "allocated": acc,
+                "freed": f"{acc} - {cur} + s.{code}_base + l.{code}_base"}[metric]
+    p = "s" if pool == "small_pool" else "l"
+    return {"current": f"{p}.{code}", "peak": f"{p}.{code}_peak", "allocated": f"{p}.{code}_acc",
+            "freed": f"{p}.{code}_acc - {p}.{code} + {p}.{code}_base"}[metric]
+
+
+def _make_builder():
+    lines = ["def build(st, _new=_template.copy):",
+             "    s = st.small", "    l = st.large", "    a = st.agg", "    d = _new()"]
+    lines += [f"    d[{k!r}] = {_value_expr(k)}" for k in STAT_KEYS]
+    lines.append("    return d")
+    namespace = {"_template": dict.fromkeys(STAT_KEYS, 0)}
+    exec(compile("\n".join(lines), "<cudalab.memory.stats builder>", "exec"), namespace)
+    return namespace["build"]
+
+
+_build_stats_dict = _make_builder()
+
+
+class DeviceStats:
+    """All of one device's allocator statistics (see the module documentation)."""
+
+    __slots__ = (
+        "agg", "small", "large",
+        "ov_alloc", "ov_alloc_peak", "ov_alloc_acc", "ov_alloc_base",
+        "ov_seg", "ov_seg_peak", "ov_seg_acc", "ov_seg_base",
+        "num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+        "num_device_free", "max_split_size",
+    )
+
+    def __init__(self, max_split_size: int = -1, small: Counters | None = None,
+                 large: Counters | None = None) -> None:
+        self.agg = Counters()  # only the peaks are used
+        self.small = Counters() if small is None else small
+        self.large = Counters() if large is None else large
+        for name in self.__slots__[3:]:
+            setattr(self, name, 0)
+        #: torch's ``max_split_size`` stat: the limit in bytes, -1 when unlimited.
+        self.max_split_size = max_split_size
+
+    # ------------------------------------------------------------------ slow-path updates
+    def current(self, code: str) -> int:
+        """The aggregate current value of tracked stat ``code`` (sum of the pools)."""
+        return getattr(self.small, code) + getattr(self.large, code)
+
+    def increase(self, pool: Counters, code: str, amount: int) -> None:
+        """Increase tracked stat ``code`` of ``pool`` (with the pool's and the total's peaks)."""
+        v = getattr(pool, code) + amount
+        setattr(pool, code, v)
+        peak = code + "_peak"
+        if v > getattr(pool, peak):
+            setattr(pool, peak, v)
+        setattr(pool, code + "_acc", getattr(pool, code + "_acc") + amount)
+        v = getattr(self.small, code) + getattr(self.large, code)
+        if v > getattr(self.agg, peak):
+            setattr(self.agg, peak, v)
+
+    def decrease(self, pool: Counters, code: str, amount: int) -> None:
+        """Decrease tracked stat ``code`` of ``pool``."""
+        setattr(pool, code, getattr(pool, code) - amount)
+
+    def note_active_peaks(self) -> None:
+        """Update the peaks of ``active`` while blocks are pending (active = allocation +
+        pending); called after an allocation whenever something is pending."""
+        s, l = self.small, self.large  # noqa: E741
+        for c in (s, l):
+            if c.n_pend:
+                v = c.n_alloc + c.n_pend
+                if v > c.n_act_peak:
+                    c.n_act_peak = v
+                v = c.b_alloc + c.b_pend
+                if v > c.b_act_peak:
+                    c.b_act_peak = v
+        a = self.agg
+        v = s.n_alloc + s.n_pend + l.n_alloc + l.n_pend
+        if v > a.n_act_peak:
+            a.n_act_peak = v
+        v = s.b_alloc + s.b_pend + l.b_alloc + l.b_pend
+        if v > a.b_act_peak:
+            a.b_act_peak = v
+
+    def increase_oversize_segments(self) -> None:
+        v = self.ov_seg = self.ov_seg + 1
+        if v > self.ov_seg_peak:
+            self.ov_seg_peak = v
+        self.ov_seg_acc += 1
+
+    # ------------------------------------------------------------------ resets
+    def reset_peak(self) -> None:
+        """torch's ``resetPeakStats``: every peak becomes its current value."""
+        s, l, a = self.small, self.large, self.agg  # noqa: E741
+        s.reset_peak()
+        l.reset_peak()
+        for name in _SLOTS:
+            if name.endswith("_peak") and not name.endswith("_act_peak"):
+                code = name[:-5]
+                setattr(a, name, getattr(s, code) + getattr(l, code))
+        a.n_act_peak = s.n_alloc + s.n_pend + l.n_alloc + l.n_pend
+        a.b_act_peak = s.b_alloc + s.b_pend + l.b_alloc + l.b_pend
+        self.ov_alloc_peak = self.ov_alloc
+        self.ov_seg_peak = self.ov_seg
+
+    def reset_accumulated(self) -> None:
+        """torch's ``resetAccumulatedStats``: allocated/freed and the num_* counters to 0."""
+        self.small.reset_accumulated()  # the aggregate's allocated/freed are derived
+        self.large.reset_accumulated()
+        self.ov_alloc_acc = 0
+        self.ov_alloc_base = self.ov_alloc
+        self.ov_seg_acc = 0
+        self.ov_seg_base = self.ov_seg
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+        self.num_sync_all_streams = 0
+        self.num_device_alloc = 0
+        self.num_device_free = 0
+
+    # ------------------------------------------------------------------ reading
+    def as_dict(self) -> dict[str, int]:
+        """torch's ``memory_stats()``: exactly the 122 keys, sorted (a plain dict, which keeps
+        that order; torch returns an OrderedDict with the same items)."""
+        return _build_stats_dict(self)
+
+    def as_nested_dict(self) -> dict:
+        """torch's ``memory_stats_as_nested_dict()`` (key order as torch's C++ builds it)."""
+        return nested_from_flat(self.as_dict())
+
+
+def nested_from_flat(flat: Mapping[str, int]) -> dict:
+    """Rebuild torch's nested stats dict from the flat one (torch's key order)."""
+    if not flat:
+        return {}
+    out: dict = {}
+    for name in ("num_alloc_retries", "num_ooms", "max_split_size", "num_sync_all_streams",
+                 "num_device_alloc", "num_device_free"):
+        out[name] = flat[name]
+    for stat in STAT_NAMES:
+        out[stat] = {
+            pool: {m: flat[f"{stat}.{pool}.{m}"] for m in METRICS} for pool in POOL_NAMES
+        }
+    for plain in _PLAIN:
+        out[plain] = {m: flat[f"{plain}.{m}"] for m in METRICS}
+    return out
+
+
+def zero_stats(max_split_size: int = -1) -> dict[str, int]:
+    """The 122-key dict of an allocator that has done nothing."""
+    return DeviceStats(max_split_size).as_dict()
+
+
+# --------------------------------------------------------------------------- text
+def format_size(size: int) -> str:
+    """torch's C++ ``format_size`` (used in OOM messages): "512 bytes", "2.00 MiB", ..."""
+    if size <= 1024:
+        return f"{size} bytes"
+    if size <= 1048576:
+        return f"{size / 1024.0:.2f} KiB"
+    if size <= 1073741824:
+        return f"{size / 1048576.0:.2f} MiB"
+    return f"{size / 1073741824.0:.2f} GiB"
+
+
+def _format_bytes_cell(sz: int, pref_sz: float) -> str:
+    prefixes = ("B  ", "KiB", "MiB", "GiB", "TiB", "PiB")
+    prefix = prefixes[0]
+    for new_prefix in prefixes[1:]:
+        if pref_sz < 768 * 1024:
+            break
+        prefix = new_prefix
+        sz //= 1024
+        pref_sz /= 1024
+    return f"{sz:6d} {prefix}"
+
+
+def _format_count_cell(cnt: int, pref_cnt: float) -> str:
+    prefixes = (" ", "K", "M")
+    prefix = prefixes[0]
+    for new_prefix in prefixes[1:]:
+        if pref_cnt < 750 * 1000:
+            break
+        prefix = new_prefix
+        cnt //= 1000
+        pref_cnt /= 1000
+    return f"{cnt:7d} {prefix} "
+
+
+_SUMMARY_METRICS = (
+    ("allocated_bytes", "Allocated memory", _format_bytes_cell),
+    ("active_bytes", "Active memory", _format_bytes_cell),
+    ("requested_bytes", "Requested memory", _format_bytes_cell),
+    ("reserved_bytes", "GPU reserved memory", _format_bytes_cell),
+    ("inactive_split_bytes", "Non-releasable memory", _format_bytes_cell),
+    ("allocation", "Allocations", _format_count_cell),
+    ("active", "Active allocs", _format_count_cell),
+    ("segment", "GPU reserved segments", _format_count_cell),
+    ("inactive_split", "Non-releasable allocs", _format_count_cell),
+)
+
+
+def render_memory_summary(
+    stats: Mapping[str, int], device: int, abbreviated: bool = False, title: str = "cudalab"
+) -> str:
+    """torch's ``memory_summary()`` text for a 122-key stats dict, byte for byte.
+
+    The only difference from torch is the header word: "cudalab CUDA memory summary" where
+    torch prints "PyTorch CUDA memory summary" (both 7 letters, so the table stays 75
+    columns wide); pass ``title="PyTorch"`` to get torch's exact text.
+    """
+    if len(title) != 7:
+        raise ValueError(f"title must be 7 characters to keep torch's layout, got {title!r}")
+    lines = [
+        "=" * 75,
+        " " * 18 + f"{title} CUDA memory summary, device ID {device:<17d} ",
+        "-" * 75,
+        " " * 12 + f"CUDA OOMs: {stats['num_ooms']:<12d} | " + " " * 7
+        + f"cudaMalloc retries: {stats['num_alloc_retries']:<8d}  ",
+        "=" * 75,
+        "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ",
+    ]
+    for key, name, fmt in _SUMMARY_METRICS:
+        lines.append("-" * 75)
+        subs: Iterable[tuple[str, str]] = [("all", name)]
+        if not abbreviated:
+            subs = [("all", name), ("large_pool", "      from large pool"),
+                    ("small_pool", "      from small pool")]
+        pref = None
+        for sub, subname in subs:
+            prefix = f"{key}.{sub}."
+            cur = stats[prefix + "current"]
+            peak = stats[prefix + "peak"]
+            alloc = stats[prefix + "allocated"]
+            freed = stats[prefix + "freed"]
+            if pref is None:
+                pref = (cur, peak, alloc, freed)
+            lines.append(
+                f" {subname:<21} | {fmt(cur, pref[0])} | {fmt(peak, pref[1])} | "
+                f"{fmt(alloc, pref[2])} | {fmt(freed, pref[3])} "
+            )
+    for key, name in (("oversize_allocations", "Oversize allocations"),
+                      ("oversize_segments", "Oversize GPU segments")):
+        lines.append("-" * 75)
+        cur = stats[key + ".current"]
+        peak = stats[key + ".peak"]
+        alloc = stats[key + ".allocated"]
+        freed = stats[key + ".freed"]
+        f = _format_count_cell
+        lines.append(
+            f" {name:<21} | {f(cur, cur)} | {f(peak, peak)} | {f(alloc, alloc)} | {f(freed, freed)} "
+        )
+    lines.append("=" * 75)
+    return "|" + "|\n|".join(lines) + "|\n"
