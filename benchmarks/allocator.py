@@ -207,11 +207,11 @@ print(cm.max_memory_reserved(0), cm.max_memory_allocated(0), skipped, len(data["
 """
 
 
-def replay_traces(runs: list[dict]) -> list[dict]:
+def replay_traces(runs: list[dict], conf: str = "") -> list[dict]:
     """Replay each torch trace through cudalab's allocator on a fresh simulator process."""
     rows = []
     env = dict(os.environ, CUDALAB_SIMULATOR="1", CUDALAB_SIMULATOR_DEVICES="1",
-               CUDALAB_SIMULATOR_MEMORY="200GiB")
+               CUDALAB_SIMULATOR_MEMORY="200GiB", CUDALAB_ALLOC_CONF=conf)
     for run in runs:
         r = subprocess.run([sys.executable, "-c", REPLAY, run["path"]], capture_output=True,
                            text=True, env=env, timeout=600)
@@ -254,17 +254,20 @@ def main() -> None:
         directory = os.environ.get("CUDALAB_BENCH_TRACES") or tempfile.mkdtemp()
         os.makedirs(directory, exist_ok=True)
         runs = record_torch_traces(directory, args.quick)
-        rows = replay_traces(runs)
-        results["fragmentation"] = rows
-        for row in rows:
-            if "error" in row:
-                t.add(f"replay {row['name']}", None, "", f"error {row['error']}")
-                continue
-            ratio = row["cudalab_peak_reserved"] / row["torch_peak_reserved"]
-            t.add(f"peak reserved {row['name']}", row["cudalab_peak_reserved"] / 2**20, "MiB",
-                  f"torch {row['torch_peak_reserved'] / 2**20:.1f} MiB, ratio {ratio:.4f}; "
-                  f"{row['entries']} entries, replay {row['replay_entries_per_s']:.0f}/s, "
-                  f"skipped {row['skipped']}")
+        results["fragmentation"] = {}
+        for conf in ("", "expandable_segments:True"):
+            rows = replay_traces(runs, conf)
+            results["fragmentation"][conf or "default"] = rows
+            for row in rows:
+                label = f"peak reserved {row['name']} [{conf or 'default'}]"
+                if "error" in row:
+                    t.add(label, None, "", f"error {row['error']}")
+                    continue
+                ratio = row["cudalab_peak_reserved"] / row["torch_peak_reserved"]
+                t.add(label, row["cudalab_peak_reserved"] / 2**20, "MiB",
+                      f"torch {row['torch_peak_reserved'] / 2**20:.1f} MiB, ratio {ratio:.4f}; "
+                      f"{row['entries']} entries, replay {row['replay_entries_per_s']:.0f}/s, "
+                      f"skipped {row['skipped']}")
     else:
         t.add("fragmentation", None, "", "needs torch on a GPU (traces recorded there)")
     print(t.render())

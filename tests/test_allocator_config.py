@@ -173,13 +173,18 @@ def test_bad_environment_fails_at_first_allocator_creation_and_keeps_state(monke
         A._config = saved[2]
 
 
-def test_not_yet_implemented_options_fail_at_creation(monkeypatch, backend):
-    from cudalab.memory.allocator import create_allocator
+def test_config_selects_the_allocator_implementation(backend):
+    from cudalab.memory.allocator import DeviceCachingAllocator, create_allocator
+    from cudalab.memory.async_allocator import AsyncPoolAllocator
+    from cudalab.memory.expandable import ExpandableCachingAllocator
 
-    with pytest.raises(NotImplementedError, match="expandable_segments:True"):
-        create_allocator(backend, 0, parse_alloc_conf("expandable_segments:True"))
-    with pytest.raises(NotImplementedError, match="'cudaMallocAsync'"):
-        create_allocator(backend, 0, parse_alloc_conf("backend:cudaMallocAsync"))
+    a = create_allocator(backend, 0, parse_alloc_conf("expandable_segments:True"))
+    assert isinstance(a, ExpandableCachingAllocator)
+    a = create_allocator(backend, 0, parse_alloc_conf("expandable_segments:False"))
+    assert type(a) is DeviceCachingAllocator
+    a = create_allocator(backend, 0, parse_alloc_conf("backend:cudaMallocAsync"))
+    assert isinstance(a, AsyncPoolAllocator)
+    a.close()
 
 
 def test_per_process_memory_fraction_setting_is_applied(backend):

@@ -473,3 +473,12 @@ def test_memory_summary_equals_torchs(backend, abbreviated):
     for p in list(a._live):
         a.free(p)
     a.empty_cache()
+
+
+def test_summary_labels_simulated_devices(backend):
+    import cudalab
+
+    text = cudalab.memory_summary()
+    lines = text.splitlines()
+    assert len({len(line) for line in lines}) == 1  # torch's fixed-width layout is kept
+    assert ("(simulated)" in lines[1]) == backend.simulated

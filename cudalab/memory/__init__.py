@@ -31,17 +31,22 @@ from cudalab.memory.allocator import (
     find_owner,
     get_allocator,
 )
+from cudalab.memory.async_allocator import AsyncPoolAllocator
 from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
+from cudalab.memory.pluggable import PluggableAllocator, change_current_allocator
 from cudalab.memory.stats import STAT_KEYS, nested_from_flat, render_memory_summary, zero_stats
 
 __all__ = [
     "Allocator",
     "AllocatorConfig",
+    "AsyncPoolAllocator",
     "DeviceCachingAllocator",
+    "PluggableAllocator",
     "UncachedAllocator",
     "STAT_KEYS",
     "caching_allocator_alloc",
     "caching_allocator_delete",
+    "change_current_allocator",
     "empty_cache",
     "get_allocator_backend",
     "get_per_process_memory_fraction",
@@ -146,7 +151,10 @@ def memory_stats(device: Any = None, extended: bool = False) -> dict[str, int]:
     a = _allocators[d] if d < len(_allocators) else None
     if a is None:
         cfg = allocator_config()
-        out = zero_stats(-1 if cfg.max_split_size >= (1 << 64) - 1 else cfg.max_split_size)
+        if cfg.backend == "cudaMallocAsync":  # torch reports max_split_size 0 there
+            out = zero_stats(0)
+        else:
+            out = zero_stats(-1 if cfg.max_split_size >= (1 << 64) - 1 else cfg.max_split_size)
     else:
         out = a.memory_stats()
     if extended:
@@ -168,7 +176,8 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
     """torch's ``memory_summary()`` table (header "cudalab CUDA memory summary")."""
     d = _devices._device_index(device)
     stats = memory_stats(d)
-    return render_memory_summary(stats, d, abbreviated)
+    return render_memory_summary(stats, d, abbreviated,
+                                 simulated=_devices._backend().simulated)
 
 
 def memory_snapshot() -> list[dict]:
@@ -238,7 +247,14 @@ def get_per_process_memory_fraction(device: Any = None) -> float:
 
 
 def get_allocator_backend() -> str:
-    """The allocator backend in use: "native" (cudaMallocAsync is not implemented yet)."""
+    """The allocator backend in use: "native", "cudaMallocAsync" or "pluggable" (after
+    :func:`change_current_allocator`), as torch's function of the same name."""
+    for a in _active:
+        return a.name
+    from cudalab.memory import pluggable
+
+    if pluggable.current_allocator() is not None:
+        return "pluggable"
     return allocator_config().backend
 
 

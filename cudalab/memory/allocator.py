@@ -85,6 +85,7 @@ _FREE = 0  # cached, in its pool's free list
 _ALLOCATED = 1  # handed out
 _PENDING = 2  # freed, waiting for record_stream events
 _DETACHED = 3  # out of every structure (segment being released, or a fresh segment)
+_UNMAPPED = 4  # expandable segments: reserved address space with no memory mapped behind it
 
 _OOM_HINT = (
     " If reserved but unallocated memory is large try setting"
@@ -176,7 +177,7 @@ class Block:
         self.gc_base = 0
 
     def __repr__(self) -> str:
-        state = ("free", "allocated", "pending_free", "detached")[self.state]
+        state = ("free", "allocated", "pending_free", "detached", "unmapped")[self.state]
         return f"<Block {self.ptr:#x} size={self.size} {state}>"
 
 
@@ -350,19 +351,26 @@ class DeviceCachingAllocator(Allocator):
 
     name = "native"
 
+    def __new__(cls, backend: Any = None, device: int = 0, config: AllocatorConfig | None = None,
+                stream_resolver: Callable[[], int] | None = None):
+        # expandable_segments:True selects the subclass that grows segments page by page
+        # (cudalab.memory.expandable); the settings are fixed for an allocator's lifetime.
+        if cls is DeviceCachingAllocator and (
+                config if config is not None else config_from_env()).expandable_segments:
+            from cudalab.memory.expandable import ExpandableCachingAllocator
+
+            cls = ExpandableCachingAllocator
+        return super().__new__(cls)
+
     def __init__(self, backend: Any, device: int = 0, config: AllocatorConfig | None = None,
                  stream_resolver: Callable[[], int] | None = None):
         if config is None:
             config = config_from_env()
         if config.backend != "native":
-            raise NotImplementedError(
-                f"allocator backend {config.backend!r} (from {config.source or 'the settings'}) "
-                "is not implemented yet in cudalab; use backend:native"
-            )
-        if config.expandable_segments:
-            raise NotImplementedError(
-                f"expandable_segments:True (from {config.source or 'the settings'}) is not "
-                "implemented yet in cudalab; use expandable_segments:False"
+            raise ValueError(
+                f"DeviceCachingAllocator is the native backend, but the settings "
+                f"({config.source or 'given'}) ask for backend:{config.backend}; "
+                "use cudalab.memory.allocator.create_allocator(), which picks the right class"
             )
         self.backend = backend
         self.device = device
@@ -398,7 +406,8 @@ class DeviceCachingAllocator(Allocator):
         self._callbacks: list[Callable[[], bool]] = []
         #: Hook for the history recorder: called as trace(action, addr, size, stream) at
         #: torch's points (alloc, free_requested, free_completed, segment_alloc,
-        #: segment_free, oom). None (the default) costs nothing.
+        #: segment_free, oom; segment_map and segment_unmap with expandable segments).
+        #: None (the default) costs nothing.
         self._trace: Callable[[str, int, int, int], None] | None = None
         if config.per_process_memory_fraction is not None:
             self.set_memory_fraction(config.per_process_memory_fraction)
@@ -1322,9 +1331,25 @@ class UncachedAllocator(Allocator):
 def create_allocator(backend: Any, device: int, config: AllocatorConfig | None = None,
                      no_caching: bool | None = None,
                      stream_resolver: Callable[[], int] | None = None) -> Allocator:
-    """The allocator the settings ask for (raises ValueError / NotImplementedError)."""
+    """The allocator the settings ask for (raises ValueError / NotImplementedError).
+
+    In order: the allocator installed by ``cudalab.memory.change_current_allocator`` (a
+    :class:`~cudalab.memory.pluggable.PluggableDeviceAllocator`); ``backend:cudaMallocAsync``
+    (:class:`~cudalab.memory.async_allocator.AsyncPoolAllocator`, which like torch ignores
+    ``CUDALAB_NO_MEMORY_CACHING``); no caching (:class:`UncachedAllocator`); else the native
+    :class:`DeviceCachingAllocator`.
+    """
     if config is None:
         config = config_from_env()
+    from cudalab.memory import pluggable
+
+    custom = pluggable.current_allocator()
+    if custom is not None:
+        return custom.device_allocator(backend, device, config, stream_resolver)
+    if config.backend == "cudaMallocAsync":
+        from cudalab.memory.async_allocator import AsyncPoolAllocator
+
+        return AsyncPoolAllocator(backend, device, config, stream_resolver)
     if no_caching is None:
         no_caching = no_caching_from_env()
     if no_caching:

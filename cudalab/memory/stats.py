@@ -351,19 +351,22 @@ _SUMMARY_METRICS = (
 
 
 def render_memory_summary(
-    stats: Mapping[str, int], device: int, abbreviated: bool = False, title: str = "cudalab"
+    stats: Mapping[str, int], device: int, abbreviated: bool = False, title: str = "cudalab",
+    simulated: bool = False,
 ) -> str:
     """torch's ``memory_summary()`` text for a 122-key stats dict, byte for byte.
 
     The only difference from torch is the header word: "cudalab CUDA memory summary" where
     torch prints "PyTorch CUDA memory summary" (both 7 letters, so the table stays 75
-    columns wide); pass ``title="PyTorch"`` to get torch's exact text.
+    columns wide); pass ``title="PyTorch"`` to get torch's exact text. On the simulator the
+    device field reads "N (simulated)", which still fits torch's 17-character field.
     """
     if len(title) != 7:
         raise ValueError(f"title must be 7 characters to keep torch's layout, got {title!r}")
     lines = [
         "=" * 75,
-        " " * 18 + f"{title} CUDA memory summary, device ID {device:<17d} ",
+        " " * 18 + f"{title} CUDA memory summary, device ID "
+        + f"{f'{device} (simulated)' if simulated else device:<17} ",
         "-" * 75,
         " " * 12 + f"CUDA OOMs: {stats['num_ooms']:<12d} | " + " " * 7
         + f"cudaMalloc retries: {stats['num_alloc_retries']:<8d}  ",
