@@ -91,13 +91,19 @@ def latency(n: int, rounds: int, sim: bool) -> dict:
             d.cuStreamSynchronize(rs)
             d.cuStreamDestroy(rs)
     # stats getters
+    def calls(f):
+        def loop(k):
+            for _ in range(k):  # results are dropped at once (a list would keep k dicts alive)
+                f()
+        return loop
+
     getters = {
-        "cudalab memory_allocated()": lambda k, f=cm.memory_allocated: [f() for _ in range(k)],
-        "cudalab memory_stats()": lambda k, f=cm.memory_stats: [f() for _ in range(k)],
+        "cudalab memory_allocated()": calls(cm.memory_allocated),
+        "cudalab memory_stats()": calls(cm.memory_stats),
     }
     if torch is not None and torch.cuda.is_available():
-        getters["torch memory_allocated()"] = lambda k, f=torch.cuda.memory_allocated: [f() for _ in range(k)]
-        getters["torch memory_stats()"] = lambda k, f=torch.cuda.memory_stats: [f() for _ in range(k)]
+        getters["torch memory_allocated()"] = calls(torch.cuda.memory_allocated)
+        getters["torch memory_stats()"] = calls(torch.cuda.memory_stats)
     # Getters are measured one contender at a time: interleaving them with torch's 190 µs
     # dict-building calls evicts the other contender's code from the CPU caches.
     out["getters"] = {k: interleaved({k: loop}, max(n // 10, 200), rounds)[k] * 1e6

@@ -34,6 +34,17 @@ def import_seconds(stmt: str, runs: int = 7) -> float | None:
     return statistics.median(out)
 
 
+def _drop(f, k, *args) -> None:
+    """Call ``f(*args)`` k times, dropping results (like the cudalab loops do)."""
+    for _ in range(k):
+        f(*args)
+
+
+def _done(obj, k) -> None:
+    for _ in range(k):
+        obj.done  # noqa: B018 - CuPy's query is a property
+
+
 def context_after_import() -> str:
     code = ("import cudalab\nfrom cuda.bindings import driver as d\nd.cuInit(0)\n"
             "err, ctx = d.cuCtxGetCurrent()\nprint(int(ctx) if ctx is not None else 0)")
@@ -135,21 +146,21 @@ def main() -> None:
         ts = torch.cuda.Stream()
         te = torch.cuda.Event()
         te.record(ts)
-        contenders["Event.record"]["torch"] = lambda k, r=te.record, st=ts: [r(st) for _ in range(k)]
-        contenders["Event.query"]["torch"] = lambda k, q=te.query: [q() for _ in range(k)]
-        contenders["Stream.query"]["torch"] = lambda k, q=ts.query: [q() for _ in range(k)]
-        contenders["current_stream()"]["torch"] = lambda k, f=torch.cuda.current_stream: [f() for _ in range(k)]
-        contenders["current_device()"]["torch"] = lambda k, f=torch.cuda.current_device: [f() for _ in range(k)]
+        contenders["Event.record"]["torch"] = lambda k, r=te.record, st=ts: _drop(r, k, st)
+        contenders["Event.query"]["torch"] = lambda k, q=te.query: _drop(q, k)
+        contenders["Stream.query"]["torch"] = lambda k, q=ts.query: _drop(q, k)
+        contenders["current_stream()"]["torch"] = lambda k, f=torch.cuda.current_stream: _drop(f, k)
+        contenders["current_device()"]["torch"] = lambda k, f=torch.cuda.current_device: _drop(f, k)
         cleanup.append(ts.synchronize)
     if cupy is not None:
         cs = cupy.cuda.Stream(non_blocking=True)
         ce = cupy.cuda.Event(disable_timing=True)
         ce.record(cs)
-        contenders["Event.record"]["cupy"] = lambda k, r=ce.record, st=cs: [r(st) for _ in range(k)]
-        contenders["Event.query"]["cupy"] = lambda k, e_=ce: [e_.done for _ in range(k)]
-        contenders["Stream.query"]["cupy"] = lambda k, s_=cs: [s_.done for _ in range(k)]
-        contenders["current_stream()"]["cupy"] = lambda k, f=cupy.cuda.get_current_stream: [f() for _ in range(k)]
-        contenders["current_device()"]["cupy"] = lambda k, f=cupy.cuda.runtime.getDevice: [f() for _ in range(k)]
+        contenders["Event.record"]["cupy"] = lambda k, r=ce.record, st=cs: _drop(r, k, st)
+        contenders["Event.query"]["cupy"] = lambda k, e_=ce: _done(e_, k)
+        contenders["Stream.query"]["cupy"] = lambda k, s_=cs: _done(s_, k)
+        contenders["current_stream()"]["cupy"] = lambda k, f=cupy.cuda.get_current_stream: _drop(f, k)
+        contenders["current_device()"]["cupy"] = lambda k, f=cupy.cuda.runtime.getDevice: _drop(f, k)
         cleanup.append(cs.synchronize)
     measured = {key: interleaved(loops, n, rounds=5 if args.quick else 9)
                 for key, loops in contenders.items()}

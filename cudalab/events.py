@@ -33,8 +33,9 @@ class Event:
         interprocess: the event can be shared with other processes via :meth:`ipc_handle`
             (incompatible with ``enable_timing``, a CUDA rule).
 
-    The event owns its driver handle: ``close()`` releases it now, otherwise garbage
-    collection does (never during interpreter exit).
+    The event owns its driver handle: ``close()`` (or leaving a ``with Event() as e:``
+    block) releases it now, otherwise garbage collection does (never during interpreter
+    exit).
     """
 
     __slots__ = ("_handle", "_flags", "enable_timing", "blocking", "interprocess",
@@ -167,6 +168,14 @@ class Event:
         if h is not None:
             self._handle = None
             self._b.event_destroy(h)
+
+    def __enter__(self) -> Event:
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        """``with Event() as e:`` releases the handle at the end of the block."""
+        self.close()
+        return False
 
     def __del__(self) -> None:
         try:

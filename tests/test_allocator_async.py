@@ -193,14 +193,19 @@ def test_empty_cache_trims_the_pool(make, backend):
     assert before >= 24 * MiB  # freed memory stays cached (unlimited release threshold)
     free_before, _ = backend.mem_get_info(0)
     a.empty_cache()
+    # A chunk holding a live allocation stays (the real driver grows pools in 32 MiB chunks,
+    # so `keep` may pin everything; the simulator's 2 MiB chunks release the rest).
     after = a.memory_stats()["reserved_bytes.all.current"]
-    assert after < before and after <= 24 * MiB
+    assert after <= before
     free_after, _ = backend.mem_get_info(0)
     assert free_after - free_before >= before - after - 2 * MiB  # given back to the device
     assert a.memory_stats()["allocated_bytes.all.current"] == 1000
     a.free(keep)
+    backend.synchronize(0)
     a.empty_cache()
     assert a.memory_stats()["reserved_bytes.all.current"] == 0
+    free_end, _ = backend.mem_get_info(0)
+    assert free_end - free_before >= before - 2 * MiB  # everything went back
 
 
 # --------------------------------------------------------------------------- streams
@@ -351,7 +356,7 @@ def test_closed_or_destroyed_usage_stream_falls_back_to_a_device_sync(make, back
 def test_memory_fraction_is_enforced_with_torchs_text(make, backend):
     a = make()
     _, total = backend.mem_get_info(0)
-    frac = (8 * MiB) / total
+    frac = (8.5 * MiB) / total  # limit = int(frac * total): leave room for float truncation
     a.set_memory_fraction(frac)
     assert a.get_memory_fraction() == pytest.approx(frac)
     limit = int(frac * total)

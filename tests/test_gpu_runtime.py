@@ -110,3 +110,27 @@ def test_peer_copy_between_devices():
     finally:
         b.mem_free(0, p0)
         b.mem_free(1, p1)
+
+
+def test_device_count_creates_no_context():
+    """device_count() answers from NVML and CUDA_VISIBLE_DEVICES, like torch (fork-safe)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import cudalab
+        n = cudalab.device_count()
+        assert not cudalab.is_initialized()
+        from cuda.bindings import driver as d
+        d.cuInit(0)
+        err, ctx = d.cuCtxGetCurrent()
+        print(n, 0 if ctx is None else int(ctx))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "CUDALAB_SIMULATOR"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    n, ctx = map(int, r.stdout.split())
+    assert n == cudalab.device_count() and ctx == 0

@@ -244,3 +244,11 @@ def test_sync_debug_mode():
 
 def test_streams_module_exit_flag_exists():
     assert streams_mod._exiting is False
+
+
+def test_event_context_manager_releases_handle():
+    with cudalab.Event(enable_timing=True) as e:
+        e.record()
+        e.synchronize()
+        assert e.cuda_event != 0
+    assert e.cuda_event == 0 and e.query() is True
