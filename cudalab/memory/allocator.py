@@ -517,44 +517,51 @@ class DeviceCachingAllocator(Allocator):
                 if was_split:  # an inactive split block becomes active
                     pool.n_split -= 1
                     pool.b_split -= bsize
-            b.state = 1  # _ALLOCATED
-            b.requested = size
-            self._live[ptr] = b
-            # allocation, allocated_bytes, requested_bytes (active is derived): the pool's
-            # current/peak/allocated, then the total's peak.
-            v = pool.n_alloc = pool.n_alloc + 1
-            if v > pool.n_alloc_peak:
-                pool.n_alloc_peak = v
-            pool.n_alloc_acc += 1
-            v = pool.b_alloc = pool.b_alloc + bsize
-            if v > pool.b_alloc_peak:
-                pool.b_alloc_peak = v
-            pool.b_alloc_acc += bsize
-            v = pool.b_req = pool.b_req + size
-            if v > pool.b_req_peak:
-                pool.b_req_peak = v
-            pool.b_req_acc += size
-            s = self.small
-            lg = self.large
-            agg = self._agg
-            v = s.n_alloc + lg.n_alloc
-            if v > agg.n_alloc_peak:
-                agg.n_alloc_peak = v
-            v = s.b_alloc + lg.b_alloc
-            if v > agg.b_alloc_peak:
-                agg.b_alloc_peak = v
-            v = s.b_req + lg.b_req
-            if v > agg.b_req_peak:
-                agg.b_req_peak = v
-            if self._n_pending:
-                self.stats.note_active_peaks()
-            if bsize >= self._max_split:
-                self._oversize_alloc(1)
-            if self._trace is not None:
-                self._trace("alloc", ptr, size, skey)
-            return ptr
+            return self._account_alloc(pool, b, ptr, bsize, size, skey)
         finally:
             lock.release()
+
+    def _account_alloc(self, pool: BlockPool, b: Block, ptr: int, bsize: int, size: int,
+                       skey: int) -> int:
+        """Hand out block ``b`` (``bsize`` bytes at ``ptr``) for a ``size``-byte request:
+        state, the live map, torch's statistics, the trace hook. Shared by every native
+        allocator flavour; runs under the allocator lock."""
+        b.state = 1  # _ALLOCATED
+        b.requested = size
+        self._live[ptr] = b
+        # allocation, allocated_bytes, requested_bytes (active is derived): the pool's
+        # current/peak/allocated, then the total's peak.
+        v = pool.n_alloc = pool.n_alloc + 1
+        if v > pool.n_alloc_peak:
+            pool.n_alloc_peak = v
+        pool.n_alloc_acc += 1
+        v = pool.b_alloc = pool.b_alloc + bsize
+        if v > pool.b_alloc_peak:
+            pool.b_alloc_peak = v
+        pool.b_alloc_acc += bsize
+        v = pool.b_req = pool.b_req + size
+        if v > pool.b_req_peak:
+            pool.b_req_peak = v
+        pool.b_req_acc += size
+        s = self.small
+        lg = self.large
+        agg = self._agg
+        v = s.n_alloc + lg.n_alloc
+        if v > agg.n_alloc_peak:
+            agg.n_alloc_peak = v
+        v = s.b_alloc + lg.b_alloc
+        if v > agg.b_alloc_peak:
+            agg.b_alloc_peak = v
+        v = s.b_req + lg.b_req
+        if v > agg.b_req_peak:
+            agg.b_req_peak = v
+        if self._n_pending:
+            self.stats.note_active_peaks()
+        if bsize >= self._max_split:
+            self._oversize_alloc(1)
+        if self._trace is not None:
+            self._trace("alloc", ptr, size, skey)
+        return ptr
 
     def free(self, ptr: int) -> None:
         """Give a pointer from :meth:`malloc` back to the cache (ValueError if it is not one)."""
@@ -720,6 +727,25 @@ class DeviceCachingAllocator(Allocator):
             out.sort(key=lambda s: s["address"])
             return out
 
+    def _recount_block(self, b: Block, rc: dict) -> None:
+        """Add one mapped block to the recount ``rc`` and check its state (invariants)."""
+        rc["b_res"] += b.size
+        if b.state == _ALLOCATED:
+            rc["n_alloc"] += 1
+            rc["b_alloc"] += b.size
+            rc["b_req"] += b.requested
+            assert self._live.get(b.ptr) is b or b in self._pending_frees, \
+                f"{b!r} is allocated but not live"
+        elif b.state == _PENDING:
+            assert b.event_count > 0, f"{b!r} is pending without events"
+            rc["n_pend"] += 1
+            rc["b_pend"] += b.size
+            rc["b_req"] += b.requested
+        else:
+            assert b.state == _FREE, f"{b!r} is in an impossible state"
+            key = (b.size << _SHIFT) | b.ptr
+            assert b.fl.entries.get(key) is b, f"{b!r} is free but not cached"
+
     def check_invariants(self) -> None:
         """Verify the allocator's internal structure (tests and debugging; O(blocks)).
 
@@ -750,22 +776,7 @@ class DeviceCachingAllocator(Allocator):
                             f"free neighbours {b!r} and {b.next!r} were not merged"
                     end += b.size
                     nblocks += 1
-                    rc["b_res"] += b.size
-                    if b.state == _ALLOCATED:
-                        rc["n_alloc"] += 1
-                        rc["b_alloc"] += b.size
-                        rc["b_req"] += b.requested
-                        assert self._live.get(b.ptr) is b or b in self._pending_frees, \
-                            f"{b!r} is allocated but not live"
-                    elif b.state == _PENDING:
-                        assert b.event_count > 0, f"{b!r} is pending without events"
-                        rc["n_pend"] += 1
-                        rc["b_pend"] += b.size
-                        rc["b_req"] += b.requested
-                    else:
-                        assert b.state == _FREE, f"{b!r} is in an impossible state"
-                        key = (b.size << _SHIFT) | b.ptr
-                        assert b.fl.entries.get(key) is b, f"{b!r} is free but not cached"
+                    self._recount_block(b, rc)
                     b = b.next
                 if nblocks > 1:
                     b = head

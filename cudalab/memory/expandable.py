@@ -288,40 +288,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
                 bsize = rs
             else:
                 ptr = b.ptr
-            b.state = _ALLOCATED
-            b.requested = size
-            self._live[ptr] = b
-            v = pool.n_alloc = pool.n_alloc + 1
-            if v > pool.n_alloc_peak:
-                pool.n_alloc_peak = v
-            pool.n_alloc_acc += 1
-            v = pool.b_alloc = pool.b_alloc + bsize
-            if v > pool.b_alloc_peak:
-                pool.b_alloc_peak = v
-            pool.b_alloc_acc += bsize
-            v = pool.b_req = pool.b_req + size
-            if v > pool.b_req_peak:
-                pool.b_req_peak = v
-            pool.b_req_acc += size
-            s = self.small
-            lg = self.large
-            agg = self._agg
-            v = s.n_alloc + lg.n_alloc
-            if v > agg.n_alloc_peak:
-                agg.n_alloc_peak = v
-            v = s.b_alloc + lg.b_alloc
-            if v > agg.b_alloc_peak:
-                agg.b_alloc_peak = v
-            v = s.b_req + lg.b_req
-            if v > agg.b_req_peak:
-                agg.b_req_peak = v
-            if self._n_pending:
-                self.stats.note_active_peaks()
-            if bsize >= self._max_split:
-                self._oversize_alloc(1)
-            if self._trace is not None:
-                self._trace("alloc", ptr, size, skey)
-            return ptr
+            return self._account_alloc(pool, b, ptr, bsize, size, skey)
         finally:
             lock.release()
 
@@ -439,22 +406,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
                         stop = -(-(b.ptr + b.size - es.ptr) // es.page)
                         assert all(h is not None for h in es.handles[first:stop]), \
                             f"{b!r} lies on unmapped pages"
-                        rc["b_res"] += b.size
-                        if b.state == _ALLOCATED:
-                            rc["n_alloc"] += 1
-                            rc["b_alloc"] += b.size
-                            rc["b_req"] += b.requested
-                            assert self._live.get(b.ptr) is b or b in self._pending_frees, \
-                                f"{b!r} is allocated but not live"
-                        elif b.state == _PENDING:
-                            assert b.event_count > 0, f"{b!r} is pending without events"
-                            rc["n_pend"] += 1
-                            rc["b_pend"] += b.size
-                            rc["b_req"] += b.requested
-                        else:
-                            assert b.state == _FREE, f"{b!r} is in an impossible state"
-                            key = (b.size << _SHIFT) | b.ptr
-                            assert b.fl.entries.get(key) is b, f"{b!r} is free but not cached"
+                        self._recount_block(b, rc)
                     end += b.size
                     prev, b = b, b.next
                 assert end == es.end, f"blocks of {es!r} end at {end:#x}"
