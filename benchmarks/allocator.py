@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 
@@ -188,51 +187,30 @@ def record_torch_traces(directory: str, quick: bool) -> list[dict]:
     return runs
 
 
-REPLAY = r"""
-import pickle, sys, time
-import cudalab, cudalab.memory as cm
-data = pickle.load(open(sys.argv[1], "rb"))
-streams = {}
-live = {}
-skipped = 0
-t0 = time.perf_counter()
-for action, addr, size, stream in data["trace"]:
-    if action == "alloc":
-        s = streams.get(stream)
-        if s is None:
-            s = streams[stream] = cudalab.default_stream() if stream == 0 else cudalab.Stream()
-        live[addr] = cm.caching_allocator_alloc(size, 0, s)
-    else:
-        p = live.pop(addr, None)
-        if p is None:
-            skipped += 1
-        else:
-            cm.caching_allocator_delete(p)
-dt = time.perf_counter() - t0
-print(cm.max_memory_reserved(0), cm.max_memory_allocated(0), skipped, len(data["trace"]) / dt)
-"""
-
-
 def replay_traces(runs: list[dict], conf: str = "") -> list[dict]:
-    """Replay each torch trace through cudalab's allocator on a fresh simulator process."""
+    """Replay each torch trace through cudalab's allocator (``cudalab.memory.replay``), which
+    builds a fresh allocator over a private simulator for every run."""
+    import time
+
+    from cudalab.memory.replay import replay
+
     rows = []
-    env = dict(os.environ, CUDALAB_SIMULATOR="1", CUDALAB_SIMULATOR_DEVICES="1",
-               CUDALAB_SIMULATOR_MEMORY="200GiB", CUDALAB_ALLOC_CONF=conf)
     for run in runs:
-        r = subprocess.run([sys.executable, "-c", REPLAY, run["path"]], capture_output=True,
-                           text=True, env=env, timeout=600)
         with open(run["path"], "rb") as f:
             data = pickle.load(f)
-        if r.returncode != 0:
-            rows.append({"name": run["name"], "error": r.stderr.strip().splitlines()[-1:]})
+        t0 = time.perf_counter()
+        try:
+            res = replay(data["trace"], conf)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            rows.append({"name": run["name"], "error": f"{type(exc).__name__}: {exc}"})
             continue
-        ours_res, ours_alloc, skipped, rate = r.stdout.split()
+        dt = time.perf_counter() - t0
         rows.append({
-            "name": run["name"], "entries": run["entries"],
+            "name": run["name"], "entries": len(data["trace"]),
             "torch_peak_reserved": data["torch_peak_reserved"],
             "torch_peak_allocated": data["torch_peak_allocated"],
-            "cudalab_peak_reserved": int(ours_res), "cudalab_peak_allocated": int(ours_alloc),
-            "skipped": int(skipped), "replay_entries_per_s": float(rate),
+            "cudalab_peak_reserved": res.peak_reserved, "cudalab_peak_allocated": res.peak_allocated,
+            "skipped": sum(res.skipped.values()), "replay_entries_per_s": len(data["trace"]) / dt,
         })
     return rows
 

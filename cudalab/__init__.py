@@ -75,6 +75,7 @@ _LAZY: dict[str, str] = {
         for name in ("DeviceArray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like",
                      "asarray", "from_dlpack")
     },
+    **{name: "cudalab.memory" for name in ("record_history", "load_snapshot", "export_memory_viz")},
     **{name: "cudalab.memory.pinned" for name in ("empty_pinned", "pin_memory", "is_pinned",
                                                    "pinned_memory_stats", "empty_pinned_cache")},
     # NVML (torch units)

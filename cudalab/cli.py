@@ -204,6 +204,63 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- replay
+def _cmd_replay(args: argparse.Namespace) -> int:
+    """``replay`` and ``what-if``: replay a trace through fresh allocators on the simulator."""
+    import importlib
+    import os
+    import warnings
+
+    # (by module path: cudalab.memory may export the replay *function* under the same name)
+    rp = importlib.import_module("cudalab.memory.replay")
+
+    name = args.command
+    try:
+        memory = rp.parse_size(args.device_memory) if args.device_memory else None
+        if args.plot:
+            if os.path.splitext(args.plot)[1].lower() not in (".png", ".svg"):
+                raise ValueError(f"plot file must end in .png or .svg, got {args.plot!r}")
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise ValueError("install matplotlib to save plots (pip install matplotlib)") \
+                    from None
+        progress = bool(args.progress or (sys.stderr.isatty() and not args.json))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if name == "replay":
+                result = rp.replay(args.trace, args.conf, device_memory=memory,
+                                   device=args.device, progress=progress)
+                results = [result]
+            else:
+                table = rp.what_if(args.trace, args.conf or None, device_memory=memory,
+                                   device=args.device, progress=progress)
+                results = table.attrs["results"]
+        for w in caught:
+            print(f"cudalab {name}: warning: {w.message}", file=sys.stderr)
+        if args.plot:
+            rp.save_plot(results, args.plot)
+    except (ValueError, OSError, ImportError) as exc:  # TraceError is a ValueError
+        text = str(exc).strip().splitlines()
+        print(f"cudalab {name}: error: {text[0] if text else type(exc).__name__}",
+              file=sys.stderr)
+        return 2
+    if args.json:
+        if name == "replay":
+            print(json.dumps(result.to_dict(), indent=2))
+        else:
+            print(json.dumps({"source": results[0].source if results else args.trace,
+                              "note": table.attrs.get("note"),
+                              "ranking": [{"rank": int(rank), **row} for rank, row in
+                                          zip(table.index, table.to_dict("records"))]},
+                             indent=2))
+    else:
+        print(str(result) if name == "replay" else rp.format_what_if(table))
+        if args.plot:
+            print(f"plot saved to {args.plot}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -220,6 +277,40 @@ def build_parser() -> argparse.ArgumentParser:
                       help="use the simulator (no GPU; all values simulated)")
     info.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     info.set_defaults(func=_cmd_info)
+
+    for cmd in ("replay", "what-if"):
+        if cmd == "replay":
+            p = sub.add_parser(
+                "replay", help="replay a memory trace through the allocator (simulated)",
+                description="Replay the alloc/free trace of a memory snapshot pickle "
+                            "(cudalab's or torch's _dump_snapshot) through a fresh caching "
+                            "allocator on a private simulated device and print peak "
+                            "reserved/allocated memory, device allocations, retries and OOMs.")
+            p.add_argument("--conf", default=None, metavar="CONF",
+                           help="allocator settings, PYTORCH_ALLOC_CONF grammar "
+                                "(e.g. expandable_segments:True,max_split_size_mb:128)")
+        else:
+            p = sub.add_parser(
+                "what-if", help="rank allocator settings by the memory a trace would need",
+                description="Replay a memory trace under several allocator settings "
+                            "(default: a sweep of expandable_segments, max_split_size_mb, "
+                            "roundup_power2_divisions and backend:cudaMallocAsync) and print "
+                            "them ranked by peak reserved memory.")
+            p.add_argument("--conf", action="append", default=[], metavar="CONF",
+                           help="a setting to try instead of the default sweep (repeatable; "
+                                "the defaults are always the baseline)")
+        p.add_argument("trace", metavar="TRACE", help="snapshot pickle with a history trace")
+        p.add_argument("--device", type=int, default=0, help="device trace to replay (default 0)")
+        p.add_argument("--device-memory", default=None, metavar="SIZE",
+                       help="memory of the simulated device, e.g. 80GiB (default: "
+                            "large enough never to matter)")
+        p.add_argument("--plot", default=None, metavar="OUT",
+                       help="save reserved/allocated over time as OUT.png or OUT.svg "
+                            "(needs matplotlib)")
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        p.add_argument("--progress", action="store_true",
+                       help="show a progress bar on stderr (default: when it is a terminal)")
+        p.set_defaults(func=_cmd_replay)
     return parser
 
 

@@ -105,11 +105,18 @@ def _check(msg: Any) -> None:
 # The hot paths below test `_domain is not None` first: with no profiler attached (the usual
 # case) that single test is all the NVTX work they do.
 
+#: Set once any range is pushed: lets the allocator history skip the per-thread range
+#: lookup entirely in processes that never use NVTX.
+_used = False
+
+
 def range_push(msg: str) -> int:
     """Push a range onto this thread's stack of nested ranges.
 
     Returns the zero-based depth of the range that is started.
     """
+    global _used
+    _used = True
     domain = _domain
     if domain is not None:
         if domain is _UNSET:

@@ -33,23 +33,52 @@ from cudalab.memory.allocator import (
 )
 from cudalab.memory.async_allocator import AsyncPoolAllocator
 from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
+from cudalab.memory.export import (
+    export_perfetto,
+    history_frame,
+    read_history_csv,
+    segments_frame,
+    snapshot_frame,
+    stats_frame,
+)
+from cudalab.memory.history import HistoryRecording, record_history
+from cudalab.memory.history import _record_memory_history as _record_memory_history
 from cudalab.memory.pluggable import PluggableAllocator, change_current_allocator
+from cudalab.memory.replay import ReplayResult, ReplayWarning, replay, what_if
+from cudalab.memory.snapshot import SnapshotLoadError, export_memory_viz, load_snapshot
+from cudalab.memory.snapshot import _dump_snapshot as _dump_snapshot
+from cudalab.memory.snapshot import _snapshot as _snapshot
+from cudalab.memory.snapshot import memory_snapshot as _memory_snapshot
 from cudalab.memory.stats import STAT_KEYS, nested_from_flat, render_memory_summary, zero_stats
 
 __all__ = [
+    "ReplayResult",
+    "ReplayWarning",
+    "export_perfetto",
+    "history_frame",
+    "read_history_csv",
+    "replay",
+    "segments_frame",
+    "snapshot_frame",
+    "stats_frame",
+    "what_if",
     "Allocator",
     "AllocatorConfig",
     "AsyncPoolAllocator",
     "DeviceCachingAllocator",
+    "HistoryRecording",
     "PluggableAllocator",
     "UncachedAllocator",
     "STAT_KEYS",
+    "SnapshotLoadError",
     "caching_allocator_alloc",
     "caching_allocator_delete",
     "change_current_allocator",
     "empty_cache",
+    "export_memory_viz",
     "get_allocator_backend",
     "get_per_process_memory_fraction",
+    "load_snapshot",
     "max_memory_allocated",
     "max_memory_cached",
     "max_memory_reserved",
@@ -62,6 +91,7 @@ __all__ = [
     "memory_stats_as_nested_dict",
     "memory_summary",
     "parse_alloc_conf",
+    "record_history",
     "record_stream",
     "render_memory_summary",
     "reset_accumulated_memory_stats",
@@ -181,11 +211,12 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
 
 
 def memory_snapshot() -> list[dict]:
-    """torch's ``memory_snapshot()``: every device's segments, as plain dicts and lists."""
-    out: list[dict] = []
-    for a in list(_active):
-        out.extend(a.segments())
-    return out
+    """torch's ``memory_snapshot()``: every device's segments, as plain dicts and lists.
+
+    Blocks and segments carry the stack of their allocation (``frames``) while the history
+    is recorded with a context (:func:`record_history`); see also :func:`_snapshot`.
+    """
+    return _memory_snapshot()
 
 
 # --------------------------------------------------------------------------- resets

@@ -1373,6 +1373,9 @@ _allocators: list[Allocator | None] = []
 #: Allocators that exist, for pointer lookups (few: one per device used).
 _active: list[Allocator] = []
 _config: AllocatorConfig | None = None
+#: Called with each allocator get_allocator() creates, before it is published (the history
+#: recorder attaches itself here); a hook must not raise.
+_on_create: list[Callable[[Allocator], None]] = []
 
 
 def allocator_config() -> AllocatorConfig:
@@ -1399,6 +1402,8 @@ def get_allocator(device: int) -> Allocator:
             from cudalab import devices
 
             a = create_allocator(devices._backend(), device, allocator_config())
+            for hook in _on_create:
+                hook(a)
             _allocators[device] = a
             _active.append(a)
         return a
