@@ -314,6 +314,24 @@ class Allocator(abc.ABC):
         self.stats.reset_accumulated()
 
 
+def _stream_use(stream: Any, need_handle: bool = False) -> tuple[int, int]:
+    """(device index, stream key) of a stream passed to ``record_stream`` (TypeError if it is
+    not a cudalab Stream; ``need_handle`` also requires the driver handle events need)."""
+    dev = getattr(stream, "device_index", None)
+    key = getattr(stream, "cuda_stream", None)
+    if (not isinstance(key, int) or not isinstance(dev, int)
+            or (need_handle and not hasattr(stream, "_handle"))):
+        raise TypeError(f"record_stream needs a cudalab.Stream, got {type(stream).__name__}")
+    return dev, key
+
+
+def _fraction_total(backend: Any, device: int, fraction: float) -> int:
+    """Check a per-process memory fraction (torch's rule and message); the device's total."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    return backend.mem_get_info(device)[1]
+
+
 def _stream_key(stream: Any, device: int) -> int:
     """The allocation-stream key: the stream's handle value (0 = the legacy default stream)."""
     if type(stream) is int:
@@ -615,10 +633,7 @@ class DeviceCachingAllocator(Allocator):
         When the block is freed, one event is recorded on each such stream and the block is
         reused only after they complete. Use on the allocation stream is ignored.
         """
-        dev = getattr(stream, "device_index", None)
-        key = getattr(stream, "cuda_stream", None)
-        if not isinstance(key, int) or not isinstance(dev, int):
-            raise TypeError(f"record_stream needs a cudalab.Stream, got {type(stream).__name__}")
+        dev, key = _stream_use(stream)
         with self._lock:
             b = self._live.get(ptr)
             if b is None:
@@ -638,9 +653,7 @@ class DeviceCachingAllocator(Allocator):
             self._release_cached_blocks()
 
     def set_memory_fraction(self, fraction: float) -> None:
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        _, total = self.backend.mem_get_info(self.device)
+        total = _fraction_total(self.backend, self.device, fraction)
         with self._lock:
             self._total = total
             self._fraction = float(fraction)
@@ -1304,9 +1317,7 @@ class UncachedAllocator(Allocator):
             self.stats.num_sync_all_streams += 1
 
     def set_memory_fraction(self, fraction: float) -> None:
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        _, total = self.backend.mem_get_info(self.device)
+        total = _fraction_total(self.backend, self.device, fraction)
         with self._lock:
             self._total = total
             self._allowed = int(fraction * total)

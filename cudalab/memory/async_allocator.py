@@ -44,7 +44,14 @@ from typing import Any
 from cudalab import streams as _streams
 from cudalab._driver.base import EVENT_DISABLE_TIMING, STREAM_NON_BLOCKING
 from cudalab.errors import CudaError, OutOfMemoryError
-from cudalab.memory.allocator import Allocator, _bad_pointer, _check_size, _stream_key
+from cudalab.memory.allocator import (
+    Allocator,
+    _bad_pointer,
+    _check_size,
+    _fraction_total,
+    _stream_key,
+    _stream_use,
+)
 from cudalab.memory.config import UNLIMITED, AllocatorConfig, config_from_env
 from cudalab.memory.stats import STAT_KEYS, Counters, format_size
 
@@ -272,10 +279,7 @@ class AsyncPoolAllocator(Allocator):
     def record_stream(self, ptr: int, stream: Any) -> None:
         """``ptr`` is used on ``stream`` (a cudalab Stream): its free then waits for the work
         queued on ``stream`` up to the free (use on the allocation stream is ignored)."""
-        dev = getattr(stream, "device_index", None)
-        key = getattr(stream, "cuda_stream", None)
-        if not isinstance(key, int) or not isinstance(dev, int) or not hasattr(stream, "_handle"):
-            raise TypeError(f"record_stream needs a cudalab.Stream, got {type(stream).__name__}")
+        dev, key = _stream_use(stream, need_handle=True)
         rec = self._live.get(ptr)
         if rec is None:
             raise _bad_pointer(ptr)
@@ -294,9 +298,7 @@ class AsyncPoolAllocator(Allocator):
         self.backend.pool_trim(self._pool, 0)
 
     def set_memory_fraction(self, fraction: float) -> None:
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        _, total = self.backend.mem_get_info(self.device)
+        total = _fraction_total(self.backend, self.device, fraction)
         with self._lock:
             self._fraction = float(fraction)
             self._limit = int(fraction * total)

@@ -44,8 +44,10 @@ from cudalab.memory.allocator import (
     Allocator,
     _bad_pointer,
     _check_size,
+    _fraction_total,
     _oom_text,
     _stream_key,
+    _stream_use,
 )
 from cudalab.memory.config import SMALL_SIZE, UNLIMITED, AllocatorConfig
 from cudalab.memory.stats import DeviceStats
@@ -245,10 +247,7 @@ class PluggableDeviceAllocator(Allocator):
         return rec[0]
 
     def record_stream(self, ptr: int, stream: Any) -> None:
-        dev = getattr(stream, "device_index", None)
-        key = getattr(stream, "cuda_stream", None)
-        if not isinstance(key, int) or not isinstance(dev, int) or not hasattr(stream, "_handle"):
-            raise TypeError(f"record_stream needs a cudalab.Stream, got {type(stream).__name__}")
+        dev, key = _stream_use(stream, need_handle=True)
         rec = self._live.get(ptr)
         if rec is None:
             raise _bad_pointer(ptr)
@@ -264,9 +263,7 @@ class PluggableDeviceAllocator(Allocator):
         """Nothing is cached: a no-op."""
 
     def set_memory_fraction(self, fraction: float) -> None:
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        _, total = self.backend.mem_get_info(self.device)
+        total = _fraction_total(self.backend, self.device, fraction)
         with self._lock:
             self._total = total
             self._limit = int(fraction * total)
