@@ -99,6 +99,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'cudalab' has no attribute {name!r}")
 
 
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext cudalab``: register the magics (see :mod:`cudalab.magics`)."""
+    importlib.import_module("cudalab.magics").load_ipython_extension(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext cudalab``: remove hooks and stop cudalab's background threads."""
+    importlib.import_module("cudalab.magics").unload_ipython_extension(ipython)
+
+
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
 

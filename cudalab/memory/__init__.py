@@ -45,6 +45,7 @@ from cudalab.memory.history import HistoryRecording, record_history
 from cudalab.memory.history import _record_memory_history as _record_memory_history
 from cudalab.memory.pluggable import PluggableAllocator, change_current_allocator
 from cudalab.memory.replay import ReplayResult, ReplayWarning, replay, what_if
+from cudalab.memory.scope import PeakScope, peak_scope
 from cudalab.memory.snapshot import SnapshotLoadError, export_memory_viz, load_snapshot
 from cudalab.memory.snapshot import _dump_snapshot as _dump_snapshot
 from cudalab.memory.snapshot import _snapshot as _snapshot
@@ -52,6 +53,8 @@ from cudalab.memory.snapshot import memory_snapshot as _memory_snapshot
 from cudalab.memory.stats import STAT_KEYS, nested_from_flat, render_memory_summary, zero_stats
 
 __all__ = [
+    "PeakScope",
+    "peak_scope",
     "ReplayResult",
     "ReplayWarning",
     "export_perfetto",
@@ -112,7 +115,7 @@ def _reader(device: Any) -> Allocator | None:
         return None
     d = _devices._tls.device if device is None else _devices._device_index(device)
     a = _allocators[d] if d < len(_allocators) else None
-    if a is not None and a._pending_frees:
+    if a is not None and (a._pending_frees or a._memo is not None):
         a.sync_pending()
     return a
 
@@ -123,7 +126,7 @@ def memory_allocated(device: Any = None) -> int:
     if device is None and _devices._initialized:  # the common call, inlined
         d = _tls.device
         a = _allocators[d] if d < len(_allocators) else None
-        if a is not None and a._pending_frees:
+        if a is not None and (a._pending_frees or a._memo is not None):
             a.sync_pending()
     else:
         a = _reader(device)
@@ -303,9 +306,7 @@ def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -
     release it with :func:`caching_allocator_delete`.
     """
     if device is None and _devices._initialized:
-        d = _devices._tls.device
-        if stream is None:  # the current stream of the current device, resolved cheaply
-            stream = _streams.current_stream().cuda_stream
+        d = _devices._tls.device  # malloc resolves stream=None to this thread's current one
     else:
         d = _devices._device_index(device)
     a = _allocators[d] if d < len(_allocators) else None

@@ -64,6 +64,8 @@ from cudalab.memory.config import (
 from cudalab.memory.events import EventPool
 from cudalab.memory.stats import Counters, DeviceStats, format_size
 
+_tls = _streams._tls  # per thread: .device and .streams (the current stream of each device)
+
 __all__ = [
     "Allocator",
     "DeviceCachingAllocator",
@@ -86,6 +88,7 @@ _ALLOCATED = 1  # handed out
 _PENDING = 2  # freed, waiting for record_stream events
 _DETACHED = 3  # out of every structure (segment being released, or a fresh segment)
 _UNMAPPED = 4  # expandable segments: reserved address space with no memory mapped behind it
+_DEFERRED = 5  # freed into the pair memo: logically free and merged, physically still split
 
 _OOM_HINT = (
     " If reserved but unallocated memory is large try setting"
@@ -177,7 +180,8 @@ class Block:
         self.gc_base = 0
 
     def __repr__(self) -> str:
-        state = ("free", "allocated", "pending_free", "detached", "unmapped")[self.state]
+        state = ("free", "allocated", "pending_free", "detached", "unmapped",
+                 "deferred_free")[self.state]
         return f"<Block {self.ptr:#x} size={self.size} {state}>"
 
 
@@ -264,6 +268,13 @@ class Allocator(abc.ABC):
     _live: dict
     #: Frees deferred while the lock was busy (the getters check it before reading).
     _pending_frees: Any = ()
+    #: The native allocator's pair memo (see DeviceCachingAllocator); the getters call
+    #: sync_pending() first while it is set, so they never see deferred counters.
+    _memo: Any = None
+    #: Watermark of allocated bytes for :func:`cudalab.memory.peak_scope` (never above the
+    #: peak; the scopes lower it to the current value and restore it on exit).
+    _mark: int = 0
+    _scopes: tuple = ()  # open PeakScopes (a list once one is opened)
 
     @abc.abstractmethod
     def malloc(self, size: int, stream: Any = None) -> int:
@@ -307,7 +318,17 @@ class Allocator(abc.ABC):
 
     def reset_peak_stats(self) -> None:
         self.sync_pending()
+        self._fold_mark()
         self.stats.reset_peak()
+
+    def _fold_mark(self) -> None:
+        """Before peaks are reset: open peak scopes keep what the watermark saw, and the
+        watermark drops to the current value (it must never exceed the peak)."""
+        for scope in self._scopes:
+            if self._mark > scope._seen:
+                scope._seen = self._mark
+        st = self.stats
+        self._mark = st.small.b_alloc + st.large.b_alloc
 
     def reset_accumulated_stats(self) -> None:
         self.sync_pending()
@@ -368,6 +389,8 @@ class DeviceCachingAllocator(Allocator):
     """
 
     name = "native"
+    #: Flavours that override malloc turn the pair memo off.
+    _memo_class_ok = True
 
     def __new__(cls, backend: Any = None, device: int = 0, config: AllocatorConfig | None = None,
                 stream_resolver: Callable[[], int] | None = None):
@@ -394,6 +417,7 @@ class DeviceCachingAllocator(Allocator):
         self.device = device
         self.config = config
         self._default_stream = stream_resolver or (lambda: _current_stream_key(device))
+        self._tls_streams = stream_resolver is None  # malloc reads the thread's stream list
         ms = config.max_split_size
         self.small = BlockPool(True)
         self.large = BlockPool(False)
@@ -427,6 +451,21 @@ class DeviceCachingAllocator(Allocator):
         #: segment_free, oom; segment_map and segment_unmap with expandable segments).
         #: None (the default) costs nothing.
         self._trace: Callable[[str, int, int, int], None] | None = None
+        # ---- the pair memo (see _establish_memo)
+        #: Whether this allocator may defer frees at all (off for flavours with their own
+        #: malloc, for max_split_size, and for tests that compare against the plain path).
+        self._memo_ok = type(self)._memo_class_ok and not self._split_limited
+        self._last: Block | None = None  # the block the last malloc took by a plain best fit
+        self._memo: Block | None = None
+        self._memo_stream = 0
+        self._memo_rem: Block | None = None  # the remainder the memo block was split from
+        self._memo_lo = 0  # requests in (lo, hi] round to the memo's size
+        self._memo_hi = 0
+        self._memo_req0 = 0  # requested bytes the counters still hold for the memo block
+        self._memo_hits = 0
+        self._memo_req = 0  # sum over hits of (requested - req0), and the largest request
+        self._memo_req_max = 0
+        self._memo_split = (0, 0)  # inactive_split (count, bytes) accumulated per hit pair
         if config.per_process_memory_fraction is not None:
             self.set_memory_fraction(config.per_process_memory_fraction)
 
@@ -440,12 +479,38 @@ class DeviceCachingAllocator(Allocator):
         if type(stream) is int:
             skey = stream
         elif stream is None:
-            skey = self._default_stream()
+            cur = _tls.streams if self._tls_streams else None
+            if cur is not None and (st := cur[self.device]) is not None:
+                skey = st.cuda_stream
+            else:
+                skey = self._default_stream()
         else:
             skey = _stream_key(stream, self.device)
         lock = self._lock
         lock.acquire()
         try:
+            m = self._memo
+            if m is not None:
+                # The pair memo: the block the last free deferred is exactly what torch's
+                # best fit would return for this request (see _establish_memo).
+                if (m.state == 5 and skey == self._memo_stream and self._memo_lo < size <= self._memo_hi
+                        and not self._pending_frees):
+                    m.state = 1
+                    r = self._memo_rem
+                    if r is not None:  # torch's split leaves the old request on the remainder
+                        r.requested = m.requested
+                    m.requested = size
+                    self._live[m.ptr] = m
+                    self._memo_hits += 1
+                    if size != self._memo_req0:
+                        self._memo_req += size - self._memo_req0
+                        if size > self._memo_req_max:
+                            self._memo_req_max = size
+                    if self._trace is not None:
+                        self._trace("alloc", m.ptr, size, skey)
+                    return m.ptr
+                self._flush_memo()
+            self._last = None
             if self._n_events or self._pending_frees:
                 self._process_pending()
             # ---- round, pick the pool, best fit (torch's round_size / get_free_block)
@@ -483,6 +548,9 @@ class DeviceCachingAllocator(Allocator):
             if b is None:
                 b = self._malloc_slow(rs, pool, skey)
                 fl = b.fl
+                fast = False
+            else:
+                fast = True
             # ---- torch's alloc_found_block
             bsize = b.size
             remaining = bsize - rs
@@ -535,6 +603,8 @@ class DeviceCachingAllocator(Allocator):
                 if was_split:  # an inactive split block becomes active
                     pool.n_split -= 1
                     pool.b_split -= bsize
+            if fast:
+                self._last = b
             return self._account_alloc(pool, b, ptr, bsize, size, skey)
         finally:
             lock.release()
@@ -568,8 +638,10 @@ class DeviceCachingAllocator(Allocator):
         if v > agg.n_alloc_peak:
             agg.n_alloc_peak = v
         v = s.b_alloc + lg.b_alloc
-        if v > agg.b_alloc_peak:
-            agg.b_alloc_peak = v
+        if v > self._mark:  # the peak_scope watermark (<= the peak: one compare when lower)
+            self._mark = v
+            if v > agg.b_alloc_peak:
+                agg.b_alloc_peak = v
         v = s.b_req + lg.b_req
         if v > agg.b_req_peak:
             agg.b_req_peak = v
@@ -599,8 +671,22 @@ class DeviceCachingAllocator(Allocator):
                     lock.release()
             return
         try:
+            m = self._memo
+            if m is not None:
+                if b is m and b.uses is None:  # a memo hit comes back: defer again
+                    b.state = 5
+                    if self._trace is not None:
+                        self._trace_free(b)
+                    return
+                self._flush_memo()
             if self._pending_frees:
                 self._drain_pending_frees()
+            if (b is self._last and self._memo_ok and b.uses is None
+                    and not self._gc_on and not self._n_events and not self._n_pending):
+                self._establish_memo(b)
+                if self._trace is not None:
+                    self._trace_free(b)
+                return
             # torch's free(): the request (same lines as _free_requested, inlined)
             pool = b.fl.pool
             bsize = b.size
@@ -616,6 +702,114 @@ class DeviceCachingAllocator(Allocator):
                 self._free_block(b)
         finally:
             lock.release()
+
+    # ------------------------------------------------------------------ the pair memo
+    # A loop that allocates and frees the same size on the same stream (a temporary buffer)
+    # makes torch split a cached block and merge it back on every iteration. When a block is
+    # freed right after the malloc that took it by a plain best fit, with nothing in
+    # between, torch's free would restore exactly the structure that malloc found, so the next
+    # request of the same rounded size on that stream would get the same block, split the
+    # same way. The free is therefore deferred: the block stays physically split
+    # (state _DEFERRED) while the allocator is logically back in that structure, and a
+    # matching malloc hands it out again with no split, merge or counter update ("hits").
+    # Any other operation first calls _flush_memo, which performs the deferred free for real
+    # and adds what the hit pairs would have added to torch's counters: every current and
+    # peak is as after the first pair, except requested bytes (tracked per hit), so only
+    # accumulated values and the requested-bytes peaks need the hit count.
+    def _establish_memo(self, b: Block) -> None:
+        """Defer the free of ``b`` (allocated by the last malloc, by a plain best fit)."""
+        n = b.next
+        has_r = n is not None and n.state == 0  # the remainder the malloc split off
+        rsz = n.size if has_r else 0
+        after = n.next if has_r else n
+        merged_split = b.prev is not None or after is not None
+        if b.prev is not None and b.prev.state == 0:  # cannot happen after a best fit
+            self._last = None
+            self._free_requested(b)
+            return
+        # inactive_split accumulation of one pair: the malloc's split of an unsplit block
+        # adds a split block; the free's merge adds one if the merged block is a split.
+        fresh = has_r and not merged_split
+        net_n = (1 if merged_split else 0) - (1 if has_r else 0)
+        net_b = (b.size + rsz if merged_split else 0) - rsz
+        self._memo_split = ((1 if fresh else 0) + max(net_n, 0),
+                            (rsz if fresh else 0) + max(net_b, 0))
+        pool = b.fl.pool
+        if net_n > 0:  # the free's peaks, as the deferred free would have set them now
+            v = pool.n_split + net_n
+            if v > pool.n_split_peak:
+                pool.n_split_peak = v
+            v = self.small.n_split + self.large.n_split + net_n
+            if v > self._agg.n_split_peak:
+                self._agg.n_split_peak = v
+        if net_b > 0:
+            v = pool.b_split + net_b
+            if v > pool.b_split_peak:
+                pool.b_split_peak = v
+            v = self.small.b_split + self.large.b_split + net_b
+            if v > self._agg.b_split_peak:
+                self._agg.b_split_peak = v
+        req = b.requested
+        if self._rounding:
+            lo, hi = req - 1, req  # the same request size only
+        elif req <= 512:
+            lo, hi = 0, 512
+        else:
+            hi = (req + 511) & -512
+            lo = hi - 512
+        self._memo_lo = lo
+        self._memo_hi = hi
+        self._memo_stream = b.fl.stream
+        self._memo_rem = n if has_r else None
+        self._memo_req0 = req
+        self._memo_hits = 0
+        self._memo_req = 0  # sum over hits of (requested - req0)
+        self._memo_req_max = req
+        self._last = None
+        b.state = _DEFERRED
+        self._memo = b
+
+    def _trace_free(self, b: Block) -> None:
+        """The history entries of a deferred free: requested and completed, as torch's."""
+        trace = self._trace
+        stream = b.fl.stream
+        trace("free_requested", b.ptr, b.requested, stream)
+        trace("free_completed", b.ptr, b.requested, stream)
+
+    def _flush_memo(self) -> None:
+        """Make the memo's deferred work real (lock held); no-op without a memo."""
+        b = self._memo
+        if b is None:
+            return
+        self._memo = None
+        pool = b.fl.pool
+        k = self._memo_hits
+        req0 = self._memo_req0
+        if k:
+            # k hit mallocs and k deferred frees beyond the one done (or not yet due) below
+            bsize = b.size
+            pool.n_alloc_acc += k
+            pool.b_alloc_acc += k * bsize
+            pool.b_req_acc += k * req0 + self._memo_req
+            dn, db = self._memo_split
+            pool.n_split_acc += k * dn
+            pool.b_split_acc += k * db
+            extra = self._memo_req_max - req0  # the hits' requested-bytes peaks
+            v = pool.b_req + extra
+            if v > pool.b_req_peak:
+                pool.b_req_peak = v
+            v = self.small.b_req + self.large.b_req + extra
+            if v > self._agg.b_req_peak:
+                self._agg.b_req_peak = v
+        pool.b_req += b.requested - req0  # the counters held the first pair's request
+        if b.state == _DEFERRED:
+            b.state = _ALLOCATED
+            trace = self._trace
+            self._trace = None  # the free was recorded (or not) when it was deferred
+            try:
+                self._free_requested(b)
+            finally:
+                self._trace = trace
 
     def owns(self, ptr: int) -> bool:
         return ptr in self._live
@@ -648,6 +842,8 @@ class DeviceCachingAllocator(Allocator):
     def empty_cache(self) -> None:
         """torch's ``emptyCache``: sync pending events, release every unsplit cached block."""
         with self._lock:
+            self._flush_memo()
+            self._last = None
             if self._pending_frees:
                 self._drain_pending_frees()
             self._release_cached_blocks()
@@ -655,6 +851,7 @@ class DeviceCachingAllocator(Allocator):
     def set_memory_fraction(self, fraction: float) -> None:
         total = _fraction_total(self.backend, self.device, fraction)
         with self._lock:
+            self._flush_memo()
             self._total = total
             self._fraction = float(fraction)
             self._allowed = int(fraction * total)
@@ -672,18 +869,21 @@ class DeviceCachingAllocator(Allocator):
         self._callbacks.append(callback)
 
     def sync_pending(self) -> None:
-        if self._pending_frees:
+        if self._pending_frees or self._memo is not None:
             with self._lock:
+                self._flush_memo()
                 self._drain_pending_frees()
 
     def process_events(self) -> None:
         """Poll record_stream events now (malloc does this by itself)."""
         with self._lock:
+            self._flush_memo()
             self._process_pending()
 
     def largest_free_block(self) -> int:
         """Size of the largest cached block (torch's ``cacheInfo`` without the free-memory guess)."""
         with self._lock:
+            self._flush_memo()
             best = 0
             for pool in (self.small, self.large):
                 for fl in pool.lists.values():
@@ -696,6 +896,7 @@ class DeviceCachingAllocator(Allocator):
     def segments(self) -> list[dict]:
         """torch's ``memory_snapshot()`` segments of this device (plain dicts and lists)."""
         with self._lock:
+            self._flush_memo()
             if self._pending_frees:
                 self._drain_pending_frees()
             heads = [b for b in self._all_blocks() if b.prev is None]
@@ -767,6 +968,7 @@ class DeviceCachingAllocator(Allocator):
         or counters that differ from a recount.
         """
         with self._lock:
+            self._flush_memo()
             if self._pending_frees:
                 self._drain_pending_frees()
             blocks = self._all_blocks()
@@ -860,6 +1062,7 @@ class DeviceCachingAllocator(Allocator):
 
     def _free_block(self, b: Block) -> None:
         """torch's ``free_block``: merge with free neighbours, back into the pool, stats."""
+        self._last = None
         if self._trace is not None:
             self._trace("free_completed", b.ptr, b.requested, b.fl.stream)
         fl = b.fl
@@ -987,6 +1190,8 @@ class DeviceCachingAllocator(Allocator):
 
     def _drain_pending_frees(self) -> None:
         dq = self._pending_frees
+        if dq and self._memo is not None:
+            self._flush_memo()
         while dq:
             self._free_requested(dq.popleft())
 

@@ -218,6 +218,8 @@ class AsyncPoolAllocator(Allocator):
             raise self._oom(size) from None
         with self._lock:
             v = c.b_alloc = c.b_alloc + size
+            if v > self._mark:
+                self._mark = v
             if v > c.b_alloc_peak:
                 c.b_alloc_peak = v
             c.b_alloc_acc += size
@@ -340,6 +342,7 @@ class AsyncPoolAllocator(Allocator):
         self.sync_pending()
         self.backend.pool_reset_high(self._pool)
         with self._lock:
+            self._fold_mark()
             self._c.b_alloc_peak = self._c.b_alloc
 
     def reset_accumulated_stats(self) -> None:
@@ -434,6 +437,8 @@ class AsyncPoolAllocator(Allocator):
                 raise self._oom(size) from None
             raise
         with self._lock:
+            if c.b_alloc > self._mark:
+                self._mark = c.b_alloc
             if c.b_alloc > c.b_alloc_peak:
                 c.b_alloc_peak = c.b_alloc
             c.b_alloc_acc += size

@@ -206,6 +206,8 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
     expandable segments, so callers never name this class.
     """
 
+    _memo_class_ok = False  # its own malloc does not know the pair memo
+
     name = "native"
 
     def __init__(self, backend: Any, device: int = 0, config: Any = None,

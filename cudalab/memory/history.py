@@ -386,6 +386,7 @@ def _attach(a: Any, st: _Settings) -> None:
     if rec is None:
         rec = _Recorder(a.device)
     trace = _make_trace(rec, st.level, _appender(a.device, st))
+    a.sync_pending()  # deferred frees happened before recording starts
     a._trace = trace  # the cudaMallocAsync allocator raises RuntimeError here
     _recorders[a] = rec
 

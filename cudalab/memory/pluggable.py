@@ -201,6 +201,9 @@ class PluggableDeviceAllocator(Allocator):
             st.increase(pool, "b_res", size)
             st.increase(pool, "b_alloc", size)
             st.increase(pool, "b_req", size)
+            v = st.small.b_alloc + st.large.b_alloc
+            if v > self._mark:
+                self._mark = v
             self._uses.pop(ptr, None)
         if self._trace is not None:
             self._trace("segment_alloc", ptr, size, skey)

@@ -760,6 +760,7 @@ def _run(plan: _Plan, cfg: AllocatorConfig, device_memory: int,
 
         alloc = DeviceCachingAllocator(sim, 0, cfg, stream_resolver=lambda: 0)
         alloc._trace = None  # never recorded into anyone's history
+        alloc._memo_ok = False  # counters are sampled after every event
         streams = plan.stream
 
     def allocated() -> int:

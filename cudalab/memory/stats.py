@@ -159,9 +159,24 @@ def _value_expr(key: str) -> str:
 
 
 def _make_builder():
-    lines = ["def build(st, _new=_template.copy):",
-             "    s = st.small", "    l = st.large", "    a = st.agg", "    d = _new()"]
-    lines += [f"    d[{k!r}] = {_value_expr(k)}" for k in STAT_KEYS]
+    # Each counter is read once into a local; the values are stored into a copy of a
+    # template dict (already sized for 122 keys, so no resizing while it fills).
+    import re
+
+    ref = re.compile(r"\b(?:s|l|a|st)\.\w+")
+    exprs = {k: _value_expr(k) for k in STAT_KEYS}
+    attrs = sorted({m for e in exprs.values() for m in ref.findall(e)})
+
+    def local(name: str) -> str:
+        return "_" + name.replace(".", "_")
+
+    lines = ["def build(st, _new=_template.copy):", "    s = st.small", "    l = st.large",
+             "    a = st.agg"]
+    lines += [f"    {local(name)} = {name}" for name in attrs]
+    lines.append("    d = _new()")
+    for k, e in exprs.items():
+        e = ref.sub(lambda m: local(m.group(0)), e)
+        lines.append(f"    d[{k!r}] = {e}")
     lines.append("    return d")
     namespace = {"_template": dict.fromkeys(STAT_KEYS, 0)}
     exec(compile("\n".join(lines), "<cudalab.memory.stats builder>", "exec"), namespace)

@@ -1,0 +1,148 @@
+"""History, snapshot and replay benchmark (issue 4), side by side with torch in one run.
+
+* added cost of allocation history per alloc+free pair: cudalab's
+  ``caching_allocator_alloc/delete`` and ``DeviceArray`` creation+drop with history off,
+  ``stacks=None`` and ``stacks="python"``, next to ``torch.empty``+drop with torch's
+  ``_record_memory_history`` off and on (``stacks="python"``);
+* ``memory_snapshot()`` with 2000 live blocks, cudalab against torch;
+* replay throughput (trace entries per second) on a synthetic 200k-entry trace.
+
+    python benchmarks/history.py [--json out.json] [--quick]
+
+Bounds (issue 4): history with python stacks adds <= 0.5x torch's added cost; with
+stacks=None <= 0.3 us; snapshot of 2000 blocks <= torch's time; replay >= 200k entries/s.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _harness import Table, environment, interleaved, optional_import, parse_args, write_json  # noqa: E402
+
+
+def _median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def history_cost(n: int, rounds: int, sim: bool) -> dict:
+    import cudalab
+    import cudalab.memory as cm
+
+    torch = None if sim else optional_import("torch")
+    have_torch = torch is not None and torch.cuda.is_available()
+    size = 4096
+
+    def ours(k, a=cm.caching_allocator_alloc, f=cm.caching_allocator_delete):
+        for _ in range(k):
+            f(a(size))
+
+    def ours_array(k, e=cudalab.empty):
+        for _ in range(k):
+            e(size // 4)
+
+    def torch_pair(k):
+        for _ in range(k):
+            torch.empty(size, dtype=torch.uint8, device="cuda")
+
+    out: dict = {}
+    modes = {"off": None, "stacks=None": dict(stacks=None), "stacks=python": dict(stacks="python")}
+    for mode, kw in modes.items():
+        if kw is not None:
+            cm._record_memory_history("all", max_entries=100_000, **kw)
+        loops = {"cudalab caching_allocator_alloc+delete": ours, "cudalab empty+drop": ours_array}
+        out[mode] = {k: v * 1e6 for k, v in interleaved(loops, n, rounds).items()}
+        cm._record_memory_history(None)
+    if have_torch:
+        torch.empty(1, device="cuda")
+        for mode, on in (("off", False), ("stacks=python", True)):
+            if on:
+                torch.cuda.memory._record_memory_history(enabled="all", stacks="python",
+                                                         max_entries=100_000)
+            v = interleaved({"torch.empty+drop": torch_pair}, n, rounds)["torch.empty+drop"]
+            out.setdefault(mode, {})["torch.empty+drop"] = v * 1e6
+            if on:
+                torch.cuda.memory._record_memory_history(enabled=None)
+    return out
+
+
+def snapshot_time(blocks: int, repeat: int, sim: bool) -> dict:
+    import cudalab
+    import cudalab.memory as cm
+
+    torch = None if sim else optional_import("torch")
+    out = {}
+    live = [cudalab.empty(1024 + 512 * (i % 7), dtype="uint8") for i in range(blocks)]
+    out["cudalab memory_snapshot()"] = _median_time(cm.memory_snapshot, repeat) * 1e3
+    out["cudalab _snapshot() (with history off)"] = _median_time(cm._snapshot, repeat) * 1e3
+    del live
+    if torch is not None and torch.cuda.is_available():
+        tl = [torch.empty(1024 + 512 * (i % 7), dtype=torch.uint8, device="cuda")
+              for i in range(blocks)]
+        out["torch memory_snapshot()"] = _median_time(torch.cuda.memory_snapshot, repeat) * 1e3
+        del tl
+    return out
+
+
+def replay_rate(entries: int, repeat: int) -> dict:
+    from cudalab.memory.export import _synthetic_snapshot
+    from cudalab.memory.replay import replay
+
+    snap = _synthetic_snapshot(entries, oom_every=10**9, snapshot_every=10**9)
+    n = sum(len(t) for t in snap["device_traces"])
+    out = {}
+    for conf in (None, "expandable_segments:True"):
+        t = _median_time(lambda c=conf: replay(snap, c), repeat)
+        out[f"replay {conf or 'default'}"] = n / t
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    import cudalab
+
+    cudalab.init()
+    sim = cudalab.devices._backend().simulated
+    n, rounds = (2000, 5) if args.quick else (20000, 9)
+    res = {"env": environment(cudalab.devices._backend().name, cudalab.get_device_name())}
+    res["history"] = history_cost(n, rounds, sim)
+    res["snapshot_ms"] = snapshot_time(2000, 5 if args.quick else 21, sim)
+    res["replay_entries_per_s"] = replay_rate(20_000 if args.quick else 200_000, 3)
+
+    t = Table(f"History cost per alloc+free pair ({res['env']['device']})")
+    for mode, row in res["history"].items():
+        for k, v in row.items():
+            t.add(f"{k} [{mode}]", v)
+    h = res["history"]
+    for k in ("cudalab caching_allocator_alloc+delete", "cudalab empty+drop"):
+        for mode in ("stacks=None", "stacks=python"):
+            t.add(f"added: {k} [{mode}]", h[mode][k] - h["off"][k])
+    if "torch.empty+drop" in h.get("stacks=python", {}):
+        added = h["stacks=python"]["torch.empty+drop"] - h["off"]["torch.empty+drop"]
+        t.add("added: torch.empty+drop [stacks=python]", added)
+        ours = h["stacks=python"]["cudalab empty+drop"] - h["off"]["cudalab empty+drop"]
+        t.add("ratio cudalab/torch added (python stacks)", ours / added if added else None, "×",
+              "bound <= 0.5")
+    print(t.render())
+    t = Table("memory_snapshot() with 2000 live blocks")
+    for k, v in res["snapshot_ms"].items():
+        t.add(k, v, "ms")
+    print(t.render())
+    t = Table("Replay throughput")
+    for k, v in res["replay_entries_per_s"].items():
+        t.add(k, v / 1e3, "k entries/s", "bound >= 200")
+    print(t.render())
+    write_json(args.json, res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The allocator's pair memo (deferred free of an alloc+free pair) changes nothing observable.
+
+Two native allocators over two identical private simulators run the same operations, one
+with the memo and one without: every pointer, every ``memory_stats`` value and every
+segment/block of the snapshot must be equal, whenever they are read and at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cudalab.memory.allocator import DeviceCachingAllocator
+from cudalab.memory.config import parse_alloc_conf
+
+KiB = 1024
+MiB = 1024 * 1024
+SIZES = [1, 512, 700, 4 * KiB, 1 * MiB, 1 * MiB + 1, 3 * MiB, 3 * MiB + 100, 12 * MiB, 21 * MiB]
+
+
+def _pair(monkeypatch, conf=""):
+    from cudalab._driver.simulator import SimulatorBackend
+
+    monkeypatch.setenv("CUDALAB_SIMULATOR_MEMORY", "4GiB")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    out = []
+    for memo in (True, False):
+        sim = SimulatorBackend()
+        sim.init()
+        a = DeviceCachingAllocator(sim, 0, parse_alloc_conf(conf), stream_resolver=lambda: 0)
+        a._memo_ok = a._memo_ok and memo
+        out.append(a)
+    return out
+
+
+def _segments(a):
+    return [{**seg, "blocks": [dict(b) for b in seg["blocks"]]} for seg in a.segments()]
+
+
+class _Runner:
+    def __init__(self, allocs):
+        self.allocs = allocs
+        self.live: list[list[int]] = []  # per live allocation: its pointer in each allocator
+
+    def malloc(self, size, stream):
+        ptrs = [a.malloc(size, stream) for a in self.allocs]
+        assert ptrs[0] == ptrs[1]
+        self.live.append(ptrs)
+
+    def free(self, i):
+        if self.live:
+            ptrs = self.live.pop(i % len(self.live))
+            for a, p in zip(self.allocs, ptrs):
+                a.free(p)
+
+    def compare(self):
+        s0, s1 = (a.memory_stats() for a in self.allocs)
+        assert s0 == s1
+        assert _segments(self.allocs[0]) == _segments(self.allocs[1])
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("malloc"), st.sampled_from(SIZES), st.sampled_from([0, 7])),
+        st.tuples(st.just("pairs"), st.sampled_from(SIZES), st.integers(1, 5),
+                  st.sampled_from([0, 7]), st.integers(0, 600)),
+        st.tuples(st.just("free"), st.integers(0, 50)),
+        st.tuples(st.just("free_last")),
+        st.tuples(st.just("compare")),
+        st.tuples(st.just("reset_peak")),
+        st.tuples(st.just("reset_acc")),
+        st.tuples(st.just("empty_cache")),
+    ),
+    max_size=40,
+)
+
+
+@pytest.mark.parametrize("conf", ["", "roundup_power2_divisions:4"])
+@settings(max_examples=250, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=OPS)
+def test_memo_is_invisible(monkeypatch, conf, ops):
+    r = _Runner(_pair(monkeypatch, conf))
+    for op in ops:
+        kind = op[0]
+        if kind == "malloc":
+            r.malloc(op[1], op[2])
+        elif kind == "pairs":  # alloc/free loops, sizes varying inside one rounding bucket
+            _, size, n, stream, jitter = op
+            for i in range(n):
+                r.malloc(max(1, size - (i * jitter) % 512), stream)
+                r.free(len(r.live) - 1)
+        elif kind == "free":
+            r.free(op[1])
+        elif kind == "free_last":
+            r.free(len(r.live) - 1)
+        elif kind == "compare":
+            r.compare()
+        elif kind == "reset_peak":
+            for a in r.allocs:
+                a.reset_peak_stats()
+        elif kind == "reset_acc":
+            for a in r.allocs:
+                a.reset_accumulated_stats()
+        else:
+            for a in r.allocs:
+                a.empty_cache()
+    r.compare()
+    for a in r.allocs:
+        a.check_invariants()
+
+
+def test_memo_hits_and_a_hit_left_out(monkeypatch):
+    """Many pairs, with the last hit still allocated when the counters are read."""
+    r = _Runner(_pair(monkeypatch))
+    r.malloc(3 * MiB, 0)  # something else alive in the large pool
+    for i in range(1000):
+        r.malloc(1000 + i % 24, 0)
+        r.free(len(r.live) - 1)
+    assert r.allocs[0]._memo is not None and r.allocs[0]._memo_hits > 990
+    assert r.allocs[1]._memo is None
+    r.malloc(1500, 0)  # a hit that stays out
+    r.compare()
+    s = r.allocs[0].memory_stats()
+    assert s["allocation.all.allocated"] == 1002
+    assert s["requested_bytes.all.peak"] == 3 * MiB + 1500  # the hit still out
+    r.free(0)
+    r.free(0)
+    r.compare()
+
+
+def test_memo_is_flushed_before_history_records(monkeypatch):
+    import cudalab.memory as cm
+
+    (a, b) = _pair(monkeypatch)
+    for _ in range(3):
+        a.free(a.malloc(4096, 0))
+    assert a._memo is not None
+    a.sync_pending()
+    assert a._memo is None
+    a.check_invariants()
+    assert a.memory_stats()["allocation.all.allocated"] == 3
+    assert cm  # the public getters call sync_pending (tests/test_allocator_stats.py)
+
+
+def test_double_free_of_a_memo_block_is_refused(monkeypatch):
+    (a, _) = _pair(monkeypatch)
+    p = a.malloc(4096, 0)
+    a.free(p)
+    p = a.malloc(4096, 0)
+    a.free(p)  # deferred
+    with pytest.raises(ValueError, match="double free or foreign pointer"):
+        a.free(p)
+    a.check_invariants()
+    assert a.memory_stats()["allocation.all.current"] == 0
+
+
+def test_public_getters_see_memo_hits():
+    import cudalab
+    import cudalab.memory as cm
+
+    cudalab.init()
+    base = cm.memory_allocated()
+    for _ in range(5):
+        cm.caching_allocator_delete(cm.caching_allocator_alloc(4096))
+    p = cm.caching_allocator_alloc(4096)
+    assert cm.memory_allocated() == base + 4096
+    cm.caching_allocator_delete(p)
+    assert cm.memory_allocated() == base
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=OPS)
+def test_memo_records_the_same_history(monkeypatch, ops):
+    """With a trace hook installed, the memo emits exactly the plain path's entries."""
+    r = _Runner(_pair(monkeypatch))
+    logs: list[list] = [[], []]
+    for a, log in zip(r.allocs, logs):
+        a._trace = lambda *entry, log=log: log.append(entry)
+    for op in ops:
+        if op[0] == "malloc":
+            r.malloc(op[1], op[2])
+        elif op[0] == "pairs":
+            for _ in range(op[2]):
+                r.malloc(op[1], op[3])
+                r.free(len(r.live) - 1)
+        elif op[0] in ("free", "free_last"):
+            r.free(op[1] if op[0] == "free" else len(r.live) - 1)
+        elif op[0] == "empty_cache":
+            for a in r.allocs:
+                a.empty_cache()
+    assert logs[0] == logs[1]
+    r.compare()
