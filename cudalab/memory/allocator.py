@@ -64,6 +64,7 @@ from cudalab.memory.config import (
 from cudalab.memory.events import EventPool
 from cudalab.memory.stats import Counters, DeviceStats, format_size
 
+_Stream = _streams.Stream
 _tls = _streams._tls  # per thread: .device and .streams (the current stream of each device)
 
 __all__ = [
@@ -484,6 +485,8 @@ class DeviceCachingAllocator(Allocator):
                 skey = st.cuda_stream
             else:
                 skey = self._default_stream()
+        elif type(stream) is _Stream and stream.device_index == self.device:
+            skey = stream.cuda_stream
         else:
             skey = _stream_key(stream, self.device)
         lock = self._lock
