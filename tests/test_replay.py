@@ -582,3 +582,28 @@ def test_text_progress_bar():
     text = out.getvalue()
     assert "100.0% 100/100 entries  default" in text and text.endswith("\n")
     assert "\x1b" not in text  # plain text
+
+
+def test_replay_places_segments_at_their_traced_addresses():
+    """torch's best fit breaks ties by address: the replay reuses the traced addresses while
+    the segment sequence matches, and fresh, non-overlapping ones after."""
+    from cudalab.memory.replay import _simulator, _TraceAddresses
+
+    MiB = 1 << 20
+    hi, lo = 0x7F00_0000_0000, 0x7E00_0000_0000
+    sim = _simulator(1 << 30)
+    b = _TraceAddresses(sim, [(hi, 2 * MiB), (lo, 20 * MiB), (hi, 2 * MiB)])
+    assert b.mem_alloc(0, 2 * MiB) == hi
+    assert b.mem_alloc(0, 20 * MiB) == lo
+    # the third traced segment reuses `hi`, which is still live here: a fresh address instead
+    c = b.mem_alloc(0, 2 * MiB)
+    assert c > hi + 2 * MiB and b.faithful == 2
+    d = b.mem_alloc(0, 4 * MiB)  # past the trace: fresh, above everything
+    assert d >= c + 2 * MiB
+    used = sim.mem_get_info(0)
+    for p in (hi, lo, c, d):
+        b.mem_free(0, p)
+    assert sim.mem_get_info(0)[0] == used[0] + 28 * MiB
+    with pytest.raises(KeyError):
+        b.mem_free(0, hi)  # unknown address: the allocator never does this
+

@@ -904,27 +904,26 @@ class DeviceCachingAllocator(Allocator):
                 self._drain_pending_frees()
             heads = [b for b in self._all_blocks() if b.prev is None]
             out = []
+            names = ("inactive", "active_allocated", "active_pending_free", "inactive")
             for head in heads:
                 blocks = []
+                ap = blocks.append
                 total = alloc = active = req = 0
                 b = head
                 while b is not None:
                     st = b.state
-                    is_active = st == _ALLOCATED or st == _PENDING
-                    blocks.append({
-                        "address": b.ptr,
-                        "size": b.size,
-                        "requested_size": b.requested,
-                        "state": ("inactive", "active_allocated", "active_pending_free",
-                                  "inactive")[st],
-                        "frames": [],
-                    })
-                    total += b.size
-                    if st == _ALLOCATED:
-                        alloc += b.size
-                    if is_active:
-                        active += b.size
-                        req += b.requested
+                    size = b.size
+                    r = b.requested
+                    ap({"address": b.ptr, "size": size, "requested_size": r, "state": names[st],
+                        "frames": []})
+                    total += size
+                    if st == 1:  # _ALLOCATED
+                        alloc += size
+                        active += size
+                        req += r
+                    elif st == 2:  # _PENDING: active, not allocated
+                        active += size
+                        req += r
                     b = b.next
                 pool = head.fl.pool
                 out.append({

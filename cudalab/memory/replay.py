@@ -51,6 +51,7 @@ allocator itself per entry).
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import pickle
@@ -58,6 +59,7 @@ import sys
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import islice
@@ -134,6 +136,8 @@ class _Trace:
     stream: list[int]
     ignored: dict[str, int] = field(default_factory=dict)
     reference: dict[str, Any] = field(default_factory=dict)
+    #: (address, size) of the trace's segment_alloc entries, in order (see _TraceAddresses).
+    segments: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.action)
@@ -235,6 +239,7 @@ def _from_columns(source: str, actions: Sequence[Any], addrs: Any, sizes: Any,
     keep = np.flatnonzero(codes < 2)
     ignored: dict[str, int] = {}
     ref: dict[str, Any] = {}
+    seg_allocs: list = []
     if len(keep) < n:
         other = np.flatnonzero(codes == 2).tolist()
         sign = []
@@ -248,6 +253,11 @@ def _from_columns(source: str, actions: Sequence[Any], addrs: Any, sizes: Any,
                 sign.append(sg)
                 seg_idx.append(i)
         if seg_idx:
+            try:
+                seg_allocs = [(int(addrs[i]), int(sizes[i])) for i, sg in zip(seg_idx, sign)
+                              if sg > 0 and actions[i] == "segment_alloc"]
+            except (OverflowError, TypeError, ValueError):
+                seg_allocs = []
             try:
                 seg_sizes = np.asarray([sizes[i] for i in seg_idx], dtype=np.int64)
                 ref["recorded_peak_reserved"] = int(
@@ -276,7 +286,7 @@ def _from_columns(source: str, actions: Sequence[Any], addrs: Any, sizes: Any,
         size = np.asarray([s if isinstance(s, (int, np.integer)) and 0 < s < (1 << 62) else -1
                            for s in size_in], dtype=np.int64)
     stream = _int_array(pick(streams), "stream", source).tolist()
-    return _Trace(source, codes[keep], addr, size, stream, ignored, ref)
+    return _Trace(source, codes[keep], addr, size, stream, ignored, ref, seg_allocs)
 
 
 def _object_keys(values: Sequence[Any]) -> np.ndarray:
@@ -647,6 +657,58 @@ def _simulator(device_memory: int) -> Any:
     return sim
 
 
+class _TraceAddresses:
+    """The replay's simulator, handing out the trace's own segment addresses.
+
+    torch's best fit breaks ties between equal-size free blocks by address, so where the
+    segments sit decides which block is reused. While the replay asks for segments of the
+    sizes the trace recorded, in the same order, each gets the address it had in the traced
+    run (a replay with torch's settings then makes torch's choices); once the sequences part,
+    or an address would overlap a live segment, segments get fresh addresses above every
+    traced one. The simulator still holds the memory (capacity, out-of-memory).
+    """
+
+    def __init__(self, sim: Any, segments: list[tuple[int, int]]):
+        self._sim = sim
+        self._queue = deque(segments)
+        self._real: dict[int, int] = {}  # handed-out address -> simulator address
+        self._starts: list[int] = []  # sorted live handed-out addresses
+        self._sizes: dict[int, int] = {}
+        top = max((a + n for a, n in segments), default=0)
+        self._next = ((top + (1 << 30)) >> 21) << 21
+        self.faithful = 0  # segments placed at their traced address
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sim, name)
+
+    def _free_range(self, addr: int, size: int) -> bool:
+        i = bisect.bisect_left(self._starts, addr)
+        if i < len(self._starts) and self._starts[i] < addr + size:
+            return False
+        return not (i and self._starts[i - 1] + self._sizes[self._starts[i - 1]] > addr)
+
+    def mem_alloc(self, device: int, nbytes: int) -> int:
+        real = self._sim.mem_alloc(device, nbytes)
+        q = self._queue
+        if q and q[0][1] == nbytes and self._free_range(q[0][0], nbytes):
+            addr = q.popleft()[0]
+            self.faithful += 1
+        else:
+            q.clear()  # the runs have parted: no traced address is reliable any more
+            addr = self._next
+            self._next += ((nbytes + (2 << 20) - 1) >> 21) << 21
+        self._real[addr] = real
+        bisect.insort(self._starts, addr)
+        self._sizes[addr] = nbytes
+        return addr
+
+    def mem_free(self, device: int, ptr: int) -> None:
+        real = self._real.pop(ptr)
+        del self._starts[bisect.bisect_left(self._starts, ptr)]
+        del self._sizes[ptr]
+        self._sim.mem_free(device, real)
+
+
 def _as_config(config: str | AllocatorConfig | None) -> AllocatorConfig:
     if config is None:
         return AllocatorConfig()
@@ -740,7 +802,8 @@ def _progress_fn(progress: Any, label: str) -> tuple[Callable[[int, int], None] 
 
 
 def _run(plan: _Plan, cfg: AllocatorConfig, device_memory: int,
-         progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+         progress: Callable[[int, int], None] | None,
+         segments: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """One replay over a fresh simulator; the raw numbers."""
     sim = _simulator(device_memory)
     is_async = cfg.backend == "cudaMallocAsync"
@@ -758,7 +821,9 @@ def _run(plan: _Plan, cfg: AllocatorConfig, device_memory: int,
     else:
         from cudalab.memory.allocator import DeviceCachingAllocator
 
-        alloc = DeviceCachingAllocator(sim, 0, cfg, stream_resolver=lambda: 0)
+        backend = (_TraceAddresses(sim, segments) if segments and not cfg.expandable_segments
+                   else sim)
+        alloc = DeviceCachingAllocator(backend, 0, cfg, stream_resolver=lambda: 0)
         alloc._trace = None  # never recorded into anyone's history
         alloc._memo_ok = False  # counters are sampled after every event
         streams = plan.stream
@@ -935,7 +1000,7 @@ def _replay_plan(tr: _Trace, plan: _Plan, config: Any, device_memory: int | None
         memory = _auto_memory(plan.peak_live)
         auto = cfg.per_process_memory_fraction is None
     while True:
-        raw = _run(plan, cfg, memory, progress)
+        raw = _run(plan, cfg, memory, progress, tr.segments)
         if not (auto and (raw["ooms"] or raw["retries"]) and memory < _MAX_DEVICE):
             break
         memory = min(_MAX_DEVICE, memory * 2)  # the simulated device was too small
