@@ -78,6 +78,14 @@ _LAZY: dict[str, str] = {
     **{name: "cudalab.memory" for name in ("record_history", "load_snapshot", "export_memory_viz")},
     **{name: "cudalab.memory.pinned" for name in ("empty_pinned", "pin_memory", "is_pinned",
                                                    "pinned_memory_stats", "empty_pinned_cache")},
+    # random numbers (torch.cuda's RNG API, bit-exact generation)
+    **{
+        name: "cudalab.random"
+        for name in ("manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed",
+                     "get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all",
+                     "Generator", "rand", "randn", "randint", "normal", "uniform_", "normal_",
+                     "bernoulli_")
+    },
     # NVML (torch units)
     **{
         name: "cudalab.nvml"
@@ -85,7 +93,8 @@ _LAZY: dict[str, str] = {
                      "list_gpu_processes", "device_memory_used")
     },
 }
-_SUBMODULES = {"memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli"}
+_SUBMODULES = {"memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
+               "random"}
 
 
 def __getattr__(name: str) -> Any:

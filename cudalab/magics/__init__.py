@@ -1,1 +1,265 @@
-"""IPython magics (``%load_ext cudalab``, ``%%cuda_timed``, ``%cuda_memory``): issue 6, not yet built."""
+"""IPython extension: ``%load_ext cudalab``, ``%%cuda_timed`` and ``%cuda_memory``.
+
+::
+
+    %load_ext cudalab
+
+    %%cuda_timed                      # runs the cell once, like %%time, with GPU time
+    y = f(x)
+    y
+
+    %%cuda_timed -r 7 x = make_input()    # repeat mode: setup line untimed, auto-ranged loops
+    f(x)
+
+    %cuda_memory                      # the allocator's state (HTML in notebooks)
+    %cuda_memory watch on --threshold 1MiB
+
+Options of the magics are traitlets of :class:`CudaLabMagics`, settable with
+``%config CudaLabMagics.repeat = 10`` or in ``ipython_config.py``
+(``c.CudaLabMagics.repeat = 10``). See ``docs/magics.md``.
+
+Loading imports neither numpy nor the driver bindings and does not initialise CUDA (the
+extension loads on machines without a GPU); the timing and memory code is imported on the
+first use of a magic. ``%unload_ext cudalab`` removes every hook, stops the watch and any
+peak scopes, frees the L2 flush buffers and unregisters the magics; loading twice on one
+shell is a no-op.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from IPython.core.magic import (
+    Magics,
+    line_cell_magic,
+    line_magic,
+    magics_class,
+    needs_local_scope,
+    no_var_expand,
+    output_can_be_silenced,
+)
+from traitlets import Bool, Float, Int
+
+__all__ = ["CudaLabMagics", "load_ipython_extension", "unload_ipython_extension"]
+
+
+@magics_class
+class CudaLabMagics(Magics):
+    """cudalab's magics; every trait below is settable with ``%config CudaLabMagics.<name>``."""
+
+    # ----------------------------------------------------------------- %%cuda_timed
+    repeat = Int(7, help="Repeats measured in repeat mode when -r is not given.").tag(config=True)
+    warmup = Int(1, help="Warm-up runs (untimed) in repeat mode when -w is not given.").tag(config=True)
+    min_repeat_time = Float(
+        0.2, help="Auto-ranging target: loops per repeat grow until one repeat takes this many "
+                  "seconds (when -n is not given).").tag(config=True)
+    max_time = Float(
+        10.0, help="Default --max-time: seconds the measured repeats may take in all; repeat "
+                   "mode stops early (after at least one repeat) past it.").tag(config=True)
+    precision = Int(3, help="Significant digits of the printed times.").tag(config=True)
+    iqr_warning = Float(
+        0.10, help="Warn when the interquartile range exceeds this fraction of the median.").tag(config=True)
+    spread_warning = Float(
+        4.0, help="Warn when the slowest repeat takes more than this many times the fastest.").tag(config=True)
+    cold_flush_factor = Float(
+        2.0, help="--cold writes a buffer of this many times the device's L2 size before "
+                  "each repeat.").tag(config=True)
+    nvml = Bool(True, help="Read SM clock, temperature and power from NVML before and after "
+                           "timing.").tag(config=True)
+    clock_hint_threshold = Float(
+        0.05, help="Hint about clock locking when the SM clock moved by more than this "
+                   "fraction during the measurement.").tag(config=True)
+    disable_gc = Bool(True, help="Disable Python's garbage collector while repeats are "
+                                 "measured (as %timeit).").tag(config=True)
+    cupti = Bool(True, help="--kernels uses CUPTI (the optional cupti-python package) to list "
+                            "every library's kernels when it can.").tag(config=True)
+
+    # ----------------------------------------------------------------- %cuda_memory watch
+    watch_threshold = Int(
+        0, help="Default --threshold of '%cuda_memory watch on' in bytes: a cell's line is "
+                "printed only when |Δallocated|, |Δreserved| or its peak above the start "
+                "reaches it (0: every cell).").tag(config=True)
+    watch_sync = Bool(
+        True, help="'%cuda_memory watch' waits for the cell's GPU work to report its GPU time; "
+                   "when False the time is shown only if the work already finished.").tag(config=True)
+
+    def __init__(self, shell: Any = None, **kwargs: Any):
+        super().__init__(shell=shell, **kwargs)
+        self._closed = False
+        self._event_pool: Any = None  # timed._EventPool, made on first use
+        self._flush: Any = None  # timed._FlushBuffers
+        self._memory: Any = None  # memory._MemoryState
+        self._dashboards: list[Any] = []
+        self._hooks: list[tuple[str, Any]] = []
+        if shell is not None:
+            self._add_hook("pre_run_cell", self._tag_cell)
+
+    # ----------------------------------------------------------------- hooks
+    def _add_hook(self, event: str, fn: Any) -> None:
+        self.shell.events.register(event, fn)
+        self._hooks.append((event, fn))
+
+    def _remove_hook(self, event: str, fn: Any) -> None:
+        try:
+            self.shell.events.unregister(event, fn)
+        except ValueError:
+            pass
+        try:
+            self._hooks.remove((event, fn))
+        except ValueError:
+            pass
+
+    def _tag_cell(self, info: Any = None) -> None:
+        """pre_run_cell: name the cell in the allocator history (only if it is loaded)."""
+        hist = sys.modules.get("cudalab.memory.history")
+        if hist is not None:
+            cell_id = getattr(info, "cell_id", None)
+            hist.set_current_cell(cell_id if cell_id else f"In[{self.shell.execution_count}]")
+
+    # ----------------------------------------------------------------- magics
+    @no_var_expand
+    @needs_local_scope
+    @line_cell_magic
+    @output_can_be_silenced
+    def cuda_timed(self, line: str = "", cell: str | None = None, local_ns: Any = None) -> Any:
+        """Time GPU work: CUDA events on the current stream(s) next to host time.
+
+        Usage, single-run mode (no -n/-r/-w/--max-time): the cell runs once, exactly like
+        ``%%time`` (IPython transforms, compiled once, the last expression is the cell's
+        output, exceptions propagate)::
+
+          %%cuda_timed [options] [setup statement]
+          %cuda_timed [options] statement
+
+        Repeat mode (any of -n, -r, -w, --max-time): the setup statement (the rest of the
+        ``%%`` line) runs untimed before every repeat; the body is compiled once into a
+        loop and never re-executed from source; without -n the loops per repeat grow until
+        one repeat takes ``CudaLabMagics.min_repeat_time`` (0.2 s)::
+
+          %%cuda_timed -r 7 -w 2 x = cudalab.zeros(1 << 20)
+          step(x)
+
+        Options:
+          -n N             loops per repeat (default: auto-range)
+          -r R             repeats (default CudaLabMagics.repeat = 7)
+          -w W             warm-up runs before measuring (default CudaLabMagics.warmup = 1)
+          --max-time S     stop measuring after S seconds in all (default 10)
+          --cold           flush L2 (a buffer sized from the device's L2) before every
+                           repeat, outside the timed events
+          -d, --device D   device(s) to time: 0, cuda:1, 0,1 or all (default: current)
+          --kernels        list the kernels the cell launched with their GPU times
+                           (CUPTI when cupti-python is installed; cudalab's own otherwise)
+          -o               return a CudaTimedResult
+          -v VAR           store the CudaTimedResult in VAR
+          -q               quiet: print nothing
+          -p P             significant digits (default 3)
+          --no-raise-error single mode: report an exception instead of re-raising it
+
+        Statistics: median, IQR, min, max and count of the GPU time per loop, with warnings
+        when IQR/median > 10 % or max > 4x min, and the SM clock, temperature and power
+        before and after (NVML), with a hint when the clock moved.
+        """
+        from cudalab.magics.timed import run_cuda_timed
+
+        return run_cuda_timed(self, line, cell, local_ns)
+
+    @no_var_expand
+    @line_magic
+    def cuda_memory(self, line: str = "") -> Any:
+        """GPU memory of cudalab's caching allocator.
+
+        Usage::
+
+          %cuda_memory [summary] [-d DEV]   the allocator state (HTML table in notebooks)
+          %cuda_memory stats [-d DEV]       torch's memory_stats() as a DataFrame, one row per device
+          %cuda_memory mark [-d DEV]        remember the state (and start a scoped peak)
+          %cuda_memory diff [-d DEV]        what changed since the mark, with the peak since it
+          %cuda_memory reset-peaks [-d DEV] reset the allocator's peak statistics (global!)
+          %cuda_memory empty-cache          release cached, unused memory to the driver
+          %cuda_memory watch on [--threshold BYTES] [-d DEV]
+                                            after every cell, one line: Δallocated, Δreserved,
+                                            the peak inside the cell (scoped: nobody's
+                                            max_memory_allocated is reset) and GPU time
+          %cuda_memory watch off
+          %cuda_memory history start [--max-entries N] | stop | save PATH | frame
+          %cuda_memory snapshot [PATH]      the allocator snapshot (PATH: pickle for memory_viz)
+          %cuda_memory dashboard            the live dashboard (the widgets feature)
+
+        BYTES accepts units: 1048576, 1MiB, 64 KiB, 1.5GB.
+        """
+        from cudalab.magics.memory import run_cuda_memory
+
+        return run_cuda_memory(self, line)
+
+    # ----------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Remove hooks, stop scopes and recordings the magics started, free buffers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for event, fn in list(self._hooks):
+            self._remove_hook(event, fn)
+        if self._memory is not None:
+            try:
+                self._memory.close()
+            except Exception:
+                pass
+        for dash in self._dashboards:
+            try:
+                dash.close()
+            except Exception:
+                pass
+        self._dashboards.clear()
+        if self._flush is not None:
+            try:
+                self._flush.free()
+            except Exception:
+                pass
+        hist = sys.modules.get("cudalab.memory.history")
+        if hist is not None:
+            hist.set_current_cell(None)
+
+
+_instances: dict[int, CudaLabMagics] = {}
+
+
+def _loaded(ip: Any) -> CudaLabMagics | None:
+    m = _instances.get(id(ip))
+    if m is not None and m.shell is ip and not m._closed:
+        return m
+    return None
+
+
+def load_ipython_extension(ipython: Any) -> CudaLabMagics:
+    """Register cudalab's magics on ``ipython`` (a second call on the same shell does nothing)."""
+    existing = _loaded(ipython)
+    if existing is not None:
+        return existing
+    magics = CudaLabMagics(shell=ipython)
+    ipython.register_magics(magics)
+    _instances[id(ipython)] = magics
+    return magics
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Undo :func:`load_ipython_extension` (idempotent): hooks, watch, peak scopes, history
+    started by the magic, flush buffers and the magics themselves."""
+    magics = _instances.pop(id(ipython), None)
+    if magics is None or magics.shell is not ipython:
+        return
+    magics.close()
+    manager = getattr(ipython, "magics_manager", None)
+    if manager is not None:
+        for kind, table in magics.magics.items():
+            live = manager.magics.get(kind, {})
+            for name, fn in table.items():
+                if live.get(name) == fn:
+                    del live[name]
+        registry = getattr(manager, "registry", None)
+        if registry is not None and dict.get(registry, type(magics).__name__) is magics:
+            dict.pop(registry, type(magics).__name__)
+    configurables = getattr(ipython, "configurables", None)
+    if configurables is not None:
+        while magics in configurables:
+            configurables.remove(magics)
