@@ -3,6 +3,7 @@
 Importing this package defines them all (``cudalab.kernels.all_kernels()`` relies on it).
 """
 
+from cudalab._kernels import philox  # noqa: F401 - the RNG kernels (cudalab.random)
 from cudalab._kernels.fill import FILL_KERNELS, fill_kernel
 from cudalab._kernels.spin import spin
 
