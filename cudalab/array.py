@@ -87,6 +87,14 @@ def _pinned_pool():
     return _pinned
 
 
+def _allocator_of(device: int):
+    """The device's allocator (created on first use), without the public API's checks."""
+    al = _memory().allocator
+    lst = al._allocators
+    a = lst[device] if device < len(lst) else None
+    return a if a is not None else al.get_allocator(device)
+
+
 def _release_device_memory(ptr: int) -> None:
     """Return ``ptr`` to the caching allocator; a finalizer: never raises."""
     if _streams._exiting:  # the process is ending: the driver reclaims everything
@@ -243,7 +251,8 @@ class DeviceArray:
     """
 
     __slots__ = ("_ptr", "_shape", "_dtype", "_strides", "_device", "_stream", "_base",
-                 "_nbytes", "_size", "_contiguous", "_read_only", "_owns", "__weakref__")
+                 "_nbytes", "_size", "_contiguous", "_read_only", "_owns", "_alloc",
+                 "__weakref__")
 
     def __init__(self, shape: Any, dtype: Any = np.float32, device: Any = None):
         self._owns = False
@@ -257,8 +266,12 @@ class DeviceArray:
             stream = _streams.current_stream(dev)
         size = math.prod(shape)
         nbytes = size * dt.itemsize
-        self._ptr = _memory().caching_allocator_alloc(nbytes, dev, stream) if nbytes else 0
-        self._owns = nbytes > 0
+        if nbytes:
+            a = self._alloc = _allocator_of(dev)
+            self._ptr = a.malloc(nbytes, stream)
+            self._owns = True
+        else:
+            self._ptr = 0
         self._shape = shape
         self._dtype = dt
         self._strides = None  # C-contiguous: computed on demand
@@ -276,7 +289,12 @@ class DeviceArray:
         try:
             if self._owns:
                 self._owns = False
-                _release_device_memory(self._ptr)
+                if _streams._exiting:  # the process is ending: the driver reclaims everything
+                    return
+                try:
+                    self._alloc.free(self._ptr)
+                except ValueError:  # not this allocator's any more (a reset): the registry's
+                    _release_device_memory(self._ptr)
         except Exception:
             pass
 
