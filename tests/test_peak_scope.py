@@ -82,3 +82,18 @@ def test_scope_misuse_is_a_clear_error():
     s.stop()
     with pytest.raises(ValueError):
         cm.peak_scope(99)
+
+
+def test_scopes_closing_out_of_order():
+    cudalab.init()
+    base = cm.memory_allocated()
+    a = cm.peak_scope().start()
+    p = _alloc(8 << 20)
+    cm.caching_allocator_delete(p)
+    b = cm.peak_scope().start()  # opened inside a, closed after it
+    q = _alloc(1 << 20)
+    a.stop()
+    cm.caching_allocator_delete(q)
+    b.stop()
+    assert a.peak_allocated == base + (8 << 20)
+    assert b.peak_allocated == base + (1 << 20)

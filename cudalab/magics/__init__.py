@@ -21,8 +21,8 @@ Options of the magics are traitlets of :class:`CudaLabMagics`, settable with
 Loading imports neither numpy nor the driver bindings and does not initialise CUDA (the
 extension loads on machines without a GPU); the timing and memory code is imported on the
 first use of a magic. ``%unload_ext cudalab`` removes every hook, stops the watch and any
-peak scopes, frees the L2 flush buffers and unregisters the magics; loading twice on one
-shell is a no-op.
+peak scopes, closes the live dashboards (their sampler threads stop), frees the L2 flush
+buffers and unregisters the magics; loading twice on one shell is a no-op.
 """
 
 from __future__ import annotations
@@ -164,7 +164,6 @@ class CudaLabMagics(Magics):
 
         return run_cuda_timed(self, line, cell, local_ns)
 
-    @no_var_expand
     @line_magic
     def cuda_memory(self, line: str = "") -> Any:
         """GPU memory of cudalab's caching allocator.
@@ -184,9 +183,11 @@ class CudaLabMagics(Magics):
           %cuda_memory watch off
           %cuda_memory history start [--max-entries N] | stop | save PATH | frame
           %cuda_memory snapshot [PATH]      the allocator snapshot (PATH: pickle for memory_viz)
-          %cuda_memory dashboard            the live dashboard (the widgets feature)
+          %cuda_memory snapshot view [PATH] the snapshot viewer widget (live, or of a pickle)
+          %cuda_memory dashboard [-d DEV]   the live dashboard (cudalab.widgets.MemoryDashboard)
 
-        BYTES accepts units: 1048576, 1MiB, 64 KiB, 1.5GB.
+        BYTES accepts units: 1048576, 1MiB, 64 KiB, 1.5GB. Python variables expand as in
+        other line magics: %cuda_memory snapshot {path}.
         """
         from cudalab.magics.memory import run_cuda_memory
 
@@ -211,6 +212,12 @@ class CudaLabMagics(Magics):
             except Exception:
                 pass
         self._dashboards.clear()
+        widgets = sys.modules.get("cudalab.widgets")
+        if widgets is not None and hasattr(widgets, "close_all"):
+            try:
+                widgets.close_all()  # every live dashboard's sampler thread (issue 7)
+            except Exception:
+                pass
         if self._flush is not None:
             try:
                 self._flush.free()

@@ -9,9 +9,11 @@ watching. :func:`peak_scope` measures a region instead::
     print(scope.peak_allocated - scope.start_allocated)   # extra memory the step needed
 
 Each allocator keeps a watermark of allocated bytes next to its peak (one comparison on the
-allocation path, the same one that updates the peak). A scope lowers the watermark to the
-current value when it opens and on close raises it back to ``max(saved, what it saw)``, so
-scopes nest, and ``max_memory_allocated`` is never touched. ``reset_peak_memory_stats``
+allocation path, the same one that updates the peak). A scope opening first hands the
+watermark's value to the scopes already open, then lowers it to the current value; a scope's
+peak is the larger of what it was handed and the watermark when it closes. Scopes may
+overlap in any order (a cell's watch scope and a ``%cuda_memory mark``), and
+``max_memory_allocated`` is never touched. ``reset_peak_memory_stats``
 inside a scope is fine too: the scope keeps what it had seen.
 
 Scopes are per device and process-wide (allocations from every thread count), like the
@@ -52,7 +54,7 @@ class PeakScope:
     """
 
     __slots__ = ("device", "start_allocated", "start_reserved", "end_allocated", "end_reserved",
-                 "_peak", "_seen", "_saved", "_alloc", "_t0", "elapsed", "running")
+                 "_peak", "_seen", "_alloc", "_t0", "elapsed", "running")
 
     def __init__(self, device: Any = None):
         self.device = None if device is None else _devices._device_index(device)
@@ -60,7 +62,6 @@ class PeakScope:
         self.end_allocated = self.end_reserved = 0
         self._peak = 0
         self._seen = 0
-        self._saved = 0
         self._alloc = None
         self._t0 = 0.0
         self.elapsed = 0.0
@@ -80,10 +81,12 @@ class PeakScope:
                 lock.acquire()
             try:
                 cur, res = _current(a)
-                self._saved = a._mark
-                a._mark = cur
                 if not isinstance(a._scopes, list):
                     a._scopes = []
+                for other in a._scopes:  # open scopes keep what the watermark saw so far
+                    if a._mark > other._seen:
+                        other._seen = a._mark
+                a._mark = cur
                 a._scopes.append(self)
             finally:
                 if lock is not None:
@@ -120,7 +123,6 @@ class PeakScope:
                     a._scopes.remove(self)
                 except ValueError:
                     pass
-                a._mark = max(self._saved, peak)  # the enclosing scopes still see it
             finally:
                 if lock is not None:
                     lock.release()
