@@ -30,6 +30,15 @@ from cudalab.magics.timed import _nice_ceil, parse_devices, parse_options
 MS = 1_000_000  # ns
 
 
+def _sim() -> bool:
+    """Whether the tests run on the simulator (then every report must say so)."""
+    return cudalab.devices._backend().simulated
+
+
+def _SIM_TAG() -> str:  # noqa: N802
+    return ", simulated" if _sim() else ""
+
+
 # =============================================================================== fixtures
 @pytest.fixture(scope="module")
 def shell():
@@ -221,7 +230,7 @@ def test_single_mode_last_expression_is_output(ip):
     assert r.success and r.result == 42 and ip.user_ns["zz"] == 20
     report = "\n".join(texts)
     assert "GPU time" in report and "CPU" in report and "wall" in report
-    assert "simulated" in report
+    assert ("simulated" in report) == _sim()
     assert "<table" in htmls[0]
     r, _o, _t, _h = run(ip, "%cuda_timed 6 * 7")
     assert r.result == 42
@@ -239,7 +248,7 @@ def test_single_mode_measures_gpu_time(ip):
     assert res.mode == "single" and res.value == 7 and res.count == 1
     assert 0.019 <= res.median < 0.5
     assert res.wall_time >= res.median * 0.9
-    assert res.simulated
+    assert res.simulated == _sim()
 
 
 def test_single_mode_ipython_syntax_and_setup_line(ip):
@@ -407,7 +416,7 @@ def test_kernels_single_and_repeat(ip):
     (row,) = res.kernels
     assert row["name"] == "cudalab_spin" and row["count"] == 2 and row["device"] == 0
     assert 0.0045 <= row["gpu_time"] < 0.1
-    assert "cudalab's own launches" in res.kernels_note and "simulator" in res.kernels_note
+    assert "cudalab's own launches" in res.kernels_note and ("simulator" in res.kernels_note) == _sim()
     assert "cudalab_spin" in res.report() and "cudalab_spin" in res._repr_html_()
     res = timed(ip, "%%cuda_timed --kernels -n 3 -r 2\ngpu_sleep(100_000)")
     (row,) = res.kernels
@@ -532,8 +541,9 @@ def test_memory_summary(ip):
     assert r.success and r.result is None
     text = texts[0]
     for row in ("Allocated memory", "GPU reserved memory", "from large pool", "Tot Freed",
-                "OOMs: 0", "device free / total", "reserved - allocated", "simulated"):
+                "OOMs: 0", "device free / total", "reserved - allocated"):
         assert row in text, row
+    assert ("simulated" in text) == _sim()
     assert "<table" in htmls[0] and "device free / total" in htmls[0]
     r, out, texts, _h = run(ip, "%cuda_memory summary -d cuda:0")
     assert "cuda:0" in texts[0]
@@ -577,7 +587,7 @@ def test_watch_lines_threshold_and_silent(ip):
     r, out, _t, _h = run(ip, "%cuda_memory watch on")
     assert "on" in out
     r, out, _t, _h = run(ip, "w1_ = cudalab.empty((3 << 20,), dtype='uint8')")
-    assert "[cudalab watch cuda:0, simulated] Δallocated +3.0 MiB" in out
+    assert f"[cudalab watch cuda:0{_SIM_TAG()}] Δallocated +3.0 MiB" in out
     assert "GPU " in out and "wall" in out
     r, out, _t, _h = run(ip, "del w1_\nw2_ = cudalab.empty((5 << 20,), dtype='uint8'); del w2_")
     assert "Δallocated -3.0 MiB" in out and "(+2.0 MiB in cell)" in out
@@ -751,7 +761,9 @@ def test_gpu_agreement_with_torch_events(ip):
         times.append(a.elapsed_time(b) / 1e3)
     torch_median = float(np.median(times))
     res = timed(ip, "%%cuda_timed -n 1 -r 30 -w 3\ngpu_sleep(1_000_000)")
-    assert res.median == pytest.approx(torch_median, rel=0.01)
+    # as with cupyx: host-synchronised event pairs include one launch latency
+    assert 0.999e-3 <= res.median <= torch_median * 1.01, (res.median, torch_median)
+    assert res.median == pytest.approx(torch_median, rel=0.02)
 
 
 @pytest.mark.gpu
@@ -761,11 +773,15 @@ def test_gpu_agreement_with_cupyx_benchmark(ip):
 
     bench = cupyx_profiler.benchmark(lambda: gpu_sleep(MS), n_repeat=30, n_warmup=3)
     cupy_median = float(np.median(bench.gpu_times[0]))
-    res = timed(ip, "%%cuda_timed -n 1 -r 30 -w 3\ngpu_sleep(1_000_000)")
-    assert res.median == pytest.approx(cupy_median, rel=0.01)
-    # repeat mode with loops: same per-loop time
-    res = timed(ip, "%%cuda_timed -n 10 -r 10\ngpu_sleep(1_000_000)")
-    assert res.median == pytest.approx(cupy_median, rel=0.01)
+    # cupyx synchronises the host before every repeat, so its start event fires before the
+    # launch reaches the GPU and its median includes one launch latency (~10 us, 1.0-1.3 %
+    # of this kernel on an H100); ours queues the events with the work. Both bracket the
+    # kernel's own 1 ms (a %globaltimer spin): ours must lie between it and cupyx's + 1 %.
+    for cell in ("%%cuda_timed -n 1 -r 30 -w 3\ngpu_sleep(1_000_000)",
+                 "%%cuda_timed -n 10 -r 10\ngpu_sleep(1_000_000)"):
+        res = timed(ip, cell)
+        assert 0.999e-3 <= res.median <= cupy_median * 1.01, (res.median, cupy_median)
+        assert res.median == pytest.approx(cupy_median, rel=0.02)
 
 
 @pytest.mark.gpu
