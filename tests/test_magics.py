@@ -666,7 +666,7 @@ def test_history_start_stop_save_frame(ip, tmp_path):
 
 def test_snapshot_and_dashboard(ip, tmp_path):
     run(ip, "s1_ = cudalab.empty((1 << 20,), dtype='uint8')")
-    r, _o, _t, _h = run(ip, "%cuda_memory snapshot")
+    r, _o, _t, _h = run(ip, "%cuda_memory snapshot dict")
     assert isinstance(r.result, dict) and "segments" in r.result
     assert "segments" in repr(r.result) and len(repr(r.result)) < 200
     path = tmp_path / "snap.pickle"
@@ -674,12 +674,12 @@ def test_snapshot_and_dashboard(ip, tmp_path):
     r, out, _t, _h = run(ip, "%cuda_memory snapshot {snap_path_}")  # variables expand
     assert r.success and "memory_viz" in out and cm.load_snapshot(str(path))["segments"]
     r, out, _t, _h = run(ip, "%cuda_memory snapshot view {snap_path_}")
-    try:
-        from cudalab.widgets import SnapshotViewer
-    except ImportError:
-        assert r.success and "not built yet" in out
-    else:
-        assert r.success and isinstance(r.result, SnapshotViewer), out
+    from cudalab.widgets import SnapshotViewer
+
+    assert r.success and isinstance(r.result, SnapshotViewer), out
+    r, out, _t, _h = run(ip, "%cuda_memory snapshot")  # the live snapshot, in the viewer
+    assert r.success and isinstance(r.result, SnapshotViewer), out
+    r.result.close()
     run(ip, "del s1_")
 
 

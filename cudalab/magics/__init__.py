@@ -182,7 +182,8 @@ class CudaLabMagics(Magics):
                                             max_memory_allocated is reset) and GPU time
           %cuda_memory watch off
           %cuda_memory history start [--max-entries N] | stop | save PATH | frame
-          %cuda_memory snapshot [PATH]      the allocator snapshot (PATH: pickle for memory_viz)
+          %cuda_memory snapshot [PATH]      the snapshot viewer (PATH: write a memory_viz pickle)
+          %cuda_memory snapshot dict        the snapshot dict (torch's _snapshot() schema)
           %cuda_memory snapshot view [PATH] the snapshot viewer widget (live, or of a pickle)
           %cuda_memory dashboard [-d DEV]   the live dashboard (cudalab.widgets.MemoryDashboard)
 

@@ -649,6 +649,8 @@ def _widget_class(name: str, what: str) -> Any:
 def _snapshot(args: _Args) -> Any:
     import cudalab.memory as cm
 
+    if args.words and args.words[0].lower() == "dict":
+        return SnapshotDict(cm._snapshot())
     if args.words and args.words[0].lower() == "view":
         cls = _widget_class("SnapshotViewer", "%cuda_memory snapshot view")
         if cls is None:
@@ -661,7 +663,12 @@ def _snapshot(args: _Args) -> Any:
         print(f"{snap._summary()}; wrote {path} (open it at https://pytorch.org/memory_viz; the "
               "file is read in the browser, not uploaded)")
         return None
-    return SnapshotDict(cm._snapshot())
+    snap = SnapshotDict(cm._snapshot())
+    try:  # the viewer where the widgets can load (issue 7: "%cuda_memory snapshot")
+        from cudalab.widgets import SnapshotViewer
+    except ImportError:
+        return snap
+    return SnapshotViewer(snap)
 
 
 def _dashboard(magics: Any, args: _Args) -> Any:

@@ -43,6 +43,7 @@ from cudalab.memory.export import (
 )
 from cudalab.memory.history import HistoryRecording, record_history
 from cudalab.memory.history import _record_memory_history as _record_memory_history
+from cudalab.memory.plot import plot_segments, plot_timeline
 from cudalab.memory.pluggable import PluggableAllocator, change_current_allocator
 from cudalab.memory.replay import ReplayResult, ReplayWarning, replay, what_if
 from cudalab.memory.scope import PeakScope, peak_scope
@@ -55,6 +56,8 @@ from cudalab.memory.stats import STAT_KEYS, nested_from_flat, render_memory_summ
 __all__ = [
     "PeakScope",
     "peak_scope",
+    "plot_segments",
+    "plot_timeline",
     "ReplayResult",
     "ReplayWarning",
     "export_perfetto",

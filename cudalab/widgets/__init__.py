@@ -1,1 +1,56 @@
-"""Live ipywidgets dashboards (MemoryDashboard, SnapshotViewer): issue 7, not yet built."""
+"""Live notebook views of the allocator (ipywidgets 8; renders in JupyterLab 4, Notebook 7
+and VS Code).
+
+* :class:`MemoryDashboard` — per device allocated / reserved / peak against capacity, a live
+  time series, NVML utilization / temperature / power / SM clock, allocation counts, OOMs
+  and retries, this process against all processes, and pause / reset-peaks / empty-cache /
+  take-snapshot controls (also ``%cuda_memory dashboard``);
+* :class:`SnapshotViewer` — a snapshot's segment map (blocks coloured by state), block
+  details, device / stream / pool filters, an active-memory timeline with a scrubber to see
+  the allocator state at any entry, and parquet / memory_viz / Perfetto exports (also
+  ``%cuda_memory snapshot``);
+* :func:`close_all` — stop and close every live dashboard (``%unload_ext cudalab`` calls it).
+
+The names load lazily: ``import cudalab`` (and ``import cudalab.widgets``) does not import
+ipywidgets; the first use of ``MemoryDashboard`` or ``SnapshotViewer`` does. See
+``docs/widgets.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+__all__ = ["MemoryDashboard", "SnapshotViewer", "close_all", "live_dashboards"]
+
+_LAZY = {
+    "MemoryDashboard": "cudalab.widgets.dashboard",
+    "SnapshotViewer": "cudalab.widgets.snapshot_viewer",
+}
+
+
+def close_all() -> int:
+    """Close every live :class:`MemoryDashboard` and stop its sampler thread; returns how
+    many were closed. Costs nothing (and imports nothing) when no dashboard was ever made."""
+    mod = sys.modules.get("cudalab.widgets.dashboard")
+    return 0 if mod is None else mod.close_all()
+
+
+def live_dashboards() -> list:
+    """The dashboards not yet closed ([] when none was ever made)."""
+    mod = sys.modules.get("cudalab.widgets.dashboard")
+    return [] if mod is None else mod.live_dashboards()
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cudalab.widgets' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

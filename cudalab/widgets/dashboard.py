@@ -1,0 +1,787 @@
+"""``MemoryDashboard``: a live allocator + NVML panel in the notebook (ipywidgets 8).
+
+::
+
+    from cudalab.widgets import MemoryDashboard
+    dash = MemoryDashboard()          # every device, a sample every 0.5 s, 600 samples kept
+    dash                              # shows it; dash.close() stops it
+
+Per device it shows allocated / reserved / peak against the device's capacity (a bar with
+the peak as a tick, NVML's count of everything else on the device in grey), a time series of
+allocated, reserved and NVML-used bytes over the last ``window`` samples, utilization,
+temperature, power and SM clock, the allocator's allocation counts, OOMs and cudaMalloc
+retries, and this process's GPU memory against all processes' (NVML's process list). The
+title turns orange at ``warn`` (80 %) and red at ``danger`` (90 %) of capacity.
+
+How it stays cheap and safe:
+
+* one daemon sampler thread per dashboard reads ``memory_stats`` and NVML every
+  ``interval`` seconds into ring buffers and pushes widget updates inside ``hold_sync``, at
+  most ``max_rate`` pushes per second; it never prints and never uses ``Output`` widgets (both
+  misbehave from threads under ipykernel 7); errors show in the status line;
+* only values that changed are sent (traitlets drops equal assignments; the chart image is
+  re-sent only when its pixels changed): a few hundred bytes of HTML and a palette PNG of
+  about 1 KB per device per tick, whatever the window;
+* the thread holds only a weak reference to the dashboard and stops on :meth:`close`, on
+  :func:`close_all` (which ``%unload_ext cudalab`` calls) and at interpreter exit (atexit).
+
+A saved or nbconvert'ed notebook shows a static picture: ``_repr_mimebundle_`` adds an
+``image/png`` drawn with matplotlib (``pip install 'cudalab[widgets]'``); without
+matplotlib it adds ``text/html`` (a table and the sparkline) instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import contextlib
+import html
+import io
+import os
+import struct
+import threading
+import time
+import weakref
+import zlib
+from collections import deque
+from typing import Any
+
+import ipywidgets as W
+import numpy as np
+
+from cudalab.memory.plot import _human
+
+__all__ = ["MemoryDashboard", "close_all", "live_dashboards"]
+
+_live: weakref.WeakSet = weakref.WeakSet()
+_THREAD_NAME = "cudalab-dashboard-sampler"
+
+# Chart colours (palette PNG indices).
+_PALETTE = (
+    (255, 255, 255),  # 0 background
+    (232, 232, 232),  # 1 grid
+    (253, 208, 162),  # 2 reserved area
+    (198, 219, 239),  # 3 allocated area
+    (140, 140, 140),  # 4 NVML used line
+    (230, 85, 13),    # 5 reserved line
+    (31, 119, 180),   # 6 allocated line
+    (214, 39, 40),    # 7 capacity line
+)
+_ALLOC_C, _RES_C, _OTHER_C = "#1f77b4", "#fdae6b", "#bdbdbd"
+_WARN_C, _DANGER_C, _OK_C = "#e6550d", "#d62728", "#31a354"
+
+
+def live_dashboards() -> list[MemoryDashboard]:
+    """The dashboards not yet closed."""
+    return [d for d in list(_live) if not d._closed]
+
+
+def close_all() -> int:
+    """Close every live dashboard (stops their sampler threads; ``%unload_ext cudalab`` calls
+    this). Returns how many were closed."""
+    n = 0
+    for d in live_dashboards():
+        d.close()
+        n += 1
+    return n
+
+
+def _stop_threads_at_exit() -> None:
+    """atexit: stop the samplers without touching the comms (the kernel may be gone)."""
+    for d in list(_live):
+        d._stop_sampler(timeout=0.5)
+
+
+atexit.register(_stop_threads_at_exit)
+
+
+# --------------------------------------------------------------------------- PNG sparkline
+def _png(indices: np.ndarray, palette: tuple = _PALETTE) -> bytes:
+    """A palette PNG (colour type 3, 8 bits) of ``indices`` (H x W uint8)."""
+    h, w = indices.shape
+    raw = np.zeros((h, w + 1), np.uint8)  # filter byte 0 per row
+    raw[:, 1:] = indices
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    plte = bytes(c for rgb in palette for c in rgb)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 3, 0, 0, 0))
+            + chunk(b"PLTE", plte) + chunk(b"IDAT", zlib.compress(raw.tobytes(), 6))
+            + chunk(b"IEND", b""))
+
+
+def _nice_max(v: float) -> float:
+    """The smallest of 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8 x 1024^k (or 2^k below 1 KiB)
+    that is >= v: a y-axis top that changes rarely."""
+    v = max(float(v), 1024.0)
+    unit = 1024.0 ** int(np.floor(np.log(v) / np.log(1024)))
+    for m in (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12.5, 15, 20, 25, 30, 40, 50, 60, 80,
+              100, 125, 150, 200, 250, 300, 400, 500, 600, 800, 1000, 1024):
+        if m * unit >= v:
+            return m * unit
+    return 1024 * unit  # pragma: no cover
+
+
+def _columns(values: np.ndarray, window: int, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(low, high) value per pixel column for the samples (oldest first), newest at the right
+    edge (the series scrolls left), and the first column covered."""
+    n = values.size
+    step = (width - 1) / max(window - 1, 1)
+    pos = (np.arange(n, dtype=np.float64) + (window - n)) * step
+    c0 = int(pos[0])
+    ncol = width - c0
+    rel = pos - c0
+    if n >= ncol:
+        col = np.minimum(rel.astype(np.int64), ncol - 1)
+        lo = np.full(ncol, np.inf)
+        hi = np.full(ncol, -np.inf)
+        np.minimum.at(lo, col, values)
+        np.maximum.at(hi, col, values)
+        last = np.zeros(ncol, np.int64)
+        np.maximum.at(last, col, np.arange(n))
+        prev = np.empty(ncol)
+        prev[0] = values[0]
+        prev[1:] = values[last[:-1]]
+    else:
+        cols = np.arange(ncol, dtype=np.float64)
+        lo = hi = np.interp(cols, rel, values)
+        prev = np.empty(ncol)
+        prev[0] = lo[0]
+        prev[1:] = lo[:-1]
+    return np.minimum(lo, prev), np.maximum(hi, prev), c0
+
+
+def _chart(series: dict[str, np.ndarray], window: int, ymax: float, capacity: int | None,
+           width: int = 300, height: int = 64) -> np.ndarray:
+    """The palette-index image of the time series (areas for allocated/reserved, lines for
+    all three, a dotted red line at the capacity when it is on the scale)."""
+    img = np.zeros((height, width), np.uint8)
+    img[[height // 4, height // 2, 3 * height // 4], ::3] = 1
+    rows = np.arange(height)[:, None]
+    scale = (height - 1) / ymax if ymax > 0 else 0.0
+
+    def y(v: np.ndarray) -> np.ndarray:
+        return np.clip(height - 1 - np.round(v * scale), 0, height - 1).astype(np.int64)
+
+    spans = {}
+    for key in ("nvml_used", "reserved", "allocated"):
+        v = series.get(key)
+        if v is None or v.size == 0:
+            continue
+        lo, hi, c0 = _columns(v.astype(np.float64), window, width)
+        spans[key] = (y(hi), y(lo), c0)
+    for key, color in (("reserved", 2), ("allocated", 3)):  # areas under the lines
+        if key in spans:
+            top, _, c0 = spans[key]
+            sub = img[:, c0:]
+            sub[rows >= top[None, :]] = color
+    if capacity and capacity <= ymax:
+        img[int(y(np.array([capacity]))[0]), ::2] = 7
+    for key, color in (("nvml_used", 4), ("reserved", 5), ("allocated", 6)):
+        if key in spans:
+            top, bottom, c0 = spans[key]
+            sub = img[:, c0:]
+            sub[(rows >= top[None, :]) & (rows <= bottom[None, :])] = color
+    return img
+
+
+# --------------------------------------------------------------------------- device state
+class _Device:
+    """One device's identity, NVML handle and ring buffers."""
+
+    def __init__(self, index: int, window: int):
+        import cudalab
+        from cudalab import nvml as nvml_mod
+
+        self.index = index
+        self.name = cudalab.get_device_name(index)
+        props = cudalab.get_device_properties(index)
+        self.capacity = int(props.total_memory)
+        self.nvml: Any = None
+        self.uuid = ""
+        self.nvml_error = ""
+        try:
+            _, self.uuid, self.nvml = nvml_mod._resolve(index)
+            self.nvml.uuids()  # probe: raises when NVML cannot be used
+        except Exception as exc:  # NvmlError, NvmlUnavailableError, missing bindings
+            self.nvml = None
+            self.nvml_error = f"NVML unavailable ({type(exc).__name__})"
+        self.t: deque = deque(maxlen=window)
+        self.allocated: deque = deque(maxlen=window)
+        self.reserved: deque = deque(maxlen=window)
+        self.nvml_used: deque = deque(maxlen=window)
+        self.last: dict[str, Any] = {}
+        self.last_png = b""
+        self.chart_time = 0.0
+        self.ymax = 1024.0
+
+    def sample(self, now: float) -> dict[str, Any]:
+        import cudalab.memory as cm
+
+        st = cm.memory_stats(self.index)
+        s: dict[str, Any] = {
+            "time": now,
+            "allocated": st.get("allocated_bytes.all.current", 0),
+            "reserved": st.get("reserved_bytes.all.current", 0),
+            "peak_allocated": st.get("allocated_bytes.all.peak", 0),
+            "peak_reserved": st.get("reserved_bytes.all.peak", 0),
+            "requested": st.get("requested_bytes.all.current", 0),
+            "allocations": st.get("allocation.all.current", 0),
+            "allocations_total": st.get("allocation.all.allocated", 0),
+            "segments": st.get("segment.all.current", 0),
+            "num_ooms": st.get("num_ooms", 0),
+            "num_alloc_retries": st.get("num_alloc_retries", 0),
+            "utilization": None, "memory_utilization": None, "temperature": None,
+            "power_draw": None, "clock_rate": None, "nvml_used": None,
+            "nvml_total": None, "process_used": None, "all_processes_used": None,
+            "processes": None,
+        }
+        nv = self.nvml
+        if nv is not None:
+            uuid = self.uuid
+            for keys, query in ((("utilization", "memory_utilization"), nv.utilization),
+                                (("temperature",), nv.temperature),
+                                (("power_draw",), nv.power_usage),
+                                (("clock_rate",), nv.clock_sm),
+                                (("nvml_total", None, "nvml_used"), nv.memory_info)):
+                try:
+                    value = query(uuid)
+                except Exception:  # one metric not supported: the others still read
+                    continue
+                if len(keys) == 1:
+                    s[keys[0]] = value
+                else:
+                    for k, v in zip(keys, value):
+                        if k is not None:
+                            s[k] = v
+            try:
+                procs = nv.processes(uuid)
+            except Exception:
+                procs = None
+            if procs is not None:
+                pid = os.getpid()
+                s["processes"] = len(procs)
+                s["all_processes_used"] = sum(u for _, u in procs if u is not None)
+                mine = [u for p, u in procs if p == pid]
+                s["process_used"] = (mine[0] if mine and mine[0] is not None else None)
+        self.t.append(now)
+        self.allocated.append(s["allocated"])
+        self.reserved.append(s["reserved"])
+        self.nvml_used.append(s["nvml_used"] if s["nvml_used"] is not None else 0)
+        self.last = s
+        return s
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {"allocated": np.fromiter(self.allocated, np.float64, len(self.allocated)),
+               "reserved": np.fromiter(self.reserved, np.float64, len(self.reserved))}
+        if self.nvml is not None:
+            out["nvml_used"] = np.fromiter(self.nvml_used, np.float64, len(self.nvml_used))
+        return out
+
+
+def _pct(v: int, cap: int) -> float:
+    return 100.0 * v / cap if cap else 0.0
+
+
+def _level(frac: float, warn: float, danger: float) -> str:
+    return "danger" if frac >= danger else "warn" if frac >= warn else "ok"
+
+
+def _device_indices(devices: Any) -> list[int]:
+    import cudalab
+    from cudalab import devices as _devices
+
+    if devices is None:
+        return list(range(cudalab.device_count()))
+    if isinstance(devices, (int, str)) or isinstance(getattr(devices, "index", None), int):
+        return [_devices._device_index(devices)]
+    return [_devices._device_index(d) for d in devices]
+
+
+# --------------------------------------------------------------------------- the widget
+class MemoryDashboard(W.VBox):
+    """A live memory dashboard for ``devices`` (None: every device).
+
+    ``interval``: seconds between samples (>= 0.02); ``window``: samples kept per device
+    (the time series spans ``window * interval`` seconds); ``max_rate``: widget pushes per
+    second at most (samples in between still land in the ring buffers); ``warn``/``danger``:
+    fractions of capacity (reserved, or NVML's used when larger) that colour the panel;
+    ``fallback``: add the static PNG/HTML picture to the display bundle; ``start``: start
+    the sampler thread now (else call :meth:`start`).
+
+    Attributes: :attr:`samples` (per device, the ring buffers as numpy arrays via
+    :meth:`history`), :attr:`latest` (per device, the last sample's values), :attr:`snapshots`
+    (what the "Take snapshot" button took).
+    """
+
+    def __init__(self, devices: Any = None, interval: float = 0.5, window: int = 600, *,
+                 max_rate: float = 10.0, warn: float = 0.8, danger: float = 0.9,
+                 fallback: bool = True, start: bool = True, chart_size: tuple[int, int] = (300, 64)):
+        super().__init__()
+        self.interval = max(float(interval), 0.02)
+        self.window = max(int(window), 2)
+        self.max_rate = max(float(max_rate), 0.1)
+        self.warn, self.danger = float(warn), float(danger)
+        self.fallback = bool(fallback)
+        self.chart_size = (int(chart_size[0]), int(chart_size[1]))
+        #: seconds between redraws of the time-series image (numbers update every push);
+        #: None: max(interval, 0.5)
+        self.chart_interval: float | None = None
+        self.snapshots: list[dict] = []
+        self._closed = False
+        self._paused = False
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._n = 0
+        self._last_push = 0.0
+        self._error = ""
+        self._note = ""
+        self._note_time = self._error_time = 0.0
+        self._viewer: Any = None
+        self._devices = [_Device(d, self.window) for d in _device_indices(devices)]
+        simulated = False
+        if self._devices:
+            from cudalab import devices as _devs
+
+            simulated = bool(_devs._backend().simulated)
+        self.simulated = simulated
+
+        self._pause = W.ToggleButton(value=False, description="Pause", icon="pause",
+                                     tooltip="pause/resume sampling",
+                                     layout=W.Layout(width="auto"))
+        self._reset = W.Button(description="Reset peaks", icon="undo",
+                               tooltip="reset_peak_memory_stats() on these devices (global: "
+                                       "every reader's max_memory_allocated)",
+                               layout=W.Layout(width="auto"))
+        self._empty = W.Button(description="Empty cache", icon="trash",
+                               tooltip="empty_cache(): release cached, unused memory",
+                               layout=W.Layout(width="auto"))
+        self._snap = W.Button(description="Take snapshot", icon="camera",
+                              tooltip="take cudalab.memory._snapshot() and open it below",
+                              layout=W.Layout(width="auto"))
+        self._pause.observe(self._on_pause, "value")
+        self._reset.on_click(self._on_reset)
+        self._empty.on_click(self._on_empty)
+        self._snap.on_click(self._on_snapshot)
+        self._status = W.HTML()
+        self._snapshot_box = W.VBox()
+        legend = W.HTML(
+            '<span style="font-size:11px">'
+            f'<span style="color:{_ALLOC_C}">&#9632;</span> allocated '
+            f'<span style="color:#e6550d">&#9632;</span> reserved '
+            '<span style="color:#8c8c8c">&#9632;</span> NVML used '
+            '<span style="color:#d62728">&#8943;</span> capacity</span>')
+        self._panels: list[dict[str, W.Widget]] = []
+        rows: list[W.Widget] = [W.HBox([self._pause, self._reset, self._empty, self._snap,
+                                        self._status],
+                                       layout=W.Layout(align_items="center", flex_flow="row wrap"))]
+        for _ in self._devices:
+            p = {"title": W.HTML(), "chart": W.Image(format="png", width=self.chart_size[0],
+                                                      height=self.chart_size[1]),
+                 "scale": W.HTML(), "mem": W.HTML(layout=W.Layout(width="100%")),
+                 "nvml": W.HTML(), "counts": W.HTML(), "procs": W.HTML()}
+            self._panels.append(p)
+            left = W.VBox([p["chart"], W.HBox([p["scale"], legend])],
+                          layout=W.Layout(flex="0 0 auto"))
+            right = W.VBox([p["mem"], p["nvml"], p["counts"], p["procs"]],
+                           layout=W.Layout(flex="1 1 320px", min_width="260px",
+                                           padding="0 0 0 10px"))
+            rows.append(W.VBox([p["title"], W.HBox([left, right],
+                                                  layout=W.Layout(flex_flow="row wrap"))],
+                               layout=W.Layout(border="1px solid var(--jp-border-color2, #ddd)",
+                                               padding="4px 8px", margin="4px 0")))
+        if not self._devices:
+            rows.append(W.HTML("<i>No CUDA device is visible: nothing to show.</i>"))
+        rows.append(self._snapshot_box)
+        self.children = tuple(rows)
+        self.add_class("cudalab-memory-dashboard")
+        _live.add(self)
+        if self._devices:
+            self.refresh()  # a first sample, so the first display already shows numbers
+        if start and self._devices:
+            self.start()
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the sampler thread (no-op if it runs or the dashboard is closed)."""
+        if self._closed or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._stop.clear()
+        t = threading.Thread(target=_sampler, args=(weakref.ref(self), self._stop),
+                             name=_THREAD_NAME, daemon=True)
+        self._thread = t
+        t.start()
+        with self._lock:
+            self._status.value = self._status_html()
+
+    def _stop_sampler(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+        if t is not None and not t.is_alive():
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the sampler thread is alive."""
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def close(self) -> None:
+        """Stop the sampler thread and close every widget of the dashboard (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_sampler()
+        _live.discard(self)
+        if self._viewer is not None:
+            with contextlib.suppress(Exception):
+                self._viewer.close()
+        for w in _descendants(self):
+            with contextlib.suppress(Exception):
+                w.close()
+        super().close()
+
+    # ----------------------------------------------------------------- sampling
+    def refresh(self) -> None:
+        """Take a sample now and push it to the widgets (what every tick does)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._sample()
+            self._push()
+
+    def _tick(self) -> None:
+        """One sampler-thread tick: sample; push when the rate cap allows."""
+        with self._lock:
+            if self._closed or self._paused:
+                return
+            self._sample()
+            if time.monotonic() - self._last_push >= 1.0 / self.max_rate - 1e-3:
+                self._push(force_chart=False)
+
+    def _sample(self) -> None:
+        now = time.time()
+        for dev in self._devices:
+            dev.sample(now)
+        self._n += 1
+
+    @property
+    def latest(self) -> dict[int, dict[str, Any]]:
+        """Per device index, the values of the last sample (bytes, %, °C, mW, MHz, counts)."""
+        return {dev.index: dict(dev.last) for dev in self._devices}
+
+    def history(self, device: int | None = None) -> dict[str, np.ndarray]:
+        """The ring buffers of ``device`` (default: the first): time (s since the epoch),
+        allocated, reserved, nvml_used (bytes) as numpy arrays."""
+        dev = self._devices[0] if device is None else next(d for d in self._devices
+                                                           if d.index == device)
+        return {"time": np.fromiter(dev.t, np.float64, len(dev.t)),
+                "allocated": np.fromiter(dev.allocated, np.int64, len(dev.allocated)),
+                "reserved": np.fromiter(dev.reserved, np.int64, len(dev.reserved)),
+                "nvml_used": np.fromiter(dev.nvml_used, np.int64, len(dev.nvml_used))}
+
+    # ----------------------------------------------------------------- rendering
+    def _push(self, force_chart: bool = True) -> None:
+        """Assign the new values; each widget sends one message (hold_sync) and only if a
+        value changed."""
+        self._last_push = time.monotonic()
+        updates: list[tuple[W.Widget, dict[str, Any]]] = []
+        for dev, p in zip(self._devices, self._panels):
+            try:
+                updates += self._device_updates(dev, p, force_chart)
+            except Exception as exc:  # never raise (or print) from the sampler thread
+                self._set_error(exc)
+        updates.append((self._status, {"value": self._status_html()}))
+        changed = []
+        for w, values in updates:
+            diff = {k: v for k, v in values.items() if getattr(w, k) != v}
+            if diff:
+                changed.append((w, diff))
+        with contextlib.ExitStack() as stack:
+            for w, _ in changed:
+                stack.enter_context(w.hold_sync())
+            for w, values in changed:
+                for k, v in values.items():
+                    setattr(w, k, v)
+
+    def _device_updates(self, dev: _Device, p: dict[str, W.Widget], force_chart: bool) -> list:
+        s = dev.last
+        cap = dev.capacity
+        used = s["nvml_used"]
+        frac = max(s["reserved"], used or 0) / cap if cap else 0.0
+        level = _level(frac, self.warn, self.danger)
+        out: list = [(p["title"], {"value": self._title_html(dev, level, frac)}),
+                     (p["mem"], {"value": self._mem_html(s, cap, level)}),
+                     (p["nvml"], {"value": self._nvml_html(dev, s)}),
+                     (p["counts"], {"value": self._counts_html(s)}),
+                     (p["procs"], {"value": self._procs_html(dev, s)})]
+        now = time.monotonic()
+        every = max(self.interval, 0.5) if self.chart_interval is None else self.chart_interval
+        if force_chart or now - dev.chart_time >= every - 1e-3:
+            dev.chart_time = now
+            arrays = dev.arrays()
+            top = max((float(a.max()) for a in arrays.values() if a.size), default=0.0)
+            dev.ymax = _nice_max(top * 1.05)
+            w, h = self.chart_size
+            png = _png(_chart(arrays, self.window, dev.ymax, cap, w, h))
+            if png != dev.last_png:
+                dev.last_png = png
+                out.append((p["chart"], {"value": png}))
+        ymax = dev.ymax
+        span = self.window * self.interval
+        span_txt = f"{span / 60:.0f} min" if span >= 120 else f"{span:.0f} s"
+        out.append((p["scale"], {"value": f'<span style="font-size:11px;color:#777">0&ndash;'
+                                          f'{_human(ymax)}, last {span_txt}&nbsp;</span>'}))
+        return out
+
+    def _title_html(self, dev: _Device, level: str, frac: float) -> str:
+        badge = ""
+        if level != "ok":
+            color = _DANGER_C if level == "danger" else _WARN_C
+            word = "near capacity" if level == "danger" else "high"
+            badge = (f' <span style="background:{color};color:#fff;padding:0 5px;border-radius:3px">'
+                     f'{100 * frac:.0f}% used: {word}</span>')
+        return (f'<div class="cudalab-dash-title" data-device="{dev.index}">'
+                f'<b>cuda:{dev.index}</b> {html.escape(dev.name)} &middot; '
+                f'{_human(dev.capacity)}{badge}</div>')
+
+    def _mem_html(self, s: dict, cap: int, level: str) -> str:
+        a, r, pk = s["allocated"], s["reserved"], s["peak_allocated"]
+        other = max((s["nvml_used"] or 0) - r, 0)
+        pa, pr, po, pp = (_pct(a, cap), _pct(r - a, cap), _pct(other, cap), _pct(pk, cap))
+        border = {"ok": "#bbb", "warn": _WARN_C, "danger": _DANGER_C}[level]
+        bar = (f'<div style="display:flex;height:12px;border:1px solid {border};position:relative;'
+               f'background:var(--jp-layout-color2,#f4f4f4)">'
+               f'<div style="width:{pa:.2f}%;background:{_ALLOC_C}"></div>'
+               f'<div style="width:{pr:.2f}%;background:{_RES_C}"></div>'
+               f'<div style="width:{po:.2f}%;background:{_OTHER_C}"></div>'
+               f'<div style="position:absolute;left:{min(pp, 100):.2f}%;top:-2px;bottom:-2px;'
+               f'width:2px;background:#000" title="peak allocated"></div></div>')
+        return (f'<div class="cudalab-dash-mem" data-allocated="{a}" data-reserved="{r}" '
+                f'data-peak="{pk}" data-capacity="{cap}">{bar}'
+                f'allocated <b>{_human(a)}</b> &middot; reserved <b>{_human(r)}</b> &middot; '
+                f'peak <b>{_human(pk)}</b> &middot; {_pct(r, cap):.1f}% of {_human(cap)}</div>')
+
+    def _nvml_html(self, dev: _Device, s: dict) -> str:
+        if dev.nvml is None:
+            return f'<span style="color:#777">{html.escape(dev.nvml_error)}</span>'
+
+        def v(x: Any, fmt: str) -> str:
+            return "n/a" if x is None else fmt.format(x)
+
+        return (f'<div class="cudalab-dash-nvml">util <b>{v(s["utilization"], "{}%")}</b> '
+                f'&middot; mem util {v(s["memory_utilization"], "{}%")} &middot; '
+                f'<b>{v(s["temperature"], "{} &deg;C")}</b> &middot; '
+                f'<b>{v(None if s["power_draw"] is None else s["power_draw"] / 1000, "{:.0f} W")}'
+                f'</b> &middot; SM <b>{v(s["clock_rate"], "{} MHz")}</b></div>')
+
+    def _counts_html(self, s: dict) -> str:
+        ooms, retries = s["num_ooms"], s["num_alloc_retries"]
+        red = f' style="color:{_DANGER_C}"'
+        return (f'<div class="cudalab-dash-counts" data-ooms="{ooms}" data-retries="{retries}" '
+                f'data-allocations="{s["allocations"]}">allocations <b>{s["allocations"]:,}</b> '
+                f'live / {s["allocations_total"]:,} total &middot; segments {s["segments"]:,} '
+                f'&middot; <span{red if ooms else ""}>OOMs <b>{ooms}</b></span> &middot; '
+                f'<span{red if retries else ""}>retries <b>{retries}</b></span></div>')
+
+    def _procs_html(self, dev: _Device, s: dict) -> str:
+        if dev.nvml is None or s["processes"] is None:
+            return ""
+        mine = s["process_used"]
+        mine_txt = "n/a" if mine is None else _human(mine)
+        return (f'<div class="cudalab-dash-procs">this process <b>{mine_txt}</b> &middot; '
+                f'all {s["processes"]} process{"es" if s["processes"] != 1 else ""} '
+                f'<b>{_human(s["all_processes_used"] or 0)}</b> &middot; NVML used '
+                f'{_human(s["nvml_used"] or 0)}</div>')
+
+    def _status_html(self) -> str:
+        if self._paused:
+            state = '<span style="color:#777">&#10074;&#10074; paused</span>'
+        elif self.running:
+            state = f'<span style="color:{_OK_C}">&#9679; live</span>'
+        else:
+            state = '<span style="color:#777">&#9675; stopped</span>'
+        now = time.monotonic()  # notes and errors stay in the status line for 15 s
+        extra = f" &middot; {self._note}" if self._note and now - self._note_time < 15 else ""
+        if self._error and now - self._error_time < 15:
+            extra += f' &middot; <span style="color:{_DANGER_C}">{html.escape(self._error)}</span>'
+        sim = " &middot; simulated" if self.simulated else ""
+        return (f'<span class="cudalab-dash-status" data-samples="{self._n}" '
+                f'style="margin-left:6px">{state} every '
+                f'{self.interval:g} s &middot; sample {self._n} &middot; '
+                f'{time.strftime("%H:%M:%S")}{sim}{extra}</span>')
+
+    def _set_note(self, text: str) -> None:
+        self._note, self._note_time = text, time.monotonic()
+
+    def _set_error(self, exc: BaseException) -> None:
+        self._error, self._error_time = f"{type(exc).__name__}: {exc}", time.monotonic()
+
+    # ----------------------------------------------------------------- controls
+    def _on_pause(self, change: dict) -> None:
+        self._paused = bool(change["new"])
+        self._pause.description = "Resume" if self._paused else "Pause"
+        self._pause.icon = "play" if self._paused else "pause"
+        with self._lock:
+            self._status.value = self._status_html()
+
+    def _on_reset(self, _: Any = None) -> None:
+        import cudalab.memory as cm
+
+        for dev in self._devices:
+            cm.reset_peak_memory_stats(dev.index)
+        self._set_note("peaks reset")
+        self.refresh()
+
+    def _on_empty(self, _: Any = None) -> None:
+        import cudalab.memory as cm
+
+        before = sum(d.last.get("reserved", 0) for d in self._devices)
+        cm.empty_cache()
+        self.refresh()
+        after = sum(d.last.get("reserved", 0) for d in self._devices)
+        self._set_note(f"empty_cache released {_human(max(before - after, 0))}")
+        self.refresh()
+
+    def _on_snapshot(self, _: Any = None) -> dict:
+        import cudalab.memory as cm
+        from cudalab.widgets.snapshot_viewer import SnapshotViewer
+
+        snap = cm._snapshot()
+        self.snapshots.append(snap)
+        if self._viewer is not None:
+            with contextlib.suppress(Exception):
+                self._viewer.close()
+        self._viewer = SnapshotViewer(snap)
+        self._snapshot_box.children = (self._viewer,)
+        n_blocks = sum(len(s.get("blocks") or ()) for s in snap["segments"])
+        self._set_note(f"snapshot {len(self.snapshots)}: {len(snap['segments'])} segments, "
+                       f"{n_blocks} blocks (dashboard.snapshots[{len(self.snapshots) - 1}])")
+        self.refresh()
+        return snap
+
+    # ----------------------------------------------------------------- static fallback
+    def _text(self) -> str:
+        if not self._devices:
+            return "MemoryDashboard(no CUDA device)"
+        parts = []
+        for dev in self._devices:
+            s = dev.last
+            parts.append(f"cuda:{dev.index} {dev.name}: allocated {_human(s.get('allocated', 0))}, "
+                         f"reserved {_human(s.get('reserved', 0))}, peak "
+                         f"{_human(s.get('peak_allocated', 0))} of {_human(dev.capacity)}")
+        return "MemoryDashboard(" + "; ".join(parts) + ")"
+
+    def to_png(self, dpi: int = 80) -> bytes:
+        """A matplotlib picture of the dashboard now (needs matplotlib)."""
+        from cudalab.memory.plot import _byte_scale, _matplotlib
+
+        Figure, FigureCanvasAgg = _matplotlib()
+        n = max(len(self._devices), 1)
+        fig = Figure(figsize=(8.0, 2.3 * n), dpi=dpi, layout="constrained")
+        FigureCanvasAgg(fig)
+        for i, dev in enumerate(self._devices):
+            ax = fig.add_subplot(n, 1, i + 1)
+            h = self.history(dev.index)
+            t = h["time"] - (h["time"][-1] if h["time"].size else 0.0)
+            peak = max(int(h["reserved"].max(initial=0)), int(h["nvml_used"].max(initial=0)),
+                       int(h["allocated"].max(initial=0)), 1)
+            div, unit = _byte_scale(peak)
+            ax.fill_between(t, h["reserved"] / div, step="post", color="#fdd0a2", lw=0)
+            ax.fill_between(t, h["allocated"] / div, step="post", color="#c6dbef", lw=0)
+            ax.step(t, h["reserved"] / div, where="post", color="#e6550d", lw=1, label="reserved")
+            ax.step(t, h["allocated"] / div, where="post", color=_ALLOC_C, lw=1.2,
+                    label="allocated")
+            if dev.nvml is not None:
+                ax.step(t, h["nvml_used"] / div, where="post", color="#8c8c8c", lw=1,
+                        label="NVML used")
+            ax.set_ylim(0, peak / div * 1.15)
+            ax.set_ylabel(unit)
+            ax.grid(True, alpha=0.3)
+            ax.legend(loc="upper left", fontsize=7, frameon=False, ncols=3)
+            s = dev.last
+            nv = ""
+            if s.get("utilization") is not None:
+                nv = (f"\nutil {s['utilization']}%, {s['temperature']} °C, "
+                      f"{(s['power_draw'] or 0) / 1000:.0f} W, SM {s['clock_rate']} MHz")
+            ax.set_title(f"cuda:{dev.index} {dev.name} — allocated {_human(s.get('allocated', 0))}, "
+                         f"reserved {_human(s.get('reserved', 0))}, peak "
+                         f"{_human(s.get('peak_allocated', 0))} of {_human(dev.capacity)}{nv}",
+                         fontsize=8, loc="left")
+            if i == n - 1:
+                ax.set_xlabel("seconds before the picture was taken")
+        if not self._devices:
+            fig.text(0.5, 0.5, "no CUDA device", ha="center")
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+
+    def to_html(self) -> str:
+        """A static HTML picture: the values now and the sparkline (no matplotlib needed)."""
+        rows = []
+        w, h = self.chart_size
+        for dev, p in zip(self._devices, self._panels):
+            png = dev.last_png or _png(np.zeros((h, w), np.uint8))
+            b64 = base64.b64encode(png).decode("ascii")
+            rows.append(f'<div style="margin:4px 0">{p["title"].value}'
+                        f'<div style="display:flex;gap:10px"><img src="data:image/png;base64,{b64}"'
+                        f' width="{w}" height="{h}"/><div style="min-width:260px">'
+                        f'{p["mem"].value}{p["nvml"].value}{p["counts"].value}{p["procs"].value}'
+                        f'</div></div></div>')
+        if not rows:
+            rows.append("<i>No CUDA device is visible.</i>")
+        return ('<div class="cudalab-dash-static" style="font-size:12px">'
+                '<div style="color:#777">cudalab MemoryDashboard (static picture; run the cell '
+                'for the live view)</div>' + "".join(rows) + "</div>")
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        data = super()._repr_mimebundle_(**kwargs) or {}
+        if isinstance(data, tuple):  # (data, metadata) form
+            data = data[0]
+        data = dict(data)
+        data["text/plain"] = self._text()
+        if self.fallback and not self._closed:
+            try:
+                data["image/png"] = base64.b64encode(self.to_png()).decode("ascii")
+            except ImportError:
+                data["text/html"] = self.to_html()
+            except Exception:  # a broken matplotlib must not break the live display
+                data["text/html"] = self.to_html()
+        return data
+
+
+def _descendants(w: W.Widget) -> list[W.Widget]:
+    out = []
+    for c in getattr(w, "children", ()) or ():
+        out.extend(_descendants(c))
+        out.append(c)
+    return out
+
+
+def _sampler(ref: weakref.ref, stop: threading.Event) -> None:
+    """The sampler thread: a tick every ``dashboard.interval`` s (read each time, so it can
+    be changed while running) until ``stop`` or the dashboard is gone. Never prints: errors
+    land in the dashboard's status line."""
+    due = time.monotonic()
+    while True:
+        d = ref()
+        if d is None or d._closed:
+            return
+        interval = max(float(d.interval), 0.02)
+        del d
+        now = time.monotonic()
+        due = max(due + interval, now + interval / 4)  # a fixed rate, without bursts after a stall
+        if stop.wait(due - now):
+            return
+        d = ref()
+        if d is None or d._closed:
+            return
+        try:
+            d._tick()
+        except Exception as exc:  # noqa: BLE001 - reported in the widget, not printed
+            d._set_error(exc)
+        del d
