@@ -522,10 +522,6 @@ print(torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated())
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason=(
-    "seen on an H100: a small transformer trace replayed 4% above torch's peak reserved; "
-    "best fit breaks ties by address and the simulator's segment addresses differ from the "
-    "driver's (issue 4 stays open on this)"))
 def test_torch_snapshot_replays_within_two_percent(tmp_path):
     """A snapshot torch recorded (in a fresh process, history on from the start) replays
     with the defaults to torch's own peak reserved memory within 2 %."""
