@@ -624,15 +624,9 @@ def test_real_pool_destroy_with_live_allocation(cb):
         cb.memset_d8_async(0, p, 1, 1 << 20, s)
         cb.mem_free_async(0, p, s)
         cb.stream_synchronize(s)
-        pool2 = cb.pool_create(0)
-        # The driver accepts a zero-size request (seen on an H100, driver 580); so does the
-        # simulator, which returns the null pointer for it.
-        p0 = cb.pool_alloc_async(pool2, 0, s)
-        assert isinstance(p0, int)
-        if p0:
-            cb.mem_free_async(0, p0, s)
-        cb.stream_synchronize(s)
-        cb.pool_destroy(pool2)
+        # No zero-size pool request here: on an H100 with driver 580 one made the later
+        # cuMemPoolDestroy hang or crash the process (depending on what ran before); the
+        # allocators never ask the driver for 0 bytes (torch returns the null pointer).
     finally:
         cb.stream_synchronize(s)
         cb.stream_destroy(s)
