@@ -728,7 +728,7 @@ def _reserve_in_graph(st: PhiloxState, total: int) -> tuple[int, int]:
 
 
 def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
-              generator: Any) -> None:
+              generator: Any, stream: Any = None) -> None:
     """Fill ``arr`` (contiguous, writable) with torch's values for ``kernel`` and ``params``,
     on the current stream of its device, advancing the generator like torch."""
     n = arr._size
@@ -740,7 +740,8 @@ def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
         st = g._state if g is not None else _state_for(None, dev)
     else:
         st = _state_for(generator, dev)
-    stream = _current_stream(dev)
+    if stream is None:  # (a new array passes its allocation stream: the current one)
+        stream = _current_stream(dev)
     plan = _plans.get((dev, n, arr._dtype.itemsize, unroll))
     if plan is None:
         plan = _plan(dev, n, arr._dtype.itemsize, unroll)
@@ -914,7 +915,8 @@ def rand(*size: Any, dtype: Any = None, device: Any = None,
     offset the result equals torch's bit for bit on the same GPU model.
     """
     arr, tag = _float_out(size, dtype, device, "rand()")
-    _generate(arr, _kernel("uniform_" + tag), _UNROLL[tag], _RAND_PARAMS[tag], generator)
+    _generate(arr, _kernel("uniform_" + tag), _UNROLL[tag], _RAND_PARAMS[tag], generator,
+              arr._stream)
     return arr
 
 
@@ -927,7 +929,8 @@ def randn(*size: Any, dtype: Any = None, device: Any = None,
     computes log/sin/cos with numpy: its normals match the GPU's to a few ulps only.
     """
     arr, tag = _float_out(size, dtype, device, "randn()")
-    _generate(arr, _kernel("normal_" + tag), _UNROLL[tag], _RANDN_PARAMS[tag], generator)
+    _generate(arr, _kernel("normal_" + tag), _UNROLL[tag], _RANDN_PARAMS[tag], generator,
+              arr._stream)
     return arr
 
 
