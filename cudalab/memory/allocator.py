@@ -273,7 +273,7 @@ class Allocator(abc.ABC):
     #: sync_pending() first while it is set, so they never see deferred counters.
     _memo: Any = None
     #: Watermark of allocated bytes for :func:`cudalab.memory.peak_scope` (never above the
-    #: peak; the scopes lower it to the current value and restore it on exit).
+    #: peak; a scope opening hands it to the open scopes, then lowers it to the current value).
     _mark: int = 0
     _scopes: tuple = ()  # open PeakScopes (a list once one is opened)
 
@@ -686,8 +686,7 @@ class DeviceCachingAllocator(Allocator):
                 self._drain_pending_frees()
             if (b is self._last and self._memo_ok and b.uses is None
                     and not self._gc_on and not self._n_events and not self._n_pending):
-                self._establish_memo(b)
-                if self._trace is not None:
+                if self._establish_memo(b) and self._trace is not None:
                     self._trace_free(b)
                 return
             # torch's free(): the request (same lines as _free_requested, inlined)
@@ -719,8 +718,9 @@ class DeviceCachingAllocator(Allocator):
     # and adds what the hit pairs would have added to torch's counters: every current and
     # peak is as after the first pair, except requested bytes (tracked per hit), so only
     # accumulated values and the requested-bytes peaks need the hit count.
-    def _establish_memo(self, b: Block) -> None:
-        """Defer the free of ``b`` (allocated by the last malloc, by a plain best fit)."""
+    def _establish_memo(self, b: Block) -> bool:
+        """Defer the free of ``b`` (allocated by the last malloc, by a plain best fit); False
+        if it was freed the plain way instead (its trace entries then already written)."""
         n = b.next
         has_r = n is not None and n.state == 0  # the remainder the malloc split off
         rsz = n.size if has_r else 0
@@ -729,7 +729,7 @@ class DeviceCachingAllocator(Allocator):
         if b.prev is not None and b.prev.state == 0:  # cannot happen after a best fit
             self._last = None
             self._free_requested(b)
-            return
+            return False
         # inactive_split accumulation of one pair: the malloc's split of an unsplit block
         # adds a split block; the free's merge adds one if the merged block is a split.
         fresh = has_r and not merged_split
@@ -771,6 +771,7 @@ class DeviceCachingAllocator(Allocator):
         self._last = None
         b.state = _DEFERRED
         self._memo = b
+        return True
 
     def _trace_free(self, b: Block) -> None:
         """The history entries of a deferred free: requested and completed, as torch's."""
