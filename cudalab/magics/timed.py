@@ -569,15 +569,24 @@ def nvml_context(devs: list[int]) -> dict[int, dict]:
 class _EventTimer:
     """Start/end events per (device, stream) for ``capacity`` repeats, and host clocks."""
 
+    #: Event pairs cycled by the one-stream timer: repeat j is read when repeat j + 2 begins
+    #: (it waits for it anyway), so its events can be reused at once and a run of any length
+    #: creates no events after the first.
+    RING = 4
+
     def __init__(self, devs: list[int], streams: dict[int, Any], side: dict, pool: _EventPool,
                  capacity: int, flush: Any = None):
         self.devs = devs
         self.capacity = capacity
+        lists = [[streams[d]] + [s for (dd, _sid), s in side.items() if dd == d] for d in devs]
+        self.ring = len(devs) == 1 and len(lists[0]) == 1 and flush is None and capacity > 1
+        n_ev = min(capacity, self.RING) if self.ring else capacity
         # per device: [(stream, starts, ends)], the current stream first
         self.per_dev: list[list[tuple[Any, list, list]]] = []
-        for d in devs:
-            lst = [streams[d]] + [s for (dd, _sid), s in side.items() if dd == d]
-            self.per_dev.append([(s, pool.take(d, capacity), pool.take(d, capacity)) for s in lst])
+        for d, lst in zip(devs, lists):
+            self.per_dev.append([(s, pool.take(d, n_ev), pool.take(d, n_ev)) for s in lst])
+        self._gpu = [0.0] * capacity if self.ring else None
+        self._read_upto = [0]  # ring mode: repeats before this one have their GPU time
         self._starts = [(s, st) for group in self.per_dev for (s, st, _e) in group]
         self._ends = [(s, en) for group in self.per_dev for (s, _st, en) in group]
         self.cpu0 = [0.0] * capacity
@@ -591,6 +600,27 @@ class _EventTimer:
         per-repeat cost is two event records, two clock reads and one event query)."""
         cpu0, cpu1, used, flush, perf = self.cpu0, self.cpu1, self._used, self.flush, _perf
         starts_all, ends_all = self._starts, self._ends
+        if self.ring:
+            (s, starts), (_s, ends) = starts_all[0], ends_all[0]
+            gpu, upto, R = self._gpu, self._read_upto, self.RING
+
+            def begin(j: int) -> None:
+                if j >= 2:  # at most two repeats in flight; the wait is outside the host clock
+                    i = j - 2
+                    e = ends[i % R]
+                    if not e.query():
+                        e.synchronize()
+                    gpu[i] = starts[i % R].elapsed_time(e) / 1e3
+                    upto[0] = j - 1
+                starts[j % R].record(s)
+                cpu0[j] = perf()
+
+            def end(j: int) -> None:
+                cpu1[j] = perf()
+                ends[j % R].record(s)
+                used[0] = j + 1
+
+            return begin, end
         if len(starts_all) == 1 and flush is None:
             (s, starts), (_s, ends) = starts_all[0], ends_all[0]
 
@@ -637,11 +667,20 @@ class _EventTimer:
         j = self.used - 1
         if j < 0:
             return
+        if self.ring:
+            (_s, starts, ends), R = self.per_dev[0][0], self.RING
+            ends[j % R].synchronize()
+            for i in range(self._read_upto[0], j + 1):
+                self._gpu[i] = starts[i % R].elapsed_time(ends[i % R]) / 1e3
+            self._read_upto[0] = j + 1
+            return
         for _s, ends in self._ends:
             ends[j].synchronize()
 
     def gpu_seconds(self, k: int, j: int) -> float:
         """GPU seconds of repeat ``j`` on the ``k``-th device: latest end - earliest start."""
+        if self.ring:
+            return self._gpu[j]
         group = self.per_dev[k]
         if len(group) == 1:
             _s, starts, ends = group[0]
