@@ -499,6 +499,7 @@ def _bind_runtime() -> None:
 def all_kernels() -> list[Kernel]:
     """Every kernel cudalab itself defines (for compiling them all in CI)."""
     import cudalab._kernels  # noqa: F401  (defines the runtime's kernels)
+    import cudalab._kernels.philox  # noqa: F401  (and the RNG's, loaded lazily elsewhere)
 
     with _registry_lock:
         return list(_registry.values())

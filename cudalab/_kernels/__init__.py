@@ -1,9 +1,9 @@
 """The runtime's own CUDA kernels, each with its numpy implementation for the simulator.
 
-Importing this package defines them all (``cudalab.kernels.all_kernels()`` relies on it).
+Importing this package defines the runtime's own kernels; the RNG's (``philox``) are defined
+when :mod:`cudalab.random` first needs them. ``cudalab.kernels.all_kernels()`` imports both.
 """
 
-from cudalab._kernels import philox  # noqa: F401 - the RNG kernels (cudalab.random)
 from cudalab._kernels.fill import FILL_KERNELS, fill_kernel
 from cudalab._kernels.spin import spin
 
