@@ -560,27 +560,8 @@ class DeviceCachingAllocator(Allocator):
             prev = b.prev
             was_split = prev is not None or b.next is not None
             if (remaining >= 512) if small else (remaining > 1048576 and rs < self._max_split):
-                spare = self._spare
-                nb = spare.pop() if spare else Block(0, 0, fl)
-                ptr = b.ptr
-                nb.ptr = ptr
-                nb.size = rs
-                nb.fl = fl
-                nb.prev = prev
-                nb.next = b
-                if prev is not None:
-                    prev.next = nb
-                b.prev = nb
-                rptr = b.ptr = ptr + rs
-                b.size = remaining
-                b.state = 0  # _FREE: the remainder goes back to the cache
-                b.gc_base = pool.gc_calls
-                key = (remaining << 64) | rptr
-                entries = fl.entries
-                if key in entries:
-                    entries[key] = b
-                else:
-                    fl.add(key, b)
+                nb = self._carve(b, rs, pool)
+                ptr = nb.ptr
                 if was_split:  # an inactive split block shrinks by rs
                     pool.b_split -= rs
                 else:  # a new inactive split block of `remaining` bytes
@@ -611,6 +592,35 @@ class DeviceCachingAllocator(Allocator):
             return self._account_alloc(pool, b, ptr, bsize, size, skey)
         finally:
             lock.release()
+
+    def _carve(self, b: Block, rs: int, pool: BlockPool) -> Block:
+        """torch's split in alloc_found_block: a new block of ``rs`` bytes at ``b``'s start
+        (returned), ``b`` shrinks to the remainder and goes back to its free list. Split
+        statistics are the caller's (the expandable flavour keeps none)."""
+        fl = b.fl
+        spare = self._spare
+        nb = spare.pop() if spare else Block(0, 0, fl)
+        ptr = b.ptr
+        prev = b.prev
+        nb.ptr = ptr
+        nb.size = rs
+        nb.fl = fl
+        nb.prev = prev
+        nb.next = b
+        if prev is not None:
+            prev.next = nb
+        b.prev = nb
+        rptr = b.ptr = ptr + rs
+        remaining = b.size = b.size - rs
+        b.state = _FREE
+        b.gc_base = pool.gc_calls
+        key = (remaining << 64) | rptr
+        entries = fl.entries
+        if key in entries:
+            entries[key] = b
+        else:
+            fl.add(key, b)
+        return nb
 
     def _account_alloc(self, pool: BlockPool, b: Block, ptr: int, bsize: int, size: int,
                        skey: int) -> int:

@@ -263,30 +263,8 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
             bsize = b.size
             remaining = bsize - rs
             if remaining >= 512:
-                fl = b.fl
-                spare = self._spare
-                nb = spare.pop() if spare else Block(0, 0, fl)
+                b = self._carve(b, rs, pool)
                 ptr = b.ptr
-                prev = b.prev
-                nb.ptr = ptr
-                nb.size = rs
-                nb.fl = fl
-                nb.prev = prev
-                nb.next = b
-                if prev is not None:
-                    prev.next = nb
-                b.prev = nb
-                rptr = b.ptr = ptr + rs
-                b.size = remaining
-                b.state = _FREE
-                b.gc_base = pool.gc_calls
-                key = (remaining << 64) | rptr
-                entries = fl.entries
-                if key in entries:
-                    entries[key] = b
-                else:
-                    fl.add(key, b)
-                b = nb
                 bsize = rs
             else:
                 ptr = b.ptr
