@@ -550,7 +550,6 @@ class DeviceCachingAllocator(Allocator):
                             entries[k] = None
             if b is None:
                 b = self._malloc_slow(rs, pool, skey)
-                fl = b.fl
                 fast = False
             else:
                 fast = True
