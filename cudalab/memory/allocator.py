@@ -323,8 +323,9 @@ class Allocator(abc.ABC):
         self.stats.reset_peak()
 
     def _fold_mark(self) -> None:
-        """Before peaks are reset: open peak scopes keep what the watermark saw, and the
-        watermark drops to the current value (it must never exceed the peak)."""
+        """Open peak scopes keep what the watermark saw, and the watermark drops to the
+        current value: before peaks are reset (it must never exceed the peak) and when a
+        scope opens (its peak starts from now)."""
         for scope in self._scopes:
             if self._mark > scope._seen:
                 scope._seen = self._mark

@@ -75,22 +75,13 @@ class PeakScope:
         a = _allocator(self.device) if _devices._initialized else None
         self._alloc = a
         if a is not None:
-            lock = getattr(a, "_lock", None)
             a.sync_pending()
-            if lock is not None:
-                lock.acquire()
-            try:
+            with a._lock:
                 cur, res = _current(a)
+                a._fold_mark()  # open scopes keep what it saw; the watermark drops to `cur`
                 if not isinstance(a._scopes, list):
                     a._scopes = []
-                for other in a._scopes:  # open scopes keep what the watermark saw so far
-                    if a._mark > other._seen:
-                        other._seen = a._mark
-                a._mark = cur
                 a._scopes.append(self)
-            finally:
-                if lock is not None:
-                    lock.release()
         else:
             cur = res = 0
         self.start_allocated, self.start_reserved = cur, res
@@ -114,18 +105,10 @@ class PeakScope:
         a = self._alloc
         if a is not None:
             a.sync_pending()
-            lock = getattr(a, "_lock", None)
-            if lock is not None:
-                lock.acquire()
-            try:
+            with a._lock:
                 peak = max(self._seen, a._mark)
-                try:
+                if self in a._scopes:
                     a._scopes.remove(self)
-                except ValueError:
-                    pass
-            finally:
-                if lock is not None:
-                    lock.release()
             self.end_allocated, self.end_reserved = _current(a)
         else:
             peak = self._live_peak()
