@@ -336,6 +336,22 @@ class Allocator(abc.ABC):
         self.sync_pending()
         self.stats.reset_accumulated()
 
+    def _record_use(self, ptr: int, stream: Any, stream_field: int) -> None:
+        """``record_stream`` for allocators that keep ``_live[ptr]`` as a tuple (the
+        allocation stream key at ``stream_field``) and the streams a pointer was used on in
+        ``_uses[ptr]``; use on the allocation stream is ignored."""
+        dev, key = _stream_use(stream, need_handle=True)
+        rec = self._live.get(ptr)
+        if rec is None:
+            raise _bad_pointer(ptr)
+        if dev == self.device and key == rec[stream_field]:
+            return
+        with self._lock:
+            uses = self._uses.get(ptr)
+            if uses is None:
+                uses = self._uses[ptr] = set()
+            uses.add(stream)
+
 
 def _stream_use(stream: Any, need_handle: bool = False) -> tuple[int, int]:
     """(device index, stream key) of a stream passed to ``record_stream`` (TypeError if it is

@@ -50,7 +50,6 @@ from cudalab.memory.allocator import (
     _check_size,
     _fraction_total,
     _stream_key,
-    _stream_use,
 )
 from cudalab.memory.config import UNLIMITED, AllocatorConfig, config_from_env
 from cudalab.memory.stats import STAT_KEYS, Counters, format_size
@@ -281,17 +280,7 @@ class AsyncPoolAllocator(Allocator):
     def record_stream(self, ptr: int, stream: Any) -> None:
         """``ptr`` is used on ``stream`` (a cudalab Stream): its free then waits for the work
         queued on ``stream`` up to the free (use on the allocation stream is ignored)."""
-        dev, key = _stream_use(stream, need_handle=True)
-        rec = self._live.get(ptr)
-        if rec is None:
-            raise _bad_pointer(ptr)
-        if dev == self.device and key == rec[2]:
-            return
-        with self._lock:
-            uses = self._uses.get(ptr)
-            if uses is None:
-                uses = self._uses[ptr] = set()
-            uses.add(stream)
+        self._record_use(ptr, stream, 2)
 
     def empty_cache(self) -> None:
         """torch: synchronise the device, then trim the pool to 0 bytes of cached memory."""

@@ -47,7 +47,6 @@ from cudalab.memory.allocator import (
     _fraction_total,
     _oom_text,
     _stream_key,
-    _stream_use,
 )
 from cudalab.memory.config import SMALL_SIZE, UNLIMITED, AllocatorConfig
 from cudalab.memory.stats import DeviceStats
@@ -250,17 +249,7 @@ class PluggableDeviceAllocator(Allocator):
         return rec[0]
 
     def record_stream(self, ptr: int, stream: Any) -> None:
-        dev, key = _stream_use(stream, need_handle=True)
-        rec = self._live.get(ptr)
-        if rec is None:
-            raise _bad_pointer(ptr)
-        if dev == self.device and key == rec[1]:
-            return
-        with self._lock:
-            uses = self._uses.get(ptr)
-            if uses is None:
-                uses = self._uses[ptr] = set()
-            uses.add(stream)
+        self._record_use(ptr, stream, 1)
 
     def empty_cache(self) -> None:
         """Nothing is cached: a no-op."""
