@@ -579,7 +579,7 @@ class _EventTimer:
         self.devs = devs
         self.capacity = capacity
         lists = [[streams[d]] + [s for (dd, _sid), s in side.items() if dd == d] for d in devs]
-        self.ring = len(devs) == 1 and len(lists[0]) == 1 and flush is None and capacity > 1
+        self.ring = len(devs) == 1 and len(lists[0]) == 1 and flush is None
         n_ev = min(capacity, self.RING) if self.ring else capacity
         # per device: [(stream, starts, ends)], the current stream first
         self.per_dev: list[list[tuple[Any, list, list]]] = []
@@ -596,8 +596,8 @@ class _EventTimer:
         self.begin, self.end = self._make_hooks()
 
     def _make_hooks(self) -> tuple[Any, Any]:
-        """``begin(j)``/``end(j)`` closures (a specialised pair for one stream, no flush: the
-        per-repeat cost is two event records, two clock reads and one event query)."""
+        """``begin(j)``/``end(j)`` closures (specialised for one stream and no flush: a ring of
+        event pairs; per repeat two event records, two clock reads, one query and one read)."""
         cpu0, cpu1, used, flush, perf = self.cpu0, self.cpu1, self._used, self.flush, _perf
         starts_all, ends_all = self._starts, self._ends
         if self.ring:
@@ -618,23 +618,6 @@ class _EventTimer:
             def end(j: int) -> None:
                 cpu1[j] = perf()
                 ends[j % R].record(s)
-                used[0] = j + 1
-
-            return begin, end
-        if len(starts_all) == 1 and flush is None:
-            (s, starts), (_s, ends) = starts_all[0], ends_all[0]
-
-            def begin(j: int) -> None:
-                if j >= 2:  # at most two repeats in flight; the wait is outside the host clock
-                    e = ends[j - 2]
-                    if not e.query():
-                        e.synchronize()
-                starts[j].record(s)
-                cpu0[j] = perf()
-
-            def end(j: int) -> None:
-                cpu1[j] = perf()
-                ends[j].record(s)
                 used[0] = j + 1
 
             return begin, end
