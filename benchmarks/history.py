@@ -16,22 +16,23 @@ stacks=None <= 0.3 us; snapshot of 2000 blocks <= torch's time; replay >= 200k e
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _harness import Table, environment, interleaved, optional_import, parse_args, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    Table,
+    environment,
+    interleaved,
+    optional_import,
+    parse_args,
+    time_per_call,
+    write_json,
+)
 
 
 def _median_time(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return time_per_call(fn, number=1, repeat=repeat, warmup=0)
 
 
 def history_cost(n: int, rounds: int, sim: bool) -> dict:
