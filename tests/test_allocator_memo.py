@@ -38,12 +38,29 @@ def _segments(a):
     return [{**seg, "blocks": [dict(b) for b in seg["blocks"]]} for seg in a.segments()]
 
 
+_STREAMS: dict = {}
+
+
+def _stream(token):
+    """Stream arguments: ints as they are; "s0"/"s1" name two cudalab.Stream objects (the
+    pure memo hit matches the Stream object itself, so objects and their ints are mixed)."""
+    if not isinstance(token, str):
+        return token
+    s = _STREAMS.get(token)
+    if s is None:
+        import cudalab
+
+        s = _STREAMS[token] = cudalab.default_stream(0) if token == "s0" else cudalab.Stream()
+    return s
+
+
 class _Runner:
     def __init__(self, allocs):
         self.allocs = allocs
         self.live: list[list[int]] = []  # per live allocation: its pointer in each allocator
 
     def malloc(self, size, stream):
+        stream = _stream(stream)
         ptrs = [a.malloc(size, stream) for a in self.allocs]
         assert ptrs[0] == ptrs[1]
         self.live.append(ptrs)
@@ -62,9 +79,9 @@ class _Runner:
 
 OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("malloc"), st.sampled_from(SIZES), st.sampled_from([0, 7])),
+        st.tuples(st.just("malloc"), st.sampled_from(SIZES), st.sampled_from([0, 7, "s0", "s1"])),
         st.tuples(st.just("pairs"), st.sampled_from(SIZES), st.integers(1, 5),
-                  st.sampled_from([0, 7]), st.integers(0, 600)),
+                  st.sampled_from([0, 7, "s0", "s1"]), st.integers(0, 600)),
         st.tuples(st.just("free"), st.integers(0, 50)),
         st.tuples(st.just("free_last")),
         st.tuples(st.just("compare")),
@@ -130,6 +147,25 @@ def test_memo_hits_and_a_hit_left_out(monkeypatch):
     r.compare()
 
 
+@pytest.mark.parametrize("stream", [0, "s0", "s1"])
+def test_pure_and_general_hits_interleave(monkeypatch, stream):
+    """Requests that return to the memo's first size after other sizes of the same bucket
+    (the pure hit must then see what the general hits left on the block and remainder)."""
+    sizes = (4096, 4000, 4096, 4096, 3900, 3900, 4096, 4095, 4096)
+    for k in range(1, len(sizes) + 1):
+        r = _Runner(_pair(monkeypatch))
+        r.malloc(64, stream)  # a segment to carve from (a fresh segment sets up no memo)
+        r.free(0)
+        for size in sizes[:k]:  # pairs with the memo live throughout (no read in between)
+            r.malloc(size, stream)
+            r.free(len(r.live) - 1)
+        assert r.allocs[0]._memo is not None
+        r.malloc(4096, stream)  # a hit that stays out
+        r.compare()
+        r.free(0)
+        r.compare()
+
+
 def test_memo_is_flushed_before_history_records(monkeypatch):
     import cudalab.memory as cm
 
@@ -154,6 +190,36 @@ def test_double_free_of_a_memo_block_is_refused(monkeypatch):
         a.free(p)
     a.check_invariants()
     assert a.memory_stats()["allocation.all.current"] == 0
+
+
+def test_pure_hits_follow_the_stream_argument_and_the_current_stream():
+    """A pure hit needs the very Stream the memo was set up on: an explicit other stream,
+    or None while another stream is current, must take the plain path."""
+    import cudalab
+    from cudalab.memory.allocator import get_allocator
+
+    cudalab.init()
+    a = get_allocator(0)
+    a.sync_pending()
+    base = a.memory_stats()["allocation.all.allocated"]
+    s = cudalab.Stream()
+    for _ in range(3):
+        a.free(a.malloc(4096))  # on the current (default) stream
+    p = a.malloc(4096)
+    assert a._memo_hits >= 1
+    a.free(p)
+    with cudalab.stream(s):
+        q = a.malloc(4096)  # current stream s: never the default stream's memo block
+    r = a.malloc(4096, s)
+    segs = {seg["address"]: seg for seg in a.segments()}
+    for ptr in (q, r):
+        seg = next(g for g in segs.values() if g["address"] <= ptr < g["address"] + g["total_size"])
+        assert seg["stream"] == s.cuda_stream
+    assert p not in (q, r)
+    a.free(q)
+    a.free(r)
+    assert a.memory_stats()["allocation.all.allocated"] == base + 6
+    a.check_invariants()
 
 
 def test_public_getters_see_memo_hits():

@@ -176,3 +176,62 @@ def test_lock_is_not_held_across_device_allocation(backend):
     a.check_invariants()
     a.empty_cache()
     assert a.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def _lockfree_free_lines() -> list[int]:
+    """Line numbers of free()'s lock-free deferral, up to its check for a flush (the lines
+    after it run only when a flush came in between, which these injections cause)."""
+    import inspect
+
+    src, first = inspect.getsourcelines(DeviceCachingAllocator.free)
+    start = next(i for i, s in enumerate(src) if "box = self._ready" in s)
+    end = next(i for i, s in enumerate(src) if "if self._ready is box:" in s)
+    return [first + i for i in range(start, end + 1) if src[i].strip()
+            and not src[i].strip().startswith("#")]
+
+
+@pytest.mark.parametrize("where", range(len(_lockfree_free_lines())))
+def test_flush_at_any_point_of_a_lockfree_deferral(backend, where):
+    """Another thread's flush (lock held) may run between any two lines of free()'s
+    lock-free deferral: the block is then freed exactly once, by one side or the other,
+    and every counter matches the same operations without the memo."""
+    import sys
+
+    line = _lockfree_free_lines()[where]
+    allocs = [make(backend), make(backend)]
+    allocs[1]._memo_ok = False
+    for a in allocs:
+        a.free(a.malloc(64))  # a cached segment to carve from
+        for _ in range(3):
+            a.free(a.malloc(4096))
+    a = allocs[0]
+    assert a._memo is not None
+    p = a.malloc(4096)  # a hit: the memo block is allocated
+    q = allocs[1].malloc(4096)
+    fired = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is DeviceCachingAllocator.free.__code__:
+            if event == "line" and frame.f_lineno == line and not fired:
+                fired.append(line)
+                with a._lock:  # what a flush in another thread does
+                    a._flush_memo()
+            return tracer
+        return None
+
+    sys.settrace(tracer)
+    try:
+        a.free(p)
+    finally:
+        sys.settrace(None)
+    assert fired == [line]
+    allocs[1].free(q)
+    assert a.memory_stats() == allocs[1].memory_stats()
+    a.check_invariants()
+    assert a.owns(p) is False
+    with pytest.raises(ValueError, match="double free"):
+        a.free(p)
+    r = a.malloc(4096)  # the block is usable again, once
+    assert r == p and a.memory_stats()["allocation.all.current"] == 1
+    a.free(r)
+    a.check_invariants()

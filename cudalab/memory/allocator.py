@@ -25,17 +25,21 @@ that is split and merged again over and over (the common alloc/free pair) re-use
 entries and the list is only touched when a new (size, address) appears; stale keys are
 skipped by the search and swept out when the list has grown to twice its live size.
 
-Locking. One ``threading.Lock`` per device, held briefly and never across a blocking driver
+Locking. One lock per device (a :class:`~cudalab.memory.token_lock.TokenLock`: a
+``threading.Lock`` whose uncontended acquire and release are one ``list.pop`` and one
+``list.append``, inlined on the hot paths), held briefly and never across a blocking driver
 call: it is dropped around ``mem_alloc``, ``mem_free`` and event synchronisation (blocks in
 flight are detached from every pool first, so nothing another thread can see changes).
 ``free`` never waits: if the lock is busy (another thread, or a finalizer running inside
 this thread's own allocator call) the block goes to a pending list that the next
 allocator call on that device merges in (CuPy's scheme), so frees from finalizers cannot
-deadlock.
+deadlock. The free of a pair-memo hit takes no lock at all (see ``free``).
 
 Hot path. A cache hit makes no driver call, builds no dict and logs nothing; the one hook
 for the history recorder (``self._trace``) is tested once per operation and costs nothing
-when it is None.
+when it is None. The commonest hit, a temporary buffer allocated and freed again with the
+same request on the same stream, is the memo's *pure hit*: malloc checks the request, the
+Stream object and the ready box, and free hands the block back to the box.
 """
 
 from __future__ import annotations
@@ -63,8 +67,10 @@ from cudalab.memory.config import (
 )
 from cudalab.memory.events import EventPool
 from cudalab.memory.stats import Counters, DeviceStats, format_size
+from cudalab.memory.token_lock import TokenLock
 
 _Stream = _streams.Stream
+_NO_STREAM = object()  # never a malloc's stream argument
 _tls = _streams._tls  # per thread: .device and .streams (the current stream of each device)
 
 __all__ = [
@@ -454,7 +460,9 @@ class DeviceCachingAllocator(Allocator):
         self._allowed = 0
         self._total = 0
         # state
-        self._lock = threading.Lock()
+        self._lock = lock = TokenLock()
+        self._take = lock.take  # the hot paths inline acquire/release (see token_lock)
+        self._give = lock.give
         self._live: dict[int, Block] = {}
         self._pending_frees: deque[Block] = deque()
         self._events: dict[Any, deque] = {}  # stream -> FIFO of (event, block, pool)
@@ -474,8 +482,14 @@ class DeviceCachingAllocator(Allocator):
         #: malloc, for max_split_size, and for tests that compare against the plain path).
         self._memo_ok = type(self)._memo_class_ok and not self._split_limited
         self._last: Block | None = None  # the block the last malloc took by a plain best fit
+        self._last_stream: Any = None  # the stream argument (or current Stream) of that malloc
         self._memo: Block | None = None
+        #: Holds the memo block while its free is deferred (a list: append and pop are
+        #: atomic, so free can publish it without the lock; see free and _flush_memo).
+        self._ready: list[Block] = []
         self._memo_stream = 0
+        self._hit_size = -1  # the request of a pure memo hit (-1: none)
+        self._hit_stream: Any = _NO_STREAM  # the Stream object of a pure hit
         self._memo_rem: Block | None = None  # the remainder the memo block was split from
         self._memo_lo = 0  # requests in (lo, hi] round to the memo's size
         self._memo_hi = 0
@@ -490,31 +504,51 @@ class DeviceCachingAllocator(Allocator):
     # ------------------------------------------------------------------ public API
     def malloc(self, size: Any, stream: Any = None) -> int:
         """A block of at least ``size`` bytes for ``stream`` (default: the current stream)."""
-        if type(size) is not int or size <= 0 or size >= 1152921504606846976:
-            size = _check_size(size)
-            if size == 0:
-                return 0  # torch returns a null pointer for 0 bytes
-        if type(stream) is int:
-            skey = stream
-        elif stream is None:
-            cur = _tls.streams if self._tls_streams else None
-            if cur is not None and (st := cur[self.device]) is not None:
-                skey = st.cuda_stream
-            else:
-                skey = self._default_stream()
-        elif type(stream) is _Stream and stream.device_index == self.device:
-            skey = stream.cuda_stream
-        else:
-            skey = _stream_key(stream, self.device)
-        lock = self._lock
-        lock.acquire()
         try:
+            self._take()  # the allocator lock (a TokenLock), inlined
+        except IndexError:
+            self._lock.wait()
+        try:
+            # The pure memo hit (see _establish_memo): the same request on the same Stream
+            # object as the pair that set up the memo, so only the hit count changes.
+            if (size == self._hit_size and type(size) is int and self._ready
+                    and (stream is self._hit_stream
+                         or stream is None and self._tls_streams and (cur := _tls.streams) is not None
+                         and cur[self.device] is self._hit_stream)
+                    and not self._pending_frees):
+                m = self._ready.pop()
+                m.state = 1
+                self._live[m.ptr] = m
+                self._memo_hits += 1
+                if self._trace is not None:
+                    self._trace("alloc", m.ptr, size, self._memo_stream)
+                return m.ptr
+            if type(size) is not int or size <= 0 or size >= 1152921504606846976:
+                size = _check_size(size)
+                if size == 0:
+                    return 0  # torch returns a null pointer for 0 bytes
+            sobj = stream
+            if type(stream) is int:
+                skey = stream
+            elif stream is None:
+                cur = _tls.streams if self._tls_streams else None
+                if cur is not None and (sobj := cur[self.device]) is not None:
+                    skey = sobj.cuda_stream
+                else:
+                    skey = self._default_stream()
+            elif type(stream) is _Stream and stream.device_index == self.device:
+                skey = stream.cuda_stream
+            else:
+                skey = _stream_key(stream, self.device)
             m = self._memo
             if m is not None:
                 # The pair memo: the block the last free deferred is exactly what torch's
-                # best fit would return for this request (see _establish_memo).
-                if (m.state == 5 and skey == self._memo_stream and self._memo_lo < size <= self._memo_hi
+                # best fit would return for this request (see _establish_memo). It is in
+                # the ready box while deferred; only lock holders take it out.
+                ready = self._ready
+                if (ready and skey == self._memo_stream and self._memo_lo < size <= self._memo_hi
                         and not self._pending_frees):
+                    ready.pop()
                     m.state = 1
                     r = self._memo_rem
                     if r is not None:  # torch's split leaves the old request on the remainder
@@ -526,6 +560,10 @@ class DeviceCachingAllocator(Allocator):
                         self._memo_req += size - self._memo_req0
                         if size > self._memo_req_max:
                             self._memo_req_max = size
+                        self._hit_size = -1
+                    else:
+                        self._hit_size = size if r is None or r.requested == size else -1
+                        self._hit_stream = sobj if type(sobj) is _Stream else _NO_STREAM
                     if self._trace is not None:
                         self._trace("alloc", m.ptr, size, skey)
                     return m.ptr
@@ -605,9 +643,10 @@ class DeviceCachingAllocator(Allocator):
                     pool.b_split -= bsize
             if fast:
                 self._last = b
+                self._last_stream = sobj
             return self._account_alloc(pool, b, ptr, bsize, size, skey)
         finally:
-            lock.release()
+            self._give(True)
 
     def _carve(self, b: Block, rs: int, pool: BlockPool) -> Block:
         """torch's split in alloc_found_block: a new block of ``rs`` bytes at ``b``'s start
@@ -689,10 +728,27 @@ class DeviceCachingAllocator(Allocator):
             if ptr == 0 and type(ptr) is int:
                 return  # torch: freeing the null pointer is a no-op
             raise _bad_pointer(ptr)
-        lock = self._lock
-        if not lock.acquire(False):
+        box = self._ready  # read before the memo (a flush swaps the box, then clears it)
+        if b is self._memo and b.uses is None and self._trace is None:
+            # A memo hit comes back: defer its free again, without the lock. Popping b from
+            # the live map made this thread its only holder; appending it to the ready box
+            # publishes it to the next hit. A flush under the lock that ran meanwhile
+            # swapped the box: then whoever pops b from the old box frees it.
+            b.state = 5
+            box.append(b)
+            if self._ready is box:
+                return
+            try:
+                box.pop()
+            except IndexError:
+                return  # the flush took it and freed it for real
+            b.state = 1  # the flush saw it allocated: free it the plain way below
+        try:
+            self._take()  # the allocator lock, never waited for here
+        except IndexError:
             # Busy: another thread, or a finalizer inside this thread's own allocator call.
             self._pending_frees.append(b)
+            lock = self._lock
             if lock.acquire(False):
                 try:
                     self._drain_pending_frees()
@@ -702,8 +758,9 @@ class DeviceCachingAllocator(Allocator):
         try:
             m = self._memo
             if m is not None:
-                if b is m and b.uses is None:  # a memo hit comes back: defer again
+                if b is m and b.uses is None:  # a memo hit comes back (history on): defer
                     b.state = 5
+                    self._ready.append(b)
                     if self._trace is not None:
                         self._trace_free(b)
                     return
@@ -729,7 +786,7 @@ class DeviceCachingAllocator(Allocator):
             else:
                 self._free_block(b)
         finally:
-            lock.release()
+            self._give(True)
 
     # ------------------------------------------------------------------ the pair memo
     # A loop that allocates and frees the same size on the same stream (a temporary buffer)
@@ -791,12 +848,17 @@ class DeviceCachingAllocator(Allocator):
         self._memo_stream = b.fl.stream
         self._memo_rem = n if has_r else None
         self._memo_req0 = req
+        # a pure hit: the same request again, nothing for the remainder to remember
+        self._hit_size = req if not has_r or n.requested == req else -1
+        sobj = self._last_stream
+        self._hit_stream = sobj if type(sobj) is _Stream else _NO_STREAM
         self._memo_hits = 0
         self._memo_req = 0  # sum over hits of (requested - req0)
         self._memo_req_max = req
         self._last = None
         b.state = _DEFERRED
         self._memo = b
+        self._ready.append(b)
         return True
 
     def _trace_free(self, b: Block) -> None:
@@ -812,6 +874,14 @@ class DeviceCachingAllocator(Allocator):
         if b is None:
             return
         self._memo = None
+        self._hit_size = -1
+        box = self._ready
+        self._ready = []  # a deferring free in flight sees the swap (see free)
+        try:
+            box.pop()
+            deferred = True
+        except IndexError:  # handed out by a hit (or its free is still in flight)
+            deferred = False
         pool = b.fl.pool
         k = self._memo_hits
         req0 = self._memo_req0
@@ -832,8 +902,8 @@ class DeviceCachingAllocator(Allocator):
             if v > self._agg.b_req_peak:
                 self._agg.b_req_peak = v
         pool.b_req += b.requested - req0  # the counters held the first pair's request
-        if b.state == _DEFERRED:
-            b.state = _ALLOCATED
+        b.state = _ALLOCATED
+        if deferred:
             trace = self._trace
             self._trace = None  # the free was recorded (or not) when it was deferred
             try:
