@@ -55,6 +55,12 @@ def latency(n: int, rounds: int, sim: bool) -> dict:
                     f(a(sz, st))
 
             loops["cudalab allocator.malloc+free"] = ours_raw
+
+            def ours_cur(k, a=alloc_obj.malloc, f=alloc_obj.free, sz=size):
+                for _ in range(k):
+                    f(a(sz))  # the current stream, as CuPy's malloc finds it
+
+            loops["cudalab allocator.malloc+free (current stream)"] = ours_cur
         if cupy is not None:
             pool = cupy.cuda.MemoryPool()
 

@@ -20,8 +20,10 @@ SIZES = [1, 512, 700, 4 * KiB, 1 * MiB, 1 * MiB + 1, 3 * MiB, 3 * MiB + 100, 12 
 
 
 def _pair(monkeypatch, conf=""):
+    import cudalab
     from cudalab._driver.simulator import SimulatorBackend
 
+    cudalab.init()  # the process's own backend (for "s0"/"s1"), before the private sims' settings
     monkeypatch.setenv("CUDALAB_SIMULATOR_MEMORY", "4GiB")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     out = []

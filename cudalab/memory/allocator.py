@@ -516,8 +516,7 @@ class DeviceCachingAllocator(Allocator):
                          or stream is None and self._tls_streams and (cur := _tls.streams) is not None
                          and cur[self.device] is self._hit_stream)
                     and not self._pending_frees):
-                m = self._ready.pop()
-                m.state = 1
+                m = self._ready.pop()  # (its state is left as is: _flush_memo sets it)
                 self._live[m.ptr] = m
                 self._memo_hits += 1
                 if self._trace is not None:
@@ -733,8 +732,9 @@ class DeviceCachingAllocator(Allocator):
             # A memo hit comes back: defer its free again, without the lock. Popping b from
             # the live map made this thread its only holder; appending it to the ready box
             # publishes it to the next hit. A flush under the lock that ran meanwhile
-            # swapped the box: then whoever pops b from the old box frees it.
-            b.state = 5
+            # swapped the box: then whoever pops b from the old box frees it. (While the
+            # memo lives, whether its block is in the box is its state: _flush_memo sets
+            # Block.state from that.)
             box.append(b)
             if self._ready is box:
                 return
