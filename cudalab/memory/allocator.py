@@ -415,6 +415,12 @@ class DeviceCachingAllocator(Allocator):
     name = "native"
     #: Flavours that override malloc turn the pair memo off.
     _memo_class_ok = True
+    # What the cache hit and the memo's free read live in slots (an instance with this many
+    # attributes keeps them in a dict, each access then a few ns slower); the rest (and
+    # subclasses') in the instance dict.
+    __slots__ = ("_take", "_give", "_hit_size", "_hit_stream",
+                 "_ready", "_pending_frees", "_live", "_memo_hits", "_trace", "_memo",
+                 "_tls_streams", "device")
 
     def __new__(cls, backend: Any = None, device: int = 0, config: AllocatorConfig | None = None,
                 stream_resolver: Callable[[], int] | None = None):
