@@ -1,5 +1,6 @@
-"""Live notebook views of the allocator (ipywidgets 8; renders in JupyterLab 4, Notebook 7
-and VS Code).
+"""Live notebook views of the allocator (plain ipywidgets 8; tested in a real browser in
+JupyterLab 4 and Notebook 7, and with @jupyter-widgets/html-manager, the renderer VS Code's
+Jupyter extension builds on: see docs/widgets.md).
 
 * :class:`MemoryDashboard` — per device allocated / reserved / peak against capacity, a live
   time series, NVML utilization / temperature / power / SM clock, allocation counts, OOMs

@@ -20,11 +20,13 @@
   the segment map then shows the allocator state after that entry, rebuilt by undoing the
   later entries from the final snapshot (as memory_viz does), with checkpoints so scrubbing
   stays fast.
-* **Export**: parquet (``snapshot_frame``/``history_frame``; CSV when no parquet engine is
-  installed), the memory_viz pickle (protocol 4) and Perfetto JSON.
+* **Export**: parquet (``snapshot_frame``/``history_frame``; needs pyarrow, which
+  ``cudalab[pandas]`` brings: without a parquet engine the frames are written as CSV, with a
+  ``RuntimeWarning`` and a note in the export line saying so), the memory_viz pickle
+  (protocol 4) and Perfetto JSON.
 
 Only plain ipywidgets 8 (HTML with inline SVG, Dropdown, IntSlider, Button), so it renders
-wherever ipywidgets does: JupyterLab 4, Notebook 7, VS Code.
+wherever ipywidgets does (tested: JupyterLab 4, Notebook 7, html-manager; see docs/widgets.md).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import html
 import os
 import random
 import time
+import warnings
 from typing import Any
 
 import ipywidgets as W
@@ -662,31 +665,47 @@ class SnapshotViewer(W.VBox):
     # ----------------------------------------------------------------- exports
     def _run_export(self, fn: Any) -> None:
         try:
-            paths = fn(self._prefix.value or "memory_snapshot")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                paths = fn(self._prefix.value or "memory_snapshot")
+            notes = ""
+            for w in caught:  # the exports' own notes (CSV instead of parquet) go on the line
+                if issubclass(w.category, RuntimeWarning):
+                    notes += f'<br><span style="color:#e6550d">{html.escape(str(w.message))}</span>'
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             self._export_status.value = "wrote " + ", ".join(
-                f"<code>{html.escape(p)}</code>" for p in paths)
+                f"<code>{html.escape(p)}</code>" for p in paths) + notes
         except Exception as exc:
             self._export_status.value = (f'<span style="color:#d62728">{type(exc).__name__}: '
                                          f'{html.escape(str(exc))}</span>')
 
     def export_parquet(self, prefix: str = "memory_snapshot") -> list[str]:
         """``PREFIX_blocks.parquet`` (``snapshot_frame``) and, with history,
-        ``PREFIX_history.parquet`` (``history_frame``). Without a parquet engine (pyarrow or
-        fastparquet) the same frames are written as ``.csv``. Returns the paths."""
+        ``PREFIX_history.parquet`` (``history_frame``); returns the paths. Needs a parquet
+        engine for pandas (pyarrow: ``pip install 'cudalab[pandas]'``); without one the same
+        frames are written as ``.csv`` and a ``RuntimeWarning`` says so (the button shows it
+        in the export line)."""
         from cudalab.memory.export import history_frame, snapshot_frame
 
         frames = [("blocks", snapshot_frame(self.snapshot))]
         if self.history is not None:
             frames.append(("history", history_frame(self.snapshot)))
         out = []
+        missing = ""
         for name, df in frames:
             path = f"{prefix}_{name}.parquet"
             try:
                 df.to_parquet(path)
-            except ImportError:
+            except ImportError as exc:  # pandas found no parquet engine
+                missing = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 path = f"{prefix}_{name}.csv"
                 df.to_csv(path, index=False)
             out.append(path)
+        if missing:
+            warnings.warn(f"no parquet engine for pandas ({missing}): wrote CSV instead "
+                          f"({', '.join(out)}); pip install 'cudalab[pandas]' (pyarrow) for parquet",
+                          RuntimeWarning, stacklevel=2)
         return out
 
     def export_memory_viz(self, prefix: str = "memory_snapshot") -> list[str]:
