@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import threading
 from typing import Any
 
@@ -116,7 +117,11 @@ def range_push(msg: str) -> int:
     Returns the zero-based depth of the range that is started.
     """
     global _used
-    _used = True
+    if not _used:
+        hist = sys.modules.get("cudalab.memory.history")
+        if hist is not None:
+            hist.nvtx_first_push()  # before the flag: what was logged without a range
+        _used = True
     domain = _domain
     if domain is not None:
         if domain is _UNSET:

@@ -247,6 +247,12 @@ def test_memo_records_the_same_history(monkeypatch, ops):
     logs: list[list] = [[], []]
     for a, log in zip(r.allocs, logs):
         a._trace = lambda *entry, log=log: log.append(entry)
+    _run_history_ops(r, ops)
+    assert logs[0] == logs[1]
+    r.compare()
+
+
+def _run_history_ops(r, ops):
     for op in ops:
         if op[0] == "malloc":
             r.malloc(op[1], op[2])
@@ -259,5 +265,58 @@ def test_memo_records_the_same_history(monkeypatch, ops):
         elif op[0] == "empty_cache":
             for a in r.allocs:
                 a.empty_cache()
-    assert logs[0] == logs[1]
+
+
+def _stackless_traces(r):
+    """The history module's stack-less hook on each allocator, each into its own list."""
+    from cudalab.memory import history as h
+
+    logs: list[list] = [[], []]
+    for a, log in zip(r.allocs, logs):
+        a._trace = h._make_trace(h._Recorder(0), h._NEVER, log.append)
+    return logs
+
+
+def _without_times(log):
+    return [e[:4] + e[5:] for e in log]
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=OPS)
+def test_pairs_logged_as_times_give_the_same_history(monkeypatch, ops):
+    """With the history's stack-less hook the memo logs its pairs as bare times; once
+    written out they are exactly the plain path's entries, in time order."""
+    r = _Runner(_pair(monkeypatch))
+    logs = _stackless_traces(r)
+    _run_history_ops(r, ops)
+    for a in r.allocs:
+        a.sync_pending()
+    assert _without_times(logs[0]) == _without_times(logs[1])
+    times = [e[4] for e in logs[0]]
+    assert times == sorted(times)
     r.compare()
+
+
+def test_pairs_are_logged_as_times_then_written_out(monkeypatch):
+    r = _Runner(_pair(monkeypatch))
+    logs = _stackless_traces(r)
+    r.malloc(64, "s0")
+    r.free(0)
+    for _ in range(50):
+        r.malloc(4096, "s0")
+        r.free(0)
+    a = r.allocs[0]
+    assert a._hit_log is not None and len(a._hit_log) >= 2 * 48  # logged, not yet written
+    n = len(logs[0])
+    logged = list(a._hit_log) + ([a._memo.tfree] if a._memo.tfree else [])  # (the last free's)
+    expected = sum(1 if t > 0 else 2 for t in logged) + 1
+    r.malloc(4000, "s0")  # a general hit: the logged pairs go first, then its own entry
+    assert len(logs[0]) == n + expected and not a._hit_log
+    assert [e[4] for e in logs[0][n:-1:]][:1] == [abs(logged[0])]
+    assert logs[0][-1][0] == "alloc" and logs[0][-1][2] == 4000
+    r.free(0)
+    r.compare()
+    assert _without_times(logs[0]) == _without_times(logs[1])
+    actions = [e[0] for e in logs[0]]
+    assert actions.count("alloc") == 52 and actions.count("free_completed") == 52

@@ -178,44 +178,50 @@ def test_lock_is_not_held_across_device_allocation(backend):
     assert a.memory_stats()["reserved_bytes.all.current"] == 0
 
 
-def _lockfree_free_lines() -> list[int]:
-    """Line numbers of free()'s lock-free deferral, up to its check for a flush (the lines
-    after it run only when a flush came in between, which these injections cause)."""
+def _lockfree_lines() -> tuple[int, int]:
+    """The first and last line of free()'s lock-free deferral, up to its check for a flush
+    (the lines after it run only when a flush came in between, which the test causes)."""
     import inspect
 
     src, first = inspect.getsourcelines(DeviceCachingAllocator.free)
     start = next(i for i, s in enumerate(src) if "box = self._ready" in s)
     end = next(i for i, s in enumerate(src) if "if self._ready is box:" in s)
-    return [first + i for i in range(start, end + 1) if src[i].strip()
-            and not src[i].strip().startswith("#")]
+    return first + start, first + end
 
 
-@pytest.mark.parametrize("where", range(len(_lockfree_free_lines())))
-def test_flush_at_any_point_of_a_lockfree_deferral(backend, where):
-    """Another thread's flush (lock held) may run between any two lines of free()'s
-    lock-free deferral: the block is then freed exactly once, by one side or the other,
-    and every counter matches the same operations without the memo."""
+def _deferral_scenario(backend, history: bool, inject_at: int | None):
+    """Two allocators (memo on / off) with a memo hit out; the memo one frees it while a
+    flush is injected before line ``inject_at`` of free(). Returns the lines free() ran."""
     import sys
 
-    line = _lockfree_free_lines()[where]
+    import cudalab
+    from cudalab.memory import history as h
+
     allocs = [make(backend), make(backend)]
     allocs[1]._memo_ok = False
+    logs: list[list] = [[], []]
+    s = cudalab.default_stream(0)  # a Stream object: pure hits
+    if history:
+        for a, log in zip(allocs, logs):
+            a._trace = h._make_trace(h._Recorder(0), h._NEVER, log.append)
     for a in allocs:
-        a.free(a.malloc(64))  # a cached segment to carve from
+        a.free(a.malloc(64, s))  # a cached segment to carve from
         for _ in range(3):
-            a.free(a.malloc(4096))
+            a.free(a.malloc(4096, s))
     a = allocs[0]
     assert a._memo is not None
-    p = a.malloc(4096)  # a hit: the memo block is allocated
-    q = allocs[1].malloc(4096)
-    fired = []
+    p = a.malloc(4096, s)  # a hit: the memo block is allocated
+    q = allocs[1].malloc(4096, s)
+    lo, hi = _lockfree_lines()
+    ran: list[int] = []
 
     def tracer(frame, event, arg):
         if frame.f_code is DeviceCachingAllocator.free.__code__:
-            if event == "line" and frame.f_lineno == line and not fired:
-                fired.append(line)
-                with a._lock:  # what a flush in another thread does
-                    a._flush_memo()
+            if event == "line" and lo <= frame.f_lineno <= hi:
+                ran.append(frame.f_lineno)
+                if frame.f_lineno == inject_at and ran.count(inject_at) == 1:
+                    with a._lock:  # what a flush in another thread does
+                        a._flush_memo()
             return tracer
         return None
 
@@ -224,14 +230,30 @@ def test_flush_at_any_point_of_a_lockfree_deferral(backend, where):
         a.free(p)
     finally:
         sys.settrace(None)
-    assert fired == [line]
     allocs[1].free(q)
     assert a.memory_stats() == allocs[1].memory_stats()
     a.check_invariants()
+    if history:  # (memory_stats wrote out what was logged as times)
+        assert [(e[0], e[2]) for e in logs[0]] == [(e[0], e[2]) for e in logs[1]]
+        assert [e[4] for e in logs[0]] == sorted(e[4] for e in logs[0])
     assert a.owns(p) is False
     with pytest.raises(ValueError, match="double free"):
         a.free(p)
-    r = a.malloc(4096)  # the block is usable again, once
+    r = a.malloc(4096, s)  # the block is usable again, once
     assert r == p and a.memory_stats()["allocation.all.current"] == 1
     a.free(r)
     a.check_invariants()
+    return ran
+
+
+@pytest.mark.parametrize("history", [False, True], ids=["no-history", "stackless-history"])
+def test_flush_at_any_point_of_a_lockfree_deferral(backend, history):
+    """Another thread's flush (lock held) may run between any two lines of free()'s
+    lock-free deferral: the block is then freed exactly once, by one side or the other;
+    every counter (and, with history, every entry) matches the same operations without
+    the memo."""
+    lines = sorted(set(_deferral_scenario(backend, history, None)))
+    assert len(lines) >= 4  # the deferral ran without the lock
+    for line in lines:
+        ran = _deferral_scenario(backend, history, line)
+        assert line in ran

@@ -551,6 +551,34 @@ def test_cell_id_is_recorded(priv):
     assert got == {p: None, q: "cell-7", r: None}
 
 
+def test_memo_pairs_logged_as_times_keep_their_cell_and_nvtx_range(priv, monkeypatch):
+    """Without stacks the allocator logs memo pairs as bare times; a cell change and the
+    first NVTX range write them out first, so every entry keeps its own cell and range."""
+    a = priv()
+    s = cudalab.default_stream(0)  # a Stream object: the memo's pure hits
+    monkeypatch.setattr(cudalab.nvtx, "_used", False, raising=False)
+    cudalab.memory._record_memory_history(context=None)
+    a.free(a.malloc(64, s))
+    history.set_current_cell("c1")
+    for _ in range(4):
+        a.free(a.malloc(4096, s))
+    assert a._hit_log  # pairs waiting as times
+    history.set_current_cell("c2")
+    assert not a._hit_log  # written out under the old cell
+    for _ in range(4):
+        a.free(a.malloc(4096, s))
+    with cudalab.nvtx.range("r"):
+        for _ in range(4):
+            a.free(a.malloc(4096, s))
+        assert a._hit_log is None  # with NVTX in use pairs are traced one entry at a time
+    got = [(e["action"], e["cell"], e["nvtx_range"]) for e in trace() if e["size"] == 4096]
+    pair = ("alloc", "free_requested", "free_completed")
+    assert got == ([(x, "c1", None) for x in pair] * 4 + [(x, "c2", None) for x in pair] * 4
+                   + [(x, "c2", "r") for x in pair] * 4)
+    times = [e["time_us"] for e in trace()]
+    assert times == sorted(times)
+
+
 # --------------------------------------------------------------------------- context manager
 def test_record_history_is_a_context_manager(priv):
     a = priv()

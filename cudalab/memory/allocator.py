@@ -172,7 +172,7 @@ class Block:
     """A contiguous range of one segment: cached (free), handed out, or awaiting events."""
 
     __slots__ = ("ptr", "size", "requested", "fl", "state", "prev", "next", "event_count",
-                 "uses", "gc_base")
+                 "uses", "gc_base", "tfree")
 
     def __init__(self, ptr: int, size: int, fl: _FreeList):
         self.ptr = ptr
@@ -185,6 +185,7 @@ class Block:
         self.event_count = 0
         self.uses: set | None = None  # streams (other than the allocation stream) it was used on
         self.gc_base = 0
+        self.tfree = 0  # -time of a lock-free memo free logged for the history (0: none)
 
     def __repr__(self) -> str:
         state = ("free", "allocated", "pending_free", "detached", "unmapped",
@@ -495,6 +496,8 @@ class DeviceCachingAllocator(Allocator):
         self._ready: list[Block] = []
         self._memo_stream = 0
         self._hit_size = -1  # the request of a pure memo hit (-1: none)
+        self._hit_log: deque[int] | None = None  # memo pairs logged as bare times (history)
+        self._hit_now: Callable[[], int] | None = None
         self._hit_stream: Any = _NO_STREAM  # the Stream object of a pure hit
         self._memo_rem: Block | None = None  # the remainder the memo block was split from
         self._memo_lo = 0  # requests in (lo, hi] round to the memo's size
@@ -526,7 +529,15 @@ class DeviceCachingAllocator(Allocator):
                 self._live[m.ptr] = m
                 self._memo_hits += 1
                 if self._trace is not None:
-                    self._trace("alloc", m.ptr, size, self._memo_stream)
+                    log = self._hit_log
+                    if log is not None:  # see _establish_memo
+                        t = m.tfree
+                        if t:  # its free, deferred without the lock
+                            log.append(t)
+                            m.tfree = 0
+                        log.append(self._hit_now())
+                    else:
+                        self._trace("alloc", m.ptr, size, self._memo_stream)
                 return m.ptr
             if type(size) is not int or size <= 0 or size >= 1152921504606846976:
                 size = _check_size(size)
@@ -555,6 +566,10 @@ class DeviceCachingAllocator(Allocator):
                         and not self._pending_frees):
                     ready.pop()
                     m.state = 1
+                    if m.tfree:  # its free, deferred without the lock, was logged as a time
+                        if self._hit_log is not None:
+                            self._hit_log.append(m.tfree)
+                        m.tfree = 0
                     r = self._memo_rem
                     if r is not None:  # torch's split leaves the old request on the remainder
                         r.requested = m.requested
@@ -570,6 +585,8 @@ class DeviceCachingAllocator(Allocator):
                         self._hit_size = size if r is None or r.requested == size else -1
                         self._hit_stream = sobj if type(sobj) is _Stream else _NO_STREAM
                     if self._trace is not None:
+                        if self._hit_log:
+                            self._spill_log()
                         self._trace("alloc", m.ptr, size, skey)
                     return m.ptr
                 self._flush_memo()
@@ -734,13 +751,18 @@ class DeviceCachingAllocator(Allocator):
                 return  # torch: freeing the null pointer is a no-op
             raise _bad_pointer(ptr)
         box = self._ready  # read before the memo (a flush swaps the box, then clears it)
-        if b is self._memo and b.uses is None and self._trace is None:
+        if b is self._memo and b.uses is None and (
+                self._trace is None
+                or self._hit_log is not None and b.requested == self._memo_req0):
             # A memo hit comes back: defer its free again, without the lock. Popping b from
             # the live map made this thread its only holder; appending it to the ready box
             # publishes it to the next hit. A flush under the lock that ran meanwhile
             # swapped the box: then whoever pops b from the old box frees it. (While the
             # memo lives, whether its block is in the box is its state: _flush_memo sets
-            # Block.state from that.)
+            # Block.state from that.) With history logged as bare times, the free's time
+            # travels with the block: whoever pops it from the box logs it.
+            if self._trace is not None:
+                b.tfree = -self._hit_now()
             box.append(b)
             if self._ready is box:
                 return
@@ -749,6 +771,7 @@ class DeviceCachingAllocator(Allocator):
             except IndexError:
                 return  # the flush took it and freed it for real
             b.state = 1  # the flush saw it allocated: free it the plain way below
+            b.tfree = 0
         try:
             self._take()  # the allocator lock, never waited for here
         except IndexError:
@@ -768,7 +791,13 @@ class DeviceCachingAllocator(Allocator):
                     b.state = 5
                     self._ready.append(b)
                     if self._trace is not None:
-                        self._trace_free(b)
+                        log = self._hit_log
+                        if log is not None and b.requested == self._memo_req0:
+                            log.append(-self._hit_now())
+                        else:
+                            if log:
+                                self._spill_log()
+                            self._trace_free(b)
                     return
                 self._flush_memo()
             if self._pending_frees:
@@ -865,7 +894,24 @@ class DeviceCachingAllocator(Allocator):
         b.state = _DEFERRED
         self._memo = b
         self._ready.append(b)
+        # With a history hook whose entries carry nothing but the time (no stacks, no NVTX
+        # range), pairs of the memo's first request are logged as bare times (an alloc at
+        # t, a free at -t) and written out by _spill_log before any other entry.
+        trace = self._trace
+        if trace is not None and getattr(trace, "compact", None) is not None and trace.compact_ok():
+            # bounded like the history's ring: times older than what it keeps are dropped
+            self._hit_log = deque(maxlen=trace.capacity)
+            self._hit_now = trace.now
         return True
+
+    def _spill_log(self) -> None:
+        """Write the memo pairs logged as bare times to the history (lock held)."""
+        log = self._hit_log
+        if log:
+            trace = self._trace
+            if trace is not None:
+                trace.compact(self._memo.ptr, self._memo_req0, self._memo_stream, log)
+            log.clear()
 
     def _trace_free(self, b: Block) -> None:
         """The history entries of a deferred free: requested and completed, as torch's."""
@@ -879,8 +925,6 @@ class DeviceCachingAllocator(Allocator):
         b = self._memo
         if b is None:
             return
-        self._memo = None
-        self._hit_size = -1
         box = self._ready
         self._ready = []  # a deferring free in flight sees the swap (see free)
         try:
@@ -888,6 +932,15 @@ class DeviceCachingAllocator(Allocator):
             deferred = True
         except IndexError:  # handed out by a hit (or its free is still in flight)
             deferred = False
+        log = self._hit_log
+        if log is not None:
+            if deferred and b.tfree:
+                log.append(b.tfree)
+            self._spill_log()
+            self._hit_log = None
+        b.tfree = 0
+        self._memo = None
+        self._hit_size = -1
         pool = b.fl.pool
         k = self._memo_hits
         req0 = self._memo_req0

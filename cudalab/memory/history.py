@@ -106,7 +106,10 @@ def set_current_cell(cell_id: Any) -> None:
     """Set the notebook cell id recorded on new entries (None: no cell). The IPython
     extension calls this before each cell runs."""
     global _cell
-    _cell = None if cell_id is None else str(cell_id)
+    new = None if cell_id is None else str(cell_id)
+    if new != _cell and _settings is not None:
+        _sync_allocators()  # pairs logged as bare times belong to the old cell
+    _cell = new
 
 
 def current_cell() -> str | None:
@@ -287,6 +290,24 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
             m = nvtls.__dict__.get("messages") if nv._used else None
             append((action, addr, size, stream, now(), None, m[-1] if m else None, _cell))
 
+        def pairs(addr: int, size: int, stream: int, times: list[int]) -> None:
+            """The entries of memo pairs that the allocator logged as bare times (an alloc
+            at t > 0, a free at -t): what ``trace`` would have appended then, in order."""
+            cell = _cell
+            for t in times:
+                if t > 0:
+                    append(("alloc", addr, size, stream, t, None, None, cell))
+                else:
+                    append(("free_requested", addr, size, stream, -t, None, None, cell))
+                    append(("free_completed", addr, size, stream, -t, None, None, cell))
+
+        # Entries without stacks carry nothing but the time as long as no NVTX range was
+        # ever pushed and the cell stays the same (set_current_cell and the first NVTX push
+        # flush the allocators first): the allocator may then log a memo pair as two times.
+        trace.compact = pairs
+        trace.compact_ok = lambda: not nv._used
+        trace.now = now
+        trace.capacity = None  # the ring's (max_entries): older times need not be kept
         return trace
 
     blocks = rec.blocks
@@ -386,6 +407,8 @@ def _attach(a: Any, st: _Settings) -> None:
     if rec is None:
         rec = _Recorder(a.device)
     trace = _make_trace(rec, st.level, _appender(a.device, st))
+    if hasattr(trace, "compact"):
+        trace.capacity = st.max_entries
     a.sync_pending()  # deferred frees happened before recording starts
     a._trace = trace  # the cudaMallocAsync allocator raises RuntimeError here
     _recorders[a] = rec
@@ -396,6 +419,7 @@ def _detach(a: Any) -> None:
     if rec is not None:
         rec.clear()
     try:
+        a.sync_pending()  # memo pairs logged as bare times are written out first
         a._trace = None
     except Exception:  # noqa: BLE001 - nothing to undo on an allocator that cannot record
         pass
@@ -643,8 +667,24 @@ def devices_with_history() -> list[int]:
     return sorted(_rings)
 
 
+def _sync_allocators(device: int | None = None) -> None:
+    """Have the recording allocators (of ``device``, or all) write out what they deferred:
+    frees queued while their lock was busy and memo pairs logged as bare times."""
+    for a in list(_recorders.keys()):
+        if device is None or a.device == device:
+            a.sync_pending()
+
+
+def nvtx_first_push() -> None:
+    """cudalab.nvtx calls this before its first range: entries from now on carry a range,
+    so pairs logged as bare times are written out first (and no longer logged so)."""
+    if _settings is not None:
+        _sync_allocators()
+
+
 def raw_entries(device: int) -> list[tuple]:
     """The raw entry tuples of ``device`` (see :data:`FIELDS`), oldest to newest."""
+    _sync_allocators(device)
     ring = _rings.get(device)
     if ring is None:
         return []
