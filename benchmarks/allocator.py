@@ -167,8 +167,11 @@ def _record_one(index: int, directory: str, quick: bool) -> dict:
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
+    # The segment entries travel too: the replay places each segment at its traced address,
+    # since torch's best fit breaks ties between equal-size blocks by address.
     trace = [(e["action"], e["addr"], e["size"], e["stream"])
-             for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_requested")]
+             for e in snap["device_traces"][0]
+             if e["action"] in ("alloc", "free_requested", "segment_alloc", "segment_free")]
     path = os.path.join(directory, name.replace(" ", "_") + ".pkl")
     with open(path, "wb") as f:
         pickle.dump({"name": name, "trace": trace,
