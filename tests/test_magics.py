@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -816,13 +817,150 @@ def test_gpu_kernels_lists_a_cudalab_kernel(ip):
     assert row["count"] == 1 and 0.0019 <= row["gpu_time"] <= 0.003
 
 
-def test_long_runs_reuse_a_few_event_pairs(ip):
-    """One stream: the events of repeat j are read when repeat j + 2 begins and reused, so
-    3000 repeats need no more events than 3 (and every repeat still gets its GPU time)."""
+# =============================================================================== driver calls
+@pytest.fixture
+def driver_calls(monkeypatch):
+    """A Counter of the driver calls made through the backend and the event fast paths
+    (``Event.record``/``query`` and the timer's records go through the fast paths)."""
+    import collections
+
+    from cudalab import devices
+    from cudalab._driver.base import FastPaths
+
+    cudalab.init()
+    backend = devices._backend()
+    counts: collections.Counter = collections.Counter()
+
+    def wrap(name, fn):
+        def counted(*a, **k):
+            counts[name] += 1
+            return fn(*a, **k)
+        return counted
+
+    for name in ("event_create", "event_record", "event_query", "event_synchronize",
+                 "event_elapsed_time", "stream_synchronize", "memset_d8_async", "synchronize"):
+        monkeypatch.setattr(backend, name, wrap(name, getattr(backend, name)))
+    fast = devices._fast
+    monkeypatch.setattr(devices, "_fast", FastPaths(
+        wrap("event_record", fast.event_record), wrap("event_query", fast.event_query),
+        wrap("stream_query", fast.stream_query)))
+    return counts
+
+
+def _per_repeat(sh, counts, cell, r1=40, r2=240):
+    """Driver calls per repeat of ``cell`` (a format string with {r}): the difference
+    between two repeat counts, after a first run that fills the event pool."""
+    timed(sh, cell.format(r=r2))
+    totals = []
+    for r in (r1, r2):
+        counts.clear()
+        res = timed(sh, cell.format(r=r))
+        assert res.count == r
+        totals.append(dict(counts))
+    keys = set(totals[0]) | set(totals[1])
+    return {k: (totals[1].get(k, 0) - totals[0].get(k, 0)) / (r2 - r1) for k in keys}
+
+
+def test_driver_calls_per_repeat(ip, driver_calls):
+    """Shared boundaries: repeat j runs from event j to event j + 1, so a repeat costs one
+    record, and one elapsed_time after the single sync; the in-flight check queries every
+    few repeats only; the events come from the pool (none created once it holds them)."""
+    c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass")
+    assert c.get("event_record") == 1 and c.get("event_elapsed_time") == 1, c
+    assert c.get("event_query", 0) <= 0.1 and c.get("event_synchronize", 0) == 0, c
+    assert c.get("event_create", 0) == 0 and c.get("synchronize", 0) == 0, c
+    # something untimed between repeats (a setup statement, a flush): a start event each
+    c = _per_repeat(ip, driver_calls, "%%cuda_timed -n 1 -w 0 -r {r} x_ = 0\npass")
+    assert c.get("event_record") == 2 and c.get("event_elapsed_time") == 1, c
+    c = _per_repeat(ip, driver_calls, "%cuda_timed --cold -n 1 -w 0 -r {r} pass")
+    assert c.get("event_record") == 2 and c.get("memset_d8_async") == 1, c
+    assert c.get("event_elapsed_time") == 1, c
+    # a side stream seen in warm-up: a boundary on each stream, joined when read
+    run(ip, "sdc_ = cudalab.Stream()")
+    c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 1 -r {r} gpu_sleep(0, stream=sdc_)")
+    assert c.get("event_record") == 2 and c.get("event_elapsed_time") == 3, c
+    assert c.get("event_query", 0) <= 0.2 and c.get("event_synchronize", 0) == 0, c
+
+
+def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypatch):
+    """When the end of repeat k - 2 is not done, the check waits for it and runs again
+    after the next repeat (at most two repeats in flight); while the GPU keeps up it runs
+    only every MAX_STRIDE repeats."""
+    from cudalab import devices
+    from cudalab._driver.base import STATUS_NOT_READY, FastPaths
+    from cudalab.magics.timed import _EventTimer
+
+    c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass", 64, 640)
+    assert c.get("event_synchronize", 0) == 0
+    assert 0 < c.get("event_query", 0) <= 1.5 / _EventTimer.MAX_STRIDE, c
+    fast = devices._fast
+    monkeypatch.setattr(devices, "_fast", FastPaths(
+        fast.event_record, lambda h: (STATUS_NOT_READY,), fast.stream_query))
+    c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass")
+    assert c.get("event_synchronize") == 1 and c.get("event_record") == 1, c
+
+
+def test_long_runs_take_their_events_before_the_loop(ip, driver_calls):
+    """3000 repeats take 3001 boundary events from the pool before the loop; a second run
+    creates none, and every repeat gets its GPU time."""
     timed(ip, "%%cuda_timed -n 1 -r 2 -w 0\npass")  # the pool exists
-    pool = ip.magics_manager.registry["CudaLabMagics"]._event_pool
+    pool = _magics(ip)._event_pool
     before = sum(len(v) for v in pool._events.values())
+    driver_calls.clear()
     res = timed(ip, "%%cuda_timed -n 1 -r 3000 -w 0 --max-time 60\npass")
     assert res.repeats == 3000 and len(res.gpu_times[0]) == 3000
     assert all(t >= 0 for t in res.gpu_times[0])
-    assert sum(len(v) for v in pool._events.values()) - before <= 2 * 4  # one ring of pairs
+    assert sum(len(v) for v in pool._events.values()) - before == 3001 - 3
+    assert driver_calls["event_record"] == 3001 and driver_calls["event_elapsed_time"] == 3000
+    driver_calls.clear()
+    timed(ip, "%%cuda_timed -n 1 -r 3000 -w 0 --max-time 60\npass")
+    assert driver_calls["event_create"] == 0
+
+
+def test_events_grow_in_chunks_outside_the_repeats(ip, monkeypatch):
+    """Past CHUNK repeats the timer takes the next chunk between two repeats; in the shared
+    mode the next repeat then starts from a fresh event, so the pause is in no repeat."""
+    from cudalab.magics.timed import _EventTimer
+
+    take = _EventTimer._take
+
+    def slow_take(self, n):
+        if self.reps:  # growth during the loop: a slow pool
+            time.sleep(0.03)
+        take(self, n)
+
+    monkeypatch.setattr(_EventTimer, "CHUNK", 8)
+    monkeypatch.setattr(_EventTimer, "_take", slow_take)
+    for cell in ("%%cuda_timed -n 1 -r 30 -w 0\npass",
+                 "%%cuda_timed -n 1 -r 30 -w 0 x_ = 1\npass",
+                 "%%cuda_timed -n 1 -r 30 -w 0 --cold\npass"):
+        res = timed(ip, cell)
+        assert res.count == 30 and np.all(res.gpu_times >= 0), cell
+        assert res.max < 0.02, (cell, res.gpu_times)
+
+
+def test_repeat_mode_on_two_devices(ip, two_devices):
+    res = timed(ip, "%%cuda_timed -d all -n 1 -r 3 -w 1\n"
+                    "gpu_sleep(1_000_000)\nwith cudalab.device(1):\n    gpu_sleep(5_000_000)")
+    assert res.devices == (0, 1) and res.gpu_times.shape == (2, 3)
+    assert res.device_stats(1)["median"] >= 0.0045 and res.device_stats(0)["median"] >= 0.0009
+    assert res.median >= 0.0045
+
+
+def test_watch_driver_calls_per_cell(ip, driver_calls):
+    """A printed line: the start and end records, a wait and one elapsed_time. Under the
+    threshold: the start record only (nothing waited for or read)."""
+    run(ip, "%cuda_memory watch on")
+    run(ip, "pass")
+    driver_calls.clear()
+    for _ in range(10):
+        run(ip, "pass")
+    assert {k: v for k, v in driver_calls.items() if v} == {
+        "event_record": 20, "event_synchronize": 10, "event_elapsed_time": 10}
+    run(ip, "%cuda_memory watch on --threshold 1MiB")
+    driver_calls.clear()
+    for _ in range(10):
+        r, out, _t, _h = run(ip, "pass")
+        assert "cudalab watch" not in out
+    assert {k: v for k, v in driver_calls.items() if v} == {"event_record": 10}
+    run(ip, "%cuda_memory watch off")

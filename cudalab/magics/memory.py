@@ -362,19 +362,35 @@ def diff_html(data: dict) -> str:
 
 
 # =============================================================================== watch
+def _record(ev: Any, stream: Any) -> None:
+    """``ev.record(stream)`` by handle when the event exists (a failed record, e.g. another
+    context current for the null stream, goes through Event.record, which fixes or raises)."""
+    h = ev._handle
+    if h is None or ev._rec(h, stream._handle)[0]:
+        ev.record(stream)
+
+
 class _Watch:
-    """pre/post_run_cell hooks printing one line per cell (see the module documentation)."""
+    """pre/post_run_cell hooks printing one line per cell (see the module documentation).
+
+    Per cell: ``pre`` opens a :class:`~cudalab.memory.scope.PeakScope` and records the
+    device's start event on its current stream (one driver call); ``post`` closes the scope
+    and, only when a line is printed, records the end event, waits for it
+    (``watch_sync``; a query otherwise) and reads ``elapsed_time``: four driver calls per
+    printed line, one per cell under the threshold. No dict, list or DataFrame is built.
+    """
 
     def __init__(self, magics: Any, device: int | None, threshold: int):
         self.magics = magics
         self.device = device  # None: the current device at each cell start
         self.threshold = threshold
         self.scope: Any = None
-        self.events: dict[int, tuple[Any, Any]] = {}
-        self.ev_started: Any = None
+        self.events: dict[int, tuple[Any, Any]] = {}  # device -> (start, end), made once
+        self.ev_started: Any = None  # the (start, end) pair whose start this cell recorded
         self.t0 = 0.0
         self.dev = 0
         self.last_line: str | None = None
+        self._sim: str | None = None  # ", simulated" or "", once CUDA is initialised
         from cudalab import devices, streams
         from cudalab.events import Event
         from cudalab.memory.scope import PeakScope
@@ -387,9 +403,10 @@ class _Watch:
     def pre(self, info: Any = None) -> None:
         if getattr(info, "silent", False):
             return
-        if self.scope is not None and self.scope.running:  # a nested or repeated pre
+        scope = self.scope
+        if scope is not None and scope.running:  # a nested or repeated pre
             try:
-                self.scope.stop()
+                scope.stop()
             except RuntimeError:
                 pass
         devices = self._devices
@@ -404,7 +421,7 @@ class _Watch:
                 if pair is None:
                     ev = self._Event
                     pair = self.events[d] = (ev(enable_timing=True), ev(enable_timing=True))
-                pair[0].record(self._current_stream(d))
+                _record(pair[0], self._current_stream(d))
                 self.ev_started = pair
             except Exception:
                 self.ev_started = None
@@ -418,40 +435,42 @@ class _Watch:
         if getattr(info, "silent", False):
             return
         wall = time.perf_counter() - self.t0
-        gpu: float | None = None
-        pending = False
-        pair = self.ev_started
-        if pair is not None:
-            try:
-                pair[1].record(self._current_stream(self.dev))
-                if self.magics.watch_sync:
-                    pair[1].synchronize()
-                if pair[1].query():
-                    gpu = pair[0].elapsed_time(pair[1]) / 1e3
-                else:
-                    pending = True
-            except Exception:
-                gpu = None
         scope.stop()
         self.scope = None
-        d_alloc = scope.end_allocated - scope.start_allocated
+        start_alloc = scope.start_allocated
+        d_alloc = scope.end_allocated - start_alloc
         d_res = scope.end_reserved - scope.start_reserved
-        over = scope.peak_allocated - scope.start_allocated
-        if self.threshold > 0 and max(abs(d_alloc), abs(d_res), over) < self.threshold:
-            self.last_line = None
+        peak = scope.peak_allocated
+        over = peak - start_alloc
+        thr = self.threshold
+        if thr > 0 and abs(d_alloc) < thr and abs(d_res) < thr and over < thr:
+            self.last_line = None  # nothing printed: no end event, no wait
             return
-        if pending:
-            gpu_text = "GPU running"
-        elif gpu is not None:
-            gpu_text = f"GPU {format_time(gpu)}"
-        else:
-            gpu_text = "GPU n/a" if self._devices._initialized else "no CUDA context"
-        sim = ", simulated" if _simulated() else ""
-        self.last_line = (
+        pair = self.ev_started
+        gpu_text = "GPU n/a" if self._devices._initialized else "no CUDA context"
+        if pair is not None:
+            start, end = pair
+            try:
+                _record(end, self._current_stream(self.dev))
+                if self.magics.watch_sync:
+                    end.synchronize()
+                    gpu_text = f"GPU {format_time(start.elapsed_time(end) / 1e3)}"
+                elif end.query():
+                    gpu_text = f"GPU {format_time(start.elapsed_time(end) / 1e3)}"
+                else:
+                    gpu_text = "GPU running"
+            except Exception:
+                gpu_text = "GPU n/a"
+        sim = self._sim
+        if sim is None:
+            sim = ", simulated" if _simulated() else ""
+            if self._devices._initialized:
+                self._sim = sim  # the backend never changes once CUDA is initialised
+        line = self.last_line = (
             f"[cudalab watch cuda:{scope.device}{sim}] Δallocated {format_bytes(d_alloc, True)}"
-            f" | Δreserved {format_bytes(d_res, True)} | peak {format_bytes(scope.peak_allocated)}"
+            f" | Δreserved {format_bytes(d_res, True)} | peak {format_bytes(peak)}"
             f" ({format_bytes(over, True)} in cell) | {gpu_text} | wall {format_time(wall)}")
-        print(self.last_line)
+        sys.stdout.write(line + "\n")  # one write (print makes two)
 
     def stop(self) -> None:
         if self.scope is not None and self.scope.running:

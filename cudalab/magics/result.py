@@ -14,44 +14,49 @@ numpy is imported when a result is made (the magic needs it anyway); pandas only
 from __future__ import annotations
 
 import html
-import math
 from typing import Any
 
 import numpy as np
 
 __all__ = ["CudaTimedResult", "format_time", "format_bytes"]
 
-_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))
-
-
 def format_time(seconds: float | None, precision: int = 3) -> str:
-    """``0.0012345`` -> ``"1.23 ms"`` (``precision`` significant digits); None -> ``"n/a"``."""
-    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+    """``0.0012345`` -> ``"1.23 ms"`` (``precision`` significant digits); None or NaN ->
+    ``"n/a"``. (Unrolled: the watch formats two times per cell.)"""
+    if seconds is None or seconds != seconds:
         return "n/a"
     if seconds < 0:
         return "-" + format_time(-seconds, precision)
-    if seconds >= 60.0:
-        minutes, rest = divmod(seconds, 60.0)
-        return f"{int(minutes)} min {rest:.{max(precision - 2, 0)}f} s"
-    for unit, scale in _UNITS:
-        if seconds >= scale or unit == "ns":
-            return f"{seconds / scale:.{precision}g} {unit}"
-    return f"{seconds:.{precision}g} s"  # pragma: no cover - loop always returns
+    if seconds >= 1.0:
+        if seconds >= 60.0:
+            minutes, rest = divmod(seconds, 60.0)
+            return f"{int(minutes)} min {rest:.{max(precision - 2, 0)}f} s"
+        return f"{seconds:.{precision}g} s"
+    if seconds >= 1e-3:
+        return f"{seconds / 1e-3:.{precision}g} ms"
+    if seconds >= 1e-6:
+        return f"{seconds / 1e-6:.{precision}g} µs"
+    return f"{seconds / 1e-9:.{precision}g} ns"
 
 
 def format_bytes(n: int | None, signed: bool = False) -> str:
-    """``1536`` -> ``"1.5 KiB"``; ``signed`` adds ``+`` to positive values."""
+    """``1536`` -> ``"1.5 KiB"``; ``signed`` adds ``+`` to positive values. (Unrolled: the
+    watch formats four sizes per cell.)"""
     if n is None:
         return "n/a"
-    sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
-    v = float(abs(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if v < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{sign}{int(v)} B"
-            return f"{sign}{v:.1f} {unit}"
-        v /= 1024
-    return f"{sign}{v:.1f} TiB"  # pragma: no cover
+    if n < 0:
+        sign, n = "-", -n
+    else:
+        sign = "+" if signed and n > 0 else ""
+    if n < 1024:
+        return f"{sign}{int(n)} B"
+    if n < 1048576:
+        return f"{sign}{n / 1024:.1f} KiB"
+    if n < 1073741824:
+        return f"{sign}{n / 1048576:.1f} MiB"
+    if n < 1099511627776:
+        return f"{sign}{n / 1073741824:.1f} GiB"
+    return f"{sign}{n / 1099511627776:.1f} TiB"
 
 
 def _stats(values: np.ndarray) -> dict[str, float]:

@@ -4,18 +4,27 @@ How a measurement is built (the pitfalls it avoids are in ``docs/magics.md``):
 
 * **Compile once.** The cell goes through IPython's input transforms and AST transformers and
   is compiled once, as ``%%time``/``%%timeit`` do. In repeat mode the body is placed in a
-  loop inside one function (IPython's timeit template), so it is never re-executed from
-  source (CuPy's ``%gpu_timeit`` re-``exec``s the cell every repeat and inflates small
-  times by several x).
+  loop inside one function (IPython's timeit template), and the repeats loop inside that
+  function too, so it is never re-executed from source (CuPy's ``%gpu_timeit`` re-``exec``s
+  the cell every repeat and inflates small times by several x) and a repeat costs no
+  Python call of its own beyond the ``end`` hook.
 * **Events on the streams that did the work.** A start event is recorded on the current
   stream of every timed device before the body and an end event after it. Streams other
   than the current one that cudalab kernels were launched on (seen through
   :data:`cudalab.kernels._launch_observers`) get events too, and a device's time is the
   latest end minus the earliest start: the streams are joined when the events are read,
   without adding any dependency between them.
-* **No host sync between repeats.** Each repeat has its own event pair (pooled and reused
-  across runs); the host syncs once, on the last end events, then reads every pair. The
-  per-repeat cost is two event records and two clock reads.
+* **Shared boundaries, one record per repeat.** When nothing untimed runs between repeats
+  (no setup statement, no ``--cold``), repeat j runs from boundary event j to boundary
+  event j + 1: R repeats record R + 1 events per stream. Otherwise each repeat has its own
+  start event, recorded after the setup/flush. The events are taken from a pool (reused
+  across runs) before the loop, in chunks of 8192 repeats.
+* **No host sync between repeats, no read in the loop.** The host syncs once, on the last
+  end events, then calls ``elapsed_time`` once per repeat and stream. At most two repeats
+  are kept in flight by querying the end of repeat k - 2 every few repeats (the stride
+  doubles up to 32 while the GPU keeps up, and drops to 1, with a wait outside the host
+  clock, when it does not). The per-repeat cost of an empty body is one event record, one
+  ``elapsed_time`` and two clock reads.
 * **Warm-up and auto-ranging** before the measured repeats; ``--max-time`` caps the measured
   phase; the setup statement runs untimed before every repeat (as ``%%timeit``).
 * **--cold** writes a buffer of ``cold_flush_factor`` x the device's L2 size (a raw driver
@@ -184,32 +193,40 @@ def parse_devices(spec: str | None) -> list[int]:
 
 # =============================================================================== compiling
 class _Filler(ast.NodeTransformer):
-    """Put the setup and statement bodies into the timing template (IPython's approach)."""
+    """Put the setup and statement bodies in place of the template's ``setup`` and ``stmt``
+    placeholders (IPython's approach)."""
 
     def __init__(self, setup: list[ast.stmt], stmt: list[ast.stmt]):
-        self.setup = setup
-        self.stmt = stmt
+        self.parts = {"setup": setup, "stmt": stmt}
 
-    def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.AST:  # noqa: N802 - ast API
-        self.generic_visit(node)
-        if node.name == "__cudalab_timed_inner":
-            node.body[0:1] = self.setup
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        for field in ("body", "orelse"):
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list):
+                out: list[ast.stmt] = []
+                for st in stmts:
+                    if (isinstance(st, ast.Expr) and isinstance(st.value, ast.Name)
+                            and st.value.id in self.parts):
+                        out.extend(self.parts[st.value.id])
+                    else:
+                        out.append(self.visit(st))
+                setattr(node, field, out)
         return node
 
-    def visit_For(self, node: ast.For) -> ast.AST:  # noqa: N802 - ast API
-        self.generic_visit(node)
-        if getattr(node.target, "id", None) == "_cl_i":
-            node.body = self.stmt
-        return node
 
-
+#: The timing function. The repeats loop inside it, so a repeat costs no call of its own:
+#: ``begin()`` (``time.perf_counter`` itself in the shared-boundary mode) before the loops,
+#: ``end(j, t0)`` after them, which records the end events and returns ``j + 1``, or
+#: ``~(j + 1)`` to stop. ``setup`` runs before every repeat, untimed; its names stay local.
 _TEMPLATE = (
     "def __cudalab_timed_inner(_cl_n, _cl_j, _cl_begin, _cl_end, _cl_repeat):\n"
-    "    setup\n"
-    "    _cl_begin(_cl_j)\n"
-    "    for _cl_i in _cl_repeat(None, _cl_n):\n"
-    "        stmt\n"
-    "    _cl_end(_cl_j)\n"
+    "    while _cl_j >= 0:\n"
+    "        setup\n"
+    "        _cl_t0 = _cl_begin()\n"
+    "        for _cl_i in _cl_repeat(None, _cl_n):\n"
+    "            stmt\n"
+    "        _cl_j = _cl_end(_cl_j, _cl_t0)\n"
+    "    return ~_cl_j\n"
 )
 
 
@@ -234,8 +251,10 @@ def compile_single(shell: Any, source: str) -> tuple[Any, Any, float]:
     return code, expr_code, _perf() - t0
 
 
-def compile_repeat(shell: Any, setup: str, stmt: str, glob: dict) -> tuple[Any, float]:
-    """The timing function ``inner(n, j, begin, end, repeat)`` built around the body."""
+def compile_repeat(shell: Any, setup: str, stmt: str, glob: dict) -> tuple[Any, float, bool]:
+    """The timing function ``inner(n, j, begin, end, repeat)`` built around the body (it
+    returns the number of repeats run), the seconds it took, and whether there is a setup
+    statement (something untimed between repeats)."""
     t0 = _perf()
     setup_tree, setup_name = _parse(shell, setup or "pass")
     stmt_tree, stmt_name = _parse(shell, stmt or "pass")
@@ -246,19 +265,27 @@ def compile_repeat(shell: Any, setup: str, stmt: str, glob: dict) -> tuple[Any, 
     tpl = ast.parse(_TEMPLATE)
     setup_body = setup_tree.body or [ast.Pass()]
     stmt_body = stmt_tree.body or [ast.Pass()]
+    has_setup = not all(isinstance(st, ast.Pass) for st in setup_body)
     tree = ast.fix_missing_locations(_Filler(setup_body, stmt_body).visit(tpl))
     code = shell.compile(tree, stmt_name, "exec")
     ns: dict = {}
     exec(code, glob, ns)  # noqa: S102 - the user's own cell, as %timeit does
-    return ns["__cudalab_timed_inner"], _perf() - t0
+    return ns["__cudalab_timed_inner"], _perf() - t0, has_setup
 
 
 # =============================================================================== GPU helpers
 class _EventPool:
-    """Timing events per device, reused across runs (creating events costs driver calls)."""
+    """Timing events per device, reused across runs (creating events costs driver calls).
+
+    Each device has a list of events and the parallel list of their driver handles (the hot
+    path records by handle). :meth:`take` hands out the next ``n`` events and creates only
+    what the pool lacks, so a run takes all it needs before its timed loop and a later run
+    of the same length creates none."""
 
     def __init__(self) -> None:
         self._events: dict[int, list[Any]] = {}
+        self._handles: dict[int, list[Any]] = {}
+        self._missing: dict[int, bool] = {}  # a handle of the device's list may be None
         self._used: dict[int, int] = {}
 
     def reset(self) -> None:
@@ -273,23 +300,47 @@ class _EventPool:
         self._used = dict(mark)
 
     def take(self, device: int, n: int) -> list[Any]:
+        """The next ``n`` events of ``device`` (a handle may still be missing: the driver
+        refused to create it earlier, and :meth:`cudalab.Event.record` creates it)."""
+        have, _handles, start = self._take(device, n)
+        return have[start:start + n]
+
+    def take_handles(self, device: int, n: int) -> tuple[list[Any], list[Any]]:
+        """The next ``n`` events of ``device`` and their driver handles, all created (the
+        driver's error is raised here, before any timed loop)."""
+        have, handles, start = self._take(device, n)
+        if self._missing.get(device):
+            for i in range(len(have)):
+                if handles[i] is None:
+                    ev = have[i]
+                    if ev._handle is None and start <= i < start + n:
+                        ev._create(device)
+                    handles[i] = ev._handle
+            self._missing[device] = any(h is None for h in handles)
+        return have[start:start + n], handles[start:start + n]
+
+    def _take(self, device: int, n: int) -> tuple[list[Any], list[Any], int]:
         from cudalab.events import Event
 
         have = self._events.setdefault(device, [])
+        handles = self._handles.setdefault(device, [])
         start = self._used.get(device, 0)
         while len(have) < start + n:
             ev = Event(enable_timing=True)
             try:
                 ev._create(device)  # now, not at the first record inside a timed repeat
             except Exception:
-                pass
+                self._missing[device] = True
             have.append(ev)
+            handles.append(ev._handle)
         self._used[device] = start + n
-        return have[start:start + n]
+        return have, handles, start
 
     def trim(self, keep: int = 1 << 15) -> None:
         for events in self._events.values():
             del events[keep:]
+        for handles in self._handles.values():
+            del handles[keep:]
 
 
 class _FlushBuffers:
@@ -566,120 +617,268 @@ def nvml_context(devs: list[int]) -> dict[int, dict]:
 
 
 # =============================================================================== timing core
-class _EventTimer:
-    """Start/end events per (device, stream) for ``capacity`` repeats, and host clocks."""
+class _Group:
+    """One (device, stream) a timer records on, with the events taken for it."""
 
-    #: Event pairs cycled by the one-stream timer: repeat j is read when repeat j + 2 begins
-    #: (it waits for it anyway), so its events can be reused at once and a run of any length
-    #: creates no events after the first.
-    RING = 4
+    __slots__ = ("device", "stream", "events", "handles")
+
+    def __init__(self, device: int, stream: Any):
+        self.device = device
+        self.stream = stream
+        self.events: list[Any] = []
+        self.handles: list[Any] = []
+
+
+class _EventTimer:
+    """Events on every timed (device, stream) for up to ``capacity`` repeats, and host clocks.
+
+    * **Shared boundaries** (``shared``: nothing untimed runs between repeats, i.e. no setup
+      statement and no --cold flush): repeat j runs from boundary event ``b[j]`` to
+      ``b[j + 1]``, so R repeats record R + 1 events per stream: one record per repeat.
+    * **Split** (a setup statement or an L2 flush runs before every repeat): repeat j has its
+      own start event (slot 2j, recorded after them) and end event (slot 2j + 1).
+
+    The events are taken from the pool before the timed loop (for up to ``CHUNK`` repeats;
+    longer runs take the next chunk between two repeats, and a shared run then starts the
+    next repeat from a fresh event, so the pause is outside every repeat). Nothing is read
+    while the repeats run: the host syncs once, on the last end events, then calls
+    ``elapsed_time`` once per repeat and stream. To keep at most two repeats in flight
+    without a driver call per repeat, the end of repeat k - 2 is queried only every
+    ``stride`` repeats: the stride doubles (up to ``MAX_STRIDE``) while the GPU keeps up
+    and drops to 1 (a wait on that event, outside the host clock) when it does not.
+    """
+
+    CHUNK = 8192
+    MAX_STRIDE = 32
 
     def __init__(self, devs: list[int], streams: dict[int, Any], side: dict, pool: _EventPool,
-                 capacity: int, flush: Any = None):
+                 capacity: int, flush: Any = None, shared: bool = True):
+        from cudalab import devices
+
         self.devs = devs
-        self.capacity = capacity
-        lists = [[streams[d]] + [s for (dd, _sid), s in side.items() if dd == d] for d in devs]
-        self.ring = len(devs) == 1 and len(lists[0]) == 1 and flush is None
-        n_ev = min(capacity, self.RING) if self.ring else capacity
-        # per device: [(stream, starts, ends)], the current stream first
-        self.per_dev: list[list[tuple[Any, list, list]]] = []
-        for d, lst in zip(devs, lists):
-            self.per_dev.append([(s, pool.take(d, n_ev), pool.take(d, n_ev)) for s in lst])
-        self._gpu = [0.0] * capacity if self.ring else None
-        self._read_upto = [0]  # ring mode: repeats before this one have their GPU time
-        self._starts = [(s, st) for group in self.per_dev for (s, st, _e) in group]
-        self._ends = [(s, en) for group in self.per_dev for (s, _st, en) in group]
-        self.cpu0 = [0.0] * capacity
-        self.cpu1 = [0.0] * capacity
+        self.pool = pool
+        self.capacity = max(1, int(capacity))
         self.flush = flush  # callable run before the start events (--cold)
-        self._used = [0]
-        self.begin, self.end = self._make_hooks()
+        self.shared = bool(shared) and flush is None
+        self.dev_groups: list[list[_Group]] = []  # per timed device, the current stream first
+        for d in devs:
+            lst = [streams[d]] + [s for (dd, _sid), s in side.items() if dd == d]
+            self.dev_groups.append([_Group(d, s) for s in lst])
+        self.groups = [g for gs in self.dev_groups for g in gs]
+        # one device, one context: record by handle (a failed record retries through
+        # Event.record, which makes the context current and raises the driver's error)
+        self.raw = len(devs) == 1
+        self.fast = devices._fast
+        self.reps = 0  # repeats the events taken so far cover
+        self._take(min(self.capacity, self.CHUNK))
+        self.cpu = [0.0] * self.capacity  # host seconds per repeat
+        self.breaks: dict[int, list[Any]] = {}  # shared: repeat -> fresh start event per group
+        self._stride = 1
+        self._next_check = 2  # the first in-flight check: after repeat 1, on repeat 0's end
+        self._nxt = [self._next_limit()]
 
-    def _make_hooks(self) -> tuple[Any, Any]:
-        """``begin(j)``/``end(j)`` closures (specialised for one stream and no flush: a ring of
-        event pairs; per repeat two event records, two clock reads, one query and one read)."""
-        cpu0, cpu1, used, flush, perf = self.cpu0, self.cpu1, self._used, self.flush, _perf
-        starts_all, ends_all = self._starts, self._ends
-        if self.ring:
-            (s, starts), (_s, ends) = starts_all[0], ends_all[0]
-            gpu, upto, R = self._gpu, self._read_upto, self.RING
+    # ----------------------------------------------------------------- slots and events
+    def _take(self, n: int) -> None:
+        """Events for ``n`` more repeats on every group (before the loop, or between two)."""
+        slots = (n + (self.reps == 0)) if self.shared else 2 * n
+        for g in self.groups:
+            evs, hs = self.pool.take_handles(g.device, slots)
+            g.events.extend(evs)
+            g.handles.extend(hs)
+        self.reps += n
 
-            def begin(j: int) -> None:
-                if j >= 2:  # at most two repeats in flight; the wait is outside the host clock
-                    i = j - 2
-                    e = ends[i % R]
-                    if not e.query():
-                        e.synchronize()
-                    gpu[i] = starts[i % R].elapsed_time(e) / 1e3
-                    upto[0] = j - 1
-                starts[j % R].record(s)
-                cpu0[j] = perf()
+    def _next_limit(self) -> int:
+        grow = self.reps if self.reps < self.capacity else self.capacity + 1
+        return min(self._next_check, grow)
 
-            def end(j: int) -> None:
-                cpu1[j] = perf()
-                ends[j % R].record(s)
-                used[0] = j + 1
+    def _end_slot(self, j: int) -> int:
+        return j + 1 if self.shared else 2 * j + 1
 
-            return begin, end
+    def _start_slot(self, j: int) -> int:
+        return j if self.shared else 2 * j
 
-        def begin(j: int) -> None:
-            if j >= 2:
-                for _s, ends in ends_all:
-                    e = ends[j - 2]
-                    if not e.query():
-                        e.synchronize()
+    def _record(self, slot: int) -> None:
+        """Record every group's event ``slot`` on its stream."""
+        if self.raw:
+            rec = self.fast.event_record
+            for g in self.groups:
+                if rec(g.handles[slot], g.stream._handle)[0]:
+                    g.events[slot].record(g.stream)
+        else:
+            for g in self.groups:
+                g.events[slot].record(g.stream)
+
+    def _between(self, k: int) -> None:
+        """After repeat k - 1 (every few repeats): take more events when the taken ones run
+        out, and keep at most two repeats in flight."""
+        if k == self.reps and k < self.capacity:
+            self._take(min(self.CHUNK, self.capacity - k))
+            if self.shared:  # repeat k starts after this pause, from a fresh event
+                fresh = [self.pool.take(g.device, 1)[0] for g in self.groups]
+                for g, ev in zip(self.groups, fresh):
+                    ev.record(g.stream)
+                self.breaks[k] = fresh
+        if k >= self._next_check:
+            slot = self._end_slot(k - 2)
+            query = self.fast.event_query
+            behind = False
+            for g in self.groups:
+                if query(g.handles[slot])[0]:  # not done (or an error, which this raises)
+                    g.events[slot].synchronize()
+                    behind = True
+            self._stride = 1 if behind else min(2 * self._stride, self.MAX_STRIDE)
+            self._next_check = k + self._stride
+        self._nxt[0] = self._next_limit()
+
+    # ----------------------------------------------------------------- the timed loop
+    def loop_hooks(self, repeat: int, max_time: float = math.inf) -> tuple[Any, Any]:
+        """``(begin, end)`` for the timing function, and the clock started: the function
+        runs ``t0 = begin()`` before a repeat's loops and ``j = end(j, t0)`` after them;
+        ``end`` returns j + 1 to go on, ``~(j + 1)`` to stop (``repeat`` repeats done, or
+        ``max_time`` seconds would be passed by one more). Shared mode records the first
+        boundary here."""
+        repeat = min(int(repeat), self.capacity)
+        perf, cpu, between, nxt = _perf, self.cpu, self._between, self._nxt
+        if self.shared:
+            self._record(0)
+            t_start = perf()
+            groups = self.groups
+            if self.raw and len(groups) == 1:  # the hot path: one record per repeat
+                g = groups[0]
+                hs, sh, evs, s = g.handles, g.stream._handle, g.events, g.stream
+                rec = self.fast.event_record
+
+                def end(j: int, t0: float) -> int:
+                    t = perf()
+                    cpu[j] = t - t0
+                    k = j + 1
+                    if rec(hs[k], sh)[0]:
+                        evs[k].record(s)  # makes the context current, or raises the error
+                    if k >= nxt[0]:
+                        between(k)
+                    if k < repeat and (t - t_start) * (k + 1) <= max_time * k:
+                        return k
+                    return ~k
+
+                return perf, end
+            record = self._record
+
+            def end(j: int, t0: float) -> int:
+                t = perf()
+                cpu[j] = t - t0
+                k = j + 1
+                record(k)
+                if k >= nxt[0]:
+                    between(k)
+                if k < repeat and (t - t_start) * (k + 1) <= max_time * k:
+                    return k
+                return ~k
+
+            return perf, end
+
+        record, flush = self._record, self.flush
+        cur = [0]
+
+        def begin() -> float:
             if flush is not None:
                 flush()
-            for s, starts in starts_all:
-                starts[j].record(s)
-            cpu0[j] = perf()
+            record(2 * cur[0])
+            return perf()
 
-        def end(j: int) -> None:
-            cpu1[j] = perf()
-            for s, ends in ends_all:
-                ends[j].record(s)
-            used[0] = j + 1
+        t_start = perf()
+
+        def end(j: int, t0: float) -> int:  # noqa: F811 - the split flavour
+            t = perf()
+            cpu[j] = t - t0
+            record(2 * j + 1)
+            k = cur[0] = j + 1
+            if k >= nxt[0]:
+                between(k)
+            if k < repeat and (t - t_start) * (k + 1) <= max_time * k:
+                return k
+            return ~k
 
         return begin, end
 
-    @property
-    def used(self) -> int:
-        return self._used[0]
+    # ----------------------------------------------------------------- single runs
+    def begin_single(self) -> float:
+        """Single mode: flush (--cold), record the start events; the host clock."""
+        if self.flush is not None:
+            self.flush()
+        self._record(0)
+        return _perf()
 
-    def sync(self) -> None:
-        j = self.used - 1
-        if j < 0:
-            return
-        if self.ring:
-            (_s, starts, ends), R = self.per_dev[0][0], self.RING
-            ends[j % R].synchronize()
-            for i in range(self._read_upto[0], j + 1):
-                self._gpu[i] = starts[i % R].elapsed_time(ends[i % R]) / 1e3
-            self._read_upto[0] = j + 1
-            return
-        for _s, ends in self._ends:
-            ends[j].synchronize()
+    def end_single(self) -> None:
+        self._record(1)
 
-    def gpu_seconds(self, k: int, j: int) -> float:
-        """GPU seconds of repeat ``j`` on the ``k``-th device: latest end - earliest start."""
-        if self.ring:
-            return self._gpu[j]
-        group = self.per_dev[k]
-        if len(group) == 1:
-            _s, starts, ends = group[0]
-            return starts[j].elapsed_time(ends[j]) / 1e3
-        ref = group[0][1][j]
-        first = min(ref.elapsed_time(st[j]) for (_s, st, _e) in group)
-        last = max(ref.elapsed_time(en[j]) for (_s, _st, en) in group)
-        return (last - first) / 1e3
+    # ----------------------------------------------------------------- after the loop
+    def finish(self, count: int) -> None:
+        """Wait for the end events of repeat ``count - 1`` (the run's one host sync)."""
+        if count <= 0:
+            return
+        slot = self._end_slot(count - 1)
+        for g in self.groups:
+            g.events[slot].synchronize()
+
+    def abort(self) -> None:
+        """After an exception: let the queued work finish before the events are reused."""
+        for g in self.groups:
+            try:
+                g.stream.synchronize()
+            except Exception:
+                pass
+
+    def _starts_ends(self, gi: int, g: _Group, count: int) -> tuple[list[Any], list[Any]]:
+        hs = g.handles
+        if self.shared:
+            starts, ends = hs[:count], hs[1:count + 1]
+            for k, fresh in self.breaks.items():
+                if k < count:
+                    starts[k] = fresh[gi]._handle
+            return starts, ends
+        return hs[0:2 * count:2], hs[1:2 * count:2]
+
+    def _device_ms(self, k: int, count: int) -> list[float]:
+        """Milliseconds of repeats 0..count-1 on the k-th device: the latest end minus the
+        earliest start over its streams (one elapsed_time per repeat and stream)."""
+        from cudalab import devices
+
+        eet = devices._backend().event_elapsed_time
+        gs = self.dev_groups[k]
+        base = self.groups.index(gs[0])
+        pairs = [self._starts_ends(base + i, g, count) for i, g in enumerate(gs)]
+        starts0, ends0 = pairs[0]
+        if len(pairs) == 1:
+            return list(map(eet, starts0, ends0))
+        out = []
+        for j in range(count):
+            ref = starts0[j]
+            first = 0.0
+            last = eet(ref, ends0[j])
+            for st, en in pairs[1:]:
+                first = min(first, eet(ref, st[j]))
+                last = max(last, eet(ref, en[j]))
+            out.append(last - first)
+        return out
 
     def read(self, count: int) -> tuple[list[list[float]], list[float]]:
-        gpu = [[self.gpu_seconds(k, j) for j in range(count)] for k in range(len(self.devs))]
-        cpu = [self.cpu1[j] - self.cpu0[j] for j in range(count)]
-        return gpu, cpu
+        """(GPU seconds per device and repeat, host seconds per repeat) after :meth:`finish`."""
+        gpu = [[t * 1e-3 for t in self._device_ms(k, count)] for k in range(len(self.devs))]
+        return gpu, self.cpu[:count]
+
+    def gpu_seconds(self, k: int, j: int) -> float:
+        """GPU seconds of repeat ``j`` on the ``k``-th device."""
+        return self._device_ms(k, j + 1)[j] * 1e-3
+
+    def start_event(self, k: int, j: int = 0) -> Any:
+        """The start event of repeat ``j`` on the ``k``-th device's current stream."""
+        fresh = self.breaks.get(j) if self.shared else None
+        if fresh is not None:
+            return fresh[self.groups.index(self.dev_groups[k][0])]
+        return self.dev_groups[k][0].events[self._start_slot(j)]
 
     def start_events(self, j: int = 0) -> dict[int, Any]:
-        return {d: self.per_dev[k][0][1][j] for k, d in enumerate(self.devs)}
+        return {d: self.start_event(k, j) for k, d in enumerate(self.devs)}
 
 
 def _nice_ceil(x: float) -> int:
@@ -753,9 +952,10 @@ class _Context:
         if not self.pool_mark:
             self.pool.trim()
 
-    def timer(self, capacity: int, side: dict, flush: bool = True) -> _EventTimer:
+    def timer(self, capacity: int, side: dict, flush: bool = True,
+              shared: bool = True) -> _EventTimer:
         return _EventTimer(self.devs, self.streams, side, self.pool, capacity,
-                           self.flush if flush else None)
+                           self.flush if flush else None, shared=shared)
 
     def device_names(self) -> dict[int, str]:
         from cudalab import devices
@@ -838,7 +1038,7 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
     try:
         if cupti is not None:
             cupti.start()
-        timer.begin(0)
+        t_cpu0 = timer.begin_single()
         try:
             exec(code, glob, local_ns)  # noqa: S102
             if expr_code is not None:
@@ -847,13 +1047,13 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
             error = exc
         t_cpu1 = _perf()
         try:
-            timer.end(0)
+            timer.end_single()
             for (d, _sid), s in tracker.side.items():
                 if d in ctx.streams:
                     ev = ctx.pool.take(d, 1)[0]
                     ev.record(s)
                     side_ends.append((d, ev))
-            timer.sync()
+            timer.finish(1)
             for _d, ev in side_ends:
                 ev.synchronize()
             for *_launch, ev in tracker.launches:  # --kernels: also on untimed streams
@@ -871,7 +1071,7 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
         if gpu_err is None:
             try:
                 t = timer.gpu_seconds(k, 0)
-                start = timer.per_dev[k][0][1][0]
+                start = timer.start_event(k, 0)
                 for dd, ev in side_ends:
                     if dd == d:
                         t = max(t, start.elapsed_time(ev) / 1e3)
@@ -889,8 +1089,8 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
     kernels, note = _kernel_report(opts, tracker, cupti, why, timer.start_events(0), gpu_err)
     result = CudaTimedResult(
         mode="single", loops=1, repeats=1, warmup=0, devices=tuple(ctx.devs),
-        gpu_times=[[t] for t in gpu_row], cpu_times=[t_cpu1 - timer.cpu0[0]],
-        wall_time=t_wall1 - timer.cpu0[0], cold=bool(ctx.flush), flush_bytes=ctx.flush_bytes,
+        gpu_times=[[t] for t in gpu_row], cpu_times=[t_cpu1 - t_cpu0],
+        wall_time=t_wall1 - t_cpu0, cold=bool(ctx.flush), flush_bytes=ctx.flush_bytes,
         kernels=kernels, kernels_note=note, nvml_before=nv_before, nvml_after=nv_after,
         warnings=ctx.warnings, hints=ctx.hints, simulated=ctx.simulated,
         device_names=ctx.device_names(), value=out, compile_time=tc, precision=ctx.precision,
@@ -954,37 +1154,30 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
     rep = itertools.repeat
     gc_was = gc.isenabled()
     try:
-        inner, tc = compile_repeat(shell, setup, stmt, glob)
+        inner, tc, has_setup = compile_repeat(shell, setup, stmt, glob)
         _add_observer(tracker)
-        for _ in range(warmup):
-            inner(1, 0, _noop, _noop, rep)
+        if warmup:
+            inner(1, 0, _perf, _count_to(warmup), rep)
         number = opts.number
         if number is None:
-            number = _autorange(ctx, inner, tracker, max_time, magics.min_repeat_time, rep)
-        timer = ctx.timer(repeat, tracker.side)
+            number = _autorange(ctx, inner, tracker, max_time, magics.min_repeat_time, rep,
+                                has_setup)
+        # the events of every repeat are taken now, before the loop
+        timer = ctx.timer(repeat, tracker.side, shared=not has_setup)
         tracker.new_side = False
         nv_before = nvml_context(ctx.devs) if magics.nvml else {}
-        begin, end = timer.begin, timer.end
-        done = 0
         if magics.disable_gc:
             gc.disable()
-        t_start = _perf()
         try:
-            for j in range(repeat):
-                inner(number, j, begin, end, rep)
-                done = j + 1
-                if done < repeat and (_perf() - t_start) * (done + 1) / done > max_time:
-                    break
+            begin, end = timer.loop_hooks(repeat, max_time)
+            done = inner(number, 0, begin, end, rep)
         except BaseException:
-            try:  # let the queued work finish before the events are reused
-                timer.sync()
-            except Exception:
-                pass
+            timer.abort()
             raise
         finally:
             if gc_was:
                 gc.enable()
-        timer.sync()
+        timer.finish(done)
         gpu, cpu = timer.read(done)
         nv_after = nvml_context(ctx.devs) if magics.nvml else {}
         kernels, note = [], ""
@@ -1023,12 +1216,18 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
     return None
 
 
-def _noop(_j: int) -> None:
-    return None
+def _count_to(n: int) -> Any:
+    """An ``end`` hook that only counts: ``n`` runs of the timing function (warm-up)."""
+
+    def end(j: int, _t0: float) -> int:
+        k = j + 1
+        return k if k < n else ~k
+
+    return end
 
 
 def _autorange(ctx: _Context, inner: Any, tracker: _LaunchTracker, max_time: float,
-               target: float, rep: Any) -> int:
+               target: float, rep: Any, has_setup: bool = False) -> int:
     """Loops per repeat so that one repeat takes >= ``target`` s of wall time (GPU work
     included), doubling at least and growing at most 1000x per step, capped by ``max_time``."""
     target = min(target, max_time / 10.0)
@@ -1036,10 +1235,11 @@ def _autorange(ctx: _Context, inner: Any, tracker: _LaunchTracker, max_time: flo
     spent = 0.0
     while True:
         ctx.pool.release(ctx.pool_mark)
-        timer = ctx.timer(1, tracker.side)
+        timer = ctx.timer(1, tracker.side, shared=not has_setup)
         t0 = _perf()
-        inner(number, 0, timer.begin, timer.end, rep)
-        timer.sync()
+        begin, end = timer.loop_hooks(1)
+        inner(number, 0, begin, end, rep)
+        timer.finish(1)
         took = _perf() - t0
         spent += took
         if took >= target or number >= 10**9 or spent > max_time / 2:
@@ -1055,13 +1255,14 @@ def _instrumented_run(magics: Any, ctx: _Context, opts: TimedOptions, inner: Any
     probe = _LaunchTracker(ctx.streams, record=True)
     probe.side = dict(tracker.side)
     cupti, why = _cupti_for(magics, ctx, opts)
-    timer = ctx.timer(1, tracker.side, flush=False)
+    timer = ctx.timer(1, tracker.side, flush=False, shared=False)  # start right before the body
     _add_observer(probe)
     try:
         if cupti is not None:
             cupti.start()
-        inner(1, 0, timer.begin, timer.end, rep)
-        timer.sync()
+        begin, end = timer.loop_hooks(1)
+        inner(1, 0, begin, end, rep)
+        timer.finish(1)
         for *_rest, ev in probe.launches:
             ev.synchronize()
     finally:
