@@ -31,9 +31,15 @@ __all__ = ["PeakScope", "peak_scope"]
 
 
 def _allocator(device: int):
-    from cudalab.memory.allocator import existing_allocator
+    global _existing
+    if _existing is None:  # (imported on first use: the allocator module imports this one)
+        from cudalab.memory.allocator import existing_allocator
 
-    return existing_allocator(device)
+        _existing = existing_allocator
+    return _existing(device)
+
+
+_existing: Any = None
 
 
 def _current(a) -> tuple[int, int]:
