@@ -185,7 +185,7 @@ class Block:
         self.event_count = 0
         self.uses: set | None = None  # streams (other than the allocation stream) it was used on
         self.gc_base = 0
-        self.tfree = 0  # -time of a lock-free memo free logged for the history (0: none)
+        self.tfree = 0  # -time of its deferred memo free, for the history (0: none)
 
     def __repr__(self) -> str:
         state = ("free", "allocated", "pending_free", "detached", "unmapped",
@@ -531,10 +531,7 @@ class DeviceCachingAllocator(Allocator):
                 if self._trace is not None:
                     log = self._hit_log
                     if log is not None:  # see _establish_memo
-                        t = m.tfree
-                        if t:  # its free, deferred without the lock
-                            log.append(t)
-                            m.tfree = 0
+                        log.append(m.tfree)  # its free's time (0: none, skipped when written)
                         log.append(self._hit_now())
                     else:
                         self._trace("alloc", m.ptr, size, self._memo_stream)
@@ -793,7 +790,7 @@ class DeviceCachingAllocator(Allocator):
                     if self._trace is not None:
                         log = self._hit_log
                         if log is not None and b.requested == self._memo_req0:
-                            log.append(-self._hit_now())
+                            b.tfree = -self._hit_now()  # logged by the hit that pops it
                         else:
                             if log:
                                 self._spill_log()

@@ -292,12 +292,13 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
 
         def pairs(addr: int, size: int, stream: int, times: list[int]) -> None:
             """The entries of memo pairs that the allocator logged as bare times (an alloc
-            at t > 0, a free at -t): what ``trace`` would have appended then, in order."""
+            at t > 0, a free at -t, 0 for nothing): what ``trace`` would have appended then,
+            in order."""
             cell = _cell
             for t in times:
                 if t > 0:
                     append(("alloc", addr, size, stream, t, None, None, cell))
-                else:
+                elif t:
                     append(("free_requested", addr, size, stream, -t, None, None, cell))
                     append(("free_completed", addr, size, stream, -t, None, None, cell))
 
