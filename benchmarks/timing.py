@@ -72,46 +72,15 @@ from _harness import Table, environment, optional_import, parse_args, write_json
 
 MS = 1_000_000  # ns
 
-_STAMPED_SOURCE = r"""
-extern "C" __global__ void cudalab_bench_spin(unsigned long long ns,
-                                              unsigned long long* stamps,
-                                              unsigned long long slot)
-{
-    // cudalab_spin that also writes its first and last %globaltimer readings to stamps.
-    if (threadIdx.x != 0 || blockIdx.x != 0) {
-        return;
-    }
-    unsigned long long start;
-    unsigned long long now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-    stamps[2 * slot] = start;
-    stamps[2 * slot + 1] = now;
-}
-"""
-
-
-def _sim_stamped(sim, grid, block, shared_mem, ns, ptr, slot):
-    import numpy as np
-
-    t0 = time.perf_counter_ns()
-    time.sleep(ns / 1e9)
-    t1 = time.perf_counter_ns()
-    stamps = sim.array(ptr, np.uint64, 2 * (slot + 1))
-    stamps[2 * slot], stamps[2 * slot + 1] = t0, t1
-
 
 class StampedSpin:
     """A 1 ms spin per call, each launch recording its own duration in a device buffer."""
 
     def __init__(self, slots: int):
         import cudalab
-        from cudalab.kernels import Kernel
+        from cudalab._kernels.spin import spin_stamped
 
-        self.kernel = Kernel("cudalab_bench_spin", _STAMPED_SOURCE, ("u8", "p", "u8"),
-                             sim=_sim_stamped)
+        self.kernel = spin_stamped
         self.buf = cudalab.zeros((2 * slots,), dtype="uint64")
         self.ptr = self.buf.__cuda_array_interface__["data"][0]
         self.slots = slots
