@@ -57,7 +57,6 @@ kernels sleep on the host, and events read the host clock).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import io
 import os
@@ -138,44 +137,24 @@ def count_driver_calls(ip, lines: dict[str, str], r1: int = 100, r2: int = 600) 
     """Driver calls per repeat of each ``%cuda_timed`` line (a format string with {r}),
     from the difference between two repeat counts: the backend's methods and the event
     fast paths are wrapped by counters for the duration (untimed)."""
-    from cudalab import devices
-    from cudalab._driver.base import FastPaths
+    from cudalab._driver.counting import count_calls
 
-    backend = devices._backend()
-    counts: collections.Counter = collections.Counter()
-
-    def wrap(name, fn):
-        def counted(*a, **k):
-            counts[name] += 1
-            return fn(*a, **k)
-        return counted
-
-    names = ("event_create", "event_record", "event_query", "event_synchronize",
-             "event_elapsed_time", "stream_synchronize", "memset_d8_async")
-    fast = devices._fast
-    for name in names:
-        setattr(backend, name, wrap(name, getattr(backend, name)))
-    devices._fast = FastPaths(wrap("event_record", fast.event_record),
-                              wrap("event_query", fast.event_query),
-                              wrap("stream_query", fast.stream_query))
     out = {}
     magics = ip.magics_manager.registry["CudaLabMagics"]
     magics._event_pool = None  # events bind the fast paths when made: count with new ones
     try:
-        for label, fmt in lines.items():
-            ip.run_cell(fmt.format(r=r2), store_history=False)  # the pool holds the events
-            totals = []
-            for r in (r1, r2):
-                counts.clear()
-                ip.run_cell(fmt.format(r=r), store_history=False)
-                totals.append(dict(counts))
-            keys = set(totals[0]) | set(totals[1])
-            out[label] = {k: (totals[1].get(k, 0) - totals[0].get(k, 0)) / (r2 - r1)
-                          for k in sorted(keys)}
+        with count_calls() as counts:
+            for label, fmt in lines.items():
+                ip.run_cell(fmt.format(r=r2), store_history=False)  # the pool holds the events
+                totals = []
+                for r in (r1, r2):
+                    counts.clear()
+                    ip.run_cell(fmt.format(r=r), store_history=False)
+                    totals.append(dict(counts))
+                keys = set(totals[0]) | set(totals[1])
+                out[label] = {k: (totals[1].get(k, 0) - totals[0].get(k, 0)) / (r2 - r1)
+                              for k in sorted(keys)}
     finally:
-        devices._fast = fast
-        for name in names:
-            delattr(backend, name)
         magics._event_pool = None
     return out
 

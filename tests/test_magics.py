@@ -819,32 +819,14 @@ def test_gpu_kernels_lists_a_cudalab_kernel(ip):
 
 # =============================================================================== driver calls
 @pytest.fixture
-def driver_calls(monkeypatch):
+def driver_calls():
     """A Counter of the driver calls made through the backend and the event fast paths
     (``Event.record``/``query`` and the timer's records go through the fast paths)."""
-    import collections
-
-    from cudalab import devices
-    from cudalab._driver.base import FastPaths
+    from cudalab._driver.counting import count_calls
 
     cudalab.init()
-    backend = devices._backend()
-    counts: collections.Counter = collections.Counter()
-
-    def wrap(name, fn):
-        def counted(*a, **k):
-            counts[name] += 1
-            return fn(*a, **k)
-        return counted
-
-    for name in ("event_create", "event_record", "event_query", "event_synchronize",
-                 "event_elapsed_time", "stream_synchronize", "memset_d8_async", "synchronize"):
-        monkeypatch.setattr(backend, name, wrap(name, getattr(backend, name)))
-    fast = devices._fast
-    monkeypatch.setattr(devices, "_fast", FastPaths(
-        wrap("event_record", fast.event_record), wrap("event_query", fast.event_query),
-        wrap("stream_query", fast.stream_query)))
-    return counts
+    with count_calls() as counts:
+        yield counts
 
 
 def _per_repeat(sh, counts, cell, r1=40, r2=240):
