@@ -749,7 +749,7 @@ class DeviceCachingAllocator(Allocator):
             raise _bad_pointer(ptr)
         box = self._ready  # read before the memo (a flush swaps the box, then clears it)
         if b is self._memo and b.uses is None and (
-                self._trace is None
+                (trace := self._trace) is None
                 or self._hit_log is not None and b.requested == self._memo_req0):
             # A memo hit comes back: defer its free again, without the lock. Popping b from
             # the live map made this thread its only holder; appending it to the ready box
@@ -758,7 +758,7 @@ class DeviceCachingAllocator(Allocator):
             # memo lives, whether its block is in the box is its state: _flush_memo sets
             # Block.state from that.) With history logged as bare times, the free's time
             # travels with the block: whoever pops it from the box logs it.
-            if self._trace is not None:
+            if trace is not None:
                 b.tfree = -self._hit_now()
             box.append(b)
             if self._ready is box:

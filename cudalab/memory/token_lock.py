@@ -79,12 +79,7 @@ class TokenLock:
     def locked(self) -> bool:
         return not self._box
 
-    def __enter__(self) -> bool:
-        try:
-            self.take()
-            return True
-        except IndexError:
-            return self.wait()
+    __enter__ = acquire
 
     def __exit__(self, *exc: object) -> None:
         self.give(True)
