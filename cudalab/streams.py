@@ -224,6 +224,24 @@ class ExternalStream(Stream):
 _tls = _devices._tls  # per thread: .device (current device) and .streams (current streams)
 _defaults: list[Stream | None] = []
 _defaults_lock = threading.Lock()
+#: One token per (thread, device) whose current stream is not the default stream (a stream
+#: other than handle 0), appended before the slot changes and popped after it changes back
+#: (both atomic). Empty means ``stream=None`` is the default stream in every thread, which
+#: lets the allocator's cache hit skip the thread-local lookup. Threads that end with a
+#: stream current leave their token: the hint stays conservative, never wrong.
+_custom: list[None] = []
+
+
+def _put(cur: list, idx: int, s: Stream | None) -> None:
+    """Set ``cur[idx]`` (a thread's current-stream slot) to ``s``, keeping :data:`_custom`."""
+    old = cur[idx]
+    was = old is not None and old.cuda_stream != 0
+    now = s is not None and s.cuda_stream != 0
+    if now and not was:
+        _custom.append(None)
+    cur[idx] = s
+    if was and not now:
+        _custom.pop()
 
 
 def _thread_streams() -> list:
@@ -275,7 +293,7 @@ def set_stream(stream: Stream | None) -> None:
         cur = _thread_streams()
     if _tls.device != stream.device_index:
         _devices.set_device(stream.device_index)
-    cur[stream.device_index] = stream
+    _put(cur, stream.device_index, stream)
 
 
 class StreamContext:
@@ -313,10 +331,10 @@ class StreamContext:
             return False
         cur = _tls.streams
         if self.dst_prev_stream is not None:
-            cur[s.device_index] = self.dst_prev_stream
+            _put(cur, s.device_index, self.dst_prev_stream)
         if _tls.device != self.prev_device:
             _devices.set_device(self.prev_device)
-        cur[self.prev_device] = self.src_prev_stream
+        _put(cur, self.prev_device, self.src_prev_stream)
         return False
 
 

@@ -90,5 +90,9 @@ def _restore_runtime_state():
     if devices.is_initialized():
         if devices._tls.device != 0:
             devices.set_device(0)
-        if devices._tls.streams is not None:
-            devices._tls.streams = [None] * devices._count
+        cur = devices._tls.streams
+        if cur is not None:
+            from cudalab import streams
+
+            for d in range(len(cur)):
+                streams._put(cur, d, None)  # keeps streams._custom in step

@@ -224,6 +224,86 @@ def test_pure_hits_follow_the_stream_argument_and_the_current_stream():
     a.check_invariants()
 
 
+class _CountingTLS:
+    """Stands in for the allocator's thread-local: counts reads of ``.streams``."""
+
+    def __init__(self, tls):
+        self.reads = 0
+        self._tls = tls
+
+    @property
+    def streams(self):
+        self.reads += 1
+        return self._tls.streams
+
+
+def test_default_stream_pure_hits_skip_the_thread_local(monkeypatch, two_devices):
+    """While no thread has a stream other than the default current, stream=None pure hits
+    read no thread-local; once one has, they look the current stream up again."""
+    import cudalab
+    from cudalab import streams
+    from cudalab.memory import allocator as A
+
+    cudalab.init()
+    a = A.get_allocator(0)
+    assert streams._custom == []
+    for _ in range(3):
+        a.free(a.malloc(4096))
+    assert a._hit_none
+    spy = _CountingTLS(A._tls)
+    monkeypatch.setattr(A, "_tls", spy)
+    hits = a._memo_hits
+    for _ in range(50):
+        a.free(a.malloc(4096))
+    assert a._memo_hits == hits + 50 and spy.reads == 0
+    s1 = cudalab.Stream(1)
+    with cudalab.stream(s1):  # device 1 has a stream of its own current
+        with cudalab.stream(cudalab.default_stream(0)):  # device 0: the default stream
+            assert streams._custom
+            p = a.malloc(4096)
+    assert spy.reads >= 1 and a._memo_hits == hits + 51  # still the memo: stream 0 was current
+    a.free(p)
+    a.check_invariants()
+
+
+def test_pure_hits_on_stream_none_respect_other_threads_streams():
+    """Thread B, with its own stream current, asks for the size the main thread's memo
+    serves on the default stream: it must get a block of B's stream, never the memo's."""
+    import threading
+
+    import cudalab
+    from cudalab.memory.allocator import get_allocator
+
+    cudalab.init()
+    a = get_allocator(0)
+    for _ in range(3):
+        a.free(a.malloc(4096))
+    assert a._memo is not None and a._hit_none
+    memo_ptr = a._memo.ptr
+    got, errors = [], []
+
+    def b():
+        try:
+            s = cudalab.Stream()
+            with cudalab.stream(s):
+                p = a.malloc(4096)
+                got.append((p, s.cuda_stream, a._live[p].fl.stream))
+                a.free(p)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=b)
+    t.start()
+    t.join()
+    assert not errors
+    (p, key, on) = got[0]
+    assert p != memo_ptr and on == key != 0
+    q = a.malloc(4096)  # the main thread is still on the default stream
+    assert a._live[q].fl.stream == 0
+    a.free(q)
+    a.check_invariants()
+
+
 def test_public_getters_see_memo_hits():
     import cudalab
     import cudalab.memory as cm
@@ -310,11 +390,15 @@ def test_pairs_are_logged_as_times_then_written_out(monkeypatch):
     assert a._hit_log is not None and len(a._hit_log) >= 2 * 48  # logged, not yet written
     n = len(logs[0])
     assert a._ready  # the last pair's free is deferred: its time is on the block
-    logged = [*a._hit_log, a._memo.tfree]
-    expected = sum(1 if t > 0 else 2 if t < 0 else 0 for t in logged) + 1
+    log = list(a._hit_log)  # (free time, alloc time) pairs, 0 for none
+    assert len(log) % 2 == 0 and all(t > 0 for t in log[1::2])
+    frees = [*log[0::2], a._memo.tfree]  # the last free's time is still on the block
+    expected = 2 * sum(1 for t in frees if t) + len(log) // 2 + 1
     r.malloc(4000, "s0")  # a general hit: the logged pairs go first, then its own entry
     assert len(logs[0]) == n + expected and not a._hit_log
-    assert [e[4] for e in logs[0][n:-1:]][:1] == [abs(next(t for t in logged if t))]
+    assert [e[4] for e in logs[0][n:-1:]][:1] == [next(t for t in log if t)]
+    written = logs[0][n:-1]
+    assert [e[0] for e in written].count("alloc") == len(log) // 2
     assert logs[0][-1][0] == "alloc" and logs[0][-1][2] == 4000
     r.free(0)
     r.compare()

@@ -318,6 +318,15 @@ def test_repeat_mode_counts_and_per_loop_times(ip):
     assert r.result is None and "per loop" in texts[0] and "3 repeats × 1 loop" in texts[0]
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_body_runs_n_times_per_repeat_and_once_per_warmup(ip, n):
+    """-n 1 runs the body without the inner loop (a template of its own): the same count."""
+    run(ip, "runs_ = [0]")
+    res = timed(ip, f"%%cuda_timed -n {n} -r 4 -w 2\nruns_[0] += 1")
+    assert res.loops == n and res.repeats == 4
+    assert ip.user_ns["runs_"] == [4 * n + 2]
+
+
 def test_setup_untimed_and_run_before_each_repeat(ip):
     run(ip, "calls_ = []")
     res = timed(ip, "%%cuda_timed -n 1 -r 3 -w 0 calls_.append(1); gpu_sleep(30_000_000); k_ = 5\n"
@@ -877,9 +886,41 @@ def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypa
     assert 0 < c.get("event_query", 0) <= 1.5 / _EventTimer.MAX_STRIDE, c
     fast = devices._fast
     monkeypatch.setattr(devices, "_fast", FastPaths(
-        fast.event_record, lambda h: (STATUS_NOT_READY,), fast.stream_query))
+        fast.event_record, lambda h: (STATUS_NOT_READY,), fast.stream_query,
+        fast.event_elapsed_time))
     c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass")
     assert c.get("event_synchronize") == 1 and c.get("event_record") == 1, c
+
+
+def test_elapsed_times_read_by_handle_fall_back_to_the_checked_call(ip, monkeypatch):
+    """The timer reads a repeat's GPU time through the unchecked fast path; a failed status
+    makes it read every time again through the backend's checked call, which either gives
+    the same times or raises the driver's error (never a time of 0)."""
+    from cudalab import devices
+    from cudalab._driver.base import FastPaths
+    from cudalab.errors import CudaError
+
+    fast = devices._fast
+    seen = []
+
+    def failing(a, b):
+        seen.append(1)
+        return (700, 0.0)
+
+    monkeypatch.setattr(devices, "_fast", FastPaths(
+        fast.event_record, fast.event_query, fast.stream_query, failing))
+    res = timed(ip, "%%cuda_timed -n 1 -r 4 -w 0\ncudalab.synchronize()")
+    assert len(seen) == 4 and len(res.gpu_times[0]) == 4
+    assert all(t > 0 for t in res.gpu_times[0])
+    backend = devices._backend()
+
+    def broken(a, b):
+        raise CudaError(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access",
+                        call="cuEventElapsedTime")
+
+    monkeypatch.setattr(backend, "event_elapsed_time", broken)
+    with pytest.raises(CudaError, match="cuEventElapsedTime|illegal"):
+        timed(ip, "%%cuda_timed -n 1 -r 4 -w 0\npass")
 
 
 def test_long_runs_take_their_events_before_the_loop(ip, driver_calls):

@@ -87,6 +87,49 @@ def test_current_stream_is_per_thread():
     assert cudalab.current_stream() is s
 
 
+def test_custom_stream_tokens_follow_every_thread(two_devices):
+    """streams._custom holds one token per (thread, device) whose current stream is not the
+    default stream: the allocator trusts an empty list to mean stream=None is handle 0."""
+    custom = streams_mod._custom
+    assert custom == []
+    s0, s1 = cudalab.Stream(0), cudalab.Stream(1)
+    with cudalab.stream(s0):
+        assert len(custom) == 1
+        with cudalab.stream(s1):
+            assert len(custom) == 2
+            with cudalab.stream(cudalab.default_stream(1)):
+                assert len(custom) == 1  # handle 0 is the default stream
+            with cudalab.stream(s0):  # back to device 0 inside: slot 0 stays custom
+                assert len(custom) == 2
+            assert len(custom) == 2
+        assert len(custom) == 1
+    assert custom == []
+    cudalab.set_stream(s0)
+    cudalab.set_stream(s0)  # no second token for the same slot
+    assert len(custom) == 1
+    cudalab.set_stream(cudalab.default_stream(0))
+    assert custom == []
+    ext = cudalab.ExternalStream(0)  # a wrapped handle 0 is the default stream too
+    cudalab.set_stream(ext)
+    assert custom == []
+
+    started, done = threading.Event(), threading.Event()
+
+    def other():
+        cudalab.set_stream(cudalab.Stream(0))
+        started.set()
+        done.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert started.wait(10)
+    assert len(custom) == 1  # another thread's current stream counts
+    done.set()
+    t.join()
+    assert len(custom) == 1  # it ended with its stream current: the token stays (conservative)
+    custom.clear()
+
+
 def test_events_record_query_sync():
     e = cudalab.Event()
     assert e.query() is True  # never recorded

@@ -61,6 +61,8 @@ class FastPaths(NamedTuple):
     event_record: Callable[[Any, Any], tuple]
     event_query: Callable[[Any], tuple]
     stream_query: Callable[[Any], tuple]
+    #: ``(status, milliseconds)``; %cuda_timed reads one per repeat after its loop
+    event_elapsed_time: Callable[[Any, Any], tuple]
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,17 @@ class Backend(abc.ABC):
 
             return call
 
+        eet = self.event_elapsed_time
+
+        def elapsed(start: Any, end: Any) -> tuple:
+            try:
+                return (STATUS_SUCCESS, eet(start, end))
+            except CudaError as exc:
+                last.exc = exc
+                return (exc.code, 0.0)
+
         return FastPaths(guarded(self.event_record), guarded(self.event_query),
-                         guarded(self.stream_query))
+                         guarded(self.stream_query), elapsed)
 
     def status_error(self, status: int, call: str) -> Exception:
         """The exception for a failed status returned by a :class:`FastPaths` callable."""

@@ -41,7 +41,8 @@ def count_calls(names: tuple[str, ...] = COUNTED) -> Iterator[collections.Counte
         setattr(backend, name, wrap(name, getattr(backend, name)))
     devices._fast = FastPaths(wrap("event_record", fast.event_record),
                               wrap("event_query", fast.event_query),
-                              wrap("stream_query", fast.stream_query))
+                              wrap("stream_query", fast.stream_query),
+                              wrap("event_elapsed_time", fast.event_elapsed_time))
     try:
         yield counts
     finally:

@@ -841,7 +841,7 @@ class CudaBackend(Backend):
 
     def fast_paths(self) -> FastPaths:
         # The bindings themselves: each returns (CUresult, ...) and never raises.
-        return FastPaths(_cuEventRecord, _cuEventQuery, _cuStreamQuery)
+        return FastPaths(_cuEventRecord, _cuEventQuery, _cuStreamQuery, _cuEventElapsedTime)
 
     def status_error(self, status: int, call: str) -> Exception:
         return _error(status, call)

@@ -37,6 +37,7 @@ How a measurement is built (the pitfalls it avoids are in ``docs/magics.md``):
 from __future__ import annotations
 
 import ast
+import copy
 import gc
 import itertools
 import math
@@ -228,6 +229,11 @@ _TEMPLATE = (
     "        _cl_j = _cl_end(_cl_j, _cl_t0)\n"
     "    return ~_cl_j\n"
 )
+#: The same for one loop per repeat (``-n 1``): the statement is not wrapped in a loop of
+#: one, which saves an iterator per repeat. ``_cl_n`` must be 1.
+_TEMPLATE_ONCE = _TEMPLATE.replace(
+    "        for _cl_i in _cl_repeat(None, _cl_n):\n            stmt\n", "        stmt\n")
+assert _TEMPLATE_ONCE != _TEMPLATE
 
 
 def _parse(shell: Any, source: str) -> tuple[ast.Module, str]:
@@ -254,7 +260,8 @@ def compile_single(shell: Any, source: str) -> tuple[Any, Any, float]:
 def compile_repeat(shell: Any, setup: str, stmt: str, glob: dict) -> tuple[Any, float, bool]:
     """The timing function ``inner(n, j, begin, end, repeat)`` built around the body (it
     returns the number of repeats run), the seconds it took, and whether there is a setup
-    statement (something untimed between repeats)."""
+    statement (something untimed between repeats). ``inner.once`` is the same function
+    for ``n == 1``, without the inner loop."""
     t0 = _perf()
     setup_tree, setup_name = _parse(shell, setup or "pass")
     stmt_tree, stmt_name = _parse(shell, stmt or "pass")
@@ -262,15 +269,19 @@ def compile_repeat(shell: Any, setup: str, stmt: str, glob: dict) -> tuple[Any, 
     # must be refused with the user's line numbers (IPython issue 10636).
     shell.compile(setup_tree, setup_name, "exec")
     shell.compile(stmt_tree, stmt_name, "exec")
-    tpl = ast.parse(_TEMPLATE)
     setup_body = setup_tree.body or [ast.Pass()]
     stmt_body = stmt_tree.body or [ast.Pass()]
     has_setup = not all(isinstance(st, ast.Pass) for st in setup_body)
-    tree = ast.fix_missing_locations(_Filler(setup_body, stmt_body).visit(tpl))
-    code = shell.compile(tree, stmt_name, "exec")
-    ns: dict = {}
-    exec(code, glob, ns)  # noqa: S102 - the user's own cell, as %timeit does
-    return ns["__cudalab_timed_inner"], _perf() - t0, has_setup
+    fns = []
+    for template in (_TEMPLATE, _TEMPLATE_ONCE):
+        filler = _Filler(copy.deepcopy(setup_body), copy.deepcopy(stmt_body))
+        tree = ast.fix_missing_locations(filler.visit(ast.parse(template)))
+        code = shell.compile(tree, stmt_name, "exec")
+        ns: dict = {}
+        exec(code, glob, ns)  # noqa: S102 - the user's own cell, as %timeit does
+        fns.append(ns["__cudalab_timed_inner"])
+    inner, inner.once = fns
+    return inner, _perf() - t0, has_setup
 
 
 # =============================================================================== GPU helpers
@@ -849,7 +860,15 @@ class _EventTimer:
         pairs = [self._starts_ends(base + i, g, count) for i, g in enumerate(gs)]
         starts0, ends0 = pairs[0]
         if len(pairs) == 1:
-            return list(map(eet, starts0, ends0))
+            # by handle, statuses checked at the end (a checked call per repeat costs two
+            # Python frames more); a failure is read again through the checked method
+            res = list(map(self.fast.event_elapsed_time, starts0, ends0))
+            if not res:
+                return []
+            status, ms = zip(*res)
+            if any(status):
+                return list(map(eet, starts0, ends0))  # raises the driver's error
+            return list(ms)
         out = []
         for j in range(count):
             ref = starts0[j]
@@ -1157,7 +1176,7 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
         inner, tc, has_setup = compile_repeat(shell, setup, stmt, glob)
         _add_observer(tracker)
         if warmup:
-            inner(1, 0, _perf, _count_to(warmup), rep)
+            inner.once(1, 0, _perf, _count_to(warmup), rep)
         number = opts.number
         if number is None:
             number = _autorange(ctx, inner, tracker, max_time, magics.min_repeat_time, rep,
@@ -1170,7 +1189,7 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
             gc.disable()
         try:
             begin, end = timer.loop_hooks(repeat, max_time)
-            done = inner(number, 0, begin, end, rep)
+            done = (inner.once if number == 1 else inner)(number, 0, begin, end, rep)
         except BaseException:
             timer.abort()
             raise

@@ -72,6 +72,7 @@ from cudalab.memory.token_lock import TokenLock
 _Stream = _streams.Stream
 _NO_STREAM = object()  # never a malloc's stream argument
 _tls = _streams._tls  # per thread: .device and .streams (the current stream of each device)
+_custom = _streams._custom  # empty: stream=None is the default stream in every thread
 
 __all__ = [
     "Allocator",
@@ -185,7 +186,7 @@ class Block:
         self.event_count = 0
         self.uses: set | None = None  # streams (other than the allocation stream) it was used on
         self.gc_base = 0
-        self.tfree = 0  # -time of its deferred memo free, for the history (0: none)
+        self.tfree = 0  # time of its deferred memo free, for the history (0: none)
 
     def __repr__(self) -> str:
         state = ("free", "allocated", "pending_free", "detached", "unmapped",
@@ -419,9 +420,9 @@ class DeviceCachingAllocator(Allocator):
     # What the cache hit and the memo's free read live in slots (an instance with this many
     # attributes keeps them in a dict, each access then a few ns slower); the rest (and
     # subclasses') in the instance dict.
-    __slots__ = ("_take", "_give", "_hit_size", "_hit_stream",
+    __slots__ = ("_take", "_give", "_hit_size", "_hit_stream", "_hit_none",
                  "_ready", "_pending_frees", "_live", "_memo_hits", "_trace", "_memo",
-                 "_tls_streams", "device")
+                 "_tls_streams", "device", "_hit_log", "_hit_ap", "_hit_now", "_memo_req0")
 
     def __new__(cls, backend: Any = None, device: int = 0, config: AllocatorConfig | None = None,
                 stream_resolver: Callable[[], int] | None = None):
@@ -496,9 +497,13 @@ class DeviceCachingAllocator(Allocator):
         self._ready: list[Block] = []
         self._memo_stream = 0
         self._hit_size = -1  # the request of a pure memo hit (-1: none)
-        self._hit_log: deque[int] | None = None  # memo pairs logged as bare times (history)
+        #: memo pairs logged as bare times for the history: (free time, alloc time) pairs,
+        #: 0 for none (see _establish_memo); _hit_ap is its append
+        self._hit_log: deque[int] | None = None
+        self._hit_ap: Callable[[int], None] | None = None
         self._hit_now: Callable[[], int] | None = None
         self._hit_stream: Any = _NO_STREAM  # the Stream object of a pure hit
+        self._hit_none = False  # whether stream=None may take a pure hit without the TLS
         self._memo_rem: Block | None = None  # the remainder the memo block was split from
         self._memo_lo = 0  # requests in (lo, hi] round to the memo's size
         self._memo_hi = 0
@@ -522,6 +527,7 @@ class DeviceCachingAllocator(Allocator):
             # object as the pair that set up the memo, so only the hit count changes.
             if (size == self._hit_size and type(size) is int and self._ready
                     and (stream is self._hit_stream
+                         or stream is None and self._hit_none and not _custom
                          or stream is None and self._tls_streams and (cur := _tls.streams) is not None
                          and cur[self.device] is self._hit_stream)
                     and not self._pending_frees):
@@ -529,10 +535,10 @@ class DeviceCachingAllocator(Allocator):
                 self._live[m.ptr] = m
                 self._memo_hits += 1
                 if self._trace is not None:
-                    log = self._hit_log
-                    if log is not None:  # see _establish_memo
-                        log.append(m.tfree)  # its free's time (0: none, skipped when written)
-                        log.append(self._hit_now())
+                    ap = self._hit_ap
+                    if ap is not None:  # see _establish_memo
+                        ap(m.tfree)  # its free's time (0: none, skipped when written)
+                        ap(self._hit_now())
                     else:
                         self._trace("alloc", m.ptr, size, self._memo_stream)
                 return m.ptr
@@ -564,8 +570,9 @@ class DeviceCachingAllocator(Allocator):
                     ready.pop()
                     m.state = 1
                     if m.tfree:  # its free, deferred without the lock, was logged as a time
-                        if self._hit_log is not None:
-                            self._hit_log.append(m.tfree)
+                        if self._hit_ap is not None:
+                            self._hit_ap(m.tfree)
+                            self._hit_ap(0)
                         m.tfree = 0
                     r = self._memo_rem
                     if r is not None:  # torch's split leaves the old request on the remainder
@@ -759,7 +766,7 @@ class DeviceCachingAllocator(Allocator):
             # Block.state from that.) With history logged as bare times, the free's time
             # travels with the block: whoever pops it from the box logs it.
             if trace is not None:
-                b.tfree = -self._hit_now()
+                b.tfree = self._hit_now()
             box.append(b)
             if self._ready is box:
                 return
@@ -790,7 +797,7 @@ class DeviceCachingAllocator(Allocator):
                     if self._trace is not None:
                         log = self._hit_log
                         if log is not None and b.requested == self._memo_req0:
-                            b.tfree = -self._hit_now()  # logged by the hit that pops it
+                            b.tfree = self._hit_now()  # logged by the hit that pops it
                         else:
                             if log:
                                 self._spill_log()
@@ -884,6 +891,9 @@ class DeviceCachingAllocator(Allocator):
         self._hit_size = req if not has_r or n.requested == req else -1
         sobj = self._last_stream
         self._hit_stream = sobj if type(sobj) is _Stream else _NO_STREAM
+        # stream=None names the memo's stream in every thread while none has a stream
+        # other than the default current (streams._custom empty)
+        self._hit_none = self._memo_stream == 0 and self._tls_streams
         self._memo_hits = 0
         self._memo_req = 0  # sum over hits of (requested - req0)
         self._memo_req_max = req
@@ -897,7 +907,9 @@ class DeviceCachingAllocator(Allocator):
         trace = self._trace
         if trace is not None and getattr(trace, "compact", None) is not None and trace.compact_ok():
             # bounded like the history's ring: times older than what it keeps are dropped
-            self._hit_log = deque(maxlen=trace.capacity)
+            cap = trace.capacity
+            self._hit_log = log = deque(maxlen=None if cap is None or cap >= 1 << 60 else 2 * cap)
+            self._hit_ap = log.append
             self._hit_now = trace.now
         return True
 
@@ -933,8 +945,9 @@ class DeviceCachingAllocator(Allocator):
         if log is not None:
             if deferred and b.tfree:
                 log.append(b.tfree)
+                log.append(0)
             self._spill_log()
-            self._hit_log = None
+            self._hit_log = self._hit_ap = None
         b.tfree = 0
         self._memo = None
         self._hit_size = -1
@@ -1061,23 +1074,29 @@ class DeviceCachingAllocator(Allocator):
             for head in heads:
                 blocks = []
                 ap = blocks.append
-                total = alloc = active = req = 0
+                rest = alloc = pending = req = 0
                 b = head
-                while b is not None:
-                    st = b.state
-                    size = b.size
-                    r = b.requested
-                    ap({"address": b.ptr, "size": size, "requested_size": r, "state": names[st],
-                        "frames": []})
-                    total += size
-                    if st == 1:  # _ALLOCATED
+                while b is not None:  # (allocated blocks, the common case, first)
+                    if b.state == 1:  # _ALLOCATED
+                        size = b.size
+                        r = b.requested
+                        ap({"address": b.ptr, "size": size, "requested_size": r,
+                            "state": "active_allocated", "frames": []})
                         alloc += size
-                        active += size
                         req += r
-                    elif st == 2:  # _PENDING: active, not allocated
-                        active += size
-                        req += r
+                    else:
+                        st = b.state
+                        size = b.size
+                        r = b.requested
+                        ap({"address": b.ptr, "size": size, "requested_size": r,
+                            "state": names[st], "frames": []})
+                        rest += size
+                        if st == 2:  # _PENDING: active, not allocated
+                            pending += size
+                            req += r
                     b = b.next
+                total = alloc + rest
+                active = alloc + pending
                 pool = head.fl.pool
                 out.append({
                     "device": self.device,

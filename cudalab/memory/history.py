@@ -290,17 +290,18 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
             m = nvtls.__dict__.get("messages") if nv._used else None
             append((action, addr, size, stream, now(), None, m[-1] if m else None, _cell))
 
-        def pairs(addr: int, size: int, stream: int, times: list[int]) -> None:
-            """The entries of memo pairs that the allocator logged as bare times (an alloc
-            at t > 0, a free at -t, 0 for nothing): what ``trace`` would have appended then,
+        def pairs(addr: int, size: int, stream: int, times: Any) -> None:
+            """The entries of memo pairs that the allocator logged as bare times, pairs of
+            (free time, alloc time), 0 for nothing: what ``trace`` would have appended then,
             in order."""
             cell = _cell
-            for t in times:
-                if t > 0:
+            it = iter(times)
+            for f, t in zip(it, it):
+                if f:
+                    append(("free_requested", addr, size, stream, f, None, None, cell))
+                    append(("free_completed", addr, size, stream, f, None, None, cell))
+                if t:
                     append(("alloc", addr, size, stream, t, None, None, cell))
-                elif t:
-                    append(("free_requested", addr, size, stream, -t, None, None, cell))
-                    append(("free_completed", addr, size, stream, -t, None, None, cell))
 
         # Entries without stacks carry nothing but the time as long as no NVTX range was
         # ever pushed and the cell stays the same (set_current_cell and the first NVTX push
