@@ -20,8 +20,9 @@ tool is compared with). An event pair measures from the moment the GPU reaches t
 event to the moment it reaches the end event, so the result depends on what the GPU was
 doing when the start event was recorded:
 
-* *GPU kept busy* — ``%%cuda_timed`` by design: repeats are queued back to back (at most
-  two in flight), so each boundary event fires when the previous kernel ends and the next
+* *GPU kept busy* — ``%%cuda_timed`` by design: repeats are queued back to back (two in
+  flight, more for repeats shorter than the GPU's latency), so each boundary event fires
+  when the previous kernel ends and the next
   kernel is already waiting. It measures the kernel plus the GPU's own launch cost (a few
   µs). The torch loop is run the same way too, with a 50 µs spin queued before each start
   event (the host has launched the kernel before the spin ends).

@@ -874,9 +874,8 @@ def test_driver_calls_per_repeat(ip, driver_calls):
 
 
 def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypatch):
-    """When the end of repeat k - 2 is not done, the check waits for it and runs again
-    after the next repeat (at most two repeats in flight); while the GPU keeps up it runs
-    only every MAX_STRIDE repeats."""
+    """When the end of repeat k - lag is not done, the check waits for it and runs again
+    after the next repeat; while the GPU keeps up it runs only every MAX_STRIDE repeats."""
     from cudalab import devices
     from cudalab._driver.base import STATUS_NOT_READY, FastPaths
     from cudalab.magics.timed import _EventTimer
@@ -921,6 +920,32 @@ def test_elapsed_times_read_by_handle_fall_back_to_the_checked_call(ip, monkeypa
     monkeypatch.setattr(backend, "event_elapsed_time", broken)
     with pytest.raises(CudaError, match="cuEventElapsedTime|illegal"):
         timed(ip, "%%cuda_timed -n 1 -r 4 -w 0\npass")
+
+
+def test_in_flight_lag_grows_only_while_the_waits_are_short(ip, monkeypatch):
+    """A wait on repeat k - lag that returns within the GPU's latency means nothing was
+    behind: the lag doubles up to MAX_LAG. Longer waits keep two repeats in flight."""
+    from cudalab import devices
+    from cudalab._driver.base import STATUS_NOT_READY, FastPaths
+    from cudalab.magics import timed as T
+
+    timers = []
+    init = T._EventTimer.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        timers.append(self)
+
+    monkeypatch.setattr(T._EventTimer, "__init__", spy)
+    fast = devices._fast
+    monkeypatch.setattr(devices, "_fast", FastPaths(
+        fast.event_record, lambda h: (STATUS_NOT_READY,), fast.stream_query,
+        fast.event_elapsed_time))
+    res = timed(ip, "%%cuda_timed -n 1 -w 0 -r 200\npass")
+    assert res.repeats == 200 and timers[-1]._lag == T._EventTimer.MAX_LAG
+    monkeypatch.setattr(T._EventTimer, "LATENCY", -1.0)  # every wait is a GPU behind
+    res = timed(ip, "%%cuda_timed -n 1 -w 0 -r 200\npass")
+    assert res.repeats == 200 and timers[-1]._lag == 2
 
 
 def test_long_runs_take_their_events_before_the_loop(ip, driver_calls):

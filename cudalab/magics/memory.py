@@ -377,7 +377,10 @@ class _Watch:
     device's start event on its current stream (one driver call); ``post`` closes the scope
     and, only when a line is printed, records the end event, waits for it
     (``watch_sync``; a query otherwise) and reads ``elapsed_time``: four driver calls per
-    printed line, one per cell under the threshold. No dict, list or DataFrame is built.
+    printed line, one per cell under the threshold. With no threshold (every cell prints)
+    the end event is recorded first and the line built before the wait, so the GPU's
+    latency from record to completion overlaps that work. No dict, list or DataFrame is
+    built.
     """
 
     def __init__(self, magics: Any, device: int | None, threshold: int):
@@ -435,6 +438,16 @@ class _Watch:
         if getattr(info, "silent", False):
             return
         wall = time.perf_counter() - self.t0
+        thr = self.threshold
+        pair = self.ev_started
+        gpu_text = "GPU n/a" if self._devices._initialized else "no CUDA context"
+        ended = False
+        if pair is not None and thr <= 0:
+            # Every cell prints: record the end now, so that the GPU reaches it while the
+            # line below is built (the wait for it is then mostly over).
+            ended = self._end(pair)
+            if not ended:
+                pair = None
         scope.stop()
         self.scope = None
         start_alloc = scope.start_allocated
@@ -442,16 +455,21 @@ class _Watch:
         d_res = scope.end_reserved - scope.start_reserved
         peak = scope.peak_allocated
         over = peak - start_alloc
-        thr = self.threshold
         if thr > 0 and abs(d_alloc) < thr and abs(d_res) < thr and over < thr:
             self.last_line = None  # nothing printed: no end event, no wait
             return
-        pair = self.ev_started
-        gpu_text = "GPU n/a" if self._devices._initialized else "no CUDA context"
-        if pair is not None:
+        sim = self._sim
+        if sim is None:
+            sim = ", simulated" if _simulated() else ""
+            if self._devices._initialized:
+                self._sim = sim  # the backend never changes once CUDA is initialised
+        head = (f"[cudalab watch cuda:{scope.device}{sim}] Δallocated {format_bytes(d_alloc, True)}"
+                f" | Δreserved {format_bytes(d_res, True)} | peak {format_bytes(peak)}"
+                f" ({format_bytes(over, True)} in cell) | ")
+        tail = f" | wall {format_time(wall)}"
+        if pair is not None and (ended or self._end(pair)):
             start, end = pair
             try:
-                _record(end, self._current_stream(self.dev))
                 if self.magics.watch_sync:
                     end.synchronize()
                     gpu_text = f"GPU {format_time(start.elapsed_time(end) / 1e3)}"
@@ -461,16 +479,16 @@ class _Watch:
                     gpu_text = "GPU running"
             except Exception:
                 gpu_text = "GPU n/a"
-        sim = self._sim
-        if sim is None:
-            sim = ", simulated" if _simulated() else ""
-            if self._devices._initialized:
-                self._sim = sim  # the backend never changes once CUDA is initialised
-        line = self.last_line = (
-            f"[cudalab watch cuda:{scope.device}{sim}] Δallocated {format_bytes(d_alloc, True)}"
-            f" | Δreserved {format_bytes(d_res, True)} | peak {format_bytes(peak)}"
-            f" ({format_bytes(over, True)} in cell) | {gpu_text} | wall {format_time(wall)}")
+        line = self.last_line = head + gpu_text + tail
         sys.stdout.write(line + "\n")  # one write (print makes two)
+
+    def _end(self, pair: tuple[Any, Any]) -> bool:
+        """Record the cell's end event on the current stream (False if that failed)."""
+        try:
+            _record(pair[1], self._current_stream(self.dev))
+            return True
+        except Exception:
+            return False
 
     def stop(self) -> None:
         if self.scope is not None and self.scope.running:

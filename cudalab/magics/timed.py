@@ -23,7 +23,8 @@ How a measurement is built (the pitfalls it avoids are in ``docs/magics.md``):
   end events, then calls ``elapsed_time`` once per repeat and stream. At most two repeats
   are kept in flight by querying the end of repeat k - 2 every few repeats (the stride
   doubles up to 32 while the GPU keeps up, and drops to 1, with a wait outside the host
-  clock, when it does not). The per-repeat cost of an empty body is one event record, one
+  clock, when it does not); repeats shorter than the GPU's latency from record to
+  completion (an empty body) may have up to 32 in flight (see ``_EventTimer``). The per-repeat cost of an empty body is one event record, one
   ``elapsed_time`` and two clock reads.
 * **Warm-up and auto-ranging** before the measured repeats; ``--max-time`` caps the measured
   phase; the setup statement runs untimed before every repeat (as ``%%timeit``).
@@ -653,14 +654,22 @@ class _EventTimer:
     longer runs take the next chunk between two repeats, and a shared run then starts the
     next repeat from a fresh event, so the pause is outside every repeat). Nothing is read
     while the repeats run: the host syncs once, on the last end events, then calls
-    ``elapsed_time`` once per repeat and stream. To keep at most two repeats in flight
-    without a driver call per repeat, the end of repeat k - 2 is queried only every
+    ``elapsed_time`` once per repeat and stream. To keep at most ``lag`` repeats in flight
+    without a driver call per repeat, the end of repeat k - lag is queried only every
     ``stride`` repeats: the stride doubles (up to ``MAX_STRIDE``) while the GPU keeps up
-    and drops to 1 (a wait on that event, outside the host clock) when it does not.
+    and drops to 1 (a wait on that event, outside the host clock) when it does not. The lag
+    starts at two repeats; a wait shorter than ``LATENCY`` seconds means the GPU was not
+    behind, only not there yet (an empty body's repeats take less than the GPU's latency
+    from record to completion), so the lag doubles (up to ``MAX_LAG``) instead of waiting
+    again and again; a longer wait puts it back to two. The work queued ahead thus stays
+    within about two repeats or ``MAX_LAG`` x ``LATENCY``, which bounds how far a run can
+    pass ``--max-time``.
     """
 
     CHUNK = 8192
     MAX_STRIDE = 32
+    MAX_LAG = 32
+    LATENCY = 50e-6
 
     def __init__(self, devs: list[int], streams: dict[int, Any], side: dict, pool: _EventPool,
                  capacity: int, flush: Any = None, shared: bool = True):
@@ -685,6 +694,7 @@ class _EventTimer:
         self.cpu = [0.0] * self.capacity  # host seconds per repeat
         self.breaks: dict[int, list[Any]] = {}  # shared: repeat -> fresh start event per group
         self._stride = 1
+        self._lag = 2  # repeats allowed in flight
         self._next_check = 2  # the first in-flight check: after repeat 1, on repeat 0's end
         self._nxt = [self._next_limit()]
 
@@ -721,7 +731,7 @@ class _EventTimer:
 
     def _between(self, k: int) -> None:
         """After repeat k - 1 (every few repeats): take more events when the taken ones run
-        out, and keep at most two repeats in flight."""
+        out, and keep at most ``lag`` repeats in flight."""
         if k == self.reps and k < self.capacity:
             self._take(min(self.CHUNK, self.capacity - k))
             if self.shared:  # repeat k starts after this pause, from a fresh event
@@ -729,15 +739,22 @@ class _EventTimer:
                 for g, ev in zip(self.groups, fresh):
                     ev.record(g.stream)
                 self.breaks[k] = fresh
-        if k >= self._next_check:
-            slot = self._end_slot(k - 2)
+        if k >= self._next_check and k >= self._lag:
+            slot = self._end_slot(k - self._lag)
             query = self.fast.event_query
-            behind = False
+            waited = -1.0
             for g in self.groups:
                 if query(g.handles[slot])[0]:  # not done (or an error, which this raises)
+                    if waited < 0:
+                        waited = 0.0
+                    t0 = _perf()
                     g.events[slot].synchronize()
-                    behind = True
-            self._stride = 1 if behind else min(2 * self._stride, self.MAX_STRIDE)
+                    waited += _perf() - t0
+            if waited < 0:
+                self._stride = min(2 * self._stride, self.MAX_STRIDE)
+            else:
+                self._stride = 1
+                self._lag = (min(2 * self._lag, self.MAX_LAG) if waited < self.LATENCY else 2)
             self._next_check = k + self._stride
         self._nxt[0] = self._next_limit()
 
