@@ -402,6 +402,7 @@ class _Watch:
         self._current_stream = streams.current_stream
         self._Event = Event
         self._PeakScope = PeakScope
+        self._scopes: dict[int, Any] = {}  # one PeakScope per device, restarted every cell
 
     def pre(self, info: Any = None) -> None:
         if getattr(info, "silent", False):
@@ -416,7 +417,13 @@ class _Watch:
         init = devices._initialized
         d = self.device if self.device is not None else (devices._tls.device if init else 0)
         self.dev = d
-        self.scope = self._PeakScope(d if init else None).start()
+        if init:
+            scope = self._scopes.get(d)
+            if scope is None:
+                scope = self._scopes[d] = self._PeakScope(d)
+            self.scope = scope.start()
+        else:
+            self.scope = self._PeakScope(None).start()
         self.ev_started = None
         if init:
             try:
@@ -472,15 +479,21 @@ class _Watch:
             try:
                 if self.magics.watch_sync:
                     end.synchronize()
-                    gpu_text = f"GPU {format_time(start.elapsed_time(end) / 1e3)}"
+                    gpu_text = f"GPU {format_time(self._elapsed(start, end) / 1e3)}"
                 elif end.query():
-                    gpu_text = f"GPU {format_time(start.elapsed_time(end) / 1e3)}"
+                    gpu_text = f"GPU {format_time(self._elapsed(start, end) / 1e3)}"
                 else:
                     gpu_text = "GPU running"
             except Exception:
                 gpu_text = "GPU n/a"
         line = self.last_line = head + gpu_text + tail
         sys.stdout.write(line + "\n")  # one write (print makes two)
+
+    def _elapsed(self, start: Any, end: Any) -> float:
+        """Milliseconds between two recorded events, by handle (a failed status is read
+        again through ``Event.elapsed_time``, which raises the driver's error)."""
+        r = self._devices._fast.event_elapsed_time(start._handle, end._handle)
+        return r[1] if not r[0] else start.elapsed_time(end)
 
     def _end(self, pair: tuple[Any, Any]) -> bool:
         """Record the cell's end event on the current stream (False if that failed)."""
