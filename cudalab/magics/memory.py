@@ -19,6 +19,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from cudalab._driver.base import STATUS_NOT_READY as _NOT_READY
 from cudalab.magics.result import format_bytes, format_time
 
 __all__ = ["run_cuda_memory", "parse_bytes", "MemoryState"]
@@ -378,9 +379,10 @@ class _Watch:
     and, only when a line is printed, records the end event, waits for it
     (``watch_sync``; a query otherwise) and reads ``elapsed_time``: four driver calls per
     printed line, one per cell under the threshold. With no threshold (every cell prints)
-    the end event is recorded first and the line built before the wait, so the GPU's
-    latency from record to completion overlaps that work. No dict, list or DataFrame is
-    built.
+    the end event is recorded first and the line built before the GPU time is read, so the
+    GPU's latency from record to completion overlaps that work, and the read goes first:
+    the wait is only made when the end is not reached yet (three driver calls per line
+    then). No dict, list or DataFrame is built.
     """
 
     def __init__(self, magics: Any, device: int | None, threshold: int):
@@ -475,25 +477,32 @@ class _Watch:
                 f" ({format_bytes(over, True)} in cell) | ")
         tail = f" | wall {format_time(wall)}"
         if pair is not None and (ended or self._end(pair)):
-            start, end = pair
             try:
-                if self.magics.watch_sync:
-                    end.synchronize()
-                    gpu_text = f"GPU {format_time(self._elapsed(start, end) / 1e3)}"
-                elif end.query():
-                    gpu_text = f"GPU {format_time(self._elapsed(start, end) / 1e3)}"
-                else:
-                    gpu_text = "GPU running"
+                ms = self._gpu_ms(*pair)
+                gpu_text = "GPU running" if ms is None else f"GPU {format_time(ms / 1e3)}"
             except Exception:
                 gpu_text = "GPU n/a"
         line = self.last_line = head + gpu_text + tail
         sys.stdout.write(line + "\n")  # one write (print makes two)
 
-    def _elapsed(self, start: Any, end: Any) -> float:
-        """Milliseconds between two recorded events, by handle (a failed status is read
-        again through ``Event.elapsed_time``, which raises the driver's error)."""
-        r = self._devices._fast.event_elapsed_time(start._handle, end._handle)
-        return r[1] if not r[0] else start.elapsed_time(end)
+    def _gpu_ms(self, start: Any, end: Any) -> float | None:
+        """The cell's GPU milliseconds: elapsed time is read first (by handle), and only if
+        the end event is not reached yet is it waited for (``watch_sync``; None without)
+        and read again, so a cell whose GPU work is over costs one driver call here. A
+        failed status is read again through ``Event.elapsed_time``, which raises the
+        driver's error."""
+        fast = self._devices._fast.event_elapsed_time
+        r = fast(start._handle, end._handle)
+        if r[0]:
+            if r[0] != _NOT_READY:
+                return start.elapsed_time(end)
+            if not self.magics.watch_sync:
+                return None
+            end.synchronize()
+            r = fast(start._handle, end._handle)
+            if r[0]:
+                return start.elapsed_time(end)
+        return r[1]
 
     def _end(self, pair: tuple[Any, Any]) -> bool:
         """Record the cell's end event on the current stream (False if that failed)."""

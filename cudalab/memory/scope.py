@@ -42,6 +42,15 @@ def _allocator(device: int):
 _existing: Any = None
 
 
+def _take(a) -> None:
+    """Acquire allocator ``a``'s lock (its uncontended take without the method call of
+    ``acquire``; scopes open and close around every notebook cell)."""
+    try:
+        a._take()
+    except (IndexError, AttributeError):  # busy, or a lock without the token fast path
+        a._lock.acquire()
+
+
 def _current(a) -> tuple[int, int]:
     if a is None:
         return 0, 0
@@ -82,12 +91,15 @@ class PeakScope:
         self._alloc = a
         if a is not None:
             a.sync_pending()
-            with a._lock:
+            _take(a)
+            try:
                 cur, res = _current(a)
                 a._fold_mark()  # open scopes keep what it saw; the watermark drops to `cur`
                 if not isinstance(a._scopes, list):
                     a._scopes = []
                 a._scopes.append(self)
+            finally:
+                a._lock.release()
         else:
             cur = res = 0
         self.start_allocated, self.start_reserved = cur, res
@@ -111,10 +123,13 @@ class PeakScope:
         a = self._alloc
         if a is not None:
             a.sync_pending()
-            with a._lock:
+            _take(a)
+            try:
                 peak = max(self._seen, a._mark)
                 if self in a._scopes:
                     a._scopes.remove(self)
+            finally:
+                a._lock.release()
             self.end_allocated, self.end_reserved = _current(a)
         else:
             peak = self._live_peak()
