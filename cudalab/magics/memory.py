@@ -402,6 +402,8 @@ class _Watch:
 
         self._devices = devices
         self._current_stream = streams.current_stream
+        self._head_key: tuple | None = None  # the last line's memory part, reused while equal
+        self._head = ""
         self._Event = Event
         self._PeakScope = PeakScope
         self._scopes: dict[int, Any] = {}  # one PeakScope per device, restarted every cell
@@ -433,7 +435,7 @@ class _Watch:
                 if pair is None:
                     ev = self._Event
                     pair = self.events[d] = (ev(enable_timing=True), ev(enable_timing=True))
-                _record(pair[0], self._current_stream(d))
+                _record(pair[0], self._stream(d))
                 self.ev_started = pair
             except Exception:
                 self.ev_started = None
@@ -467,14 +469,20 @@ class _Watch:
         if thr > 0 and abs(d_alloc) < thr and abs(d_res) < thr and over < thr:
             self.last_line = None  # nothing printed: no end event, no wait
             return
-        sim = self._sim
-        if sim is None:
-            sim = ", simulated" if _simulated() else ""
-            if self._devices._initialized:
-                self._sim = sim  # the backend never changes once CUDA is initialised
-        head = (f"[cudalab watch cuda:{scope.device}{sim}] Δallocated {format_bytes(d_alloc, True)}"
+        key = (scope.device, d_alloc, d_res, peak, over)
+        if key == self._head_key and self._sim is not None:
+            head = self._head  # a cell that left memory as the last one did
+        else:
+            sim = self._sim
+            if sim is None:
+                sim = ", simulated" if _simulated() else ""
+                if self._devices._initialized:
+                    self._sim = sim  # the backend never changes once CUDA is initialised
+            head = self._head = (
+                f"[cudalab watch cuda:{scope.device}{sim}] Δallocated {format_bytes(d_alloc, True)}"
                 f" | Δreserved {format_bytes(d_res, True)} | peak {format_bytes(peak)}"
                 f" ({format_bytes(over, True)} in cell) | ")
+            self._head_key = key
         tail = f" | wall {format_time(wall)}"
         if pair is not None and (ended or self._end(pair)):
             try:
@@ -504,10 +512,17 @@ class _Watch:
                 return start.elapsed_time(end)
         return r[1]
 
+    def _stream(self, d: int) -> Any:
+        """The current stream of device ``d`` (the thread's slot, without the ordinal check
+        of ``current_stream``: ``d`` came from the runtime)."""
+        cur = self._devices._tls.streams
+        s = cur[d] if cur is not None and d < len(cur) else None
+        return s if s is not None else self._current_stream(d)
+
     def _end(self, pair: tuple[Any, Any]) -> bool:
         """Record the cell's end event on the current stream (False if that failed)."""
         try:
-            _record(pair[1], self._current_stream(self.dev))
+            _record(pair[1], self._stream(self.dev))
             return True
         except Exception:
             return False

@@ -45,6 +45,7 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 from IPython.core.error import UsageError
 
 __all__ = ["TimedOptions", "parse_options", "run_cuda_timed", "parse_devices"]
@@ -897,10 +898,12 @@ class _EventTimer:
             out.append(last - first)
         return out
 
-    def read(self, count: int) -> tuple[list[list[float]], list[float]]:
-        """(GPU seconds per device and repeat, host seconds per repeat) after :meth:`finish`."""
-        gpu = [[t * 1e-3 for t in self._device_ms(k, count)] for k in range(len(self.devs))]
-        return gpu, self.cpu[:count]
+    def read(self, count: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """(GPU seconds per device and repeat, host seconds per repeat) after :meth:`finish`,
+        as float64 arrays (converted at once: a run may hold millions of repeats)."""
+        gpu = [np.asarray(self._device_ms(k, count), dtype=np.float64) * 1e-3
+               for k in range(len(self.devs))]
+        return gpu, np.asarray(self.cpu[:count], dtype=np.float64)
 
     def gpu_seconds(self, k: int, j: int) -> float:
         """GPU seconds of repeat ``j`` on the ``k``-th device."""
@@ -1236,8 +1239,8 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
         ctx.warnings.append(f"kernels also ran on {others}, which was not timed (use -d all)")
     result = CudaTimedResult(
         mode="repeat", loops=number, repeats=done, warmup=warmup, devices=tuple(ctx.devs),
-        gpu_times=[[t / number for t in row] for row in gpu],
-        cpu_times=[t / number for t in cpu], cold=bool(ctx.flush),
+        gpu_times=[row / number for row in gpu],
+        cpu_times=cpu / number, cold=bool(ctx.flush),
         flush_bytes=ctx.flush_bytes, kernels=kernels, kernels_note=note,
         nvml_before=nv_before, nvml_after=nv_after, warnings=ctx.warnings, hints=ctx.hints,
         simulated=ctx.simulated, device_names=ctx.device_names(), compile_time=tc,
