@@ -22,10 +22,11 @@ doing when the start event was recorded:
 
 * *GPU kept busy* — ``%%cuda_timed`` by design: repeats are queued back to back (two in
   flight, more for repeats shorter than the GPU's latency), so each boundary event fires
-  when the previous kernel ends and the next
-  kernel is already waiting. It measures the kernel plus the GPU's own launch cost (a few
-  µs). The torch loop is run the same way too, with a 50 µs spin queued before each start
-  event (the host has launched the kernel before the spin ends).
+  when the previous kernel ends and the next kernel is already waiting. It measures the
+  kernel plus the GPU's own launch cost (a few µs). The torch loop is run the same way
+  too, with a 200 µs spin queued before each start event (the host has launched the
+  kernel before the spin ends, even on a slow host where torch's record and the launch
+  take tens of µs).
 * *idle GPU at the start event* — ``cupyx.profiler.benchmark`` and the usual torch loop
   (``a.record(); f(); b.record(); b.synchronize()``) sync the host after every repeat, so
   the start event fires at once on an idle GPU, and the time also holds the host's path from
@@ -266,7 +267,7 @@ def main() -> None:
             for _ in range(reps):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 if busy:
-                    gpu_sleep(50_000)  # the start event fires when this ends: kernel queued
+                    gpu_sleep(200_000)  # the start event fires when this ends: kernel queued
                 a.record()
                 stamped()
                 b.record()
@@ -297,7 +298,7 @@ def main() -> None:
     # busy: the start event is behind queued work; idle: a host sync before every repeat
     row("[busy] %cuda_timed -n 1", ours_busy, "default: repeats queued back to back")
     row("[busy] %cuda_timed -n 10", ours_busy10)
-    row("[busy] torch events, 50 µs spin before the start", torch_busy)
+    row("[busy] torch events, 200 µs spin before the start", torch_busy)
     row("[idle] %cuda_timed -n 1, setup cudalab.synchronize()", ours_idle)
     row("[idle] torch events (a.record; f; b.record; b.sync)", torch_idle)
     row("[idle] cupyx.profiler.benchmark", cupy_idle)

@@ -853,13 +853,21 @@ def _per_repeat(sh, counts, cell, r1=40, r2=240):
     return {k: (totals[1].get(k, 0) - totals[0].get(k, 0)) / (r2 - r1) for k in keys}
 
 
+#: Waits per repeat allowed where none is expected per repeat: on a GPU the in-flight lag
+#: starts at two repeats and doubles after each wait shorter than the GPU's latency, so a
+#: run may wait a few times (log2(MAX_LAG / 2) = 4) before its empty repeats stop waiting;
+#: with 200 repeats between the two runs compared, 5 waits are 0.025 per repeat.
+_FEW_WAITS = 0.025
+
+
 def test_driver_calls_per_repeat(ip, driver_calls):
     """Shared boundaries: repeat j runs from event j to event j + 1, so a repeat costs one
     record, and one elapsed_time after the single sync; the in-flight check queries every
     few repeats only; the events come from the pool (none created once it holds them)."""
     c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass")
     assert c.get("event_record") == 1 and c.get("event_elapsed_time") == 1, c
-    assert c.get("event_query", 0) <= 0.1 and c.get("event_synchronize", 0) == 0, c
+    # (a GPU waits only while the in-flight lag grows: a few per run, none per repeat)
+    assert c.get("event_query", 0) <= 0.1 and c.get("event_synchronize", 0) <= _FEW_WAITS, c
     assert c.get("event_create", 0) == 0 and c.get("synchronize", 0) == 0, c
     # something untimed between repeats (a setup statement, a flush): a start event each
     c = _per_repeat(ip, driver_calls, "%%cuda_timed -n 1 -w 0 -r {r} x_ = 0\npass")
@@ -871,7 +879,7 @@ def test_driver_calls_per_repeat(ip, driver_calls):
     run(ip, "sdc_ = cudalab.Stream()")
     c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 1 -r {r} gpu_sleep(0, stream=sdc_)")
     assert c.get("event_record") == 2 and c.get("event_elapsed_time") == 3, c
-    assert c.get("event_query", 0) <= 0.2 and c.get("event_synchronize", 0) == 0, c
+    assert c.get("event_query", 0) <= 0.2 and c.get("event_synchronize", 0) <= _FEW_WAITS, c
 
 
 def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypatch):
@@ -882,7 +890,7 @@ def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypa
     from cudalab.magics.timed import _EventTimer
 
     c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass", 64, 640)
-    assert c.get("event_synchronize", 0) == 0
+    assert c.get("event_synchronize", 0) <= _FEW_WAITS
     assert 0 < c.get("event_query", 0) <= 1.5 / _EventTimer.MAX_STRIDE, c
     fast = devices._fast
     monkeypatch.setattr(devices, "_fast", FastPaths(
