@@ -376,13 +376,14 @@ class _Watch:
 
     Per cell: ``pre`` opens a :class:`~cudalab.memory.scope.PeakScope` and records the
     device's start event on its current stream (one driver call); ``post`` closes the scope
-    and, only when a line is printed, records the end event, waits for it
-    (``watch_sync``; a query otherwise) and reads ``elapsed_time``: four driver calls per
-    printed line, one per cell under the threshold. With no threshold (every cell prints)
-    the end event is recorded first and the line built before the GPU time is read, so the
-    GPU's latency from record to completion overlaps that work, and the read goes first:
-    the wait is only made when the end is not reached yet (three driver calls per line
-    then). No dict, list or DataFrame is built.
+    and, only when a line is printed, records the end event and reads ``elapsed_time``,
+    waiting for the end first only when it is not reached yet (``watch_sync``; "GPU
+    running" otherwise): three driver calls per printed line (five when it waits), one per
+    cell under the threshold. With no threshold (every cell prints) the end event is
+    recorded first and the line built before the GPU time is read, so the GPU's latency
+    from record to completion overlaps that work. The memory part of the line is reused
+    while a cell leaves the numbers as the last one did. No dict, list or DataFrame is
+    built.
     """
 
     def __init__(self, magics: Any, device: int | None, threshold: int):

@@ -756,7 +756,7 @@ class _EventTimer:
             else:
                 self._stride = 1
                 self._lag = (min(2 * self._lag, self.MAX_LAG) if waited < self.LATENCY else 2)
-            self._next_check = k + self._stride
+            self._next_check = max(k + self._stride, self._lag)
         self._nxt[0] = self._next_limit()
 
     # ----------------------------------------------------------------- the timed loop
