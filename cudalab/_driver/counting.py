@@ -39,10 +39,7 @@ def count_calls(names: tuple[str, ...] = COUNTED) -> Iterator[collections.Counte
     fast = devices._fast
     for name in names:
         setattr(backend, name, wrap(name, getattr(backend, name)))
-    devices._fast = FastPaths(wrap("event_record", fast.event_record),
-                              wrap("event_query", fast.event_query),
-                              wrap("stream_query", fast.stream_query),
-                              wrap("event_elapsed_time", fast.event_elapsed_time))
+    devices._fast = FastPaths(*(wrap(n, getattr(fast, n)) for n in FastPaths._fields))
     try:
         yield counts
     finally:

@@ -436,7 +436,7 @@ class _Watch:
                 if pair is None:
                     ev = self._Event
                     pair = self.events[d] = (ev(enable_timing=True), ev(enable_timing=True))
-                _record(pair[0], self._stream(d))
+                _record(pair[0], self._current_stream(d))
                 self.ev_started = pair
             except Exception:
                 self.ev_started = None
@@ -513,17 +513,10 @@ class _Watch:
                 return start.elapsed_time(end)
         return r[1]
 
-    def _stream(self, d: int) -> Any:
-        """The current stream of device ``d`` (the thread's slot, without the ordinal check
-        of ``current_stream``: ``d`` came from the runtime)."""
-        cur = self._devices._tls.streams
-        s = cur[d] if cur is not None and d < len(cur) else None
-        return s if s is not None else self._current_stream(d)
-
     def _end(self, pair: tuple[Any, Any]) -> bool:
         """Record the cell's end event on the current stream (False if that failed)."""
         try:
-            _record(pair[1], self._stream(self.dev))
+            _record(pair[1], self._current_stream(self.dev))
             return True
         except Exception:
             return False

@@ -27,12 +27,6 @@ def format_time(seconds: float | None, precision: int = 3) -> str:
         return "n/a"
     if seconds < 0:
         return "-" + format_time(-seconds, precision)
-    if precision == 3 and seconds < 1.0:  # the common case, without a nested format spec
-        if seconds >= 1e-3:
-            return "%.3g ms" % (seconds / 1e-3)
-        if seconds >= 1e-6:
-            return "%.3g µs" % (seconds / 1e-6)
-        return "%.3g ns" % (seconds / 1e-9)
     if seconds >= 1.0:
         if seconds >= 60.0:
             minutes, rest = divmod(seconds, 60.0)

@@ -770,33 +770,18 @@ class _EventTimer:
         perf, cpu, between, nxt = _perf, self.cpu, self._between, self._nxt
         if self.shared:
             self._record(0)
-            t_start = perf()
-            groups = self.groups
-            if self.raw and len(groups) == 1:  # the hot path: one record per repeat
-                g = groups[0]
-                hs, sh, evs, s = g.handles, g.stream._handle, g.events, g.stream
-                rec = self.fast.event_record
-
-                def end(j: int, t0: float) -> int:
-                    t = perf()
-                    cpu[j] = t - t0
-                    k = j + 1
-                    if rec(hs[k], sh)[0]:
-                        evs[k].record(s)  # makes the context current, or raises the error
-                    if k >= nxt[0]:
-                        between(k)
-                    if k < repeat and (t - t_start) * (k + 1) <= max_time * k:
-                        return k
-                    return ~k
-
-                return perf, end
-            record = self._record
+        t_start = perf()
+        if self.shared and self.raw and len(self.groups) == 1:  # the hot path: one record
+            g = self.groups[0]
+            hs, sh, evs, s = g.handles, g.stream._handle, g.events, g.stream
+            rec = self.fast.event_record
 
             def end(j: int, t0: float) -> int:
                 t = perf()
                 cpu[j] = t - t0
                 k = j + 1
-                record(k)
+                if rec(hs[k], sh)[0]:
+                    evs[k].record(s)  # makes the context current, or raises the error
                 if k >= nxt[0]:
                     between(k)
                 if k < repeat and (t - t_start) * (k + 1) <= max_time * k:
@@ -804,9 +789,9 @@ class _EventTimer:
                 return ~k
 
             return perf, end
-
         record, flush = self._record, self.flush
         cur = [0]
+        step = 1 if self.shared else 2  # repeat j ends at slot step * j + 1 (_end_slot)
 
         def begin() -> float:
             if flush is not None:
@@ -814,12 +799,10 @@ class _EventTimer:
             record(2 * cur[0])
             return perf()
 
-        t_start = perf()
-
-        def end(j: int, t0: float) -> int:  # noqa: F811 - the split flavour
+        def end(j: int, t0: float) -> int:  # noqa: F811 - every group, either flavour
             t = perf()
             cpu[j] = t - t0
-            record(2 * j + 1)
+            record(step * j + 1)
             k = cur[0] = j + 1
             if k >= nxt[0]:
                 between(k)
@@ -827,7 +810,7 @@ class _EventTimer:
                 return k
             return ~k
 
-        return begin, end
+        return (perf if self.shared else begin), end
 
     # ----------------------------------------------------------------- single runs
     def begin_single(self) -> float:

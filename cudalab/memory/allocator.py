@@ -902,8 +902,8 @@ class DeviceCachingAllocator(Allocator):
         self._memo = b
         self._ready.append(b)
         # With a history hook whose entries carry nothing but the time (no stacks, no NVTX
-        # range), pairs of the memo's first request are logged as bare times (an alloc at
-        # t, a free at -t) and written out by _spill_log before any other entry.
+        # range), pairs of the memo's first request are logged as bare times ((free time,
+        # alloc time), 0 for none) and written out by _spill_log before any other entry.
         trace = self._trace
         if trace is not None and getattr(trace, "compact", None) is not None and trace.compact_ok():
             # bounded like the history's ring: times older than what it keeps are dropped
