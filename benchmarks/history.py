@@ -3,7 +3,9 @@
 * added cost of allocation history per alloc+free pair: cudalab's
   ``caching_allocator_alloc/delete`` and ``DeviceArray`` creation+drop with history off,
   ``stacks=None`` and ``stacks="python"``, next to ``torch.empty``+drop with torch's
-  ``_record_memory_history`` off and on (``stacks="python"``);
+  ``_record_memory_history`` off and on (``stacks="python"``, and torch's default
+  ``stacks="all"``, Python and C++ frames); the loops run in a function 4 frames deep, 22
+  frames deeper, and in an IPython cell;
 * ``memory_snapshot()`` with 2000 live blocks, cudalab against torch;
 * replay throughput (trace entries per second) on a synthetic 200k-entry trace.
 
@@ -36,25 +38,84 @@ def _median_time(fn, repeat: int) -> float:
     return time_per_call(fn, number=1, repeat=repeat, warmup=0)
 
 
-def history_cost(n: int, rounds: int, sim: bool) -> dict:
+def _nest(depth: int, fn, k: int):
+    """``fn(k)`` called ``depth`` Python frames deeper (a deep call stack, as in a model's
+    forward pass)."""
+    return fn(k) if depth <= 0 else _nest(depth - 1, fn, k)
+
+
+# The timed loop, with the operation written in its body as a user's loop would have it:
+# in a function (a script) or at the top level of a notebook cell, above IPython's ~25
+# frames, as it runs when a user records history in a notebook.
+_LOOP = """\
+def loop(_k):
+    _t0 = _pc()
+    for _ in range(_k):
+        {op}
+    return _pc() - _t0
+"""
+_CELL = """\
+_t0 = _pc()
+for _ in range(_k):
+    {op}
+_took.append(_pc() - _t0)
+"""
+
+
+def _script_loop(op: str, ns: dict):
+    """A function ``loop(k)`` running the statement ``op`` k times; its seconds."""
+    ns = {"__name__": "__main__", "_pc": time.perf_counter, **ns}
+    exec(compile(_LOOP.format(op=op), "<benchmark loop>", "exec"), ns)
+    return ns["loop"]
+
+
+def _cell_loop(op: str, ns: dict):
+    """Like _script_loop, the loop running in an IPython cell; None without IPython."""
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+    except ImportError:
+        return None
+    shell = InteractiveShell.instance()
+    took: list = []
+    src = _CELL.format(op=op)
+
+    def loop(k: int) -> float:
+        shell.user_ns.update(ns, _pc=time.perf_counter, _took=took, _k=k)
+        res = shell.run_cell(src, store_history=False, silent=True)
+        res.raise_error()
+        return took.pop()
+
+    return loop
+
+
+def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
+    """Per-pair times with each recording mode, the loop running ``where``: ``"script"``
+    (a function 4 Python frames deep), ``"deep"`` (22 frames deeper) or ``"cell"`` (a
+    notebook cell). None when the place is not available (IPython missing)."""
     import cudalab
     import cudalab.memory as cm
 
     torch = None if sim else optional_import("torch")
     have_torch = torch is not None and torch.cuda.is_available()
     size = 4096
-
-    def ours(k, a=cm.caching_allocator_alloc, f=cm.caching_allocator_delete):
-        for _ in range(k):
-            f(a(size))
-
-    def ours_array(k, e=cudalab.empty):
-        for _ in range(k):
-            e(size // 4)
-
-    def torch_pair(k):
-        for _ in range(k):
-            torch.empty(size, dtype=torch.uint8, device="cuda")
+    ops = {"cudalab caching_allocator_alloc+delete": "_f(_a(_s))",
+           "cudalab empty+drop": "_e(_n)"}
+    ns = dict(_f=cm.caching_allocator_delete, _a=cm.caching_allocator_alloc,
+              _e=cudalab.empty, _s=size, _n=size // 4)
+    if have_torch:
+        ops["torch.empty+drop"] = '_te(_s, dtype=_u, device="cuda")'
+        ns.update(_te=torch.empty, _u=torch.uint8)
+    loops = {}
+    for name, op in ops.items():
+        if where == "cell":
+            loop = _cell_loop(op, ns)
+            if loop is None:
+                return None
+        elif where == "deep":
+            loop = (lambda inner: lambda k: _nest(20, inner, k))(_script_loop(op, ns))
+        else:
+            loop = _script_loop(op, ns)
+        loops[name] = loop
 
     # The recording modes alternate within every round (each timed loop runs between its
     # mode's start and stop, which are not timed), so host drift between modes cancels in
@@ -76,20 +137,24 @@ def history_cost(n: int, rounds: int, sim: bool) -> dict:
                      ("stacks=python", dict(stacks="python"))):
         start = nothing if kw is None else ours_on(kw)
         stop = nothing if kw is None else ours_off
-        cases[(mode, "cudalab caching_allocator_alloc+delete")] = (ours, start, stop)
-        cases[(mode, "cudalab empty+drop")] = (ours_array, start, stop)
+        for name in ("cudalab caching_allocator_alloc+delete", "cudalab empty+drop"):
+            cases[(mode, name)] = (loops[name], start, stop)
     if have_torch:
         torch.empty(1, device="cuda")
 
-        def torch_on():
-            torch.cuda.memory._record_memory_history(enabled="all", stacks="python",
-                                                     max_entries=100_000)
+        def torch_on(stacks):
+            return lambda: torch.cuda.memory._record_memory_history(
+                enabled="all", stacks=stacks, max_entries=100_000)
 
         def torch_off():
             torch.cuda.memory._record_memory_history(enabled=None)
 
-        cases[("off", "torch.empty+drop")] = (torch_pair, nothing, nothing)
-        cases[("stacks=python", "torch.empty+drop")] = (torch_pair, torch_on, torch_off)
+        tl = loops["torch.empty+drop"]
+        cases[("off", "torch.empty+drop")] = (tl, nothing, nothing)
+        cases[("stacks=python", "torch.empty+drop")] = (tl, torch_on("python"), torch_off)
+        # torch's default (_record_memory_history() with no arguments): Python and C++
+        # frames; cudalab's "all" is its Python frames, the stacks=python rows above
+        cases[("stacks=all", "torch.empty+drop")] = (tl, torch_on("all"), torch_off)
     samples: dict = {k: [] for k in cases}
     stops: list[float] = []
     for loop, start, stop in cases.values():  # warm-up
@@ -99,11 +164,10 @@ def history_cost(n: int, rounds: int, sim: bool) -> dict:
     for _ in range(rounds):
         for key, (loop, start, stop) in cases.items():
             start()
-            t0 = time.perf_counter()
-            loop(n)
+            took = loop(n)
             t1 = time.perf_counter()
             stop()
-            samples[key].append((t1 - t0) / n)
+            samples[key].append(took / n)
             if key == ("stacks=None", "cudalab caching_allocator_alloc+delete"):
                 stops.append((time.perf_counter() - t1) / n)
     out: dict = {}
@@ -159,20 +223,13 @@ def replay_rate(entries: int, repeat: int) -> dict:
     return out
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
-    import cudalab
+_PLACES = {"script": "script, 4 frames deep", "deep": "script, 26 frames deep",
+           "cell": "notebook cell (IPython)"}
 
-    cudalab.init()
-    sim = cudalab.devices._backend().simulated
-    n, rounds = (2000, 5) if args.quick else (20000, 9)
-    res = {"env": environment(cudalab.devices._backend().name, cudalab.get_device_name())}
-    res["history"] = history_cost(n, rounds, sim)
-    res["snapshot_ms"] = snapshot_time(2000, 5 if args.quick else 21, sim)
-    res["replay_entries_per_s"] = replay_rate(20_000 if args.quick else 200_000, 3)
 
-    t = Table(f"History cost per alloc+free pair ({res['env']['device']})")
-    h = dict(res["history"])
+def _history_table(res: dict, where: str) -> Table:
+    t = Table(f"History cost per alloc+free pair ({where})")
+    h = dict(res)
     write_out = h.pop("write_out_per_pair_us")
     added = h.pop("added")
     for mode, row in h.items():
@@ -185,13 +242,32 @@ def main() -> None:
                                                        else ""))
     t.add("stacks=None: writing out the pairs logged as times", write_out, "µs",
           "per pair, once, when the history is read or stopped (not in the rows above)")
-    if "torch.empty+drop" in added.get("stacks=python", {}):
-        theirs = added["stacks=python"]["torch.empty+drop"]
-        t.add("added: torch.empty+drop [stacks=python]", theirs)
-        ours = added["stacks=python"]["cudalab empty+drop"]
-        t.add("ratio cudalab/torch added (python stacks)", ours / theirs if theirs else None, "×",
-              "bound <= 0.5")
-    print(t.render())
+    ours = added["stacks=python"]["cudalab empty+drop"]
+    for mode, note in (("stacks=python", "bound <= 0.5"),
+                       ("stacks=all", "torch's default; cudalab's 'all' is its Python stacks")):
+        theirs = added.get(mode, {}).get("torch.empty+drop")
+        if theirs is not None:
+            t.add(f"added: torch.empty+drop [{mode}]", theirs)
+            t.add(f"ratio cudalab empty+drop [python] / torch [{mode}] added",
+                  ours / theirs if theirs else None, "×", note)
+    return t
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    import cudalab
+
+    cudalab.init()
+    sim = cudalab.devices._backend().simulated
+    n, rounds = (2000, 5) if args.quick else (20000, 9)
+    res = {"env": environment(cudalab.devices._backend().name, cudalab.get_device_name())}
+    res["history"] = {w: history_cost(n, rounds, sim, w) for w in _PLACES}
+    res["snapshot_ms"] = snapshot_time(2000, 5 if args.quick else 21, sim)
+    res["replay_entries_per_s"] = replay_rate(20_000 if args.quick else 200_000, 3)
+
+    for where, h in res["history"].items():
+        if h is not None:
+            print(_history_table(h, f"{_PLACES[where]}, {res['env']['device']}").render())
     t = Table("memory_snapshot() with 2000 live blocks")
     for k, v in res["snapshot_ms"].items():
         t.add(k, v, "ms")

@@ -347,14 +347,23 @@ def _run_history_ops(r, ops):
                 a.empty_cache()
 
 
-def _stackless_traces(r):
-    """The history module's stack-less hook on each allocator, each into its own list."""
+def _history_traces(r, monkeypatch, level=None):
+    """The history module's hook of context ``level`` (default: stack-less) on each
+    allocator, each into its own list, and their recorders. No NVTX range was pushed as far
+    as the hooks know (an earlier test may have pushed one), so the memo logs compactly."""
+    from cudalab import nvtx
     from cudalab.memory import history as h
 
+    monkeypatch.setattr(nvtx, "_used", False)
     logs: list[list] = [[], []]
-    for a, log in zip(r.allocs, logs):
-        a._trace = h._make_trace(h._Recorder(0), h._NEVER, log.append)
-    return logs
+    recs = [h._Recorder(0), h._Recorder(0)]
+    for a, log, rec in zip(r.allocs, logs, recs):
+        a._trace = h._make_trace(rec, h._NEVER if level is None else level, log.append)
+    return logs, recs
+
+
+def _stackless_traces(r, monkeypatch):
+    return _history_traces(r, monkeypatch)[0]
 
 
 def _without_times(log):
@@ -368,7 +377,7 @@ def test_pairs_logged_as_times_give_the_same_history(monkeypatch, ops):
     """With the history's stack-less hook the memo logs its pairs as bare times; once
     written out they are exactly the plain path's entries, in time order."""
     r = _Runner(_pair(monkeypatch))
-    logs = _stackless_traces(r)
+    logs = _stackless_traces(r, monkeypatch)
     _run_history_ops(r, ops)
     for a in r.allocs:
         a.sync_pending()
@@ -378,9 +387,34 @@ def test_pairs_logged_as_times_give_the_same_history(monkeypatch, ops):
     r.compare()
 
 
+@pytest.mark.parametrize("context", ["state", "alloc", "all"])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=OPS)
+def test_pairs_logged_with_stacks_give_the_same_history(monkeypatch, context, ops):
+    """With stacks the memo logs its pairs as (time, stack) stamps; once written out they
+    are the plain path's entries, frames included, and the live blocks keep the same
+    allocation stacks."""
+    from cudalab.memory import history as h
+
+    r = _Runner(_pair(monkeypatch))
+    logs, recs = _history_traces(r, monkeypatch, h._CONTEXTS[context])
+    _run_history_ops(r, ops)
+    for a in r.allocs:
+        a.sync_pending()
+    assert _without_times(logs[0]) == _without_times(logs[1])
+    times = [e[4] for e in logs[0]]
+    assert times == sorted(times)
+    assert recs[0].blocks == recs[1].blocks
+    assert sorted(recs[0].blocks) == sorted(p for p, _ in r.live)
+    stacks = [e[5] for e in logs[0] if e[0] == "alloc"]
+    assert all(stacks) if context != "state" else not any(stacks)
+    r.compare()
+
+
 def test_pairs_are_logged_as_times_then_written_out(monkeypatch):
     r = _Runner(_pair(monkeypatch))
-    logs = _stackless_traces(r)
+    logs = _stackless_traces(r, monkeypatch)
     r.malloc(64, "s0")
     r.free(0)
     for _ in range(50):

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 
 import pytest
 
@@ -151,6 +152,207 @@ def test_frames_of_notebook_like_cells_reuse_the_outer_stack_correctly(priv):
             assert got == [(f.filename, f.lineno, f.name) for f in reversed(s)]
         a.free(ns["p1"])
         a.free(ns["p2"])
+
+
+def _allocs_with_real_stacks(a, entries, got):
+    """Check that each allocation in ``got`` (pointer, extract_stack() taken on the same
+    line) has exactly that stack in its alloc entry of ``entries`` (the last entries of
+    each address: earlier allocations there may be in ``entries`` too)."""
+    by_addr: dict = {}
+    for e in entries:
+        if e["action"] == "alloc":
+            by_addr.setdefault(e["addr"], []).append(e)
+    seen: dict = {}
+    for p, _ in got:
+        seen[p] = seen.get(p, 0) - 1
+    for p, s in got:
+        k = seen[p]
+        seen[p] = k + 1
+        e = by_addr[p][k]
+        frames = [(f["filename"], f["line"], f["name"]) for f in e["frames"]]
+        assert frames == [(f.filename, f.lineno, f.name) for f in reversed(s)]
+
+
+def test_cached_stacks_are_the_real_stacks(priv):
+    """Frames cache their stacks (see history._capture): callers that come and go at reused
+    addresses, recursion, generators resumed from different places, two lines of one frame
+    and another thread must all still get their real stack."""
+    a = priv()
+    cudalab.memory._record_memory_history()
+    got: list = []
+
+    def here():
+        p, s = a.malloc(1000, 0), traceback.extract_stack()
+        got.append((p, s))
+        a.free(p)
+
+    def caller1():
+        here()
+
+    def caller2():
+        here()
+        here()
+
+    def recurse(n):
+        return here() if n == 0 else recurse(n - 1)
+
+    def gen():
+        for _ in range(6):
+            here()
+            yield
+
+    def two_lines():
+        here()
+        here()
+
+    g = gen()
+
+    def resume():
+        next(g)
+
+    for i in range(6):
+        caller1()
+        caller2()
+        recurse(i % 3)
+        two_lines()
+        here()
+        (resume if i % 2 else lambda: next(g, None))()
+    t = threading.Thread(target=caller2)
+    t.start()
+    t.join()
+    _allocs_with_real_stacks(a, trace(), got)
+    assert len(got) == 6 * 8 + 2
+
+
+@pytest.mark.parametrize("context", ["state", "alloc", "all"])
+def test_memo_pairs_of_a_loop_carry_their_stacks(priv, context):
+    """A loop's alloc+free pairs are logged compactly (stamps of time and stack) and
+    written out with the stacks each entry would have had."""
+    a = priv()
+    cudalab.memory._record_memory_history(context=context)
+    got, frees = [], []
+    compact = False
+    for _ in range(6):
+        p, s = a.malloc(4096, 0), traceback.extract_stack()
+        got.append((p, s))
+        a.free(p)
+        frees.append(line() - 1)
+        compact = compact or a._hit_log is not None
+    assert compact
+    es = trace({got[0][0]})
+    if context == "state":
+        assert all(e["frames"] == [] for e in es)
+        return
+    _allocs_with_real_stacks(a, es, got)
+    freed = [e for e in es if e["action"].startswith("free_")]
+    assert len(freed) == 12
+    for k, e in enumerate(freed):
+        want = got[k // 2][1][-1].lineno if context == "alloc" else frees[k // 2]
+        assert top(e["frames"]) == (HERE, want, "test_memo_pairs_of_a_loop_carry_their_stacks")
+
+
+def test_cached_stacks_keep_no_frame_alive(priv):
+    """A frame's stack cache lives on the frame: once the function returns, its locals
+    are freed as without recording."""
+    a = priv()
+    cudalab.memory._record_memory_history()
+
+    class Local:
+        pass
+
+    def work():
+        o = Local()
+        p = a.malloc(1000, 0)
+        a.free(p)
+        assert isinstance(sys._getframe().f_trace, history._Mark)  # the cache is here
+        return weakref.ref(o)
+
+    r = work()
+    assert r() is None
+
+
+def test_stacks_of_new_frames_at_one_site_are_one_tuple(priv):
+    """Each call of a function makes a new frame; the entries of the same site still share
+    one stack tuple (memory in the ring, one conversion in a snapshot)."""
+    a = priv()
+    cudalab.memory._record_memory_history()
+
+    def step(n):
+        a.free(a.malloc(1000 + 512 * (n % 2), 0))  # two sizes: no memo, plain entries
+
+    def layer(n):
+        step(n)
+
+    for n in range(6):
+        layer(n)
+    frames = [e[5] for e in history.raw_entries(0) if e[0] == "alloc"][-6:]
+    assert len(frames) == 6 and frames[0] and all(f is frames[0] for f in frames)
+
+
+def test_a_frame_keeps_a_bounded_number_of_stacks(priv):
+    """A long-running frame that calls ever new code objects (generated functions) does
+    not keep a stack for each of them."""
+    a = priv()
+    cudalab.memory._record_memory_history()
+    for i in range(history._MARK_MAX + 50):
+        ns = {"a": a}
+        exec(compile(f"def f{i}():\n    a.free(a.malloc(1000, 0))\n", "<gen>", "exec"), ns)
+        ns[f"f{i}"]()
+    mark = sys._getframe().f_trace
+    assert isinstance(mark, history._Mark) and 0 < len(mark) <= history._MARK_MAX
+
+
+def test_no_cache_under_a_trace_function_or_in_generators(priv):
+    """Debuggers and coverage keep their f_trace, and frames are not marked while a trace
+    function is set; a frame marked before one is set runs on as without a local one;
+    generator frames are never marked."""
+    a = priv()
+    cudalab.memory._record_memory_history()
+    events: list = []
+
+    def local(frame, event, arg):
+        events.append(event)
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code is work.__code__ else None
+
+    def work():
+        p = a.malloc(1000, 0)
+        a.free(p)
+        return sys._getframe().f_trace
+
+    def untraced():  # the tracer gives it no local trace function
+        a.free(a.malloc(1000, 0))
+        return sys._getframe().f_trace
+
+    def own():  # a frame with its own f_trace while no trace function is set
+        sys._getframe().f_trace = local
+        a.free(a.malloc(1000, 0))
+        return sys._getframe().f_trace
+
+    def gen():
+        a.free(a.malloc(1000, 0))
+        yield sys._getframe().f_trace
+
+    a.free(a.malloc(1000, 0))
+    mine = sys._getframe().f_trace
+    assert isinstance(mine, history._Mark)
+    old = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        ft = work()
+        assert untraced() is None
+        x = 1  # a line of this (marked) frame while tracing: no local trace, no error
+        p, s = a.malloc(2000, 0), traceback.extract_stack()
+    finally:
+        sys.settrace(old)
+    assert ft is local and "line" in events and x == 1
+    assert sys._getframe().f_trace is mine
+    a.free(p)
+    _allocs_with_real_stacks(a, trace({p}), [(p, s)])
+    assert isinstance(untraced(), history._Mark) and next(gen()) is None
+    assert own() is local
 
 
 def test_frames_through_the_public_api_start_at_the_caller():

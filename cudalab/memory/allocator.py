@@ -186,7 +186,7 @@ class Block:
         self.event_count = 0
         self.uses: set | None = None  # streams (other than the allocation stream) it was used on
         self.gc_base = 0
-        self.tfree = 0  # time of its deferred memo free, for the history (0: none)
+        self.tfree = 0  # stamp of its deferred memo free, for the history (0: none)
 
     def __repr__(self) -> str:
         state = ("free", "allocated", "pending_free", "detached", "unmapped",
@@ -422,7 +422,8 @@ class DeviceCachingAllocator(Allocator):
     # subclasses') in the instance dict.
     __slots__ = ("_take", "_give", "_hit_size", "_hit_stream", "_hit_none",
                  "_ready", "_pending_frees", "_live", "_memo_hits", "_trace", "_memo",
-                 "_tls_streams", "device", "_hit_log", "_hit_ap", "_hit_now", "_memo_req0")
+                 "_tls_streams", "device", "_hit_log", "_hit_ap", "_hit_now", "_hit_fnow",
+                 "_memo_req0")
 
     def __new__(cls, backend: Any = None, device: int = 0, config: AllocatorConfig | None = None,
                 stream_resolver: Callable[[], int] | None = None):
@@ -497,11 +498,13 @@ class DeviceCachingAllocator(Allocator):
         self._ready: list[Block] = []
         self._memo_stream = 0
         self._hit_size = -1  # the request of a pure memo hit (-1: none)
-        #: memo pairs logged as bare times for the history: (free time, alloc time) pairs,
-        #: 0 for none (see _establish_memo); _hit_ap is its append
-        self._hit_log: deque[int] | None = None
-        self._hit_ap: Callable[[int], None] | None = None
-        self._hit_now: Callable[[], int] | None = None
+        #: memo pairs logged compactly for the history: (free stamp, alloc stamp) pairs, 0
+        #: for none (see _establish_memo); _hit_ap is its append, _hit_now and _hit_fnow
+        #: make the alloc and free stamps
+        self._hit_log: deque | None = None
+        self._hit_ap: Callable[[Any], None] | None = None
+        self._hit_now: Callable[[], Any] | None = None
+        self._hit_fnow: Callable[[], Any] | None = None
         self._hit_stream: Any = _NO_STREAM  # the Stream object of a pure hit
         self._hit_none = False  # whether stream=None may take a pure hit without the TLS
         self._memo_rem: Block | None = None  # the remainder the memo block was split from
@@ -763,10 +766,10 @@ class DeviceCachingAllocator(Allocator):
             # publishes it to the next hit. A flush under the lock that ran meanwhile
             # swapped the box: then whoever pops b from the old box frees it. (While the
             # memo lives, whether its block is in the box is its state: _flush_memo sets
-            # Block.state from that.) With history logged as bare times, the free's time
+            # Block.state from that.) With history logged as stamps, the free's stamp
             # travels with the block: whoever pops it from the box logs it.
             if trace is not None:
-                b.tfree = self._hit_now()
+                b.tfree = self._hit_fnow()
             box.append(b)
             if self._ready is box:
                 return
@@ -797,7 +800,7 @@ class DeviceCachingAllocator(Allocator):
                     if self._trace is not None:
                         log = self._hit_log
                         if log is not None and b.requested == self._memo_req0:
-                            b.tfree = self._hit_now()  # logged by the hit that pops it
+                            b.tfree = self._hit_fnow()  # logged by the hit that pops it
                         else:
                             if log:
                                 self._spill_log()
@@ -901,20 +904,22 @@ class DeviceCachingAllocator(Allocator):
         b.state = _DEFERRED
         self._memo = b
         self._ready.append(b)
-        # With a history hook whose entries carry nothing but the time (no stacks, no NVTX
-        # range), pairs of the memo's first request are logged as bare times ((free time,
-        # alloc time), 0 for none) and written out by _spill_log before any other entry.
+        # With a history hook whose entries carry nothing but a stamp (the time, and the
+        # stack when stacks are recorded; no NVTX range), pairs of the memo's first request
+        # are logged as (free stamp, alloc stamp) pairs, 0 for none, and written out by
+        # _spill_log before any other entry.
         trace = self._trace
         if trace is not None and getattr(trace, "compact", None) is not None and trace.compact_ok():
-            # bounded like the history's ring: times older than what it keeps are dropped
+            # bounded like the history's ring: stamps older than what it keeps are dropped
             cap = trace.capacity
             self._hit_log = log = deque(maxlen=None if cap is None or cap >= 1 << 60 else 2 * cap)
             self._hit_ap = log.append
             self._hit_now = trace.now
+            self._hit_fnow = trace.free_now
         return True
 
     def _spill_log(self) -> None:
-        """Write the memo pairs logged as bare times to the history (lock held)."""
+        """Write the memo pairs logged as stamps to the history (lock held)."""
         log = self._hit_log
         if log:
             trace = self._trace

@@ -32,10 +32,17 @@ into ``{"filename", "line", "name"}`` dicts only when a snapshot is taken
 ``nvtx_range`` is the innermost open :mod:`cudalab.nvtx` range of the thread, ``cell`` the
 notebook cell id set with :func:`set_current_cell`.
 
-Stacks are walked with ``sys._getframe`` and stored as (code, instruction offset) pairs; the
-frames beyond the innermost ``<module>`` frame (a notebook cell's: the kernel's ~25 frames)
-are walked once per such frame and reused, and a stack equal to the last one captured at the
-same call site is replaced by it, so the entries of a loop share one tuple.
+Stacks are walked with ``sys._getframe`` and stored as (code, instruction offset) pairs;
+cudalab's own frames (found by module name on Python 3.12+, by file before) are left out.
+A running frame's stack at a given instruction cannot change until it returns, so each frame
+caches its stacks on itself (a small object set as its ``f_trace``, gone with the frame):
+the walk stops at the first frame that knows the rest (a notebook cell's ~25 kernel frames
+are walked once per cell, a loop's allocations once per call site), and the entries of a
+loop share one stack tuple. Generator and coroutine frames are not cached, nothing is
+cached while a trace function (a debugger, coverage) is set, and a frame's own
+``f_trace`` is never replaced. Memo pairs (a loop allocating and freeing one size) are
+logged by the allocator as stamps (time, stack) and written out as entries before anything
+reads the history.
 
 As torch: ``enabled="state"`` with the default ``context="all"`` still captures a stack at
 each free (kept nowhere but torch does the same); taking a snapshot (``_snapshot()`` and
@@ -49,6 +56,7 @@ after the block when recording was off before it.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -108,7 +116,7 @@ def set_current_cell(cell_id: Any) -> None:
     global _cell
     new = None if cell_id is None else str(cell_id)
     if new != _cell and _settings is not None:
-        _sync_allocators()  # pairs logged as bare times belong to the old cell
+        _sync_allocators()  # pairs logged as stamps belong to the old cell
     _cell = new
 
 
@@ -131,60 +139,145 @@ def _is_internal(filename: str) -> bool:
     return path.startswith(_PKG)
 
 
-# The frames beyond the innermost "<module>" frame seen last (a notebook cell's: IPython's
-# ~25 frames below it; a script's: runpy's) do not change while that frame runs, so they
-# are walked once and reused: (module frame, flat tuple of the frames beyond it). Holding a
-# module frame keeps nothing extra alive while it runs (its locals are its globals).
-_tail: tuple = (None, ())
+# Stacks are cached on the frames themselves. While a frame runs, the frames beyond it do
+# not change (they wait in their calls), so its stack at a given instruction is fixed for
+# its whole run. A frame's cache is a _Mark set as its ``f_trace``: the frame owns it, so it
+# lives exactly as long as the frame (no frame, local or id is kept anywhere else), and
+# ``f.f_trace is mark`` cannot match a later frame at a reused address. Generator and
+# coroutine frames are never marked: the frames beyond them change at every resumption.
+# Frames are marked only while no trace function is set (sys.settrace), and only when
+# their f_trace is free, so debuggers and coverage keep theirs.
+_NO_MARK = 0x20 | 0x80 | 0x100 | 0x200  # CO_GENERATOR, CO_COROUTINE, CO_ITERABLE_COROUTINE,
+#                                         CO_ASYNC_GENERATOR
+_gettrace = sys.gettrace
+_modname = getattr(sys, "_getframemodulename", None)
+_internal_mods: dict = {}  # module name -> one of cudalab's
 
 
-def _capture() -> tuple:
+_MARK_MAX = 256  # stacks one frame keeps (a frame calling ever new code objects)
+
+
+class _Mark(dict):
+    """The stacks of one running frame: its instruction offset -> the flat stack from that
+    frame outwards, and (offset, id of a code, offset) -> the stack of a frame of that code
+    it called. A trace function set later calls it as the frame's local trace function; it
+    then does nothing, as a frame without one."""
+
+    __slots__ = ()
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        return None
+
+
+def _capture(now: Callable[[], int] | None = None) -> Any:
     """The calling Python stack without cudalab's own frames, innermost first, as a flat
-    tuple (code, lasti, code, lasti, ...). Lines are computed from lasti only when a
-    snapshot is taken, which keeps this walk cheap."""
-    global _tail
-    f = _getframe(2)  # the allocator method that called the trace hook
-    internal = _internal
-    while f is not None:
-        fn = f.f_code.co_filename
-        flag = internal.get(fn)
-        if flag is None:
-            flag = internal[fn] = _is_internal(fn)
-        if not flag:
-            break
-        f = f.f_back
-    out: list = []
-    ap = out.append
-    mod, beyond = _tail
-    while f is not None:
-        code = f.f_code
-        ap(code)
-        ap(f.f_lasti)
-        if f is mod:
-            return _shared(tuple(out) + beyond)
-        if code.co_name == "<module>":
-            mod = f
-            start = len(out)
+    tuple (code, lasti, code, lasti, ...); with a clock ``now``, the stamp ``(now(),
+    stack)``. Lines are computed from lasti only when a snapshot is taken. Equal stacks of
+    one running frame are one tuple object. Called by a function that an allocator method
+    called (the trace hook), or directly by the allocator method as ``partial(_capture,
+    now)`` (a stamp): the allocator method is cudalab's, the search starts beyond it."""
+    if _modname is not None:
+        # Python 3.12+: find the first frame outside cudalab by its module's name, which
+        # needs no frame object for cudalab's own frames (making one costs ~100 ns).
+        d = 3 if now is None else 2  # beyond the allocator method that called
+        mods = _internal_mods
+        while True:
+            name = _modname(d)
+            flag = mods.get(name)
+            if flag is None:
+                flag = mods[name] = name is not None and name.partition(".")[0] == "cudalab"
+            if not flag:
+                break
+            d += 1
+        try:
+            f = _getframe(d)
+        except ValueError:  # beyond the stack: all of it is cudalab's
+            f = None
+    else:
+        try:
+            f = _getframe(3 if now is None else 2)
+        except ValueError:
+            f = None
+        internal = _internal
+        while f is not None:
+            fn = f.f_code.co_filename
+            flag = internal.get(fn)
+            if flag is None:
+                flag = internal[fn] = _is_internal(fn)
+            if not flag:
+                break
             f = f.f_back
-            while f is not None:
-                ap(f.f_code)
-                ap(f.f_lasti)
-                f = f.f_back
-            _tail = (mod, tuple(out[start:]))
-            break
+    if f is None:
+        t = ()
+    else:
+        li = f.f_lasti
+        m = f.f_trace
+        if type(m) is not _Mark or (t := m.get(li)) is None:
+            c = f.f_back  # the caller may know this call's stack (see _walk)
+            if c is None or type(m := c.f_trace) is not _Mark or (
+                    t := m.get((c.f_lasti, id(f.f_code), li))) is None:
+                t = _walk(f, li)
+    return t if now is None else (now(), t)
+
+
+def _walk(f0: Any, li0: int) -> tuple:
+    """The stack from frame ``f0`` (at ``li0``) outwards, caching it on the frames."""
+    code0 = f0.f_code
+    f = f0.f_back
+    if f is None:
+        return (code0, li0)
+    # The caller keeps this call's stack too (the innermost frame is often a new one for
+    # each loop iteration; _capture looks there before calling this)
+    key = (f.f_lasti, id(code0), li0)  # (the stack holds code0: its id stays its own)
+    walked: list = [f0, li0]  # frames without a cached stack, innermost first, with lasti
+    ap = walked.append
+    t = ()
+    while f is not None:
+        li = f.f_lasti
+        m = f.f_trace
+        if type(m) is _Mark:
+            c = m.get(li)
+            if c is not None:
+                t = c
+                break
+        ap(f)
+        ap(li)
         f = f.f_back
-    return _shared(tuple(out))
+    caller = walked[2] if len(walked) > 2 else f  # where the walk stopped, if not beyond
+    mark = _gettrace() is None
+    for i in range(len(walked) - 2, -1, -2):  # outermost first: each adds one frame to t
+        f = walked[i]
+        li = walked[i + 1]
+        code = f.f_code
+        t = (code, li) + t
+        if i == 0:
+            t = _shared(t)
+        if mark and not code.co_flags & _NO_MARK:
+            m = f.f_trace
+            if m is None:
+                m = f.f_trace = _Mark()
+            if type(m) is _Mark:
+                if len(m) >= _MARK_MAX:
+                    m.clear()
+                m[li] = t
+    # and on the caller, for the next frame of code0 it calls from there
+    if caller is not None:
+        m = caller.f_trace
+        if type(m) is _Mark:
+            if len(m) >= _MARK_MAX:
+                m.clear()
+            m[key] = t
+    return t
 
 
-# The last stack captured at each call site (innermost code and instruction): a stack equal
-# to it is replaced by it, so the entries of a loop share one tuple (memory) and snapshots
-# convert it once.
+# The last stack captured at each call site (innermost code and instruction): a stack
+# equal to it is replaced by it, so the entries of new frames at one site (a function that
+# a loop calls, deeper than the loop's frame) share one tuple, in the ring and when a
+# snapshot converts it.
 _sites: dict = {}
 
 
 def _shared(t: tuple) -> tuple:
-    if not t:
-        return t
     key = (id(t[0]), t[1])
     prev = _sites.get(key)
     if prev == t:  # element identity first: cheap for equal stacks
@@ -291,7 +384,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
             append((action, addr, size, stream, now(), None, m[-1] if m else None, _cell))
 
         def pairs(addr: int, size: int, stream: int, times: Any) -> None:
-            """The entries of memo pairs that the allocator logged as bare times, pairs of
+            """The entries of memo pairs that the allocator logged compactly, pairs of
             (free time, alloc time), 0 for nothing: what ``trace`` would have appended then,
             in order."""
             cell = _cell
@@ -305,11 +398,12 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
 
         # Entries without stacks carry nothing but the time as long as no NVTX range was
         # ever pushed and the cell stays the same (set_current_cell and the first NVTX push
-        # flush the allocators first): the allocator may then log a memo pair as two times.
+        # flush the allocators first): the allocator may then log a memo pair as two
+        # stamps, here two times.
         trace.compact = pairs
         trace.compact_ok = lambda: not nv._used
-        trace.now = now
-        trace.capacity = None  # the ring's (max_entries): older times need not be kept
+        trace.now = trace.free_now = now
+        trace.capacity = None  # the ring's (max_entries): older stamps need not be kept
         return trace
 
     blocks = rec.blocks
@@ -321,6 +415,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
     on_free = level == _ALL
 
     def trace(action: str, addr: int, size: int, stream: int) -> None:  # noqa: C901
+        # called by an allocator method: the stack starts two frames up (_capture's depth)
         if action == "alloc":
             p = rec.pending
             if p is not None and p[0] == ident():
@@ -379,6 +474,38 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
         m = nvtls.__dict__.get("messages") if nv._used else None
         append((action, addr, size, stream, now(), ef, m[-1] if m else None, _cell))
 
+    # Memo pairs are logged compactly too (see the stack-less case): their stamps are
+    # (time, stack) for an allocation, and for a free when frees carry their own stack
+    # (context "all"), else the time. The allocator method calls the stamp directly.
+    stamp = functools.partial(_capture, now)
+
+    def pairs_with_stacks(addr: int, size: int, stream: int, stamps: Any) -> None:
+        """The entries of memo pairs that the allocator logged as (free stamp, alloc
+        stamp) pairs, 0 for nothing: what ``trace`` would have appended then, in order,
+        with the block's stack kept as ``trace`` keeps it."""
+        cell = _cell
+        it = iter(stamps)
+        for f, a in zip(it, it):
+            if f:
+                fr = blocks.pop(addr, None)
+                if on_free:
+                    t, fr = f
+                else:
+                    t = f
+                    if not on_alloc:
+                        fr = None
+                append(("free_requested", addr, size, stream, t, fr, None, cell))
+                append(("free_completed", addr, size, stream, t, fr, None, cell))
+            if a:
+                t, fr = a
+                blocks[addr] = fr
+                append(("alloc", addr, size, stream, t, fr if on_alloc else None, None, cell))
+
+    trace.compact = pairs_with_stacks
+    trace.compact_ok = lambda: not nv._used
+    trace.now = stamp
+    trace.free_now = stamp if on_free else now
+    trace.capacity = None
     return trace
 
 
@@ -421,7 +548,7 @@ def _detach(a: Any) -> None:
     if rec is not None:
         rec.clear()
     try:
-        a.sync_pending()  # memo pairs logged as bare times are written out first
+        a.sync_pending()  # memo pairs logged as stamps are written out first
         a._trace = None
     except Exception:  # noqa: BLE001 - nothing to undo on an allocator that cannot record
         pass
@@ -671,7 +798,7 @@ def devices_with_history() -> list[int]:
 
 def _sync_allocators(device: int | None = None) -> None:
     """Have the recording allocators (of ``device``, or all) write out what they deferred:
-    frees queued while their lock was busy and memo pairs logged as bare times."""
+    frees queued while their lock was busy and memo pairs logged as stamps."""
     for a in list(_recorders.keys()):
         if device is None or a.device == device:
             a.sync_pending()
@@ -679,7 +806,7 @@ def _sync_allocators(device: int | None = None) -> None:
 
 def nvtx_first_push() -> None:
     """cudalab.nvtx calls this before its first range: entries from now on carry a range,
-    so pairs logged as bare times are written out first (and no longer logged so)."""
+    so pairs logged as stamps are written out first (and no longer logged so)."""
     if _settings is not None:
         _sync_allocators()
 
