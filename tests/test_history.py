@@ -154,13 +154,13 @@ def test_frames_of_notebook_like_cells_reuse_the_outer_stack_correctly(priv):
         a.free(ns["p2"])
 
 
-def _allocs_with_real_stacks(a, entries, got):
+def _allocs_with_real_stacks(a, entries, got, action="alloc"):
     """Check that each allocation in ``got`` (pointer, extract_stack() taken on the same
-    line) has exactly that stack in its alloc entry of ``entries`` (the last entries of
-    each address: earlier allocations there may be in ``entries`` too)."""
+    line) has exactly that stack in its ``action`` entry of ``entries`` (the last entries
+    of each address: earlier allocations there may be in ``entries`` too)."""
     by_addr: dict = {}
     for e in entries:
-        if e["action"] == "alloc":
+        if e["action"] == action:
             by_addr.setdefault(e["addr"], []).append(e)
     seen: dict = {}
     for p, _ in got:
@@ -180,11 +180,13 @@ def test_cached_stacks_are_the_real_stacks(priv):
     a = priv()
     cudalab.memory._record_memory_history()
     got: list = []
+    freed: list = []
 
     def here():
         p, s = a.malloc(1000, 0), traceback.extract_stack()
         got.append((p, s))
-        a.free(p)
+        _, s = a.free(p), traceback.extract_stack()
+        freed.append((p, s))
 
     def caller1():
         here()
@@ -210,6 +212,11 @@ def test_cached_stacks_are_the_real_stacks(priv):
     def resume():
         next(g)
 
+    def fresh(i):  # a new code object each time (the old one freed: its id may come again)
+        ns = {"here": here}
+        exec(compile(f"def f{i}():\n    here()\n", f"<fresh {i}>", "exec"), ns)
+        return ns[f"f{i}"]
+
     for i in range(6):
         caller1()
         caller2()
@@ -217,11 +224,15 @@ def test_cached_stacks_are_the_real_stacks(priv):
         two_lines()
         here()
         (resume if i % 2 else lambda: next(g, None))()
+        for fn in (caller1, two_lines, caller1, fresh(i)):  # one call site, other functions
+            fn()
     t = threading.Thread(target=caller2)
     t.start()
     t.join()
-    _allocs_with_real_stacks(a, trace(), got)
-    assert len(got) == 6 * 8 + 2
+    es = trace()
+    _allocs_with_real_stacks(a, es, got)
+    _allocs_with_real_stacks(a, es, freed, "free_requested")
+    assert len(got) == len(freed) == 6 * 13 + 2
 
 
 @pytest.mark.parametrize("context", ["state", "alloc", "all"])

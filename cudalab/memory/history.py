@@ -154,14 +154,17 @@ _modname = getattr(sys, "_getframemodulename", None)
 _internal_mods: dict = {}  # module name -> one of cudalab's
 
 
-_MARK_MAX = 256  # stacks one frame keeps (a frame calling ever new code objects)
+_MARK_MAX = 256  # entries one mark keeps (a frame calling ever new code objects)
 
 
 class _Mark(dict):
-    """The stacks of one running frame: its instruction offset -> the flat stack from that
-    frame outwards, and (offset, id of a code, offset) -> the stack of a frame of that code
-    it called. A trace function set later calls it as the frame's local trace function; it
-    then does nothing, as a frame without one."""
+    """The stacks of running frames: instruction offset -> the flat stack from the frame
+    outwards, and (offset, id of a code) -> (that code, the _Mark of the frames of that
+    code called from there). A frame's stack at an offset depends only on its code and on
+    its caller's stack at the call, both fixed while it runs, so the frames of one code
+    called from one place (a function a loop calls: a new frame each iteration) share one
+    mark. A trace function set later calls it as a frame's local trace function; it then
+    does nothing, as a frame without one."""
 
     __slots__ = ()
 
@@ -213,24 +216,55 @@ def _capture(now: Callable[[], int] | None = None) -> Any:
         li = f.f_lasti
         m = f.f_trace
         if type(m) is not _Mark or (t := m.get(li)) is None:
-            c = f.f_back  # the caller may know this call's stack (see _walk)
-            if c is None or type(m := c.f_trace) is not _Mark or (
-                    t := m.get((c.f_lasti, id(f.f_code), li))) is None:
-                t = _walk(f, li)
+            # a new frame of a function called from one place: its caller's mark for it
+            # (see _miss, which does the rest)
+            c = f.f_back
+            if (m is None and c is not None and type(mc := c.f_trace) is _Mark
+                    and (e := mc.get((c.f_lasti, id(f.f_code)))) is not None
+                    and (t := e[1].get(li)) is not None):
+                if not f.f_code.co_flags & _NO_MARK and _gettrace() is None:
+                    f.f_trace = e[1]
+            else:
+                t = _miss(f, li, m)
     return t if now is None else (now(), t)
 
 
+def _miss(f: Any, li: int, m: Any) -> tuple:
+    """The stack of frame ``f`` at ``li`` when its mark ``m`` (its f_trace) does not know
+    it: from the mark its caller keeps for its code (then also set as its own), else by a
+    walk."""
+    c = f.f_back
+    if c is not None:
+        mc = c.f_trace
+        if type(mc) is _Mark:
+            code = f.f_code
+            cli = c.f_lasti
+            e = mc.get((cli, id(code)))  # (the entry holds the code: its id stays its own)
+            if e is not None:
+                shared = e[1]
+                if m is None and not code.co_flags & _NO_MARK and _gettrace() is None:
+                    f.f_trace = m = shared
+                t = shared.get(li)
+                if t is None:
+                    tail = mc.get(cli)
+                    if tail is None:
+                        return _walk(f, li)
+                    t = _shared((code, li) + tail)
+                    if len(shared) >= _MARK_MAX:
+                        shared.clear()
+                    shared[li] = t
+                if type(m) is _Mark and m is not shared:
+                    m[li] = t
+                return t
+    return _walk(f, li)
+
+
 def _walk(f0: Any, li0: int) -> tuple:
-    """The stack from frame ``f0`` (at ``li0``) outwards, caching it on the frames."""
-    code0 = f0.f_code
-    f = f0.f_back
-    if f is None:
-        return (code0, li0)
-    # The caller keeps this call's stack too (the innermost frame is often a new one for
-    # each loop iteration; _capture looks there before calling this)
-    key = (f.f_lasti, id(code0), li0)  # (the stack holds code0: its id stays its own)
+    """The stack from frame ``f0`` (at ``li0``) outwards, up to the first frame whose mark
+    knows the rest, marking the frames walked."""
     walked: list = [f0, li0]  # frames without a cached stack, innermost first, with lasti
     ap = walked.append
+    f = f0.f_back
     t = ()
     while f is not None:
         li = f.f_lasti
@@ -243,8 +277,10 @@ def _walk(f0: Any, li0: int) -> tuple:
         ap(f)
         ap(li)
         f = f.f_back
-    caller = walked[2] if len(walked) > 2 else f  # where the walk stopped, if not beyond
     mark = _gettrace() is None
+    # the caller's mark and offset, for the outermost frame walked
+    cm = f.f_trace if f is not None else None
+    cli = li if f is not None else 0
     for i in range(len(walked) - 2, -1, -2):  # outermost first: each adds one frame to t
         f = walked[i]
         li = walked[i + 1]
@@ -252,21 +288,27 @@ def _walk(f0: Any, li0: int) -> tuple:
         t = (code, li) + t
         if i == 0:
             t = _shared(t)
-        if mark and not code.co_flags & _NO_MARK:
-            m = f.f_trace
-            if m is None:
-                m = f.f_trace = _Mark()
-            if type(m) is _Mark:
-                if len(m) >= _MARK_MAX:
-                    m.clear()
-                m[li] = t
-    # and on the caller, for the next frame of code0 it calls from there
-    if caller is not None:
-        m = caller.f_trace
+        m = f.f_trace
+        if m is None and mark and not code.co_flags & _NO_MARK:
+            if type(cm) is _Mark:  # the mark of the frames of this code called from there
+                key = (cli, id(code))
+                e = cm.get(key)
+                if e is None:
+                    if len(cm) >= _MARK_MAX:
+                        cm.clear()
+                    e = cm[key] = (code, _Mark())
+                m = e[1]
+            else:
+                m = _Mark()
+            f.f_trace = m
         if type(m) is _Mark:
             if len(m) >= _MARK_MAX:
                 m.clear()
-            m[key] = t
+            m[li] = t
+            cm = m
+        else:
+            cm = None
+        cli = li
     return t
 
 
