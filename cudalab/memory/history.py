@@ -141,10 +141,12 @@ def _is_internal(filename: str) -> bool:
 
 # Stacks are cached on the frames themselves. While a frame runs, the frames beyond it do
 # not change (they wait in their calls), so its stack at a given instruction is fixed for
-# its whole run. A frame's cache is a _Mark set as its ``f_trace``: the frame owns it, so it
-# lives exactly as long as the frame (no frame, local or id is kept anywhere else), and
-# ``f.f_trace is mark`` cannot match a later frame at a reused address. Generator and
-# coroutine frames are never marked: the frames beyond them change at every resumption.
+# its whole run. A frame's cache is a _Mark set as its ``f_trace``: the frames own it, so
+# it lives as long as the frames that use it (no frame, local or id is kept anywhere else),
+# and a later frame at a reused address has no mark. Frames share a mark only when their
+# stacks are the same at every instruction (one code, called from one place of one
+# running frame: see _Mark). Generator and coroutine frames are never marked: the frames
+# beyond them change at every resumption.
 # Frames are marked only while no trace function is set (sys.settrace), and only when
 # their f_trace is free, so debuggers and coverage keep theirs.
 _NO_MARK = 0x20 | 0x80 | 0x100 | 0x200  # CO_GENERATOR, CO_COROUTINE, CO_ITERABLE_COROUTINE,
