@@ -90,6 +90,12 @@ def top(frames) -> tuple:
     return (f["filename"], f["line"], f["name"])
 
 
+# Stack caches are not set while a trace function runs (coverage, a debugger): the tests
+# that look at them need none.
+needs_no_tracer = pytest.mark.skipif(sys.gettrace() is not None,
+                                     reason="a trace function is set (coverage or a debugger)")
+
+
 # --------------------------------------------------------------------------- entries
 def test_entries_for_alloc_free_and_segments(priv):
     a = priv()
@@ -262,6 +268,7 @@ def test_memo_pairs_of_a_loop_carry_their_stacks(priv, context):
         assert top(e["frames"]) == (HERE, want, "test_memo_pairs_of_a_loop_carry_their_stacks")
 
 
+@needs_no_tracer
 def test_cached_stacks_keep_no_frame_alive(priv):
     """A frame's stack cache lives on the frame: once the function returns, its locals
     are freed as without recording."""
@@ -300,6 +307,7 @@ def test_stacks_of_new_frames_at_one_site_are_one_tuple(priv):
     assert len(frames) == 6 and frames[0] and all(f is frames[0] for f in frames)
 
 
+@needs_no_tracer
 def test_a_frame_keeps_a_bounded_number_of_stacks(priv):
     """A long-running frame that calls ever new code objects (generated functions) does
     not keep a stack for each of them."""
@@ -313,6 +321,7 @@ def test_a_frame_keeps_a_bounded_number_of_stacks(priv):
     assert isinstance(mark, history._Mark) and 0 < len(mark) <= history._MARK_MAX
 
 
+@needs_no_tracer
 def test_no_cache_under_a_trace_function_or_in_generators(priv):
     """Debuggers and coverage keep their f_trace, and frames are not marked while a trace
     function is set; a frame marked before one is set runs on as without a local one;
