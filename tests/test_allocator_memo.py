@@ -370,6 +370,17 @@ def _without_times(log):
     return [e[:4] + e[5:] for e in log]
 
 
+def _run_and_write_out(r, ops, logs):
+    """Run ``ops``, write out what the memo logged, and check both allocators' entries
+    match (times aside) and the memo's are in time order."""
+    _run_history_ops(r, ops)
+    for a in r.allocs:
+        a.sync_pending()
+    assert _without_times(logs[0]) == _without_times(logs[1])
+    times = [e[4] for e in logs[0]]
+    assert times == sorted(times)
+
+
 @settings(max_examples=100, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=OPS)
@@ -378,12 +389,7 @@ def test_pairs_logged_as_times_give_the_same_history(monkeypatch, ops):
     written out they are exactly the plain path's entries, in time order."""
     r = _Runner(_pair(monkeypatch))
     logs = _stackless_traces(r, monkeypatch)
-    _run_history_ops(r, ops)
-    for a in r.allocs:
-        a.sync_pending()
-    assert _without_times(logs[0]) == _without_times(logs[1])
-    times = [e[4] for e in logs[0]]
-    assert times == sorted(times)
+    _run_and_write_out(r, ops, logs)
     r.compare()
 
 
@@ -399,12 +405,7 @@ def test_pairs_logged_with_stacks_give_the_same_history(monkeypatch, context, op
 
     r = _Runner(_pair(monkeypatch))
     logs, recs = _history_traces(r, monkeypatch, h._CONTEXTS[context])
-    _run_history_ops(r, ops)
-    for a in r.allocs:
-        a.sync_pending()
-    assert _without_times(logs[0]) == _without_times(logs[1])
-    times = [e[4] for e in logs[0]]
-    assert times == sorted(times)
+    _run_and_write_out(r, ops, logs)
     assert recs[0].blocks == recs[1].blocks
     assert sorted(recs[0].blocks) == sorted(p for p, _ in r.live)
     stacks = [e[5] for e in logs[0] if e[0] == "alloc"]
