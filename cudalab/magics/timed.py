@@ -24,8 +24,9 @@ How a measurement is built (the pitfalls it avoids are in ``docs/magics.md``):
   are kept in flight by querying the end of repeat k - 2 every few repeats (the stride
   doubles up to 32 while the GPU keeps up, and drops to 1, with a wait outside the host
   clock, when it does not); repeats shorter than the GPU's latency from record to
-  completion (an empty body) may have up to 32 in flight (see ``_EventTimer``). The per-repeat cost of an empty body is one event record, one
-  ``elapsed_time`` and two clock reads.
+  completion (an empty body) may have up to 32 in flight (see ``_EventTimer``). The
+  per-repeat cost of an empty body is one event record, one ``elapsed_time`` and two
+  clock reads.
 * **Warm-up and auto-ranging** before the measured repeats; ``--max-time`` caps the measured
   phase; the setup statement runs untimed before every repeat (as ``%%timeit``).
 * **--cold** writes a buffer of ``cold_flush_factor`` x the device's L2 size (a raw driver

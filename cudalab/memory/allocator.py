@@ -540,7 +540,7 @@ class DeviceCachingAllocator(Allocator):
                 if self._trace is not None:
                     ap = self._hit_ap
                     if ap is not None:  # see _establish_memo
-                        ap(m.tfree)  # its free's time (0: none, skipped when written)
+                        ap(m.tfree)  # its free's stamp (0: none, skipped when written)
                         ap(self._hit_now())
                     else:
                         self._trace("alloc", m.ptr, size, self._memo_stream)
@@ -572,7 +572,7 @@ class DeviceCachingAllocator(Allocator):
                         and not self._pending_frees):
                     ready.pop()
                     m.state = 1
-                    if m.tfree:  # its free, deferred without the lock, was logged as a time
+                    if m.tfree:  # its free, deferred without the lock, left a stamp
                         if self._hit_ap is not None:
                             self._hit_ap(m.tfree)
                             self._hit_ap(0)

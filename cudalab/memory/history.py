@@ -218,16 +218,7 @@ def _capture(now: Callable[[], int] | None = None) -> Any:
         li = f.f_lasti
         m = f.f_trace
         if type(m) is not _Mark or (t := m.get(li)) is None:
-            # a new frame of a function called from one place: its caller's mark for it
-            # (see _miss, which does the rest)
-            c = f.f_back
-            if (m is None and c is not None and type(mc := c.f_trace) is _Mark
-                    and (e := mc.get((c.f_lasti, id(f.f_code)))) is not None
-                    and (t := e[1].get(li)) is not None):
-                if not f.f_code.co_flags & _NO_MARK and _gettrace() is None:
-                    f.f_trace = e[1]
-            else:
-                t = _miss(f, li, m)
+            t = _miss(f, li, m)
     return t if now is None else (now(), t)
 
 
@@ -440,15 +431,8 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
                 if t:
                     append(("alloc", addr, size, stream, t, None, None, cell))
 
-        # Entries without stacks carry nothing but the time as long as no NVTX range was
-        # ever pushed and the cell stays the same (set_current_cell and the first NVTX push
-        # flush the allocators first): the allocator may then log a memo pair as two
-        # stamps, here two times.
-        trace.compact = pairs
-        trace.compact_ok = lambda: not nv._used
-        trace.now = trace.free_now = now
-        trace.capacity = None  # the ring's (max_entries): older stamps need not be kept
-        return trace
+        # Entries without stacks carry nothing but the time: the memo's stamps are times.
+        return _compact(trace, pairs, now, now, nv)
 
     blocks = rec.blocks
     segs = rec.segs
@@ -518,9 +502,9 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
         m = nvtls.__dict__.get("messages") if nv._used else None
         append((action, addr, size, stream, now(), ef, m[-1] if m else None, _cell))
 
-    # Memo pairs are logged compactly too (see the stack-less case): their stamps are
-    # (time, stack) for an allocation, and for a free when frees carry their own stack
-    # (context "all"), else the time. The allocator method calls the stamp directly.
+    # Memo pairs are logged compactly too (see _compact): their stamps are (time, stack)
+    # for an allocation, and for a free when frees carry their own stack (context "all"),
+    # else the time. The allocator method calls the stamp directly.
     stamp = functools.partial(_capture, now)
 
     def pairs_with_stacks(addr: int, size: int, stream: int, stamps: Any) -> None:
@@ -545,11 +529,20 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
                 blocks[addr] = fr
                 append(("alloc", addr, size, stream, t, fr if on_alloc else None, None, cell))
 
-    trace.compact = pairs_with_stacks
+    return _compact(trace, pairs_with_stacks, stamp, stamp if on_free else now, nv)
+
+
+def _compact(trace: Any, pairs: Callable, now: Callable, free_now: Callable, nv: Any) -> Any:
+    """``trace`` with what the allocator needs to log memo pairs compactly: ``now()`` and
+    ``free_now()`` make the alloc and free stamps, ``pairs(addr, size, stream, stamps)``
+    writes them out as entries. That is possible as long as no NVTX range was ever pushed
+    and the cell stays the same (set_current_cell and the first NVTX push flush the
+    allocators first), since entries then carry nothing else."""
+    trace.compact = pairs
     trace.compact_ok = lambda: not nv._used
-    trace.now = stamp
-    trace.free_now = stamp if on_free else now
-    trace.capacity = None
+    trace.now = now
+    trace.free_now = free_now
+    trace.capacity = None  # the ring's (max_entries, set by _attach): older stamps go
     return trace
 
 
