@@ -56,7 +56,6 @@ after the block when recording was off before it.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
@@ -153,7 +152,11 @@ _NO_MARK = 0x20 | 0x80 | 0x100 | 0x200  # CO_GENERATOR, CO_COROUTINE, CO_ITERABL
 #                                         CO_ASYNC_GENERATOR
 _gettrace = sys.gettrace
 _modname = getattr(sys, "_getframemodulename", None)
-_internal_mods: dict = {}  # module name -> one of cudalab's
+_now = time.time_ns
+# Names of the modules whose frames are on captured stacks, by whether they are cudalab's
+# (None, a frame without a module name or beyond the stack, is in neither).
+_cud_mods: set = set()
+_other_mods: set = set()
 
 
 _MARK_MAX = 256  # entries one mark keeps (a frame calling ever new code objects)
@@ -174,37 +177,37 @@ class _Mark(dict):
         return None
 
 
-def _capture(now: Callable[[], int] | None = None) -> Any:
-    """The calling Python stack without cudalab's own frames, innermost first, as a flat
-    tuple (code, lasti, code, lasti, ...); with a clock ``now``, the stamp ``(now(),
-    stack)``. Lines are computed from lasti only when a snapshot is taken. Equal stacks of
-    one running frame are one tuple object. Called by a function that an allocator method
-    called (the trace hook), or directly by the allocator method as ``partial(_capture,
-    now)`` (a stamp): the allocator method is cudalab's, the search starts beyond it."""
+def _capture(d: int) -> tuple:
+    """The Python stack of the caller from its ``d``-th frame outwards (0: its own),
+    without cudalab's own frames at its start, innermost first, as a flat tuple (code,
+    lasti, code, lasti, ...). Lines are computed from lasti only when a snapshot is taken.
+    Equal stacks of one running frame are one tuple object. The allocator method calling
+    the hook is cudalab's: callers pass the depth of that method's caller."""
+    d += 1  # this frame
     if _modname is not None:
         # Python 3.12+: find the first frame outside cudalab by its module's name, which
         # needs no frame object for cudalab's own frames (making one costs ~100 ns).
-        d = 3 if now is None else 2  # beyond the allocator method that called
-        mods = _internal_mods
         while True:
             name = _modname(d)
-            flag = mods.get(name)
-            if flag is None:
-                flag = mods[name] = name is not None and name.partition(".")[0] == "cudalab"
-            if not flag:
+            if name in _cud_mods:
+                d += 1
+            elif name is None or name in _other_mods:
                 break
-            d += 1
+            elif name.partition(".")[0] == "cudalab":
+                _cud_mods.add(name)
+            else:
+                _other_mods.add(name)
         try:
             f = _getframe(d)
         except ValueError:  # beyond the stack: all of it is cudalab's
-            f = None
+            return ()
     else:
         try:
-            f = _getframe(3 if now is None else 2)
+            f = _getframe(d)
         except ValueError:
-            f = None
+            return ()
         internal = _internal
-        while f is not None:
+        while True:
             fn = f.f_code.co_filename
             flag = internal.get(fn)
             if flag is None:
@@ -212,14 +215,42 @@ def _capture(now: Callable[[], int] | None = None) -> Any:
             if not flag:
                 break
             f = f.f_back
-    if f is None:
-        t = ()
-    else:
-        li = f.f_lasti
-        m = f.f_trace
-        if type(m) is not _Mark or (t := m.get(li)) is None:
-            t = _miss(f, li, m)
-    return t if now is None else (now(), t)
+            if f is None:
+                return ()
+    li = f.f_lasti
+    m = f.f_trace
+    if type(m) is not _Mark or (t := m.get(li)) is None:
+        t = _miss(f, li, m)
+    return t
+
+
+if _modname is not None:
+    def _stamp() -> tuple:
+        """The memo's stamp of an allocation (or of a free, when frees carry their own
+        stack): ``(time, stack)``, the stack as ``_capture(2)`` makes it. The allocator
+        method calls it directly. Its common case (the first frame outside cudalab has
+        a mark that knows its stack) is written out here: no further call."""
+        d = 2
+        name = _modname(2)
+        while name in _cud_mods:
+            d += 1
+            name = _modname(d)
+        if name in _other_mods or name is None:
+            try:
+                f = _getframe(d)
+            except ValueError:  # beyond the stack: all of it is cudalab's
+                return _now(), ()
+            m = f.f_trace
+            if m.__class__ is _Mark:
+                t = m.get(f.f_lasti)
+                if t is not None:
+                    return _now(), t
+        return _now(), _capture(2)
+else:
+    def _stamp() -> tuple:
+        """The memo's stamp of an allocation (or of a free, when frees carry their own
+        stack): ``(time, stack)``. The allocator method calls it directly."""
+        return _now(), _capture(2)
 
 
 def _miss(f: Any, li: int, m: Any) -> tuple:
@@ -450,12 +481,12 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
                 rec.pending = None
                 fr = p[1]
             else:
-                fr = cap()
+                fr = cap(2)
             blocks[addr] = fr
             ef = fr if on_alloc else None
         elif action == "free_requested":
             if on_free:
-                fr = cap()
+                fr = cap(2)
                 f1 = getframe(1)  # the allocator method freeing, to spot a completion inside it
                 rec.last_free = (addr, fr, id(f1), f1.f_code)
                 ef = fr
@@ -482,7 +513,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
             if p is not None and p[0] == ident():
                 fr = p[1]
             else:
-                fr = cap()
+                fr = cap(2)
                 rec.pending = (ident(), fr)
             if addr not in segs:
                 segs[addr] = fr
@@ -490,12 +521,12 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
         elif action == "segment_free" or action == "segment_unmap":
             fr = segs.pop(addr, None)
             if on_free:
-                fr = cap()
+                fr = cap(2)
             ef = fr if on_alloc else None
         elif action == "oom":
             p = rec.pending
             rec.pending = None
-            fr = p[1] if p is not None and p[0] == ident() else cap()
+            fr = p[1] if p is not None and p[0] == ident() else cap(2)
             ef = fr if on_alloc else None
         else:
             ef = None
@@ -505,7 +536,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
     # Memo pairs are logged compactly too (see _compact): their stamps are (time, stack)
     # for an allocation, and for a free when frees carry their own stack (context "all"),
     # else the time. The allocator method calls the stamp directly.
-    stamp = functools.partial(_capture, now)
+    stamp = _stamp
 
     def pairs_with_stacks(addr: int, size: int, stream: int, stamps: Any) -> None:
         """The entries of memo pairs that the allocator logged as (free stamp, alloc
