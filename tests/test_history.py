@@ -385,6 +385,41 @@ def test_frames_through_the_public_api_start_at_the_caller():
     assert top(es[1]["frames"])[1] == ln + 1
 
 
+
+@pytest.mark.parametrize("module", ["user_module", None])
+def test_memo_stamps_through_the_public_api_start_at_the_caller(module, monkeypatch):
+    """The memo's stamps (history._stamp) skip cudalab's frames (here the array's and the
+    allocator's) by module name, learning the names while recording, for code of a named
+    module and for code run without one (exec'd in bare globals): the allocation and free
+    stacks of a loop over ``cudalab.empty`` are the real ones."""
+    cudalab.init()
+    monkeypatch.setattr(history, "_cud_mods", set())
+    monkeypatch.setattr(history, "_other_mods", set())
+    alloc = cudalab.memory.get_allocator(0)
+    src = ("def run(n):\n"
+           "    got, freed, compact = [], [], []\n"
+           "    for _ in range(n):\n"
+           "        x, s = empty(256), extract_stack()\n"
+           "        p = x.data_ptr()\n"
+           "        got.append((p, s))\n"
+           "        compact.append(logged())\n"
+           "        del x; freed.append((p, extract_stack()))\n"
+           "    return got, freed, compact\n")
+    ns = {"empty": cudalab.empty, "extract_stack": traceback.extract_stack,
+          "logged": lambda: alloc._hit_log is not None}
+    if module is not None:
+        ns["__name__"] = module
+    exec(compile(src, "<user code>", "exec"), ns)
+    cudalab.memory._record_memory_history()
+    got, freed, compact = ns["run"](8)
+    assert any(compact)
+    es = trace({p for p, _ in got})
+    _allocs_with_real_stacks(alloc, es, got)
+    _allocs_with_real_stacks(alloc, es, freed, "free_requested")
+    if history._modname is not None:  # Python 3.12+ (3.11 tells cudalab's frames by file)
+        assert "cudalab.array" in history._cud_mods
+        assert (module in history._other_mods) == (module is not None)
+
 def test_oom_entry_on_a_tiny_simulated_device(monkeypatch):
     from cudalab._driver.simulator import SimulatorBackend
 
