@@ -259,7 +259,7 @@ def main() -> None:
 
     cudalab.init()
     sim = cudalab.devices._backend().simulated
-    n, rounds = (2000, 5) if args.quick else (20000, 9)
+    n, rounds = (2000, 5) if args.quick else (20000, 15)
     res = {"env": environment(cudalab.devices._backend().name, cudalab.get_device_name())}
     res["history"] = {w: history_cost(n, rounds, sim, w) for w in _PLACES}
     res["snapshot_ms"] = snapshot_time(2000, 5 if args.quick else 21, sim)
