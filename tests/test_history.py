@@ -420,6 +420,27 @@ def test_memo_stamps_through_the_public_api_start_at_the_caller(module, monkeypa
         assert "cudalab.array" in history._cud_mods
         assert (module in history._other_mods) == (module is not None)
 
+@pytest.mark.parametrize("module", [5, ["not", "hashable"]])
+def test_functions_with_odd_module_names_allocate_and_get_their_stacks(module):
+    """A function's ``__module__`` can be anything (sys._getframemodulename returns it as
+    is): allocating from it while recording must work, plain and memo paths alike, with
+    the function as the innermost frame."""
+    cudalab.init()
+    cudalab.memory._record_memory_history()
+
+    def loop(n):
+        for _ in range(n):
+            x, s = cudalab.empty(256), traceback.extract_stack()
+            got.append((x.data_ptr(), s))
+            del x
+
+    got: list = []
+    loop.__module__ = module
+    loop(6)
+    es = trace({p for p, _ in got})
+    _allocs_with_real_stacks(None, es, got)
+
+
 def test_oom_entry_on_a_tiny_simulated_device(monkeypatch):
     from cudalab._driver.simulator import SimulatorBackend
 

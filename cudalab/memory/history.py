@@ -189,11 +189,15 @@ def _capture(d: int) -> tuple:
         # needs no frame object for cudalab's own frames (making one costs ~100 ns).
         while True:
             name = _modname(d)
-            if name in _cud_mods:
-                d += 1
-            elif name is None or name in _other_mods:
+            try:
+                if name in _cud_mods:
+                    d += 1
+                    continue
+                if name is None or name in _other_mods:
+                    break
+            except TypeError:  # a function's __module__ set to something unhashable
                 break
-            elif name.partition(".")[0] == "cudalab":
+            if type(name) is str and name.partition(".")[0] == "cudalab":
                 _cud_mods.add(name)
             else:
                 _other_mods.add(name)
@@ -232,19 +236,22 @@ if _modname is not None:
         a mark that knows its stack) is written out here: no further call."""
         d = 2
         name = _modname(2)
-        while name in _cud_mods:
-            d += 1
-            name = _modname(d)
-        if name in _other_mods or name is None:
-            try:
-                f = _getframe(d)
-            except ValueError:  # beyond the stack: all of it is cudalab's
-                return _now(), ()
-            m = f.f_trace
-            if m.__class__ is _Mark:
-                t = m.get(f.f_lasti)
-                if t is not None:
-                    return _now(), t
+        try:
+            while name in _cud_mods:
+                d += 1
+                name = _modname(d)
+            if name in _other_mods or name is None:
+                try:
+                    f = _getframe(d)
+                except ValueError:  # beyond the stack: all of it is cudalab's
+                    return _now(), ()
+                m = f.f_trace
+                if m.__class__ is _Mark:
+                    t = m.get(f.f_lasti)
+                    if t is not None:
+                        return _now(), t
+        except TypeError:  # an unhashable module name: _capture copes
+            pass
         return _now(), _capture(2)
 else:
     def _stamp() -> tuple:
