@@ -17,6 +17,7 @@ stacks=None <= 0.3 us; snapshot of 2000 blocks <= torch's time; replay >= 200k e
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -112,7 +113,7 @@ def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
             if loop is None:
                 return None
         elif where == "deep":
-            loop = (lambda inner: lambda k: _nest(20, inner, k))(_script_loop(op, ns))
+            loop = functools.partial(_nest, 20, _script_loop(op, ns))
         else:
             loop = _script_loop(op, ns)
         loops[name] = loop

@@ -160,7 +160,7 @@ def test_frames_of_notebook_like_cells_reuse_the_outer_stack_correctly(priv):
         a.free(ns["p2"])
 
 
-def _allocs_with_real_stacks(a, entries, got, action="alloc"):
+def _allocs_with_real_stacks(entries, got, action="alloc"):
     """Check that each allocation in ``got`` (pointer, extract_stack() taken on the same
     line) has exactly that stack in its ``action`` entry of ``entries`` (the last entries
     of each address: earlier allocations there may be in ``entries`` too)."""
@@ -236,8 +236,8 @@ def test_cached_stacks_are_the_real_stacks(priv):
     t.start()
     t.join()
     es = trace()
-    _allocs_with_real_stacks(a, es, got)
-    _allocs_with_real_stacks(a, es, freed, "free_requested")
+    _allocs_with_real_stacks(es, got)
+    _allocs_with_real_stacks(es, freed, "free_requested")
     assert len(got) == len(freed) == 6 * 13 + 2
 
 
@@ -260,7 +260,7 @@ def test_memo_pairs_of_a_loop_carry_their_stacks(priv, context):
     if context == "state":
         assert all(e["frames"] == [] for e in es)
         return
-    _allocs_with_real_stacks(a, es, got)
+    _allocs_with_real_stacks(es, got)
     freed = [e for e in es if e["action"].startswith("free_")]
     assert len(freed) == 12
     for k, e in enumerate(freed):
@@ -370,7 +370,7 @@ def test_no_cache_under_a_trace_function_or_in_generators(priv):
     assert ft is local and "line" in events and x == 1
     assert sys._getframe().f_trace is mine
     a.free(p)
-    _allocs_with_real_stacks(a, trace({p}), [(p, s)])
+    _allocs_with_real_stacks(trace({p}), [(p, s)])
     assert isinstance(untraced(), history._Mark) and next(gen()) is None
     assert own() is local
 
@@ -383,7 +383,6 @@ def test_frames_through_the_public_api_start_at_the_caller():
     es = [e for e in trace({p}) if e["action"] in ("alloc", "free_requested")]
     assert top(es[0]["frames"]) == (HERE, ln, "test_frames_through_the_public_api_start_at_the_caller")
     assert top(es[1]["frames"])[1] == ln + 1
-
 
 
 @pytest.mark.parametrize("module", ["user_module", None])
@@ -414,11 +413,12 @@ def test_memo_stamps_through_the_public_api_start_at_the_caller(module, monkeypa
     got, freed, compact = ns["run"](8)
     assert any(compact)
     es = trace({p for p, _ in got})
-    _allocs_with_real_stacks(alloc, es, got)
-    _allocs_with_real_stacks(alloc, es, freed, "free_requested")
+    _allocs_with_real_stacks(es, got)
+    _allocs_with_real_stacks(es, freed, "free_requested")
     if history._modname is not None:  # Python 3.12+ (3.11 tells cudalab's frames by file)
         assert "cudalab.array" in history._cud_mods
         assert (module in history._other_mods) == (module is not None)
+
 
 @pytest.mark.parametrize("module", [5, ["not", "hashable"]])
 def test_functions_with_odd_module_names_allocate_and_get_their_stacks(module):
@@ -438,7 +438,7 @@ def test_functions_with_odd_module_names_allocate_and_get_their_stacks(module):
     loop.__module__ = module
     loop(6)
     es = trace({p for p, _ in got})
-    _allocs_with_real_stacks(None, es, got)
+    _allocs_with_real_stacks(es, got)
 
 
 def test_oom_entry_on_a_tiny_simulated_device(monkeypatch):

@@ -447,7 +447,7 @@ def _nvtx_flag() -> Any:
 
 def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> Callable:
     """The allocator hook ``trace(action, addr, size, stream)`` for one recorder."""
-    now = time.time_ns
+    now = _now
     nvtls = _nvtx_tls
     nv = _nvtx_flag()
 
@@ -481,7 +481,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
     on_free = level == _ALL
 
     def trace(action: str, addr: int, size: int, stream: int) -> None:  # noqa: C901
-        # called by an allocator method: the stack starts two frames up (_capture's depth)
+        # called by an allocator method: cap(2) starts at that method's caller
         if action == "alloc":
             p = rec.pending
             if p is not None and p[0] == ident():
@@ -542,8 +542,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
 
     # Memo pairs are logged compactly too (see _compact): their stamps are (time, stack)
     # for an allocation, and for a free when frees carry their own stack (context "all"),
-    # else the time. The allocator method calls the stamp directly.
-    stamp = _stamp
+    # else the time. The allocator method calls the stamp (_stamp) directly.
 
     def pairs_with_stacks(addr: int, size: int, stream: int, stamps: Any) -> None:
         """The entries of memo pairs that the allocator logged as (free stamp, alloc
@@ -567,7 +566,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
                 blocks[addr] = fr
                 append(("alloc", addr, size, stream, t, fr if on_alloc else None, None, cell))
 
-    return _compact(trace, pairs_with_stacks, stamp, stamp if on_free else now, nv)
+    return _compact(trace, pairs_with_stacks, _stamp, _stamp if on_free else now, nv)
 
 
 def _compact(trace: Any, pairs: Callable, now: Callable, free_now: Callable, nv: Any) -> Any:
