@@ -5,7 +5,9 @@
   ``stacks=None`` and ``stacks="python"``, next to ``torch.empty``+drop with torch's
   ``_record_memory_history`` off and on (``stacks="python"``, and torch's default
   ``stacks="all"``, Python and C++ frames); the loops run in a function 4 frames deep, 22
-  frames deeper, and in an IPython cell;
+  frames deeper, and in an IPython cell; with the compiled stamp built
+  (``cudalab.memory._stackstamp``), ``stacks="python"`` is timed with it and with the
+  pure-Python stamp, alternating;
 * ``memory_snapshot()`` with 2000 live blocks, cudalab against torch;
 * replay throughput (trace entries per second) on a synthetic 200k-entry trace.
 
@@ -95,6 +97,7 @@ def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
     notebook cell). None when the place is not available (IPython missing)."""
     import cudalab
     import cudalab.memory as cm
+    from cudalab.memory import history
 
     torch = None if sim else optional_import("torch")
     have_torch = torch is not None and torch.cuda.is_available()
@@ -124,19 +127,28 @@ def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
     # were logged as bare times; that cost, paid once by whoever reads or stops the
     # history, is reported on its own row (torch likewise builds its Python entries only
     # when _snapshot() is called).
-    def ours_on(kw):
-        return lambda: cm._record_memory_history("all", max_entries=100_000, **kw)
+    stamp = history.stamp_implementation()
+
+    def ours_on(kw, use):
+        def start():
+            history._use_stamp(use)
+            cm._record_memory_history("all", max_entries=100_000, **kw)
+        return start
 
     def ours_off():
         cm._record_memory_history(None)
+        history._use_stamp(stamp)
 
     def nothing():
         pass
 
+    modes = [("off", None, stamp), ("stacks=None", dict(stacks=None), stamp),
+             ("stacks=python", dict(stacks="python"), stamp)]
+    if stamp == "compiled":
+        modes.append((PURE, dict(stacks="python"), "python"))
     cases: dict = {}
-    for mode, kw in (("off", None), ("stacks=None", dict(stacks=None)),
-                     ("stacks=python", dict(stacks="python"))):
-        start = nothing if kw is None else ours_on(kw)
+    for mode, kw, use in modes:
+        start = nothing if kw is None else ours_on(kw, use)
         stop = nothing if kw is None else ours_off
         for name in ("cudalab caching_allocator_alloc+delete", "cudalab empty+drop"):
             cases[(mode, name)] = (loops[name], start, stop)
@@ -224,11 +236,12 @@ def replay_rate(entries: int, repeat: int) -> dict:
     return out
 
 
+PURE = "stacks=python, pure-Python stamp"
 _PLACES = {"script": "script, 4 frames deep", "deep": "script, 26 frames deep",
            "cell": "notebook cell (IPython)"}
 
 
-def _history_table(res: dict, where: str) -> Table:
+def _history_table(res: dict, where: str, stamp: str) -> Table:
     t = Table(f"History cost per alloc+free pair ({where})")
     h = dict(res)
     write_out = h.pop("write_out_per_pair_us")
@@ -236,21 +249,26 @@ def _history_table(res: dict, where: str) -> Table:
     for mode, row in h.items():
         for k, v in row.items():
             t.add(f"{k} [{mode}]", v)
+    ours_modes = [m for m in ("stacks=None", "stacks=python", PURE) if m in added]
     for k in ("cudalab caching_allocator_alloc+delete", "cudalab empty+drop"):
-        for mode in ("stacks=None", "stacks=python"):
+        for mode in ours_modes:
             t.add(f"added: {k} [{mode}]", added[mode][k], "µs",
                   "median of per-round differences" + ("; bound <= 0.3" if mode == "stacks=None"
                                                        else ""))
     t.add("stacks=None: writing out the pairs logged as times", write_out, "µs",
           "per pair, once, when the history is read or stopped (not in the rows above)")
-    ours = added["stacks=python"]["cudalab empty+drop"]
     for mode, note in (("stacks=python", "bound <= 0.5"),
                        ("stacks=all", "torch's default; cudalab's 'all' is its Python stacks")):
         theirs = added.get(mode, {}).get("torch.empty+drop")
-        if theirs is not None:
-            t.add(f"added: torch.empty+drop [{mode}]", theirs)
-            t.add(f"ratio cudalab empty+drop [python] / torch [{mode}] added",
-                  ours / theirs if theirs else None, "×", note)
+        if theirs is None:
+            continue
+        t.add(f"added: torch.empty+drop [{mode}]", theirs)
+        for ours_mode, label in (("stacks=python", f"python, {stamp} stamp"),
+                                 (PURE, "python, pure-Python stamp")):
+            if ours_mode in added:
+                ours = added[ours_mode]["cudalab empty+drop"]
+                t.add(f"ratio cudalab empty+drop [{label}] / torch [{mode}] added",
+                      ours / theirs if theirs else None, "×", note)
     return t
 
 
@@ -261,14 +279,18 @@ def main() -> None:
     cudalab.init()
     sim = cudalab.devices._backend().simulated
     n, rounds = (2000, 5) if args.quick else (20000, 15)
+    from cudalab.memory import history
+
     res = {"env": environment(cudalab.devices._backend().name, cudalab.get_device_name())}
+    res["env"]["stamp"] = stamp = history.stamp_implementation()
     res["history"] = {w: history_cost(n, rounds, sim, w) for w in _PLACES}
     res["snapshot_ms"] = snapshot_time(2000, 5 if args.quick else 21, sim)
     res["replay_entries_per_s"] = replay_rate(20_000 if args.quick else 200_000, 3)
 
     for where, h in res["history"].items():
         if h is not None:
-            print(_history_table(h, f"{_PLACES[where]}, {res['env']['device']}").render())
+            print(_history_table(h, f"{_PLACES[where]}, {res['env']['device']}, {stamp} stamp",
+                                 stamp).render())
     t = Table("memory_snapshot() with 2000 live blocks")
     for k, v in res["snapshot_ms"].items():
         t.add(k, v, "ms")

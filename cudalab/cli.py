@@ -54,6 +54,13 @@ def _nvrtc_version() -> str:
 
 
 # ---------------------------------------------------------------------------------- info
+def _history_stamp() -> str:
+    """Which stamp history's Python stacks use: ``"compiled"`` or ``"python"``."""
+    from cudalab.memory import history
+
+    return history.stamp_implementation()
+
+
 def _gather_info() -> dict[str, Any]:
     """Everything ``info`` shows, as plain data (the --json output)."""
     from cudalab import _driver
@@ -68,6 +75,7 @@ def _gather_info() -> dict[str, Any]:
         "driver_version_int": None,
         "nvrtc_version": _nvrtc_version(),
         "nvml": None,
+        "history_stamp": _history_stamp(),
         "devices": [],
         "error": None,
     }
@@ -156,6 +164,10 @@ def _format_info(info: dict[str, Any]) -> str:
     else:
         lines.append("driver   unavailable")
     lines.append(f"NVRTC    {info['nvrtc_version']}")
+    if "history_stamp" in info:
+        stamp = info["history_stamp"]
+        lines.append("stacks   " + ("compiled stamp (cudalab.memory._stackstamp)" if stamp == "compiled"
+                                  else "pure-Python stamp"))
     if info["error"] is not None:
         lines.append("")
         lines.append(f"No CUDA devices: {info['error']}")

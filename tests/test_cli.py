@@ -114,6 +114,7 @@ def test_info_in_process(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["devices"], info["error"]
     assert info["simulated"] is (info["backend"] == "simulator")
+    assert info["history_stamp"] == cudalab.memory.history.stamp_implementation()
 
 
 # ------------------------------------------------------------------------ formatting
@@ -151,6 +152,14 @@ def test_format_table(monkeypatch):
     assert row1.split()[-4:] == ["n/a"] * 4
     assert len(header) == len(row0)  # columns line up (the widest cells are in row0)
     assert "SIMULATOR" not in text
+    assert "stacks" not in text  # (an info without the key)
+
+
+@pytest.mark.parametrize("stamp, shown", [("compiled", "compiled stamp (cudalab.memory._stackstamp)"),
+                                          ("python", "pure-Python stamp")])
+def test_format_says_which_stamp_records_stacks(stamp, shown):
+    lines = cli._format_info(sample_info(history_stamp=stamp)).splitlines()
+    assert lines[4] == f"stacks   {shown}"
 
 
 def test_format_simulated_and_errors():

@@ -41,6 +41,19 @@ def make(backend, conf: str | None = None) -> DeviceCachingAllocator:
     return DeviceCachingAllocator(backend, 0, cfg, stream_resolver=lambda: 0)
 
 
+# Every test here runs with each stamp this Python has: the pure-Python one and, where it
+# was built (CPython 3.11-3.13), its C twin cudalab.memory._stackstamp.
+STAMPS = ["python"] + (["compiled"] if history._c_stamp is not None else [])
+
+
+@pytest.fixture(autouse=True, params=STAMPS)
+def stamp(request):
+    before = history.stamp_implementation()
+    history._use_stamp(request.param)
+    yield request.param
+    history._use_stamp(before)
+
+
 @pytest.fixture(autouse=True)
 def _history_off():
     """Every test starts and ends with recording off and no cell id."""
@@ -386,14 +399,24 @@ def test_frames_through_the_public_api_start_at_the_caller():
 
 
 @pytest.mark.parametrize("module", ["user_module", None])
-def test_memo_stamps_through_the_public_api_start_at_the_caller(module, monkeypatch):
+def test_memo_stamps_through_the_public_api_start_at_the_caller(module):
     """The memo's stamps (history._stamp) skip cudalab's frames (here the array's and the
     allocator's) by module name, learning the names while recording, for code of a named
     module and for code run without one (exec'd in bare globals): the allocation and free
     stacks of a loop over ``cudalab.empty`` are the real ones."""
     cudalab.init()
-    monkeypatch.setattr(history, "_cud_mods", set())
-    monkeypatch.setattr(history, "_other_mods", set())
+    # emptied in place (the compiled stamp holds these very sets), refilled after
+    saved = set(history._cud_mods), set(history._other_mods)
+    history._cud_mods.clear()
+    history._other_mods.clear()
+    try:
+        _memo_stamps_start_at_the_caller(module)
+    finally:
+        history._cud_mods.update(saved[0])
+        history._other_mods.update(saved[1])
+
+
+def _memo_stamps_start_at_the_caller(module) -> None:
     alloc = cudalab.memory.get_allocator(0)
     src = ("def run(n):\n"
            "    got, freed, compact = [], [], []\n"

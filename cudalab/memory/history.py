@@ -42,7 +42,10 @@ loop share one stack tuple. Generator and coroutine frames are not cached, nothi
 cached while a trace function (a debugger, coverage) is set, and a frame's own
 ``f_trace`` is never replaced. Memo pairs (a loop allocating and freeing one size) are
 logged by the allocator as stamps (time, stack) and written out as entries before anything
-reads the history.
+reads the history. The stamp has a C twin, ``cudalab.memory._stackstamp`` (CPython
+3.11-3.13, built optionally at install; ``CUDALAB_PURE_PYTHON=1`` turns it off): it reads
+the interpreter's frames instead of making frame objects for cudalab's own, for the same
+stacks at about half the cost (:func:`stamp_implementation` says which one is used).
 
 As torch: ``enabled="state"`` with the default ``context="all"`` still captures a stack at
 each free (kept nowhere but torch does the same); taking a snapshot (``_snapshot()`` and
@@ -259,6 +262,59 @@ else:
         stack): ``(time, stack)``. The allocator method calls it directly."""
         return _now(), _capture(2)
 
+
+
+_py_stamp = _stamp
+
+
+def _load_compiled_stamp() -> Callable[[], tuple] | None:
+    """``cudalab.memory._stackstamp.stamp`` set up over this module's state, or None where
+    it is not built (another Python, no compiler at install time; see setup.py) or
+    ``CUDALAB_PURE_PYTHON`` is set. It is ``_stamp`` in C over CPython's interpreter frames:
+    the same stacks at about half the cost. A module that is there but does not fit (built
+    from other sources) is reported and left unused."""
+    if os.environ.get("CUDALAB_PURE_PYTHON"):
+        return None
+    try:
+        from cudalab.memory import _stackstamp
+    except ImportError:
+        return None
+    try:
+        if getattr(_stackstamp, "API", None) != 1:
+            raise TypeError(f"API {getattr(_stackstamp, 'API', None)!r}, expected 1")
+        # The objects are shared, not copied: they are filled in place and never rebound.
+        _stackstamp.setup(_cud_mods, _other_mods, _internal, _Mark, _capture)
+    except Exception as exc:  # noqa: BLE001  (a stale build must not break recording)
+        warnings.warn(f"cudalab.memory._stackstamp ({_stackstamp.__file__}) is not usable, "
+                      f"using the pure-Python stamp: {exc}. Reinstall cudalab to rebuild it.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return _stackstamp.stamp
+
+
+_c_stamp = _load_compiled_stamp()
+if _c_stamp is not None:
+    _stamp = _c_stamp
+
+
+def stamp_implementation() -> str:
+    """Which stamp recordings with Python stacks use: ``"compiled"`` (the C accelerator,
+    CPython 3.11-3.13) or ``"python"``. Both give the same stacks."""
+    return "compiled" if _c_stamp is not None and _stamp is _c_stamp else "python"
+
+
+def _use_stamp(kind: str) -> None:
+    """Choose the stamp of the recordings started from now on (tests, benchmarks)."""
+    global _stamp
+    if kind == "python":
+        _stamp = _py_stamp
+    elif kind == "compiled":
+        if _c_stamp is None:
+            raise RuntimeError("cudalab.memory._stackstamp is not built for this Python "
+                               "(or CUDALAB_PURE_PYTHON is set)")
+        _stamp = _c_stamp
+    else:
+        raise ValueError(f"stamp must be 'python' or 'compiled', got {kind!r}")
 
 def _miss(f: Any, li: int, m: Any) -> tuple:
     """The stack of frame ``f`` at ``li`` when its mark ``m`` (its f_trace) does not know

@@ -1,0 +1,26 @@
+"""The one compiled part of cudalab: an optional accelerator for history's stack stamps.
+
+Everything else is in pyproject.toml. ``cudalab.memory._stackstamp`` reads CPython's
+private interpreter frames, so it is built only for CPython 3.11-3.13 with the GIL, and
+only optionally: without a compiler or headers the install still succeeds and
+``cudalab.memory.history`` uses its pure-Python stamp (same stacks, slower).
+"""
+
+import os
+import platform
+import sys
+import sysconfig
+
+from setuptools import Extension, setup
+
+
+def _extensions() -> list:
+    if (platform.python_implementation() != "CPython" or not (3, 11) <= sys.version_info[:2] <= (3, 13)
+            or sysconfig.get_config_var("Py_GIL_DISABLED") or os.environ.get("CUDALAB_PURE_PYTHON")):
+        return []
+    include = sysconfig.get_paths()["include"]
+    return [Extension("cudalab.memory._stackstamp", ["cudalab/memory/_stackstamp.c"],
+                      include_dirs=[os.path.join(include, "internal")], optional=True)]
+
+
+setup(ext_modules=_extensions())
