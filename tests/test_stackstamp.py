@@ -33,7 +33,7 @@ def _allocator_method(stamp):
 
 
 needs_compiled = pytest.mark.skipif(history._c_stamp is None,
-                                    reason="cudalab.memory._stackstamp is not built here")
+                                    reason="cudalab.memory._stackstamp is not built here (or CUDALAB_PURE_PYTHON is set)")
 
 
 @needs_compiled
@@ -102,7 +102,7 @@ def test_the_compiled_stamp_is_built_where_it_can_be():
 
     if (sys.implementation.name != "cpython" or not (3, 11) <= sys.version_info[:2] <= (3, 13)
             or sysconfig.get_config_var("Py_GIL_DISABLED")):
-        assert history._c_stamp is None or history._c_stamp.__module__
+        assert history._c_stamp is None
         pytest.skip("the compiled stamp is for CPython 3.11-3.13 with the GIL")
     if os.environ.get("CUDALAB_PURE_PYTHON"):
         assert history._c_stamp is None and history.stamp_implementation() == "python"
@@ -114,7 +114,7 @@ def test_the_compiled_stamp_is_built_where_it_can_be():
     assert history._c_stamp is not None, (
         "cudalab.memory._stackstamp was not built: reinstall cudalab (pip install -e .) or "
         "run python setup.py build_ext --inplace")
-    assert history.stamp_implementation() in ("python", "compiled")
+    assert history.stamp_implementation() == "compiled"  # (the default where it is built)
 
 
 def test_choosing_a_stamp_checks_its_name(monkeypatch):
