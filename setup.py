@@ -15,8 +15,10 @@ from setuptools import Extension, setup
 
 
 def _extensions() -> list:
-    if (platform.python_implementation() != "CPython" or not (3, 11) <= sys.version_info[:2] <= (3, 13)
-            or sysconfig.get_config_var("Py_GIL_DISABLED") or os.environ.get("CUDALAB_PURE_PYTHON")):
+    pure = os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0")
+    if (pure or platform.python_implementation() != "CPython"
+            or not (3, 11) <= sys.version_info[:2] <= (3, 13)
+            or sysconfig.get_config_var("Py_GIL_DISABLED")):
         return []
     include = sysconfig.get_paths()["include"]
     return [Extension("cudalab.memory._stackstamp", ["cudalab/memory/_stackstamp.c"],

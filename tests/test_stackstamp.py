@@ -104,7 +104,7 @@ def test_the_compiled_stamp_is_built_where_it_can_be():
             or sysconfig.get_config_var("Py_GIL_DISABLED")):
         assert history._c_stamp is None
         pytest.skip("the compiled stamp is for CPython 3.11-3.13 with the GIL")
-    if os.environ.get("CUDALAB_PURE_PYTHON"):
+    if os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0"):
         assert history._c_stamp is None and history.stamp_implementation() == "python"
         return
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
@@ -174,6 +174,8 @@ def test_a_fitting_compiled_stamp_gets_the_shared_state_and_the_switch_turns_it_
     assert fake.given == (history._cud_mods, history._other_mods, history._internal,
                           history._Mark, history._capture)
     assert all(a is b for a, b in zip(fake.given, (history._cud_mods, history._other_mods)))
+    monkeypatch.setenv("CUDALAB_PURE_PYTHON", "0")  # (0 or empty: not set)
+    assert history._load_compiled_stamp() == fake.stamp
     monkeypatch.setenv("CUDALAB_PURE_PYTHON", "1")
     fake.given = None
     assert history._load_compiled_stamp() is None and fake.given is None

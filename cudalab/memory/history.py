@@ -263,7 +263,6 @@ else:
         return _now(), _capture(2)
 
 
-
 _py_stamp = _stamp
 
 
@@ -273,7 +272,7 @@ def _load_compiled_stamp() -> Callable[[], tuple] | None:
     ``CUDALAB_PURE_PYTHON`` is set. It is ``_stamp`` in C over CPython's interpreter frames:
     the same stacks at about half the cost. A module that is there but does not fit (built
     from other sources) is reported and left unused."""
-    if os.environ.get("CUDALAB_PURE_PYTHON"):
+    if os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0"):
         return None
     try:
         from cudalab.memory import _stackstamp
@@ -315,6 +314,7 @@ def _use_stamp(kind: str) -> None:
         _stamp = _c_stamp
     else:
         raise ValueError(f"stamp must be 'python' or 'compiled', got {kind!r}")
+
 
 def _miss(f: Any, li: int, m: Any) -> tuple:
     """The stack of frame ``f`` at ``li`` when its mark ``m`` (its f_trace) does not know
