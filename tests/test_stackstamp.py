@@ -4,6 +4,7 @@ build wherever one can be made, and a stale or refused build that breaks nothing
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -64,6 +65,10 @@ def test_the_compiled_stamp_gives_the_python_stamps_stacks(first):
             (f.filename, f.name) for f in reversed(real)]
     assert got[0][1] is got[1][1] and again[0][1] is again[1][1]
     assert got[0][1] != again[0][1]
+    # the compiled stamps (one from _capture's path, one from a mark) are left out of the
+    # collector's work: they cannot be part of a cycle
+    compiled = [got[0], again[1]] if first == "compiled" else [got[1], again[0]]
+    assert not any(gc.is_tracked(c) for c in compiled)
 
 
 @needs_compiled
