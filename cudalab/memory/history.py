@@ -45,7 +45,7 @@ logged by the allocator as stamps (time, stack) and written out as entries befor
 reads the history. The stamp has a C twin, ``cudalab.memory._stackstamp`` (CPython
 3.11-3.13, built optionally at install; ``CUDALAB_PURE_PYTHON=1`` turns it off): it reads
 the interpreter's frames instead of making frame objects for cudalab's own, for the same
-stacks at about half the cost (:func:`stamp_implementation` says which one is used).
+stacks at less than half the cost (:func:`stamp_implementation` says which is used).
 
 As torch: ``enabled="state"`` with the default ``context="all"`` still captures a stack at
 each free (kept nowhere but torch does the same); taking a snapshot (``_snapshot()`` and
@@ -270,7 +270,7 @@ def _load_compiled_stamp() -> Callable[[], tuple] | None:
     """``cudalab.memory._stackstamp.stamp`` set up over this module's state, or None where
     it is not built (another Python, no compiler at install time; see setup.py) or
     ``CUDALAB_PURE_PYTHON`` is set. It is ``_stamp`` in C over CPython's interpreter frames:
-    the same stacks at about half the cost. A module that is there but does not fit (built
+    the same stacks at less than half the cost. A module that is there but does not fit (built
     from other sources) is reported and left unused."""
     if os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0"):
         return None
