@@ -10,8 +10,11 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cudalab.memory import history
 
@@ -56,9 +59,9 @@ def test_the_compiled_stamp_gives_the_python_stamps_stacks(first):
 
     t0 = time.time_ns()
     got, ln, again, ln2 = place()
-    for (t, st), ln_ in [(got[0], ln), (got[1], ln), (again[0], ln2), (again[1], ln2)]:
+    for (t, stack), ln_ in [(got[0], ln), (got[1], ln), (again[0], ln2), (again[1], ln2)]:
         assert t0 <= t <= time.time_ns()
-        fr = history.frames_to_dicts(st)
+        fr = history.frames_to_dicts(stack)
         assert top(fr)[1:] == (ln_, "place") and fr[0]["filename"] == HERE
         real = traceback.extract_stack()
         assert [(f["filename"], f["name"]) for f in fr[1:]] == [
@@ -240,3 +243,111 @@ def test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_mis
         assert calls == [1, 1, 1] and fs[0] is fs[1]  # (equal stacks of one site: one tuple)
     finally:
         _stackstamp.setup(*shared, history._capture)
+
+
+# ------------------------------------------------------------ random call structures
+def _kinds():
+    """Ways to call the next level: each makes one or more frames of its own kind."""
+
+    def plain(nxt, depth):
+        return nxt(depth)
+
+    class Obj:
+        def method(self, nxt, depth):
+            return nxt(depth)
+
+    def gen(nxt, depth):
+        yield nxt(depth)
+
+    def through_gen(nxt, depth):
+        return next(gen(nxt, depth))
+
+    ns: dict = {}  # code exec'd without a module name, as a notebook's or a tool's
+    exec("def bare(nxt, depth):\n    return nxt(depth)\n", ns)
+
+    def odd(nxt, depth):
+        return nxt(depth)
+
+    odd.__module__ = 5  # sys._getframemodulename returns it as is
+
+    def cudalab_named(nxt, depth):  # a frame that says it is cudalab's: skipped by both
+        return nxt(depth)
+
+    cudalab_named.__module__ = "cudalab.fake"
+    return [plain, Obj().method, through_gen, ns["bare"], odd, cudalab_named,
+            lambda nxt, depth: nxt(depth)]
+
+
+_KINDS = _kinds()
+
+
+@needs_compiled
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(0, len(_KINDS) - 1), max_size=12), st.integers(1, 4))
+def test_both_stamps_agree_on_random_call_structures(path, repeats):
+    """Whatever frames lie between the caller and the allocator (functions, methods,
+    generator frames, code without a module or with an odd one, frames that name a cudalab
+    module, lambdas), the two stamps give the same stack, stamp after stamp at one place
+    (marks hit) and at new places (marks miss), whichever goes first."""
+    out: list = []
+
+    def innermost(_depth):
+        for i in range(repeats):
+            order = (history._c_stamp, history._py_stamp) if i % 2 else (
+                history._py_stamp, history._c_stamp)
+            got = [None, None]
+            for j in range(2):  # one call site for both
+                got[j ^ (i % 2)] = _allocator_method(order[j])[1]
+            out.append(tuple(got))  # (python's, compiled)
+
+    def level(depth):
+        if depth == len(path):
+            return innermost(depth)
+        return _KINDS[path[depth]](level, depth + 1)
+
+    level(0)
+    for p, c in out:
+        assert history.frames_to_dicts(c) == history.frames_to_dicts(p)
+        assert history.frames_to_dicts(c)[0]["name"] == "innermost"
+    assert all(c is out[0][0] and p is out[0][0] for p, c in out)  # one place: one stack
+
+
+@pytest.mark.parametrize("which", ["python", "compiled"])
+def test_a_marked_frame_of_a_cudalab_module_not_seen_yet_is_still_skipped(which):
+    """A cudalab frame outside a user frame gets a mark when a stack through it is walked
+    (as a magic running a cell). When that frame then calls the allocator itself at the
+    same instruction, its mark knows a stack starting at it; the stamp must not take it
+    before it knows the frame's module, which it learns only then: the stack starts at the
+    user frame beyond it."""
+    if which == "compiled" and history._c_stamp is None:
+        pytest.skip("cudalab.memory._stackstamp is not built here")
+    stamp = history._c_stamp if which == "compiled" else history._py_stamp
+    got = []
+
+    def user_inner(arg):  # allocates from user code called by the cudalab frame
+        got.append(_allocator_method(stamp)[1])
+
+    # cudalab's by module name (3.12+) and by file (3.11), neither seen before
+    tag = uuid.uuid4().hex
+    ns = {"__name__": f"cudalab.not_seen_{tag}", "user_inner": user_inner,
+          "_allocator_method": _allocator_method, "stamp": stamp, "got": got}
+    src = ("def cudalab_frame():\n"
+           "    for f, arg in ((user_inner, None), (_allocator_method, stamp)):\n"
+           "        r = f(arg)  # one instruction: a user function, then the allocator\n"
+           "    got.append(r[1])\n")
+    filename = os.path.join(os.path.dirname(history.__file__), f"not_seen_{tag}.py")
+    exec(compile(src, filename, "exec"), ns)
+    cudalab_frame = ns["cudalab_frame"]
+
+    def user_outer():
+        cudalab_frame(); ln = line()  # noqa: E702
+        return ln
+
+    ln = user_outer()
+    names = [[d["name"] for d in history.frames_to_dicts(s)] for s in got]
+    assert names[0][:3] == ["user_inner", "cudalab_frame", "user_outer"]
+    assert names[1][0] == "user_outer" and history.frames_to_dicts(got[1])[0]["line"] == ln
+    if history._modname is not None:
+        assert ns["__name__"] in history._cud_mods
+    else:
+        assert history._internal[filename] is True
