@@ -203,7 +203,7 @@ def test_the_compiled_setup_checks_its_arguments():
                 _stackstamp.setup(*args)
         with pytest.raises(TypeError):
             _stackstamp.setup(*good[:4])
-        # the refused setups kept the state: the stamp still finds the marks
+        # the refused setups kept the state: the stamp still gives the real stack
         first = _allocator_method(_stackstamp.stamp)[1]; ln = line()  # noqa: E702
         assert top(history.frames_to_dicts(first)) == (
             HERE, ln, "test_the_compiled_setup_checks_its_arguments")
