@@ -54,17 +54,11 @@ def _nvrtc_version() -> str:
 
 
 # ---------------------------------------------------------------------------------- info
-def _history_stamp() -> str:
-    """Which stamp history's Python stacks use: ``"compiled"`` or ``"python"``."""
-    from cudalab.memory import history
-
-    return history.stamp_implementation()
-
-
 def _gather_info() -> dict[str, Any]:
     """Everything ``info`` shows, as plain data (the --json output)."""
     from cudalab import _driver
     from cudalab.errors import NvmlError
+    from cudalab.memory import history
 
     simulated = _driver.selected_backend_name() == "simulator"
     info: dict[str, Any] = {
@@ -75,7 +69,7 @@ def _gather_info() -> dict[str, Any]:
         "driver_version_int": None,
         "nvrtc_version": _nvrtc_version(),
         "nvml": None,
-        "history_stamp": _history_stamp(),
+        "history_stamp": history.stamp_implementation(),  # which stamp records stacks
         "devices": [],
         "error": None,
     }

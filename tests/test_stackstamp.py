@@ -112,7 +112,7 @@ def test_the_compiled_stamp_is_built_where_it_can_be():
             or sysconfig.get_config_var("Py_GIL_DISABLED")):
         assert history._c_stamp is None
         pytest.skip("the compiled stamp is for CPython 3.11-3.13 with the GIL")
-    if os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0"):
+    if history._pure_python_requested():
         assert history._c_stamp is None and history.stamp_implementation() == "python"
         return
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]

@@ -50,7 +50,6 @@
 #define CURRENT_FRAME(ts) ((ts)->cframe->current_frame)
 #define FRAME_CODE(f) ((f)->f_code)
 #define FRAME_HAS_CODE(f) 1
-#define FRAME_FUNC(f) ((PyObject *)(f)->f_func)
 #endif
 
 /* time.time_ns(), as history._now */
@@ -88,34 +87,36 @@ caller_of(_PyInterpreterFrame *f)
     return f;
 }
 
-/* (time, stack) built from history._capture(1): the slow path. */
+/* The stamp (time, stack); steals the reference to stack (NULL: an error is set). A stamp
+ * cannot be part of a reference cycle: it is new, and a stack holds only code objects and
+ * ints. The collector would untrack it at its first pass anyway (as it does all tuples of
+ * untracked items); untracking it now spares every young-generation collection the memo's
+ * thousands of stamps (~5 % of their cost). */
 static PyObject *
-slow_stamp(void)
+make_stamp(PyObject *stack)
 {
-    PyObject *stack = PyObject_CallOneArg(capture, one);
     if (stack == NULL) {
         return NULL;
     }
     long long t;
-    if (now_ns(&t) < 0) {
-        Py_DECREF(stack);
-        return NULL;
-    }
-    PyObject *time = PyLong_FromLongLong(t);
-    if (time == NULL) {
-        Py_DECREF(stack);
-        return NULL;
-    }
-    PyObject *r = PyTuple_New(2);
+    PyObject *time = now_ns(&t) < 0 ? NULL : PyLong_FromLongLong(t);
+    PyObject *r = time == NULL ? NULL : PyTuple_New(2);
     if (r == NULL) {
-        Py_DECREF(time);
+        Py_XDECREF(time);
         Py_DECREF(stack);
         return NULL;
     }
     PyTuple_SET_ITEM(r, 0, time);
     PyTuple_SET_ITEM(r, 1, stack);
-    PyObject_GC_UnTrack(r); /* see stamp() */
+    PyObject_GC_UnTrack(r);
     return r;
+}
+
+/* The slow path: the stack from history._capture(1). */
+static PyObject *
+slow_stamp(void)
+{
+    return make_stamp(PyObject_CallOneArg(capture, one));
 }
 
 /* 1: f is one of cudalab's frames, 0: it is not, -1: not known here (the slow path decides). */
@@ -192,27 +193,7 @@ stamp(PyObject *module, PyObject *Py_UNUSED(ignored))
         PyErr_Clear();
         return slow_stamp();
     }
-    long long t;
-    if (now_ns(&t) < 0) {
-        return NULL;
-    }
-    PyObject *time = PyLong_FromLongLong(t);
-    if (time == NULL) {
-        return NULL;
-    }
-    PyObject *r = PyTuple_New(2);
-    if (r == NULL) {
-        Py_DECREF(time);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(r, 0, time);
-    PyTuple_SET_ITEM(r, 1, Py_NewRef(stack));
-    /* A stamp (int, stack) cannot be part of a reference cycle: it is new, and a stack
-     * holds only code objects and ints. The collector would untrack it at its first pass
-     * anyway (as it does all tuples of untracked items); untracking it now spares every
-     * young-generation collection the memo's thousands of stamps (~5 % of their cost). */
-    PyObject_GC_UnTrack(r);
-    return r;
+    return make_stamp(Py_NewRef(stack));
 }
 
 PyDoc_STRVAR(setup_doc,

@@ -266,21 +266,28 @@ else:
 _py_stamp = _stamp
 
 
+def _pure_python_requested() -> bool:
+    """Whether ``CUDALAB_PURE_PYTHON`` asks for the pure-Python stamp (unset, empty or 0:
+    no; setup.py reads it the same way, to skip building the compiled one)."""
+    return os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0")
+
+
 def _load_compiled_stamp() -> Callable[[], tuple] | None:
     """``cudalab.memory._stackstamp.stamp`` set up over this module's state, or None where
     it is not built (another Python, no compiler at install time; see setup.py) or
     ``CUDALAB_PURE_PYTHON`` is set. It is ``_stamp`` in C over CPython's interpreter frames:
     the same stacks at less than half the cost. A module that is there but does not fit (built
     from other sources) is reported and left unused."""
-    if os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0"):
+    if _pure_python_requested():
         return None
     try:
         from cudalab.memory import _stackstamp
     except ImportError:
         return None
     try:
-        if getattr(_stackstamp, "API", None) != 1:
-            raise TypeError(f"API {getattr(_stackstamp, 'API', None)!r}, expected 1")
+        api = getattr(_stackstamp, "API", None)
+        if api != 1:
+            raise TypeError(f"API {api!r}, expected 1")
         # The objects are shared, not copied: they are filled in place and never rebound.
         _stackstamp.setup(_cud_mods, _other_mods, _internal, _Mark, _capture)
     except Exception as exc:  # noqa: BLE001  (a stale build must not break recording)
