@@ -1,9 +1,9 @@
 """The one compiled part of cudalab: an optional accelerator for history's stack stamps.
 
-Everything else is in pyproject.toml. ``cudalab.memory._stackstamp`` reads CPython's
+Everything else is in pyproject.toml. ``cudalab.memory_tools._stackstamp`` reads CPython's
 private interpreter frames, so it is built only for CPython 3.11-3.13 with the GIL, and
 only optionally: without a compiler or headers the install still succeeds and
-``cudalab.memory.history`` uses its pure-Python stamp (same stacks, slower).
+``cudalab.memory_tools.history`` uses its pure-Python stamp (same stacks, slower).
 """
 
 import os
@@ -21,7 +21,7 @@ def _extensions() -> list:
             or sysconfig.get_config_var("Py_GIL_DISABLED")):
         return []
     include = sysconfig.get_paths()["include"]
-    return [Extension("cudalab.memory._stackstamp", ["cudalab/memory/_stackstamp.c"],
+    return [Extension("cudalab.memory_tools._stackstamp", ["cudalab/memory_tools/_stackstamp.c"],
                       include_dirs=[os.path.join(include, "internal")], optional=True)]
 
 

@@ -197,11 +197,11 @@ def record_torch_traces(directory: str, quick: bool) -> list[dict]:
 
 
 def replay_traces(runs: list[dict], conf: str = "") -> list[dict]:
-    """Replay each torch trace through cudalab's allocator (``cudalab.memory.replay``), which
+    """Replay each torch trace through cudalab's allocator (``cudalab.memory_tools.replay``), which
     builds a fresh allocator over a private simulator for every run."""
     import time
 
-    from cudalab.memory.replay import replay
+    from cudalab.memory_tools.replay import replay
 
     rows = []
     for run in runs:

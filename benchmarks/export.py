@@ -1,7 +1,7 @@
 """Export benchmark (issue 4): DataFrames and Perfetto JSON from a 1M-entry history.
 
 A self-consistent torch-schema snapshot with N trace entries is generated
-(``cudalab.memory.export._synthetic_snapshot``: random alloc/free on two streams, segments,
+(``cudalab.memory_tools.export._synthetic_snapshot``: random alloc/free on two streams, segments,
 OOMs and snapshots, cudalab's extra keys) and exported; next to each export, the naive way
 it replaces:
 
@@ -63,7 +63,7 @@ def _live(n: int, rep: int, table: Table, results: dict) -> None:
     os.environ.setdefault("CUDALAB_SIMULATOR", "1")
     import cudalab
     import cudalab.memory as cm
-    from cudalab.memory import export as ex
+    from cudalab.memory_tools import export as ex
 
     if not hasattr(cm, "_record_memory_history"):
         table.add("live recorder", None, "s", "not in this build")
@@ -94,7 +94,7 @@ def _live(n: int, rep: int, table: Table, results: dict) -> None:
 
 def _perfetto_json_dumps(path: str, snap: dict) -> None:
     """The baseline: the same X/C events built as dicts, ``json.dumps`` one by one."""
-    from cudalab.memory import export as ex
+    from cudalab.memory_tools import export as ex
 
     t = ex._Trace(snap, extras=False)
     t0 = int(t.time_us.min())
@@ -136,7 +136,7 @@ def main() -> None:
 
     import pandas as pd
 
-    from cudalab.memory import export as ex
+    from cudalab.memory_tools import export as ex
 
     t0 = time.perf_counter()
     snap = ex._synthetic_snapshot(n)

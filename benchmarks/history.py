@@ -6,7 +6,7 @@
   ``_record_memory_history`` off and on (``stacks="python"``, and torch's default
   ``stacks="all"``, Python and C++ frames); the loops run in a function 4 frames deep, 22
   frames deeper, and in an IPython cell; with the compiled stamp built
-  (``cudalab.memory._stackstamp``), ``stacks="python"`` is timed with it and with the
+  (``cudalab.memory_tools._stackstamp``), ``stacks="python"`` is timed with it and with the
   pure-Python stamp, alternating;
 * ``memory_snapshot()`` with 2000 live blocks, cudalab against torch;
 * replay throughput (trace entries per second) on a synthetic 200k-entry trace.
@@ -97,7 +97,7 @@ def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
     notebook cell). None when the place is not available (IPython missing)."""
     import cudalab
     import cudalab.memory as cm
-    from cudalab.memory import history
+    from cudalab.memory_tools import history
 
     torch = None if sim else optional_import("torch")
     have_torch = torch is not None and torch.cuda.is_available()
@@ -224,8 +224,8 @@ def snapshot_time(blocks: int, repeat: int, sim: bool) -> dict:
 
 
 def replay_rate(entries: int, repeat: int) -> dict:
-    from cudalab.memory.export import _synthetic_snapshot
-    from cudalab.memory.replay import replay
+    from cudalab.memory_tools.export import _synthetic_snapshot
+    from cudalab.memory_tools.replay import replay
 
     snap = _synthetic_snapshot(entries, oom_every=10**9, snapshot_every=10**9)
     n = sum(len(t) for t in snap["device_traces"])
@@ -279,7 +279,7 @@ def main() -> None:
     cudalab.init()
     sim = cudalab.devices._backend().simulated
     n, rounds = (2000, 5) if args.quick else (20000, 15)
-    from cudalab.memory import history
+    from cudalab.memory_tools import history
 
     res = {"env": environment(cudalab.devices._backend().name, cudalab.get_device_name())}
     res["env"]["stamp"] = stamp = history.stamp_implementation()

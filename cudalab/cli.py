@@ -58,7 +58,7 @@ def _gather_info() -> dict[str, Any]:
     """Everything ``info`` shows, as plain data (the --json output)."""
     from cudalab import _driver
     from cudalab.errors import NvmlError
-    from cudalab.memory import history
+    from cudalab.memory_tools import history
 
     simulated = _driver.selected_backend_name() == "simulator"
     info: dict[str, Any] = {
@@ -160,7 +160,7 @@ def _format_info(info: dict[str, Any]) -> str:
     lines.append(f"NVRTC    {info['nvrtc_version']}")
     if "history_stamp" in info:
         stamp = info["history_stamp"]
-        lines.append("stacks   " + ("compiled stamp (cudalab.memory._stackstamp)" if stamp == "compiled"
+        lines.append("stacks   " + ("compiled stamp (cudalab.memory_tools._stackstamp)" if stamp == "compiled"
                                   else "pure-Python stamp"))
     if info["error"] is not None:
         lines.append("")
@@ -218,7 +218,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     import warnings
 
     # (by module path: cudalab.memory may export the replay *function* under the same name)
-    rp = importlib.import_module("cudalab.memory.replay")
+    rp = importlib.import_module("cudalab.memory_tools.replay")
 
     name = args.command
     try:

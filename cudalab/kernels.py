@@ -369,7 +369,7 @@ class Kernel:
                 raise RuntimeError(
                     f"kernel {self.name!r} has no simulator implementation (pass sim= to Kernel)"
                 )
-            from cudalab._driver.simulator import register_kernel
+            from cudalab._driver.sim import register_kernel
 
             register_kernel(self.name, self.sim)
             image = self.source.encode()

@@ -118,7 +118,7 @@ def range_push(msg: str) -> int:
     """
     global _used
     if not _used:
-        hist = sys.modules.get("cudalab.memory.history")
+        hist = sys.modules.get("cudalab.memory_tools.history")
         if hist is not None:
             hist.nvtx_first_push()  # before the flag: what was logged without a range
         _used = True

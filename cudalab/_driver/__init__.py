@@ -74,7 +74,7 @@ def _create() -> Backend:
         if _backend is None:
             name = _requested or ("simulator" if _env_wants_simulator() else "cuda")
             if name == "simulator":
-                from cudalab._driver.simulator import SimulatorBackend
+                from cudalab._driver.sim import SimulatorBackend
 
                 _backend = SimulatorBackend()
             else:

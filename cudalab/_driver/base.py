@@ -3,7 +3,7 @@
 Everything above this package (devices, streams, the allocator, RNG, magics, widgets) talks
 to a :class:`Backend` and never imports ``cuda.bindings`` or NVML itself. Two implementations
 exist: :mod:`cudalab._driver.cuda` over ``cuda.bindings.driver`` and
-:mod:`cudalab._driver.simulator` (host memory, host clocks, numpy kernels), chosen explicitly
+:mod:`cudalab._driver.sim` (host memory, host clocks, numpy kernels), chosen explicitly
 with ``CUDALAB_SIMULATOR=1`` or :func:`cudalab.use_simulator`.
 
 Conventions shared by both implementations (the tests in ``tests/`` check them on both):

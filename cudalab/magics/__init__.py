@@ -112,7 +112,7 @@ class CudaLabMagics(Magics):
 
     def _tag_cell(self, info: Any = None) -> None:
         """pre_run_cell: name the cell in the allocator history (only if it is loaded)."""
-        hist = sys.modules.get("cudalab.memory.history")
+        hist = sys.modules.get("cudalab.memory_tools.history")
         if hist is not None:
             cell_id = getattr(info, "cell_id", None)
             hist.set_current_cell(cell_id if cell_id else f"In[{self.shell.execution_count}]")
@@ -224,7 +224,7 @@ class CudaLabMagics(Magics):
                 self._flush.free()
             except Exception:
                 pass
-        hist = sys.modules.get("cudalab.memory.history")
+        hist = sys.modules.get("cudalab.memory_tools.history")
         if hist is not None:
             hist.set_current_cell(None)
 

@@ -599,7 +599,7 @@ def _state(magics: Any) -> MemoryState:
 
 # =============================================================================== history
 def _history_entries() -> int:
-    hist = sys.modules.get("cudalab.memory.history")
+    hist = sys.modules.get("cudalab.memory_tools.history")
     if hist is None:
         return 0
     return sum(len(hist.raw_entries(d)) for d in hist.devices_with_history())
@@ -617,7 +617,7 @@ def _settings_text(s: dict | None) -> str:
 
 def _history(magics: Any, args: _Args) -> Any:
     import cudalab.memory as cm
-    from cudalab.memory import history as hist
+    from cudalab.memory_tools import history as hist
 
     st = _state(magics)
     sub = args.words[0].lower() if args.words else "status"

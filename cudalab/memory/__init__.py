@@ -33,24 +33,8 @@ from cudalab.memory.allocator import (
 )
 from cudalab.memory.async_allocator import AsyncPoolAllocator
 from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
-from cudalab.memory.export import (
-    export_perfetto,
-    history_frame,
-    read_history_csv,
-    segments_frame,
-    snapshot_frame,
-    stats_frame,
-)
-from cudalab.memory.history import HistoryRecording, record_history
-from cudalab.memory.history import _record_memory_history as _record_memory_history
-from cudalab.memory.plot import plot_segments, plot_timeline
 from cudalab.memory.pluggable import PluggableAllocator, change_current_allocator
-from cudalab.memory.replay import ReplayResult, ReplayWarning, replay, what_if
 from cudalab.memory.scope import PeakScope, peak_scope
-from cudalab.memory.snapshot import SnapshotLoadError, export_memory_viz, load_snapshot
-from cudalab.memory.snapshot import _dump_snapshot as _dump_snapshot
-from cudalab.memory.snapshot import _snapshot as _snapshot
-from cudalab.memory.snapshot import memory_snapshot as _memory_snapshot
 from cudalab.memory.stats import STAT_KEYS, nested_from_flat, render_memory_summary, zero_stats
 
 __all__ = [
@@ -222,7 +206,9 @@ def memory_snapshot() -> list[dict]:
     Blocks and segments carry the stack of their allocation (``frames``) while the history
     is recorded with a context (:func:`record_history`); see also :func:`_snapshot`.
     """
-    return _memory_snapshot()
+    from cudalab.memory_tools.snapshot import memory_snapshot as snapshot_all_devices
+
+    return snapshot_all_devices()
 
 
 # --------------------------------------------------------------------------- resets
@@ -351,7 +337,20 @@ def record_stream(ptr: int, stream: Any) -> None:
     a.record_stream(ptr, stream)
 
 
+_TOOLING = "cudalab.memory_tools."
 _LAZY = {
+    # The tooling that observes the allocator (cudalab.memory_tools), loaded on first use:
+    # the allocator runtime never imports it (an import-linter contract), this facade
+    # re-exports its public names as torch.cuda.memory does torch.cuda._memory_viz's.
+    **{name: _TOOLING + "export" for name in (
+        "export_perfetto", "history_frame", "read_history_csv", "segments_frame",
+        "snapshot_frame", "stats_frame")},
+    **{name: _TOOLING + "history" for name in (
+        "HistoryRecording", "record_history", "_record_memory_history")},
+    **{name: _TOOLING + "plot" for name in ("plot_segments", "plot_timeline")},
+    **{name: _TOOLING + "replay" for name in ("ReplayResult", "ReplayWarning", "replay", "what_if")},
+    **{name: _TOOLING + "snapshot" for name in (
+        "SnapshotLoadError", "export_memory_viz", "load_snapshot", "_dump_snapshot", "_snapshot")},
     # interop shims and the pinned host pool, loaded on demand
     "cupy_allocator": "cudalab.memory.interop",
     "CudalabNumbaMemoryManager": "cudalab.memory.interop",
@@ -366,4 +365,10 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'cudalab.memory' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

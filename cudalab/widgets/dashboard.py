@@ -49,7 +49,7 @@ from typing import Any
 import ipywidgets as W
 import numpy as np
 
-from cudalab.memory.plot import _human
+from cudalab.memory_tools.plot import _human
 
 __all__ = ["MemoryDashboard", "close_all", "live_dashboards"]
 
@@ -678,7 +678,7 @@ class MemoryDashboard(W.VBox):
 
     def to_png(self, dpi: int = 80) -> bytes:
         """A matplotlib picture of the dashboard now (needs matplotlib)."""
-        from cudalab.memory.plot import _byte_scale, _matplotlib
+        from cudalab.memory_tools.plot import _byte_scale, _matplotlib
 
         Figure, FigureCanvasAgg = _matplotlib()
         n = max(len(self._devices), 1)

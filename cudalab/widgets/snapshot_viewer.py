@@ -42,7 +42,7 @@ from typing import Any
 import ipywidgets as W
 import numpy as np
 
-from cudalab.memory.plot import (
+from cudalab.memory_tools.plot import (
     STATE_COLORS,
     STATE_LABELS,
     _human,
@@ -686,7 +686,7 @@ class SnapshotViewer(W.VBox):
         engine for pandas (pyarrow: ``pip install 'cudalab[pandas]'``); without one the same
         frames are written as ``.csv`` and a ``RuntimeWarning`` says so (the button shows it
         in the export line)."""
-        from cudalab.memory.export import history_frame, snapshot_frame
+        from cudalab.memory_tools.export import history_frame, snapshot_frame
 
         frames = [("blocks", snapshot_frame(self.snapshot))]
         if self.history is not None:
@@ -710,7 +710,7 @@ class SnapshotViewer(W.VBox):
 
     def export_memory_viz(self, prefix: str = "memory_snapshot") -> list[str]:
         """``PREFIX.pickle`` for pytorch.org/memory_viz (plain types, protocol 4)."""
-        from cudalab.memory.snapshot import dumps_snapshot
+        from cudalab.memory_tools.snapshot import dumps_snapshot
 
         path = prefix if prefix.endswith(".pickle") else f"{prefix}.pickle"
         with open(path, "wb") as f:
@@ -719,7 +719,7 @@ class SnapshotViewer(W.VBox):
 
     def export_perfetto(self, prefix: str = "memory_snapshot") -> list[str]:
         """``PREFIX.perfetto.json.gz``: the history as a Chrome/Perfetto trace."""
-        from cudalab.memory.export import export_perfetto
+        from cudalab.memory_tools.export import export_perfetto
 
         path = prefix if prefix.endswith((".json", ".json.gz")) else f"{prefix}.perfetto.json.gz"
         return [export_perfetto(path, self.snapshot)]

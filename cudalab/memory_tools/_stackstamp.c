@@ -1,0 +1,260 @@
+/* cudalab.memory_tools._stackstamp: the memo's stamp of cudalab/memory_tools/history.py in C.
+ *
+ * Why: recording history with Python stacks stamps every cached allocation and free with
+ * (time, stack). The pure-Python stamp (history._stamp) spends most of its time skipping
+ * cudalab's own frames and making frame objects for them; this one reads CPython's
+ * interpreter frames directly (as py-spy, greenlet and Cython do), so cudalab's frames cost
+ * a pointer step and a set lookup each, and no frame object is made.
+ *
+ * What: stamp() does exactly what history._stamp's common case does, and nothing else:
+ * skip the frames of cudalab's modules (history._cud_mods; on 3.11, where frames have no
+ * module name to read cheaply, history._internal by file name, as history._capture does
+ * there), then return (time_ns, stack) when the first other frame's mark (its f_trace, a
+ * history._Mark) knows the stack at its current instruction. Anything else (a module not
+ * classified yet, a frame without a frame object or mark, a new instruction) is left to
+ * history._capture, called as _capture(1): called from C, _capture's caller is the
+ * allocator method itself, so its depth 1 is where the Python stamp's _capture(2) starts.
+ *
+ * Which Pythons: CPython 3.11, 3.12 and 3.13 with the GIL; the interpreter frame layout
+ * differs between them and is private, so each is spelled out below and any other version
+ * fails to compile (setup.py then leaves the module out; history uses the Python stamp).
+ * The GIL is held throughout: the frames read cannot change under us.
+ */
+#define PY_SSIZE_T_CLEAN
+#ifndef Py_BUILD_CORE
+#define Py_BUILD_CORE 1
+#endif
+#include <Python.h>
+
+#if PY_VERSION_HEX < 0x030B0000 || PY_VERSION_HEX >= 0x030E0000
+#error "cudalab.memory_tools._stackstamp reads the interpreter frames of CPython 3.11-3.13 only"
+#endif
+#if defined(Py_GIL_DISABLED) || defined(Py_LIMITED_API)
+#error "cudalab.memory_tools._stackstamp needs a GIL build and the full C API"
+#endif
+
+#include "internal/pycore_frame.h"
+
+/* ---- the frame layout of each version ------------------------------------------------ */
+#if PY_VERSION_HEX >= 0x030D0000 /* 3.13 */
+#define CURRENT_FRAME(ts) ((ts)->current_frame)
+#define FRAME_CODE(f) ((PyCodeObject *)(f)->f_executable)
+#define FRAME_HAS_CODE(f) PyCode_Check((f)->f_executable)
+#define FRAME_FUNC(f) ((f)->f_funcobj)
+#elif PY_VERSION_HEX >= 0x030C0000 /* 3.12 */
+#define CURRENT_FRAME(ts) ((ts)->cframe->current_frame)
+#define FRAME_CODE(f) ((f)->f_code)
+#define FRAME_HAS_CODE(f) 1
+#define FRAME_FUNC(f) ((f)->f_funcobj)
+#else /* 3.11 */
+#define CURRENT_FRAME(ts) ((ts)->cframe->current_frame)
+#define FRAME_CODE(f) ((f)->f_code)
+#define FRAME_HAS_CODE(f) 1
+#endif
+
+/* time.time_ns(), as history._now */
+static int
+now_ns(long long *out)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyTime_t t;
+    if (PyTime_Time(&t) < 0) {
+        return -1;
+    }
+    *out = (long long)t;
+#else
+    *out = (long long)_PyTime_GetSystemClock();
+#endif
+    return 0;
+}
+
+/* What setup() was given (strong references, kept for the life of the process). */
+static PyObject *cud_mods;   /* set: names of cudalab's modules (3.12+) */
+static PyObject *other_mods; /* set: names of other modules (3.12+) */
+static PyObject *internal;   /* dict: co_filename -> inside the cudalab package (3.11) */
+static PyTypeObject *mark_type;
+static PyObject *capture;    /* history._capture */
+static PyObject *one;        /* the int 1 */
+
+/* The frame that called f, skipping incomplete frames as sys._getframe and f_back do. */
+static inline _PyInterpreterFrame *
+caller_of(_PyInterpreterFrame *f)
+{
+    f = f->previous;
+    while (f != NULL && _PyFrame_IsIncomplete(f)) {
+        f = f->previous;
+    }
+    return f;
+}
+
+/* The stamp (time, stack); steals the reference to stack (NULL: an error is set). A stamp
+ * cannot be part of a reference cycle: it is new, and a stack holds only code objects and
+ * ints. The collector would untrack it at its first pass anyway (as it does all tuples of
+ * untracked items); untracking it now spares every young-generation collection the memo's
+ * thousands of stamps (~5 % of their cost). */
+static PyObject *
+make_stamp(PyObject *stack)
+{
+    if (stack == NULL) {
+        return NULL;
+    }
+    long long t;
+    PyObject *time = now_ns(&t) < 0 ? NULL : PyLong_FromLongLong(t);
+    PyObject *r = time == NULL ? NULL : PyTuple_New(2);
+    if (r == NULL) {
+        Py_XDECREF(time);
+        Py_DECREF(stack);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(r, 0, time);
+    PyTuple_SET_ITEM(r, 1, stack);
+    PyObject_GC_UnTrack(r);
+    return r;
+}
+
+/* The slow path: the stack from history._capture(1). */
+static PyObject *
+slow_stamp(void)
+{
+    return make_stamp(PyObject_CallOneArg(capture, one));
+}
+
+/* 1: f is one of cudalab's frames, 0: it is not, -1: not known here (the slow path decides). */
+static inline int
+is_cudalab(_PyInterpreterFrame *f)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    /* sys._getframemodulename's answer: the function's __module__ */
+    PyObject *func = FRAME_FUNC(f);
+    if (func == NULL || !PyFunction_Check(func)) {
+        return -1;
+    }
+    PyObject *name = ((PyFunctionObject *)func)->func_module;
+    if (name == NULL || !PyUnicode_CheckExact(name)) {
+        return -1;
+    }
+    int c = PySet_Contains(cud_mods, name);
+    if (c != 0) {
+        return c; /* 1, or -1 on an error (cleared by the caller) */
+    }
+    return PySet_Contains(other_mods, name) == 1 ? 0 : -1;
+#else
+    if (!FRAME_HAS_CODE(f)) {
+        return -1;
+    }
+    PyObject *flag = PyDict_GetItemWithError(internal, FRAME_CODE(f)->co_filename);
+    if (flag == NULL) {
+        return -1;
+    }
+    return flag == Py_True ? 1 : 0;
+#endif
+}
+
+PyDoc_STRVAR(stamp_doc,
+"stamp() -> (time_ns, stack)\n\n"
+"The stamp of an allocation or free for history._stamp's callers: the allocator method\n"
+"calling it is skipped with the cudalab frames beyond it. Call setup() first.");
+
+static PyObject *
+stamp(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    if (capture == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_stackstamp.setup() was not called");
+        return NULL;
+    }
+    PyThreadState *ts = PyThreadState_Get();
+    _PyInterpreterFrame *f = CURRENT_FRAME(ts); /* the allocator method calling us */
+    while (f != NULL && _PyFrame_IsIncomplete(f)) {
+        f = f->previous;
+    }
+    if (f == NULL) {
+        return slow_stamp();
+    }
+    f = caller_of(f);
+    int c = -1;
+    while (f != NULL && (c = is_cudalab(f)) == 1) {
+        f = caller_of(f);
+    }
+    if (f == NULL || c != 0 || f->frame_obj == NULL || !FRAME_HAS_CODE(f)) {
+        PyErr_Clear();
+        return slow_stamp();
+    }
+    PyObject *mark = f->frame_obj->f_trace;
+    if (mark == NULL || Py_TYPE(mark) != mark_type) {
+        return slow_stamp();
+    }
+    PyObject *key = PyLong_FromLong(PyFrame_GetLasti(f->frame_obj));
+    if (key == NULL) {
+        return NULL;
+    }
+    PyObject *stack = PyDict_GetItemWithError(mark, key); /* borrowed */
+    Py_DECREF(key);
+    if (stack == NULL) {
+        PyErr_Clear();
+        return slow_stamp();
+    }
+    return make_stamp(Py_NewRef(stack));
+}
+
+PyDoc_STRVAR(setup_doc,
+"setup(cud_mods, other_mods, internal, mark_type, capture)\n\n"
+"Give the module history's state: the sets of module names (cudalab's, others'), the\n"
+"co_filename -> bool dict, the _Mark type and _capture. The objects are kept, not\n"
+"copied: history fills them in place and never rebinds them.");
+
+static PyObject *
+setup(PyObject *module, PyObject *args)
+{
+    PyObject *cm, *om, *in, *mt, *cap;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O:setup", &PySet_Type, &cm, &PySet_Type, &om,
+                          &PyDict_Type, &in, &PyType_Type, &mt, &cap)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(cap)) {
+        PyErr_SetString(PyExc_TypeError, "setup: capture must be callable");
+        return NULL;
+    }
+    if ((PyTypeObject *)mt == &PyDict_Type || !PyType_IsSubtype((PyTypeObject *)mt, &PyDict_Type)) {
+        PyErr_SetString(PyExc_TypeError, "setup: mark_type must be a dict subclass");
+        return NULL;
+    }
+    Py_XSETREF(cud_mods, Py_NewRef(cm));
+    Py_XSETREF(other_mods, Py_NewRef(om));
+    Py_XSETREF(internal, Py_NewRef(in));
+    Py_XSETREF(mark_type, (PyTypeObject *)Py_NewRef(mt));
+    Py_XSETREF(capture, Py_NewRef(cap));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"stamp", stamp, METH_NOARGS, stamp_doc},
+    {"setup", setup, METH_VARARGS, setup_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    "cudalab.memory_tools._stackstamp",
+    "history._stamp in C over CPython's interpreter frames (see history.py).",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__stackstamp(void)
+{
+    if (one == NULL && (one = PyLong_FromLong(1)) == NULL) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module_def);
+    /* the setup() signature and stamp() contract history.py expects */
+    if (m != NULL && PyModule_AddIntConstant(m, "API", 1) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,353 @@
+"""The memo's stamp and its compiled twin, ``cudalab.memory_tools._stackstamp``: the same stacks
+whichever is used (the history tests run with each as well, see test_history.STAMPS), a
+build wherever one can be made, and a stale or refused build that breaks nothing."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+import time
+import traceback
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cudalab.memory_tools import history
+
+HERE = os.path.abspath(__file__)
+
+
+def line() -> int:
+    """The caller's current line."""
+    return sys._getframe(1).f_lineno
+
+
+def top(frames) -> tuple:
+    f = frames[0]
+    return (f["filename"], f["line"], f["name"])
+
+
+def _allocator_method(stamp):
+    """Stands for the allocator method that calls the stamp: the stamp skips it."""
+    return stamp()
+
+
+needs_compiled = pytest.mark.skipif(history._c_stamp is None,
+                                    reason="cudalab.memory_tools._stackstamp is not built here (or CUDALAB_PURE_PYTHON is set)")
+
+
+@needs_compiled
+@pytest.mark.parametrize("first", ["python", "compiled"])
+def test_the_compiled_stamp_gives_the_python_stamps_stacks(first):
+    """At one place of one frame both stamps give one stack object, whichever walks first
+    (the compiled one then takes history._capture's path, from the right depth), and it is
+    the real stack; at a new instruction too."""
+    stamps = {"python": history._py_stamp, "compiled": history._c_stamp}
+    order = [stamps[first], stamps["python" if first == "compiled" else "compiled"]]
+
+    def place():
+        got, again = [], []
+        for s in order:
+            got.append(_allocator_method(s)); ln = line()  # noqa: E702
+        for s in order[::-1]:
+            again.append(_allocator_method(s)); ln2 = line()  # noqa: E702
+        return got, ln, again, ln2
+
+    t0 = time.time_ns()
+    got, ln, again, ln2 = place()
+    for (t, stack), ln_ in [(got[0], ln), (got[1], ln), (again[0], ln2), (again[1], ln2)]:
+        assert t0 <= t <= time.time_ns()
+        fr = history.frames_to_dicts(stack)
+        assert top(fr)[1:] == (ln_, "place") and fr[0]["filename"] == HERE
+        real = traceback.extract_stack()
+        assert [(f["filename"], f["name"]) for f in fr[1:]] == [
+            (f.filename, f.name) for f in reversed(real)]
+    assert got[0][1] is got[1][1] and again[0][1] is again[1][1]
+    assert got[0][1] != again[0][1]
+    # the compiled stamps (one from _capture's path, one from a mark) are left out of the
+    # collector's work: they cannot be part of a cycle
+    compiled = [got[0], again[1]] if first == "compiled" else [got[1], again[0]]
+    assert not any(gc.is_tracked(c) for c in compiled)
+
+
+@needs_compiled
+def test_the_compiled_stamp_from_a_bare_thread_and_under_a_tracer():
+    """A thread's outermost frame, and frames a trace function owns (no mark): the compiled
+    stamp falls back to history._capture and still gives the real stack."""
+    out = []
+
+    def body():
+        out.append((history.frames_to_dicts(_allocator_method(history._c_stamp)[1]), line()))
+
+    th = threading.Thread(target=body)
+    th.start()
+    th.join()
+    fr, ln = out[0]
+    assert top(fr) == (HERE, ln, "body")
+    assert fr[-1]["filename"] == threading.__file__
+
+    def tracer(frame, event, arg):
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        st, ln = _allocator_method(history._c_stamp)[1], line()
+    finally:
+        sys.settrace(None)
+    assert top(history.frames_to_dicts(st)) == (
+        HERE, ln, "test_the_compiled_stamp_from_a_bare_thread_and_under_a_tracer")
+
+
+def test_the_compiled_stamp_is_built_where_it_can_be():
+    """An install on CPython 3.11-3.13 (GIL build) with a C compiler and Python's headers
+    builds the compiled stamp (setup.py); elsewhere the pure-Python one is used, silently."""
+    import shutil
+    import sysconfig
+
+    if (sys.implementation.name != "cpython" or not (3, 11) <= sys.version_info[:2] <= (3, 13)
+            or sysconfig.get_config_var("Py_GIL_DISABLED")):
+        assert history._c_stamp is None
+        pytest.skip("the compiled stamp is for CPython 3.11-3.13 with the GIL")
+    if history._pure_python_requested():
+        assert history._c_stamp is None and history.stamp_implementation() == "python"
+        return
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    headers = os.path.join(sysconfig.get_paths()["include"], "internal", "pycore_frame.h")
+    if shutil.which(cc) is None or not os.path.exists(headers):
+        pytest.skip(f"no C compiler ({cc}) or no CPython headers here")
+    assert history._c_stamp is not None, (
+        "cudalab.memory_tools._stackstamp was not built: reinstall cudalab (pip install -e .) or "
+        "run python setup.py build_ext --inplace")
+    assert history.stamp_implementation() == "compiled"  # (the default where it is built)
+
+
+def test_choosing_a_stamp_checks_its_name(monkeypatch):
+    with pytest.raises(ValueError, match="'python' or 'compiled'"):
+        history._use_stamp("fast")
+    before = history.stamp_implementation()
+    monkeypatch.setattr(history, "_c_stamp", None)
+    with pytest.raises(RuntimeError, match="not built"):
+        history._use_stamp("compiled")
+    monkeypatch.undo()
+    assert history.stamp_implementation() == before
+
+
+class _FakeStackstamp:
+    """A stand-in for a build of cudalab.memory_tools._stackstamp."""
+
+    __file__ = "/somewhere/_stackstamp.so"
+
+    def __init__(self, api=1, fail=None):
+        self.API = api
+        self.fail = fail
+        self.given = None
+
+    def setup(self, *args):
+        if self.fail:
+            raise self.fail
+        self.given = args
+
+    def stamp(self):
+        raise AssertionError("not called here")
+
+
+@pytest.mark.parametrize("fake", [_FakeStackstamp(api=0), _FakeStackstamp(api=None),
+                                  _FakeStackstamp(fail=TypeError("setup() takes 4 arguments"))],
+                         ids=["old API", "no API", "setup fails"])
+def test_a_stale_compiled_stamp_is_reported_and_not_used(fake, monkeypatch):
+    """A _stackstamp built from other sources (an old in-place build) must not break
+    importing or recording: it is reported once and the Python stamp is used."""
+    import cudalab.memory_tools as M
+
+    monkeypatch.delenv("CUDALAB_PURE_PYTHON", raising=False)
+    monkeypatch.setitem(sys.modules, "cudalab.memory_tools._stackstamp", fake)
+    monkeypatch.setattr(M, "_stackstamp", fake, raising=False)
+    with pytest.warns(RuntimeWarning, match="not usable, using the pure-Python stamp"):
+        assert history._load_compiled_stamp() is None
+
+
+def test_a_fitting_compiled_stamp_gets_the_shared_state_and_the_switch_turns_it_off(
+        monkeypatch):
+    import cudalab.memory_tools as M
+
+    fake = _FakeStackstamp()
+    monkeypatch.setitem(sys.modules, "cudalab.memory_tools._stackstamp", fake)
+    monkeypatch.setattr(M, "_stackstamp", fake, raising=False)
+    monkeypatch.delenv("CUDALAB_PURE_PYTHON", raising=False)
+    assert history._load_compiled_stamp() == fake.stamp
+    assert fake.given == (history._cud_mods, history._other_mods, history._internal,
+                          history._Mark, history._capture)
+    assert all(a is b for a, b in zip(fake.given, (history._cud_mods, history._other_mods)))
+    monkeypatch.setenv("CUDALAB_PURE_PYTHON", "0")  # (0 or empty: not set)
+    assert history._load_compiled_stamp() == fake.stamp
+    monkeypatch.setenv("CUDALAB_PURE_PYTHON", "1")
+    fake.given = None
+    assert history._load_compiled_stamp() is None and fake.given is None
+
+
+@needs_compiled
+def test_the_compiled_setup_checks_its_arguments():
+    from cudalab.memory_tools import _stackstamp
+
+    good = (history._cud_mods, history._other_mods, history._internal, history._Mark,
+            history._capture)
+    try:
+        for i, bad in [(0, []), (1, frozenset()), (2, set()), (3, dict), (3, int), (4, 5)]:
+            args = list(good)
+            args[i] = bad
+            with pytest.raises(TypeError):
+                _stackstamp.setup(*args)
+        with pytest.raises(TypeError):
+            _stackstamp.setup(*good[:4])
+        # the refused setups kept the state: the stamp still gives the real stack
+        first = _allocator_method(_stackstamp.stamp)[1]; ln = line()  # noqa: E702
+        assert top(history.frames_to_dicts(first)) == (
+            HERE, ln, "test_the_compiled_setup_checks_its_arguments")
+    finally:  # (should a bad one have been taken, the next tests get the real state back)
+        _stackstamp.setup(*good)
+
+
+@needs_compiled
+def test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_miss():
+    """Its common case (a loop at one place) needs no call to history._capture: only the
+    first stamp at each place and the frames without a mark do."""
+    from cudalab.memory_tools import _stackstamp
+
+    calls = []
+
+    def counting(d):
+        calls.append(d)
+        return history._capture(d + 1)  # (one more frame: this one)
+
+    shared = (history._cud_mods, history._other_mods, history._internal, history._Mark)
+    _stackstamp.setup(*shared, counting)
+    try:
+        got = []
+        for _ in range(5):
+            got.append(_allocator_method(_stackstamp.stamp)[1]); ln = line()  # noqa: E702
+        assert calls == [1]
+        assert all(g is got[0] for g in got)
+        assert top(history.frames_to_dicts(got[0])) == (
+            HERE, ln, "test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_miss")
+
+        def fresh():  # a new frame each call, no mark yet: the slow path each time
+            return _allocator_method(_stackstamp.stamp)[1]
+
+        fs = []
+        for _ in range(2):
+            fs.append(fresh())
+        assert calls == [1, 1, 1] and fs[0] is fs[1]  # (equal stacks of one site: one tuple)
+    finally:
+        _stackstamp.setup(*shared, history._capture)
+
+
+# ------------------------------------------------------------ random call structures
+def _kinds():
+    """Ways to call the next level: each makes one or more frames of its own kind."""
+
+    def plain(nxt, depth):
+        return nxt(depth)
+
+    class Obj:
+        def method(self, nxt, depth):
+            return nxt(depth)
+
+    def gen(nxt, depth):
+        yield nxt(depth)
+
+    def through_gen(nxt, depth):
+        return next(gen(nxt, depth))
+
+    ns: dict = {}  # code exec'd without a module name, as a notebook's or a tool's
+    exec("def bare(nxt, depth):\n    return nxt(depth)\n", ns)
+
+    def odd(nxt, depth):
+        return nxt(depth)
+
+    odd.__module__ = 5  # sys._getframemodulename returns it as is
+
+    def cudalab_named(nxt, depth):  # a frame that says it is cudalab's: skipped by both
+        return nxt(depth)
+
+    cudalab_named.__module__ = "cudalab.fake"
+    return [plain, Obj().method, through_gen, ns["bare"], odd, cudalab_named,
+            lambda nxt, depth: nxt(depth)]
+
+
+_KINDS = _kinds()
+
+
+@needs_compiled
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(0, len(_KINDS) - 1), max_size=12), st.integers(1, 4))
+def test_both_stamps_agree_on_random_call_structures(path, repeats):
+    """Whatever frames lie between the caller and the allocator (functions, methods,
+    generator frames, code without a module or with an odd one, frames that name a cudalab
+    module, lambdas), the two stamps give the same stack, stamp after stamp at one place
+    (marks hit) and at new places (marks miss), whichever goes first."""
+    out: list = []
+
+    def innermost(_depth):
+        for i in range(repeats):
+            order = (history._c_stamp, history._py_stamp) if i % 2 else (
+                history._py_stamp, history._c_stamp)
+            got = [None, None]
+            for j in range(2):  # one call site for both
+                got[j ^ (i % 2)] = _allocator_method(order[j])[1]
+            out.append(tuple(got))  # (python's, compiled)
+
+    def level(depth):
+        if depth == len(path):
+            return innermost(depth)
+        return _KINDS[path[depth]](level, depth + 1)
+
+    level(0)
+    for p, c in out:
+        assert history.frames_to_dicts(c) == history.frames_to_dicts(p)
+        assert history.frames_to_dicts(c)[0]["name"] == "innermost"
+    assert all(c is out[0][0] and p is out[0][0] for p, c in out)  # one place: one stack
+
+
+@pytest.mark.parametrize("which", ["python", "compiled"])
+def test_a_marked_frame_of_a_cudalab_module_not_seen_yet_is_still_skipped(which):
+    """A cudalab frame outside a user frame gets a mark when a stack through it is walked
+    (as a magic running a cell). When that frame then calls the allocator itself at the
+    same instruction, its mark knows a stack starting at it; the stamp must not take it
+    before it knows the frame's module, which it learns only then: the stack starts at the
+    user frame beyond it."""
+    if which == "compiled" and history._c_stamp is None:
+        pytest.skip("cudalab.memory_tools._stackstamp is not built here")
+    stamp = history._c_stamp if which == "compiled" else history._py_stamp
+    got = []
+
+    def user_inner(arg):  # allocates from user code called by the cudalab frame
+        got.append(_allocator_method(stamp)[1])
+
+    # cudalab's by module name (3.12+) and by file (3.11), neither seen before
+    tag = uuid.uuid4().hex
+    ns = {"__name__": f"cudalab.not_seen_{tag}", "user_inner": user_inner,
+          "_allocator_method": _allocator_method, "stamp": stamp, "got": got}
+    src = ("def cudalab_frame():\n"
+           "    for f, arg in ((user_inner, None), (_allocator_method, stamp)):\n"
+           "        r = f(arg)  # one instruction: a user function, then the allocator\n"
+           "    got.append(r[1])\n")
+    filename = os.path.join(os.path.dirname(history.__file__), f"not_seen_{tag}.py")
+    exec(compile(src, filename, "exec"), ns)
+    cudalab_frame = ns["cudalab_frame"]
+
+    def user_outer():
+        cudalab_frame(); ln = line()  # noqa: E702
+        return ln
+
+    ln = user_outer()
+    names = [[d["name"] for d in history.frames_to_dicts(s)] for s in got]
+    assert names[0][:3] == ["user_inner", "cudalab_frame", "user_outer"]
+    assert names[1][0] == "user_outer" and history.frames_to_dicts(got[1])[0]["line"] == ln
+    if history._modname is not None:
+        assert ns["__name__"] in history._cud_mods
+    else:
+        assert history._internal[filename] is True
