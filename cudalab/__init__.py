@@ -76,7 +76,7 @@ _LAZY: dict[str, str] = {
                      "asarray", "from_dlpack")
     },
     **{name: "cudalab.memory" for name in ("record_history", "load_snapshot", "export_memory_viz")},
-    **{name: "cudalab.memory.pinned" for name in ("empty_pinned", "pin_memory", "is_pinned",
+    **{name: "cudalab.allocator.pinned" for name in ("empty_pinned", "pin_memory", "is_pinned",
                                                    "pinned_memory_stats", "empty_pinned_cache")},
     # random numbers (torch.cuda's RNG API, bit-exact generation)
     **{

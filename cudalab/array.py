@@ -81,7 +81,7 @@ def _memory():
 def _pinned_pool():
     global _pinned
     if _pinned is None:
-        from cudalab.memory import pinned
+        from cudalab.allocator import pinned
 
         _pinned = pinned
     return _pinned
@@ -89,7 +89,8 @@ def _pinned_pool():
 
 def _allocator_of(device: int):
     """The device's allocator (created on first use), without the public API's checks."""
-    al = _memory().allocator
+    from cudalab.allocator import allocator as al
+
     lst = al._allocators
     a = lst[device] if device < len(lst) else None
     return a if a is not None else al.get_allocator(device)

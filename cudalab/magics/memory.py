@@ -374,7 +374,7 @@ def _record(ev: Any, stream: Any) -> None:
 class _Watch:
     """pre/post_run_cell hooks printing one line per cell (see the module documentation).
 
-    Per cell: ``pre`` opens a :class:`~cudalab.memory.scope.PeakScope` and records the
+    Per cell: ``pre`` opens a :class:`~cudalab.allocator.scope.PeakScope` and records the
     device's start event on its current stream (one driver call); ``post`` closes the scope
     and, only when a line is printed, records the end event and reads ``elapsed_time``,
     waiting for the end first only when it is not reached yet (``watch_sync``; "GPU
@@ -399,7 +399,7 @@ class _Watch:
         self._sim: str | None = None  # ", simulated" or "", once CUDA is initialised
         from cudalab import devices, streams
         from cudalab.events import Event
-        from cudalab.memory.scope import PeakScope
+        from cudalab.allocator.scope import PeakScope
 
         self._devices = devices
         self._current_stream = streams.current_stream

@@ -540,7 +540,7 @@ def stats_frame(devices: Any = None):
 
     import cudalab
     import cudalab.memory as cm
-    from cudalab.memory.stats import STAT_KEYS
+    from cudalab.allocator.stats import STAT_KEYS
 
     if devices is None:
         idx = list(range(cudalab.device_count()))

@@ -70,7 +70,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from cudalab import nvtx as _nvtx
-from cudalab.memory import allocator as _alloc
+from cudalab.allocator import allocator as _alloc
 from cudalab.nvtx import _tls as _nvtx_tls
 
 __all__ = [
@@ -725,7 +725,7 @@ def _install_hook() -> None:
 
 def _check_backend() -> None:
     if _alloc.allocator_config().backend == "cudaMallocAsync":
-        from cudalab.memory.async_allocator import _HISTORY_UNSUPPORTED
+        from cudalab.allocator.async_allocator import _HISTORY_UNSUPPORTED
 
         raise RuntimeError(_HISTORY_UNSUPPORTED)
 

@@ -164,7 +164,7 @@ def _snapshot_ends(snap: dict) -> dict[int, tuple[int, int]]:
 
 
 def _live_ends() -> dict[int, tuple[int, int]]:
-    from cudalab.memory import allocator
+    from cudalab.allocator import allocator
 
     out = {}
     for a in list(allocator._active):
@@ -348,7 +348,7 @@ def plot_segments(snapshot: Any = None, *, device: Any = None, stream: int | Non
 
 def _live_segments() -> list[dict]:
     """The live allocator's segments without appending a ``snapshot`` history entry."""
-    from cudalab.memory import allocator
+    from cudalab.allocator import allocator
 
     out: list[dict] = []
     for a in sorted(allocator._active, key=lambda a: a.device):

@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from cudalab.errors import OutOfMemoryError
-from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
 
 __all__ = [
     "ReplayResult",
@@ -808,7 +808,7 @@ def _run(plan: _Plan, cfg: AllocatorConfig, device_memory: int,
     sim = _simulator(device_memory)
     is_async = cfg.backend == "cudaMallocAsync"
     if is_async:
-        from cudalab.memory.async_allocator import AsyncPoolAllocator
+        from cudalab.allocator.async_allocator import AsyncPoolAllocator
 
         alloc = AsyncPoolAllocator(sim, 0, cfg, stream_resolver=lambda: 0)
         # Streams of the trace become streams of the private simulator (0, 1, 2 are the
@@ -819,7 +819,7 @@ def _run(plan: _Plan, cfg: AllocatorConfig, device_memory: int,
         streams = [keys[s] for s in plan.stream]
         pool = alloc._pool
     else:
-        from cudalab.memory.allocator import DeviceCachingAllocator
+        from cudalab.allocator.allocator import DeviceCachingAllocator
 
         backend = (_TraceAddresses(sim, segments) if segments and not cfg.expandable_segments
                    else sim)

@@ -28,9 +28,9 @@ import pickle
 from typing import Any
 
 from cudalab import devices as _devices
-from cudalab.memory import allocator as _alloc
+from cudalab.allocator import allocator as _alloc
 from cudalab.memory_tools import history as _history
-from cudalab.memory.config import UNLIMITED, AllocatorConfig
+from cudalab.allocator.config import UNLIMITED, AllocatorConfig
 
 __all__ = [
     "PICKLE_PROTOCOL",

@@ -223,7 +223,7 @@ def test_history_from_recorded_run(tmp_path):
     assert _dtypes(live) == _dtypes(df) == HISTORY_DTYPES
     n = len(live)
     # one "snapshot" entry per device that has an allocator (as torch), after the live rows
-    n_alloc_devices = sum(a is not None for a in cudalab.memory.allocator._allocators)
+    n_alloc_devices = sum(a is not None for a in cudalab.allocator.allocator._allocators)
     assert df["action"].astype(str).tolist()[n:] == ["snapshot"] * n_alloc_devices
     cols = [c for c in HISTORY_DTYPES if c not in ("action",)]
     pd.testing.assert_frame_equal(live[cols], df[cols].iloc[:n])
@@ -409,7 +409,7 @@ def test_segments_frame_from_live_memory_snapshot():
 def test_stats_frame_columns_are_torch_keys():
     import cudalab
     import cudalab.memory as cm
-    from cudalab.memory.stats import STAT_KEYS
+    from cudalab.allocator.stats import STAT_KEYS
 
     cudalab.init()
     p = cm.caching_allocator_alloc(1 << 20)

@@ -20,10 +20,10 @@ import pytest
 
 import cudalab
 from cudalab.errors import OutOfMemoryError
-from cudalab.memory import allocator as A
+from cudalab.allocator import allocator as A
 from cudalab.memory_tools import history
-from cudalab.memory.allocator import DeviceCachingAllocator, UncachedAllocator
-from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.allocator import DeviceCachingAllocator, UncachedAllocator
+from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -535,7 +535,7 @@ def test_uncached_allocator_entries(backend, priv):
 
 
 def test_pluggable_allocator_entries(backend):
-    from cudalab.memory.pluggable import PluggableAllocator, PluggableDeviceAllocator
+    from cudalab.allocator.pluggable import PluggableAllocator, PluggableDeviceAllocator
 
     spec = PluggableAllocator(lambda size, dev, s: backend.mem_alloc(dev, size),
                               lambda ptr, size, dev, s: backend.mem_free(dev, ptr))
@@ -727,7 +727,7 @@ def test_unknown_keyword_is_a_type_error():
 
 
 def test_async_backend_refuses_recording(monkeypatch, backend):
-    from cudalab.memory.async_allocator import AsyncPoolAllocator
+    from cudalab.allocator.async_allocator import AsyncPoolAllocator
 
     monkeypatch.setattr(A, "_config", parse_alloc_conf("backend:cudaMallocAsync"))
     with pytest.raises(RuntimeError, match="cudaMallocAsync"):

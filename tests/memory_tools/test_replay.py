@@ -20,8 +20,8 @@ import warnings
 import pytest
 
 import cudalab
-from cudalab.memory.allocator import DeviceCachingAllocator
-from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
 
 # by module path: cudalab.memory may export the replay function under the module's name
 rp = importlib.import_module("cudalab.memory_tools.replay")
@@ -147,7 +147,7 @@ def test_replay_equals_live(monkeypatch, conf):
     cfg = parse_alloc_conf(conf) if conf else AllocatorConfig()
     sim = private_sim(monkeypatch, "16GiB")
     if cfg.backend == "cudaMallocAsync":
-        from cudalab.memory.async_allocator import AsyncPoolAllocator
+        from cudalab.allocator.async_allocator import AsyncPoolAllocator
 
         live = AsyncPoolAllocator(sim, 0, cfg, stream_resolver=lambda: 0)
         side = sim.handle_int(sim.stream_create(0))
@@ -340,7 +340,7 @@ def test_bad_config_and_arguments():
 
 
 def test_progress_callback_and_process_state_untouched():
-    from cudalab.memory import allocator as allocator_module
+    from cudalab.allocator import allocator as allocator_module
 
     before = (list(allocator_module._allocators), list(allocator_module._active))
     env = {k: os.environ.get(k) for k in ("CUDALAB_SIMULATOR_DEVICES",

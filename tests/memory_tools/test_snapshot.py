@@ -16,8 +16,8 @@ import pytest
 
 import cudalab
 from cudalab.memory_tools import history
-from cudalab.memory.allocator import DeviceCachingAllocator
-from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
 from cudalab.memory_tools.snapshot import SnapshotLoadError, dumps_snapshot, to_plain
 
 MiB = 1024 * 1024

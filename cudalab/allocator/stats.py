@@ -187,7 +187,7 @@ def _make_builder():
     lines.append("    st._cache = (sig, d.copy())")
     lines.append("    return d")
     namespace = {"_template": dict.fromkeys(STAT_KEYS, 0)}
-    exec(compile("\n".join(lines), "<cudalab.memory.stats builder>", "exec"), namespace)
+    exec(compile("\n".join(lines), "<cudalab.allocator.stats builder>", "exec"), namespace)
     return namespace["build"]
 
 

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from cudalab.memory.allocator import DeviceCachingAllocator
-from cudalab.memory.config import parse_alloc_conf
+from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.config import parse_alloc_conf
 
 KiB = 1024
 MiB = 1024 * 1024

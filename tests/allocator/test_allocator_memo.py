@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudalab.memory.allocator import DeviceCachingAllocator
-from cudalab.memory.config import parse_alloc_conf
+from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.config import parse_alloc_conf
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -198,7 +198,7 @@ def test_pure_hits_follow_the_stream_argument_and_the_current_stream():
     """A pure hit needs the very Stream the memo was set up on: an explicit other stream,
     or None while another stream is current, must take the plain path."""
     import cudalab
-    from cudalab.memory.allocator import get_allocator
+    from cudalab.allocator.allocator import get_allocator
 
     cudalab.init()
     a = get_allocator(0)
@@ -242,7 +242,7 @@ def test_default_stream_pure_hits_skip_the_thread_local(monkeypatch, two_devices
     read no thread-local; once one has, they look the current stream up again."""
     import cudalab
     from cudalab import streams
-    from cudalab.memory import allocator as A
+    from cudalab.allocator import allocator as A
 
     cudalab.init()
     a = A.get_allocator(0)
@@ -272,7 +272,7 @@ def test_pure_hits_on_stream_none_respect_other_threads_streams():
     import threading
 
     import cudalab
-    from cudalab.memory.allocator import get_allocator
+    from cudalab.allocator.allocator import get_allocator
 
     cudalab.init()
     a = get_allocator(0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab.memory import pinned
+from cudalab.allocator import pinned
 
 
 def _ptr(a: np.ndarray) -> int:

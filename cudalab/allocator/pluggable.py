@@ -40,7 +40,7 @@ from typing import Any
 from cudalab import streams as _streams
 from cudalab._driver.base import EVENT_DISABLE_TIMING
 from cudalab.errors import CudaError, OutOfMemoryError
-from cudalab.memory.allocator import (
+from cudalab.allocator.allocator import (
     Allocator,
     _bad_pointer,
     _check_size,
@@ -48,8 +48,8 @@ from cudalab.memory.allocator import (
     _oom_text,
     _stream_key,
 )
-from cudalab.memory.config import SMALL_SIZE, UNLIMITED, AllocatorConfig
-from cudalab.memory.stats import DeviceStats
+from cudalab.allocator.config import SMALL_SIZE, UNLIMITED, AllocatorConfig
+from cudalab.allocator.stats import DeviceStats
 
 __all__ = [
     "PluggableAllocator",
@@ -97,7 +97,7 @@ class PluggableAllocator:
                          config: AllocatorConfig | None = None,
                          stream_resolver: Callable[[], int] | None = None
                          ) -> PluggableDeviceAllocator:
-        """The per-device :class:`~cudalab.memory.allocator.Allocator` over these callables."""
+        """The per-device :class:`~cudalab.allocator.allocator.Allocator` over these callables."""
         return PluggableDeviceAllocator(self, backend, device, config, stream_resolver)
 
 
@@ -117,7 +117,7 @@ def change_current_allocator(allocator: PluggableAllocator | None) -> None:
         raise TypeError(
             "change_current_allocator expects a cudalab.memory.PluggableAllocator, got "
             f"{type(allocator).__name__}")
-    from cudalab.memory import allocator as _alloc
+    from cudalab.allocator import allocator as _alloc
 
     with _alloc._registry_lock:
         if _alloc._active:

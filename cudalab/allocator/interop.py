@@ -3,8 +3,8 @@
 * CuPy: ``cupy.cuda.set_allocator(cudalab.memory.cupy_allocator)``. CuPy arrays then draw
   from (and show up in) cudalab's pool and statistics; memory is allocated on CuPy's current
   device and stream and returned when CuPy drops it.
-* Numba: ``numba.cuda.set_memory_manager(cudalab.memory.interop.CudalabNumbaMemoryManager)``
-  or ``NUMBA_CUDA_MEMORY_MANAGER=cudalab.memory.interop`` (External Memory Management
+* Numba: ``numba.cuda.set_memory_manager(cudalab.allocator.interop.CudalabNumbaMemoryManager)``
+  or ``NUMBA_CUDA_MEMORY_MANAGER=cudalab.allocator.interop`` (External Memory Management
   plugin; device memory only, host allocations stay Numba's).
 
 Neither CuPy nor Numba is imported until used.

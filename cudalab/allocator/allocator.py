@@ -25,7 +25,7 @@ that is split and merged again over and over (the common alloc/free pair) re-use
 entries and the list is only touched when a new (size, address) appears; stale keys are
 skipped by the search and swept out when the list has grown to twice its live size.
 
-Locking. One lock per device (a :class:`~cudalab.memory.token_lock.TokenLock`: a
+Locking. One lock per device (a :class:`~cudalab.allocator.token_lock.TokenLock`: a
 ``threading.Lock`` whose uncontended acquire and release are one ``list.pop`` and one
 ``list.append``, inlined on the hot paths), held briefly and never across a blocking driver
 call: it is dropped around ``mem_alloc``, ``mem_free`` and event synchronisation (blocks in
@@ -54,7 +54,7 @@ from typing import Any
 
 from cudalab import streams as _streams
 from cudalab.errors import CudaError, OutOfMemoryError
-from cudalab.memory.config import (
+from cudalab.allocator.config import (
     MIN_BLOCK_SIZE,
     MIN_LARGE_ALLOC,
     ROUND_LARGE,
@@ -65,9 +65,9 @@ from cudalab.memory.config import (
     config_from_env,
     no_caching_from_env,
 )
-from cudalab.memory.events import EventPool
-from cudalab.memory.stats import Counters, DeviceStats, format_size
-from cudalab.memory.token_lock import TokenLock
+from cudalab.allocator.events import EventPool
+from cudalab.allocator.stats import Counters, DeviceStats, format_size
+from cudalab.allocator.token_lock import TokenLock
 
 _Stream = _streams.Stream
 _NO_STREAM = object()  # never a malloc's stream argument
@@ -230,7 +230,7 @@ class _FreeList:
 class BlockPool(Counters):
     """torch's BlockPool: the small or the large pool of one device, one free list per stream.
 
-    The pool is also its own statistics counters (:class:`~cudalab.memory.stats.Counters`),
+    The pool is also its own statistics counters (:class:`~cudalab.allocator.stats.Counters`),
     which saves the hot path an attribute lookup per update.
     """
 
@@ -265,7 +265,7 @@ class Allocator(abc.ABC):
     Implementations: :class:`DeviceCachingAllocator` (backend "native"),
     :class:`UncachedAllocator` (``CUDALAB_NO_MEMORY_CACHING``); expandable segments,
     cudaMallocAsync and pluggable allocators slot in as further implementations. Every one
-    keeps :attr:`stats` (a :class:`~cudalab.memory.stats.DeviceStats`) current, because the
+    keeps :attr:`stats` (a :class:`~cudalab.allocator.stats.DeviceStats`) current, because the
     public getters read its counters directly.
     """
 
@@ -409,7 +409,7 @@ class DeviceCachingAllocator(Allocator):
         backend: the driver seam (``cudalab.devices._backend()``, or any Backend in tests).
         device: the device ordinal.
         config: the settings (default: parsed from the environment, see
-            :mod:`cudalab.memory.config`).
+            :mod:`cudalab.allocator.config`).
         stream_resolver: maps ``stream=None`` to a stream key (default: the current stream of
             ``device``; tests over a private backend pass ``lambda: 0``).
     """
@@ -428,10 +428,10 @@ class DeviceCachingAllocator(Allocator):
     def __new__(cls, backend: Any = None, device: int = 0, config: AllocatorConfig | None = None,
                 stream_resolver: Callable[[], int] | None = None):
         # expandable_segments:True selects the subclass that grows segments page by page
-        # (cudalab.memory.expandable); the settings are fixed for an allocator's lifetime.
+        # (cudalab.allocator.expandable); the settings are fixed for an allocator's lifetime.
         if cls is DeviceCachingAllocator and (
                 config if config is not None else config_from_env()).expandable_segments:
-            from cudalab.memory.expandable import ExpandableCachingAllocator
+            from cudalab.allocator.expandable import ExpandableCachingAllocator
 
             cls = ExpandableCachingAllocator
         return super().__new__(cls)
@@ -444,7 +444,7 @@ class DeviceCachingAllocator(Allocator):
             raise ValueError(
                 f"DeviceCachingAllocator is the native backend, but the settings "
                 f"({config.source or 'given'}) ask for backend:{config.backend}; "
-                "use cudalab.memory.allocator.create_allocator(), which picks the right class"
+                "use cudalab.allocator.allocator.create_allocator(), which picks the right class"
             )
         self.backend = backend
         self.device = device
@@ -1740,20 +1740,20 @@ def create_allocator(backend: Any, device: int, config: AllocatorConfig | None =
     """The allocator the settings ask for (raises ValueError / NotImplementedError).
 
     In order: the allocator installed by ``cudalab.memory.change_current_allocator`` (a
-    :class:`~cudalab.memory.pluggable.PluggableDeviceAllocator`); ``backend:cudaMallocAsync``
-    (:class:`~cudalab.memory.async_allocator.AsyncPoolAllocator`, which like torch ignores
+    :class:`~cudalab.allocator.pluggable.PluggableDeviceAllocator`); ``backend:cudaMallocAsync``
+    (:class:`~cudalab.allocator.async_allocator.AsyncPoolAllocator`, which like torch ignores
     ``CUDALAB_NO_MEMORY_CACHING``); no caching (:class:`UncachedAllocator`); else the native
     :class:`DeviceCachingAllocator`.
     """
     if config is None:
         config = config_from_env()
-    from cudalab.memory import pluggable
+    from cudalab.allocator import pluggable
 
     custom = pluggable.current_allocator()
     if custom is not None:
         return custom.device_allocator(backend, device, config, stream_resolver)
     if config.backend == "cudaMallocAsync":
-        from cudalab.memory.async_allocator import AsyncPoolAllocator
+        from cudalab.allocator.async_allocator import AsyncPoolAllocator
 
         return AsyncPoolAllocator(backend, device, config, stream_resolver)
     if no_caching is None:

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import pytest
 
-from cudalab.memory.allocator import DeviceCachingAllocator
-from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
-from cudalab.memory.stats import STAT_KEYS, render_memory_summary
+from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.stats import STAT_KEYS, render_memory_summary
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -268,7 +268,7 @@ def test_resets_follow_torch(backend):
 
 
 def test_nested_dict_matches_flat(backend):
-    from cudalab.memory.stats import nested_from_flat
+    from cudalab.allocator.stats import nested_from_flat
 
     result, a = run_cudalab(backend, SCRIPT[:5])
     nested = a.stats.as_nested_dict()
@@ -309,7 +309,7 @@ def test_memory_summary_layout(backend):
 
 
 def test_units_switch_at_768_and_750k():
-    from cudalab.memory.stats import _format_bytes_cell, _format_count_cell, format_size
+    from cudalab.allocator.stats import _format_bytes_cell, _format_count_cell, format_size
 
     assert _format_bytes_cell(786431, 786431) == "786431 B  "
     assert _format_bytes_cell(786432, 786432) == "   768 KiB"

@@ -16,9 +16,9 @@ import textwrap
 import pytest
 
 from cudalab.errors import OutOfMemoryError
-from cudalab.memory.allocator import create_allocator
-from cudalab.memory.config import AllocatorConfig
-from cudalab.memory.pluggable import (
+from cudalab.allocator.allocator import create_allocator
+from cudalab.allocator.config import AllocatorConfig
+from cudalab.allocator.pluggable import (
     PluggableAllocator,
     PluggableDeviceAllocator,
     change_current_allocator,
@@ -51,8 +51,8 @@ class Recorder:
 @pytest.fixture
 def registry(backend):
     """The process registry emptied for one test (and restored, pluggable reset, after)."""
-    from cudalab.memory import allocator as A
-    from cudalab.memory import pluggable
+    from cudalab.allocator import allocator as A
+    from cudalab.allocator import pluggable
 
     gc.collect()
     with A._registry_lock:
@@ -314,7 +314,7 @@ def test_memory_fraction(backend, rec):
 
 
 def test_create_allocator_honours_the_current_pluggable(registry, backend, rec):
-    from cudalab.memory import pluggable
+    from cudalab.allocator import pluggable
 
     pa = PluggableAllocator(rec.malloc, rec.free)
     change_current_allocator(pa)

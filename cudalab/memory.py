@@ -10,7 +10,7 @@ ever allocated, ``memory_stats()`` returns exactly torch's 122 keys (sorted),
 Settings come from ``CUDALAB_ALLOC_CONF`` (or torch's ``PYTORCH_ALLOC_CONF`` /
 ``PYTORCH_CUDA_ALLOC_CONF``), read when the first allocator is created; see
 :func:`parse_alloc_conf` for the grammar. The allocator itself is
-:class:`~cudalab.memory.allocator.DeviceCachingAllocator`.
+:class:`~cudalab.allocator.allocator.DeviceCachingAllocator`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from cudalab import devices as _devices
 from cudalab import streams as _streams
-from cudalab.memory.allocator import (
+from cudalab.allocator.allocator import (
     Allocator,
     DeviceCachingAllocator,
     UncachedAllocator,
@@ -31,11 +31,11 @@ from cudalab.memory.allocator import (
     find_owner,
     get_allocator,
 )
-from cudalab.memory.async_allocator import AsyncPoolAllocator
-from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
-from cudalab.memory.pluggable import PluggableAllocator, change_current_allocator
-from cudalab.memory.scope import PeakScope, peak_scope
-from cudalab.memory.stats import STAT_KEYS, nested_from_flat, render_memory_summary, zero_stats
+from cudalab.allocator.async_allocator import AsyncPoolAllocator
+from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.pluggable import PluggableAllocator, change_current_allocator
+from cudalab.allocator.scope import PeakScope, peak_scope
+from cudalab.allocator.stats import STAT_KEYS, nested_from_flat, render_memory_summary, zero_stats
 
 __all__ = [
     "PeakScope",
@@ -274,7 +274,7 @@ def get_allocator_backend() -> str:
     :func:`change_current_allocator`), as torch's function of the same name."""
     for a in _active:
         return a.name
-    from cudalab.memory import pluggable
+    from cudalab.allocator import pluggable
 
     if pluggable.current_allocator() is not None:
         return "pluggable"
@@ -316,7 +316,7 @@ def caching_allocator_delete(mem_ptr: int) -> None:
             return
     if mem_ptr == 0 and type(mem_ptr) is int:
         return
-    from cudalab.memory.allocator import _bad_pointer
+    from cudalab.allocator.allocator import _bad_pointer
 
     raise _bad_pointer(mem_ptr)
 
@@ -329,7 +329,7 @@ def record_stream(ptr: int, stream: Any) -> None:
     """
     a = find_owner(ptr)
     if a is None:
-        from cudalab.memory.allocator import _bad_pointer
+        from cudalab.allocator.allocator import _bad_pointer
 
         raise _bad_pointer(ptr)
     if isinstance(stream, int) and not isinstance(stream, bool):
@@ -352,10 +352,10 @@ _LAZY = {
     **{name: _TOOLING + "snapshot" for name in (
         "SnapshotLoadError", "export_memory_viz", "load_snapshot", "_dump_snapshot", "_snapshot")},
     # interop shims and the pinned host pool, loaded on demand
-    "cupy_allocator": "cudalab.memory.interop",
-    "CudalabNumbaMemoryManager": "cudalab.memory.interop",
-    "pinned_memory_stats": "cudalab.memory.pinned",
-    "empty_pinned_cache": "cudalab.memory.pinned",
+    "cupy_allocator": "cudalab.allocator.interop",
+    "CudalabNumbaMemoryManager": "cudalab.allocator.interop",
+    "pinned_memory_stats": "cudalab.allocator.pinned",
+    "empty_pinned_cache": "cudalab.allocator.pinned",
 }
 
 

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from cudalab.errors import OutOfMemoryError
-from cudalab.memory.allocator import (
+from cudalab.allocator.allocator import (
     DeviceCachingAllocator,
     UncachedAllocator,
     allocation_size,
@@ -21,7 +21,7 @@ from cudalab.memory.allocator import (
     round_size,
     roundup_power2_next_division,
 )
-from cudalab.memory.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -577,7 +577,7 @@ def test_memory_fraction_validation(alloc):
 
 # --------------------------------------------------------------------------- other allocators
 def test_native_allocator_class_follows_the_expandable_setting(backend):
-    from cudalab.memory.expandable import ExpandableCachingAllocator
+    from cudalab.allocator.expandable import ExpandableCachingAllocator
 
     assert isinstance(make(backend, "expandable_segments:True"), ExpandableCachingAllocator)
     assert type(make(backend, "expandable_segments:False")) is DeviceCachingAllocator
@@ -609,7 +609,7 @@ def test_no_caching_passes_every_call_through(backend):
 
 
 def test_no_caching_environment_selects_the_pass_through(monkeypatch, backend):
-    from cudalab.memory.config import no_caching_from_env
+    from cudalab.allocator.config import no_caching_from_env
 
     monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     assert no_caching_from_env()

@@ -33,7 +33,7 @@ __all__ = ["PeakScope", "peak_scope"]
 def _allocator(device: int):
     global _existing
     if _existing is None:  # (imported on first use: the allocator module imports this one)
-        from cudalab.memory.allocator import existing_allocator
+        from cudalab.allocator.allocator import existing_allocator
 
         _existing = existing_allocator
     return _existing(device)

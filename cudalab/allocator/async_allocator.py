@@ -44,15 +44,15 @@ from typing import Any
 from cudalab import streams as _streams
 from cudalab._driver.base import EVENT_DISABLE_TIMING, STREAM_NON_BLOCKING
 from cudalab.errors import CudaError, OutOfMemoryError
-from cudalab.memory.allocator import (
+from cudalab.allocator.allocator import (
     Allocator,
     _bad_pointer,
     _check_size,
     _fraction_total,
     _stream_key,
 )
-from cudalab.memory.config import UNLIMITED, AllocatorConfig, config_from_env
-from cudalab.memory.stats import STAT_KEYS, Counters, format_size
+from cudalab.allocator.config import UNLIMITED, AllocatorConfig, config_from_env
+from cudalab.allocator.stats import STAT_KEYS, Counters, format_size
 
 __all__ = ["AsyncPoolAllocator", "AsyncPoolStats", "SNAPSHOT_UNSUPPORTED"]
 
@@ -99,7 +99,7 @@ class _Bytes:
 
 class AsyncPoolStats:
     """Statistics of an :class:`AsyncPoolAllocator` (duck-types
-    :class:`~cudalab.memory.stats.DeviceStats` for the public getters)."""
+    :class:`~cudalab.allocator.stats.DeviceStats` for the public getters)."""
 
     __slots__ = ("small", "large", "agg", "_owner")
 

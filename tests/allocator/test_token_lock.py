@@ -1,4 +1,4 @@
-"""cudalab.memory.token_lock.TokenLock: threading.Lock's semantics from list.pop/append."""
+"""cudalab.allocator.token_lock.TokenLock: threading.Lock's semantics from list.pop/append."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cudalab.memory.token_lock import TokenLock
+from cudalab.allocator.token_lock import TokenLock
 
 
 def test_acquire_release_and_errors():

@@ -96,7 +96,7 @@ class CachingHostAllocator:
     def _event_pool(self, device: int):
         pool = self._event_pools.get(device)
         if pool is None:
-            from cudalab.memory.events import EventPool
+            from cudalab.allocator.events import EventPool
 
             pool = self._event_pools.setdefault(device, EventPool(self._b(), device))
         return pool

@@ -20,10 +20,10 @@ import threading
 import pytest
 
 from cudalab.errors import OutOfMemoryError
-from cudalab.memory.allocator import create_allocator
-from cudalab.memory.async_allocator import AsyncPoolAllocator
-from cudalab.memory.config import parse_alloc_conf
-from cudalab.memory.stats import STAT_KEYS
+from cudalab.allocator.allocator import create_allocator
+from cudalab.allocator.async_allocator import AsyncPoolAllocator
+from cudalab.allocator.config import parse_alloc_conf
+from cudalab.allocator.stats import STAT_KEYS
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -515,7 +515,7 @@ def test_frees_while_the_lock_is_busy_are_applied_later(make):
 @pytest.fixture
 def async_registry(backend):
     """The process registry emptied and set to backend:cudaMallocAsync for one test."""
-    from cudalab.memory import allocator as A
+    from cudalab.allocator import allocator as A
 
     gc.collect()
     with A._registry_lock:
@@ -582,7 +582,8 @@ _SUBPROCESS = textwrap.dedent("""
     out = {"backend_before": M.get_allocator_backend()}
     x = cudalab.asarray(np.arange(256, dtype=np.int32))
     p = cudalab.caching_allocator_alloc(5 << 20)
-    out["type"] = type(M.allocator.get_allocator(0)).__name__
+    from cudalab.allocator.allocator import get_allocator
+    out["type"] = type(get_allocator(0)).__name__
     out["backend"] = M.get_allocator_backend()
     out["roundtrip"] = bool((x.numpy() == np.arange(256, dtype=np.int32)).all())
     out["allocated"] = M.memory_allocated()

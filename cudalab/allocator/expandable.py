@@ -49,7 +49,7 @@ from typing import Any
 
 from cudalab import streams as _streams
 from cudalab.errors import CudaError, OutOfMemoryError
-from cudalab.memory.allocator import (
+from cudalab.allocator.allocator import (
     _ALLOCATED,
     _DETACHED,
     _FREE,
@@ -64,7 +64,7 @@ from cudalab.memory.allocator import (
     allocation_size,
     round_size,
 )
-from cudalab.memory.config import SMALL_BUFFER
+from cudalab.allocator.config import SMALL_BUFFER
 
 __all__ = ["ExpandableSegment", "ExpandableCachingAllocator", "address_space_size"]
 

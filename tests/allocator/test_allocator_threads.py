@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from cudalab.memory.allocator import DeviceCachingAllocator
-from cudalab.memory.config import AllocatorConfig
+from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.config import AllocatorConfig
 
 KiB = 1024
 MiB = 1024 * 1024

@@ -15,10 +15,10 @@ import threading
 import pytest
 
 from cudalab.errors import OutOfMemoryError
-from cudalab.memory.allocator import DeviceCachingAllocator, create_allocator
-from cudalab.memory.config import parse_alloc_conf
-from cudalab.memory.expandable import ExpandableCachingAllocator, address_space_size
-from cudalab.memory.stats import STAT_KEYS
+from cudalab.allocator.allocator import DeviceCachingAllocator, create_allocator
+from cudalab.allocator.config import parse_alloc_conf
+from cudalab.allocator.expandable import ExpandableCachingAllocator, address_space_size
+from cudalab.allocator.stats import STAT_KEYS
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -333,7 +333,7 @@ def test_pending_free_blocks_are_released_after_sync(backend, alloc):
 
 # --------------------------------------------------------------------------- statistics
 def test_stats_of_the_reference_script_follow_torchs_rules(backend):
-    from tests.memory.test_allocator_stats import EXPECTED, SCRIPT, run_cudalab
+    from tests.allocator.test_allocator_stats import EXPECTED, SCRIPT, run_cudalab
 
     ours, a = run_cudalab(backend, SCRIPT, CONF)
     assert type(a) is ExpandableCachingAllocator
@@ -675,7 +675,7 @@ def test_threads_share_one_expandable_allocator(backend):
                                   CONF + ",roundup_power2_divisions:4"])
 def test_stats_equal_torchs_with_expandable_segments(backend, conf):
     pytest.importorskip("torch")
-    from tests.memory.test_allocator_stats import SCRIPT, run_cudalab, run_torch
+    from tests.allocator.test_allocator_stats import SCRIPT, run_cudalab, run_torch
 
     script = list(SCRIPT) + [("alloc", f"a{i}", n) for i, n in enumerate(
         (1, 1000, 1 << 20, 3 << 20, 7_000_000, 12 << 20, 64 << 20, 100, 5 << 20, 45 << 20))]

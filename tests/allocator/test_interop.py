@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab.memory import interop
+from cudalab.allocator import interop
 
 
 def test_public_names():
