@@ -67,7 +67,7 @@ def is_launch_blocking() -> bool:
 
 #: Callables ``observer(kernel_name, device, stream, grid, block)`` run after each launch
 #: (grid and block as 3-tuples, ``stream`` the cudalab Stream). Empty: no cost.
-_launch_observers: list[Callable[..., Any]] = []
+from cudalab._internal import launch_observers as _launch_observers  # noqa: E402
 
 # --------------------------------------------------------------------------- CUBIN cache
 _CACHE_FORMAT = "cudalab-kernel-cache-1"
