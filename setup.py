@@ -3,7 +3,7 @@
 Everything else is in pyproject.toml. ``cudalab.memory_tools._stackstamp`` reads CPython's
 private interpreter frames, so it is built only for CPython 3.11-3.13 with the GIL, and
 only optionally: without a compiler or headers the install still succeeds and
-``cudalab.memory_tools.history`` uses its pure-Python stamp (same stacks, slower).
+``cudalab.memory_tools.stacks`` uses its pure-Python stamp (same stacks, slower).
 """
 
 import os

@@ -46,7 +46,7 @@ def latency(n: int, rounds: int, sim: bool) -> dict:
                 f(a(sz))
 
         loops["cudalab caching_allocator_alloc+delete"] = ours
-        from cudalab.allocator.allocator import get_allocator
+        from cudalab.allocator.registry import get_allocator
 
         alloc_obj = get_allocator(0)
         if alloc_obj is not None and hasattr(alloc_obj, "malloc") and hasattr(alloc_obj, "free"):

@@ -1,7 +1,7 @@
 """Export benchmark (issue 4): DataFrames and Perfetto JSON from a 1M-entry history.
 
 A self-consistent torch-schema snapshot with N trace entries is generated
-(``cudalab.memory_tools.export._synthetic_snapshot``: random alloc/free on two streams, segments,
+(``cudalab.memory_tools.synthetic.synthetic_snapshot``: random alloc/free on two streams, segments,
 OOMs and snapshots, cudalab's extra keys) and exported; next to each export, the naive way
 it replaces:
 
@@ -64,6 +64,7 @@ def _live(n: int, rep: int, table: Table, results: dict) -> None:
     import cudalab
     import cudalab.memory as cm
     from cudalab.memory_tools import export as ex
+    from cudalab.memory_tools import perfetto as pf
 
     if not hasattr(cm, "_record_memory_history"):
         table.add("live recorder", None, "s", "not in this build")
@@ -78,7 +79,7 @@ def _live(n: int, rep: int, table: Table, results: dict) -> None:
     table.add("live: record alloc/free pairs (setup)", t_rec, "s", f"{n} entries, stacks on")
     s_h = _time(lambda: ex.history_frame(), rep)
     table.add("live: history_frame() (recorder read directly)", s_h, "s", _cpu(s_h))
-    s_p = _time(lambda: ex.export_perfetto(os.path.join(tempfile.gettempdir(),
+    s_p = _time(lambda: pf.export_perfetto(os.path.join(tempfile.gettempdir(),
                                                         f"cudalab_live_{os.getpid()}.json")), 1)
     os.unlink(os.path.join(tempfile.gettempdir(), f"cudalab_live_{os.getpid()}.json"))
     table.add("live: export_perfetto(path)", s_p, "s", _cpu(s_p) + ", one run")
@@ -94,9 +95,11 @@ def _live(n: int, rep: int, table: Table, results: dict) -> None:
 
 def _perfetto_json_dumps(path: str, snap: dict) -> None:
     """The baseline: the same X/C events built as dicts, ``json.dumps`` one by one."""
-    from cudalab.memory_tools import export as ex
+    from cudalab._units import format_bytes
+    from cudalab.memory_tools import perfetto as pf
+    from cudalab.memory_tools.trace_columns import TraceColumns
 
-    t = ex._Trace(snap, extras=False)
+    t = TraceColumns(snap, extras=False)
     t0 = int(t.time_us.min())
     t_end = int(t.time_us.max()) - t0
     with open(path, "w") as f:
@@ -110,10 +113,10 @@ def _perfetto_json_dumps(path: str, snap: dict) -> None:
                       "args": {"allocated": int(t.allocated[i]), "reserved": int(t.reserved[i])}}
                 f.write(("" if first else ",\n") + json.dumps(ev))
                 first = False
-            start, end, idx, _pre = ex._block_lifetimes(t, a, b, t0, t_end)
+            start, end, idx, _pre = pf._block_lifetimes(t, a, b, t0, t_end)
             for s0, e0, i in zip(start.tolist(), end.tolist(), idx.tolist()):
                 top = t.top[i]
-                ev = {"ph": "X", "name": ex._human(int(t.size[i])), "cat": "block", "pid": pid,
+                ev = {"ph": "X", "name": format_bytes(int(t.size[i])), "cat": "block", "pid": pid,
                       "tid": 100, "ts": s0, "dur": e0 - s0,
                       "args": {"addr": hex(int(t.addr[i])), "size": int(t.size[i]),
                                "stream": int(t.stream[i]),
@@ -137,9 +140,11 @@ def main() -> None:
     import pandas as pd
 
     from cudalab.memory_tools import export as ex
+    from cudalab.memory_tools import perfetto as pf
+    from cudalab.memory_tools.synthetic import synthetic_snapshot
 
     t0 = time.perf_counter()
-    snap = ex._synthetic_snapshot(n)
+    snap = synthetic_snapshot(n)
     t_gen = time.perf_counter() - t0
     entries = snap["device_traces"][0]
     n_seg = len(snap["segments"])
@@ -161,14 +166,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         pj = os.path.join(tmp, "t.json")
-        s_pf = _time(lambda: ex.export_perfetto(pj, snap), rep)
+        s_pf = _time(lambda: pf.export_perfetto(pj, snap), rep)
         size_mb = os.path.getsize(pj) / 1e6
         with open(pj) as f:
             n_ev = sum(1 for line in f if line.startswith("{\"ph\""))
         table.add("export_perfetto (.json)", s_pf, "s",
                   f"{_cpu(s_pf)}; {n_ev} events, {size_mb:.0f} MB")
         pg = os.path.join(tmp, "t.json.gz")
-        s_gz = _time(lambda: ex.export_perfetto(pg, snap), rep)
+        s_gz = _time(lambda: pf.export_perfetto(pg, snap), rep)
         table.add("export_perfetto (.json.gz)", s_gz, "s",
                   f"{_cpu(s_gz)}; {os.path.getsize(pg) / 1e6:.0f} MB")
         pb = os.path.join(tmp, "b.json")

@@ -97,7 +97,7 @@ def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
     notebook cell). None when the place is not available (IPython missing)."""
     import cudalab
     import cudalab.memory as cm
-    from cudalab.memory_tools import history
+    from cudalab.memory_tools import stacks
 
     torch = None if sim else optional_import("torch")
     have_torch = torch is not None and torch.cuda.is_available()
@@ -127,17 +127,17 @@ def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
     # were logged as bare times; that cost, paid once by whoever reads or stops the
     # history, is reported on its own row (torch likewise builds its Python entries only
     # when _snapshot() is called).
-    stamp = history.stamp_implementation()
+    stamp = stacks.stamp_implementation()
 
     def ours_on(kw, use):
         def start():
-            history._use_stamp(use)
+            stacks._use_stamp(use)
             cm._record_memory_history("all", max_entries=100_000, **kw)
         return start
 
     def ours_off():
         cm._record_memory_history(None)
-        history._use_stamp(stamp)
+        stacks._use_stamp(stamp)
 
     def nothing():
         pass
@@ -224,10 +224,10 @@ def snapshot_time(blocks: int, repeat: int, sim: bool) -> dict:
 
 
 def replay_rate(entries: int, repeat: int) -> dict:
-    from cudalab.memory_tools.export import _synthetic_snapshot
     from cudalab.memory_tools.replay import replay
+    from cudalab.memory_tools.synthetic import synthetic_snapshot
 
-    snap = _synthetic_snapshot(entries, oom_every=10**9, snapshot_every=10**9)
+    snap = synthetic_snapshot(entries, oom_every=10**9, snapshot_every=10**9)
     n = sum(len(t) for t in snap["device_traces"])
     out = {}
     for conf in (None, "expandable_segments:True"):
@@ -279,10 +279,10 @@ def main() -> None:
     cudalab.init()
     sim = cudalab.devices._backend().simulated
     n, rounds = (2000, 5) if args.quick else (20000, 15)
-    from cudalab.memory_tools import history
+    from cudalab.memory_tools import stacks
 
     res = {"env": environment(cudalab.devices._backend().name, cudalab.get_device_name())}
-    res["env"]["stamp"] = stamp = history.stamp_implementation()
+    res["env"]["stamp"] = stamp = stacks.stamp_implementation()
     res["history"] = {w: history_cost(n, rounds, sim, w) for w in _PLACES}
     res["snapshot_ms"] = snapshot_time(2000, 5 if args.quick else 21, sim)
     res["replay_entries_per_s"] = replay_rate(20_000 if args.quick else 200_000, 3)

@@ -75,10 +75,13 @@ def main() -> None:
     import numpy as np
 
     import cudalab
+    import cudalab._internal
     from cudalab import random as R
+    from cudalab.random import launch as RL
+    from cudalab.random import sampling as RS
 
     cudalab.init()
-    backend = cudalab.devices._backend()
+    backend = cudalab._internal.backend()
     name = cudalab.get_device_name(0)
     sim = backend.simulated
     props = cudalab.get_device_properties(0)
@@ -151,13 +154,13 @@ def main() -> None:
         params = {"rand": (1.0, 0.0, 1.0), "randn": (1.0, 0.0)}
         for tpt in (4, 2, 1):
             for block, kpt in ((128, 1), (256, 1), (256, 2), (256, 4), (128, 8)):
-                R._set_launch_tuning(block=block, k_per_thread=kpt, tpt=tpt)
+                RL._set_launch_tuning(block=block, k_per_thread=kpt, tpt=tpt)
                 for op in ("rand", "randn"):
                     label = f"sweep {op} tpt={tpt} block={block} k/thread={kpt}"
                     bw(label, lambda k=variants[(op, tpt)], p=params[op], x=a:
-                       R._generate(x, k, 4, p, None), timer)
+                       RS._generate(x, k, 4, p, None), timer)
                     t.add(label, gbps[label], "GB/s", f"{100 * gbps[label] / fill:.0f}% of fill")
-        R._set_launch_tuning(block=256, k_per_thread=1, tpt=philox.TPT)
+        RL._set_launch_tuning(block=256, k_per_thread=1, tpt=philox.TPT)
 
     # ------------------------------------------------------------------ bit-exactness
     if torch is not None:

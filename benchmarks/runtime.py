@@ -59,9 +59,10 @@ def main() -> None:
     args = parse_args(__doc__)
     n = 2000 if args.quick else 50000
     import cudalab
+    import cudalab._internal
 
     cudalab.init()
-    backend = cudalab.devices._backend()
+    backend = cudalab._internal.backend()
     name = cudalab.get_device_name(0)
     sim = backend.simulated
     t = Table(f"cudalab runtime benchmark — {name} ({backend.name})")

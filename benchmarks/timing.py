@@ -139,7 +139,7 @@ def count_driver_calls(ip, lines: dict[str, str], r1: int = 100, r2: int = 600) 
     """Driver calls per repeat of each ``%cuda_timed`` line (a format string with {r}),
     from the difference between two repeat counts: the backend's methods and the event
     fast paths are wrapped by counters for the duration (untimed)."""
-    from cudalab._driver.counting import count_calls
+    from cudalab.testing import count_calls
 
     out = {}
     magics = ip.magics_manager.registry["CudaLabMagics"]
@@ -167,10 +167,11 @@ def main() -> None:
     from IPython.core.interactiveshell import InteractiveShell
 
     import cudalab
+    from cudalab import _internal
     from cudalab._kernels.spin import gpu_sleep
 
     cudalab.init()
-    backend = cudalab.devices._backend()
+    backend = _internal.backend()
     name = cudalab.get_device_name(0)
     sim = backend.simulated
     t = Table(f"cudalab %%cuda_timed / watch benchmark — {name} ({backend.name})"

@@ -7,7 +7,7 @@
   device (every widget message, JSON + binary buffers) under allocation churn;
 * ``SnapshotViewer`` on a 10k-block snapshot (Python side: build, first render, scrub) and
   the size of its segment-map SVG. The browser's first render is measured by
-  tests/test_browser.py (budget 1 s).
+  tests/widgets/test_browser.py (budget 1 s).
 
     python benchmarks/widgets.py [--json out.json] [--quick]
 
@@ -129,9 +129,9 @@ def tick_cost(ticks: int) -> dict:
 
 
 def viewer(n_blocks: int, repeat: int) -> dict:
-    from cudalab.widgets.snapshot_viewer import SnapshotViewer, _demo_snapshot
+    from cudalab.widgets.snapshot_viewer import SnapshotViewer, demo_snapshot
 
-    snap = _demo_snapshot(n_blocks)
+    snap = demo_snapshot(n_blocks)
     build, render, scrub = [], [], []
     svg = 0
     blocks = 0

@@ -94,7 +94,7 @@ _LAZY: dict[str, str] = {
     },
 }
 _SUBMODULES = {"memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
-               "random"}
+               "random", "interop"}
 
 
 def __getattr__(name: str) -> Any:

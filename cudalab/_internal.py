@@ -17,8 +17,16 @@ What it offers
   owned by a :class:`cudalab.Stream` / :class:`cudalab.Event`.
 * **Launch observers**: :data:`launch_observers`, called by every runtime kernel launch.
 * **Units**: :func:`parse_size`, :func:`format_bytes`, :func:`format_time` (one parser, one
-  formatter for the whole package; see :mod:`cudalab._units`).
+  formatter for the whole package; see :mod:`cudalab._units`), and :data:`SIZE_UNITS`, the
+  parser's unit table (``%cuda_memory --threshold 64 KiB`` takes a separate unit word).
 * **Seam constants** the upper layers compare statuses against (``STATUS_NOT_READY``).
+* **Events**: :func:`create_event` (make a :class:`cudalab.Event`'s driver event now, not
+  at its first record).
+* **Owned raw device memory**: :class:`ScratchBuffer` (a driver allocation outside the
+  caching allocator, e.g. ``%%cuda_timed --cold``'s L2 flush buffer).
+* **CUPTI**: :func:`cupti_kernel_activity` (kernel activity records, through the seam's
+  :mod:`cudalab._driver.cupti`).
+* **NVML**: :func:`clock_event_reasons` (what limits a device's clocks now).
 
 Nothing here creates a CUDA context on import, and importing it is cheap.
 """
@@ -31,15 +39,21 @@ from typing import TYPE_CHECKING, Any
 
 from cudalab import devices as _devices
 from cudalab._driver.base import STATUS_NOT_READY, STATUS_SUCCESS, FastPaths
-from cudalab._units import format_bytes, format_time, parse_size
+from cudalab._units import SIZE_UNITS, format_bytes, format_time, parse_size
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
+    from cudalab._driver.cupti import KernelActivity
 
 __all__ = [
     "STATUS_NOT_READY",
+    "SIZE_UNITS",
     "STATUS_SUCCESS",
+    "ScratchBuffer",
     "backend",
+    "clock_event_reasons",
+    "create_event",
+    "cupti_kernel_activity",
     "device_index",
     "ensure_context",
     "event_handle",
@@ -112,3 +126,113 @@ event_handle: Callable[[Any], Any] = attrgetter("_handle")
 #: one check per launch. The kernel facility and the RNG bind this list object at import,
 #: so it is mutated in place, never rebound.
 launch_observers: list[Callable[..., Any]] = []
+
+
+# ----------------------------------------------------------------------------- events
+def create_event(event: Any, device: int) -> Any:
+    """Create ``event``'s driver event on ``device`` now and return its handle.
+
+    A :class:`cudalab.Event` creates its driver event at its first record; a caller that
+    records by handle on a hot path (``%%cuda_timed``'s event pool) creates them up front.
+
+    Parameters
+    ----------
+    event : cudalab.Event
+        An event whose driver event does not exist yet.
+    device : int
+        The device index it belongs to.
+
+    Returns
+    -------
+    object
+        The opaque seam handle (the same as :func:`event_handle` returns afterwards).
+
+    Raises
+    ------
+    cudalab.CudaError
+        When the driver refuses to create it.
+    """
+    return event._create(device)
+
+
+# ----------------------------------------------------------------------------- raw memory
+class ScratchBuffer:
+    """A raw driver allocation on one device, owned by its creator.
+
+    It bypasses the caching allocator (its bytes appear in no allocator statistic), which
+    is what a measuring tool needs for its own buffers: ``%%cuda_timed --cold`` writes one
+    over the L2 cache before every repeat. The creator frees it with :meth:`free`.
+    """
+
+    __slots__ = ("device", "nbytes", "ptr")
+
+    def __init__(self, device: int, nbytes: int):
+        """Allocate ``nbytes`` on ``device`` (making its context current).
+
+        Raises
+        ------
+        cudalab.CudaError
+            When the driver cannot allocate it (out of memory included).
+        """
+        b = _devices._backend()
+        _devices._ensure_context(device)
+        #: The device index the bytes live on.
+        self.device = device
+        #: The allocation's size in bytes.
+        self.nbytes = int(nbytes)
+        #: The device pointer; 0 once freed (invariant: ``ptr == 0`` iff freed).
+        self.ptr: int = b.mem_alloc(device, self.nbytes)
+
+    def fill_async(self, value: int, stream: Any, nbytes: int | None = None) -> None:
+        """Queue a write of the byte ``value & 0xFF`` over the first ``nbytes`` bytes
+        (default: all) on ``stream`` (a :class:`cudalab.Stream` of the same device)."""
+        n = self.nbytes if nbytes is None else min(int(nbytes), self.nbytes)
+        _devices._ensure_context(self.device)
+        _devices._backend().memset_d8_async(self.device, self.ptr, value & 0xFF, n,
+                                            stream._handle)
+
+    def free(self) -> None:
+        """Give the bytes back to the driver (no-op when already freed, or when CUDA was
+        never initialised in this process); errors at teardown are ignored."""
+        ptr, self.ptr = self.ptr, 0
+        if not ptr or not _devices._initialized:
+            return
+        try:
+            _devices._backend().mem_free(self.device, ptr)
+        except Exception:
+            pass
+
+
+# ----------------------------------------------------------------------------- CUPTI
+def cupti_kernel_activity() -> KernelActivity:
+    """A new CUPTI kernel-activity tracer (:class:`cudalab._driver.cupti.KernelActivity`).
+
+    Nothing is imported from ``cupti`` until its ``start()``; when CUPTI cannot be used,
+    ``start()`` returns False and its ``note`` says why.
+    """
+    from cudalab._driver.cupti import KernelActivity
+
+    return KernelActivity()
+
+
+# ----------------------------------------------------------------------------- NVML
+def clock_event_reasons(device: int) -> int | None:
+    """NVML's clocks-event-reasons bit mask of ``device`` (what limits its clocks now), or
+    None where it cannot be read (the simulator, an NVML without the call, any error).
+
+    Parameters
+    ----------
+    device : int
+        A CUDA device index.
+    """
+    from cudalab import _driver
+
+    try:
+        n: Any = _driver.get_backend().nvml()  # the seam's RealNvml on a real GPU
+        if getattr(n, "simulated", True) or not hasattr(n, "_call"):
+            return None
+        uuid = _devices.get_device_properties(device).uuid
+        return int(n._call("clock event reasons", "nvmlDeviceGetCurrentClocksEventReasons",
+                           n._handle(uuid)))
+    except Exception:
+        return None

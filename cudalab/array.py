@@ -23,15 +23,27 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from typing import Any
 
 import numpy as np
 
-from cudalab import _dlpack
+from cudalab import _dlpack, _internal
 from cudalab import devices as _devices
 from cudalab import streams as _streams
-from cudalab import sync_debug as _sync
+from cudalab._array_memory import (
+    allocator_of,
+    check_host_operand,
+    fill,
+    foreign_waits_for,
+    host_transfer,
+    memory_api,
+    null_context,
+    release_device_memory,
+    stream_of,
+    wait_stream,
+    waits_for_foreign,
+)
+from cudalab._dtypes import SUPPORTED_DTYPES, normalize_dtype, normalize_shape
 
 __all__ = [
     "DeviceArray",
@@ -46,141 +58,10 @@ __all__ = [
     "SUPPORTED_DTYPES",
 ]
 
-#: dtypes a DeviceArray can hold (bfloat16 too when ml_dtypes is installed).
-SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(name)
-    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                 "uint64", "float16", "float32", "float64", "complex64", "complex128")
-)
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
-#: dtype arguments already seen (np.float32, "float32", np.dtype(...)) -> their dtype.
-_DTYPE_CACHE: dict[Any, np.dtype] = {d: d for d in SUPPORTED_DTYPES}
-_FLOAT32 = np.dtype(np.float32)
-_SUPPORTED_TEXT = ("bool, int8, int16, int32, int64, uint8, uint16, uint32, uint64, float16, "
-                   "float32, float64, complex64, complex128, bfloat16 (with ml_dtypes)")
 
 # DLPack "stream" values with a fixed meaning (CUDA): legacy and per-thread default streams.
 _LEGACY_STREAM = 1
 _CUDA_DEVICE_TYPES = (_dlpack.kDLCUDA, _dlpack.kDLCUDAManaged)
-
-
-# --------------------------------------------------------------------------- lazy imports
-_mem = None
-_pinned = None
-
-
-def _memory():
-    global _mem
-    if _mem is None:
-        from cudalab import memory
-
-        _mem = memory
-    return _mem
-
-
-def _pinned_pool():
-    global _pinned
-    if _pinned is None:
-        from cudalab.allocator import pinned
-
-        _pinned = pinned
-    return _pinned
-
-
-def _allocator_of(device: int):
-    """The device's allocator (created on first use), without the public API's checks."""
-    from cudalab.allocator import allocator as al
-
-    lst = al._allocators
-    a = lst[device] if device < len(lst) else None
-    return a if a is not None else al.get_allocator(device)
-
-
-def _release_device_memory(ptr: int) -> None:
-    """Return ``ptr`` to the caching allocator; a finalizer: never raises."""
-    if _streams._exiting:  # the process is ending: the driver reclaims everything
-        return
-    try:
-        _memory().caching_allocator_delete(ptr)
-    except Exception as exc:
-        try:
-            warnings.warn(f"cudalab: returning device memory 0x{ptr:x} to the allocator "
-                          f"failed: {exc}", RuntimeWarning, stacklevel=2)
-        except Exception:
-            pass
-
-
-# --------------------------------------------------------------------------- normalisation
-def _bfloat16() -> np.dtype:
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise TypeError("dtype 'bfloat16' needs the optional 'ml_dtypes' package "
-                        "(pip install ml_dtypes); numpy has no bfloat16 of its own") from None
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def _normalize_dtype(dtype: Any, default: np.dtype | None = _FLOAT32) -> np.dtype:
-    try:
-        dt = _DTYPE_CACHE.get(dtype)
-    except TypeError:  # unhashable
-        dt = None
-    if dt is not None:
-        return dt
-    if dtype is None:
-        if default is None:
-            raise TypeError("a dtype is required")
-        return default
-    if isinstance(dtype, str) and dtype.strip().lower() in ("bfloat16", "bf16"):
-        return _bfloat16()
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"unsupported dtype {dtype!r}; cudalab arrays support {_SUPPORTED_TEXT}"
-                        ) from None
-    if dt in _SUPPORTED:
-        _remember_dtype(dtype, dt)
-        return dt
-    if dt.name == "bfloat16" and dt.itemsize == 2:  # ml_dtypes' (numpy has none of its own)
-        _remember_dtype(dtype, dt)
-        return dt
-    raise TypeError(f"unsupported dtype {dt}; cudalab arrays support {_SUPPORTED_TEXT}")
-
-
-def _remember_dtype(key: Any, dt: np.dtype) -> None:
-    try:
-        if len(_DTYPE_CACHE) < 256:
-            _DTYPE_CACHE[key] = dt
-    except TypeError:
-        pass
-
-
-def _normalize_shape(shape: Any) -> tuple[int, ...]:
-    t = type(shape)
-    if t is int:
-        if shape >= 0:
-            return (shape,)
-    elif t is tuple:
-        for d in shape:
-            if type(d) is not int or d < 0:
-                break
-        else:
-            return shape
-    bad = TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
-    if hasattr(shape, "__index__"):
-        items: tuple = (shape,)
-    else:
-        try:
-            items = tuple(shape)
-        except TypeError:
-            raise bad from None
-    if any(isinstance(d, (bool, np.bool_)) or not hasattr(d, "__index__") for d in items):
-        raise bad
-    dims = tuple(operator.index(d) for d in items)
-    for d in dims:
-        if d < 0:
-            raise ValueError(f"negative dimension {d} in shape {dims}: sizes must be >= 0")
-    return dims
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -203,44 +84,6 @@ def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
     return True
 
 
-def _stream_of(device: int):
-    return _streams.current_stream(device)
-
-
-def _null_context(stream) -> None:
-    if stream._null:
-        _devices._ensure_context(stream.device_index)
-
-
-def _same_stream(a: int, b: int) -> bool:
-    # 0 (null) and 1 (CU_STREAM_LEGACY) name the same legacy default stream.
-    return a == b or (a in (0, 1) and b in (0, 1))
-
-
-def _wait_stream(waiter, producer) -> None:
-    """Make ``waiter`` wait for the work queued so far on ``producer`` (no host sync)."""
-    if (waiter.device_index == producer.device_index
-            and _same_stream(waiter.cuda_stream, producer.cuda_stream)):
-        return
-    # The legacy/per-thread pseudo handles act on the current context: make it the right one.
-    _devices._ensure_context(producer.device_index)
-    ev = producer.record_event()
-    _devices._ensure_context(waiter.device_index)
-    waiter.wait_event(ev)
-
-
-def _foreign_waits_for(value: int, ours) -> None:
-    """Another library's stream ``value`` waits for ``ours`` (a DLPack export)."""
-    if not _same_stream(value, ours.cuda_stream):
-        _wait_stream(_streams.ExternalStream(value, ours.device_index), ours)
-
-
-def _waits_for_foreign(ours, value: int) -> None:
-    """``ours`` waits for another library's stream ``value`` (a CAI import)."""
-    if not _same_stream(value, ours.cuda_stream):
-        _wait_stream(ours, _streams.ExternalStream(value, ours.device_index))
-
-
 # --------------------------------------------------------------------------- the array
 class DeviceArray:
     """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
@@ -255,20 +98,24 @@ class DeviceArray:
                  "_nbytes", "_size", "_contiguous", "_read_only", "_owns", "_alloc",
                  "__weakref__")
 
+    _strides: tuple[int, ...] | None  # None: C-contiguous (strides computed on demand)
+
     def __init__(self, shape: Any, dtype: Any = np.float32, device: Any = None):
         self._owns = False
-        shape = _normalize_shape(shape)
-        dt = _normalize_dtype(dtype)
+        shape = normalize_shape(shape)
+        dt = normalize_dtype(dtype)
         if device is None:
             dev = _devices.current_device()
             stream = _streams.current_stream()
         else:
+            # Direct module read, not _internal.device_index(): every new array passes here
+            # (benchmarks/rng.py, rand(1000) host cost).
             dev = _devices._device_index(device)
             stream = _streams.current_stream(dev)
         size = math.prod(shape)
         nbytes = size * dt.itemsize
         if nbytes:
-            a = self._alloc = _allocator_of(dev)
+            a = self._alloc = allocator_of(dev)
             self._ptr = a.malloc(nbytes, stream)
             self._owns = True
         else:
@@ -295,7 +142,7 @@ class DeviceArray:
                 try:
                     self._alloc.free(self._ptr)
                 except ValueError:  # not this allocator's any more (a reset): the registry's
-                    _release_device_memory(self._ptr)
+                    release_device_memory(self._ptr)
         except Exception:
             pass
 
@@ -398,7 +245,7 @@ class DeviceArray:
         return self._shape[0]
 
     def __repr__(self) -> str:
-        sim = " (simulated)" if _devices._backend().simulated else ""
+        sim = " (simulated)" if _internal.backend().simulated else ""
         return (f"DeviceArray(shape={self._shape}, dtype={self._dtype}, "
                 f"device='cuda:{self._device}{sim}')")
 
@@ -438,15 +285,15 @@ class DeviceArray:
             out = np.empty(self._shape, self._dtype)
             non_blocking = False
         else:
-            _check_host_operand(out, self, "DeviceArray.numpy(out=...)", writable=True)
+            check_host_operand(out, self, "DeviceArray.numpy(out=...)", writable=True)
         n = self._nbytes
         if n == 0:
             return out
         stream = self._stream
         if stream._handle is None:  # the allocation stream was closed: use the current one
-            stream = _stream_of(self._device)
+            stream = stream_of(self._device)
         host = out.__array_interface__["data"][0]
-        _host_transfer(self._device, host, self._ptr, n, stream, host, non_blocking,
+        host_transfer(self._device, host, self._ptr, n, stream, host, non_blocking,
                        "DeviceArray.numpy")
         return out
 
@@ -466,12 +313,12 @@ class DeviceArray:
             if foreign is not None:
                 return self._copy_from_device(foreign)
             src = np.asarray(src)
-        _check_host_operand(src, self, "DeviceArray.copy_()", writable=False)
+        check_host_operand(src, self, "DeviceArray.copy_()", writable=False)
         n = self._nbytes
         if n == 0:
             return self
         host = src.__array_interface__["data"][0]
-        _host_transfer(self._device, self._ptr, host, n, _stream_of(self._device), host,
+        host_transfer(self._device, self._ptr, host, n, stream_of(self._device), host,
                        non_blocking, "DeviceArray.copy_ (host to device)")
         return self
 
@@ -485,24 +332,24 @@ class DeviceArray:
         n = self._nbytes
         if n == 0:
             return self
-        stream = _stream_of(self._device)
+        stream = stream_of(self._device)
         b = stream._b
         if src._device == self._device:
-            _null_context(stream)
+            null_context(stream)
             b.memcpy_async(self._device, self._ptr, src._ptr, n, stream._handle)
             return self
         # Peer copy on the destination's current stream, ordered after the source device's
         # current stream, and that stream ordered after the copy (torch's cross-device rule).
-        src_stream = _stream_of(src._device)
-        _wait_stream(stream, src_stream)
-        _null_context(stream)
+        src_stream = stream_of(src._device)
+        wait_stream(stream, src_stream)
+        null_context(stream)
         b.memcpy_peer_async(self._ptr, self._device, src._ptr, src._device, n, stream._handle)
-        _wait_stream(src_stream, stream)
+        wait_stream(src_stream, stream)
         return self
 
     def to(self, device: Any, non_blocking: bool = False) -> DeviceArray:
         """This array on ``device``: itself if already there, else a copy (peer copy)."""
-        dev = _devices._device_index(device)
+        dev = _internal.device_index(device)
         if dev == self._device:
             return self
         out = empty(self._shape, self._dtype, device=dev)
@@ -524,7 +371,7 @@ class DeviceArray:
         if len(pattern) != self._dtype.itemsize:
             raise ValueError(f"fill_: expected a scalar, got {value!r}")
         if self._nbytes:
-            _fill(self._ptr, pattern, self._size, self._device, _stream_of(self._device))
+            fill(self._ptr, pattern, self._size, self._device, stream_of(self._device))
         return self
 
     def record_stream(self, stream: Any) -> None:
@@ -536,12 +383,12 @@ class DeviceArray:
             raise TypeError(f"record_stream expects a cudalab.Stream, got {stream!r}")
         ptr = self._allocation_ptr()
         if ptr:
-            _memory().record_stream(ptr, stream)
+            memory_api().record_stream(ptr, stream)
 
     # ------------------------------------------------------------------ views
     def view(self, dtype: Any) -> DeviceArray:
         """The same memory seen as ``dtype`` (the last axis rescales, like numpy)."""
-        dt = _normalize_dtype(dtype)
+        dt = normalize_dtype(dtype)
         if dt == self._dtype:
             return self._view(self._ptr, self._shape, dt)
         self._require_contiguous("DeviceArray.view(dtype)")
@@ -559,15 +406,14 @@ class DeviceArray:
 
     def reshape(self, *shape: Any) -> DeviceArray:
         """A view with a new shape (one dimension may be -1); the array must be contiguous."""
-        if len(shape) == 1:
-            shape = shape[0]
+        spec: Any = shape[0] if len(shape) == 1 else shape
         try:
-            dims = [operator.index(shape)]
+            dims = [operator.index(spec)]
         except TypeError:
             try:
-                dims = [operator.index(d) for d in shape]
+                dims = [operator.index(d) for d in spec]
             except TypeError:
-                raise TypeError(f"reshape: shape must be ints, got {shape!r}") from None
+                raise TypeError(f"reshape: shape must be ints, got {spec!r}") from None
         self._require_contiguous("DeviceArray.reshape()")
         unknown = [i for i, d in enumerate(dims) if d == -1]
         if len(unknown) > 1:
@@ -642,7 +488,7 @@ class DeviceArray:
         if self._dtype.name == "bfloat16":
             raise AttributeError("a bfloat16 DeviceArray has no __cuda_array_interface__ "
                                  "(the interface has no typestr for it): use DLPack")
-        s = _stream_of(self._device).cuda_stream
+        s = stream_of(self._device).cuda_stream
         return {
             "shape": self._shape,
             "typestr": self._dtype.str,
@@ -678,83 +524,14 @@ class DeviceArray:
             src = empty(self._shape, self._dtype, device=self._device)
             src.copy_(self)
         if stream != -1:
-            _foreign_waits_for(_LEGACY_STREAM if stream is None else stream,
-                               _stream_of(self._device))
+            foreign_waits_for(_LEGACY_STREAM if stream is None else stream,
+                               stream_of(self._device))
         versioned = max_version is not None and tuple(max_version)[0] >= 1
         if src._read_only and not versioned:
             raise BufferError("__dlpack__: a read-only array can only be exported to a "
                               "consumer that understands DLPack >= 1.0 (max_version)")
         return _dlpack.export_capsule(src, src._ptr, src._shape, src.strides, src._dtype,
                                       _dlpack.kDLCUDA, src._device, versioned, src._read_only)
-
-
-# --------------------------------------------------------------------------- helpers
-def _check_host_operand(arr: np.ndarray, dev: DeviceArray, what: str, writable: bool) -> None:
-    if arr.shape != dev._shape or arr.dtype != dev._dtype:
-        raise ValueError(
-            f"{what}: the host array has shape {arr.shape} and dtype {arr.dtype}, the "
-            f"DeviceArray has shape {dev._shape} and dtype {dev._dtype}; they must match "
-            "exactly (no broadcasting or casting)")
-    if not arr.flags.c_contiguous:
-        raise ValueError(f"{what}: the host array is not C-contiguous (strides {arr.strides}); "
-                         "pass np.ascontiguousarray(a) instead")
-    if writable and not arr.flags.writeable:
-        raise ValueError(f"{what}: the host array is read-only")
-
-
-def _host_transfer(device: int, dst: int, src: int, n: int, stream, host: int,
-                   non_blocking: bool, what: str) -> None:
-    """Copy ``n`` bytes between the device and host address ``host`` (``dst`` or ``src``) on
-    ``stream``. Waits for it, unless ``non_blocking`` and ``host`` is pinned memory from the
-    pinned pool, which then records the use so the buffer is not reused too early."""
-    pinned = non_blocking and _pinned_pool()._lookup(host, n)
-    if not pinned:
-        _sync._note_sync(what)  # before queuing: in "error" mode nothing is left in flight
-    _null_context(stream)
-    stream._b.memcpy_async(device, dst, src, n, stream._handle)
-    if pinned:
-        _pinned_pool().record_use(host, stream)
-    else:
-        stream._b.stream_synchronize(stream._handle)
-
-
-def _fill(ptr: int, pattern: bytes, count: int, device: int, stream) -> None:
-    """Write ``count`` copies of the item ``pattern`` at ``ptr`` on ``stream``."""
-    b = stream._b
-    h = stream._handle
-    nbytes = count * len(pattern)
-    _null_context(stream)
-    if pattern.count(pattern[0]) == len(pattern):
-        b.memset_d8_async(device, ptr, pattern[0], nbytes, h)
-        return
-    itemsize = len(pattern)
-    if itemsize == 4 and ptr % 4 == 0:
-        b.memset_d32_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
-        return
-    if itemsize == 16:
-        if pattern[:8] == pattern[8:]:
-            _fill_kernel(ptr, pattern[:8], 2 * count, stream)
-            return
-        # Two different 8-byte halves (complex128 with re != im): write one element, then
-        # double the filled prefix with device-to-device copies (log2(count) copies).
-        _fill_kernel(ptr, pattern[:8], 1, stream)
-        _fill_kernel(ptr + 8, pattern[8:], 1, stream)
-        done = 1
-        while done < count:
-            step = min(done, count - done)
-            b.memcpy_async(device, ptr + done * 16, ptr, step * 16, h)
-            done += step
-        return
-    _fill_kernel(ptr, pattern, count, stream)
-
-
-def _fill_kernel(ptr: int, pattern: bytes, count: int, stream) -> None:
-    from cudalab._kernels import fill_kernel
-    from cudalab.kernels import launch_config_1d
-
-    kernel = fill_kernel(len(pattern))
-    grid, block = launch_config_1d(count, 256, max_blocks=8192)
-    kernel.launch(grid, block, (ptr, int.from_bytes(pattern, "little"), count), stream=stream)
 
 
 def _is_capsule(obj: Any) -> bool:
@@ -789,22 +566,22 @@ def _from_cuda_array_interface(obj: Any) -> DeviceArray:
         raise TypeError(f"invalid __cuda_array_interface__ on {type(obj).__name__}: {exc}") from None
     if cai.get("mask") is not None:
         raise TypeError("__cuda_array_interface__ with a mask is not supported")
-    dtype = _normalize_dtype(np.dtype(typestr))
+    dtype = normalize_dtype(np.dtype(typestr))
     strides = cai.get("strides")
     strides = None if strides is None else tuple(int(s) for s in strides)
     ptr = int(ptr or 0)
     device = None
     if ptr:
-        device = _devices._backend().pointer_device(ptr)
+        device = _internal.backend().pointer_device(ptr)
     if device is None:
         device = _devices.current_device()
-    ours = _stream_of(device)
+    ours = stream_of(device)
     foreign = cai.get("stream") if cai.get("version", 0) >= 3 else None
     if foreign is not None:
         if foreign == 0:
             raise ValueError("__cuda_array_interface__: stream 0 is not allowed (v3); "
                              "1 means the legacy default stream")
-        _waits_for_foreign(ours, int(foreign))
+        waits_for_foreign(ours, int(foreign))
     return DeviceArray._wrap(ptr, shape, dtype, strides, device, ours, obj, bool(read_only))
 
 
@@ -818,8 +595,8 @@ def zeros(shape: Any, dtype: Any = np.float32, device: Any = None) -> DeviceArra
     """Array of zeros (a stream-ordered memset on the current stream)."""
     a = DeviceArray(shape, dtype, device)
     if a._nbytes:
-        stream = _stream_of(a._device)
-        _null_context(stream)
+        stream = stream_of(a._device)
+        null_context(stream)
         stream._b.memset_d8_async(a._device, a._ptr, 0, a._nbytes, stream._handle)
     return a
 
@@ -875,15 +652,15 @@ def asarray(obj: Any, device: Any = None, dtype: Any = None) -> DeviceArray:
         if foreign is not None:
             obj = foreign
     if isinstance(obj, DeviceArray):
-        if dtype is not None and _normalize_dtype(dtype) != obj._dtype:
+        if dtype is not None and normalize_dtype(dtype) != obj._dtype:
             raise TypeError(f"asarray: cannot convert a {obj._dtype} DeviceArray to "
-                            f"{_normalize_dtype(dtype)} on the device (cudalab has no cast "
+                            f"{normalize_dtype(dtype)} on the device (cudalab has no cast "
                             "kernels); convert on the host: asarray(a.numpy().astype(dtype))")
         return obj if device is None else obj.to(device)
-    dt = None if dtype is None else _normalize_dtype(dtype)
+    dt = None if dtype is None else normalize_dtype(dtype)
     host = np.asarray(obj, dtype=dt)
     if dt is None:
-        _normalize_dtype(host.dtype)  # reject object, string, datetime... with a clear error
+        normalize_dtype(host.dtype)  # reject object, string, datetime... with a clear error
     host = np.ascontiguousarray(host)
     out = empty(host.shape, host.dtype, device=device)
     out.copy_(host)
@@ -899,9 +676,9 @@ def from_dlpack(obj: Any) -> DeviceArray:
     """
     if _is_capsule(obj):
         t = _dlpack.import_capsule(obj, _CUDA_DEVICE_TYPES)
-        device = _devices._device_index(t.device_id)
-        return DeviceArray._wrap(t.data, t.shape, _normalize_dtype(t.dtype), t.strides, device,
-                                 _stream_of(device), t, t.read_only)
+        device = _internal.device_index(t.device_id)
+        return DeviceArray._wrap(t.data, t.shape, normalize_dtype(t.dtype), t.strides, device,
+                                 stream_of(device), t, t.read_only)
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(f"from_dlpack: {type(obj).__name__} does not implement the DLPack "
                         "protocol (__dlpack__ / __dlpack_device__)")
@@ -912,8 +689,8 @@ def from_dlpack(obj: Any) -> DeviceArray:
             f"from_dlpack: {type(obj).__name__} lives on {name} (DLPack device type "
             f"{dev_type}), not on a CUDA device; cudalab.from_dlpack imports only CUDA memory "
             "(use cudalab.asarray() to copy host data to the GPU)")
-    device = _devices._device_index(dev_id)
-    ours = _stream_of(device)
+    device = _internal.device_index(dev_id)
+    ours = stream_of(device)
     s = ours.cuda_stream or _LEGACY_STREAM
     # The tensor's device is current during the exchange: producers such as torch refuse a
     # stream of another device than the current one.
@@ -926,5 +703,5 @@ def from_dlpack(obj: Any) -> DeviceArray:
     if t.device_id != dev_id:
         raise BufferError(f"from_dlpack: __dlpack_device__ said device {dev_id} but the "
                           f"capsule is on device {t.device_id}")
-    return DeviceArray._wrap(t.data, t.shape, _normalize_dtype(t.dtype), t.strides, device,
+    return DeviceArray._wrap(t.data, t.shape, normalize_dtype(t.dtype), t.strides, device,
                              ours, t, t.read_only)

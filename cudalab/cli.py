@@ -58,7 +58,7 @@ def _gather_info() -> dict[str, Any]:
     """Everything ``info`` shows, as plain data (the --json output)."""
     from cudalab import _driver
     from cudalab.errors import NvmlError
-    from cudalab.memory_tools import history
+    from cudalab.memory_tools import stacks
 
     simulated = _driver.selected_backend_name() == "simulator"
     info: dict[str, Any] = {
@@ -69,7 +69,7 @@ def _gather_info() -> dict[str, Any]:
         "driver_version_int": None,
         "nvrtc_version": _nvrtc_version(),
         "nvml": None,
-        "history_stamp": history.stamp_implementation(),  # which stamp records stacks
+        "history_stamp": stacks.stamp_implementation(),  # which stamp records stacks
         "devices": [],
         "error": None,
     }
@@ -174,7 +174,7 @@ def _format_info(info: dict[str, Any]) -> str:
     deg = _degree()
     header = ["#", "name", "cap", "memory free / total", "SMs", "UUID",
               "util", "temp", "power", "SM clock"]
-    rows = []
+    rows: list[Sequence[str]] = []
     for d in info["devices"]:
         rows.append([
             str(d["index"]),
@@ -217,12 +217,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     import os
     import warnings
 
+    from cudalab._units import parse_size
+
     # (by module path: cudalab.memory may export the replay *function* under the same name)
-    rp = importlib.import_module("cudalab.memory_tools.replay")
+    rp, wi = (importlib.import_module(f"cudalab.memory_tools.{m}") for m in ("replay", "what_if"))
 
     name = args.command
     try:
-        memory = rp.parse_size(args.device_memory) if args.device_memory else None
+        memory = parse_size(args.device_memory, allow_zero=False) if args.device_memory else None
         if args.plot:
             if os.path.splitext(args.plot)[1].lower() not in (".png", ".svg"):
                 raise ValueError(f"plot file must end in .png or .svg, got {args.plot!r}")
@@ -239,7 +241,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                                    device=args.device, progress=progress)
                 results = [result]
             else:
-                table = rp.what_if(args.trace, args.conf or None, device_memory=memory,
+                table = wi.what_if(args.trace, args.conf or None, device_memory=memory,
                                    device=args.device, progress=progress)
                 results = table.attrs["results"]
         for w in caught:
@@ -261,7 +263,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                                           zip(table.index, table.to_dict("records"))]},
                              indent=2))
     else:
-        print(str(result) if name == "replay" else rp.format_what_if(table))
+        print(str(result) if name == "replay" else wi.format_what_if(table))
         if args.plot:
             print(f"plot saved to {args.plot}")
     return 0

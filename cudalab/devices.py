@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from cudalab import _driver
 from cudalab.errors import CudaError, CudaUnavailableError, DriverNotFoundError
+
+if TYPE_CHECKING:
+    from cudalab._driver.base import Backend, FastPaths
 
 __all__ = [
     "Device",
@@ -45,6 +48,9 @@ class Device:
     """
 
     __slots__ = ("type", "index")
+
+    type: str  # always "cuda"
+    index: int | None  # None: the current device
 
     def __init__(self, spec: Any = "cuda", index: int | None = None):
         if isinstance(spec, Device):
@@ -166,7 +172,7 @@ class _ThreadState(threading.local):
         self.device = 0
         #: current stream per device (owned by cudalab.streams; one TLS object keeps
         #: current_stream() to a single thread-local lookup)
-        self.streams = None
+        self.streams: list[Any] | None = None
 
 
 _tls = _ThreadState()
@@ -175,8 +181,10 @@ _initialized = False
 _in_bad_fork = False
 _count = 0  # valid after init
 _props: list[DeviceProperties | None] = []
-_backend_obj = None
-_fast = None  # FastPaths of the backend, set at init
+#: The initialised backend: None until init, and read directly only where _initialized is
+#: True (the hot path of _ensure_context), hence typed as set.
+_backend_obj: Backend = None  # type: ignore[assignment]  # None only before init
+_fast: FastPaths | None = None  # FastPaths of the backend, set at init
 _count_cache: int | None = None
 
 
@@ -236,7 +244,7 @@ def _do_init() -> None:
     _initialized = True
 
 
-def _backend():
+def _backend() -> Backend:
     """The initialised backend (initialising CUDA on first call)."""
     if not _initialized:
         _lazy_init()
@@ -244,43 +252,6 @@ def _backend():
 
 
 # --------------------------------------------------------------------------- counting
-def _parse_visible_devices(value: str) -> list[int] | list[str]:
-    """Parse CUDA_VISIBLE_DEVICES the way the driver does (torch's rules).
-
-    Integer entries are read until the first invalid or negative one; ``GPU-``/``MIG-``
-    prefixed entries are returned as strings for UUID matching. Duplicates make the list
-    empty (the driver then sees no device).
-    """
-    items = [x.strip() for x in value.split(",")]
-    if items and items[0].startswith(("GPU-", "MIG-")):
-        out_s: list[str] = []
-        for item in items:
-            if not item.startswith(("GPU-", "MIG-")):
-                break
-            if item in out_s:
-                return []
-            out_s.append(item)
-        return out_s
-    out: list[int] = []
-    for item in items:
-        digits = ""
-        for ch in item:
-            if ch.isdigit() or (ch in "+-" and not digits):
-                digits += ch
-            else:
-                break
-        try:
-            idx = int(digits)
-        except ValueError:
-            break
-        if idx < 0:
-            break
-        if idx in out:
-            return []
-        out.append(idx)
-    return out
-
-
 def _count_without_init() -> int | None:
     """Device count from NVML and CUDA_VISIBLE_DEVICES, without creating a CUDA context."""
     try:
@@ -290,7 +261,9 @@ def _count_without_init() -> int | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return len(uuids)
-    parsed = _parse_visible_devices(visible)
+    from cudalab._driver.visible_devices import parse_visible_devices  # (lazy: import time)
+
+    parsed = parse_visible_devices(visible)
     if parsed and isinstance(parsed[0], str):
         count = 0
         for prefix in parsed:
@@ -301,7 +274,7 @@ def _count_without_init() -> int | None:
         return count
     count = 0
     for idx in parsed:
-        if idx >= len(uuids):
+        if not isinstance(idx, int) or idx >= len(uuids):
             break
         count += 1
     return count
@@ -422,7 +395,7 @@ class device:  # noqa: N801 - torch's name
                 set_device(self.idx)
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         if self.idx >= 0 and self.prev_idx != self.idx and self.prev_idx >= 0:
             set_device(self.prev_idx)
         return False

@@ -10,20 +10,27 @@ ever allocated, ``memory_stats()`` returns exactly torch's 122 keys (sorted),
 Settings come from ``CUDALAB_ALLOC_CONF`` (or torch's ``PYTORCH_ALLOC_CONF`` /
 ``PYTORCH_CUDA_ALLOC_CONF``), read when the first allocator is created; see
 :func:`parse_alloc_conf` for the grammar. The allocator itself is
-:class:`~cudalab.allocator.allocator.DeviceCachingAllocator`.
+:class:`~cudalab.allocator.caching.DeviceCachingAllocator`.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from cudalab import _internal
 from cudalab import devices as _devices
 from cudalab import streams as _streams
-from cudalab.allocator.allocator import (
-    Allocator,
-    DeviceCachingAllocator,
-    UncachedAllocator,
+from cudalab.allocator.async_allocator import AsyncPoolAllocator
+from cudalab.allocator.base import Allocator, bad_pointer
+from cudalab.allocator.caching import DeviceCachingAllocator
+from cudalab.allocator.config import UNLIMITED, AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.pluggable import (
+    PluggableAllocator,
+    change_current_allocator,
+    current_allocator,
+)
+from cudalab.allocator.registry import (
     _active,
     _allocators,
     allocator_config,
@@ -31,11 +38,24 @@ from cudalab.allocator.allocator import (
     find_owner,
     get_allocator,
 )
-from cudalab.allocator.async_allocator import AsyncPoolAllocator
-from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
-from cudalab.allocator.pluggable import PluggableAllocator, change_current_allocator
 from cudalab.allocator.scope import PeakScope, peak_scope
 from cudalab.allocator.stats import STAT_KEYS, nested_from_flat, render_memory_summary, zero_stats
+from cudalab.allocator.uncached import UncachedAllocator
+
+if TYPE_CHECKING:  # the tooling's names, loaded on first use by __getattr__ (see _LAZY)
+    from cudalab.memory_tools.export import (
+        history_frame,
+        segments_frame,
+        snapshot_frame,
+        stats_frame,
+    )
+    from cudalab.memory_tools.history import HistoryRecording, record_history
+    from cudalab.memory_tools.perfetto import export_perfetto
+    from cudalab.memory_tools.plot import plot_segments, plot_timeline
+    from cudalab.memory_tools.replay import ReplayResult, ReplayWarning, replay
+    from cudalab.memory_tools.snapshot import export_memory_viz
+    from cudalab.memory_tools.trace_io import SnapshotLoadError, load_snapshot, read_history_csv
+    from cudalab.memory_tools.what_if import what_if
 
 __all__ = [
     "PeakScope",
@@ -92,16 +112,23 @@ __all__ = [
 ]
 
 
-_tls = _devices._tls
+#: This thread's runtime state (``.device``: the current device), bound once: the same
+#: object for the life of the process (see :func:`cudalab._internal.thread_state`).
+_tls = _internal.thread_state()
+
+# The hot getters below (memory_allocated, memory_stats, caching_allocator_alloc) read the
+# initialisation flag ``_devices._initialized`` and the registry's per-device list directly:
+# their benchmark rows ("memory_allocated" / "memory_stats" and the cache-hit pair in
+# benchmarks/allocator.py) allow no extra call. Everything else uses cudalab._internal.
 
 
 def _reader(device: Any) -> Allocator | None:
     """The allocator whose counters a getter reads; None if CUDA is not initialised (torch
     then reports 0 without initialising it) or nothing was ever allocated there."""
-    if not _devices._initialized:
+    if not _internal.is_initialized():
         return None
-    d = _devices._tls.device if device is None else _devices._device_index(device)
-    a = _allocators[d] if d < len(_allocators) else None
+    d = _tls.device if device is None else _internal.device_index(device)
+    a = existing_allocator(d)
     if a is not None and (a._pending_frees or a._memo is not None):
         a.sync_pending()
     return a
@@ -109,8 +136,25 @@ def _reader(device: Any) -> Allocator | None:
 
 # --------------------------------------------------------------------------- getters
 def memory_allocated(device: Any = None) -> int:
-    """Bytes currently handed out by the allocator (``allocated_bytes.all.current``)."""
-    if device is None and _devices._initialized:  # the common call, inlined
+    """Bytes currently handed out by the allocator (``allocated_bytes.all.current``).
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+
+    Returns
+    -------
+    int
+        The bytes; 0 when CUDA is not initialised (it is not initialised by this call) or
+        the device has no allocator yet.
+
+    Raises
+    ------
+    ValueError
+        For a device index out of range.
+    """
+    if device is None and _devices._initialized:  # the common call, inlined (see above)
         d = _tls.device
         a = _allocators[d] if d < len(_allocators) else None
         if a is not None and (a._pending_frees or a._memo is not None):
@@ -124,13 +168,35 @@ def memory_allocated(device: Any = None) -> int:
 
 
 def max_memory_allocated(device: Any = None) -> int:
-    """Peak of :func:`memory_allocated` since the start or the last peak reset."""
+    """Peak of :func:`memory_allocated` since the start or the last peak reset.
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+
+    Returns
+    -------
+    int
+        The peak in bytes (``allocated_bytes.all.peak``); 0 before any allocation.
+    """
     a = _reader(device)
     return 0 if a is None else a.stats.agg.b_alloc_peak
 
 
 def memory_reserved(device: Any = None) -> int:
-    """Bytes held by the allocator, handed out or cached (``reserved_bytes.all.current``)."""
+    """Bytes held by the allocator, handed out or cached (``reserved_bytes.all.current``).
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+
+    Returns
+    -------
+    int
+        The bytes; 0 before any allocation.
+    """
     a = _reader(device)
     if a is None:
         return 0
@@ -139,20 +205,31 @@ def memory_reserved(device: Any = None) -> int:
 
 
 def max_memory_reserved(device: Any = None) -> int:
-    """Peak of :func:`memory_reserved`."""
+    """Peak of :func:`memory_reserved` (``reserved_bytes.all.peak``).
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+
+    Returns
+    -------
+    int
+        The peak in bytes; 0 before any allocation.
+    """
     a = _reader(device)
     return 0 if a is None else a.stats.agg.b_res_peak
 
 
 def memory_cached(device: Any = None) -> int:
-    """Deprecated; see :func:`memory_reserved`."""
+    """Deprecated; see :func:`memory_reserved` (warns with FutureWarning, as torch)."""
     warnings.warn("`cudalab.memory_cached` has been renamed to `cudalab.memory_reserved`",
                   FutureWarning, stacklevel=2)
     return memory_reserved(device)
 
 
 def max_memory_cached(device: Any = None) -> int:
-    """Deprecated; see :func:`max_memory_reserved`."""
+    """Deprecated; see :func:`max_memory_reserved` (warns with FutureWarning, as torch)."""
     warnings.warn("`cudalab.max_memory_cached` has been renamed to `cudalab.max_memory_reserved`",
                   FutureWarning, stacklevel=2)
     return max_memory_reserved(device)
@@ -161,43 +238,86 @@ def max_memory_cached(device: Any = None) -> int:
 def memory_stats(device: Any = None, extended: bool = False) -> dict[str, int]:
     """torch's ``memory_stats()``: exactly its 122 keys, sorted, all ints.
 
-    ``{}`` when CUDA is not initialised (as torch). ``extended=True`` adds cudalab's extra
-    keys: ``largest_free_block`` (bytes of the biggest cached block), ``pending_free_blocks``
-    (freed blocks waiting for record_stream events) and ``outstanding_events``.
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+    extended : bool, optional
+        Add cudalab's extra keys: ``largest_free_block`` (bytes of the biggest cached block),
+        ``pending_free_blocks`` (freed blocks waiting for record_stream events) and
+        ``outstanding_events``.
+
+    Returns
+    -------
+    dict of str to int
+        The statistics (see :mod:`cudalab.allocator.stats` for what each counts); ``{}``
+        when CUDA is not initialised, as torch.
+
+    Raises
+    ------
+    ValueError
+        For a device index out of range.
     """
-    if not _devices._initialized:
+    if not _devices._initialized:  # (hot: see above)
         return {}
-    d = _devices._tls.device if device is None else _devices._device_index(device)
+    d = _tls.device if device is None else _internal.device_index(device)
     a = _allocators[d] if d < len(_allocators) else None
     if a is None:
         cfg = allocator_config()
         if cfg.backend == "cudaMallocAsync":  # torch reports max_split_size 0 there
             out = zero_stats(0)
         else:
-            out = zero_stats(-1 if cfg.max_split_size >= (1 << 64) - 1 else cfg.max_split_size)
+            out = zero_stats(-1 if cfg.max_split_size >= UNLIMITED else cfg.max_split_size)
     else:
         out = a.memory_stats()
     if extended:
-        native = isinstance(a, DeviceCachingAllocator)
         out = dict(out)
-        out["largest_free_block"] = a.largest_free_block() if native else 0
+        if isinstance(a, DeviceCachingAllocator):
+            out["largest_free_block"] = a.largest_free_block()
+            out["outstanding_events"] = a._n_events
+        else:
+            out["largest_free_block"] = out["outstanding_events"] = 0
         out["pending_free_blocks"] = a.stats.current("n_pend") if a is not None else 0
-        out["outstanding_events"] = a._n_events if native else 0
         out = dict(sorted(out.items()))
     return out
 
 
 def memory_stats_as_nested_dict(device: Any = None) -> dict:
-    """torch's ``memory_stats_as_nested_dict()`` ({} when CUDA is not initialised)."""
+    """torch's ``memory_stats_as_nested_dict()``.
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+
+    Returns
+    -------
+    dict
+        ``{stat: {pool: {metric: value}}}`` plus the scalars, in torch's order; ``{}`` when
+        CUDA is not initialised.
+    """
     return nested_from_flat(memory_stats(device))
 
 
 def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
-    """torch's ``memory_summary()`` table (header "cudalab CUDA memory summary")."""
-    d = _devices._device_index(device)
+    """torch's ``memory_summary()`` table (header "cudalab CUDA memory summary").
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device). Initialises CUDA.
+    abbreviated : bool, optional
+        Leave out the per-pool rows.
+
+    Returns
+    -------
+    str
+        The table, byte for byte torch's layout; a simulated device reads
+        "N (simulated)".
+    """
+    d = _internal.device_index(device)
     stats = memory_stats(d)
-    return render_memory_summary(stats, d, abbreviated,
-                                 simulated=_devices._backend().simulated)
+    return render_memory_summary(stats, d, abbreviated, simulated=_internal.backend().simulated)
 
 
 def memory_snapshot() -> list[dict]:
@@ -205,6 +325,12 @@ def memory_snapshot() -> list[dict]:
 
     Blocks and segments carry the stack of their allocation (``frames``) while the history
     is recorded with a context (:func:`record_history`); see also :func:`_snapshot`.
+
+    Returns
+    -------
+    list of dict
+        One dict per segment (``device``, ``address``, ``total_size``, ``blocks``, ...),
+        sorted by device and address.
     """
     from cudalab.memory_tools.snapshot import memory_snapshot as snapshot_all_devices
 
@@ -213,15 +339,29 @@ def memory_snapshot() -> list[dict]:
 
 # --------------------------------------------------------------------------- resets
 def reset_peak_memory_stats(device: Any = None) -> None:
-    """Every ``peak`` becomes the current value (torch's ``reset_peak_memory_stats``)."""
-    a = existing_allocator(_devices._device_index(device))
+    """Every ``peak`` becomes the current value (torch's ``reset_peak_memory_stats``).
+
+    Open :func:`peak_scope` scopes keep the peak they have seen.
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+    """
+    a = existing_allocator(_internal.device_index(device))
     if a is not None:
         a.reset_peak_stats()
 
 
 def reset_accumulated_memory_stats(device: Any = None) -> None:
-    """``allocated``/``freed`` and the ``num_*`` counters back to 0."""
-    a = existing_allocator(_devices._device_index(device))
+    """``allocated``/``freed`` and the ``num_*`` counters back to 0.
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+    """
+    a = existing_allocator(_internal.device_index(device))
     if a is not None:
         a.reset_accumulated_stats()
 
@@ -244,8 +384,11 @@ def reset_max_memory_cached(device: Any = None) -> None:
 
 # --------------------------------------------------------------------------- control
 def empty_cache() -> None:
-    """Return every cached block that is not part of a live segment to the driver."""
-    if not _devices._initialized:
+    """Return every cached block that is not part of a live segment to the driver.
+
+    Does nothing (and does not initialise CUDA) when CUDA is not initialised.
+    """
+    if not _internal.is_initialized():
         return
     for a in list(_active):
         a.empty_cache()
@@ -254,9 +397,21 @@ def empty_cache() -> None:
 def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
     """Cap this process's reserved memory on ``device`` at ``fraction`` of its total memory.
 
-    Like torch, ``fraction`` must be a float (TypeError otherwise) in [0, 1] (ValueError).
+    Parameters
+    ----------
+    fraction : float
+        In [0, 1].
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+
+    Raises
+    ------
+    TypeError
+        When ``fraction`` is not a float (as torch).
+    ValueError
+        When it is outside [0, 1], or for a device index out of range.
     """
-    d = _devices._device_index(device)
+    d = _internal.device_index(device)
     if not isinstance(fraction, float):
         raise TypeError("Invalid type for fraction argument, must be `float`")
     if fraction < 0 or fraction > 1:
@@ -265,24 +420,49 @@ def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None
 
 
 def get_per_process_memory_fraction(device: Any = None) -> float:
-    """The fraction set by :func:`set_per_process_memory_fraction` (1.0 when none)."""
-    return get_allocator(_devices._device_index(device)).get_memory_fraction()
+    """The fraction set by :func:`set_per_process_memory_fraction`.
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+
+    Returns
+    -------
+    float
+        The fraction, 1.0 when none was set.
+    """
+    return get_allocator(_internal.device_index(device)).get_memory_fraction()
 
 
 def get_allocator_backend() -> str:
-    """The allocator backend in use: "native", "cudaMallocAsync" or "pluggable" (after
-    :func:`change_current_allocator`), as torch's function of the same name."""
+    """The allocator backend in use, as torch's function of the same name.
+
+    Returns
+    -------
+    str
+        "native", "cudaMallocAsync" or "pluggable" (after :func:`change_current_allocator`).
+    """
     for a in _active:
         return a.name
-    from cudalab.allocator import pluggable
-
-    if pluggable.current_allocator() is not None:
+    if current_allocator() is not None:
         return "pluggable"
     return allocator_config().backend
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
-    """(free, total) bytes of ``device`` as the driver reports them."""
+    """The device's free and total memory as the driver reports them.
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+
+    Returns
+    -------
+    (int, int)
+        ``(free, total)`` bytes (free memory counts every process's use).
+    """
     return _devices.mem_get_info(device)
 
 
@@ -290,14 +470,31 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -> int:
     """Allocate ``size`` bytes from the caching allocator (torch's function of the same name).
 
-    ``stream`` is a :class:`cudalab.Stream` or an int stream handle (default: the current
-    stream of ``device``). Returns the device pointer (0 for ``size == 0``, like torch);
-    release it with :func:`caching_allocator_delete`.
+    Parameters
+    ----------
+    size : int
+        Bytes.
+    device : int, str, Device or None, optional
+        The device (default: the current device).
+    stream : Stream or int, optional
+        A :class:`cudalab.Stream` or an int stream handle (default: the current stream of
+        ``device``).
+
+    Returns
+    -------
+    int
+        The device pointer (0 for ``size == 0``, like torch); release it with
+        :func:`caching_allocator_delete`.
+
+    Raises
+    ------
+    cudalab.OutOfMemoryError
+        When the memory cannot be had, with torch's message.
     """
-    if device is None and _devices._initialized:
-        d = _devices._tls.device  # malloc resolves stream=None to this thread's current one
+    if device is None and _devices._initialized:  # (hot: see above)
+        d = _tls.device  # malloc resolves stream=None to this thread's current one
     else:
-        d = _devices._device_index(device)
+        d = _internal.device_index(device)
     a = _allocators[d] if d < len(_allocators) else None
     if a is None:
         a = get_allocator(d)
@@ -307,8 +504,18 @@ def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -
 def caching_allocator_delete(mem_ptr: int) -> None:
     """Free memory from :func:`caching_allocator_alloc` (0 is ignored, like torch).
 
-    A pointer that is not live in any of cudalab's allocators (double free, foreign
-    pointer) raises ValueError and changes nothing.
+    Parameters
+    ----------
+    mem_ptr : int
+        The pointer.
+
+    Raises
+    ------
+    ValueError
+        When ``mem_ptr`` is not live in any of cudalab's allocators (double free, foreign
+        pointer); nothing changes.
+    TypeError
+        When it is not an int.
     """
     for a in _active:
         if mem_ptr in a._live:
@@ -316,9 +523,7 @@ def caching_allocator_delete(mem_ptr: int) -> None:
             return
     if mem_ptr == 0 and type(mem_ptr) is int:
         return
-    from cudalab.allocator.allocator import _bad_pointer
-
-    raise _bad_pointer(mem_ptr)
+    raise bad_pointer(mem_ptr)
 
 
 def record_stream(ptr: int, stream: Any) -> None:
@@ -326,12 +531,22 @@ def record_stream(ptr: int, stream: Any) -> None:
 
     When ``ptr`` is freed, its block is reused only after the work queued on ``stream`` up
     to that moment has finished; no host synchronisation happens on the free path.
+
+    Parameters
+    ----------
+    ptr : int
+        A live pointer from cudalab's allocator.
+    stream : Stream or int
+        The stream (an int is taken as a stream handle of ``ptr``'s device).
+
+    Raises
+    ------
+    ValueError
+        When ``ptr`` is not live in any of cudalab's allocators.
     """
     a = find_owner(ptr)
     if a is None:
-        from cudalab.allocator.allocator import _bad_pointer
-
-        raise _bad_pointer(ptr)
+        raise bad_pointer(ptr)
     if isinstance(stream, int) and not isinstance(stream, bool):
         stream = _streams.ExternalStream(stream, device=a.device)
     a.record_stream(ptr, stream)
@@ -343,17 +558,19 @@ _LAZY = {
     # the allocator runtime never imports it (an import-linter contract), this facade
     # re-exports its public names as torch.cuda.memory does torch.cuda._memory_viz's.
     **{name: _TOOLING + "export" for name in (
-        "export_perfetto", "history_frame", "read_history_csv", "segments_frame",
-        "snapshot_frame", "stats_frame")},
+        "history_frame", "segments_frame", "snapshot_frame", "stats_frame")},
+    "export_perfetto": _TOOLING + "perfetto",
     **{name: _TOOLING + "history" for name in (
         "HistoryRecording", "record_history", "_record_memory_history")},
     **{name: _TOOLING + "plot" for name in ("plot_segments", "plot_timeline")},
-    **{name: _TOOLING + "replay" for name in ("ReplayResult", "ReplayWarning", "replay", "what_if")},
-    **{name: _TOOLING + "snapshot" for name in (
-        "SnapshotLoadError", "export_memory_viz", "load_snapshot", "_dump_snapshot", "_snapshot")},
+    **{name: _TOOLING + "replay" for name in ("ReplayResult", "ReplayWarning", "replay")},
+    "what_if": _TOOLING + "what_if",
+    **{name: _TOOLING + "snapshot" for name in ("export_memory_viz", "_dump_snapshot", "_snapshot")},
+    **{name: _TOOLING + "trace_io" for name in (
+        "SnapshotLoadError", "load_snapshot", "read_history_csv")},
     # interop shims and the pinned host pool, loaded on demand
-    "cupy_allocator": "cudalab.allocator.interop",
-    "CudalabNumbaMemoryManager": "cudalab.allocator.interop",
+    "cupy_allocator": "cudalab.interop",
+    "CudalabNumbaMemoryManager": "cudalab.interop",
     "pinned_memory_stats": "cudalab.allocator.pinned",
     "empty_pinned_cache": "cudalab.allocator.pinned",
 }

@@ -16,10 +16,14 @@ Under the simulator every value is simulated; :func:`device_snapshot` says so in
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from cudalab._driver.nvml import NvmlUnavailableError
 from cudalab.errors import NvmlError
+
+if TYPE_CHECKING:
+    from cudalab._driver.base import Nvml
 
 __all__ = [
     "utilization",
@@ -31,6 +35,8 @@ __all__ = [
     "list_gpu_processes",
     "device_snapshot",
     "device_count_nvml",
+    "nvml_backend",
+    "resolve_device",
 ]
 
 # torch's strings for "NVML cannot be used" in list_gpu_processes.
@@ -38,57 +44,86 @@ _TORCH_NO_PYNVML = "pynvml module not found, please install nvidia-ml-py"
 _TORCH_NO_DRIVER = "cuda driver can't be loaded, is cuda enabled?"
 
 
-def _nvml() -> Any:
-    """The backend's :class:`~cudalab._driver.base.Nvml` (creating the backend does not
-    initialise CUDA)."""
+def nvml_backend() -> Nvml:
+    """The backend's NVML interface, for callers that poll several values (widgets).
+
+    Getting it does not initialise CUDA (creating the backend makes no context).
+
+    Returns
+    -------
+    cudalab._driver.base.Nvml
+        Queries keyed by device UUID (see :func:`resolve_device`).
+
+    Raises
+    ------
+    cudalab.errors.NvmlError
+        When a query fails later; NVML being absent surfaces on the first query.
+    """
     from cudalab import _driver
 
     return _driver.get_backend().nvml()
 
 
-def _resolve(device: Any) -> tuple[int, str, Any]:
-    """(CUDA ordinal, its UUID, the backend's Nvml) for a torch-style device argument."""
-    from cudalab import devices
+def resolve_device(device: Any) -> tuple[int, str, Nvml]:
+    """The CUDA ordinal, its UUID and :func:`nvml_backend` for a torch-style device argument.
 
-    index = devices._device_index(device)
+    Parameters
+    ----------
+    device
+        None (the current device), an int, ``"cuda"``, ``"cuda:N"`` or a Device.
+
+    Returns
+    -------
+    tuple
+        ``(index, uuid, nvml)``: NVML queries take the UUID, so ordinals map correctly
+        whatever ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` say.
+
+    Raises
+    ------
+    ValueError, TypeError
+        An invalid device argument.
+    """
+    from cudalab import _internal, devices
+
+    index = _internal.device_index(device)
     uuid = devices.get_device_properties(index).uuid
-    return index, uuid, _nvml()
+    return index, uuid, nvml_backend()
 
 
 def utilization(device: Any = None) -> int:
     """Percent of time over the past sample period during which one or more kernels ran."""
-    _, uuid, nvml = _resolve(device)
+    _, uuid, nvml = resolve_device(device)
     return nvml.utilization(uuid)[0]
 
 
 def memory_usage(device: Any = None) -> int:
     """Percent of time over the past sample period during which device memory was read or
     written (a utilization rate like torch's, not bytes; see :func:`device_memory_used`)."""
-    _, uuid, nvml = _resolve(device)
+    _, uuid, nvml = resolve_device(device)
     return nvml.utilization(uuid)[1]
 
 
 def temperature(device: Any = None) -> int:
     """GPU temperature in degrees Celsius."""
-    _, uuid, nvml = _resolve(device)
+    _, uuid, nvml = resolve_device(device)
     return nvml.temperature(uuid)
 
 
 def power_draw(device: Any = None) -> int:
     """Power draw in milliwatts."""
-    _, uuid, nvml = _resolve(device)
+    _, uuid, nvml = resolve_device(device)
     return nvml.power_usage(uuid)
 
 
 def clock_rate(device: Any = None) -> int:
     """Current SM clock in MHz."""
-    _, uuid, nvml = _resolve(device)
+    _, uuid, nvml = resolve_device(device)
     return nvml.clock_sm(uuid)
 
 
 def device_memory_used(device: Any = None) -> int:
     """Device memory in use, in bytes, as NVML counts it (all processes and driver overhead)."""
-    _, uuid, nvml = _resolve(device)
+    _, uuid, nvml = resolve_device(device)
     return nvml.memory_info(uuid)[2]
 
 
@@ -102,10 +137,10 @@ def list_gpu_processes(device: Any = None) -> str:
     """
     try:
         # Like torch, probe NVML before touching CUDA: no driver gives a string, not an error.
-        uuids = _nvml().uuids()
+        uuids = nvml_backend().uuids()
     except NvmlUnavailableError as exc:
         return _TORCH_NO_PYNVML if exc.reason == "pynvml" else _TORCH_NO_DRIVER
-    index, uuid, nvml = _resolve(device)
+    index, uuid, nvml = resolve_device(device)
     procs = nvml.processes(uuid)
     if uuid in uuids:
         index = uuids.index(uuid)
@@ -132,7 +167,7 @@ def device_snapshot(device: Any = None) -> dict[str, Any]:
     ``power_draw`` (mW), ``clock_rate`` (SM MHz), ``memory_used`` and ``memory_total``
     (bytes, NVML's view) and ``simulated`` (bool). Never raises NvmlError.
     """
-    _, uuid, nvml = _resolve(device)
+    _, uuid, nvml = resolve_device(device)
     snap: dict[str, Any] = {
         "utilization": None,
         "memory_utilization": None,
@@ -143,7 +178,7 @@ def device_snapshot(device: Any = None) -> dict[str, Any]:
         "memory_total": None,
         "simulated": bool(nvml.simulated),
     }
-    queries = (
+    queries: tuple[tuple[tuple[str | None, ...], Callable[[str], Any]], ...] = (
         (("utilization", "memory_utilization"), nvml.utilization),
         (("temperature",), nvml.temperature),
         (("power_draw",), nvml.power_usage),
@@ -158,7 +193,7 @@ def device_snapshot(device: Any = None) -> dict[str, Any]:
         except NvmlError:
             continue
         if len(keys) == 1:
-            snap[keys[0]] = value
+            snap[keys[0] or ""] = value  # (a single key is never None)
         else:
             for key, item in zip(keys, value):
                 if key is not None:
@@ -170,6 +205,6 @@ def device_count_nvml() -> int | None:
     """How many devices NVML sees (all of them, ignoring ``CUDA_VISIBLE_DEVICES``), without
     initialising CUDA; None when NVML cannot be used."""
     try:
-        return _nvml().device_count()
+        return nvml_backend().device_count()
     except (NvmlError, ImportError):  # ImportError: the CUDA backend's bindings are missing
         return None

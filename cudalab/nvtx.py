@@ -20,7 +20,7 @@ import functools
 import itertools
 import sys
 import threading
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "mark",
@@ -220,7 +220,7 @@ class range:  # noqa: A001 - torch.cuda.nvtx.range's name
     def __enter__(self) -> None:
         range_push(self.msg)
 
-    def __exit__(self, *exc_info: Any) -> bool:
+    def __exit__(self, *exc_info: Any) -> Literal[False]:
         range_pop()
         return False
 

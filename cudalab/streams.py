@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 from cudalab import devices as _devices
 from cudalab import sync_debug as _sync
 from cudalab._driver.base import STATUS_NOT_READY, STREAM_NON_BLOCKING
+
+if TYPE_CHECKING:
+    from cudalab._driver.base import Backend
 
 __all__ = [
     "Stream",
@@ -27,7 +31,17 @@ __all__ = [
     "stream",
 ]
 
+#: True once the interpreter is exiting: finalizers then leave handles and memory to the driver.
 _exiting = False
+
+
+def _stream_query() -> Callable[[Any], tuple]:
+    """The seam's unchecked stream query (backend initialised by the caller)."""
+    from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
+
+    fast = _internal.fast_paths()
+    assert fast is not None  # set together with the backend at init
+    return fast.stream_query
 
 
 def _mark_exiting() -> None:
@@ -54,15 +68,22 @@ class Stream:
     __slots__ = ("_handle", "device_index", "cuda_stream", "_owned", "_null", "_b", "_ctx_stack",
                  "_q", "__weakref__")
 
+    _b: Backend
+    _q: Callable[[Any], tuple]  # the seam's unchecked stream query (the "Stream.query" row)
+    _handle: Any  # the driver stream; None once closed
+    _ctx_stack: list[StreamContext] | None  # open ``with stream:`` blocks, innermost last
+
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
+        from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
+
         if kwargs:
             raise TypeError(f"Stream() got unexpected keyword arguments {sorted(kwargs)}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"stream priority must be an int, got {priority!r}")
-        idx = _devices._device_index(device)
-        b = _devices._backend()
+        idx = _internal.device_index(device)
+        b = _internal.backend()
         self._b = b
-        self._q = _devices._fast.stream_query
+        self._q = _stream_query()
         self._handle = b.stream_create(idx, STREAM_NON_BLOCKING, priority)
         self.device_index = idx
         self.cuda_stream = b.handle_int(self._handle)
@@ -72,10 +93,12 @@ class Stream:
 
     @classmethod
     def _wrap(cls, device: int, handle: Any, owned: bool) -> Stream:
+        from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
+
         self = object.__new__(cls)
-        b = _devices._backend()
+        b = _internal.backend()
         self._b = b
-        self._q = _devices._fast.stream_query
+        self._q = _stream_query()
         self._handle = handle
         self.device_index = device
         self.cuda_stream = b.handle_int(handle)
@@ -101,8 +124,10 @@ class Stream:
     @staticmethod
     def priority_range(device: Any = None) -> tuple[int, int]:
         """(least, greatest) priority for ``device``; greatest is numerically smaller."""
-        idx = _devices._device_index(device)
-        return _devices._backend().stream_priority_range(idx)
+        from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
+
+        idx = _internal.device_index(device)
+        return _internal.backend().stream_priority_range(idx)
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol (version 0, handle), understood by cuda.core and torch."""
@@ -125,6 +150,8 @@ class Stream:
     def query(self) -> bool:
         """True if all work submitted to the stream has completed."""
         if self._null:
+            # Direct read, not _internal.ensure_context(): the "Stream.query" row of
+            # benchmarks/runtime.py.
             _devices._ensure_context(self.device_index)
         err = self._q(self._handle)[0]
         if not err:
@@ -138,7 +165,9 @@ class Stream:
         if _sync._mode:
             _sync._report("Stream.synchronize()")
         if self._null:
-            _devices._ensure_context(self.device_index)
+            from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
+
+            _internal.ensure_context(self.device_index)
         self._b.stream_synchronize(self._handle)
 
     def wait_event(self, event: Any) -> None:
@@ -147,7 +176,9 @@ class Stream:
         if h is None:  # never recorded: nothing to wait for (torch does the same)
             return
         if self._null:
-            _devices._ensure_context(self.device_index)
+            from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
+
+            _internal.ensure_context(self.device_index)
         self._b.stream_wait_event(self._handle, h)
 
     def wait_stream(self, stream: Stream) -> None:
@@ -192,7 +223,8 @@ class Stream:
         self._ctx_stack.append(ctx)
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
+        assert self._ctx_stack is not None  # __enter__ made it
         self._ctx_stack.pop().__exit__(*exc)
         return False
 
@@ -206,12 +238,14 @@ class ExternalStream(Stream):
     __slots__ = ()
 
     def __init__(self, stream_ptr: int, device: Any = None):
+        from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
+
         if isinstance(stream_ptr, bool) or not isinstance(stream_ptr, int) or stream_ptr < 0:
             raise TypeError(f"stream_ptr must be a non-negative int handle, got {stream_ptr!r}")
-        idx = _devices._device_index(device)
-        b = _devices._backend()
+        idx = _internal.device_index(device)
+        b = _internal.backend()
         self._b = b
-        self._q = _devices._fast.stream_query
+        self._q = _stream_query()
         self._handle = b.stream_from_int(idx, stream_ptr)
         self.device_index = idx
         self.cuda_stream = stream_ptr
@@ -221,7 +255,11 @@ class ExternalStream(Stream):
 
 
 # --------------------------------------------------------------------------- current stream
-_tls = _devices._tls  # per thread: .device (current device) and .streams (current streams)
+# Per thread: .device (current device) and .streams (current streams): the object that
+# _internal.thread_state() returns, the same for the life of the process. Bound straight from
+# devices because current_stream() reads it ("current_stream()" row of benchmarks/runtime.py)
+# and loading _internal here would add its imports to `import cudalab` (the "import" row).
+_tls = _devices._tls
 _defaults: list[Stream | None] = []
 _defaults_lock = threading.Lock()
 #: One token per (thread, device) whose current stream is not the default stream (a stream
@@ -245,13 +283,16 @@ def _put(cur: list, idx: int, s: Stream | None) -> None:
 
 
 def _thread_streams() -> list:
-    _devices._lazy_init()
-    cur = _tls.streams = [None] * _devices._count
+    from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
+
+    _internal.backend()  # initialise CUDA: the device count is known from here on
+    cur = _tls.streams = [None] * _devices.device_count()
     return cur
 
 
 def default_stream(device: Any = None) -> Stream:
     """The legacy default (null) stream of ``device`` (``cuda_stream == 0``)."""
+    # Direct read: current_stream() calls this on a thread's first use of a device.
     idx = _devices._device_index(device)
     if _defaults:
         s = _defaults[idx]
@@ -259,10 +300,13 @@ def default_stream(device: Any = None) -> Stream:
             return s
     with _defaults_lock:
         if not _defaults:
-            _defaults.extend([None] * _devices._count)
+            _defaults.extend([None] * _devices.device_count())
         s = _defaults[idx]
         if s is None:
-            s = _defaults[idx] = Stream._wrap(idx, _devices._backend().null_stream(idx), owned=False)
+            from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
+
+            s = _defaults[idx] = Stream._wrap(idx, _internal.backend().null_stream(idx),
+                                              owned=False)
         return s
 
 
@@ -272,6 +316,8 @@ def current_stream(device: Any = None) -> Stream:
     cur = t.streams
     if cur is None:
         cur = _thread_streams()
+    # Direct module read, not _internal.device_index(): the "current_stream()" row of
+    # benchmarks/runtime.py.
     d = t.device if device is None else _devices._device_index(device)
     s = cur[d]
     if s is None:
@@ -310,8 +356,8 @@ class StreamContext:
             raise TypeError(f"expected a cudalab.Stream or None, got {stream!r}")
         self.stream = stream
         self.idx = -1 if stream is None else stream.device_index
-        self.src_prev_stream = None
-        self.dst_prev_stream = None
+        self.src_prev_stream: Stream | None = None  # current stream of prev_device on entry
+        self.dst_prev_stream: Stream | None = None  # ... of the stream's device, if different
         self.prev_device = -1
 
     def __enter__(self) -> Stream | None:
@@ -325,11 +371,12 @@ class StreamContext:
         set_stream(s)
         return s
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         s = self.stream
         if s is None:
             return False
         cur = _tls.streams
+        assert cur is not None  # __enter__ made this thread's list
         if self.dst_prev_stream is not None:
             _put(cur, s.device_index, self.dst_prev_stream)
         if _tls.device != self.prev_device:

@@ -8,41 +8,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-_REASON = ""
-
-
-def _probe_real_gpu() -> tuple[bool, str]:
-    try:
-        from cudalab._driver.cuda import CudaBackend
-
-        b = CudaBackend()
-        b.init()
-        n = b.device_count()
-        if n <= 0:
-            return False, "no CUDA device"
-        return True, f"{n} x {b.device_info(0).name}"
-    except Exception as exc:  # no driver, no device, bindings missing
-        return False, f"{type(exc).__name__}: {exc}"
-
-
-if os.environ.get("CUDALAB_SIMULATOR", "").strip().lower() in {"1", "true", "yes", "on"}:
-    _BACKEND = "simulator"
-    _REASON = "CUDALAB_SIMULATOR=1"
-else:
-    ok, why = _probe_real_gpu()
-    if ok:
-        _BACKEND = "cuda"
-        _REASON = why
-    else:
-        os.environ["CUDALAB_SIMULATOR"] = "1"
-        _BACKEND = "simulator"
-        _REASON = f"no real GPU ({why}); the test harness selected the simulator"
-
-HAS_GPU = _BACKEND == "cuda"
+from tests.helpers.gpu import BACKEND as _BACKEND  # noqa: E402 - decides the backend first
+from tests.helpers.gpu import HAS_GPU  # noqa: E402
+from tests.helpers.gpu import REASON as _REASON  # noqa: E402
 
 
 def pytest_configure(config):

@@ -41,7 +41,7 @@ EVENT_BLOCKING_SYNC = 1
 EVENT_DISABLE_TIMING = 2
 EVENT_INTERPROCESS = 4
 
-#: Size in bytes of an IPC event handle (CUipcEventHandle).
+#: Size in bytes of an IPC event or memory handle (CUipcEventHandle, CUipcMemHandle).
 IPC_HANDLE_SIZE = 64
 
 #: Status values returned by :class:`FastPaths` callables (CUresult numbering).
@@ -162,7 +162,7 @@ class Backend(abc.ABC):
 
         last = getattr(self, "_last_fast_error", None)
         exc = getattr(last, "exc", None) if last is not None else None
-        if exc is not None and exc.code == int(status):
+        if last is not None and exc is not None and exc.code == int(status):
             last.exc = None
             return exc
         return CudaError(int(status), f"CUDA error {int(status)}", "", call=call)
@@ -242,6 +242,27 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def pointer_device(self, ptr: int) -> int | None:
         """Device ordinal owning device pointer ``ptr``; None for host or unknown memory."""
+
+    @abc.abstractmethod
+    def ipc_mem_handle(self, ptr: int) -> bytes:
+        """IPC handle (64 bytes, a CUipcMemHandle) of the device allocation starting at ``ptr``.
+
+        Parameters
+        ----------
+        ptr : int
+            The base address of a :meth:`mem_alloc` allocation.
+
+        Returns
+        -------
+        bytes
+            :data:`IPC_HANDLE_SIZE` bytes another process can open (cuIpcOpenMemHandle).
+
+        Raises
+        ------
+        cudalab.CudaError
+            For memory the driver cannot share (``CUDA_ERROR_INVALID_VALUE``: not the start
+            of a cuMemAlloc allocation, such as pool, virtual or host memory).
+        """
 
     # ---------------------------------------------------------------- streams
     @abc.abstractmethod

@@ -5,6 +5,15 @@ first use. Importing it loads the Cython bindings (~70 ms) but not ``libcuda``: 
 library is opened by the first driver call, inside :meth:`CudaBackend.init`, which turns a
 missing driver into :class:`cudalab.errors.DriverNotFoundError`.
 
+The real backend is three modules, one concern each:
+
+* :mod:`cudalab._driver.cuda_api`: the bindings' functions bound once as module globals, the
+  CUresult codes, and error decoding (:func:`_check` / :func:`_error`);
+* :mod:`cudalab._driver.cuda_memory`: :class:`CudaMemory`, the memory concern (allocations,
+  copies, fills, IPC memory handles, VMM, stream-ordered pools);
+* this module: :class:`CudaBackend` (lifecycle, device identity, contexts, streams, events,
+  kernels, NVML) over :class:`CudaMemory`, and :class:`CudaKernelArgs`.
+
 Conventions (see :mod:`cudalab._driver.base`):
 
 * Every failing call raises :class:`cudalab.errors.CudaError` built by :func:`_check` /
@@ -39,229 +48,63 @@ from cudalab._driver.base import (
     EVENT_DISABLE_TIMING,
     IPC_HANDLE_SIZE,
     STREAM_NON_BLOCKING,
-    Backend,
     DeviceInfo,
     FastPaths,
     KernelArgs,
+    Nvml,
 )
-from cudalab.errors import CudaError, DriverNotFoundError, OutOfMemoryError
-
-try:  # the bindings are a hard dependency, but a missing wheel must not break `import`.
-    from cuda.bindings import driver as _drv
-except ImportError as _exc:  # pragma: no cover - exercised only without cuda-bindings
-    _drv = None
-    _IMPORT_ERROR: ImportError | None = _exc
-else:
-    _IMPORT_ERROR = None
-
-# ------------------------------------------------------------------------------------ codes
-# CUresult values used on hot paths, as plain ints (CUresult is an int subclass: `err == 600`
-# uses int.__eq__, and CUDA_SUCCESS is falsy).
-CUDA_SUCCESS = 0
-CUDA_ERROR_INVALID_VALUE = 1
-CUDA_ERROR_OUT_OF_MEMORY = 2
-CUDA_ERROR_NOT_INITIALIZED = 3
-CUDA_ERROR_STUB_LIBRARY = 34
-CUDA_ERROR_NO_DEVICE = 100
-CUDA_ERROR_INVALID_DEVICE = 101
-CUDA_ERROR_INVALID_CONTEXT = 201
-CUDA_ERROR_NOT_READY = 600
-CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
-
-#: CU_MEMHOSTALLOC_PORTABLE: pinned memory that counts as pinned in every context.
-CU_MEMHOSTALLOC_PORTABLE = 1
-# CUmemorytype values (CU_POINTER_ATTRIBUTE_MEMORY_TYPE).
-_MEMORYTYPE_DEVICE = 2
-_MEMORYTYPE_UNIFIED = 4
-
-
-def _no_bindings(*_args, **_kwargs):  # pragma: no cover - only without cuda-bindings
-    raise DriverNotFoundError(
-        "cuda-bindings is not installed (import cuda.bindings.driver failed: "
-        f"{_IMPORT_ERROR}); install cuda-bindings>=13.3,<14"
-    )
-
-
-# ------------------------------------------------------------------ binding aliases
-# Module-level names so hot paths do one global lookup and one call.
-if _drv is not None:
-    _cuInit = _drv.cuInit
-    _cuDriverGetVersion = _drv.cuDriverGetVersion
-    _cuDeviceGetCount = _drv.cuDeviceGetCount
-    _cuDeviceGet = _drv.cuDeviceGet
-    _cuDeviceGetAttribute = _drv.cuDeviceGetAttribute
-    _cuDeviceGetName = _drv.cuDeviceGetName
-    _cuDeviceTotalMem = _drv.cuDeviceTotalMem
-    _cuDeviceGetUuid = _drv.cuDeviceGetUuid
-    _cuDeviceGetPCIBusId = _drv.cuDeviceGetPCIBusId
-    _cuDeviceCanAccessPeer = _drv.cuDeviceCanAccessPeer
-    _cuDevicePrimaryCtxRetain = _drv.cuDevicePrimaryCtxRetain
-    _cuCtxGetCurrent = _drv.cuCtxGetCurrent
-    _cuCtxSetCurrent = _drv.cuCtxSetCurrent
-    _cuCtxSynchronize = _drv.cuCtxSynchronize
-    _cuCtxEnablePeerAccess = _drv.cuCtxEnablePeerAccess
-    _cuCtxGetStreamPriorityRange = _drv.cuCtxGetStreamPriorityRange
-    _cuMemAlloc = _drv.cuMemAlloc
-    _cuMemFree = _drv.cuMemFree
-    _cuMemAllocAsync = _drv.cuMemAllocAsync
-    _cuMemFreeAsync = _drv.cuMemFreeAsync
-    _cuMemGetInfo = _drv.cuMemGetInfo
-    _cuMemHostAlloc = _drv.cuMemHostAlloc
-    _cuMemFreeHost = _drv.cuMemFreeHost
-    _cuMemcpy = _drv.cuMemcpy
-    _cuMemcpyAsync = _drv.cuMemcpyAsync
-    _cuMemcpyPeerAsync = _drv.cuMemcpyPeerAsync
-    _cuMemsetD8 = _drv.cuMemsetD8
-    _cuMemsetD8Async = _drv.cuMemsetD8Async
-    _cuMemsetD32Async = _drv.cuMemsetD32Async
-    _cuPointerGetAttribute = _drv.cuPointerGetAttribute
-    _cuStreamCreateWithPriority = _drv.cuStreamCreateWithPriority
-    _cuStreamDestroy = _drv.cuStreamDestroy
-    _cuStreamQuery = _drv.cuStreamQuery
-    _cuStreamSynchronize = _drv.cuStreamSynchronize
-    _cuStreamWaitEvent = _drv.cuStreamWaitEvent
-    _cuStreamGetPriority = _drv.cuStreamGetPriority
-    _cuStreamIsCapturing = _drv.cuStreamIsCapturing
-    _cuEventCreate = _drv.cuEventCreate
-    _cuEventDestroy = _drv.cuEventDestroy
-    _cuEventRecord = _drv.cuEventRecord
-    _cuEventQuery = _drv.cuEventQuery
-    _cuEventSynchronize = _drv.cuEventSynchronize
-    # CUDA 12.8 added cuEventElapsedTime_v2; CUDA 13's header maps the plain name onto it and
-    # bindings 13.x (13.3.1 and 13.5.0 checked) export only `cuEventElapsedTime`. Bindings
-    # 12.8/12.9 export both; the plain name also works with pre-12.8 drivers, so prefer it.
-    _cuEventElapsedTime = getattr(_drv, "cuEventElapsedTime", None) or _drv.cuEventElapsedTime_v2
-    _cuIpcGetEventHandle = _drv.cuIpcGetEventHandle
-    _cuIpcOpenEventHandle = _drv.cuIpcOpenEventHandle
-    _cuModuleLoadData = _drv.cuModuleLoadData
-    _cuModuleUnload = _drv.cuModuleUnload
-    _cuModuleGetFunction = _drv.cuModuleGetFunction
-    _cuLaunchKernel = _drv.cuLaunchKernel
-    _cuMemGetAllocationGranularity = _drv.cuMemGetAllocationGranularity
-    _cuMemAddressReserve = _drv.cuMemAddressReserve
-    _cuMemAddressFree = _drv.cuMemAddressFree
-    _cuMemCreate = _drv.cuMemCreate
-    _cuMemRelease = _drv.cuMemRelease
-    _cuMemMap = _drv.cuMemMap
-    _cuMemSetAccess = _drv.cuMemSetAccess
-    _cuMemUnmap = _drv.cuMemUnmap
-    _cuMemPoolCreate = _drv.cuMemPoolCreate
-    _cuMemPoolDestroy = _drv.cuMemPoolDestroy
-    _cuMemAllocFromPoolAsync = _drv.cuMemAllocFromPoolAsync
-    _cuMemPoolGetAttribute = _drv.cuMemPoolGetAttribute
-    _cuMemPoolSetAttribute = _drv.cuMemPoolSetAttribute
-    _cuMemPoolTrimTo = _drv.cuMemPoolTrimTo
-    _cuGetErrorName = _drv.cuGetErrorName
-    _cuGetErrorString = _drv.cuGetErrorString
-    _CUstream = _drv.CUstream
-    _CUipcEventHandle = _drv.CUipcEventHandle
-    # Enum members (cuPointerGetAttribute reads `attr.value`, so plain ints do not work there).
-    _PA_MEMORY_TYPE = _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
-    _PA_DEVICE_ORDINAL = _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    _DA = _drv.CUdevice_attribute
-    _MPA = _drv.CUmemPool_attribute
-else:  # pragma: no cover - only without cuda-bindings
-    _cuInit = _cuDriverGetVersion = _cuDeviceGetCount = _cuDeviceGet = _no_bindings
-    _cuDeviceGetAttribute = _cuDeviceGetName = _cuDeviceTotalMem = _no_bindings
-    _cuDeviceGetUuid = _cuDeviceGetPCIBusId = _cuDeviceCanAccessPeer = _no_bindings
-    _cuDevicePrimaryCtxRetain = _cuCtxGetCurrent = _cuCtxSetCurrent = _no_bindings
-    _cuCtxSynchronize = _cuCtxEnablePeerAccess = _cuCtxGetStreamPriorityRange = _no_bindings
-    _cuMemAlloc = _cuMemFree = _cuMemAllocAsync = _cuMemFreeAsync = _no_bindings
-    _cuMemGetInfo = _cuMemHostAlloc = _cuMemFreeHost = _cuMemcpy = _no_bindings
-    _cuMemcpyAsync = _cuMemcpyPeerAsync = _cuMemsetD8 = _cuMemsetD8Async = _no_bindings
-    _cuMemsetD32Async = _cuPointerGetAttribute = _no_bindings
-    _cuStreamCreateWithPriority = _cuStreamDestroy = _cuStreamQuery = _no_bindings
-    _cuStreamSynchronize = _cuStreamWaitEvent = _cuStreamGetPriority = _no_bindings
-    _cuStreamIsCapturing = _cuEventCreate = _cuEventDestroy = _cuEventRecord = _no_bindings
-    _cuEventQuery = _cuEventSynchronize = _cuEventElapsedTime = _no_bindings
-    _cuIpcGetEventHandle = _cuIpcOpenEventHandle = _cuModuleLoadData = _no_bindings
-    _cuModuleUnload = _cuModuleGetFunction = _cuLaunchKernel = _no_bindings
-    _cuMemGetAllocationGranularity = _cuMemAddressReserve = _cuMemAddressFree = _no_bindings
-    _cuMemCreate = _cuMemRelease = _cuMemMap = _cuMemSetAccess = _cuMemUnmap = _no_bindings
-    _cuMemPoolCreate = _cuMemPoolDestroy = _cuMemAllocFromPoolAsync = _no_bindings
-    _cuMemPoolGetAttribute = _cuMemPoolSetAttribute = _cuMemPoolTrimTo = _no_bindings
-    _cuGetErrorName = _cuGetErrorString = _CUstream = _CUipcEventHandle = _no_bindings
-    _PA_MEMORY_TYPE = _PA_DEVICE_ORDINAL = _DA = _MPA = None
-
-
-# ------------------------------------------------------------------------------ errors
-#: code -> (name, description), filled on first use of each code.
-_ERROR_TEXT: dict[int, tuple[str, str]] = {}
-
-
-def _decode(raw: Any) -> str:
-    if raw is None:
-        return ""
-    if isinstance(raw, (bytes, bytearray)):
-        return bytes(raw).split(b"\x00", 1)[0].decode("utf-8", "replace").strip()
-    return str(raw)
-
-
-def _lookup_error_text(code: int) -> tuple[str, str]:
-    """(name, description) of a CUresult from the driver (cuGetErrorName/cuGetErrorString).
-
-    Falls back to the bindings' enum name and an empty description when the driver cannot
-    answer (not loadable, unknown code). Tests replace this function.
-    """
-    name = ""
-    text = ""
-    member = None
-    if _drv is not None:
-        try:
-            member = _drv.CUresult(code)
-        except (ValueError, TypeError):
-            member = None
-    if member is not None:
-        try:
-            err, raw = _cuGetErrorName(member)
-            if not err:
-                name = _decode(raw)
-            err, raw = _cuGetErrorString(member)
-            if not err:
-                text = _decode(raw)
-        except Exception:  # driver missing or half-loaded: keep the enum's own name
-            pass
-        if not name:
-            name = getattr(member, "name", "") or ""
-    return name, text
-
-
-def _error_text(code: int) -> tuple[str, str]:
-    cached = _ERROR_TEXT.get(code)
-    if cached is not None:
-        return cached
-    name, text = _lookup_error_text(code)
-    if name:  # only cache real answers, so a later driver load can still fill them in
-        _ERROR_TEXT[code] = (name, text)
-    return name, text
-
-
-def _error(code: Any, call: str) -> CudaError:
-    """The exception for a failed driver call (OutOfMemoryError for CUDA_ERROR_OUT_OF_MEMORY)."""
-    code = int(code)
-    name, text = _error_text(code)
-    if code == CUDA_ERROR_OUT_OF_MEMORY:
-        return OutOfMemoryError(code, name or "CUDA_ERROR_OUT_OF_MEMORY", text or "out of memory",
-                                call=call)
-    return CudaError(code, name, text, call=call)
-
-
-def _check(result: tuple, call: str) -> Any:
-    """Raise for a failed binding call; return its out-parameters.
-
-    ``result`` is the bindings' tuple ``(CUresult, *outs)``: returns None for no outs, the
-    value for one, and a tuple for several.
-    """
-    err = result[0]
-    if err:
-        raise _error(err, call)
-    n = len(result)
-    if n == 2:
-        return result[1]
-    if n == 1:
-        return None
-    return tuple(result[1:])
-
+from cudalab._driver.cuda_api import (
+    _DA,
+    _IMPORT_ERROR,
+    CUDA_ERROR_INVALID_DEVICE,
+    CUDA_ERROR_NO_DEVICE,
+    CUDA_ERROR_NOT_READY,
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+    CUDA_ERROR_STUB_LIBRARY,
+    _check,
+    _cuCtxEnablePeerAccess,
+    _cuCtxGetCurrent,
+    _cuCtxGetStreamPriorityRange,
+    _cuCtxSetCurrent,
+    _cuCtxSynchronize,
+    _cuDeviceCanAccessPeer,
+    _cuDeviceGet,
+    _cuDeviceGetAttribute,
+    _cuDeviceGetCount,
+    _cuDeviceGetName,
+    _cuDeviceGetPCIBusId,
+    _cuDeviceGetUuid,
+    _cuDevicePrimaryCtxRetain,
+    _cuDeviceTotalMem,
+    _cuDriverGetVersion,
+    _cuEventCreate,
+    _cuEventDestroy,
+    _cuEventElapsedTime,
+    _cuEventQuery,
+    _cuEventRecord,
+    _cuEventSynchronize,
+    _cuInit,
+    _CUipcEventHandle,
+    _cuIpcGetEventHandle,
+    _cuIpcOpenEventHandle,
+    _cuLaunchKernel,
+    _cuModuleGetFunction,
+    _cuModuleLoadData,
+    _cuModuleUnload,
+    _CUstream,
+    _cuStreamCreateWithPriority,
+    _cuStreamDestroy,
+    _cuStreamGetPriority,
+    _cuStreamIsCapturing,
+    _cuStreamQuery,
+    _cuStreamSynchronize,
+    _cuStreamWaitEvent,
+    _decode,
+    _drv,
+    _error,
+)
+from cudalab._driver.cuda_memory import CudaMemory
+from cudalab.errors import CudaError, DriverNotFoundError
 
 # ------------------------------------------------------------------------- kernel args
 #: signature code -> (struct format of the 8-byte slot, min, max) (min/max None for floats).
@@ -306,7 +149,7 @@ class CudaKernelArgs(KernelArgs):
         self.signature = sig
         self._struct = struct.Struct("=" + "".join(_ARG_KINDS[k][0] for k in sig))
         self._buf = np.zeros(max(n, 1), dtype=np.uint64)
-        self._mv = memoryview(self._buf).cast("B")[: self._struct.size]
+        self._mv = self._buf.data.cast("B")[: self._struct.size]
         base = self._buf.ctypes.data
         self.views = tuple(self._buf[i:i + 1].view(_ARG_DTYPES[k])[:1] for i, k in enumerate(sig))
         self._ptrs = np.array([base + 8 * i for i in range(n)], dtype=np.intp)
@@ -369,45 +212,10 @@ class CudaKernelArgs(KernelArgs):
 
     @property
     def values(self) -> tuple:
-        return self._struct.unpack_from(self._buf, 0)
+        return self._struct.unpack_from(self._mv, 0)
 
     def __repr__(self) -> str:
         return f"CudaKernelArgs({self.signature!r}, values={self.values!r})"
-
-
-# ------------------------------------------------------------- pointer -> device ordinal
-# cuda-bindings 13.3.1 (the GPU image's version) returns 0 for every
-# cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) call: its attribute helper lets
-# the driver write a C int but hands back a different, zero-initialised field (fixed by 13.5,
-# seen on 2 x H200: device-1 memory reported as device 0). So this one query goes straight to
-# libcuda through ctypes (the library is already loaded by the bindings at that point), with
-# the bindings as a fallback where ctypes cannot open it.
-_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-_libcuda_fn: Any = None
-
-
-def _libcuda_pointer_get_attribute() -> Any:
-    global _libcuda_fn
-    if _libcuda_fn is None:
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = False
-        _libcuda_fn = fn
-    return _libcuda_fn
-
-
-def _pointer_device_ordinal(ptr: int) -> tuple[int, int]:
-    """(CUresult, device ordinal) of CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL for ``ptr``."""
-    fn = _libcuda_pointer_get_attribute()
-    if fn:
-        out = ctypes.c_int(-1)
-        err = fn(ctypes.byref(out), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
-        return err, out.value
-    err, ordinal = _cuPointerGetAttribute(_PA_DEVICE_ORDINAL, ptr)
-    return int(err), int(ordinal) if not err else -1
 
 
 # --------------------------------------------------------------------------- the backend
@@ -427,7 +235,7 @@ def _fmt_uuid(raw: bytes) -> str:
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-class CudaBackend(Backend):
+class CudaBackend(CudaMemory):
     """The CUDA driver through ``cuda.bindings.driver`` (one instance per process)."""
 
     name = "cuda"
@@ -448,7 +256,7 @@ class CudaBackend(Backend):
         self._priority_ranges: dict[int, tuple[int, int]] = {}
         self._module_devices: dict[int, int] = {}
         self._granularity: dict[int, int] = {}
-        self._nvml = None
+        self._nvml: Nvml | None = None  # created on first use
 
     # ------------------------------------------------------------ lifecycle and identity
     def init(self) -> None:
@@ -688,131 +496,6 @@ class CudaBackend(Backend):
         if err and err != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
             raise _error(err, "cuCtxEnablePeerAccess")
 
-    # --------------------------------------------------------------------------- memory
-    def mem_alloc(self, device: int, nbytes: int) -> int:
-        if nbytes == 0:
-            return 0  # like torch: empty allocations are the null pointer
-        self._ctx(device)
-        res = _cuMemAlloc(nbytes)
-        if res[0]:
-            raise _error(res[0], "cuMemAlloc")
-        return int(res[1])
-
-    def mem_free(self, device: int, ptr: int) -> None:
-        if not ptr:
-            return
-        self._ctx(device)
-        err = _cuMemFree(ptr)[0]
-        if err:
-            raise _error(err, "cuMemFree")
-
-    def mem_alloc_async(self, device: int, nbytes: int, stream: Any) -> int:
-        if nbytes == 0:
-            return 0
-        self._ctx(device)
-        res = _cuMemAllocAsync(nbytes, stream)
-        if res[0]:
-            raise _error(res[0], "cuMemAllocAsync")
-        return int(res[1])
-
-    def mem_free_async(self, device: int, ptr: int, stream: Any) -> None:
-        if not ptr:
-            return
-        self._ctx(device)
-        err = _cuMemFreeAsync(ptr, stream)[0]
-        if err:
-            raise _error(err, "cuMemFreeAsync")
-
-    def mem_get_info(self, device: int) -> tuple[int, int]:
-        self._ctx(device)
-        free, total = _check(_cuMemGetInfo(), "cuMemGetInfo")
-        return int(free), int(total)
-
-    def host_alloc(self, nbytes: int) -> int:
-        self._any_ctx()
-        return int(_check(_cuMemHostAlloc(nbytes, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
-
-    def host_free(self, ptr: int) -> None:
-        if not ptr:
-            return
-        self._any_ctx()
-        err = _cuMemFreeHost(ptr)[0]
-        if err:
-            raise _error(err, "cuMemFreeHost")
-
-    def memcpy(self, device: int, dst: int, src: int, nbytes: int) -> None:
-        if not nbytes:
-            return
-        self._ctx(device)
-        err = _cuMemcpy(dst, src, nbytes)[0]
-        if err:
-            raise _error(err, "cuMemcpy")
-
-    def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        if not nbytes:
-            return
-        self._ctx(device)
-        err = _cuMemcpyAsync(dst, src, nbytes, stream)[0]
-        if err:
-            raise _error(err, "cuMemcpyAsync")
-
-    def memcpy_peer_async(
-        self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: Any
-    ) -> None:
-        if not nbytes:
-            return
-        dst_ctx = self._contexts.get(dst_device)
-        if dst_ctx is None:
-            dst_ctx = self._primary(dst_device)
-        src_ctx = self._contexts.get(src_device)
-        if src_ctx is None:
-            src_ctx = self._primary(src_device)
-        err = _cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, nbytes, stream)[0]
-        if err:
-            raise _error(err, "cuMemcpyPeerAsync")
-
-    def memset_d8(self, device: int, ptr: int, value: int, nbytes: int) -> None:
-        if not nbytes:
-            return
-        self._ctx(device)
-        err = _cuMemsetD8(ptr, value & 0xFF, nbytes)[0]
-        if err:
-            raise _error(err, "cuMemsetD8")
-
-    def memset_d8_async(self, device: int, ptr: int, value: int, nbytes: int, stream: Any) -> None:
-        if not nbytes:
-            return
-        self._ctx(device)
-        err = _cuMemsetD8Async(ptr, value & 0xFF, nbytes, stream)[0]
-        if err:
-            raise _error(err, "cuMemsetD8Async")
-
-    def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: Any) -> None:
-        if not count:
-            return
-        self._ctx(device)
-        err = _cuMemsetD32Async(ptr, value & 0xFFFFFFFF, count, stream)[0]
-        if err:
-            raise _error(err, "cuMemsetD32Async")
-
-    def pointer_device(self, ptr: int) -> int | None:
-        if not ptr:
-            return None
-        self._any_ctx()
-        err, mtype = _cuPointerGetAttribute(_PA_MEMORY_TYPE, ptr)
-        if err == CUDA_ERROR_INVALID_VALUE:
-            return None  # not allocated, mapped or registered with CUDA: plain host memory
-        if err:
-            raise _error(err, "cuPointerGetAttribute")
-        if int(mtype) not in (_MEMORYTYPE_DEVICE, _MEMORYTYPE_UNIFIED):
-            return None  # pinned / registered host memory
-        err, ordinal = _pointer_device_ordinal(ptr)
-        if err == CUDA_ERROR_INVALID_VALUE:
-            return None
-        if err:
-            raise _error(err, "cuPointerGetAttribute")
-        return ordinal if ordinal >= 0 else None
-
     # -------------------------------------------------------------------------- streams
     def null_stream(self, device: int) -> Any:
         s = self._null_streams.get(device)
@@ -969,124 +652,19 @@ class CudaBackend(Backend):
         block: tuple[int, int, int],
         shared_mem: int,
         stream: Any,
-        args: CudaKernelArgs,
+        args: KernelArgs,
     ) -> None:
         # The function's context must be current (set_context/_ctx of its device) unless
-        # `stream` is a created stream of that device.
+        # `stream` is a created stream of that device. `args` comes from this backend's
+        # make_args (the seam's contract): a CudaKernelArgs, not checked on this hot path.
         err = _cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                              shared_mem, stream, args.address_int, 0)[0]
+                              shared_mem, stream,
+                              args.address_int, 0)[0]  # type: ignore[attr-defined]
         if err:
             raise _error(err, "cuLaunchKernel")
 
-    # ---------------------------------------------------------------- virtual memory (VMM)
-    @staticmethod
-    def _alloc_prop(device: int) -> Any:
-        prop = _drv.CUmemAllocationProp()
-        prop.type = _drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = int(device)
-        return prop
-
-    def vmm_granularity(self, device: int) -> int:
-        g = self._granularity.get(device)
-        if g is None:
-            self._device(device)
-            g = int(_check(_cuMemGetAllocationGranularity(
-                self._alloc_prop(device),
-                _drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-                "cuMemGetAllocationGranularity"))
-            with self._lock:
-                self._granularity[device] = g
-        return g
-
-    def vmm_reserve(self, device: int, size: int) -> int:
-        self._ctx(device)
-        return int(_check(_cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
-
-    def vmm_free_address(self, ptr: int, size: int) -> None:
-        err = _cuMemAddressFree(ptr, size)[0]
-        if err:
-            raise _error(err, "cuMemAddressFree")
-
-    def vmm_create(self, device: int, size: int) -> Any:
-        self._ctx(device)
-        return _check(_cuMemCreate(size, self._alloc_prop(device), 0), "cuMemCreate")
-
-    def vmm_release(self, handle: Any) -> None:
-        err = _cuMemRelease(handle)[0]
-        if err:
-            raise _error(err, "cuMemRelease")
-
-    def vmm_map(self, device: int, ptr: int, size: int, handle: Any) -> None:
-        self._ctx(device)
-        err = _cuMemMap(ptr, size, 0, handle, 0)[0]
-        if err:
-            raise _error(err, "cuMemMap")
-        desc = _drv.CUmemAccessDesc()
-        desc.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = int(device)
-        desc.flags = _drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        err = _cuMemSetAccess(ptr, size, [desc], 1)[0]
-        if err:
-            _cuMemUnmap(ptr, size)  # leave the range as it was
-            raise _error(err, "cuMemSetAccess")
-
-    def vmm_unmap(self, ptr: int, size: int) -> None:
-        err = _cuMemUnmap(ptr, size)[0]
-        if err:
-            raise _error(err, "cuMemUnmap")
-
-    # ---------------------------------------------------------------- stream-ordered pools
-    def pool_create(self, device: int) -> Any:
-        self._ctx(device)
-        props = _drv.CUmemPoolProps()
-        props.allocType = _drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        props.handleTypes = _drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-        props.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        props.location.id = int(device)
-        pool = _check(_cuMemPoolCreate(props), "cuMemPoolCreate")
-        # Keep freed memory cached across synchronisations (torch's cudaMallocAsync setting).
-        err = _cuMemPoolSetAttribute(pool, _MPA.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                                     _drv.cuuint64_t(2**64 - 1))[0]
-        if err:
-            _cuMemPoolDestroy(pool)
-            raise _error(err, "cuMemPoolSetAttribute")
-        return pool
-
-    def pool_destroy(self, pool: Any) -> None:
-        err = _cuMemPoolDestroy(pool)[0]
-        if err:
-            raise _error(err, "cuMemPoolDestroy")
-
-    def pool_alloc_async(self, pool: Any, nbytes: int, stream: Any) -> int:
-        if nbytes == 0:  # never ask the driver for 0 bytes (see tests/test_simulator_vmm.py)
-            return 0
-        res = _cuMemAllocFromPoolAsync(nbytes, pool, stream)
-        if res[0]:
-            raise _error(res[0], "cuMemAllocFromPoolAsync")
-        return int(res[1])
-
-    def pool_usage(self, pool: Any) -> tuple[int, int, int, int]:
-        out = []
-        for attr in (_MPA.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, _MPA.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-                     _MPA.CU_MEMPOOL_ATTR_USED_MEM_CURRENT, _MPA.CU_MEMPOOL_ATTR_USED_MEM_HIGH):
-            out.append(int(_check(_cuMemPoolGetAttribute(pool, attr), "cuMemPoolGetAttribute")))
-        return out[0], out[1], out[2], out[3]
-
-    def pool_reset_high(self, pool: Any) -> None:
-        # Setting a *_HIGH attribute to 0 resets it to the current value.
-        for attr in (_MPA.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, _MPA.CU_MEMPOOL_ATTR_USED_MEM_HIGH):
-            err = _cuMemPoolSetAttribute(pool, attr, _drv.cuuint64_t(0))[0]
-            if err:
-                raise _error(err, "cuMemPoolSetAttribute")
-
-    def pool_trim(self, pool: Any, keep: int = 0) -> None:
-        err = _cuMemPoolTrimTo(pool, keep)[0]
-        if err:
-            raise _error(err, "cuMemPoolTrimTo")
-
     # ----------------------------------------------------------------------------- NVML
-    def nvml(self):
+    def nvml(self) -> Nvml:
         inst = self._nvml
         if inst is None:
             from cudalab._driver.nvml import RealNvml

@@ -1,10 +1,8 @@
-"""The runtime's own CUDA kernels, each with its numpy implementation for the simulator.
+"""The kernel facility (:mod:`cudalab._kernels.kernel`) and the runtime's own CUDA kernels.
 
-Importing this package defines the runtime's own kernels; the RNG's (``philox``) are defined
-when :mod:`cudalab.random` first needs them. ``cudalab.kernels.all_kernels()`` imports both.
+Each kernel module defines its kernels with a numpy implementation for the simulator:
+``fill`` (the typed fills behind ``DeviceArray.fill_``), ``spin`` (busy-wait kernels for
+timing tests) and ``philox`` (the RNG's, loaded when :mod:`cudalab.random` first needs them).
+Nothing is imported here, so importing the facility does not define any kernel;
+``cudalab.kernels.all_kernels()`` imports every kernel module.
 """
-
-from cudalab._kernels.fill import FILL_KERNELS, fill_kernel
-from cudalab._kernels.spin import spin
-
-__all__ = ["FILL_KERNELS", "fill_kernel", "spin"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cudalab.kernels import Kernel
+from cudalab._kernels.kernel import Kernel
 
 # (suffix, C element type, C value parameter type, signature code of the value, numpy dtype)
 _TYPES = (

@@ -34,10 +34,11 @@ to a few float ulps, not bit for bit (``__sincosf`` is a hardware approximation)
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from cudalab import kernels as _kernels_mod
-from cudalab.kernels import Kernel
+from cudalab._kernels.kernel import Kernel, unregister_kernel
 
 __all__ = [
     "M0", "M1", "W0", "W1",
@@ -580,6 +581,13 @@ def unroll(suffix: str) -> int:
 
 def _values(op: str, tag: str, words: np.ndarray, params: tuple) -> tuple[np.ndarray, np.dtype]:
     """Per-block values ``(K, S, U)`` (storage dtype) from the ``(K, S, 4)`` words."""
+    # The parameters' numpy scalar type depends on the family (float32, float or uint64).
+    rng: Any
+    frm: Any
+    to: Any
+    std: Any
+    mean: Any
+    dt: np.dtype
     x, y, z, w = (words[..., i] for i in range(4))
     if op == "uniform" and tag != "f64":
         rng, frm, to = (_F32(p) for p in params)
@@ -703,7 +711,7 @@ OPS = ("uniform", "normal", "bernoulli", "randint32", "randint64")
 
 def variant(suffix: str, tpt: int, prefix: str = "cudalab_rngv") -> Kernel:
     """An unregistered copy of kernel ``suffix`` with ``tpt`` torch threads per CUDA thread
-    (for benchmarks: launch it with ``cudalab.random._set_launch_tuning(tpt=tpt)``). It is
+    (for benchmarks: launch it with ``cudalab.random.launch._set_launch_tuning(tpt=tpt)``). It is
     kept out of the registry of the runtime's kernels."""
     if tpt not in (1, 2, 4):
         raise ValueError("tpt must be 1, 2 or 4")
@@ -711,7 +719,5 @@ def variant(suffix: str, tpt: int, prefix: str = "cudalab_rngv") -> Kernel:
     src = SOURCES[suffix].replace(f"cudalab_rng_{suffix}(", f"{name}(")
     k = Kernel(name, src, KERNELS[suffix].signature, options=(f"-DCL_TPT={tpt}",),
                sim=KERNELS[suffix].sim)
-    with _kernels_mod._registry_lock:  # not one of the runtime's kernels (CI compiles those)
-        if _kernels_mod._registry.get(name) is k:
-            del _kernels_mod._registry[name]
+    unregister_kernel(k)  # not one of the runtime's kernels (CI compiles those)
     return k

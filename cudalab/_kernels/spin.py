@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from cudalab.kernels import Kernel
+from cudalab._kernels.kernel import Kernel
 
 _WAIT = r"""
 __device__ __forceinline__ void cudalab_wait_ns(unsigned long long ns,

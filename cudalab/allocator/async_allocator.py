@@ -43,16 +43,11 @@ from typing import Any
 
 from cudalab import streams as _streams
 from cudalab._driver.base import EVENT_DISABLE_TIMING, STREAM_NON_BLOCKING
-from cudalab.errors import CudaError, OutOfMemoryError
-from cudalab.allocator.allocator import (
-    Allocator,
-    _bad_pointer,
-    _check_size,
-    _fraction_total,
-    _stream_key,
-)
+from cudalab.allocator.base import Allocator, bad_pointer, fraction_total, stream_key
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig, config_from_env
+from cudalab.allocator.policy import MAX_ALLOCATION_SIZE, check_size
 from cudalab.allocator.stats import STAT_KEYS, Counters, format_size
+from cudalab.errors import CudaError, OutOfMemoryError
 
 __all__ = ["AsyncPoolAllocator", "AsyncPoolStats", "SNAPSHOT_UNSUPPORTED"]
 
@@ -173,7 +168,8 @@ class AsyncPoolAllocator(Allocator):
         self._pool = backend.pool_create(device)
         self._pool_alloc = backend.pool_alloc_async
         self._free_async = backend.mem_free_async
-        self.stats = AsyncPoolStats(self)
+        # duck-types DeviceStats for the public getters (see AsyncPoolStats)
+        self.stats = AsyncPoolStats(self)  # type: ignore[assignment]
         self._c = self.stats.large
         if config.per_process_memory_fraction is not None:
             self.set_memory_fraction(config.per_process_memory_fraction)
@@ -185,8 +181,8 @@ class AsyncPoolAllocator(Allocator):
     # ------------------------------------------------------------------ hot path
     def malloc(self, size: Any, stream: Any = None) -> int:
         """``size`` bytes from the pool, ordered on ``stream`` (default: the current stream)."""
-        if type(size) is not int or size <= 0 or size >= 1152921504606846976:
-            size = _check_size(size)
+        if type(size) is not int or size <= 0 or size >= MAX_ALLOCATION_SIZE:
+            size = check_size(size)
             if size == 0:
                 return 0
         if stream is None:
@@ -216,6 +212,9 @@ class AsyncPoolAllocator(Allocator):
         except OutOfMemoryError:
             raise self._oom(size) from None
         with self._lock:
+            # allocated_bytes current/peak/allocated and the peak_scope watermark, written
+            # out (a DeviceStats.increase on these _Bytes counters) for the cache-hit pair
+            # rows of benchmarks/allocator.py under backend:cudaMallocAsync
             v = c.b_alloc = c.b_alloc + size
             if v > self._mark:
                 self._mark = v
@@ -234,7 +233,7 @@ class AsyncPoolAllocator(Allocator):
         if rec is None:
             if ptr == 0 and type(ptr) is int:
                 return
-            raise _bad_pointer(ptr)
+            raise bad_pointer(ptr)
         size, h, key = rec
         uses = self._uses.pop(ptr, None) if self._uses else None
         try:
@@ -274,7 +273,7 @@ class AsyncPoolAllocator(Allocator):
         """The size of the live allocation at ``ptr`` (as requested: no rounding)."""
         rec = self._live.get(ptr)
         if rec is None:
-            raise _bad_pointer(ptr)
+            raise bad_pointer(ptr)
         return rec[0]
 
     def record_stream(self, ptr: int, stream: Any) -> None:
@@ -289,7 +288,7 @@ class AsyncPoolAllocator(Allocator):
         self.backend.pool_trim(self._pool, 0)
 
     def set_memory_fraction(self, fraction: float) -> None:
-        total = _fraction_total(self.backend, self.device, fraction)
+        total = fraction_total(self.backend, self.device, fraction)
         with self._lock:
             self._fraction = float(fraction)
             self._limit = int(fraction * total)
@@ -402,7 +401,7 @@ class AsyncPoolAllocator(Allocator):
             if h is None:
                 raise ValueError(f"stream {stream!r} is closed")
             return h, stream.cuda_stream
-        key = _stream_key(stream, self.device)
+        key = stream_key(stream, self.device)
         return self._handle_for(key), key
 
     def _malloc_limited(self, size: int, h: Any, key: int) -> int:

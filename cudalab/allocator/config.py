@@ -22,6 +22,9 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+from cudalab._units import KiB, MiB
 
 __all__ = [
     "AllocatorConfig",
@@ -41,8 +44,9 @@ __all__ = [
     "ROUNDUP_POWER2_INTERVALS",
 ]
 
-KB = 1024
-MB = 1024 * 1024
+#: torch's names for 2**10 and 2**20 bytes (its ``*_mb`` options are MiB): :mod:`cudalab._units`'s.
+KB = KiB
+MB = MiB
 #: torch's ``SIZE_MAX``: "no limit" for ``max_split_size`` (reported as -1 in memory_stats).
 UNLIMITED = (1 << 64) - 1
 
@@ -297,15 +301,33 @@ KNOWN_KEYS = (
 def parse_alloc_conf(text: str | None, source: str = "parse_alloc_conf") -> AllocatorConfig:
     """Parse an allocator settings string (torch's grammar) into an :class:`AllocatorConfig`.
 
-    Raises :class:`ValueError` naming the option, the bad value and the accepted form for
-    an unknown key or a malformed value. ``None`` or ``""`` gives the defaults.
+    Parameters
+    ----------
+    text : str or None
+        The settings, e.g. ``"max_split_size_mb:128,expandable_segments:True"``; ``None``
+        or ``""`` gives the defaults.
+    source : str, optional
+        Where the text came from (an environment variable name), named in error messages.
+
+    Returns
+    -------
+    AllocatorConfig
+        The parsed settings; nothing else changes (parsing is pure).
+
+    Raises
+    ------
+    ValueError
+        For an unknown key or a malformed value, naming the option, the bad value and the
+        accepted form.
+    TypeError
+        When ``text`` is not a str.
     """
     if text is None:
         return AllocatorConfig()
     if not isinstance(text, str):
         raise TypeError(f"allocator settings must be a str, got {type(text).__name__}")
     p = _Parser(text, source)
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}  # AllocatorConfig field -> parsed value (typed by its parser)
     keys: list[str] = []
     # large_segment_size_mb first: the minimum of max_split_size_mb and
     # max_non_split_rounding_mb follows it (torch parses it in a first pass too).
@@ -327,10 +349,10 @@ def parse_alloc_conf(text: str | None, source: str = "parse_alloc_conf") -> Allo
         if key == "backend":
             form = "native or cudaMallocAsync"
             p.expect_colon(key, form)
-            val = p.value(key, form)
-            if val not in ("native", "cudaMallocAsync"):
-                raise p.error(key, val, form)
-            values["backend"] = val
+            name = p.value(key, form)
+            if name not in ("native", "cudaMallocAsync"):
+                raise p.error(key, name, form)
+            values["backend"] = name
         elif key == "max_split_size_mb":
             values["max_split_size"] = _parse_mb_at_least(p, key, large_segment // MB)
         elif key == "max_non_split_rounding_mb":
@@ -342,34 +364,34 @@ def parse_alloc_conf(text: str | None, source: str = "parse_alloc_conf") -> Allo
         elif key == "garbage_collection_threshold":
             form = "a number strictly between 0 and 1 (e.g. garbage_collection_threshold:0.6)"
             p.expect_colon(key, form)
-            val = p.number(key, form)
-            if not 0.0 < val < 1.0:
-                raise p.error(key, str(val), form)
-            values["garbage_collection_threshold"] = val
+            threshold = p.number(key, form)
+            if not 0.0 < threshold < 1.0:
+                raise p.error(key, str(threshold), form)
+            values["garbage_collection_threshold"] = threshold
         elif key == "per_process_memory_fraction":
             form = "a number in [0, 1] (e.g. per_process_memory_fraction:0.5)"
             p.expect_colon(key, form)
-            val = p.number(key, form)
-            if not 0.0 <= val <= 1.0:
-                raise p.error(key, str(val), form)
-            values["per_process_memory_fraction"] = val
+            fraction = p.number(key, form)
+            if not 0.0 <= fraction <= 1.0:
+                raise p.error(key, str(fraction), form)
+            values["per_process_memory_fraction"] = fraction
         elif key in _BOOL_KEYS:
             p.expect_colon(key, "True or False")
             values[_BOOL_KEYS[key]] = p.boolean(key)
         elif key == "pinned_num_register_threads":
             form = f"a power of 2 <= {_PINNED_MAX_REGISTER_THREADS} (e.g. {key}:8)"
             p.expect_colon(key, form)
-            val = p.uint(key, form)
-            if not _is_pow2(val) or val > _PINNED_MAX_REGISTER_THREADS:
-                raise p.error(key, str(val), form)
-            values[key] = val
+            threads = p.uint(key, form)
+            if not _is_pow2(threads) or threads > _PINNED_MAX_REGISTER_THREADS:
+                raise p.error(key, str(threads), form)
+            values[key] = threads
         elif key == "pinned_reserve_segment_size_mb":
             form = f"a whole number of MiB > 0 (e.g. {key}:64)"
             p.expect_colon(key, form)
-            val = p.uint(key, form)
-            if val <= 0:
-                raise p.error(key, str(val), form)
-            values[key] = val
+            mb = p.uint(key, form)
+            if mb <= 0:
+                raise p.error(key, str(mb), form)
+            values[key] = mb
         elif key in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
             form = f"a whole number of MiB (e.g. {key}:64)"
             p.expect_colon(key, form)
@@ -404,7 +426,23 @@ def _env_conf(environ: Mapping[str, str]) -> tuple[str, str] | None:
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> AllocatorConfig:
-    """The configuration from the first of :data:`ENV_VARS` that is set (defaults if none)."""
+    """The configuration from the first of :data:`ENV_VARS` that is set.
+
+    Parameters
+    ----------
+    environ : mapping, optional
+        The environment to read (default: ``os.environ``).
+
+    Returns
+    -------
+    AllocatorConfig
+        The parsed settings, or the defaults when none of the variables is set.
+
+    Raises
+    ------
+    ValueError
+        When the variable's value does not parse (see :func:`parse_alloc_conf`).
+    """
     env = os.environ if environ is None else environ
     found = _env_conf(env)
     if found is None:
@@ -414,10 +452,20 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> AllocatorConfig
 
 
 def no_caching_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """True when caching is turned off (``CUDALAB_NO_MEMORY_CACHING`` / torch's variable).
+    """Whether caching is turned off (``CUDALAB_NO_MEMORY_CACHING`` / torch's variable).
 
     torch treats *any* value of ``PYTORCH_NO_CUDA_MEMORY_CACHING`` as "on"; cudalab also
     accepts the explicit off values ``""``, ``0``, ``false``, ``no``, ``off``.
+
+    Parameters
+    ----------
+    environ : mapping, optional
+        The environment to read (default: ``os.environ``).
+
+    Returns
+    -------
+    bool
+        True when the first of :data:`NO_CACHING_VARS` that is set holds an "on" value.
     """
     env = os.environ if environ is None else environ
     for name in NO_CACHING_VARS:

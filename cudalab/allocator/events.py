@@ -10,9 +10,12 @@ avoid shutdown-order problems; :meth:`EventPool.close` destroys the idle ones ex
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cudalab._driver.base import EVENT_DISABLE_TIMING
+
+if TYPE_CHECKING:
+    from cudalab._driver.base import Backend
 
 __all__ = ["EventPool"]
 
@@ -27,15 +30,18 @@ class EventPool:
 
     __slots__ = ("backend", "device", "_idle", "_lock", "created")
 
-    def __init__(self, backend: Any, device: int):
+    def __init__(self, backend: Backend, device: int) -> None:
         self.backend = backend
         self.device = device
+        #: Idle events (opaque seam handles). Invariant: ``len(_idle) <= created``; the
+        #: difference is the number handed out and not yet put back.
         self._idle: list[Any] = []
         self._lock = threading.Lock()
         #: Number of events this pool has created (for tests and diagnostics).
         self.created = 0
 
     def get(self) -> Any:
+        """An idle event, or a new ``EVENT_DISABLE_TIMING`` one (a driver call) when none is."""
         with self._lock:
             if self._idle:
                 return self._idle.pop()
@@ -43,6 +49,7 @@ class EventPool:
         return self.backend.event_create(self.device, EVENT_DISABLE_TIMING)
 
     def put(self, event: Any) -> None:
+        """Take back an event from :meth:`get` once its recorded work has completed."""
         with self._lock:
             self._idle.append(event)
 

@@ -43,170 +43,41 @@ on other threads carry on and never touch them.
 from __future__ import annotations
 
 import threading
-import weakref
 from bisect import bisect_left, bisect_right
 from typing import Any
 
 from cudalab import streams as _streams
-from cudalab.errors import CudaError, OutOfMemoryError
-from cudalab.allocator.allocator import (
-    _ALLOCATED,
-    _DETACHED,
-    _FREE,
-    _PENDING,
-    _SHIFT,
-    _UNMAPPED,
+from cudalab.allocator.base import stream_key
+from cudalab.allocator.blocks import (
+    ALLOCATED,
+    DETACHED,
+    FREE,
+    KEY_SHIFT,
+    PENDING,
+    SNAPSHOT_STATES,
+    UNMAPPED,
     Block,
     BlockPool,
-    DeviceCachingAllocator,
-    _check_size,
-    _stream_key,
-    allocation_size,
-    round_size,
+    FreeList,
 )
+from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import SMALL_BUFFER
+from cudalab.allocator.expandable_segment import ExpandableSegment, address_space_size
+from cudalab.allocator.policy import MAX_ALLOCATION_SIZE, allocation_size, check_size, round_size
+from cudalab.errors import CudaError, OutOfMemoryError
 
-__all__ = ["ExpandableSegment", "ExpandableCachingAllocator", "address_space_size"]
-
-
-def address_space_size(total: int, page: int) -> int:
-    """torch's reservation: enough pages for 1.125 × the device's total memory."""
-    want = total + total // 8
-    return (want + page - 1) // page * page
-
-
-class ExpandableSegment:
-    """One reserved address range of one (stream, pool) and the pages mapped into it.
-
-    ``handles[i]`` is the physical memory mapped at page ``i`` (None where nothing is
-    mapped). The driver methods here are called without the allocator's lock.
-    """
-
-    __slots__ = ("backend", "device", "stream", "_stream_ref", "is_small", "page", "ptr", "size",
-                 "handles", "__weakref__")
-
-    def __init__(self, backend: Any, device: int, stream: int, stream_obj: Any, is_small: bool,
-                 page: int, ptr: int, size: int):
-        self.backend = backend
-        self.device = device
-        #: The allocation stream's key (its handle value).
-        self.stream = stream
-        self._stream_ref = None
-        if stream_obj is not None:
-            try:
-                self._stream_ref = weakref.ref(stream_obj)
-            except TypeError:
-                self._stream_ref = lambda obj=stream_obj: obj
-        self.is_small = is_small
-        self.page = page
-        self.ptr = ptr
-        self.size = size
-        self.handles: list[Any] = [None] * (size // page)
-
-    def __repr__(self) -> str:
-        mapped = sum(h is not None for h in self.handles)
-        return (f"<ExpandableSegment {self.ptr:#x} {'small' if self.is_small else 'large'} "
-                f"stream={self.stream:#x} {mapped}/{len(self.handles)} pages of {self.page}>")
-
-    @property
-    def end(self) -> int:
-        return self.ptr + self.size
-
-    def pages_inside(self, ptr: int, size: int) -> tuple[int, int]:
-        """The pages lying wholly inside [ptr, ptr + size): (first, stop)."""
-        page = self.page
-        return -(-(ptr - self.ptr) // page), (ptr + size - self.ptr) // page
-
-    def map(self, first: int, stop: int) -> bool:
-        """Create and map pages [first, stop). False (nothing left mapped) when the device
-        is out of memory; other driver errors are raised after undoing this call's work."""
-        backend, dev, page = self.backend, self.device, self.page
-        created: list[Any] = []
-        try:
-            for _ in range(first, stop):
-                created.append(backend.vmm_create(dev, page))
-        except OutOfMemoryError:
-            self._release_handles(created)
-            return False
-        except BaseException:
-            self._release_handles(created)
-            raise
-        mapped = 0
-        try:
-            for i, h in enumerate(created):
-                backend.vmm_map(dev, self.ptr + (first + i) * page, page, h)
-                mapped += 1
-        except BaseException:
-            for i in range(mapped):
-                try:
-                    backend.vmm_unmap(self.ptr + (first + i) * page, page)
-                except CudaError:
-                    pass
-            self._release_handles(created)
-            raise
-        self.handles[first:stop] = created
-        return True
-
-    def synchronize(self) -> None:
-        """Wait for the work queued on the segment's stream (torch's cudaStreamSynchronize
-        before cuMemUnmap); the whole device when the stream object is gone or unknown."""
-        backend, dev = self.backend, self.device
-        obj = self._stream_ref() if self._stream_ref is not None else None
-        handle = obj._handle if isinstance(obj, _streams.Stream) else None
-        try:
-            if handle is not None:
-                backend.set_context(dev)
-                backend.stream_synchronize(handle)
-                return
-            if self.stream == 0:
-                backend.set_context(dev)
-                backend.stream_synchronize(backend.null_stream(dev))
-                return
-        except CudaError:
-            pass
-        backend.synchronize(dev)
-
-    def unmap(self, first: int, stop: int) -> tuple[int, BaseException | None]:
-        """Unmap and release pages [first, stop) (the caller synchronised first). Returns
-        how many pages from ``first`` on were unmapped, and the error that stopped it."""
-        backend, page = self.backend, self.page
-        backend.set_context(self.device)
-        done = 0
-        for i in range(first, stop):
-            try:
-                backend.vmm_unmap(self.ptr + i * page, page)
-            except CudaError as exc:
-                return done, exc
-            h = self.handles[i]
-            self.handles[i] = None
-            done += 1
-            try:
-                backend.vmm_release(h)
-            except CudaError as exc:  # unmapped already: account for it, report the error
-                return done, exc
-        return done, None
-
-    def release(self) -> None:
-        """Give the address range back (nothing may be mapped)."""
-        self.backend.set_context(self.device)
-        self.backend.vmm_free_address(self.ptr, self.size)
-
-    def _release_handles(self, handles: list[Any]) -> None:
-        for h in handles:
-            try:
-                self.backend.vmm_release(h)
-            except CudaError:
-                pass
+__all__ = ["ExpandableCachingAllocator"]
 
 
 class ExpandableCachingAllocator(DeviceCachingAllocator):
     """torch's DeviceCachingAllocator with ``expandable_segments:True`` (see the module doc).
 
-    ``DeviceCachingAllocator(...)`` returns one of these when the settings ask for
-    expandable segments, so callers never name this class.
+    :func:`cudalab.allocator.registry.native_allocator` (and ``create_allocator``) make one
+    of these when the settings ask for expandable segments.
     """
 
     _memo_class_ok = False  # its own malloc does not know the pair memo
+    _expandable = True
 
     name = "native"
 
@@ -227,8 +98,8 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
     # ------------------------------------------------------------------ public API
     def malloc(self, size: Any, stream: Any = None) -> int:
         """A block of at least ``size`` bytes for ``stream`` (default: the current stream)."""
-        if type(size) is not int or size <= 0 or size >= 1152921504606846976:
-            size = _check_size(size)
+        if type(size) is not int or size <= 0 or size >= MAX_ALLOCATION_SIZE:
+            size = check_size(size)
             if size == 0:
                 return 0
         sobj = None
@@ -237,7 +108,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         elif stream is None:
             skey = self._default_stream()
         else:
-            skey = _stream_key(stream, self.device)
+            skey = stream_key(stream, self.device)
             sobj = stream
         lock = self._lock
         lock.acquire()
@@ -279,25 +150,24 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
             if self._pending_frees:
                 self._drain_pending_frees()
             heads = [b for b in self._all_blocks()
-                     if b.prev is None or b.prev.state == _UNMAPPED]
+                     if b.prev is None or b.prev.state == UNMAPPED]
             out = []
             for head in heads:
                 blocks = []
                 total = alloc = active = req = 0
-                b = head
-                while b is not None and b.state != _UNMAPPED:
+                b: Block | None = head
+                while b is not None and b.state != UNMAPPED:
                     st = b.state
-                    is_active = st == _ALLOCATED or st == _PENDING
+                    is_active = st == ALLOCATED or st == PENDING
                     blocks.append({
                         "address": b.ptr,
                         "size": b.size,
                         "requested_size": b.requested,
-                        "state": ("inactive", "active_allocated", "active_pending_free",
-                                  "inactive", "inactive")[st],
+                        "state": SNAPSHOT_STATES[st],
                         "frames": [],
                     })
                     total += b.size
-                    if st == _ALLOCATED:
+                    if st == ALLOCATED:
                         alloc += b.size
                     if is_active:
                         active += b.size
@@ -331,6 +201,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
 
     def check_invariants(self) -> None:
         """Verify blocks, pages, free lists and counters (tests and debugging; O(blocks))."""
+        b: Block | None
         with self._lock:
             self._vm_idle()
             if self._pending_frees:
@@ -342,7 +213,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
             unmapped_index = {id(b) for lst in self._unmapped.values() for b in lst}
             for (small, skey), lst in self._unmapped.items():
                 for b in lst:
-                    assert b.state == _UNMAPPED, f"{b!r} is indexed as unmapped"
+                    assert b.state == UNMAPPED, f"{b!r} is indexed as unmapped"
                     assert b.fl.pool.is_small == small and b.fl.stream == skey, \
                         f"{b!r} is indexed under the wrong pool or stream"
             assert self._xseg_starts == sorted(self._xseg_starts)
@@ -369,12 +240,12 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
                     assert b.fl is head.fl, f"{b!r} changed stream or pool inside a segment"
                     assert b.size > 0
                     if prev is not None:
-                        assert not (prev.state == _FREE and b.state == _FREE), \
+                        assert not (prev.state == FREE and b.state == FREE), \
                             f"free neighbours {prev!r} and {b!r} were not merged"
-                        assert not (prev.state == _UNMAPPED and b.state == _UNMAPPED), \
+                        assert not (prev.state == UNMAPPED and b.state == UNMAPPED), \
                             f"unmapped neighbours {prev!r} and {b!r} were not merged"
                     first = (b.ptr - es.ptr) // es.page
-                    if b.state == _UNMAPPED:
+                    if b.state == UNMAPPED:
                         assert id(b) in unmapped_index, f"{b!r} is unmapped but not indexed"
                         assert (b.ptr - es.ptr) % es.page == 0 and b.size % es.page == 0, \
                             f"{b!r} is not page aligned"
@@ -398,9 +269,9 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
                     assert set(fl.keys) == set(fl.entries), "free list keys and entries differ"
                     for k, b in fl.entries.items():
                         if b is not None:
-                            assert b.state == _FREE and id(b) in mapped_blocks, \
+                            assert b.state == FREE and id(b) in mapped_blocks, \
                                 f"stale cached {b!r}"
-                            assert k == (b.size << _SHIFT) | b.ptr, f"wrong key for {b!r}"
+                            assert k == (b.size << KEY_SHIFT) | b.ptr, f"wrong key for {b!r}"
                 rc = recount[pool.name]
                 for code, value in rc.items():
                     assert getattr(pool, code) == value, (
@@ -420,19 +291,22 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         entries = fl.entries
         n = len(keys)
         i = bisect_left(keys, rs << 64)
-        while i < n and entries[keys[i]] is None:
+        b = None
+        while i < n:  # skip stale keys
+            b = entries[keys[i]]
+            if b is not None:
+                break
             i += 1
-        if i == n:
+        if b is None:
             return None
-        b = entries[keys[i]]
         nx = b.next
-        xs = b.size + nx.size if nx is not None and nx.state == 4 else b.size
+        xs = b.size + nx.size if nx is not None and nx.state == UNMAPPED else b.size
         j = i + 1
         while j < n:  # prefer a larger block that cannot grow into unmapped space
             c = entries[keys[j]]
             if c is not None:
                 nx = c.next
-                cs = c.size + nx.size if nx is not None and nx.state == 4 else c.size
+                cs = c.size + nx.size if nx is not None and nx.state == UNMAPPED else c.size
                 if cs >= xs:
                     break
                 b, xs, i = c, cs, j
@@ -455,13 +329,13 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
             self._trace("free_completed", b.ptr, b.requested, b.fl.stream)
         fl = b.fl
         pool = fl.pool
-        if b.state == _PENDING:
+        if b.state == PENDING:
             pool.n_pend -= 1
             pool.b_pend -= b.size
             self._n_pending -= 1
         entries = fl.entries
         p = b.prev
-        if p is not None and p.state == _FREE:
+        if p is not None and p.state == FREE:
             entries[(p.size << 64) | p.ptr] = None
             b.ptr = p.ptr
             pp = b.prev = p.prev
@@ -469,19 +343,19 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
                 pp.next = b
             b.size += p.size
             p.prev = p.next = None
-            p.state = _DETACHED
+            p.state = DETACHED
             self._spare.append(p)
         n = b.next
-        if n is not None and n.state == _FREE:
+        if n is not None and n.state == FREE:
             entries[(n.size << 64) | n.ptr] = None
             nn = b.next = n.next
             if nn is not None:
                 nn.prev = b
             b.size += n.size
             n.prev = n.next = None
-            n.state = _DETACHED
+            n.state = DETACHED
             self._spare.append(n)
-        b.state = _FREE
+        b.state = FREE
         b.gc_base = pool.gc_calls
         key = (b.size << 64) | b.ptr
         if key in entries:
@@ -554,12 +428,12 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         detached: list[Block] = []
         plan: list[tuple[Block, ExpandableSegment, int]] = []
         acc = 0
-        b = cand
-        if b.state == _FREE:
-            acc = b.size
-            detached.append(b)
-            b = b.next
-        while acc < rs and b is not None and b.state == _UNMAPPED:
+        b: Block | None = cand
+        if cand.state == FREE:
+            acc = cand.size
+            detached.append(cand)
+            b = cand.next
+        while acc < rs and b is not None and b.state == UNMAPPED:
             es = self._segment_of(b.ptr)
             want = min(rs - acc, b.size)
             nbytes = -(-want // es.page) * es.page
@@ -568,7 +442,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
             if nbytes < b.size:
                 break
             b = b.next
-            if acc < rs and b is not None and b.state == _FREE:
+            if acc < rs and b is not None and b.state == FREE:
                 acc += b.size
                 detached.append(b)
                 b = b.next
@@ -579,10 +453,10 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
             return cand
         for f in detached:
             self._fl_remove(f)
-            f.state = _DETACHED
+            f.state = DETACHED
         for u, _, _ in plan:
             self._index_remove(u)
-            u.state = _DETACHED
+            u.state = DETACHED
         done = 0
         lock = self._lock
         lock.release()
@@ -595,7 +469,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         finally:
             lock.acquire()
             for f in detached:  # a neighbour may have been freed meanwhile: merge
-                f.state = _FREE
+                f.state = FREE
                 self._merge_free(f)
                 f.gc_base = pool.gc_calls
                 self._fl_insert(f)
@@ -604,9 +478,9 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
                 if k < done:
                     last = self._integrate_map(u, es, nbytes)
                 else:
-                    u.state = _UNMAPPED
+                    u.state = UNMAPPED
                     self._index_add(u)
-        if done < len(plan):
+        if done < len(plan) or last is None:  # (last is set when every mapping was done)
             return None
         self._fl_remove(last)
         return last
@@ -619,11 +493,11 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         if lst:
             for c in sorted(lst, key=lambda u: u.ptr):
                 p = c.prev
-                if p is not None and p.state == _FREE:
+                if p is not None and p.state == FREE:
                     c = p
                 room = 0
-                x = c
-                while room < rs and x is not None and (x.state == _FREE or x.state == _UNMAPPED):
+                x: Block | None = c
+                while room < rs and x is not None and (x.state == FREE or x.state == UNMAPPED):
                     room += x.size
                     x = x.next
                 if room >= rs:
@@ -632,7 +506,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         if es is None:
             return None
         b = Block(es.ptr, es.size, pool.free_list(skey))
-        b.state = _UNMAPPED
+        b.state = UNMAPPED
         self._index_add(b)
         i = bisect_left(self._xseg_starts, es.ptr)
         self._xseg_starts.insert(i, es.ptr)
@@ -677,7 +551,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         pool = fl.pool
         if nbytes < u.size:
             r = self._new_block(u.ptr + nbytes, u.size - nbytes, fl)
-            r.state = _UNMAPPED
+            r.state = UNMAPPED
             r.prev = u
             r.next = u.next
             if u.next is not None:
@@ -686,7 +560,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
             u.size = nbytes
             self._index_add(r)
         mapped_ptr = u.ptr
-        u.state = _FREE
+        u.state = FREE
         self._merge_free(u)
         u.gc_base = pool.gc_calls
         self._fl_insert(u)
@@ -719,7 +593,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
                     plan.append((b, es, first, stop))
         for b, _, _, _ in plan:
             self._fl_remove(b)
-            b.state = _DETACHED
+            b.state = DETACHED
         counts: list[int] = []
         error: BaseException | None = None
         if plan:
@@ -752,7 +626,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
                 if u.prev is None and u.next is None:
                     es = self._segment_of(u.ptr)
                     self._index_remove(u)
-                    u.state = _DETACHED
+                    u.state = DETACHED
                     self._spare.append(u)
                     i = bisect_left(self._xseg_starts, es.ptr)
                     del self._xseg_starts[i]
@@ -780,7 +654,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         fl = b.fl
         pool = fl.pool
         if n == 0:
-            b.state = _FREE
+            b.state = FREE
             self._merge_free(b)
             b.gc_base = pool.gc_calls
             self._fl_insert(b)
@@ -805,14 +679,14 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
             b.next = af
         b.ptr = ustart
         b.size = usize
-        b.state = _UNMAPPED
+        b.state = UNMAPPED
         for part in ((bf,) if before > 0 else ()) + ((af,) if after > 0 else ()):
-            part.state = _FREE
+            part.state = FREE
             self._merge_free(part)
             part.gc_base = pool.gc_calls
             self._fl_insert(part)
         for nb in (b.prev, b.next):  # merge with unmapped neighbours
-            if nb is not None and nb.state == _UNMAPPED:
+            if nb is not None and nb.state == UNMAPPED:
                 self._index_remove(nb)
                 self._absorb(b, nb)
         self._index_add(b)
@@ -827,7 +701,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         assert i >= 0 and ptr < self._xsegs[i].end, f"{ptr:#x} is in no expandable segment"
         return self._xsegs[i]
 
-    def _new_block(self, ptr: int, size: int, fl: Any) -> Block:
+    def _new_block(self, ptr: int, size: int, fl: FreeList) -> Block:
         spare = self._spare
         b = spare.pop() if spare else Block(0, 0, fl)
         b.ptr = ptr
@@ -852,29 +726,29 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
                 dst.next.prev = dst
         dst.size += src.size
         src.prev = src.next = None
-        src.state = _DETACHED
+        src.state = DETACHED
         self._spare.append(src)
 
     def _merge_free(self, b: Block) -> None:
         """Merge the (free, not yet listed) block ``b`` with every free neighbour."""
-        while b.prev is not None and b.prev.state == _FREE:
+        while b.prev is not None and b.prev.state == FREE:
             self._fl_remove(b.prev)
             self._absorb(b, b.prev)
-        while b.next is not None and b.next.state == _FREE:
+        while b.next is not None and b.next.state == FREE:
             self._fl_remove(b.next)
             self._absorb(b, b.next)
 
     @staticmethod
     def _fl_remove(b: Block) -> None:
         entries = b.fl.entries
-        key = (b.size << _SHIFT) | b.ptr
+        key = (b.size << KEY_SHIFT) | b.ptr
         if entries.get(key) is b:
             entries[key] = None
 
     @staticmethod
     def _fl_insert(b: Block) -> None:
         fl = b.fl
-        key = (b.size << _SHIFT) | b.ptr
+        key = (b.size << KEY_SHIFT) | b.ptr
         if key in fl.entries:
             fl.entries[key] = b
         else:

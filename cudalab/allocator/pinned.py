@@ -23,12 +23,18 @@ import bisect
 import collections
 import math
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cudalab.array import _normalize_dtype, _normalize_shape
+from cudalab import devices as _devices
+from cudalab._dtypes import normalize_dtype, normalize_shape
+from cudalab._units import format_bytes
+from cudalab.allocator.events import EventPool
 from cudalab.errors import OutOfMemoryError
+
+if TYPE_CHECKING:
+    from cudalab._driver.base import Backend
 
 __all__ = [
     "empty_pinned",
@@ -59,7 +65,7 @@ class _Block:
         self.size = size
         self.requested = 0
         #: (device, stream value) -> (event handle, EventPool) of the last recorded use.
-        self.events: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.events: dict[tuple[int, int], tuple[Any, EventPool]] = {}
 
 
 class CachingHostAllocator:
@@ -68,13 +74,21 @@ class CachingHostAllocator:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._backend = None
+        self._backend: Backend | None = None  # bound on first use (initialises CUDA)
+        #: Free blocks by (rounded) size. Invariant: a block is in exactly one of ``_free``,
+        #: ``_used`` or ``_returned`` (returned: released by a finalizer, filed at the next
+        #: call under the lock).
         self._free: dict[int, list[_Block]] = {}
+        #: Blocks handed out, by pointer; ``_used_starts`` is their sorted pointers (address
+        #: lookups), always the same set as ``_used``'s keys.
         self._used: dict[int, _Block] = {}
-        self._used_starts: list[int] = []  # sorted ptrs of used blocks, for address lookups
+        self._used_starts: list[int] = []
         self._returned: collections.deque[_Block] = collections.deque()
-        self._event_pools: dict[int, Any] = {}
-        # counters
+        self._event_pools: dict[int, EventPool] = {}
+        # Counters. Invariants (lock held, after _drain): _allocated_bytes is the sum of the
+        # used blocks' sizes and _requested_bytes of their requests (<= _allocated_bytes);
+        # _cached_bytes / _cached_blocks are the free blocks' total size and number;
+        # _peak_allocated >= _allocated_bytes; _host_allocs - _host_frees blocks exist.
         self._allocated_bytes = 0
         self._requested_bytes = 0
         self._cached_bytes = 0
@@ -85,19 +99,15 @@ class CachingHostAllocator:
         self._cache_hits = 0
 
     # ------------------------------------------------------------------ plumbing
-    def _b(self):
+    def _b(self) -> Backend:
         b = self._backend
         if b is None:
-            from cudalab import devices
-
-            b = self._backend = devices._backend()
+            b = self._backend = _devices._backend()
         return b
 
-    def _event_pool(self, device: int):
+    def _event_pool(self, device: int) -> EventPool:
         pool = self._event_pools.get(device)
         if pool is None:
-            from cudalab.allocator.events import EventPool
-
             pool = self._event_pools.setdefault(device, EventPool(self._b(), device))
         return pool
 
@@ -188,9 +198,9 @@ class CachingHostAllocator:
                 ptr = b.host_alloc(size)
             except OutOfMemoryError as exc:
                 raise OutOfMemoryError(
-                    text=f"out of pinned host memory allocating {size} bytes "
-                         f"({self.stats()['allocated_bytes']} bytes of pinned memory in use): "
-                         f"{exc}") from exc
+                    text=f"out of pinned host memory allocating {format_bytes(size)} ({size} "
+                         f"bytes; {format_bytes(self.stats()['allocated_bytes'])} of pinned "
+                         f"memory in use): {exc}") from exc
         with self._lock:
             self._host_allocs += 1
         return _Block(ptr, size)
@@ -210,9 +220,7 @@ class CachingHostAllocator:
         key = (device, stream.cuda_stream)
         b = self._b()
         if stream._null:
-            from cudalab import devices
-
-            devices._ensure_context(device)
+            _devices._ensure_context(device)
         # Held across two quick, non-blocking driver calls (event create/record): that keeps
         # concurrent record_use calls on one block simple. Finalizers never take this lock.
         with self._lock:
@@ -240,7 +248,7 @@ class CachingHostAllocator:
         with self._lock:
             self._drain()
             for size, blocks in list(self._free.items()):
-                keep = []
+                keep: list[_Block] = []
                 for block in blocks:
                     (to_free if self._ready(block) else keep).append(block)
                 if keep:
@@ -250,7 +258,9 @@ class CachingHostAllocator:
             for block in to_free:
                 self._cached_bytes -= block.size
                 self._cached_blocks -= 1
-        b = self._b() if to_free else None
+        if not to_free:
+            return
+        b = self._b()
         for block in to_free:
             b.host_free(block.ptr)
             with self._lock:
@@ -303,9 +313,29 @@ class _PinnedBuffer:
 
 # --------------------------------------------------------------------------- public API
 def empty_pinned(shape: Any, dtype: Any = np.float32) -> np.ndarray:
-    """An uninitialised numpy array in page-locked memory from the pinned cache."""
-    shape = _normalize_shape(shape)
-    dt = _normalize_dtype(dtype)
+    """An uninitialised numpy array in page-locked memory from the pinned cache.
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+        The array's shape.
+    dtype : dtype, optional
+        Any dtype a :class:`cudalab.DeviceArray` can hold (default float32).
+
+    Returns
+    -------
+    numpy.ndarray
+        C-contiguous; its memory returns to the cache when the last array over it goes.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For an unsupported dtype or a bad shape (as :func:`cudalab.empty`).
+    cudalab.OutOfMemoryError
+        When pinned memory cannot be had even after emptying the cache.
+    """
+    shape = normalize_shape(shape)
+    dt = normalize_dtype(dtype)
     nbytes = math.prod(shape) * dt.itemsize
     block = _allocator.malloc(nbytes)
     typestr = _typestrs.get(dt)
@@ -318,7 +348,19 @@ def empty_pinned(shape: Any, dtype: Any = np.float32) -> np.ndarray:
 
 
 def pin_memory(array: Any) -> np.ndarray:
-    """A pinned copy of ``array`` (``array`` itself when it is already pinned)."""
+    """A pinned copy of ``array``.
+
+    Parameters
+    ----------
+    array : array_like
+        Anything ``numpy.asarray`` takes.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``array`` itself when it already lies in pinned memory from the cache, else a
+        pinned copy.
+    """
     a = np.asarray(array)
     if is_pinned(a):
         return a
@@ -328,7 +370,18 @@ def pin_memory(array: Any) -> np.ndarray:
 
 
 def is_pinned(array: Any) -> bool:
-    """True when ``array`` (a numpy array) lies in pinned memory from cudalab's cache."""
+    """Whether ``array`` lies in pinned memory from cudalab's cache.
+
+    Parameters
+    ----------
+    array : numpy.ndarray or object
+        A numpy array or anything with ``__array_interface__``.
+
+    Returns
+    -------
+    bool
+        False for anything else.
+    """
     if not isinstance(array, np.ndarray):
         if not hasattr(array, "__array_interface__"):
             return False
@@ -337,7 +390,20 @@ def is_pinned(array: Any) -> bool:
 
 
 def record_use(ptr: int, stream: Any) -> bool:
-    """Record that work queued on ``stream`` uses pinned memory at ``ptr`` (see module doc)."""
+    """Record that work queued on ``stream`` uses pinned memory at ``ptr`` (see module doc).
+
+    Parameters
+    ----------
+    ptr : int
+        An address inside a pinned block in use.
+    stream : cudalab.Stream
+        The stream whose queued work reads or writes it.
+
+    Returns
+    -------
+    bool
+        False (and nothing recorded) when ``ptr`` is not pinned memory from the cache.
+    """
     return _allocator.record_use(ptr, stream)
 
 
@@ -346,11 +412,17 @@ def _lookup(ptr: int, nbytes: int) -> bool:
 
 
 def pinned_memory_stats() -> dict[str, int]:
-    """Pinned cache counters: ``allocated_bytes``/``allocated_blocks`` (in use, rounded
-    sizes), ``requested_bytes``, ``cached_bytes``/``cached_blocks`` (free, kept),
-    ``cached_blocks_pending`` (free but possibly still used by a copy), ``reserved_bytes``,
-    ``peak_allocated_bytes``, ``num_host_alloc``/``num_host_free`` (driver calls) and
-    ``num_cache_hits``."""
+    """The pinned cache's counters.
+
+    Returns
+    -------
+    dict of str to int
+        ``allocated_bytes``/``allocated_blocks`` (in use, rounded sizes),
+        ``requested_bytes``, ``cached_bytes``/``cached_blocks`` (free, kept),
+        ``cached_blocks_pending`` (free but possibly still used by a copy),
+        ``reserved_bytes`` (= allocated + cached), ``peak_allocated_bytes``,
+        ``num_host_alloc``/``num_host_free`` (driver calls) and ``num_cache_hits``.
+    """
     return _allocator.stats()
 
 

@@ -35,21 +35,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cudalab import streams as _streams
 from cudalab._driver.base import EVENT_DISABLE_TIMING
-from cudalab.errors import CudaError, OutOfMemoryError
-from cudalab.allocator.allocator import (
+from cudalab.allocator import registry as _registry
+from cudalab.allocator.base import (
     Allocator,
-    _bad_pointer,
-    _check_size,
-    _fraction_total,
-    _oom_text,
-    _stream_key,
+    bad_pointer,
+    fraction_total,
+    oom_text,
+    stream_key,
 )
 from cudalab.allocator.config import SMALL_SIZE, UNLIMITED, AllocatorConfig
+from cudalab.allocator.policy import check_size
 from cudalab.allocator.stats import DeviceStats
+from cudalab.errors import CudaError, OutOfMemoryError
+
+if TYPE_CHECKING:
+    from cudalab._driver.base import Backend
+    from cudalab.allocator.hooks import AllocatorTrace
 
 __all__ = [
     "PluggableAllocator",
@@ -57,8 +62,6 @@ __all__ = [
     "change_current_allocator",
     "current_allocator",
 ]
-
-_current: PluggableAllocator | None = None
 
 
 class PluggableAllocator:
@@ -93,11 +96,11 @@ class PluggableAllocator:
         """torch's ``CUDAPluggableAllocator.allocator()`` (here the object itself)."""
         return self
 
-    def device_allocator(self, backend: Any, device: int,
+    def device_allocator(self, backend: Backend, device: int,
                          config: AllocatorConfig | None = None,
                          stream_resolver: Callable[[], int] | None = None
                          ) -> PluggableDeviceAllocator:
-        """The per-device :class:`~cudalab.allocator.allocator.Allocator` over these callables."""
+        """The per-device :class:`~cudalab.allocator.base.Allocator` over these callables."""
         return PluggableDeviceAllocator(self, backend, device, config, stream_resolver)
 
 
@@ -112,22 +115,17 @@ def change_current_allocator(allocator: PluggableAllocator | None) -> None:
     raises RuntimeError ("Can't swap an already initialized allocator"), like torch.
     ``None`` goes back to the allocator the settings choose (also only before first use).
     """
-    global _current
     if allocator is not None and not isinstance(allocator, PluggableAllocator):
         raise TypeError(
             "change_current_allocator expects a cudalab.memory.PluggableAllocator, got "
             f"{type(allocator).__name__}")
-    from cudalab.allocator import allocator as _alloc
-
-    with _alloc._registry_lock:
-        if _alloc._active:
-            raise RuntimeError("Can't swap an already initialized allocator")
-        _current = allocator
+    _registry.set_custom_allocator(allocator)
 
 
 def current_allocator() -> PluggableAllocator | None:
     """The allocator set by :func:`change_current_allocator` (None: the settings decide)."""
-    return _current
+    spec = _registry._custom
+    return spec if isinstance(spec, PluggableAllocator) else None
 
 
 class PluggableDeviceAllocator(Allocator):
@@ -139,7 +137,7 @@ class PluggableDeviceAllocator(Allocator):
 
     name = "pluggable"
 
-    def __init__(self, spec: PluggableAllocator, backend: Any, device: int = 0,
+    def __init__(self, spec: PluggableAllocator, backend: Backend, device: int = 0,
                  config: AllocatorConfig | None = None,
                  stream_resolver: Callable[[], int] | None = None):
         self.spec = spec
@@ -154,7 +152,7 @@ class PluggableDeviceAllocator(Allocator):
         self._limited = False
         self._limit = UNLIMITED
         self._total = 0
-        self._trace: Callable[[str, int, int, int], None] | None = None
+        self._trace: AllocatorTrace | None = None
         if self.config.per_process_memory_fraction is not None:
             self.set_memory_fraction(self.config.per_process_memory_fraction)
 
@@ -163,14 +161,14 @@ class PluggableDeviceAllocator(Allocator):
 
     # ------------------------------------------------------------------ malloc / free
     def malloc(self, size: Any, stream: Any = None) -> int:
-        size = _check_size(size)
+        size = check_size(size)
         if size == 0:
             return 0
         if stream is None:
             skey = (_streams.current_stream(self.device).cuda_stream if self._resolver is None
                     else self._resolver())
         else:
-            skey = _stream_key(stream, self.device)
+            skey = stream_key(stream, self.device)
         st = self.stats
         pool = st.small if size <= SMALL_SIZE else st.large
         if self._limited:
@@ -214,7 +212,7 @@ class PluggableDeviceAllocator(Allocator):
         if rec is None:
             if ptr == 0 and type(ptr) is int:
                 return
-            raise _bad_pointer(ptr)
+            raise bad_pointer(ptr)
         size, skey, pool = rec
         uses = self._uses.pop(ptr, None) if self._uses else None
         try:
@@ -245,7 +243,7 @@ class PluggableDeviceAllocator(Allocator):
     def block_size(self, ptr: int) -> int:
         rec = self._live.get(ptr)
         if rec is None:
-            raise _bad_pointer(ptr)
+            raise bad_pointer(ptr)
         return rec[0]
 
     def record_stream(self, ptr: int, stream: Any) -> None:
@@ -255,7 +253,7 @@ class PluggableDeviceAllocator(Allocator):
         """Nothing is cached: a no-op."""
 
     def set_memory_fraction(self, fraction: float) -> None:
-        total = _fraction_total(self.backend, self.device, fraction)
+        total = fraction_total(self.backend, self.device, fraction)
         with self._lock:
             self._total = total
             self._limit = int(fraction * total)
@@ -293,7 +291,7 @@ class PluggableDeviceAllocator(Allocator):
         with self._lock:
             st.num_ooms += 1
             allocated, reserved = st.current("b_alloc"), st.current("b_res")
-        return OutOfMemoryError(text=_oom_text(self.device, size, free, total, allocated,
+        return OutOfMemoryError(text=oom_text(self.device, size, free, total, allocated,
                                                reserved, self._limit))
 
     def _wait_for_uses(self, skey: int, uses: set) -> None:

@@ -23,35 +23,47 @@ allocator's own peak.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cudalab import devices as _devices
+from cudalab.allocator.registry import existing_allocator
+
+if TYPE_CHECKING:
+    from cudalab.allocator.stats import DeviceStats
 
 __all__ = ["PeakScope", "peak_scope"]
 
 
-def _allocator(device: int):
-    global _existing
-    if _existing is None:  # (imported on first use: the allocator module imports this one)
-        from cudalab.allocator.allocator import existing_allocator
+class _ScopeHost(Protocol):
+    """What a peak scope uses of an allocator (every
+    :class:`~cudalab.allocator.base.Allocator` has it, declared there):
 
-        _existing = existing_allocator
-    return _existing(device)
+    * ``stats`` and ``sync_pending()``, to read the counters;
+    * ``_lock``, a :class:`~cudalab.allocator.token_lock.TokenLock` or a
+      ``threading.Lock``, taken with its own ``acquire()``/``release()`` (the cheap way in
+      for both; see token_lock);
+    * the watermark ``_mark``, the open scopes ``_scopes`` and ``_fold_mark()``, which
+      hands the watermark to the open scopes' ``_seen`` and lowers it to the current value.
+    """
+
+    stats: DeviceStats
+    _lock: Any
+    _mark: int
+    _scopes: Any
+
+    def sync_pending(self) -> None: ...
+
+    def _fold_mark(self) -> None: ...
 
 
-_existing: Any = None
+#: The allocator of a device, None when it has none yet (the registry's function itself:
+#: no wrapper call on the watch's per-cell path, see start).
+_allocator: Callable[[int], _ScopeHost | None] = existing_allocator
 
 
-def _take(a) -> None:
-    """Acquire allocator ``a``'s lock (its uncontended take without the method call of
-    ``acquire``; scopes open and close around every notebook cell)."""
-    try:
-        a._take()
-    except (IndexError, AttributeError):  # busy, or a lock without the token fast path
-        a._lock.acquire()
-
-
-def _current(a) -> tuple[int, int]:
+def _current(a: _ScopeHost | None) -> tuple[int, int]:
+    """(allocated, reserved) bytes of ``a`` now ((0, 0) without an allocator)."""
     if a is None:
         return 0, 0
     st = a.stats
@@ -71,35 +83,57 @@ class PeakScope:
     __slots__ = ("device", "start_allocated", "start_reserved", "end_allocated", "end_reserved",
                  "_peak", "_seen", "_alloc", "_t0", "elapsed", "running")
 
-    def __init__(self, device: Any = None):
-        self.device = None if device is None else _devices._device_index(device)
+    def __init__(self, device: Any = None) -> None:
+        #: The device index; None until :meth:`start` when the scope was made for the current
+        #: device.
+        self.device: int | None = None if device is None else _devices._device_index(device)
         self.start_allocated = self.start_reserved = 0
         self.end_allocated = self.end_reserved = 0
+        #: The peak once stopped: at least start_allocated and end_allocated.
         self._peak = 0
+        #: The highest watermark handed to this scope while open (by ``_fold_mark``).
+        #: Invariant: the scope's live peak is ``max(_seen, allocator._mark)``.
         self._seen = 0
-        self._alloc = None
+        self._alloc: _ScopeHost | None = None
         self._t0 = 0.0
         self.elapsed = 0.0
         self.running = False
 
     def start(self) -> PeakScope:
+        """Open the scope: its peak starts from the allocated bytes now.
+
+        Returns
+        -------
+        PeakScope
+            ``self``, running.
+
+        Raises
+        ------
+        RuntimeError
+            When the scope is already running.
+        """
         if self.running:
             raise RuntimeError("this peak scope is already running")
         if self.device is None:
             self.device = _devices.current_device() if _devices._initialized else 0
+        # Written out (no helper calls) for benchmark row "watch on: added cost per cell"
+        # (benchmarks/timing.py): the watch opens and closes a scope around every cell.
         a = _allocator(self.device) if _devices._initialized else None
         self._alloc = a
         if a is not None:
             a.sync_pending()
-            _take(a)
+            lock = a._lock
+            lock.acquire()  # the lock's own API, for a TokenLock and a threading.Lock alike
             try:
-                cur, res = _current(a)
+                st = a.stats
+                cur = st.small.b_alloc + st.large.b_alloc
+                res = st.small.b_res + st.large.b_res
                 a._fold_mark()  # open scopes keep what it saw; the watermark drops to `cur`
                 if not isinstance(a._scopes, list):
                     a._scopes = []
                 a._scopes.append(self)
             finally:
-                a._lock.release()
+                lock.release()
         else:
             cur = res = 0
         self.start_allocated, self.start_reserved = cur, res
@@ -108,49 +142,70 @@ class PeakScope:
         self.running = True
         return self
 
+    def _late_allocator(self) -> _ScopeHost | None:
+        """The allocator of a scope that started before its device had one."""
+        if not _devices._initialized or self.device is None:
+            return None
+        return _allocator(self.device)
+
     def _live_peak(self) -> int:
         a = self._alloc
         if a is None:  # the allocator appeared inside the scope: its whole life counts
-            a = _allocator(self.device) if _devices._initialized else None
+            a = self._late_allocator()
             return max(self._seen, a._mark) if a is not None else self._seen
         a.sync_pending()
         return max(self._seen, a._mark)
 
     def stop(self) -> PeakScope:
+        """Close the scope and fix its ``end_*``, ``peak_allocated`` and ``elapsed``.
+
+        Returns
+        -------
+        PeakScope
+            ``self``, stopped.
+
+        Raises
+        ------
+        RuntimeError
+            When the scope is not running.
+        """
         if not self.running:
             raise RuntimeError("this peak scope is not running")
         self.elapsed = time.perf_counter() - self._t0
         a = self._alloc
         if a is not None:
             a.sync_pending()
-            _take(a)
+            lock = a._lock
+            lock.acquire()
             try:
                 peak = max(self._seen, a._mark)
                 if self in a._scopes:
                     a._scopes.remove(self)
             finally:
-                a._lock.release()
+                lock.release()
             self.end_allocated, self.end_reserved = _current(a)
         else:
             peak = self._live_peak()
-            self.end_allocated, self.end_reserved = _current(
-                _allocator(self.device) if _devices._initialized else None)
+            self.end_allocated, self.end_reserved = _current(self._late_allocator())
         self._peak = max(peak, self.start_allocated, self.end_allocated)
         self.running = False
         return self
 
     @property
     def peak_allocated(self) -> int:
+        """The highest allocated bytes inside the region (the live value while running)."""
         if self.running:
             return max(self._live_peak(), self.start_allocated)
         return self._peak
 
     @property
     def delta_allocated(self) -> int:
+        """``end_allocated - start_allocated``."""
         return self.end_allocated - self.start_allocated
 
     @property
     def delta_reserved(self) -> int:
+        """``end_reserved - start_reserved``."""
         return self.end_reserved - self.start_reserved
 
     def __enter__(self) -> PeakScope:
@@ -166,6 +221,21 @@ class PeakScope:
 
 
 def peak_scope(device: Any = None) -> PeakScope:
-    """A :class:`PeakScope` for ``device`` (default: the current device), not yet started:
-    use it in a ``with`` block, or call ``start()``/``stop()``."""
+    """A :class:`PeakScope` for ``device``, not yet started.
+
+    Parameters
+    ----------
+    device : int, str, Device or None, optional
+        The device (default: the current device when the scope starts).
+
+    Returns
+    -------
+    PeakScope
+        Use it in a ``with`` block, or call ``start()`` and ``stop()``.
+
+    Raises
+    ------
+    ValueError
+        For a device index out of range.
+    """
     return PeakScope(device)

@@ -19,8 +19,13 @@ torch's values are derived exactly when they are read:
   peak only needs its own bookkeeping while something is pending.
 
 :class:`Counters` holds one pool's (or the aggregate's) numbers; :class:`DeviceStats` one
-device's. The allocator updates the fields directly on its hot path; everything else goes
-through the helper methods here.
+device's. Each field is declared with what it counts and the invariants it keeps;
+:meth:`DeviceStats.check_invariants` checks them all (tests call it after every step). The
+allocator updates the fields directly on its hot path; everything else goes through the
+helper methods here.
+
+The text formatters at the end (:func:`format_size`, the summary cells) reproduce torch's
+text to the letter; sizes for people are printed by :func:`cudalab._units.format_bytes`.
 """
 
 from __future__ import annotations
@@ -73,28 +78,97 @@ _SLOTS = tuple(
 
 
 class Counters:
-    """The reduced counters of one pool (the aggregate uses only the ``*_peak`` fields).
+    """The reduced counters of one pool (the aggregate ``DeviceStats.agg`` uses only the
+    ``*_peak`` fields).
 
-    For each code in ``n_alloc b_alloc b_req n_seg b_res n_split b_split``: ``<code>``
-    (current), ``<code>_acc`` (allocated since reset), ``<code>_peak``, ``<code>_base``
-    (current at the last accumulated reset). ``n_pend``/``b_pend``: blocks freed but waiting
-    for their ``record_stream`` events; ``n_act_peak``/``b_act_peak``: peaks of ``active``
-    reached while something was pending; ``n_act_base``/``b_act_base``: ``active`` at reset.
+    Each tracked code (``n_alloc b_alloc b_req n_seg b_res n_split b_split``) has four
+    fields: ``<code>`` (current), ``<code>_acc`` (torch's "allocated": the sum of every
+    increase since the last accumulated reset), ``<code>_peak`` and ``<code>_base``
+    (``<code>`` at the last accumulated reset). Invariants, for every code:
+
+    * ``<code>_peak >= <code>``: every increase goes through the peak check (on the hot path
+      written out, elsewhere :meth:`DeviceStats.increase`), every reset sets it to current;
+    * torch's "freed" is ``<code>_acc - <code> + <code>_base`` (>= 0), derived, never stored,
+      so "allocated", "freed" and "current" cannot drift apart;
+    * the aggregate's current/allocated/freed are the sums of the two pools' (derived), and
+      ``agg.<code>_peak >= small.<code> + large.<code>`` (an aggregate peak is not the sum
+      of the pools' peaks: they may have peaked at different times).
+
+    The names are declared below with what they count; ``__slots__`` is :data:`_SLOTS`,
+    built from the codes (a test pins the declarations to it, so the two cannot drift).
     """
 
     __slots__ = _SLOTS
+
+    # allocation / allocated_bytes / requested_bytes: blocks handed out to callers.
+    #: Blocks handed out now (torch's ``allocation``).
+    n_alloc: int
+    n_alloc_acc: int
+    n_alloc_peak: int
+    n_alloc_base: int
+    #: Their bytes, rounded sizes (``allocated_bytes``).
+    b_alloc: int
+    b_alloc_acc: int
+    b_alloc_peak: int
+    b_alloc_base: int
+    #: The bytes callers asked for, before rounding (``requested_bytes``); a pending block's
+    #: stay counted until its events complete, as torch's. Invariant:
+    #: ``b_req <= b_alloc + b_pend``.
+    b_req: int
+    b_req_acc: int
+    b_req_peak: int
+    b_req_base: int
+    # segment / reserved_bytes: memory held from the driver.
+    #: Segments held (``segment``).
+    n_seg: int
+    n_seg_acc: int
+    n_seg_peak: int
+    n_seg_base: int
+    #: Their bytes (``reserved_bytes``). Invariant: ``b_alloc + b_pend + b_split <= b_res``
+    #: (blocks handed out, pending and inactive split all lie in held segments).
+    b_res: int
+    b_res_acc: int
+    b_res_peak: int
+    b_res_base: int
+    # inactive_split / inactive_split_bytes: free blocks inside a split segment (these
+    # cannot be returned to the driver until their neighbours are freed too).
+    #: Free blocks of split segments (``inactive_split``).
+    n_split: int
+    n_split_acc: int
+    n_split_peak: int
+    n_split_base: int
+    #: Their bytes (``inactive_split_bytes``).
+    b_split: int
+    b_split_acc: int
+    b_split_peak: int
+    b_split_base: int
+    # active / active_bytes = allocation + pending (derived, see the module doc).
+    #: Blocks freed by the caller but still waiting for their ``record_stream`` events:
+    #: not handed out, not yet reusable; counted in ``active``, not in ``allocation``.
+    n_pend: int
+    #: Their bytes.
+    b_pend: int
+    #: Peaks of ``active`` (``n_alloc + n_pend``) reached while something was pending; the
+    #: ``active`` peak is ``max(n_alloc_peak, n_act_peak)`` (and the same for bytes).
+    n_act_peak: int
+    b_act_peak: int
+    #: ``active`` at the last accumulated reset (its "freed" is derived from it).
+    n_act_base: int
+    b_act_base: int
 
     def __init__(self) -> None:
         for name in _SLOTS:
             setattr(self, name, 0)
 
     def reset_peak(self) -> None:
+        """Every peak becomes its current value (``active``'s too)."""
         for code in _CODES:
             setattr(self, code + "_peak", getattr(self, code))
         self.n_act_peak = self.n_alloc + self.n_pend
         self.b_act_peak = self.b_alloc + self.b_pend
 
     def reset_accumulated(self) -> None:
+        """"allocated" to 0 and "freed" with it (``base`` takes the current values)."""
         for code in _CODES:
             setattr(self, code + "_acc", 0)
             setattr(self, code + "_base", getattr(self, code))
@@ -195,7 +269,12 @@ _build_stats_dict = _make_builder()
 
 
 class DeviceStats:
-    """All of one device's allocator statistics (see the module documentation)."""
+    """All of one device's allocator statistics (see the module documentation).
+
+    ``small`` and ``large`` are the pools' :class:`Counters`, ``agg`` the aggregate's peaks.
+    The allocator updates their fields directly on its hot path, keeping the invariants
+    written on :class:`Counters`; everything else goes through the methods here.
+    """
 
     __slots__ = (
         "agg", "small", "large",
@@ -205,6 +284,37 @@ class DeviceStats:
         "num_device_free", "max_split_size", "_cache",
     )
 
+    #: Only the ``*_peak`` fields are used: the aggregate's other values are the pools' sums.
+    agg: Counters
+    #: The small pool (requests up to 1 MiB) and the large pool.
+    small: Counters
+    large: Counters
+    #: torch's ``oversize_allocations``: blocks handed out that are larger than
+    #: ``max_split_size`` (never split); current / peak / allocated / base, with the same
+    #: invariants as a :class:`Counters` code ("freed" = ``acc - current + base``).
+    ov_alloc: int
+    ov_alloc_peak: int
+    ov_alloc_acc: int
+    ov_alloc_base: int
+    #: torch's ``oversize_segments``: segments larger than ``max_split_size`` (same scheme).
+    ov_seg: int
+    ov_seg_peak: int
+    ov_seg_acc: int
+    ov_seg_base: int
+    #: Scalars since the last accumulated reset: allocations retried after freeing the
+    #: cache, out-of-memory errors raised, whole-device synchronisations for frees, and
+    #: driver allocations / frees of segments.
+    num_alloc_retries: int
+    num_ooms: int
+    num_sync_all_streams: int
+    num_device_alloc: int
+    num_device_free: int
+    #: torch's ``max_split_size`` stat: the limit in bytes, -1 when unlimited.
+    max_split_size: int
+    #: (every counter read, the dict built from them) of the last :meth:`as_dict`, or None:
+    #: a poll that finds the same counters copies the dict instead of rebuilding it.
+    _cache: tuple[tuple[int, ...], dict[str, int]] | None
+
     def __init__(self, max_split_size: int = -1, small: Counters | None = None,
                  large: Counters | None = None) -> None:
         self.agg = Counters()  # only the peaks are used
@@ -212,9 +322,8 @@ class DeviceStats:
         self.large = Counters() if large is None else large
         for name in self.__slots__[3:]:
             setattr(self, name, 0)
-        #: torch's ``max_split_size`` stat: the limit in bytes, -1 when unlimited.
         self.max_split_size = max_split_size
-        self._cache = None  # (counters tuple, dict) of the last as_dict()
+        self._cache = None
 
     # ------------------------------------------------------------------ slow-path updates
     def current(self, code: str) -> int:
@@ -263,6 +372,40 @@ class DeviceStats:
             self.ov_seg_peak = v
         self.ov_seg_acc += 1
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first invariant (see :class:`Counters`) that does
+        not hold (for tests and debugging; works under ``python -O`` too)."""
+        def fail(what: str) -> None:
+            raise AssertionError(f"allocator statistics: {what} does not hold")
+
+        s, l, a = self.small, self.large, self.agg  # noqa: E741
+        for name, c in (("small", s), ("large", l)):
+            for code in _CODES:
+                cur = getattr(c, code)
+                if cur < 0:
+                    fail(f"{name}.{code} >= 0")
+                if getattr(c, code + "_peak") < cur:
+                    fail(f"{name}.{code}_peak >= {name}.{code}")
+                if getattr(c, code + "_acc") - cur + getattr(c, code + "_base") < 0:
+                    fail(f"freed = {name}.{code}_acc - {name}.{code} + {name}.{code}_base >= 0")
+            if c.b_req > c.b_alloc + c.b_pend:
+                fail(f"{name}.b_req <= {name}.b_alloc + {name}.b_pend")
+            if c.b_alloc + c.b_pend + c.b_split > c.b_res:
+                fail(f"{name}.b_alloc + {name}.b_pend + {name}.b_split <= {name}.b_res")
+            if max(c.n_alloc_peak, c.n_act_peak) < c.n_alloc + c.n_pend:
+                fail(f"the active peak of {name} >= its active count")
+            if max(c.b_alloc_peak, c.b_act_peak) < c.b_alloc + c.b_pend:
+                fail(f"the active_bytes peak of {name} >= its active bytes")
+        for code in _CODES:
+            if getattr(a, code + "_peak") < getattr(s, code) + getattr(l, code):
+                fail(f"agg.{code}_peak >= small.{code} + large.{code}")
+        for ov in ("ov_alloc", "ov_seg"):
+            cur = getattr(self, ov)
+            if getattr(self, ov + "_peak") < cur:
+                fail(f"{ov}_peak >= {ov}")
+            if getattr(self, ov + "_acc") - cur + getattr(self, ov + "_base") < 0:
+                fail(f"freed = {ov}_acc - {ov} + {ov}_base >= 0")
+
     # ------------------------------------------------------------------ resets
     def reset_peak(self) -> None:
         """torch's ``resetPeakStats``: every peak becomes its current value."""
@@ -304,7 +447,18 @@ class DeviceStats:
 
 
 def nested_from_flat(flat: Mapping[str, int]) -> dict:
-    """Rebuild torch's nested stats dict from the flat one (torch's key order)."""
+    """Rebuild torch's nested stats dict from the flat one.
+
+    Parameters
+    ----------
+    flat : mapping of str to int
+        A 122-key ``memory_stats()`` dict (or ``{}``).
+
+    Returns
+    -------
+    dict
+        ``memory_stats_as_nested_dict()``'s layout, in torch's key order (``{}`` for ``{}``).
+    """
     if not flat:
         return {}
     out: dict = {}
@@ -321,13 +475,30 @@ def nested_from_flat(flat: Mapping[str, int]) -> dict:
 
 
 def zero_stats(max_split_size: int = -1) -> dict[str, int]:
-    """The 122-key dict of an allocator that has done nothing."""
+    """The 122-key dict of an allocator that has done nothing.
+
+    Parameters
+    ----------
+    max_split_size : int, optional
+        The ``max_split_size`` value to report (-1: unlimited).
+
+    Returns
+    -------
+    dict of str to int
+        Every key 0 but ``max_split_size``.
+    """
     return DeviceStats(max_split_size).as_dict()
 
 
 # --------------------------------------------------------------------------- text
 def format_size(size: int) -> str:
-    """torch's C++ ``format_size`` (used in OOM messages): "512 bytes", "2.00 MiB", ..."""
+    """torch's C++ ``format_size`` (used in OOM messages): "512 bytes", "2.00 MiB", ...
+
+    torch's text, not a formatter for people: see :mod:`cudalab._units`. It reproduces
+    torch to the letter (``1048576`` is ``"1024.00 KiB"``, as in torch's messages), so the
+    OOM text matches torch's; everything else prints sizes with
+    :func:`cudalab._units.format_bytes`.
+    """
     if size <= 1024:
         return f"{size} bytes"
     if size <= 1048576:
@@ -338,6 +509,12 @@ def format_size(size: int) -> str:
 
 
 def _format_bytes_cell(sz: int, pref_sz: float) -> str:
+    """One byte cell of ``memory_summary()``: torch's ``_format_size`` (Python), to the letter.
+
+    torch's text, not a formatter for people: see :mod:`cudalab._units`. The unit is chosen
+    from ``pref_sz`` (the "all" row's value of the same column, so the pool rows below it
+    share its unit), the value is floored, and the cell is 10 characters wide ("   768 KiB").
+    """
     prefixes = ("B  ", "KiB", "MiB", "GiB", "TiB", "PiB")
     prefix = prefixes[0]
     for new_prefix in prefixes[1:]:
@@ -350,6 +527,8 @@ def _format_bytes_cell(sz: int, pref_sz: float) -> str:
 
 
 def _format_count_cell(cnt: int, pref_cnt: float) -> str:
+    """One count cell of ``memory_summary()``: torch's ``_format_count``, to the letter
+    (decimal K/M steps from 750,000; not a size)."""
     prefixes = (" ", "K", "M")
     prefix = prefixes[0]
     for new_prefix in prefixes[1:]:
@@ -384,6 +563,29 @@ def render_memory_summary(
     torch prints "PyTorch CUDA memory summary" (both 7 letters, so the table stays 75
     columns wide); pass ``title="PyTorch"`` to get torch's exact text. On the simulator the
     device field reads "N (simulated)", which still fits torch's 17-character field.
+
+    Parameters
+    ----------
+    stats : mapping of str to int
+        A 122-key ``memory_stats()`` dict.
+    device : int
+        The device index shown in the header.
+    abbreviated : bool, optional
+        Leave out the per-pool rows.
+    title : str, optional
+        The header's first word, 7 characters.
+    simulated : bool, optional
+        Label the device as simulated.
+
+    Returns
+    -------
+    str
+        The table, ending in a newline.
+
+    Raises
+    ------
+    ValueError
+        When ``title`` is not 7 characters long.
     """
     if len(title) != 7:
         raise ValueError(f"title must be 7 characters to keep torch's layout, got {title!r}")

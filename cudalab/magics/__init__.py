@@ -87,9 +87,9 @@ class CudaLabMagics(Magics):
     def __init__(self, shell: Any = None, **kwargs: Any):
         super().__init__(shell=shell, **kwargs)
         self._closed = False
-        self._event_pool: Any = None  # timed._EventPool, made on first use
-        self._flush: Any = None  # timed._FlushBuffers
-        self._memory: Any = None  # memory._MemoryState
+        self._event_pool: Any = None  # event_timer._EventPool, made on first use
+        self._flush: Any = None  # timed_context._FlushBuffers
+        self._memory: Any = None  # memory.MemoryState
         self._dashboards: list[Any] = []
         self._hooks: list[tuple[str, Any]] = []
         if shell is not None:
@@ -97,12 +97,14 @@ class CudaLabMagics(Magics):
 
     # ----------------------------------------------------------------- hooks
     def _add_hook(self, event: str, fn: Any) -> None:
-        self.shell.events.register(event, fn)
+        shell: Any = self.shell  # set: IPython constructs magics with their shell
+        shell.events.register(event, fn)
         self._hooks.append((event, fn))
 
     def _remove_hook(self, event: str, fn: Any) -> None:
         try:
-            self.shell.events.unregister(event, fn)
+            shell: Any = self.shell
+            shell.events.unregister(event, fn)
         except ValueError:
             pass
         try:
@@ -115,7 +117,8 @@ class CudaLabMagics(Magics):
         hist = sys.modules.get("cudalab.memory_tools.history")
         if hist is not None:
             cell_id = getattr(info, "cell_id", None)
-            hist.set_current_cell(cell_id if cell_id else f"In[{self.shell.execution_count}]")
+            shell: Any = self.shell
+            hist.set_current_cell(cell_id if cell_id else f"In[{shell.execution_count}]")
 
     # ----------------------------------------------------------------- magics
     @no_var_expand

@@ -18,47 +18,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CudaTimedResult", "format_time", "format_bytes"]
+from cudalab._internal import format_bytes, format_time
 
-def format_time(seconds: float | None, precision: int = 3) -> str:
-    """``0.0012345`` -> ``"1.23 ms"`` (``precision`` significant digits); None or NaN ->
-    ``"n/a"``. (Unrolled: the watch formats two times per cell.)"""
-    if seconds is None or seconds != seconds:
-        return "n/a"
-    if seconds < 0:
-        return "-" + format_time(-seconds, precision)
-    if seconds >= 1.0:
-        if seconds >= 60.0:
-            minutes, rest = divmod(seconds, 60.0)
-            return f"{int(minutes)} min {rest:.{max(precision - 2, 0)}f} s"
-        return f"{seconds:.{precision}g} s"
-    if seconds >= 1e-3:
-        return f"{seconds / 1e-3:.{precision}g} ms"
-    if seconds >= 1e-6:
-        return f"{seconds / 1e-6:.{precision}g} µs"
-    return f"{seconds / 1e-9:.{precision}g} ns"
-
-
-def format_bytes(n: int | None, signed: bool = False) -> str:
-    """``1536`` -> ``"1.5 KiB"``; ``signed`` adds ``+`` to positive values. (Unrolled: the
-    watch formats four sizes per cell.)"""
-    if n is None:
-        return "n/a"
-    if not n:
-        return "0 B"
-    if n < 0:
-        sign, n = "-", -n
-    else:
-        sign = "+" if signed and n > 0 else ""
-    if n < 1024:
-        return f"{sign}{int(n)} B"
-    if n < 1048576:
-        return f"{sign}{n / 1024:.1f} KiB"
-    if n < 1073741824:
-        return f"{sign}{n / 1048576:.1f} MiB"
-    if n < 1099511627776:
-        return f"{sign}{n / 1073741824:.1f} GiB"
-    return f"{sign}{n / 1099511627776:.1f} TiB"
+# format_time stays importable from here (it was public API of this module); the one
+# implementation is cudalab._units.format_time, so the two cannot drift.
+__all__ = ["CudaTimedResult", "format_time"]
 
 
 def _stats(values: np.ndarray) -> dict[str, float]:

@@ -1,23 +1,27 @@
-/* cudalab.memory_tools._stackstamp: the memo's stamp of cudalab/memory_tools/history.py in C.
+/* cudalab.memory_tools._stackstamp: the memo's stamp of cudalab/memory_tools/stacks.py in C.
  *
  * Why: recording history with Python stacks stamps every cached allocation and free with
- * (time, stack). The pure-Python stamp (history._stamp) spends most of its time skipping
+ * (time, stack). The pure-Python stamp (stacks._stamp) spends most of its time skipping
  * cudalab's own frames and making frame objects for them; this one reads CPython's
  * interpreter frames directly (as py-spy, greenlet and Cython do), so cudalab's frames cost
  * a pointer step and a set lookup each, and no frame object is made.
  *
- * What: stamp() does exactly what history._stamp's common case does, and nothing else:
- * skip the frames of cudalab's modules (history._cud_mods; on 3.11, where frames have no
- * module name to read cheaply, history._internal by file name, as history._capture does
+ * What: stamp() does exactly what stacks._stamp's common case does, and nothing else:
+ * skip the frames of cudalab's modules (stacks._cud_mods; on 3.11, where frames have no
+ * module name to read cheaply, stacks._internal by file name, as stacks._capture does
  * there), then return (time_ns, stack) when the first other frame's mark (its f_trace, a
- * history._Mark) knows the stack at its current instruction. Anything else (a module not
+ * stacks._Mark) knows the stack at its current instruction. Anything else (a module not
  * classified yet, a frame without a frame object or mark, a new instruction) is left to
- * history._capture, called as _capture(1): called from C, _capture's caller is the
+ * stacks._capture, called as _capture(1): called from C, _capture's caller is the
  * allocator method itself, so its depth 1 is where the Python stamp's _capture(2) starts.
+ *
+ * One of the two fast copies of the stamp (the other is stacks._stamp), kept for the
+ * benchmark row stacks="python" of benchmarks/history.py; tests/memory_tools/
+ * test_stackstamp.py pins the two together (same stacks, same fallback) so they cannot drift.
  *
  * Which Pythons: CPython 3.11, 3.12 and 3.13 with the GIL; the interpreter frame layout
  * differs between them and is private, so each is spelled out below and any other version
- * fails to compile (setup.py then leaves the module out; history uses the Python stamp).
+ * fails to compile (setup.py then leaves the module out; stacks.py uses the Python stamp).
  * The GIL is held throughout: the frames read cannot change under us.
  */
 #define PY_SSIZE_T_CLEAN
@@ -52,7 +56,7 @@
 #define FRAME_HAS_CODE(f) 1
 #endif
 
-/* time.time_ns(), as history._now */
+/* time.time_ns(), as stacks._now */
 static int
 now_ns(long long *out)
 {
@@ -73,7 +77,7 @@ static PyObject *cud_mods;   /* set: names of cudalab's modules (3.12+) */
 static PyObject *other_mods; /* set: names of other modules (3.12+) */
 static PyObject *internal;   /* dict: co_filename -> inside the cudalab package (3.11) */
 static PyTypeObject *mark_type;
-static PyObject *capture;    /* history._capture */
+static PyObject *capture;    /* stacks._capture */
 static PyObject *one;        /* the int 1 */
 
 /* The frame that called f, skipping incomplete frames as sys._getframe and f_back do. */
@@ -112,7 +116,7 @@ make_stamp(PyObject *stack)
     return r;
 }
 
-/* The slow path: the stack from history._capture(1). */
+/* The slow path: the stack from stacks._capture(1). */
 static PyObject *
 slow_stamp(void)
 {
@@ -152,7 +156,7 @@ is_cudalab(_PyInterpreterFrame *f)
 
 PyDoc_STRVAR(stamp_doc,
 "stamp() -> (time_ns, stack)\n\n"
-"The stamp of an allocation or free for history._stamp's callers: the allocator method\n"
+"The stamp of an allocation or free for stacks._stamp's callers: the allocator method\n"
 "calling it is skipped with the cudalab frames beyond it. Call setup() first.");
 
 static PyObject *
@@ -198,9 +202,9 @@ stamp(PyObject *module, PyObject *Py_UNUSED(ignored))
 
 PyDoc_STRVAR(setup_doc,
 "setup(cud_mods, other_mods, internal, mark_type, capture)\n\n"
-"Give the module history's state: the sets of module names (cudalab's, others'), the\n"
-"co_filename -> bool dict, the _Mark type and _capture. The objects are kept, not\n"
-"copied: history fills them in place and never rebinds them.");
+"Give the module the state of cudalab.memory_tools.stacks: the sets of module names\n"
+"(cudalab's, others'), the co_filename -> bool dict, the _Mark type and _capture. The\n"
+"objects are kept, not copied: stacks.py fills them in place and never rebinds them.");
 
 static PyObject *
 setup(PyObject *module, PyObject *args)
@@ -235,7 +239,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     "cudalab.memory_tools._stackstamp",
-    "history._stamp in C over CPython's interpreter frames (see history.py).",
+    "stacks._stamp in C over CPython's interpreter frames (see cudalab/memory_tools/stacks.py).",
     -1,
     methods,
     NULL,
@@ -251,7 +255,7 @@ PyInit__stackstamp(void)
         return NULL;
     }
     PyObject *m = PyModule_Create(&module_def);
-    /* the setup() signature and stamp() contract history.py expects */
+    /* the setup() signature and stamp() contract stacks.py expects */
     if (m != NULL && PyModule_AddIntConstant(m, "API", 1) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -26,26 +26,23 @@ Settings, as torch's ``torch.cuda.memory._record_memory_history``:
 
 Entries are stored compactly as tuples ``(action, addr, size, stream, time_ns, frames,
 nvtx_range, cell)`` (see :data:`FIELDS`), one ring (a ``collections.deque``) per device;
-``frames`` is None or a flat tuple ``(code, lasti, code, lasti, ...)`` innermost first, turned
-into ``{"filename", "line", "name"}`` dicts only when a snapshot is taken
-(:func:`frames_to_dicts`). For an ``oom`` entry ``addr`` holds the bytes free on the device.
+``frames`` is None or a flat tuple ``(code, lasti, code, lasti, ...)`` innermost first,
+turned into ``{"filename", "line", "name"}`` dicts only when a snapshot is taken
+(:func:`cudalab.memory_tools.stacks.frames_to_dicts`). For an ``oom`` entry ``addr`` holds
+the bytes free on the device.
 ``nvtx_range`` is the innermost open :mod:`cudalab.nvtx` range of the thread, ``cell`` the
 notebook cell id set with :func:`set_current_cell`.
 
-Stacks are walked with ``sys._getframe`` and stored as (code, instruction offset) pairs;
-cudalab's own frames (found by module name on Python 3.12+, by file before) are left out.
-A running frame's stack at a given instruction cannot change until it returns, so each frame
-caches its stacks on itself (a small object set as its ``f_trace``, gone with the frame):
-the walk stops at the first frame that knows the rest (a notebook cell's ~25 kernel frames
-are walked once per cell, a loop's allocations once per call site), and the entries of a
-loop share one stack tuple. Generator and coroutine frames are not cached, nothing is
-cached while a trace function (a debugger, coverage) is set, and a frame's own
-``f_trace`` is never replaced. Memo pairs (a loop allocating and freeing one size) are
-logged by the allocator as stamps (time, stack) and written out as entries before anything
-reads the history. The stamp has a C twin, ``cudalab.memory_tools._stackstamp`` (CPython
-3.11-3.13, built optionally at install; ``CUDALAB_PURE_PYTHON=1`` turns it off): it reads
-the interpreter's frames instead of making frame objects for cudalab's own, for the same
-stacks at less than half the cost (:func:`stamp_implementation` says which is used).
+Stacks are captured by :mod:`cudalab.memory_tools.stacks` (cached on the running frames,
+cudalab's own frames left out; the memo's stamp has a C twin there). Memo pairs (a loop
+allocating and freeing one size) are logged by the allocator as stamps (time, stack) and
+written out as entries before anything reads the history.
+
+The recorder talks to the allocators only through the trace hook protocol of
+:mod:`cudalab.allocator.hooks`: its hook is a :class:`~cudalab.allocator.hooks.CompactTrace`,
+attached with :func:`~cudalab.allocator.hooks.attach_trace`; allocators created later are
+found through :func:`cudalab.allocator.registry.add_create_hook`. :func:`stop_recording`
+turns recording off.
 
 As torch: ``enabled="state"`` with the default ``context="all"`` still captures a stack at
 each free (kept nowhere but torch does the same); taking a snapshot (``_snapshot()`` and
@@ -59,7 +56,6 @@ after the block when recording was off before it.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -67,10 +63,13 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from cudalab import nvtx as _nvtx
-from cudalab.allocator import allocator as _alloc
+from cudalab.allocator import hooks as _hooks
+from cudalab.allocator import registry as _registry
+from cudalab.allocator.hooks import CompactTrace
+from cudalab.memory_tools import stacks as _stacks
 from cudalab.nvtx import _tls as _nvtx_tls
 
 __all__ = [
@@ -82,12 +81,12 @@ __all__ = [
     "current_cell",
     "detach_allocator",
     "devices_with_history",
-    "frames_to_dicts",
     "history_settings",
     "is_recording",
     "raw_entries",
     "record_history",
     "set_current_cell",
+    "stop_recording",
     "trace_entries",
 ]
 
@@ -125,338 +124,6 @@ def set_current_cell(cell_id: Any) -> None:
 def current_cell() -> str | None:
     """The cell id set by :func:`set_current_cell`."""
     return _cell
-
-
-# --------------------------------------------------------------------------- stacks
-_getframe = sys._getframe
-_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_internal: dict[str, bool] = {}  # co_filename -> inside the cudalab package
-
-
-def _is_internal(filename: str) -> bool:
-    try:
-        path = os.path.abspath(filename)
-    except (TypeError, ValueError):
-        return False
-    return path.startswith(_PKG)
-
-
-# Stacks are cached on the frames themselves. While a frame runs, the frames beyond it do
-# not change (they wait in their calls), so its stack at a given instruction is fixed for
-# its whole run. A frame's cache is a _Mark set as its ``f_trace``: the frames own it, so
-# it lives as long as the frames that use it (no frame, local or id is kept anywhere else),
-# and a later frame at a reused address has no mark. Frames share a mark only when their
-# stacks are the same at every instruction (one code, called from one place of one
-# running frame: see _Mark). Generator and coroutine frames are never marked: the frames
-# beyond them change at every resumption.
-# Frames are marked only while no trace function is set (sys.settrace), and only when
-# their f_trace is free, so debuggers and coverage keep theirs.
-_NO_MARK = 0x20 | 0x80 | 0x100 | 0x200  # CO_GENERATOR, CO_COROUTINE, CO_ITERABLE_COROUTINE,
-#                                         CO_ASYNC_GENERATOR
-_gettrace = sys.gettrace
-_modname = getattr(sys, "_getframemodulename", None)
-_now = time.time_ns
-# Names of the modules whose frames are on captured stacks, by whether they are cudalab's
-# (None, a frame without a module name or beyond the stack, is in neither).
-_cud_mods: set = set()
-_other_mods: set = set()
-
-
-_MARK_MAX = 256  # entries one mark keeps (a frame calling ever new code objects)
-
-
-class _Mark(dict):
-    """The stacks of running frames: instruction offset -> the flat stack from the frame
-    outwards, and (offset, id of a code) -> (that code, the _Mark of the frames of that
-    code called from there). A frame's stack at an offset depends only on its code and on
-    its caller's stack at the call, both fixed while it runs, so the frames of one code
-    called from one place (a function a loop calls: a new frame each iteration) share one
-    mark. A trace function set later calls it as a frame's local trace function; it then
-    does nothing, as a frame without one."""
-
-    __slots__ = ()
-
-    def __call__(self, frame: Any, event: str, arg: Any) -> None:
-        return None
-
-
-def _capture(d: int) -> tuple:
-    """The Python stack of the caller from its ``d``-th frame outwards (0: its own),
-    without cudalab's own frames at its start, innermost first, as a flat tuple (code,
-    lasti, code, lasti, ...). Lines are computed from lasti only when a snapshot is taken.
-    Equal stacks of one running frame are one tuple object. The allocator method calling
-    the hook is cudalab's: callers pass the depth of that method's caller."""
-    d += 1  # this frame
-    if _modname is not None:
-        # Python 3.12+: find the first frame outside cudalab by its module's name, which
-        # needs no frame object for cudalab's own frames (making one costs ~100 ns).
-        while True:
-            name = _modname(d)
-            try:
-                if name in _cud_mods:
-                    d += 1
-                    continue
-                if name is None or name in _other_mods:
-                    break
-            except TypeError:  # a function's __module__ set to something unhashable
-                break
-            if type(name) is str and name.partition(".")[0] == "cudalab":
-                _cud_mods.add(name)
-            else:
-                _other_mods.add(name)
-        try:
-            f = _getframe(d)
-        except ValueError:  # beyond the stack: all of it is cudalab's
-            return ()
-    else:
-        try:
-            f = _getframe(d)
-        except ValueError:
-            return ()
-        internal = _internal
-        while True:
-            fn = f.f_code.co_filename
-            flag = internal.get(fn)
-            if flag is None:
-                flag = internal[fn] = _is_internal(fn)
-            if not flag:
-                break
-            f = f.f_back
-            if f is None:
-                return ()
-    li = f.f_lasti
-    m = f.f_trace
-    if type(m) is not _Mark or (t := m.get(li)) is None:
-        t = _miss(f, li, m)
-    return t
-
-
-if _modname is not None:
-    def _stamp() -> tuple:
-        """The memo's stamp of an allocation (or of a free, when frees carry their own
-        stack): ``(time, stack)``, the stack as ``_capture(2)`` makes it. The allocator
-        method calls it directly. Its common case (the first frame outside cudalab has
-        a mark that knows its stack) is written out here: no further call."""
-        d = 2
-        name = _modname(2)
-        try:
-            while name in _cud_mods:
-                d += 1
-                name = _modname(d)
-            if name in _other_mods or name is None:
-                try:
-                    f = _getframe(d)
-                except ValueError:  # beyond the stack: all of it is cudalab's
-                    return _now(), ()
-                m = f.f_trace
-                if m.__class__ is _Mark:
-                    t = m.get(f.f_lasti)
-                    if t is not None:
-                        return _now(), t
-        except TypeError:  # an unhashable module name: _capture copes
-            pass
-        return _now(), _capture(2)
-else:
-    def _stamp() -> tuple:
-        """The memo's stamp of an allocation (or of a free, when frees carry their own
-        stack): ``(time, stack)``. The allocator method calls it directly."""
-        return _now(), _capture(2)
-
-
-_py_stamp = _stamp
-
-
-def _pure_python_requested() -> bool:
-    """Whether ``CUDALAB_PURE_PYTHON`` asks for the pure-Python stamp (unset, empty or 0:
-    no; setup.py reads it the same way, to skip building the compiled one)."""
-    return os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0")
-
-
-def _load_compiled_stamp() -> Callable[[], tuple] | None:
-    """``cudalab.memory_tools._stackstamp.stamp`` set up over this module's state, or None where
-    it is not built (another Python, no compiler at install time; see setup.py) or
-    ``CUDALAB_PURE_PYTHON`` is set. It is ``_stamp`` in C over CPython's interpreter frames:
-    the same stacks at less than half the cost. A module that is there but does not fit (built
-    from other sources) is reported and left unused."""
-    if _pure_python_requested():
-        return None
-    try:
-        from cudalab.memory_tools import _stackstamp
-    except ImportError:
-        return None
-    try:
-        api = getattr(_stackstamp, "API", None)
-        if api != 1:
-            raise TypeError(f"API {api!r}, expected 1")
-        # The objects are shared, not copied: they are filled in place and never rebound.
-        _stackstamp.setup(_cud_mods, _other_mods, _internal, _Mark, _capture)
-    except Exception as exc:  # noqa: BLE001  (a stale build must not break recording)
-        warnings.warn(f"cudalab.memory_tools._stackstamp ({_stackstamp.__file__}) is not usable, "
-                      f"using the pure-Python stamp: {exc}. Reinstall cudalab to rebuild it.",
-                      RuntimeWarning, stacklevel=2)
-        return None
-    return _stackstamp.stamp
-
-
-_c_stamp = _load_compiled_stamp()
-if _c_stamp is not None:
-    _stamp = _c_stamp
-
-
-def stamp_implementation() -> str:
-    """Which stamp recordings with Python stacks use: ``"compiled"`` (the C accelerator,
-    CPython 3.11-3.13) or ``"python"``. Both give the same stacks."""
-    return "compiled" if _c_stamp is not None and _stamp is _c_stamp else "python"
-
-
-def _use_stamp(kind: str) -> None:
-    """Choose the stamp of the recordings started from now on (tests, benchmarks)."""
-    global _stamp
-    if kind == "python":
-        _stamp = _py_stamp
-    elif kind == "compiled":
-        if _c_stamp is None:
-            raise RuntimeError("cudalab.memory_tools._stackstamp is not built for this Python "
-                               "(or CUDALAB_PURE_PYTHON is set)")
-        _stamp = _c_stamp
-    else:
-        raise ValueError(f"stamp must be 'python' or 'compiled', got {kind!r}")
-
-
-def _miss(f: Any, li: int, m: Any) -> tuple:
-    """The stack of frame ``f`` at ``li`` when its mark ``m`` (its f_trace) does not know
-    it: from the mark its caller keeps for its code (then also set as its own), else by a
-    walk."""
-    c = f.f_back
-    if c is not None:
-        mc = c.f_trace
-        if type(mc) is _Mark:
-            code = f.f_code
-            cli = c.f_lasti
-            e = mc.get((cli, id(code)))  # (the entry holds the code: its id stays its own)
-            if e is not None:
-                shared = e[1]
-                if m is None and not code.co_flags & _NO_MARK and _gettrace() is None:
-                    f.f_trace = m = shared
-                t = shared.get(li)
-                if t is None:
-                    tail = mc.get(cli)
-                    if tail is None:
-                        return _walk(f, li)
-                    t = _shared((code, li) + tail)
-                    if len(shared) >= _MARK_MAX:
-                        shared.clear()
-                    shared[li] = t
-                if type(m) is _Mark and m is not shared:
-                    m[li] = t
-                return t
-    return _walk(f, li)
-
-
-def _walk(f0: Any, li0: int) -> tuple:
-    """The stack from frame ``f0`` (at ``li0``) outwards, up to the first frame whose mark
-    knows the rest, marking the frames walked."""
-    walked: list = [f0, li0]  # frames without a cached stack, innermost first, with lasti
-    ap = walked.append
-    f = f0.f_back
-    t = ()
-    while f is not None:
-        li = f.f_lasti
-        m = f.f_trace
-        if type(m) is _Mark:
-            c = m.get(li)
-            if c is not None:
-                t = c
-                break
-        ap(f)
-        ap(li)
-        f = f.f_back
-    mark = _gettrace() is None
-    # the caller's mark and offset, for the outermost frame walked
-    cm = f.f_trace if f is not None else None
-    cli = li if f is not None else 0
-    for i in range(len(walked) - 2, -1, -2):  # outermost first: each adds one frame to t
-        f = walked[i]
-        li = walked[i + 1]
-        code = f.f_code
-        t = (code, li) + t
-        if i == 0:
-            t = _shared(t)
-        m = f.f_trace
-        if m is None and mark and not code.co_flags & _NO_MARK:
-            if type(cm) is _Mark:  # the mark of the frames of this code called from there
-                key = (cli, id(code))
-                e = cm.get(key)
-                if e is None:
-                    if len(cm) >= _MARK_MAX:
-                        cm.clear()
-                    e = cm[key] = (code, _Mark())
-                m = e[1]
-            else:
-                m = _Mark()
-            f.f_trace = m
-        if type(m) is _Mark:
-            if len(m) >= _MARK_MAX:
-                m.clear()
-            m[li] = t
-            cm = m
-        else:
-            cm = None
-        cli = li
-    return t
-
-
-# The last stack captured at each call site (innermost code and instruction): a stack
-# equal to it is replaced by it, so the entries of new frames at one site (a function that
-# a loop calls, deeper than the loop's frame) share one tuple, in the ring and when a
-# snapshot converts it.
-_sites: dict = {}
-
-
-def _shared(t: tuple) -> tuple:
-    key = (id(t[0]), t[1])
-    prev = _sites.get(key)
-    if prev == t:  # element identity first: cheap for equal stacks
-        return prev
-    if len(_sites) >= 8192:
-        _sites.clear()
-    _sites[key] = t
-    return t
-
-
-def _line_of(code: Any, lasti: int) -> int:
-    if lasti >= 0:
-        for start, end, line in code.co_lines():
-            if start <= lasti < end:
-                return line if line is not None else code.co_firstlineno
-    return code.co_firstlineno
-
-
-def frames_to_dicts(frames: tuple | None, cache: dict | None = None) -> list[dict]:
-    """torch's frame dicts ``{"filename", "line", "name"}`` (innermost first) of a raw
-    ``frames`` field. Pass the same ``cache`` dict for many conversions of one snapshot:
-    identical frames then share their dict objects (and equal stacks their lists)."""
-    if not frames:
-        return []
-    if cache is None:
-        cache = {}
-    key = id(frames)
-    hit = cache.get(key)
-    if hit is not None and hit[0] is frames:
-        return hit[1]
-    out = []
-    for i in range(0, len(frames), 2):
-        code = frames[i]
-        lasti = frames[i + 1]
-        fkey = (id(code), lasti)
-        d = cache.get(fkey)
-        if d is None:
-            d = cache[fkey] = {"filename": code.co_filename, "line": _line_of(code, lasti),
-                               "name": code.co_name}
-            cache[("code", id(code))] = code  # keep the code alive while the cache is used
-        out.append(d)
-    cache[key] = (frames, out)
-    return out
 
 
 # --------------------------------------------------------------------------- state
@@ -508,14 +175,14 @@ def _nvtx_flag() -> Any:
     return _nvtx if hasattr(_nvtx, "_used") else _NvtxAlwaysUsed
 
 
-def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> Callable:
+def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> CompactTrace:
     """The allocator hook ``trace(action, addr, size, stream)`` for one recorder."""
-    now = _now
+    now = time.time_ns
     nvtls = _nvtx_tls
     nv = _nvtx_flag()
 
     if level == _NEVER:
-        def trace(action: str, addr: int, size: int, stream: int) -> None:
+        def trace_times(action: str, addr: int, size: int, stream: int) -> None:
             m = nvtls.__dict__.get("messages") if nv._used else None
             append((action, addr, size, stream, now(), None, m[-1] if m else None, _cell))
 
@@ -533,12 +200,12 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
                     append(("alloc", addr, size, stream, t, None, None, cell))
 
         # Entries without stacks carry nothing but the time: the memo's stamps are times.
-        return _compact(trace, pairs, now, now, nv)
+        return _compact(trace_times, pairs, now, now, nv)
 
     blocks = rec.blocks
     segs = rec.segs
-    cap = _capture
-    getframe = _getframe
+    cap = _stacks._capture
+    getframe = sys._getframe
     ident = threading.get_ident
     on_alloc = level >= _ALLOC
     on_free = level == _ALL
@@ -605,7 +272,8 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
 
     # Memo pairs are logged compactly too (see _compact): their stamps are (time, stack)
     # for an allocation, and for a free when frees carry their own stack (context "all"),
-    # else the time. The allocator method calls the stamp (_stamp) directly.
+    # else the time. The allocator method calls the stamp (stacks._stamp, or its compiled
+    # twin) directly.
 
     def pairs_with_stacks(addr: int, size: int, stream: int, stamps: Any) -> None:
         """The entries of memo pairs that the allocator logged as (free stamp, alloc
@@ -629,21 +297,29 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
                 blocks[addr] = fr
                 append(("alloc", addr, size, stream, t, fr if on_alloc else None, None, cell))
 
-    return _compact(trace, pairs_with_stacks, _stamp, _stamp if on_free else now, nv)
+    stamp = _stacks.active_stamp()
+    return _compact(trace, pairs_with_stacks, stamp, stamp if on_free else now, nv)
 
 
-def _compact(trace: Any, pairs: Callable, now: Callable, free_now: Callable, nv: Any) -> Any:
-    """``trace`` with what the allocator needs to log memo pairs compactly: ``now()`` and
-    ``free_now()`` make the alloc and free stamps, ``pairs(addr, size, stream, stamps)``
-    writes them out as entries. That is possible as long as no NVTX range was ever pushed
-    and the cell stays the same (set_current_cell and the first NVTX push flush the
-    allocators first), since entries then carry nothing else."""
+def _compact(trace: Any, pairs: Callable, now: Callable, free_now: Callable,
+             nv: Any) -> CompactTrace:
+    """``trace`` as a :class:`~cudalab.allocator.hooks.CompactTrace`: with what the allocator
+    needs to log memo pairs compactly. ``now()`` and ``free_now()`` make the alloc and free
+    stamps, ``pairs(addr, size, stream, stamps)`` writes them out as entries. That is
+    possible as long as no NVTX range was ever pushed and the cell stays the same
+    (set_current_cell and the first NVTX push flush the allocators first), since entries
+    then carry nothing else.
+
+    The hook stays a plain function with these attributes (not an instance of a class with
+    ``__call__``): the allocator calls it on every operation, and a bound ``__call__`` would
+    add a call level there (benchmarks/history.py, history added cost rows).
+    ``tests/memory_tools/test_history.py`` checks it against the protocol's fields."""
     trace.compact = pairs
     trace.compact_ok = lambda: not nv._used
     trace.now = now
     trace.free_now = free_now
     trace.capacity = None  # the ring's (max_entries, set by _attach): older stamps go
-    return trace
+    return trace  # a function given the protocol's fields
 
 
 def _ring(device: int, maxlen: int) -> deque:
@@ -673,10 +349,10 @@ def _attach(a: Any, st: _Settings) -> None:
     if rec is None:
         rec = _Recorder(a.device)
     trace = _make_trace(rec, st.level, _appender(a.device, st))
-    if hasattr(trace, "compact"):
-        trace.capacity = st.max_entries
-    a.sync_pending()  # deferred frees happened before recording starts
-    a._trace = trace  # the cudaMallocAsync allocator raises RuntimeError here
+    trace.capacity = st.max_entries
+    # deferred frees happened before recording starts: attach_trace applies them first; the
+    # cudaMallocAsync allocator raises RuntimeError here
+    _hooks.attach_trace(a, trace)
     _recorders[a] = rec
 
 
@@ -685,21 +361,23 @@ def _detach(a: Any) -> None:
     if rec is not None:
         rec.clear()
     try:
-        a.sync_pending()  # memo pairs logged as stamps are written out first
-        a._trace = None
+        _hooks.detach_trace(a)  # memo pairs logged as stamps are written out first
     except Exception:  # noqa: BLE001 - nothing to undo on an allocator that cannot record
         pass
 
 
 def _targets() -> list:
     seen = {}
-    for a in list(_alloc._active) + list(_extra):
+    for a in list(_registry._active) + list(_extra):
         seen[id(a)] = a
     return list(seen.values())
 
 
 def _on_new_allocator(a: Any) -> None:
-    """Registry hook (``allocator._on_create``): record allocators created later too."""
+    """Registry create hook (:func:`cudalab.allocator.registry.add_create_hook`): record
+    allocators created later too. Called with the registry's lock held: it takes this
+    module's lock, so this module never asks the registry for its lock while holding its own
+    (:func:`_install_hook` runs before ``_lock`` is taken)."""
     st = _settings
     if st is None:
         return
@@ -717,14 +395,12 @@ def _on_new_allocator(a: Any) -> None:
 def _install_hook() -> None:
     global _hooked
     if not _hooked:
-        hooks = getattr(_alloc, "_on_create", None)
-        if hooks is not None and _on_new_allocator not in hooks:
-            hooks.append(_on_new_allocator)
+        _registry.add_create_hook(_on_new_allocator)  # (once, however often it is added)
         _hooked = True
 
 
 def _check_backend() -> None:
-    if _alloc.allocator_config().backend == "cudaMallocAsync":
+    if _registry.allocator_config().backend == "cudaMallocAsync":
         from cudalab.allocator.async_allocator import _HISTORY_UNSUPPORTED
 
         raise RuntimeError(_HISTORY_UNSUPPORTED)
@@ -734,11 +410,11 @@ def _apply(st: _Settings, clear: bool) -> None:
     """Start (or re-configure) recording with settings ``st`` on every allocator."""
     global _settings
     _check_backend()
+    _install_hook()  # (outside _lock: see _on_new_allocator)
     with _lock:
         prev = _settings
         if prev is None or clear:
             _rings.clear()  # off (or retained after a with-block) -> a fresh history
-        _install_hook()
         done = []
         try:
             for a in _targets():
@@ -757,8 +433,16 @@ def _apply(st: _Settings, clear: bool) -> None:
         _settings = st
 
 
-def _stop(clear: bool) -> None:
-    """Stop recording; ``clear=False`` keeps the rings readable (end of a with-block)."""
+def stop_recording(clear: bool = True) -> None:
+    """Stop recording on every allocator.
+
+    Parameters
+    ----------
+    clear : bool, optional
+        True (default, as ``_record_memory_history(None)``) drops what was recorded; False
+        keeps the rings readable (``cudalab.memory._snapshot()``, :func:`raw_entries`) until
+        recording is next turned on or off, as the end of a :class:`HistoryRecording` does.
+    """
     global _settings
     with _lock:
         _settings = None
@@ -801,7 +485,7 @@ def _impl(enabled: str | None = "all", context: str | None = "all", stacks: str 
           skip_actions: Iterable[str] | None = None) -> None:
     skip = _validate(enabled, context, stacks, max_entries, skip_actions)
     if enabled is None:
-        _stop(clear=True)
+        stop_recording(clear=True)
         return
     level = _CONTEXTS[context] if stacks is not None else _NEVER
     cap = max(1, max_entries) if enabled == "all" else 1
@@ -816,7 +500,7 @@ def _legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries:
         raise ValueError("trace_alloc_max_entries must be an int >= 0, got "
                          f"{trace_alloc_max_entries!r}")
     if not enabled:
-        _stop(clear=True)
+        stop_recording(clear=True)
         return
     if trace_alloc_record_context:
         level, context = _ALLOC, "alloc"
@@ -860,7 +544,7 @@ class HistoryRecording:
     def __enter__(self) -> HistoryRecording:
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         self.restore()
         return False
 
@@ -870,7 +554,7 @@ class HistoryRecording:
             return
         self._done = True
         if self._prev is None:
-            _stop(clear=False)
+            stop_recording(clear=False)
         else:
             _apply(self._prev, clear=False)
 
@@ -916,6 +600,7 @@ def recorder_of(a: Any) -> _Recorder | None:
 
 # --------------------------------------------------------------------------- reading
 def is_recording() -> bool:
+    """Whether history is being recorded now."""
     return _settings is not None
 
 
@@ -982,7 +667,7 @@ def entry_to_dict(e: tuple, device: int, cache: dict | None = None) -> dict:
         "size": e[2],
         "stream": e[3],
         "time_us": e[4] // 1000,
-        "frames": frames_to_dicts(e[5], cache),
+        "frames": _stacks.frames_to_dicts(e[5], cache),
         "compile_context": "",
         "user_metadata": "",
         "device": device,

@@ -11,8 +11,10 @@ They build figures with ``matplotlib.figure.Figure`` directly, never through ``p
 they neither need nor change a GUI backend. matplotlib is optional: it is imported inside the
 functions, and a missing one raises ImportError naming the extra (``cudalab[widgets]``).
 
-The helpers without ``plot_`` (:func:`load`, :func:`timeline`, :func:`filter_segments`) are
-the numpy side shared with :mod:`cudalab.widgets`; they never import matplotlib.
+The helpers without ``plot_`` (:func:`load`, :func:`timeline`, :func:`filter_segments`,
+:func:`segment_pool`, :func:`byte_scale`, :func:`load_matplotlib`) are shared with
+:mod:`cudalab.widgets`; only :func:`load_matplotlib` imports matplotlib. Sizes for people are
+written by :func:`cudalab._units.format_bytes`.
 """
 
 from __future__ import annotations
@@ -23,13 +25,24 @@ from typing import Any
 
 import numpy as np
 
+from cudalab.memory_tools.trace_columns import (
+    TraceColumns,
+    device_index,
+    resolve_snapshot,
+    trace_of,
+)
+
 __all__ = [
     "STATE_COLORS",
     "STATE_LABELS",
+    "byte_scale",
     "filter_segments",
     "load",
+    "load_matplotlib",
     "plot_segments",
     "plot_timeline",
+    "save_figure",
+    "segment_pool",
     "timeline",
 ]
 
@@ -48,7 +61,20 @@ _SMALL_SEGMENT = 2 << 20  # torch's kSmallBuffer: the small pool's segments are 
 _SMALL_REQUEST = 1 << 20  # requests up to 1 MiB go to the small pool
 
 
-def _matplotlib() -> tuple[Any, Any]:
+def load_matplotlib() -> tuple[Any, Any]:
+    """matplotlib's ``Figure`` class and its Agg canvas class, imported on first use.
+
+    Returns
+    -------
+    tuple
+        ``(Figure, FigureCanvasAgg)``: build figures with them directly, never through
+        ``pyplot``, so no GUI backend is needed or changed.
+
+    Raises
+    ------
+    ImportError
+        matplotlib is not installed (the message names the ``cudalab[widgets]`` extra).
+    """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -59,21 +85,20 @@ def _matplotlib() -> tuple[Any, Any]:
     return Figure, FigureCanvasAgg
 
 
-def _human(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    n = float(n)
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{sign}{n:.0f} B"
-            return f"{sign}{n:.1f} {unit}" if n < 100 else f"{sign}{n:.0f} {unit}"
-        n /= 1024
-    return f"{sign}{n:.0f} TiB"  # pragma: no cover
+def byte_scale(peak: float) -> tuple[float, str]:
+    """The unit to plot bytes in so that ``peak`` reads as a number of at least 1.
 
+    Parameters
+    ----------
+    peak : float
+        The largest value of the axis, in bytes.
 
-def _byte_scale(peak: float) -> tuple[float, str]:
+    Returns
+    -------
+    tuple
+        ``(divisor, unit)``: divide the bytes by ``divisor`` and label the axis ``unit``
+        (``"B"``, ``"KiB"``, ``"MiB"``, ``"GiB"`` or ``"TiB"``).
+    """
     for div, unit in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
         if peak >= div:
             return float(div), unit
@@ -85,12 +110,12 @@ def load(snapshot: Any = None) -> dict:
     """The snapshot dict for ``snapshot``: a dict (cudalab's or torch's schema) as is, a
     ``memory_snapshot()`` segment list wrapped, a path read with ``load_snapshot`` (torch's
     pickles too), ``None`` the live ``cudalab.memory._snapshot()``."""
-    from cudalab.memory_tools import export
-
-    return export._resolve(snapshot)
+    return resolve_snapshot(snapshot)
 
 
-def _segment_pool(seg: dict) -> str:
+def segment_pool(seg: dict) -> str:
+    """The pool of a snapshot segment as people read it: ``"small"``, ``"large"`` or
+    ``"private (id, id)"`` (a graph or MemPool's private pool)."""
     pool = seg.get("segment_pool_id")
     if pool and tuple(pool) != (0, 0):
         return f"private {tuple(pool)}"
@@ -110,7 +135,7 @@ def filter_segments(snap: dict, device: int | None = None, stream: int | None = 
             continue
         if stream is not None and seg.get("stream", 0) != stream:
             continue
-        if pool is not None and _segment_pool(seg) != pool:
+        if pool is not None and segment_pool(seg) != pool:
             continue
         out.append(seg)
     out.sort(key=lambda s: (s.get("device", 0), s.get("address", 0)))
@@ -128,14 +153,12 @@ def timeline(snapshot: Any = None, device: int | None = None) -> dict[int, dict[
     just enough that the curve never dips below 0 and ends at the snapshot's live requested
     bytes and segment sizes (for ``None``, the allocator's current statistics).
     """
-    from cudalab.memory_tools import export
-
     if snapshot is None:
-        trace = export._trace_of(None, device, extras=False)
+        trace = trace_of(None, device, extras=False)
         ends = _live_ends()
     else:
         snap = load(snapshot)
-        trace = export._Trace(snap, device, extras=False)
+        trace = TraceColumns(snap, device, extras=False)
         ends = _snapshot_ends(snap)
     out: dict[int, dict[str, np.ndarray]] = {}
     for d, a, b in trace.bounds:
@@ -164,10 +187,10 @@ def _snapshot_ends(snap: dict) -> dict[int, tuple[int, int]]:
 
 
 def _live_ends() -> dict[int, tuple[int, int]]:
-    from cudalab.allocator import allocator
+    from cudalab.allocator import registry
 
     out = {}
-    for a in list(allocator._active):
+    for a in list(registry._active):
         st = a.memory_stats()
         out[a.device] = (st.get("requested_bytes.all.current", 0),
                          st.get("reserved_bytes.all.current", 0))
@@ -198,7 +221,7 @@ def _ensure_ipython_display(figure_cls: Any) -> None:
 
 
 def _new_axes(ax: Any, figsize: tuple[float, float]) -> tuple[Any, Any]:
-    Figure, FigureCanvasAgg = _matplotlib()
+    Figure, FigureCanvasAgg = load_matplotlib()
     if ax is not None:
         return ax.figure, ax
     _ensure_ipython_display(Figure)
@@ -241,11 +264,9 @@ def plot_timeline(snapshot_or_history: Any = None, *, device: Any = None, ax: An
     trace entries in time order across devices on the x axis, so bursts are readable;
     ``x="time"`` uses seconds since the first entry. Returns the Figure.
     """
-    from cudalab.memory_tools import export
-
     if x not in ("entry", "time"):
         raise ValueError(f"x must be 'entry' or 'time', not {x!r}")
-    dev = None if device is None else export._device_index(device)
+    dev = None if device is None else device_index(device)
     series = _history_arrays(snapshot_or_history, dev)
     fig, ax = _new_axes(ax, figsize)
     if not series:
@@ -256,7 +277,7 @@ def plot_timeline(snapshot_or_history: Any = None, *, device: Any = None, ax: An
     t0 = min(int(s["time_us"][0]) for s in series.values() if s["time_us"].size)
     peak = max(max(int(s["allocated"].max(initial=0)), int(s["reserved"].max(initial=0)))
                for s in series.values())
-    div, unit = _byte_scale(peak)
+    div, unit = byte_scale(peak)
     colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
     if x == "entry":  # rank of each entry in the merged time order (stable: devices in order)
         keys = sorted(series)
@@ -298,10 +319,8 @@ def plot_segments(snapshot: Any = None, *, device: Any = None, stream: int | Non
     segments; the ``max_segments`` largest are drawn (the title says how many were left
     out). Returns the Figure.
     """
-    from cudalab.memory_tools import export
-
     snap = load(snapshot) if snapshot is not None else {"segments": _live_segments()}
-    dev = None if device is None else export._device_index(device)
+    dev = None if device is None else device_index(device)
     segs = filter_segments(snap, dev, stream, pool)
     n_all = len(segs)
     if n_all > max_segments:
@@ -310,7 +329,7 @@ def plot_segments(snapshot: Any = None, *, device: Any = None, stream: int | Non
     rows = max(len(segs), 1)
     fig, ax = _new_axes(ax, figsize or (9.0, min(1.2 + 0.22 * rows, 14.0)))
     biggest = max((s.get("total_size", 0) for s in segs), default=0)
-    div, unit = _byte_scale(biggest)
+    div, unit = byte_scale(biggest)
     runs: dict[str, list[list[tuple[float, float]]]] = {k: [] for k in STATE_COLORS}
     labels = []
     for seg in segs:
@@ -321,7 +340,7 @@ def plot_segments(snapshot: Any = None, *, device: Any = None, stream: int | Non
             by_state.setdefault(st, []).append(((b["address"] - base) / div, b["size"] / div))
         for k in runs:
             runs[k].append(by_state.get(k, []))
-        labels.append(f"cuda:{seg.get('device', 0)} 0x{base:x} ({_segment_pool(seg)})")
+        labels.append(f"cuda:{seg.get('device', 0)} 0x{base:x} ({segment_pool(seg)})")
     for y in range(len(segs)):
         total = segs[y].get("total_size", 0) / div
         ax.broken_barh([(0, total)], (y - 0.4, 0.8), facecolors="white", edgecolors="#999",
@@ -340,7 +359,7 @@ def plot_segments(snapshot: Any = None, *, device: Any = None, stream: int | Non
     ax.legend(handles=[Patch(color=c, label=STATE_LABELS[k]) for k, c in STATE_COLORS.items()],
               loc="lower right", bbox_to_anchor=(1.0, 1.0), ncols=3, fontsize=8, frameon=False)
     shown = f"{len(segs)} of {n_all} segments" if n_all > len(segs) else f"{n_all} segments"
-    simulated = (snap.get("cudalab") or {}).get("simulated")
+    simulated = isinstance(snap, dict) and (snap.get("cudalab") or {}).get("simulated")
     ax.set_title(title or f"Segments ({shown}){' (simulated)' if simulated else ''}", fontsize=10,
                  loc="left")
     return fig
@@ -348,10 +367,10 @@ def plot_segments(snapshot: Any = None, *, device: Any = None, stream: int | Non
 
 def _live_segments() -> list[dict]:
     """The live allocator's segments without appending a ``snapshot`` history entry."""
-    from cudalab.allocator import allocator
+    from cudalab.allocator import registry
 
     out: list[dict] = []
-    for a in sorted(allocator._active, key=lambda a: a.device):
+    for a in sorted(registry._active, key=lambda a: a.device):
         out.extend(a.segments())
     return out
 

@@ -1,26 +1,16 @@
-"""Replay an allocation trace through a fresh allocator, and sweep allocator settings (what-if).
+"""Replay an allocation trace through a fresh allocator: what would these settings have done?
 
 A trace is the sequence of ``alloc`` and ``free_requested`` events of one device, as cudalab's
-history recorder and torch's ``_record_memory_history`` write them. :func:`replay` feeds it
-through a brand-new caching allocator (the settings of your choice) over a brand-new private
+history recorder and torch's ``_record_memory_history`` write them (any form
+:func:`cudalab.memory_tools.trace_io.load_trace` reads: a snapshot dict or pickle, a
+DataFrame, a list of tuples). :func:`replay` feeds it through a brand-new caching allocator
+(the settings of your choice) over a brand-new private
 :class:`~cudalab._driver.sim.SimulatorBackend`, so it needs no GPU and never touches the
-process's own cudalab state, and reports what that allocator would have done: peak reserved,
-peak allocated, the reserved/allocated ratio at the reserved peak, device allocations and
-frees, retries, out-of-memory errors, and reserved/allocated over time.
-:func:`what_if` replays the same trace under a sweep of settings and ranks them by peak
-reserved memory: "which allocator config would have fit my run in less memory?".
-
-Accepted traces (``trace`` argument):
-
-* a snapshot dict (``cudalab.memory._snapshot()`` or ``torch.cuda.memory._snapshot()``): the
-  entries of ``device_traces[device]``;
-* the path of a snapshot pickle (cudalab's ``_dump_snapshot`` or torch's), read with the
-  restricted unpickler of :func:`cudalab.memory.load_snapshot` (a pickle from a stranger
-  cannot run code); a pickled dict ``{"trace": [(action, addr, size, stream), ...]}`` (the
-  allocator benchmark's format) is read too;
-* a pandas DataFrame with columns ``action``, ``addr``, ``size``, ``stream`` (and optionally
-  ``device``), as :func:`cudalab.memory.history_frame` returns;
-* a list of ``(action, addr, size, stream)`` tuples, or of trace entry dicts.
+process's own cudalab state, and reports what that allocator would have done
+(:class:`ReplayResult`): peak reserved, peak allocated, the reserved/allocated ratio at the
+reserved peak, device allocations and frees, retries, out-of-memory errors, and
+reserved/allocated over time. :mod:`cudalab.memory_tools.what_if` replays one trace under a
+sweep of settings and ranks them.
 
 Replay rules. Only ``alloc`` and ``free_requested`` (the user's free; ``free`` is accepted as
 an older name) are replayed; ``free_completed``, ``segment_*``, ``snapshot`` and ``oom``
@@ -52,60 +42,43 @@ allocator itself per entry).
 from __future__ import annotations
 
 import bisect
-import math
 import os
-import pickle
-import sys
-import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from cudalab.errors import OutOfMemoryError
+from cudalab._units import GiB, MiB, format_bytes
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
+from cudalab.errors import OutOfMemoryError
+from cudalab.memory_tools.progress import progress_callback
+from cudalab.memory_tools.trace_io import TraceArrays, load_trace
+
+if TYPE_CHECKING:
+    from cudalab._driver.base import Backend
 
 __all__ = [
+    "ReplayPlan",
     "ReplayResult",
     "ReplayWarning",
-    "TraceError",
-    "DEFAULT_WHAT_IF_CONFIGS",
-    "GC_CONFIG",
-    "load_trace",
+    "as_config",
+    "config_text",
+    "plan_replay",
     "replay",
-    "what_if",
+    "replay_planned",
     "save_plot",
-    "format_what_if",
-    "parse_size",
+    "skip_warning",
 ]
 
-GiB = 1 << 30
-MiB = 1 << 20
 _MIN_DEVICE = 16 * GiB
 _MAX_DEVICE = 1 << 40  # the simulator's limit per device
 _SAMPLES = 1000  # timeline points (plus the reserved peak)
 _MAX_OOM_RECORDS = 100
-
-#: The settings :func:`what_if` tries by default (the native defaults always come first).
-DEFAULT_WHAT_IF_CONFIGS: tuple[str, ...] = (
-    "",
-    "expandable_segments:True",
-    "max_split_size_mb:64",
-    "max_split_size_mb:128",
-    "max_split_size_mb:256",
-    "max_split_size_mb:512",
-    "roundup_power2_divisions:4",
-    "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
-    "backend:cudaMallocAsync",
-)
-#: Added to the default sweep when the device's memory is known (``device_memory=``):
-#: garbage collection only acts under a memory fraction of a real device.
-GC_CONFIG = "garbage_collection_threshold:0.6,per_process_memory_fraction:0.9"
 
 _SKIP_TEXT = {
     "free_before_alloc": "frees of addresses the trace had not allocated",
@@ -116,287 +89,13 @@ _SKIP_TEXT = {
 }
 
 
-class TraceError(ValueError):
-    """The trace cannot be read or has the wrong shape (a one-line message)."""
-
-
 class ReplayWarning(UserWarning):
     """Trace entries were skipped during a replay (the message counts them)."""
 
 
-# ====================================================================================== loading
-@dataclass
-class _Trace:
-    """A trace reduced to parallel numpy arrays of its alloc/free entries."""
-
-    source: str
-    action: np.ndarray  # int8: 1 alloc, 0 free
-    addr: np.ndarray  # int64 (dense ids when the addresses do not fit int64)
-    size: np.ndarray  # int64
-    stream: list[int]
-    ignored: dict[str, int] = field(default_factory=dict)
-    reference: dict[str, Any] = field(default_factory=dict)
-    #: (address, size) of the trace's segment_alloc entries, in order (see _TraceAddresses).
-    segments: list = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.action)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
-def _load_pickle(path: str) -> Any:
-    """Read a trace pickle without running code from it.
-
-    Snapshots go through :func:`cudalab.memory.load_snapshot` (its restricted unpickler);
-    plain-data pickles that are not snapshots (the allocator benchmark's
-    ``{"trace": [...]}`` dicts, lists of tuples) are then read by this module's own
-    restricted unpickler, which equally refuses every class and function reference.
-    """
-    try:
-        from cudalab.memory_tools.snapshot import load_snapshot
-    except ImportError:  # pragma: no cover - snapshot.py ships with cudalab
-        return _restricted_load(path)
-    try:
-        return load_snapshot(path)
-    except OSError as exc:
-        raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except Exception as exc:  # refused, truncated, not a snapshot: one line, no traceback
-        why = _first_line(exc)
-    try:
-        obj = _restricted_load(path)
-    except TraceError:
-        obj = None
-    if (isinstance(obj, dict) and isinstance(obj.get("trace"), list)) or \
-            (isinstance(obj, list) and obj and isinstance(obj[0], (tuple, list))):
-        return obj
-    raise TraceError(why if path in why else f"cannot load {path}: {why}")
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Only plain builtins (dict, list, tuple, str, bytes, int, float, bool, None)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(
-            f"refusing to load {module}.{name}: a trace pickle may only hold plain Python "
-            "values (dict, list, tuple, str, int, float, bool, None)")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("refusing to load a persistent id: a trace pickle may "
-                                     "only hold plain Python values")
-
-
-def _restricted_load(path: str) -> Any:
-    try:
-        with open(path, "rb") as f:
-            return _PlainUnpickler(f).load()
-    except OSError as exc:
-        raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except RecursionError:
-        raise TraceError(f"cannot load {path}: nested too deeply") from None
-    except Exception as exc:
-        raise TraceError(f"cannot load {path}: not a trace pickle ({_first_line(exc)})") \
-            from None
-
-
-def _is_dataframe(obj: Any) -> bool:
-    mod = type(obj).__module__ or ""
-    return mod.startswith("pandas") and hasattr(obj, "columns") and hasattr(obj, "to_numpy")
-
-
-_ACTION_CODE = {"alloc": 1, "free_requested": 0, "free": 0}
-_SEGMENT_SIGN = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
-
-
-def _int_array(values: Any, what: str, source: str) -> np.ndarray:
-    try:
-        arr = np.asarray(values)
-        if arr.dtype.kind == "f" and np.isfinite(arr).all() and (arr == np.round(arr)).all():
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            arr = np.asarray([int(v) for v in values], dtype=np.int64)
-        return arr.astype(np.int64, copy=False)
-    except (OverflowError, TypeError, ValueError):
-        raise TraceError(f"{source}: trace {what} values must be integers") from None
-
-
-def _from_columns(source: str, actions: Sequence[Any], addrs: Any, sizes: Any,
-                  streams: Any) -> _Trace:
-    """Keep alloc/free entries, count the others by action (vectorised)."""
-    n = len(actions)
-    if n == 0:
-        z = np.zeros(0, np.int64)
-        return _Trace(source, np.zeros(0, np.int8), z, z, [])
-    get = _ACTION_CODE.get
-    try:
-        codes = np.array([get(a, 2) for a in actions], dtype=np.int8)
-    except TypeError:  # unhashable actions
-        codes = np.array([get(a, 2) if isinstance(a, str) else 2 for a in actions],
-                         dtype=np.int8)
-    keep = np.flatnonzero(codes < 2)
-    ignored: dict[str, int] = {}
-    ref: dict[str, Any] = {}
-    seg_allocs: list = []
-    if len(keep) < n:
-        other = np.flatnonzero(codes == 2).tolist()
-        sign = []
-        seg_idx = []
-        for i in other:
-            a = actions[i]
-            a = a if isinstance(a, str) else str(a)
-            ignored[a] = ignored.get(a, 0) + 1
-            sg = _SEGMENT_SIGN.get(a)
-            if sg is not None:
-                sign.append(sg)
-                seg_idx.append(i)
-        if seg_idx:
-            try:
-                seg_allocs = [(int(addrs[i]), int(sizes[i])) for i, sg in zip(seg_idx, sign)
-                              if sg > 0 and actions[i] == "segment_alloc"]
-            except (OverflowError, TypeError, ValueError):
-                seg_allocs = []
-            try:
-                seg_sizes = np.asarray([sizes[i] for i in seg_idx], dtype=np.int64)
-                ref["recorded_peak_reserved"] = int(
-                    np.cumsum(seg_sizes * np.asarray(sign, dtype=np.int64)).max(initial=0))
-            except (OverflowError, TypeError, ValueError):
-                pass
-    all_kept = len(keep) == n
-
-    def pick(values: Any) -> Any:
-        if all_kept:
-            return values
-        if isinstance(values, np.ndarray):
-            return values[keep]
-        return [values[i] for i in keep.tolist()]
-
-    try:
-        addr = np.asarray(pick(addrs), dtype=np.int64)
-    except (OverflowError, TypeError, ValueError):
-        addr = _object_keys(pick(addrs))
-    size_in = pick(sizes)
-    try:
-        size = np.asarray(size_in, dtype=np.int64)
-        if size.dtype.kind == "f":
-            raise TypeError
-    except (OverflowError, TypeError, ValueError):
-        size = np.asarray([s if isinstance(s, (int, np.integer)) and 0 < s < (1 << 62) else -1
-                           for s in size_in], dtype=np.int64)
-    stream = _int_array(pick(streams), "stream", source).tolist()
-    return _Trace(source, codes[keep], addr, size, stream, ignored, ref, seg_allocs)
-
-
-def _object_keys(values: Sequence[Any]) -> np.ndarray:
-    """Addresses that do not fit int64 (or are not ints): dense int ids by equality."""
-    ids: dict[Any, int] = {}
-    return np.asarray([ids.setdefault(v, len(ids)) for v in values], dtype=np.int64)
-
-
-def _from_entries(source: str, entries: Sequence[Any]) -> _Trace:
-    if not entries:
-        return _from_columns(source, [], [], [], [])
-    first = entries[0]
-    if isinstance(first, dict):
-        try:
-            actions = [e["action"] for e in entries]
-            addrs = [e.get("addr", 0) for e in entries]
-            sizes = [e.get("size", 0) for e in entries]
-            streams = [e.get("stream", 0) for e in entries]
-        except (KeyError, TypeError, AttributeError):
-            raise TraceError(f"{source}: trace entries must be dicts with 'action', 'addr', "
-                             "'size' and 'stream'") from None
-        return _from_columns(source, actions, addrs, sizes, streams)
-    try:  # (zip(*entries) is quadratic-ish for a million tuples: pick columns one by one)
-        actions = [e[0] for e in entries]
-        addrs = [e[1] for e in entries]
-        sizes = [e[2] for e in entries]
-        streams = [e[3] for e in entries]
-    except (TypeError, IndexError, KeyError):
-        raise TraceError(f"{source}: a trace list must hold (action, addr, size, stream) tuples "
-                         "or trace entry dicts") from None
-    return _from_columns(source, actions, addrs, sizes, streams)
-
-
-def _from_dataframe(source: str, df: Any, device: int | None) -> _Trace:
-    missing = [c for c in ("action", "addr", "size", "stream") if c not in df.columns]
-    if missing:
-        raise TraceError(f"{source}: the DataFrame lacks column(s) {', '.join(missing)} "
-                         "(needs action, addr, size, stream)")
-    if device is not None and "device" in df.columns:
-        dev = df["device"]
-        df = df[(dev == device) | dev.isna()]
-
-    def col(name: str) -> np.ndarray:
-        c = df[name]
-        if c.isna().any():
-            c = c.fillna(0)
-        return c.to_numpy()
-
-    return _from_columns(source, df["action"].tolist(), col("addr"), col("size"), col("stream"))
-
-
-def _from_snapshot(source: str, snap: dict, device: int) -> _Trace:
-    traces = snap.get("device_traces")
-    if not isinstance(traces, list):
-        raise TraceError(f"{source}: the snapshot has no 'device_traces' list (was history "
-                         "recording on? cudalab.memory.record_history() / "
-                         "torch.cuda.memory._record_memory_history())")
-    if not 0 <= device < len(traces):
-        raise TraceError(f"{source}: no trace for device {device} (the snapshot has "
-                         f"{len(traces)} device trace(s))")
-    entries = traces[device]
-    if not isinstance(entries, list):
-        raise TraceError(f"{source}: device_traces[{device}] is not a list")
-    if not entries:
-        others = [i for i, t in enumerate(traces) if t]
-        if others:
-            raise TraceError(f"{source}: the trace of device {device} is empty; devices with "
-                             f"entries: {', '.join(map(str, others))} (use device=...)")
-    return _from_entries(source, entries)
-
-
-def load_trace(trace: Any, device: int = 0) -> _Trace:
-    """Read any accepted trace form (see the module documentation) into arrays."""
-    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
-        raise TraceError(f"device must be a device index (int >= 0), got {device!r}")
-    source = "trace"
-    reference: dict[str, Any] = {}
-    if isinstance(trace, (str, os.PathLike)):
-        source = os.fspath(trace)
-        if os.path.isdir(source):
-            raise TraceError(f"cannot read {source}: it is a directory, not a trace pickle")
-        trace = _load_pickle(source)
-    if isinstance(trace, _Trace):
-        return trace
-    if _is_dataframe(trace):
-        return _from_dataframe("DataFrame" if source == "trace" else source, trace, device)
-    if isinstance(trace, dict):
-        if "device_traces" in trace or "segments" in trace:
-            return _from_snapshot(source, trace, device)
-        if "trace" in trace:  # the allocator benchmark's {"name", "trace", "torch_peak_*"}
-            for key in ("torch_peak_reserved", "torch_peak_allocated"):
-                if isinstance(trace.get(key), int):
-                    reference[key] = trace[key]
-            if isinstance(trace.get("name"), str) and source == "trace":
-                source = trace["name"]
-            tr = _from_entries(source, trace["trace"])
-            tr.reference.update(reference)
-            return tr
-        raise TraceError(f"{source}: a dict trace must be a memory snapshot (with "
-                         "'device_traces') or hold a 'trace' list")
-    if isinstance(trace, (list, tuple)):
-        return _from_entries(source, trace)
-    raise TraceError(f"cannot replay a {type(trace).__name__}: give a snapshot dict, a snapshot "
-                     "pickle path, a DataFrame (action, addr, size, stream) or a list of "
-                     "(action, addr, size, stream) tuples")
-
-
 # ====================================================================================== pairing
 @dataclass
-class _Plan:
+class ReplayPlan:
     """The replayable part of a trace: entry indices, actions, sizes, streams, slots."""
 
     index: np.ndarray  # original entry index of each kept entry
@@ -410,7 +109,10 @@ class _Plan:
     peak_live: int  # peak of live requested bytes (rounded to 512)
 
 
-def _plan(tr: _Trace) -> _Plan:
+def plan_replay(tr: TraceArrays) -> ReplayPlan:
+    """The replayable part of ``tr``: each free paired with its allocation (vectorised),
+    the entries a replay cannot use counted in ``skipped``. One plan serves every replay of
+    the trace (what-if replays it under many settings)."""
     n = len(tr)
     act = tr.action
     addr = tr.addr
@@ -477,19 +179,11 @@ def _plan(tr: _Trace) -> _Plan:
         peak_live = 0
     streams = tr.stream
     kstream = streams if len(idx) == n else [streams[i] for i in idx.tolist()]
-    return _Plan(idx, kact.tolist(), ksize.tolist(), kstream, kslot.tolist(), n, skipped,
+    return ReplayPlan(idx, kact.tolist(), ksize.tolist(), kstream, kslot.tolist(), n, skipped,
                  truncated, peak_live)
 
 
 # ====================================================================================== results
-def _fmt_bytes(n: int | float) -> str:
-    n = float(n)
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 @dataclass
 class ReplayResult:
     """What one allocator configuration did with a trace (see :func:`replay`)."""
@@ -590,14 +284,14 @@ class ReplayResult:
             ("trace", self.source),
             ("config", self.label + ("" if self.backend == "native" or self.config
                                      else f" ({self.backend})")),
-            ("simulated device", _fmt_bytes(self.device_memory)),
+            ("simulated device", format_bytes(self.device_memory, decimals=2)),
             ("entries", f"{self.entries:,} ({self.allocs:,} allocs, {self.frees:,} frees "
                         f"replayed)"),
-            ("peak reserved", _fmt_bytes(self.peak_reserved)),
-            ("peak allocated", _fmt_bytes(self.peak_allocated)),
-            ("reserved/allocated at peak", f"{self.ratio:.3f} (allocated "
-                                           f"{_fmt_bytes(self.allocated_at_peak)} at entry "
-                                           f"{self.peak_index})"),
+            ("peak reserved", format_bytes(self.peak_reserved, decimals=2)),
+            ("peak allocated", format_bytes(self.peak_allocated, decimals=2)),
+            ("reserved/allocated at peak",
+             f"{self.ratio:.3f} (allocated {format_bytes(self.allocated_at_peak, decimals=2)} "
+             f"at entry {self.peak_index})"),
             ("device mallocs / frees", f"{self.num_device_alloc:,} / {self.num_device_free:,}"),
             ("alloc retries", f"{self.retries:,}"),
             ("OOMs", f"{self.ooms:,}"),
@@ -607,7 +301,7 @@ class ReplayResult:
             if ref:
                 name = "torch peak reserved" if key.startswith("torch") else \
                     "recorded peak reserved"
-                rows.append((name, f"{_fmt_bytes(ref)} (replay/recorded "
+                rows.append((name, f"{format_bytes(ref, decimals=2)} (replay/recorded "
                                    f"{self.peak_reserved / ref:.4f})"))
         if self.skipped:
             rows.append(("skipped", ", ".join(f"{k} {v:,}" for k, v in self.skipped.items())))
@@ -632,27 +326,11 @@ class ReplayResult:
 
 
 # ====================================================================================== replay
-_ENV_LOCK = threading.Lock()
-
-
 def _simulator(device_memory: int) -> Any:
     """A private one-device SimulatorBackend of ``device_memory`` bytes."""
-    from cudalab._driver.sim import SimulatorBackend
+    from cudalab._driver.sim import SimulatorBackend, SimulatorConfig
 
-    keys = ("CUDALAB_SIMULATOR_DEVICES", "CUDALAB_SIMULATOR_MEMORY", "CUDA_VISIBLE_DEVICES")
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in keys}
-        try:
-            os.environ["CUDALAB_SIMULATOR_DEVICES"] = "1"
-            os.environ["CUDALAB_SIMULATOR_MEMORY"] = str(int(device_memory))
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            sim = SimulatorBackend()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    sim = SimulatorBackend(SimulatorConfig(device_count=1, memory=int(device_memory)))
     sim.init()
     return sim
 
@@ -709,7 +387,9 @@ class _TraceAddresses:
         self._sim.mem_free(device, real)
 
 
-def _as_config(config: str | AllocatorConfig | None) -> AllocatorConfig:
+def as_config(config: str | AllocatorConfig | None) -> AllocatorConfig:
+    """An :class:`AllocatorConfig` from a settings string, a config or None (the defaults);
+    ValueError for bad settings, TypeError for anything else."""
     if config is None:
         return AllocatorConfig()
     if isinstance(config, AllocatorConfig):
@@ -720,7 +400,7 @@ def _as_config(config: str | AllocatorConfig | None) -> AllocatorConfig:
                     f"got {type(config).__name__}")
 
 
-def _config_text(cfg: AllocatorConfig) -> str:
+def config_text(cfg: AllocatorConfig) -> str:
     """The settings string of ``cfg``: as given when parsed, else rebuilt from the fields
     that differ from the defaults (for configs built in code), "" for the defaults."""
     if cfg.text.strip():
@@ -753,60 +433,13 @@ def _auto_memory(peak_live: int) -> int:
     return min(_MAX_DEVICE, -(-want // GiB) * GiB)
 
 
-class _Progress:
-    """Plain-text progress bar on stderr (redrawn at most ten times a second)."""
-
-    def __init__(self, label: str = "", stream: Any = None, delay: float = 0.5):
-        self.label = label
-        self.stream = stream if stream is not None else sys.stderr
-        self._start = time.monotonic()
-        self._delay = delay  # short replays never show a bar
-        self._last = 0.0
-        self._width = 0
-        self._drawn = False
-
-    def __call__(self, done: int, total: int, label: str | None = None) -> None:
-        now = time.monotonic()
-        if now - self._start < self._delay and not self._drawn:
-            return
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        text = label if label is not None else self.label
-        line = (f"[{bar:<30}] {frac * 100:5.1f}% {done:,}/{total:,} entries"
-                f"{'  ' + text if text else ''}")
-        self.stream.write("\r" + line.ljust(self._width))
-        self.stream.flush()
-        self._width = len(line)
-        self._drawn = True
-
-    def close(self) -> None:
-        if self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
-
-
-def _progress_fn(progress: Any, label: str) -> tuple[Callable[[int, int], None] | None,
-                                                        _Progress | None]:
-    if progress is None or progress is False:
-        return None, None
-    if progress is True:
-        bar = _Progress(label)
-        return bar, bar
-    if callable(progress):
-        return progress, None
-    raise TypeError("progress must be a bool or a callable(done, total)")
-
-
-def _run(plan: _Plan, cfg: AllocatorConfig, device_memory: int,
+def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
          progress: Callable[[int, int], None] | None,
          segments: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """One replay over a fresh simulator; the raw numbers."""
     sim = _simulator(device_memory)
     is_async = cfg.backend == "cudaMallocAsync"
+    alloc: Any  # an AsyncPoolAllocator or a native caching allocator
     if is_async:
         from cudalab.allocator.async_allocator import AsyncPoolAllocator
 
@@ -819,11 +452,11 @@ def _run(plan: _Plan, cfg: AllocatorConfig, device_memory: int,
         streams = [keys[s] for s in plan.stream]
         pool = alloc._pool
     else:
-        from cudalab.allocator.allocator import DeviceCachingAllocator
+        from cudalab.allocator.registry import native_allocator
 
         backend = (_TraceAddresses(sim, segments) if segments and not cfg.expandable_segments
                    else sim)
-        alloc = DeviceCachingAllocator(backend, 0, cfg, stream_resolver=lambda: 0)
+        alloc = native_allocator(cast("Backend", backend), 0, cfg, stream_resolver=lambda: 0)
         alloc._trace = None  # never recorded into anyone's history
         alloc._memo_ok = False  # counters are sampled after every event
         streams = plan.stream
@@ -975,7 +608,8 @@ def _run(plan: _Plan, cfg: AllocatorConfig, device_memory: int,
     return out
 
 
-def _skip_warning(plan: _Plan, source: str) -> str | None:
+def skip_warning(plan: ReplayPlan, source: str) -> str | None:
+    """The :class:`ReplayWarning` text counting what ``plan`` skipped (None: nothing)."""
     if not plan.skipped:
         return None
     total = sum(plan.skipped.values())
@@ -988,9 +622,12 @@ def _skip_warning(plan: _Plan, source: str) -> str | None:
     return text
 
 
-def _replay_plan(tr: _Trace, plan: _Plan, config: Any, device_memory: int | None,
-                 progress: Callable[[int, int], None] | None) -> ReplayResult:
-    cfg = _as_config(config)
+def replay_planned(tr: TraceArrays, plan: ReplayPlan, config: Any,
+                   device_memory: int | None,
+                   progress: Callable[[int, int], None] | None) -> ReplayResult:
+    """One replay of ``plan`` (made from ``tr`` by :func:`plan_replay`) with ``config``;
+    see :func:`replay` for the arguments. Issues no warning (see :func:`skip_warning`)."""
+    cfg = as_config(config)
     if device_memory is not None:
         memory = int(device_memory)
         if not (1 << 20) <= memory <= _MAX_DEVICE:
@@ -1013,7 +650,7 @@ def _replay_plan(tr: _Trace, plan: _Plan, config: Any, device_memory: int | None
     idx, res, alc = raw["timeline"]
     elapsed = raw["elapsed"]
     return ReplayResult(
-        config=_config_text(cfg), backend=cfg.backend,
+        config=config_text(cfg), backend=cfg.backend,
         expandable_segments=cfg.expandable_segments and cfg.backend == "native",
         device_memory=memory, source=tr.source, entries=plan.n_entries,
         replayed=raw["replayed"], allocs=raw["allocs"], frees=raw["frees"],
@@ -1030,7 +667,7 @@ def _replay_plan(tr: _Trace, plan: _Plan, config: Any, device_memory: int | None
     )
 
 
-def _reference(tr: _Trace, plan: _Plan) -> dict[str, Any]:
+def _reference(tr: TraceArrays, plan: ReplayPlan) -> dict[str, Any]:
     ref = dict(tr.reference)
     if plan.truncated or plan.skipped.get("free_before_alloc"):
         # The trace began after memory was already reserved: its segment entries only give
@@ -1044,129 +681,48 @@ def replay(trace: Any, config: str | AllocatorConfig | None = None, *,
            progress: bool | Callable[[int, int], None] = False) -> ReplayResult:
     """Replay ``trace`` through a fresh allocator with ``config`` on a private simulator.
 
-    Args:
-        trace: a snapshot dict, a snapshot pickle path, a DataFrame (action, addr, size,
-            stream[, device]) or a list of (action, addr, size, stream) tuples.
-        config: an allocator settings string in ``PYTORCH_ALLOC_CONF`` grammar
-            (``"expandable_segments:True,max_split_size_mb:128"``), an
-            :class:`~cudalab.memory.AllocatorConfig`, or None for the native defaults.
-        device_memory: bytes of the simulated device (default: large enough, see the module
-            documentation).
-        device: which device's trace of a snapshot to replay (default 0).
-        progress: True for a text progress bar on stderr, or a callable(done, total).
+    Parameters
+    ----------
+    trace
+        A snapshot dict, a snapshot pickle path, a DataFrame (action, addr, size,
+        stream[, device]) or a list of (action, addr, size, stream) tuples (see
+        :func:`cudalab.memory_tools.trace_io.load_trace`).
+    config : str, AllocatorConfig or None
+        Allocator settings in ``PYTORCH_ALLOC_CONF`` grammar
+        (``"expandable_segments:True,max_split_size_mb:128"``), an
+        :class:`~cudalab.memory.AllocatorConfig`, or None for the native defaults.
+    device_memory : int, optional
+        Bytes of the simulated device (default: large enough, see the module documentation).
+    device : int, optional
+        Which device's trace of a snapshot to replay (default 0).
+    progress : bool or callable, optional
+        True for a text progress bar on stderr, or a ``callable(done, total)``.
 
-    Skipped entries are reported by one :class:`ReplayWarning`; out-of-memory errors during
-    the replay are counted in the result, never raised. Raises :class:`TraceError` for a
-    trace that cannot be read and ValueError for bad settings.
+    Returns
+    -------
+    ReplayResult
+        What the allocator did; out-of-memory errors during the replay are counted in it,
+        never raised. Skipped entries are reported by one :class:`ReplayWarning`.
+
+    Raises
+    ------
+    TraceError
+        (a ValueError, :mod:`cudalab.memory_tools.trace_io`) The trace cannot be read.
+    ValueError
+        Bad settings or ``device_memory``.
     """
     tr = load_trace(trace, device)
-    plan = _plan(tr)
-    fn, bar = _progress_fn(progress, _config_text(_as_config(config)) or "default")
+    plan = plan_replay(tr)
+    fn, bar = progress_callback(progress, config_text(as_config(config)) or "default")
     try:
-        result = _replay_plan(tr, plan, config, device_memory, fn)
+        result = replay_planned(tr, plan, config, device_memory, fn)
     finally:
         if bar is not None:
             bar.close()
-    text = _skip_warning(plan, tr.source)
+    text = skip_warning(plan, tr.source)
     if text:
         warnings.warn(text, ReplayWarning, stacklevel=2)
     return result
-
-
-# ====================================================================================== what-if
-def _labels(configs: Iterable[Any]) -> list[tuple[str, AllocatorConfig]]:
-    out: list[tuple[str, AllocatorConfig]] = []
-    seen: set[str] = set()
-    for c in configs:
-        cfg = _as_config(c)
-        label = _config_text(cfg) or "default"
-        if label not in seen:
-            seen.add(label)
-            out.append((label, cfg))
-    return out
-
-
-def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, *,
-            device_memory: int | None = None, device: int = 0,
-            progress: bool | Callable[[int, int], None] = False) -> Any:
-    """Replay ``trace`` under several allocator settings; a DataFrame ranked by peak reserved.
-
-    ``configs`` default to :data:`DEFAULT_WHAT_IF_CONFIGS` (native defaults, expandable
-    segments, max_split_size_mb 64/128/256/512, two roundup_power2_divisions settings and
-    backend:cudaMallocAsync), plus :data:`GC_CONFIG` (garbage collection at 0.6 of a 0.9
-    memory fraction) when ``device_memory`` is given: garbage collection acts relative to the
-    device's memory, so it is only meaningful for a known device. The native defaults are
-    always replayed and are the baseline of ``saving_vs_default``.
-
-    Columns: config, peak_reserved, peak_allocated, ratio (reserved/allocated at the reserved
-    peak), saving_vs_default (bytes), saving_vs_default_pct, device_mallocs, retries, ooms;
-    index "rank" from 1, best (least peak reserved, no OOM) first. ``df.attrs["results"]``
-    holds the :class:`ReplayResult` of each row (same order).
-    """
-    import pandas as pd
-
-    tr = load_trace(trace, device)
-    plan = _plan(tr)
-    note = None
-    if configs is None:
-        configs = list(DEFAULT_WHAT_IF_CONFIGS)
-        if device_memory is not None:
-            configs.append(GC_CONFIG)
-        else:
-            note = ("garbage_collection_threshold was not tried: it acts relative to the "
-                    "device's memory; pass device_memory= (CLI: --device-memory) to include it")
-    elif isinstance(configs, (str, AllocatorConfig)):
-        configs = [configs]
-    todo = _labels(configs)
-    if not any(label == "default" for label, _ in todo):
-        todo.insert(0, ("default", AllocatorConfig()))
-    fn, bar = _progress_fn(progress, "")
-    results: list[ReplayResult] = []
-    n_cfg = len(todo)
-    try:
-        for i, (label, cfg) in enumerate(todo):
-            step = None
-            if fn is not None:
-
-                def step(done: int, total: int, _i: int = i, _label: str = label) -> None:
-                    if bar is not None:
-                        bar(_i * total + done, n_cfg * total, f"[{_i + 1}/{n_cfg}] {_label}")
-                    else:
-                        fn(_i * total + done, n_cfg * total)
-            results.append(_replay_plan(tr, plan, cfg, device_memory, step))
-    finally:
-        if bar is not None:
-            bar.close()
-    text = _skip_warning(plan, tr.source)
-    if text:
-        warnings.warn(text, ReplayWarning, stacklevel=2)
-    base = next(r for r in results if r.label == "default")
-    ranked = sorted(enumerate(results), key=lambda ir: (ir[1].ooms > 0, ir[1].peak_reserved,
-                                                        ir[0]))
-    rows = []
-    for _, r in ranked:
-        saving = base.peak_reserved - r.peak_reserved
-        rows.append({
-            "config": r.label,
-            "peak_reserved": r.peak_reserved,
-            "peak_allocated": r.peak_allocated,
-            "ratio": r.ratio,
-            "saving_vs_default": saving,
-            "saving_vs_default_pct": (100.0 * saving / base.peak_reserved
-                                      if base.peak_reserved else 0.0),
-            "device_mallocs": r.num_device_alloc,
-            "retries": r.retries,
-            "ooms": r.ooms,
-        })
-    df = pd.DataFrame(rows, columns=["config", "peak_reserved", "peak_allocated", "ratio",
-                                     "saving_vs_default", "saving_vs_default_pct",
-                                     "device_mallocs", "retries", "ooms"])
-    df.index = pd.RangeIndex(1, len(df) + 1, name="rank")
-    df.attrs["results"] = [r for _, r in ranked]
-    df.attrs["source"] = tr.source
-    if note:
-        df.attrs["note"] = note
-    return df
 
 
 # ====================================================================================== plots
@@ -1189,7 +745,7 @@ def save_plot(results: ReplayResult | Sequence[ReplayResult], path: str | os.Pat
     for i, r in enumerate(results):
         color = f"C{i % 10}"
         ax.plot(r.timeline_index, r.timeline_reserved / GiB, color=color, lw=1.4,
-                label=f"{r.label} reserved (peak {_fmt_bytes(r.peak_reserved)})")
+                label=f"{r.label} reserved (peak {format_bytes(r.peak_reserved, decimals=2)})")
         ax.plot(r.timeline_index, r.timeline_allocated / GiB, color=color, lw=1.0, ls="--",
                 alpha=0.8, label=f"{r.label} allocated")
     ax.set_xlabel("trace entry")
@@ -1201,63 +757,3 @@ def save_plot(results: ReplayResult | Sequence[ReplayResult], path: str | os.Pat
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="upper left")
     fig.savefig(path)
-
-
-# ====================================================================================== text
-def parse_size(text: str | int) -> int:
-    """``"80GiB"``, ``"80 GB"``, ``"1.5TiB"``, ``"1073741824"`` -> bytes (ValueError if bad)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    units = {"": 1, "b": 1, "k": 1024, "kb": 10**3, "kib": 1024, "m": MiB, "mb": 10**6,
-             "mib": MiB, "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12,
-             "tib": 1 << 40}
-    raw = str(text).strip()
-    num = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ").strip()
-    unit = raw[len(raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    factor = units.get(unit.lower())
-    if factor is None or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"cannot read the size {text!r}: give bytes or a number with a unit, "
-                         "e.g. 80GiB, 80GB, 512MiB")
-    return int(value * factor)
-
-
-def format_what_if(df: Any) -> str:
-    """The ranked what-if table as text (what ``cudalab what-if`` prints)."""
-    header = ["rank", "config", "peak reserved", "peak allocated", "ratio", "saving",
-              "saving %", "device mallocs", "retries", "OOMs"]
-    rows = []
-    for rank, r in zip(df.index, df.itertuples(index=False)):
-        rows.append([str(rank), r.config, _fmt_bytes(r.peak_reserved),
-                     _fmt_bytes(r.peak_allocated), f"{r.ratio:.3f}",
-                     ("+" if r.saving_vs_default > 0 else "") + _fmt_bytes(r.saving_vs_default),
-                     f"{r.saving_vs_default_pct:+.1f} %", f"{r.device_mallocs:,}",
-                     f"{r.retries:,}", f"{r.ooms:,}"])
-    right = {0, 2, 3, 4, 5, 6, 7, 8, 9}
-    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
-    lines = []
-    results = df.attrs.get("results") or []
-    if results:
-        r0 = results[0]
-        mems = sorted({r.device_memory for r in results})
-        mem = _fmt_bytes(mems[0]) if len(mems) == 1 else \
-            f"{_fmt_bytes(mems[0])} to {_fmt_bytes(mems[-1])}"
-        lines.append(f"what-if: {r0.source}: {r0.entries:,} alloc/free entries, replayed on a "
-                     f"simulated device of {mem}")
-    for row in [header, *rows]:
-        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-    if len(df):
-        best = df.iloc[0]
-        if best["saving_vs_default"] > 0:
-            lines.append(f"best: {best['config']} saves {_fmt_bytes(best['saving_vs_default'])} "
-                         f"({best['saving_vs_default_pct']:.1f} %) of peak reserved memory "
-                         "against the defaults")
-        else:
-            lines.append("best: the defaults (no config tried reserves less)")
-    if df.attrs.get("note"):
-        lines.append(f"note: {df.attrs['note']}")
-    return "\n".join(lines)

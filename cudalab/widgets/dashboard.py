@@ -37,36 +37,24 @@ import base64
 import contextlib
 import html
 import io
-import os
-import struct
 import threading
 import time
 import weakref
-import zlib
-from collections import deque
 from typing import Any
 
 import ipywidgets as W
 import numpy as np
 
-from cudalab.memory_tools.plot import _human
+from cudalab import _internal
+from cudalab._internal import format_bytes
+from cudalab.widgets.dashboard_chart import _chart, _nice_max, _png
+from cudalab.widgets.dashboard_device import _Device
 
 __all__ = ["MemoryDashboard", "close_all", "live_dashboards"]
 
 _live: weakref.WeakSet = weakref.WeakSet()
 _THREAD_NAME = "cudalab-dashboard-sampler"
 
-# Chart colours (palette PNG indices).
-_PALETTE = (
-    (255, 255, 255),  # 0 background
-    (232, 232, 232),  # 1 grid
-    (253, 208, 162),  # 2 reserved area
-    (198, 219, 239),  # 3 allocated area
-    (140, 140, 140),  # 4 NVML used line
-    (230, 85, 13),    # 5 reserved line
-    (31, 119, 180),   # 6 allocated line
-    (214, 39, 40),    # 7 capacity line
-)
 _ALLOC_C, _RES_C, _OTHER_C = "#1f77b4", "#fdae6b", "#bdbdbd"
 _WARN_C, _DANGER_C, _OK_C = "#e6550d", "#d62728", "#31a354"
 
@@ -95,190 +83,6 @@ def _stop_threads_at_exit() -> None:
 atexit.register(_stop_threads_at_exit)
 
 
-# --------------------------------------------------------------------------- PNG sparkline
-def _png(indices: np.ndarray, palette: tuple = _PALETTE) -> bytes:
-    """A palette PNG (colour type 3, 8 bits) of ``indices`` (H x W uint8)."""
-    h, w = indices.shape
-    raw = np.zeros((h, w + 1), np.uint8)  # filter byte 0 per row
-    raw[:, 1:] = indices
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-    plte = bytes(c for rgb in palette for c in rgb)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 3, 0, 0, 0))
-            + chunk(b"PLTE", plte) + chunk(b"IDAT", zlib.compress(raw.tobytes(), 6))
-            + chunk(b"IEND", b""))
-
-
-def _nice_max(v: float) -> float:
-    """The smallest of 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8 x 1024^k (or 2^k below 1 KiB)
-    that is >= v: a y-axis top that changes rarely."""
-    v = max(float(v), 1024.0)
-    unit = 1024.0 ** int(np.floor(np.log(v) / np.log(1024)))
-    for m in (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12.5, 15, 20, 25, 30, 40, 50, 60, 80,
-              100, 125, 150, 200, 250, 300, 400, 500, 600, 800, 1000, 1024):
-        if m * unit >= v:
-            return m * unit
-    return 1024 * unit  # pragma: no cover
-
-
-def _columns(values: np.ndarray, window: int, width: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(low, high) value per pixel column for the samples (oldest first), newest at the right
-    edge (the series scrolls left), and the first column covered."""
-    n = values.size
-    step = (width - 1) / max(window - 1, 1)
-    pos = (np.arange(n, dtype=np.float64) + (window - n)) * step
-    c0 = int(pos[0])
-    ncol = width - c0
-    rel = pos - c0
-    if n >= ncol:
-        col = np.minimum(rel.astype(np.int64), ncol - 1)
-        lo = np.full(ncol, np.inf)
-        hi = np.full(ncol, -np.inf)
-        np.minimum.at(lo, col, values)
-        np.maximum.at(hi, col, values)
-        last = np.zeros(ncol, np.int64)
-        np.maximum.at(last, col, np.arange(n))
-        prev = np.empty(ncol)
-        prev[0] = values[0]
-        prev[1:] = values[last[:-1]]
-    else:
-        cols = np.arange(ncol, dtype=np.float64)
-        lo = hi = np.interp(cols, rel, values)
-        prev = np.empty(ncol)
-        prev[0] = lo[0]
-        prev[1:] = lo[:-1]
-    return np.minimum(lo, prev), np.maximum(hi, prev), c0
-
-
-def _chart(series: dict[str, np.ndarray], window: int, ymax: float, capacity: int | None,
-           width: int = 300, height: int = 64) -> np.ndarray:
-    """The palette-index image of the time series (areas for allocated/reserved, lines for
-    all three, a dotted red line at the capacity when it is on the scale)."""
-    img = np.zeros((height, width), np.uint8)
-    img[[height // 4, height // 2, 3 * height // 4], ::3] = 1
-    rows = np.arange(height)[:, None]
-    scale = (height - 1) / ymax if ymax > 0 else 0.0
-
-    def y(v: np.ndarray) -> np.ndarray:
-        return np.clip(height - 1 - np.round(v * scale), 0, height - 1).astype(np.int64)
-
-    spans = {}
-    for key in ("nvml_used", "reserved", "allocated"):
-        v = series.get(key)
-        if v is None or v.size == 0:
-            continue
-        lo, hi, c0 = _columns(v.astype(np.float64), window, width)
-        spans[key] = (y(hi), y(lo), c0)
-    for key, color in (("reserved", 2), ("allocated", 3)):  # areas under the lines
-        if key in spans:
-            top, _, c0 = spans[key]
-            sub = img[:, c0:]
-            sub[rows >= top[None, :]] = color
-    if capacity and capacity <= ymax:
-        img[int(y(np.array([capacity]))[0]), ::2] = 7
-    for key, color in (("nvml_used", 4), ("reserved", 5), ("allocated", 6)):
-        if key in spans:
-            top, bottom, c0 = spans[key]
-            sub = img[:, c0:]
-            sub[(rows >= top[None, :]) & (rows <= bottom[None, :])] = color
-    return img
-
-
-# --------------------------------------------------------------------------- device state
-class _Device:
-    """One device's identity, NVML handle and ring buffers."""
-
-    def __init__(self, index: int, window: int):
-        import cudalab
-        from cudalab import nvml as nvml_mod
-
-        self.index = index
-        self.name = cudalab.get_device_name(index)
-        props = cudalab.get_device_properties(index)
-        self.capacity = int(props.total_memory)
-        self.nvml: Any = None
-        self.uuid = ""
-        self.nvml_error = ""
-        try:
-            _, self.uuid, self.nvml = nvml_mod._resolve(index)
-            self.nvml.uuids()  # probe: raises when NVML cannot be used
-        except Exception as exc:  # NvmlError, NvmlUnavailableError, missing bindings
-            self.nvml = None
-            self.nvml_error = f"NVML unavailable ({type(exc).__name__})"
-        self.t: deque = deque(maxlen=window)
-        self.allocated: deque = deque(maxlen=window)
-        self.reserved: deque = deque(maxlen=window)
-        self.nvml_used: deque = deque(maxlen=window)
-        self.last: dict[str, Any] = {}
-        self.last_png = b""
-        self.chart_time = 0.0
-        self.ymax = 1024.0
-
-    def sample(self, now: float) -> dict[str, Any]:
-        import cudalab.memory as cm
-
-        st = cm.memory_stats(self.index)
-        s: dict[str, Any] = {
-            "time": now,
-            "allocated": st.get("allocated_bytes.all.current", 0),
-            "reserved": st.get("reserved_bytes.all.current", 0),
-            "peak_allocated": st.get("allocated_bytes.all.peak", 0),
-            "peak_reserved": st.get("reserved_bytes.all.peak", 0),
-            "requested": st.get("requested_bytes.all.current", 0),
-            "allocations": st.get("allocation.all.current", 0),
-            "allocations_total": st.get("allocation.all.allocated", 0),
-            "segments": st.get("segment.all.current", 0),
-            "num_ooms": st.get("num_ooms", 0),
-            "num_alloc_retries": st.get("num_alloc_retries", 0),
-            "utilization": None, "memory_utilization": None, "temperature": None,
-            "power_draw": None, "clock_rate": None, "nvml_used": None,
-            "nvml_total": None, "process_used": None, "all_processes_used": None,
-            "processes": None,
-        }
-        nv = self.nvml
-        if nv is not None:
-            uuid = self.uuid
-            for keys, query in ((("utilization", "memory_utilization"), nv.utilization),
-                                (("temperature",), nv.temperature),
-                                (("power_draw",), nv.power_usage),
-                                (("clock_rate",), nv.clock_sm),
-                                (("nvml_total", None, "nvml_used"), nv.memory_info)):
-                try:
-                    value = query(uuid)
-                except Exception:  # one metric not supported: the others still read
-                    continue
-                if len(keys) == 1:
-                    s[keys[0]] = value
-                else:
-                    for k, v in zip(keys, value):
-                        if k is not None:
-                            s[k] = v
-            try:
-                procs = nv.processes(uuid)
-            except Exception:
-                procs = None
-            if procs is not None:
-                pid = os.getpid()
-                s["processes"] = len(procs)
-                s["all_processes_used"] = sum(u for _, u in procs if u is not None)
-                mine = [u for p, u in procs if p == pid]
-                s["process_used"] = (mine[0] if mine and mine[0] is not None else None)
-        self.t.append(now)
-        self.allocated.append(s["allocated"])
-        self.reserved.append(s["reserved"])
-        self.nvml_used.append(s["nvml_used"] if s["nvml_used"] is not None else 0)
-        self.last = s
-        return s
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        out = {"allocated": np.fromiter(self.allocated, np.float64, len(self.allocated)),
-               "reserved": np.fromiter(self.reserved, np.float64, len(self.reserved))}
-        if self.nvml is not None:
-            out["nvml_used"] = np.fromiter(self.nvml_used, np.float64, len(self.nvml_used))
-        return out
-
 
 def _pct(v: int, cap: int) -> float:
     return 100.0 * v / cap if cap else 0.0
@@ -290,13 +94,12 @@ def _level(frac: float, warn: float, danger: float) -> str:
 
 def _device_indices(devices: Any) -> list[int]:
     import cudalab
-    from cudalab import devices as _devices
 
     if devices is None:
         return list(range(cudalab.device_count()))
     if isinstance(devices, (int, str)) or isinstance(getattr(devices, "index", None), int):
-        return [_devices._device_index(devices)]
-    return [_devices._device_index(d) for d in devices]
+        return [_internal.device_index(devices)]
+    return [_internal.device_index(d) for d in devices]
 
 
 # --------------------------------------------------------------------------- the widget
@@ -343,9 +146,7 @@ class MemoryDashboard(W.VBox):
         self._devices = [_Device(d, self.window) for d in _device_indices(devices)]
         simulated = False
         if self._devices:
-            from cudalab import devices as _devs
-
-            simulated = bool(_devs._backend().simulated)
+            simulated = bool(_internal.backend().simulated)
         self.simulated = simulated
 
         self._pause = W.ToggleButton(value=False, description="Pause", icon="pause",
@@ -535,7 +336,7 @@ class MemoryDashboard(W.VBox):
         span = self.window * self.interval
         span_txt = f"{span / 60:.0f} min" if span >= 120 else f"{span:.0f} s"
         out.append((p["scale"], {"value": f'<span style="font-size:11px;color:#777">0&ndash;'
-                                          f'{_human(ymax)}, last {span_txt}&nbsp;</span>'}))
+                                          f'{format_bytes(ymax)}, last {span_txt}&nbsp;</span>'}))
         return out
 
     def _title_html(self, dev: _Device, level: str, frac: float) -> str:
@@ -547,7 +348,7 @@ class MemoryDashboard(W.VBox):
                      f'{100 * frac:.0f}% used: {word}</span>')
         return (f'<div class="cudalab-dash-title" data-device="{dev.index}">'
                 f'<b>cuda:{dev.index}</b> {html.escape(dev.name)} &middot; '
-                f'{_human(dev.capacity)}{badge}</div>')
+                f'{format_bytes(dev.capacity)}{badge}</div>')
 
     def _mem_html(self, s: dict, cap: int, level: str) -> str:
         a, r, pk = s["allocated"], s["reserved"], s["peak_allocated"]
@@ -563,8 +364,8 @@ class MemoryDashboard(W.VBox):
                f'width:2px;background:#000" title="peak allocated"></div></div>')
         return (f'<div class="cudalab-dash-mem" data-allocated="{a}" data-reserved="{r}" '
                 f'data-peak="{pk}" data-capacity="{cap}">{bar}'
-                f'allocated <b>{_human(a)}</b> &middot; reserved <b>{_human(r)}</b> &middot; '
-                f'peak <b>{_human(pk)}</b> &middot; {_pct(r, cap):.1f}% of {_human(cap)}</div>')
+                f'allocated <b>{format_bytes(a)}</b> &middot; reserved <b>{format_bytes(r)}</b> &middot; '
+                f'peak <b>{format_bytes(pk)}</b> &middot; {_pct(r, cap):.1f}% of {format_bytes(cap)}</div>')
 
     def _nvml_html(self, dev: _Device, s: dict) -> str:
         if dev.nvml is None:
@@ -592,11 +393,11 @@ class MemoryDashboard(W.VBox):
         if dev.nvml is None or s["processes"] is None:
             return ""
         mine = s["process_used"]
-        mine_txt = "n/a" if mine is None else _human(mine)
+        mine_txt = "n/a" if mine is None else format_bytes(mine)
         return (f'<div class="cudalab-dash-procs">this process <b>{mine_txt}</b> &middot; '
                 f'all {s["processes"]} process{"es" if s["processes"] != 1 else ""} '
-                f'<b>{_human(s["all_processes_used"] or 0)}</b> &middot; NVML used '
-                f'{_human(s["nvml_used"] or 0)}</div>')
+                f'<b>{format_bytes(s["all_processes_used"] or 0)}</b> &middot; NVML used '
+                f'{format_bytes(s["nvml_used"] or 0)}</div>')
 
     def _status_html(self) -> str:
         if self._paused:
@@ -644,14 +445,14 @@ class MemoryDashboard(W.VBox):
         cm.empty_cache()
         self.refresh()
         after = sum(d.last.get("reserved", 0) for d in self._devices)
-        self._set_note(f"empty_cache released {_human(max(before - after, 0))}")
+        self._set_note(f"empty_cache released {format_bytes(max(before - after, 0))}")
         self.refresh()
 
     def _on_snapshot(self, _: Any = None) -> dict:
-        import cudalab.memory as cm
+        from cudalab.memory_tools.snapshot import take_snapshot
         from cudalab.widgets.snapshot_viewer import SnapshotViewer
 
-        snap = cm._snapshot()
+        snap = take_snapshot()
         self.snapshots.append(snap)
         if self._viewer is not None:
             with contextlib.suppress(Exception):
@@ -671,16 +472,16 @@ class MemoryDashboard(W.VBox):
         parts = []
         for dev in self._devices:
             s = dev.last
-            parts.append(f"cuda:{dev.index} {dev.name}: allocated {_human(s.get('allocated', 0))}, "
-                         f"reserved {_human(s.get('reserved', 0))}, peak "
-                         f"{_human(s.get('peak_allocated', 0))} of {_human(dev.capacity)}")
+            parts.append(f"cuda:{dev.index} {dev.name}: allocated {format_bytes(s.get('allocated', 0))}, "
+                         f"reserved {format_bytes(s.get('reserved', 0))}, peak "
+                         f"{format_bytes(s.get('peak_allocated', 0))} of {format_bytes(dev.capacity)}")
         return "MemoryDashboard(" + "; ".join(parts) + ")"
 
     def to_png(self, dpi: int = 80) -> bytes:
         """A matplotlib picture of the dashboard now (needs matplotlib)."""
-        from cudalab.memory_tools.plot import _byte_scale, _matplotlib
+        from cudalab.memory_tools.plot import byte_scale, load_matplotlib
 
-        Figure, FigureCanvasAgg = _matplotlib()
+        Figure, FigureCanvasAgg = load_matplotlib()
         n = max(len(self._devices), 1)
         fig = Figure(figsize=(8.0, 2.3 * n), dpi=dpi, layout="constrained")
         FigureCanvasAgg(fig)
@@ -690,7 +491,7 @@ class MemoryDashboard(W.VBox):
             t = h["time"] - (h["time"][-1] if h["time"].size else 0.0)
             peak = max(int(h["reserved"].max(initial=0)), int(h["nvml_used"].max(initial=0)),
                        int(h["allocated"].max(initial=0)), 1)
-            div, unit = _byte_scale(peak)
+            div, unit = byte_scale(peak)
             ax.fill_between(t, h["reserved"] / div, step="post", color="#fdd0a2", lw=0)
             ax.fill_between(t, h["allocated"] / div, step="post", color="#c6dbef", lw=0)
             ax.step(t, h["reserved"] / div, where="post", color="#e6550d", lw=1, label="reserved")
@@ -708,9 +509,9 @@ class MemoryDashboard(W.VBox):
             if s.get("utilization") is not None:
                 nv = (f"\nutil {s['utilization']}%, {s['temperature']} °C, "
                       f"{(s['power_draw'] or 0) / 1000:.0f} W, SM {s['clock_rate']} MHz")
-            ax.set_title(f"cuda:{dev.index} {dev.name} — allocated {_human(s.get('allocated', 0))}, "
-                         f"reserved {_human(s.get('reserved', 0))}, peak "
-                         f"{_human(s.get('peak_allocated', 0))} of {_human(dev.capacity)}{nv}",
+            ax.set_title(f"cuda:{dev.index} {dev.name} — allocated {format_bytes(s.get('allocated', 0))}, "
+                         f"reserved {format_bytes(s.get('reserved', 0))}, peak "
+                         f"{format_bytes(s.get('peak_allocated', 0))} of {format_bytes(dev.capacity)}{nv}",
                          fontsize=8, loc="left")
             if i == n - 1:
                 ax.set_xlabel("seconds before the picture was taken")
@@ -785,3 +586,4 @@ def _sampler(ref: weakref.ref, stop: threading.Event) -> None:
         except Exception as exc:  # noqa: BLE001 - reported in the widget, not printed
             d._set_error(exc)
         del d
+

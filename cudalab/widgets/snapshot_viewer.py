@@ -31,381 +31,36 @@ wherever ipywidgets does (tested: JupyterLab 4, Notebook 7, html-manager; see do
 
 from __future__ import annotations
 
-import bisect
 import html
-import os
 import random
 import time
 import warnings
 from typing import Any
 
 import ipywidgets as W
-import numpy as np
 
+from cudalab._internal import format_bytes
 from cudalab.memory_tools.plot import (
     STATE_COLORS,
     STATE_LABELS,
-    _human,
-    _segment_pool,
     filter_segments,
     load,
+    segment_pool,
+)
+from cudalab.widgets.snapshot_history import _History
+from cudalab.widgets.snapshot_render import (
+    _CODE,
+    _LABEL_W,
+    _frame_text,
+    _stream_label,
+    _timeline_svg,
+    render_segment_map,
 )
 
-__all__ = ["SnapshotViewer"]
+__all__ = ["SnapshotViewer", "demo_snapshot"]
 
-_STATES = ("active_allocated", "active_pending_free", "inactive")
-_CODE = {s: i for i, s in enumerate(_STATES)}
 _SMALL_SEGMENT = 2 << 20
-_SMALL_REQUEST = 1 << 20
-_LABEL_W = 190  # px for the row labels
 _ALL = "all"  # the filters' "no filter" value (a Dropdown shows None as an empty box)
-
-
-def _stream_label(s: int) -> str:
-    return "0 (default)" if s == 0 else f"0x{s:x}"
-
-
-def _frame_text(fr: dict) -> str:
-    return f"{fr.get('name', '?')} ({os.path.basename(str(fr.get('filename', '?')))}:{fr.get('line', '?')})"
-
-
-# --------------------------------------------------------------------------- segment map
-def _fill_gaps(seg: dict) -> list[dict]:
-    """The segment's blocks sorted by address, gaps (and bytes past the last block) filled
-    with inactive pseudo-blocks."""
-    base = seg.get("address", 0)
-    end = base + seg.get("total_size", 0)
-    out: list[dict] = []
-    cur = base
-    for b in sorted(seg.get("blocks") or (), key=lambda b: b["address"]):
-        a = b["address"]
-        if a > cur:
-            out.append({"address": cur, "size": a - cur, "state": "inactive", "gap": True})
-        out.append(b)
-        cur = max(cur, a + b["size"])
-    if cur < end:
-        out.append({"address": cur, "size": end - cur, "state": "inactive", "gap": True})
-    return out
-
-
-def render_segment_map(segments: list[dict], width: int = 640, max_rows: int = 800,
-                       max_titled: int = 3000, min_block_px: float = 4.0) -> tuple[str, dict]:
-    """The SVG (as an HTML string) of ``segments`` and a dict of what was drawn.
-
-    One row per segment (the ``max_rows`` largest when there are more, in address order),
-    each pixel coloured by the state holding most of its bytes, equal runs merged into one
-    path per colour and row; blocks at least ``min_block_px`` wide get their own outlined
-    rectangle with a tooltip (the ``max_titled`` widest).
-    """
-    n_all = len(segments)
-    segs = segments
-    if n_all > max_rows:
-        keep = sorted(range(n_all), key=lambda i: -segments[i].get("total_size", 0))[:max_rows]
-        segs = [segments[i] for i in sorted(keep)]
-    rows = len(segs)
-    row_h = 14 if rows <= 60 else 10 if rows <= 300 else 6
-    gap = 3 if row_h >= 10 else 1
-    info = {"rows": rows, "segments": n_all, "blocks": 0, "runs": 0, "titled": 0}
-    if rows == 0:
-        return ('<div class="cudalab-segmap-empty" style="color:#777">no segments '
-                '(nothing allocated, or everything filtered out)</div>'), info
-    max_total = max(s.get("total_size", 0) for s in segs) or 1
-    px = np.array([max(int(round(width * s.get("total_size", 0) / max_total)), width // 10)
-                   for s in segs], np.int64)
-    row_start = np.concatenate([[0], np.cumsum(px)[:-1]])  # global pixel offset of each row
-    # every block of every row in one global coordinate (pixels, as floats)
-    starts: list[float] = []
-    lens: list[float] = []
-    codes: list[int] = []
-    filled: list[list[dict]] = []
-    for r, seg in enumerate(segs):
-        blocks = _fill_gaps(seg)
-        filled.append(blocks)
-        base = seg.get("address", 0)
-        scale = px[r] / (seg.get("total_size", 0) or 1)
-        g0 = row_start[r]
-        for b in blocks:
-            starts.append(g0 + (b["address"] - base) * scale)
-            lens.append(b["size"] * scale)
-            codes.append(_CODE.get(b.get("state"), 2))
-        info["blocks"] += sum(1 for b in blocks if not b.get("gap"))
-    st = np.array(starts)
-    ln = np.array(lens)
-    cd = np.array(codes, np.int64)
-    total_px = int(px.sum())
-    # cumulative pixel-bytes of each state before each block, and coverage per pixel
-    cum = np.zeros((3, st.size + 1))
-    for c in range(3):
-        np.cumsum(np.where(cd == c, ln, 0.0), out=cum[c, 1:])
-    edges = np.arange(total_px + 1, dtype=np.float64)
-    k = np.clip(np.searchsorted(st, edges, side="right") - 1, 0, st.size - 1)
-    inside = np.clip(edges - st[k], 0.0, ln[k])
-    at = cum[:, k].copy()  # (3, edges)
-    at[cd[k], np.arange(edges.size)] += inside
-    cover = np.diff(at, axis=1)  # (3, pixels)
-    color = np.argmax(cover, axis=0)
-    # runs of equal colour inside a row
-    row_of = np.repeat(np.arange(rows), px)
-    brk = np.flatnonzero((color[1:] != color[:-1]) | (row_of[1:] != row_of[:-1])) + 1
-    run_s = np.concatenate([[0], brk])
-    run_e = np.concatenate([brk, [total_px]])
-    info["runs"] = int(run_s.size)
-    paths: dict[tuple[int, int], list[str]] = {}
-    for s0, e0 in zip(run_s.tolist(), run_e.tolist()):
-        r = int(row_of[s0])
-        x = s0 - int(row_start[r])
-        paths.setdefault((r, int(color[s0])), []).append(f"M{x} 0h{e0 - s0}v{row_h}h-{e0 - s0}z")
-    # wide blocks: outlined, with a tooltip
-    wide = np.flatnonzero((ln >= min_block_px) & (cd != 2) | (ln >= 4 * min_block_px))
-    if wide.size > max_titled:
-        wide = wide[np.argsort(-ln[wide], kind="stable")[:max_titled]]
-    titled: dict[int, list[int]] = {}
-    if wide.size:
-        rws = np.searchsorted(row_start, st[wide], side="right") - 1
-        flat_blocks = [b for blocks in filled for b in blocks]
-        for i, r in zip(wide.tolist(), rws.tolist()):
-            titled.setdefault(r, []).append(i)
-    else:
-        flat_blocks = []
-    info["titled"] = int(wide.size)
-    out = [f'<svg class="cudalab-segmap" data-blocks="{info["blocks"]}" data-rows="{rows}" '
-           f'xmlns="http://www.w3.org/2000/svg" width="{_LABEL_W + width + 4}" '
-           f'height="{rows * (row_h + gap) + 2}" style="font:9px sans-serif">']
-    show_labels = row_h >= 10
-    for r, seg in enumerate(segs):
-        y = r * (row_h + gap) + 1
-        blocks = filled[r]
-        by = [0, 0, 0]
-        nb = 0
-        for b in blocks:
-            by[_CODE.get(b.get("state"), 2)] += b["size"]
-            nb += 0 if b.get("gap") else 1
-        summary = (f"cuda:{seg.get('device', 0)} segment 0x{seg.get('address', 0):x}: "
-                   f"{_human(seg.get('total_size', 0))}, {_segment_pool(seg)} pool, stream "
-                   f"{_stream_label(seg.get('stream', 0))}, {nb} blocks; allocated {_human(by[0])}, "
-                   f"pending free {_human(by[1])}, inactive {_human(by[2])}")
-        out.append(f'<g transform="translate({_LABEL_W},{y})"><title>{html.escape(summary)}</title>')
-        out.append(f'<rect width="{px[r]}" height="{row_h}" fill="none" stroke="#999" '
-                   f'stroke-width="0.5"/>')
-        for c in range(3):
-            d = paths.get((r, c))
-            if d:
-                out.append(f'<path fill="{STATE_COLORS[_STATES[c]]}" d="{"".join(d)}"/>')
-        for i in titled.get(r, ()):
-            b = flat_blocks[i]
-            x0 = st[i] - row_start[r]
-            tip = _block_tip(b, seg)
-            out.append(f'<rect x="{x0:.1f}" width="{ln[i]:.1f}" height="{row_h}" '
-                       f'fill="#fff" fill-opacity="0" stroke="#fff" stroke-width="0.7">'
-                       f'<title>{html.escape(tip)}</title></rect>')
-        out.append("</g>")
-        if show_labels:
-            out.append(f'<text x="2" y="{y + row_h - 3}">cuda:{seg.get("device", 0)} '
-                       f'0x{seg.get("address", 0):x} {_human(seg.get("total_size", 0))}</text>')
-    out.append("</svg>")
-    return "".join(out), info
-
-
-def _block_tip(b: dict, seg: dict) -> str:
-    if b.get("gap"):
-        return f"free gap 0x{b['address']:x}: {_human(b['size'])}"
-    fr = b.get("frames") or []
-    top = f"; {_frame_text(fr[0])}" if fr else ""
-    return (f"block 0x{b['address']:x}: {_human(b['size'])} ({b.get('requested_size', 0):,} B "
-            f"requested), {STATE_LABELS.get(b.get('state'), b.get('state'))}, stream "
-            f"{_stream_label(b.get('stream', seg.get('stream', 0)))}{top}")
-
-
-# --------------------------------------------------------------------------- history
-class _History:
-    """The snapshot's trace entries in one time order across devices, and the allocator
-    state after any entry (the final snapshot with the later entries undone)."""
-
-    CHECKPOINT = 2000
-
-    def __init__(self, snap: dict):
-        traces = snap.get("device_traces") or []
-        keyed = [(e.get("time_us", 0), d, j) for d, tr in enumerate(traces) for j, e in enumerate(tr)]
-        keyed.sort(key=lambda x: x[0])
-        self.entries: list[dict] = [traces[d][j] for _, d, j in keyed]
-        self.dev = np.array([d for _, d, _ in keyed], np.int64)
-        self.n = len(self.entries)
-        e = self.entries
-        self.time_us = np.array([x[0] for x in keyed], np.int64)
-        self.action = [x.get("action", "") for x in e]
-        self.size = np.array([x.get("size", 0) for x in e], np.int64)
-        self.stream = np.array([x.get("stream", 0) for x in e], dtype=np.float64)  # handles can be > 2^63
-        self.segments = snap.get("segments") or []
-        self._final_segs, self._final_blocks = self._final_state()
-        self._checkpoints: dict[int, tuple[dict, dict]] | None = None
-
-    # ------------------------------------------------------------ timeline
-    def totals(self, device: int | None, stream: int | None, pool: str | None
-               ) -> tuple[np.ndarray, np.ndarray]:
-        """Running allocated and reserved bytes after each entry (lifted so that they never
-        dip below 0 and end at the filtered snapshot's values)."""
-        act = self.action
-        a_delta = np.zeros(self.n, np.int64)
-        r_delta = np.zeros(self.n, np.int64)
-        size = self.size
-        for i, name in enumerate(act):
-            if name == "alloc":
-                a_delta[i] = size[i]
-            elif name == "free_completed":
-                a_delta[i] = -size[i]
-            elif name in ("segment_alloc", "segment_map"):
-                r_delta[i] = size[i]
-            elif name in ("segment_free", "segment_unmap"):
-                r_delta[i] = -size[i]
-        mask = np.ones(self.n, bool)
-        if device is not None:
-            mask &= self.dev == device
-        if stream is not None:
-            mask &= self.stream == float(stream)
-        if pool in ("small", "large"):
-            seg_entry = r_delta != 0
-            small = np.where(seg_entry, size == _SMALL_SEGMENT, size <= _SMALL_REQUEST)
-            mask &= small if pool == "small" else ~small
-        elif pool is not None:  # private pools are not visible in trace entries
-            mask &= False
-        alloc = np.cumsum(np.where(mask, a_delta, 0))
-        res = np.cumsum(np.where(mask, r_delta, 0))
-        segs = filter_segments({"segments": self.segments}, device, stream, pool)
-        end_a = sum(b.get("requested_size") or b["size"] for s in segs for b in s.get("blocks") or ()
-                    if b.get("state") != "inactive")
-        end_r = sum(s.get("total_size", 0) for s in segs)
-        for arr, end in ((alloc, end_a), (res, end_r)):
-            if arr.size:
-                lift = max(0, -int(arr.min()), end - int(arr[-1]))
-                arr += lift
-        return alloc, res
-
-    # ------------------------------------------------------------ state at an entry
-    def _final_state(self) -> tuple[dict, dict]:
-        segs: dict = {}
-        blocks: dict = {}
-        for s in self.segments:
-            d = s.get("device", 0)
-            segs[(d, s["address"])] = {k: v for k, v in s.items() if k != "blocks"}
-            for b in s.get("blocks") or ():
-                if b.get("state") != "inactive":
-                    blocks[(d, b["address"])] = dict(b, stream=s.get("stream", 0))
-        return segs, blocks
-
-    def _undo(self, i: int, segs: dict, blocks: dict) -> None:
-        e = self.entries[i]
-        act = e.get("action")
-        d = int(self.dev[i])
-        addr = e.get("addr", 0)
-        key = (d, addr)
-        if act == "alloc":
-            blocks.pop(key, None)
-        elif act == "free_requested":
-            b = blocks.get(key)
-            if b is not None:
-                blocks[key] = dict(b, state="active_allocated")
-        elif act == "free_completed":
-            size = e.get("size", 0)
-            blocks[key] = {"address": addr, "size": size, "requested_size": size,
-                           "state": "active_pending_free", "stream": e.get("stream", 0),
-                           "frames": e.get("frames") or []}
-        elif act == "segment_alloc":
-            segs.pop(key, None)
-        elif act == "segment_free":
-            size = e.get("size", 0)
-            segs[key] = {"device": d, "address": addr, "total_size": size,
-                         "stream": e.get("stream", 0),
-                         "segment_type": "small" if size == _SMALL_SEGMENT else "large",
-                         "frames": e.get("frames") or []}
-        elif act in ("segment_map", "segment_unmap"):  # expandable segments grow/shrink at the end
-            size = e.get("size", 0)
-            for (sd, sa), s in list(segs.items()):
-                if sd == d and sa <= addr <= sa + s["total_size"]:
-                    grow = -size if act == "segment_map" else size
-                    segs[(sd, sa)] = dict(s, total_size=max(s["total_size"] + grow, 0))
-                    break
-
-    def _ensure_checkpoints(self) -> dict[int, tuple[dict, dict]]:
-        if self._checkpoints is None:
-            cps = {self.n: (self._final_segs, self._final_blocks)}
-            segs, blocks = dict(self._final_segs), dict(self._final_blocks)
-            for i in range(self.n - 1, -1, -1):
-                self._undo(i, segs, blocks)
-                if i % self.CHECKPOINT == 0:
-                    cps[i] = (dict(segs), dict(blocks))
-            self._checkpoints = cps
-        return self._checkpoints
-
-    def state_at(self, i: int) -> list[dict]:
-        """The segments (blocks included) after the first ``i`` entries."""
-        if i >= self.n:
-            return self.segments
-        cps = self._ensure_checkpoints()
-        c = min(k for k in cps if k >= i)
-        segs, blocks = dict(cps[c][0]), dict(cps[c][1])
-        for j in range(c - 1, i - 1, -1):
-            self._undo(j, segs, blocks)
-        return _assemble(segs, blocks)
-
-
-def _assemble(segs: dict, blocks: dict) -> list[dict]:
-    """Segment dicts with their blocks (those whose address falls inside them)."""
-    by_dev: dict[int, list] = {}
-    for (d, a), s in segs.items():
-        by_dev.setdefault(d, []).append((a, s))
-    out_by_key: dict = {}
-    starts: dict[int, list[int]] = {}
-    for d, lst in by_dev.items():
-        lst.sort(key=lambda x: x[0])
-        starts[d] = [a for a, _ in lst]
-        for a, s in lst:
-            out_by_key[(d, a)] = dict(s, device=d, blocks=[])
-    for (d, a), b in blocks.items():
-        st = starts.get(d)
-        if not st:
-            continue
-        k = bisect.bisect_right(st, a) - 1
-        if k < 0:
-            continue
-        seg = out_by_key[(d, st[k])]
-        if a < st[k] + seg["total_size"]:
-            seg["blocks"].append(b)
-    for seg in out_by_key.values():
-        seg["blocks"].sort(key=lambda b: b["address"])
-    return [out_by_key[k] for k in sorted(out_by_key)]
-
-
-def _timeline_svg(alloc: np.ndarray, res: np.ndarray, marker: int | None, width: int,
-                  time_us: np.ndarray, height: int = 90) -> str:
-    n = alloc.size
-    if n == 0:
-        return ""
-    top = max(int(alloc.max()), int(res.max()), 1)
-    cols = min(width, n)
-    edges = np.linspace(0, n, cols + 1).astype(np.int64)
-    edges[-1] = n
-    idx = edges[:-1]
-    a_hi = np.maximum.reduceat(alloc, idx)
-    r_hi = np.maximum.reduceat(res, idx)
-    xs = np.linspace(0, width, cols)
-    ya = height - 1 - a_hi * (height - 2) / top
-    yr = height - 1 - r_hi * (height - 2) / top
-    area = f"M0 {height} " + " ".join(f"L{x:.0f} {y:.0f}" for x, y in zip(xs, ya)) + \
-        f" L{width} {height}Z"
-    line = "M" + " L".join(f"{x:.0f} {y:.0f}" for x, y in zip(xs, yr))
-    mk = ""
-    if marker is not None:
-        mx = width * marker / n
-        mk = f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="0" y2="{height}" stroke="#d62728" stroke-width="1.5"/>'
-    dur = (int(time_us[-1]) - int(time_us[0])) / 1e6 if time_us.size else 0.0
-    return (f'<svg class="cudalab-timeline" xmlns="http://www.w3.org/2000/svg" width="{_LABEL_W + width + 4}" '
-            f'height="{height + 14}" style="font:9px sans-serif">'
-            f'<text x="2" y="12">peak {_human(top)}</text><text x="2" y="{height}">0</text>'
-            f'<g transform="translate({_LABEL_W},0)"><rect width="{width}" height="{height}" '
-            f'fill="none" stroke="#ccc"/><path d="{area}" fill="#c6dbef" stroke="#1f77b4" '
-            f'stroke-width="0.8"/><path d="{line}" fill="none" stroke="#e6550d" stroke-width="1"/>'
-            f'{mk}<text x="0" y="{height + 11}">entry 0</text><text x="{width}" '
-            f'y="{height + 11}" text-anchor="end">entry {n} ({dur:.3g} s)</text></g></svg>')
 
 
 # --------------------------------------------------------------------------- the widget
@@ -434,7 +89,7 @@ class SnapshotViewer(W.VBox):
         devices = sorted({s.get("device", 0) for s in segs} |
                          {d for d, tr in enumerate(traces) if tr})
         streams = sorted({s.get("stream", 0) for s in segs})
-        pools = sorted({_segment_pool(s) for s in segs})
+        pools = sorted({segment_pool(s) for s in segs})
         lay = W.Layout(width="auto")
         self._device = W.Dropdown(options=[("all", _ALL)] + [(f"cuda:{d}", d) for d in devices],
                                   value=_ALL, description="device", layout=W.Layout(width="170px"))
@@ -536,7 +191,7 @@ class SnapshotViewer(W.VBox):
         by = [0, 0, 0]
         for s in segs:
             for b in s.get("blocks") or ():
-                by[_CODE.get(b.get("state"), 2)] += b.get("size", 0)
+                by[_CODE.get(b.get("state", ""), 2)] += b.get("size", 0)
         reserved = sum(s.get("total_size", 0) for s in segs)
         shown = (f"{info['rows']} of {info['segments']} segments (the largest)"
                  if info["rows"] < info["segments"] else f"{info['segments']} segments")
@@ -545,8 +200,8 @@ class SnapshotViewer(W.VBox):
                 else f"state after entry {self.position} of {self.history.n}")
         self._summary.value = (
             f'<div class="cudalab-snap-summary"><b>Memory snapshot</b>{" (simulated)" if sim else ""}: '
-            f'{shown}, {info["blocks"]:,} blocks, reserved {_human(reserved)}: allocated '
-            f'{_human(by[0])}, pending free {_human(by[1])}, inactive {_human(by[2])} '
+            f'{shown}, {info["blocks"]:,} blocks, reserved {format_bytes(reserved)}: allocated '
+            f'{format_bytes(by[0])}, pending free {format_bytes(by[1])}, inactive {format_bytes(by[2])} '
             f'&middot; {when}</div>')
         self._map.value = svg
         if timeline or self.history is not None:
@@ -569,16 +224,16 @@ class SnapshotViewer(W.VBox):
             e = h.entries[i - 1]
             fr = e.get("frames") or []
             stack = "".join(f"<br>&nbsp;&nbsp;{html.escape(_frame_text(x))}" for x in fr[:8])
-            extra = (f", device free {_human(e['device_free'])}" if "device_free" in e else "")
+            extra = (f", device free {format_bytes(e['device_free'])}" if "device_free" in e else "")
             t_rel = (int(h.time_us[i - 1]) - int(h.time_us[0])) / 1e6
             txt = (f"entry {i - 1}: <b>{html.escape(str(e.get('action')))}</b> cuda:{int(h.dev[i - 1])} "
-                   f"addr 0x{e.get('addr', 0):x} size {_human(e.get('size', 0))} stream "
+                   f"addr 0x{e.get('addr', 0):x} size {format_bytes(e.get('size', 0))} stream "
                    f"{_stream_label(e.get('stream', 0))} at +{t_rel:.6f} s{extra}{stack}")
         self._entry.value = f'<div class="cudalab-snap-entry" style="font-size:12px">{txt}</div>'
 
     def _fill_pickers(self, segs: list[dict]) -> None:
         opts = [(f"cuda:{s.get('device', 0)} 0x{s.get('address', 0):x} "
-                 f"{_human(s.get('total_size', 0))} {_segment_pool(s)} ({len(s.get('blocks') or ())} blocks)",
+                 f"{format_bytes(s.get('total_size', 0))} {segment_pool(s)} ({len(s.get('blocks') or ())} blocks)",
                  k) for k, s in enumerate(segs[:2000])]
         self._seg_pick.options = opts
         self._seg_pick.value = opts[0][1] if opts else None
@@ -601,7 +256,7 @@ class SnapshotViewer(W.VBox):
         seg = self._view_segments[k]
         blocks = seg.get("blocks") or []
         self._block_pick.options = [
-            (f"0x{b['address']:x} {_human(b['size'])} {STATE_LABELS.get(b.get('state'), '?')}", j)
+            (f"0x{b['address']:x} {format_bytes(b['size'])} {STATE_LABELS.get(b.get('state'), '?')}", j)
             for j, b in enumerate(blocks[:2000])]
         self._block_pick.value = 0 if blocks else None
         # (explicitly: the value may not have changed, and then nothing is observed)
@@ -647,7 +302,7 @@ class SnapshotViewer(W.VBox):
 
     def _segment_detail(self, seg: dict) -> str:
         return (f"segment 0x{seg.get('address', 0):x} on cuda:{seg.get('device', 0)}: "
-                f"{_human(seg.get('total_size', 0))}, {_segment_pool(seg)} pool, stream "
+                f"{format_bytes(seg.get('total_size', 0))}, {segment_pool(seg)} pool, stream "
                 f"{_stream_label(seg.get('stream', 0))}, no blocks")
 
     def _block_detail(self, b: dict, seg: dict) -> str:
@@ -655,12 +310,12 @@ class SnapshotViewer(W.VBox):
         stack = "".join(f"<li>{html.escape(_frame_text(x))}</li>" for x in fr) or "<li>(no frames: "\
             "record history with a context to capture stacks)</li>"
         return (f'<div class="cudalab-snap-detail" style="font-size:12px">'
-                f'<b>block 0x{b["address"]:x}</b> &middot; {STATE_LABELS.get(b.get("state"), b.get("state"))}'
-                f' &middot; size {b["size"]:,} B ({_human(b["size"])}) &middot; requested '
+                f'<b>block 0x{b["address"]:x}</b> &middot; {STATE_LABELS.get(b.get("state", ""), b.get("state"))}'
+                f' &middot; size {b["size"]:,} B ({format_bytes(b["size"])}) &middot; requested '
                 f'{b.get("requested_size", 0):,} B &middot; stream '
                 f'{_stream_label(b.get("stream", seg.get("stream", 0)))} &middot; segment '
-                f'0x{seg.get("address", 0):x} (cuda:{seg.get("device", 0)}, {_segment_pool(seg)} pool, '
-                f'{_human(seg.get("total_size", 0))})<ul style="margin:2px 0">{stack}</ul></div>')
+                f'0x{seg.get("address", 0):x} (cuda:{seg.get("device", 0)}, {segment_pool(seg)} pool, '
+                f'{format_bytes(seg.get("total_size", 0))})<ul style="margin:2px 0">{stack}</ul></div>')
 
     # ----------------------------------------------------------------- exports
     def _run_export(self, fn: Any) -> None:
@@ -710,7 +365,7 @@ class SnapshotViewer(W.VBox):
 
     def export_memory_viz(self, prefix: str = "memory_snapshot") -> list[str]:
         """``PREFIX.pickle`` for pytorch.org/memory_viz (plain types, protocol 4)."""
-        from cudalab.memory_tools.snapshot import dumps_snapshot
+        from cudalab.memory_tools.trace_io import dumps_snapshot
 
         path = prefix if prefix.endswith(".pickle") else f"{prefix}.pickle"
         with open(path, "wb") as f:
@@ -719,7 +374,7 @@ class SnapshotViewer(W.VBox):
 
     def export_perfetto(self, prefix: str = "memory_snapshot") -> list[str]:
         """``PREFIX.perfetto.json.gz``: the history as a Chrome/Perfetto trace."""
-        from cudalab.memory_tools.export import export_perfetto
+        from cudalab.memory_tools.perfetto import export_perfetto
 
         path = prefix if prefix.endswith((".json", ".json.gz")) else f"{prefix}.perfetto.json.gz"
         return [export_perfetto(path, self.snapshot)]
@@ -743,7 +398,7 @@ class SnapshotViewer(W.VBox):
 
 
 # --------------------------------------------------------------------------- demo data
-def _demo_snapshot(n_blocks: int = 10_000, *, devices: int = 1, seed: int = 0,
+def demo_snapshot(n_blocks: int = 10_000, *, devices: int = 1, seed: int = 0,
                    streams: tuple[int, ...] = (0, 0x5A1E0), simulated: bool = True) -> dict:
     """A consistent snapshot dict with about ``n_blocks`` blocks (allocated, pending free and
     inactive), densely packed into 2 MiB small and 20-64 MiB large segments, with the trace

@@ -19,11 +19,11 @@ import threading
 
 import pytest
 
-from cudalab.errors import OutOfMemoryError
-from cudalab.allocator.allocator import create_allocator
 from cudalab.allocator.async_allocator import AsyncPoolAllocator
 from cudalab.allocator.config import parse_alloc_conf
+from cudalab.allocator.registry import create_allocator
 from cudalab.allocator.stats import STAT_KEYS
+from cudalab.errors import OutOfMemoryError
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -515,7 +515,7 @@ def test_frees_while_the_lock_is_busy_are_applied_later(make):
 @pytest.fixture
 def async_registry(backend):
     """The process registry emptied and set to backend:cudaMallocAsync for one test."""
-    from cudalab.allocator import allocator as A
+    from cudalab.allocator import registry as A
 
     gc.collect()
     with A._registry_lock:
@@ -582,7 +582,7 @@ _SUBPROCESS = textwrap.dedent("""
     out = {"backend_before": M.get_allocator_backend()}
     x = cudalab.asarray(np.arange(256, dtype=np.int32))
     p = cudalab.caching_allocator_alloc(5 << 20)
-    from cudalab.allocator.allocator import get_allocator
+    from cudalab.allocator.registry import get_allocator
     out["type"] = type(get_allocator(0)).__name__
     out["backend"] = M.get_allocator_backend()
     out["roundtrip"] = bool((x.numpy() == np.arange(256, dtype=np.int32)).all())

@@ -153,7 +153,7 @@ def test_no_caching_variables():
 def test_bad_environment_fails_at_first_allocator_creation_and_keeps_state(monkeypatch, backend):
     """A malformed CUDALAB_ALLOC_CONF raises when the first allocator is created; fixing the
     variable lets the next attempt succeed (nothing half-built is left behind)."""
-    from cudalab.allocator import allocator as A
+    from cudalab.allocator import registry as A
 
     saved = (list(A._allocators), list(A._active), A._config)
     try:
@@ -174,9 +174,10 @@ def test_bad_environment_fails_at_first_allocator_creation_and_keeps_state(monke
 
 
 def test_config_selects_the_allocator_implementation(backend):
-    from cudalab.allocator.allocator import DeviceCachingAllocator, create_allocator
     from cudalab.allocator.async_allocator import AsyncPoolAllocator
+    from cudalab.allocator.caching import DeviceCachingAllocator
     from cudalab.allocator.expandable import ExpandableCachingAllocator
+    from cudalab.allocator.registry import create_allocator
 
     a = create_allocator(backend, 0, parse_alloc_conf("expandable_segments:True"))
     assert isinstance(a, ExpandableCachingAllocator)
@@ -188,7 +189,7 @@ def test_config_selects_the_allocator_implementation(backend):
 
 
 def test_per_process_memory_fraction_setting_is_applied(backend):
-    from cudalab.allocator.allocator import create_allocator
+    from cudalab.allocator.registry import create_allocator
 
     a = create_allocator(backend, 0, parse_alloc_conf("per_process_memory_fraction:0.25"))
     assert a.get_memory_fraction() == pytest.approx(0.25)

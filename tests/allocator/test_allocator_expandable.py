@@ -4,7 +4,7 @@ range, out-of-memory recovery, record_stream, threads, and a comparison against 
 
 Each test builds a private allocator over the session backend (the simulator in CI, the
 real driver on a GPU machine) through the public constructor; tests needing a tiny device
-build their own simulator, like tests/test_allocator_policy.py.
+build their own simulator, like tests/allocator/test_allocator_policy.py.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import threading
 
 import pytest
 
-from cudalab.errors import OutOfMemoryError
-from cudalab.allocator.allocator import DeviceCachingAllocator, create_allocator
+from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import parse_alloc_conf
-from cudalab.allocator.expandable import ExpandableCachingAllocator, address_space_size
+from cudalab.allocator.expandable import ExpandableCachingAllocator
+from cudalab.allocator.expandable_segment import address_space_size
+from cudalab.allocator.registry import create_allocator, native_allocator
 from cudalab.allocator.stats import STAT_KEYS
+from cudalab.errors import OutOfMemoryError
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -26,7 +28,7 @@ CONF = "expandable_segments:True"
 
 
 def make(backend, conf: str = CONF, resolver=lambda: 0) -> DeviceCachingAllocator:
-    return DeviceCachingAllocator(backend, 0, parse_alloc_conf(conf), stream_resolver=resolver)
+    return native_allocator(backend, 0, parse_alloc_conf(conf), stream_resolver=resolver)
 
 
 def drain(a) -> None:
@@ -106,8 +108,14 @@ def test_the_setting_selects_the_expandable_allocator(backend, monkeypatch):
     monkeypatch.delenv("CUDALAB_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    c = DeviceCachingAllocator(backend, 0, stream_resolver=lambda: 0)  # settings from the env
+    c = native_allocator(backend, 0, stream_resolver=lambda: 0)  # settings from the env
     assert type(c) is ExpandableCachingAllocator and c.config.expandable_segments
+    # The factory picks the class; a class never turns into another one.
+    with pytest.raises(ValueError, match="expandable_segments:True.*create_allocator"):
+        DeviceCachingAllocator(backend, 0, stream_resolver=lambda: 0)
+    with pytest.raises(ValueError, match="expandable_segments:False"):
+        ExpandableCachingAllocator(backend, 0, parse_alloc_conf("expandable_segments:False"),
+                                   stream_resolver=lambda: 0)
 
 
 def test_address_space_is_one_and_an_eighth_of_the_device(alloc, backend):

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import parse_alloc_conf
 
 KiB = 1024
@@ -179,7 +179,7 @@ def test_memo_is_flushed_before_history_records(monkeypatch):
     assert a._memo is None
     a.check_invariants()
     assert a.memory_stats()["allocation.all.allocated"] == 3
-    assert cm  # the public getters call sync_pending (tests/test_allocator_stats.py)
+    assert cm  # the public getters call sync_pending (tests/allocator/test_allocator_stats.py)
 
 
 def test_double_free_of_a_memo_block_is_refused(monkeypatch):
@@ -198,7 +198,7 @@ def test_pure_hits_follow_the_stream_argument_and_the_current_stream():
     """A pure hit needs the very Stream the memo was set up on: an explicit other stream,
     or None while another stream is current, must take the plain path."""
     import cudalab
-    from cudalab.allocator.allocator import get_allocator
+    from cudalab.allocator.registry import get_allocator
 
     cudalab.init()
     a = get_allocator(0)
@@ -242,10 +242,11 @@ def test_default_stream_pure_hits_skip_the_thread_local(monkeypatch, two_devices
     read no thread-local; once one has, they look the current stream up again."""
     import cudalab
     from cudalab import streams
-    from cudalab.allocator import allocator as A
+    from cudalab.allocator import caching as A
+    from cudalab.allocator.registry import get_allocator
 
     cudalab.init()
-    a = A.get_allocator(0)
+    a = get_allocator(0)
     assert streams._custom == []
     for _ in range(3):
         a.free(a.malloc(4096))
@@ -272,7 +273,7 @@ def test_pure_hits_on_stream_none_respect_other_threads_streams():
     import threading
 
     import cudalab
-    from cudalab.allocator.allocator import get_allocator
+    from cudalab.allocator.registry import get_allocator
 
     cudalab.init()
     a = get_allocator(0)
@@ -440,3 +441,69 @@ def test_pairs_are_logged_as_times_then_written_out(monkeypatch):
     assert _without_times(logs[0]) == _without_times(logs[1])
     actions = [e[0] for e in logs[0]]
     assert actions.count("alloc") == 52 and actions.count("free_completed") == 52
+
+
+# --------------------------------------------------------------------------- the hook protocol
+def test_trace_actions_and_the_hook_protocol(backend):
+    """hooks.TRACE_ACTIONS names exactly TraceAction's values; an allocator reports only those
+    to a hook attached with attach_trace, nothing after detach_trace; cudaMallocAsync refuses
+    a hook and keeps none."""
+    import typing
+
+    from cudalab.allocator.async_allocator import AsyncPoolAllocator
+    from cudalab.allocator.hooks import TRACE_ACTIONS, TraceAction, attach_trace, detach_trace
+    from cudalab.allocator.registry import native_allocator
+
+    assert typing.get_args(TraceAction) == TRACE_ACTIONS
+    for conf in ("", "expandable_segments:True"):
+        a = native_allocator(backend, 0, parse_alloc_conf(conf), stream_resolver=lambda: 0)
+        seen: list[tuple] = []
+        attach_trace(a, lambda *entry, ap=seen.append: ap(entry))
+        for _ in range(3):
+            a.free(a.malloc(3000))
+        a.free(a.malloc(3 * MiB))
+        a.empty_cache()
+        detach_trace(a)
+        assert a._trace is None
+        n = len(seen)
+        a.free(a.malloc(3000))
+        a.empty_cache()
+        assert len(seen) == n
+        assert {e[0] for e in seen} <= set(TRACE_ACTIONS)
+        assert [e[0] for e in seen[:2]] == ["segment_alloc" if not conf else "segment_map",
+                                            "alloc"]
+    aa = AsyncPoolAllocator(backend, 0, parse_alloc_conf("backend:cudaMallocAsync"),
+                            stream_resolver=lambda: 0)
+    try:
+        with pytest.raises(RuntimeError, match="cudaMallocAsync"):
+            attach_trace(aa, lambda *entry: None)
+        assert aa._trace is None
+    finally:
+        aa.close()
+
+
+def test_history_hook_has_the_compact_protocol(backend):
+    """The history recorder's hook provides every member of hooks.CompactTrace, so the
+    allocator logs memo pairs as stamps (the two cannot drift apart unnoticed)."""
+    import cudalab.memory
+    from cudalab.allocator.hooks import CompactTrace
+    from cudalab.allocator.registry import native_allocator
+    from cudalab.memory_tools import history
+
+    a = native_allocator(backend, 0, parse_alloc_conf(""), stream_resolver=lambda: 0)
+    cudalab.memory._record_memory_history("all", stacks="python")
+    try:
+        history.attach_allocator(a)
+        trace = a._trace
+        assert callable(trace)
+        members = set(CompactTrace.__annotations__)
+        assert members == {"compact", "compact_ok", "now", "free_now", "capacity"}
+        for name in members:
+            assert hasattr(trace, name), name
+        for _ in range(4):
+            a.free(a.malloc(3000))
+        assert a._hit_log is not None  # memo pairs are logged as stamps
+    finally:
+        history.detach_allocator(a)
+        cudalab.memory._record_memory_history(None)
+    assert a._trace is None

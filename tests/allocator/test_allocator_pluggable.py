@@ -15,8 +15,6 @@ import textwrap
 
 import pytest
 
-from cudalab.errors import OutOfMemoryError
-from cudalab.allocator.allocator import create_allocator
 from cudalab.allocator.config import AllocatorConfig
 from cudalab.allocator.pluggable import (
     PluggableAllocator,
@@ -24,6 +22,8 @@ from cudalab.allocator.pluggable import (
     change_current_allocator,
     current_allocator,
 )
+from cudalab.allocator.registry import create_allocator
+from cudalab.errors import OutOfMemoryError
 
 MiB = 1024 * 1024
 
@@ -51,8 +51,7 @@ class Recorder:
 @pytest.fixture
 def registry(backend):
     """The process registry emptied for one test (and restored, pluggable reset, after)."""
-    from cudalab.allocator import allocator as A
-    from cudalab.allocator import pluggable
+    from cudalab.allocator import registry as A
 
     gc.collect()
     with A._registry_lock:
@@ -69,7 +68,7 @@ def registry(backend):
             A._allocators[:] = saved[0]
             A._active[:] = saved[1]
             A._config = saved[2]
-        pluggable._current = None
+        A._custom = None
         for a in made:
             for p in list(a._live):
                 try:
@@ -314,13 +313,12 @@ def test_memory_fraction(backend, rec):
 
 
 def test_create_allocator_honours_the_current_pluggable(registry, backend, rec):
-    from cudalab.allocator import pluggable
 
     pa = PluggableAllocator(rec.malloc, rec.free)
     change_current_allocator(pa)
     a = create_allocator(backend, 0, AllocatorConfig(), stream_resolver=lambda: 0)
     assert isinstance(a, PluggableDeviceAllocator) and a.spec is pa and a.name == "pluggable"
-    pluggable._current = None
+    change_current_allocator(None)
 
 
 @pytest.mark.skipif(os.environ.get("CUDALAB_SIMULATOR") != "1",

@@ -12,16 +12,12 @@ import re
 
 import pytest
 
-from cudalab.errors import OutOfMemoryError
-from cudalab.allocator.allocator import (
-    DeviceCachingAllocator,
-    UncachedAllocator,
-    allocation_size,
-    create_allocator,
-    round_size,
-    roundup_power2_next_division,
-)
+from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.policy import allocation_size, round_size, roundup_power2_next_division
+from cudalab.allocator.registry import create_allocator, native_allocator
+from cudalab.allocator.uncached import UncachedAllocator
+from cudalab.errors import OutOfMemoryError
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -29,7 +25,7 @@ MiB = 1024 * 1024
 
 def make(backend, conf: str | None = None, **kw) -> DeviceCachingAllocator:
     cfg = parse_alloc_conf(conf) if conf else AllocatorConfig()
-    return DeviceCachingAllocator(backend, 0, cfg, stream_resolver=lambda: 0, **kw)
+    return native_allocator(backend, 0, cfg, stream_resolver=lambda: 0, **kw)
 
 
 @pytest.fixture
@@ -638,3 +634,85 @@ def test_segments_use_torchs_snapshot_schema(alloc):
     import pickle
 
     assert pickle.loads(pickle.dumps(segs, protocol=4)) == segs
+
+
+# --------------------------------------------------------------------------- pinned copies
+def test_max_allocation_size_is_the_one_limit(backend):
+    """Every allocator refuses MAX_ALLOCATION_SIZE bytes with torch's message, before any
+    driver call (the malloc hot paths compare against the same name)."""
+    import inspect
+
+    from cudalab.allocator import async_allocator, caching, expandable, pluggable, policy, uncached
+
+    assert policy.MAX_ALLOCATION_SIZE == 1 << 60
+    for mod in (caching, expandable, async_allocator, uncached, pluggable, policy):
+        assert "1152921504606846976" not in inspect.getsource(mod)
+    with pytest.raises(OutOfMemoryError, match="more than 1EB"):
+        policy.check_size(policy.MAX_ALLOCATION_SIZE)
+    assert policy.check_size(policy.MAX_ALLOCATION_SIZE - 1) == policy.MAX_ALLOCATION_SIZE - 1
+    for conf in ("", "expandable_segments:True", "backend:cudaMallocAsync"):
+        a = create_allocator(backend, 0, parse_alloc_conf(conf) if conf else AllocatorConfig(),
+                             no_caching=False, stream_resolver=lambda: 0)
+        try:
+            with pytest.raises(OutOfMemoryError, match="more than 1EB"):
+                a.malloc(policy.MAX_ALLOCATION_SIZE)
+            assert a.memory_stats()["num_device_alloc"] == 0
+        finally:
+            close = getattr(a, "close", None)
+            if close is not None:
+                close()
+    u = UncachedAllocator(backend, 0, AllocatorConfig())
+    with pytest.raises(OutOfMemoryError, match="more than 1EB"):
+        u.malloc(policy.MAX_ALLOCATION_SIZE)
+
+
+def _tracked(st) -> dict:
+    """The counters the hot paths update inline (pools' current/peak/accumulated, the
+    aggregate's peaks) of DeviceStats ``st``."""
+    out = {}
+    for code in ("n_alloc", "b_alloc", "b_req", "n_split", "b_split"):
+        for name, c in (("small", st.small), ("large", st.large)):
+            out[f"{name}.{code}"] = getattr(c, code)
+            out[f"{name}.{code}_peak"] = getattr(c, code + "_peak")
+            out[f"{name}.{code}_acc"] = getattr(c, code + "_acc")
+        out[f"agg.{code}_peak"] = getattr(st.agg, code + "_peak")
+    return out
+
+
+def test_inline_peaks_match_increase(backend):
+    """The cache-hit path writes out DeviceStats.increase for speed (malloc's split,
+    _account_alloc, _free_block; see caching.py): replaying each operation's changes of the
+    current values through increase/decrease on a reference DeviceStats must give the same
+    counters, peaks and accumulated values, so the copies cannot drift from the method.
+    (The pair memo is off: it defers these updates; test_allocator_memo pins it to this path.)"""
+    import random
+
+    from cudalab.allocator.stats import Counters, DeviceStats
+
+    a = make(backend)
+    a._memo_ok = False
+    ref = DeviceStats(-1, Counters(), Counters())
+    rng = random.Random(17)
+    sizes = [1, 512, 3000, 65536, 1 << 20, (1 << 20) + 1, 3 << 20, 12 << 20, 25 << 20]
+    live: list[int] = []
+    try:
+        for step in range(600):
+            before = _tracked(a.stats)
+            if live and (rng.random() < 0.45 or len(live) > 24):
+                a.free(live.pop(rng.randrange(len(live))))
+            else:
+                live.append(a.malloc(rng.choice(sizes) + rng.randrange(0, 2048)))
+            after = _tracked(a.stats)
+            for code in ("n_alloc", "b_alloc", "b_req", "n_split", "b_split"):
+                for name, refpool in (("small", ref.small), ("large", ref.large)):
+                    delta = after[f"{name}.{code}"] - before[f"{name}.{code}"]
+                    if delta > 0:
+                        ref.increase(refpool, code, delta)
+                    elif delta < 0:
+                        ref.decrease(refpool, code, -delta)
+            assert _tracked(ref) == after, f"step {step}"
+        assert after["small.n_split_peak"] > 0 and after["large.b_split_peak"] > 0
+    finally:
+        for p in live:
+            a.free(p)
+        a.empty_cache()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,8 +18,9 @@ from collections.abc import Callable
 
 import pytest
 
-from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.registry import native_allocator
 from cudalab.allocator.stats import STAT_KEYS, render_memory_summary
 
 KiB = 1024
@@ -122,7 +124,7 @@ def run_script(script, alloc: Callable[[int], int], free: Callable[[int], None],
 
 def run_cudalab(backend, script, conf: str | None = None) -> tuple[dict, DeviceCachingAllocator]:
     cfg = parse_alloc_conf(conf) if conf else AllocatorConfig()
-    a = DeviceCachingAllocator(backend, 0, cfg, stream_resolver=lambda: 0)
+    a = native_allocator(backend, 0, cfg, stream_resolver=lambda: 0)
     result = run_script(script, a.malloc, a.free, a.empty_cache, a.memory_stats,
                         a.reset_peak_stats, a.reset_accumulated_stats)
     return result, a
@@ -281,6 +283,88 @@ def test_nested_dict_matches_flat(backend):
     for p in list(a._live):
         a.free(p)
     a.empty_cache()
+
+
+# --------------------------------------------------------------------------- invariants
+def test_counter_declarations_are_the_slots():
+    # Counters' fields are declared (with what they count) and its __slots__ is built from
+    # the codes: the two must name the same fields, so they cannot drift.
+    from cudalab.allocator.stats import _SLOTS, Counters, DeviceStats
+
+    assert tuple(Counters.__annotations__) == _SLOTS == Counters.__slots__
+    assert set(DeviceStats.__annotations__) == set(DeviceStats.__slots__)
+
+
+LONG_SCRIPT = [("alloc", f"a{i}", n) for i, n in enumerate(
+    (1, 1000, 1 << 20, 3 << 20, 7_000_000, 12 << 20, 64 << 20, 100, 5 << 20, 45 << 20))] + [
+    ("free", "a1"), ("free", "a6"), ("alloc", "b1", 50 << 20), ("free", "a3"),
+    ("alloc", "b2", 2 << 20), ("reset_peak",), ("free", "a0"), ("free", "a9"),
+    ("alloc", "b3", 30 << 20), ("reset_accumulated",), ("free", "a4"), ("empty_cache",),
+    ("alloc", "b4", 3000), ("free", "b1")]
+
+
+@pytest.mark.parametrize("conf", [None, "max_split_size_mb:40", "expandable_segments:True"])
+def test_counter_invariants_hold_after_every_step(backend, conf):
+    cfg = parse_alloc_conf(conf) if conf else AllocatorConfig()
+    a = native_allocator(backend, 0, cfg, stream_resolver=lambda: 0)
+    a.stats.check_invariants()
+    ptrs: dict[str, int] = {}
+    for op in LONG_SCRIPT:
+        if op[0] == "alloc":
+            ptrs[op[1]] = a.malloc(op[2])
+        elif op[0] == "free":
+            a.free(ptrs.pop(op[1]))
+        else:
+            {"empty_cache": a.empty_cache, "reset_peak": a.reset_peak_stats,
+             "reset_accumulated": a.reset_accumulated_stats}[op[0]]()
+        a.sync_pending()
+        a.stats.check_invariants()
+    for p in list(a._live):
+        a.free(p)
+    a.empty_cache()
+    a.stats.check_invariants()
+
+
+def test_counter_invariants_with_pending_blocks(backend):
+    import cudalab
+
+    if not hasattr(backend, "pause_stream"):
+        pytest.skip("needs the simulator's paused streams")
+    s1, s2 = cudalab.Stream(), cudalab.Stream()
+    a = DeviceCachingAllocator(backend, 0, AllocatorConfig(), stream_resolver=lambda: 0)
+    p = a.malloc(3000, s1)
+    a.record_stream(p, s2)
+    backend.pause_stream(s2._handle)
+    a.free(p)
+    assert a.stats.small.n_pend == 1
+    a.stats.check_invariants()
+    a.reset_peak_stats()
+    a.reset_accumulated_stats()
+    a.stats.check_invariants()
+    backend.resume_stream(s2._handle)
+    s2.synchronize()
+    a.process_events()
+    a.stats.check_invariants()
+    a.empty_cache()
+
+
+@pytest.mark.parametrize("field, value, names", [
+    ("b_alloc_peak", -1, "small.b_alloc_peak >= small.b_alloc"),
+    ("b_res", 0, "small.b_alloc + small.b_pend + small.b_split <= small.b_res"),
+    ("b_alloc_acc", -(10**9), "freed = small.b_alloc_acc"),
+])
+def test_check_invariants_names_the_broken_one(field, value, names):
+    from cudalab.allocator.stats import DeviceStats
+
+    st = DeviceStats()
+    st.check_invariants()
+    st.increase(st.small, "b_res", 2 * MiB)
+    st.increase(st.small, "b_alloc", 512)
+    st.increase(st.small, "b_req", 100)
+    st.check_invariants()
+    setattr(st.small, field, value)
+    with pytest.raises(AssertionError, match=re.escape(names)):
+        st.check_invariants()
 
 
 # --------------------------------------------------------------------------- memory_summary

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import AllocatorConfig
 
 KiB = 1024

@@ -97,3 +97,31 @@ def test_scopes_closing_out_of_order():
     b.stop()
     assert a.peak_allocated == base + (8 << 20)
     assert b.peak_allocated == base + (1 << 20)
+
+
+@pytest.mark.parametrize("conf", ["backend:cudaMallocAsync", None])
+def test_scope_over_allocators_with_either_lock(backend, monkeypatch, conf):
+    # A scope takes the allocator's lock through the lock's own acquire/release, so it works
+    # the same over a TokenLock (native) and a threading.Lock (cudaMallocAsync).
+    import threading
+
+    from cudalab.allocator import scope as scope_mod
+    from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
+    from cudalab.allocator.registry import create_allocator
+    from cudalab.allocator.token_lock import TokenLock
+
+    cfg = parse_alloc_conf(conf) if conf else AllocatorConfig()
+    a = create_allocator(backend, 0, cfg, stream_resolver=lambda: 0)
+    assert isinstance(a._lock, type(threading.Lock()) if conf else TokenLock)
+    monkeypatch.setattr(scope_mod, "_allocator", lambda device: a)
+    keep = a.malloc(1 << 20)
+    with scope_mod.PeakScope(0) as s:
+        p = a.malloc(3 << 20)
+        a.free(p)
+    assert not a._lock.locked() and a._scopes == []
+    assert s.start_allocated == s.end_allocated == a.stats.small.b_alloc + a.stats.large.b_alloc
+    assert s.peak_allocated == s.start_allocated + (3 << 20)
+    a.free(keep)
+    a.empty_cache()
+    if hasattr(a, "close"):
+        a.close()

@@ -102,6 +102,28 @@ def test_empty_pinned_cache_frees_blocks():
     assert s2["num_host_free"] >= s["num_host_free"] + 1
 
 
+def test_out_of_pinned_memory_message(monkeypatch):
+    keep = cudalab.empty_pinned((1 << 20,), dtype=np.uint8)  # 1 MiB in use
+    alloc = pinned._allocator
+    backend = alloc._b()
+    calls = []
+
+    def no_memory(size):
+        calls.append(size)
+        raise cudalab.OutOfMemoryError()
+
+    monkeypatch.setattr(alloc, "_backend", type("NoHostMemory", (), {
+        "host_alloc": staticmethod(no_memory), "host_free": backend.host_free,
+        "event_query": backend.event_query})())
+    with pytest.raises(cudalab.OutOfMemoryError) as info:
+        cudalab.empty_pinned((3 << 20,), dtype=np.uint8)
+    assert calls == [4 << 20, 4 << 20]  # tried again after emptying the cache
+    assert str(info.value).startswith(
+        "out of pinned host memory allocating 4.0 MiB (4194304 bytes; 1.0 MiB of pinned "
+        "memory in use): ")
+    del keep
+
+
 def test_record_use_foreign_pointer_is_ignored():
     assert pinned.record_use(_ptr(np.zeros(4)), cudalab.current_stream()) is False
 

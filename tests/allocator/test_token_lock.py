@@ -91,3 +91,36 @@ def test_works_with_condition():
         assert cond.wait_for(lambda: box, timeout=10)
     t.join(10)
     assert not lk.locked()
+
+
+def test_with_acquire_and_the_raw_pair_move_one_token():
+    lk = TokenLock()
+    with lk as got:
+        assert got is True and lk.locked()
+        assert lk.acquire(False) is False
+    assert lk.acquire() is True and lk._box == []
+    with pytest.raises(IndexError):
+        lk.take()
+    lk.give(True)  # the raw release, as the allocator's hot path does it
+    assert lk._box == [True]
+    lk.take()
+    lk.release()
+    assert lk._box == [True] and not lk.locked()
+
+
+def test_with_waits_for_a_holder_in_another_thread():
+    lk = TokenLock()
+    lk.acquire()
+    entered = threading.Event()
+
+    def waiter():
+        with lk:
+            entered.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.05)
+    assert not entered.is_set()
+    lk.release()
+    t.join(10)
+    assert entered.is_set() and not lk.locked()

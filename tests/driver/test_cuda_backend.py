@@ -22,6 +22,8 @@ import pytest
 
 from cudalab._driver import base
 from cudalab._driver import cuda as C
+from cudalab._driver import cuda_api as A
+from cudalab._driver import cuda_memory as CM
 from cudalab.errors import CudaError, DriverNotFoundError, OutOfMemoryError
 
 drv = C._drv
@@ -80,8 +82,8 @@ def fake_error_text(monkeypatch):
         calls.append(code)
         return f"CUDA_ERROR_FAKE_{code}", f"fake description {code}"
 
-    monkeypatch.setattr(C, "_lookup_error_text", lookup)
-    monkeypatch.setattr(C, "_ERROR_TEXT", {})
+    monkeypatch.setattr(A, "_lookup_error_text", lookup)
+    monkeypatch.setattr(A, "_ERROR_TEXT", {})
     return calls
 
 
@@ -110,7 +112,7 @@ def test_check_out_of_memory(fake_error_text):
 
 
 def test_error_names_without_a_driver_fall_back_to_the_enum(monkeypatch):
-    monkeypatch.setattr(C, "_ERROR_TEXT", {})
+    monkeypatch.setattr(A, "_ERROR_TEXT", {})
     e = C._error(2, "cuMemAlloc")
     assert isinstance(e, OutOfMemoryError)
     assert e.name == "CUDA_ERROR_OUT_OF_MEMORY"
@@ -191,8 +193,8 @@ class FakeDriver:
         monkeypatch.setattr(C, "_cuDevicePrimaryCtxRetain", retain)
         monkeypatch.setattr(C, "_cuCtxSetCurrent", set_current)
         monkeypatch.setattr(C, "_cuCtxGetCurrent", get_current)
-        monkeypatch.setattr(C, "_cuMemAlloc", lambda n: (ok, drv.CUdeviceptr(0x7000_0000 + n)))
-        monkeypatch.setattr(C, "_cuMemHostAlloc", lambda n, f: (ok, 0x5000))
+        monkeypatch.setattr(CM, "_cuMemAlloc", lambda n: (ok, drv.CUdeviceptr(0x7000_0000 + n)))
+        monkeypatch.setattr(CM, "_cuMemHostAlloc", lambda n, f: (ok, 0x5000))
         monkeypatch.setattr(C, "_THREAD", C._ThreadState())
 
 
@@ -298,21 +300,21 @@ def test_pointer_device_paths(monkeypatch):
     memtype = {0x100: 2, 0x200: 1}  # device memory, pinned host memory; others unknown
 
     def get_attr(attr, ptr):
-        if attr == C._PA_MEMORY_TYPE:
+        if attr == A._PA_MEMORY_TYPE:
             if ptr in memtype:
                 return R.CUDA_SUCCESS, memtype[ptr]
             return R.CUDA_ERROR_INVALID_VALUE, None
         return R.CUDA_SUCCESS, 1
 
-    monkeypatch.setattr(C, "_cuPointerGetAttribute", get_attr)
-    monkeypatch.setattr(C, "_libcuda_fn", False)  # bindings fallback for the ordinal
+    monkeypatch.setattr(CM, "_cuPointerGetAttribute", get_attr)
+    monkeypatch.setattr(CM, "_libcuda_fn", False)  # bindings fallback for the ordinal
     assert b.pointer_device(0x100) == 1
     assert b.pointer_device(0x200) is None
     assert b.pointer_device(0x300) is None
     assert b.pointer_device(0) is None
-    monkeypatch.setattr(C, "_pointer_device_ordinal", lambda ptr: (0, 3))
+    monkeypatch.setattr(CM, "_pointer_device_ordinal", lambda ptr: (0, 3))
     assert b.pointer_device(0x100) == 3
-    monkeypatch.setattr(C, "_cuPointerGetAttribute", lambda a, p: (R.CUDA_ERROR_INVALID_CONTEXT, None))
+    monkeypatch.setattr(CM, "_cuPointerGetAttribute", lambda a, p: (R.CUDA_ERROR_INVALID_CONTEXT, None))
     with pytest.raises(CudaError):
         b.pointer_device(0x100)
 
@@ -460,7 +462,7 @@ def test_every_call_passes_argument_conversion(monkeypatch):
         ("memset_d32_async", "", 0, lambda: b.memset_d32_async(0, ptr, 0xDEADBEEF, 16, s)),
         ("pointer_device", "", 0, lambda: b.pointer_device(ptr)),
         ("pointer_device", "bindings fallback", 0,
-         lambda: C._cuPointerGetAttribute(C._PA_DEVICE_ORDINAL, ptr)),
+         lambda: A._cuPointerGetAttribute(A._PA_DEVICE_ORDINAL, ptr)),
         ("stream_create", "", 0, lambda: b.stream_create(0, base.STREAM_NON_BLOCKING, -3)),
         ("stream_from_int", "wrapped handle", 0, lambda: b.stream_query(b.stream_from_int(0, 0x1234))),
         ("stream_from_int", "per-thread stream", 0, lambda: b.stream_query(b.stream_from_int(0, 2))),
@@ -480,6 +482,7 @@ def test_every_call_passes_argument_conversion(monkeypatch):
         ("event_elapsed_time", "", 0, lambda: b.event_elapsed_time(e1, e2)),
         ("ipc_event_handle", "", 0, lambda: b.ipc_event_handle(e1)),
         ("ipc_open_event", "", 0, lambda: b.ipc_open_event(0, bytes(range(64)))),
+        ("ipc_mem_handle", "", 0, lambda: b.ipc_mem_handle(ptr)),
         ("module_load", "", 0, lambda: b.module_load(0, b"\x7fELF" + bytes(60))),
         ("module_load", "bytearray", 0, lambda: b.module_load(0, bytearray(b"\x7fELF" + bytes(60)))),
         ("module_unload", "", 0, lambda: b.module_unload(mod)),
@@ -495,32 +498,32 @@ def test_every_call_passes_argument_conversion(monkeypatch):
         ("device_info", "", 0, lambda: b.device_info(0)),
         # the other calls device_info makes (it stops at the first loader error)
         ("device_info", "cuDeviceGetAttribute", 0,
-         lambda: C._cuDeviceGetAttribute(C._DA.CU_DEVICE_ATTRIBUTE_WARP_SIZE, b._devices[0])),
-        ("device_info", "cuDeviceTotalMem", 0, lambda: C._cuDeviceTotalMem(b._devices[0])),
-        ("device_info", "cuDeviceGetUuid", 0, lambda: C._cuDeviceGetUuid(b._devices[0])),
-        ("device_info", "cuDeviceGetPCIBusId", 0, lambda: C._cuDeviceGetPCIBusId(64, b._devices[0])),
+         lambda: A._cuDeviceGetAttribute(A._DA.CU_DEVICE_ATTRIBUTE_WARP_SIZE, b._devices[0])),
+        ("device_info", "cuDeviceTotalMem", 0, lambda: A._cuDeviceTotalMem(b._devices[0])),
+        ("device_info", "cuDeviceGetUuid", 0, lambda: A._cuDeviceGetUuid(b._devices[0])),
+        ("device_info", "cuDeviceGetPCIBusId", 0, lambda: A._cuDeviceGetPCIBusId(64, b._devices[0])),
         ("vmm_granularity", "", 0, lambda: b.vmm_granularity(0)),
         ("vmm_reserve", "", 0, lambda: b.vmm_reserve(0, 1 << 30)),
         ("vmm_free_address", "", 0, lambda: b.vmm_free_address(ptr, 1 << 30)),
         ("vmm_create", "", 0, lambda: b.vmm_create(0, 2 << 20)),
         ("vmm_release", "", 0, lambda: b.vmm_release(drv.CUmemGenericAllocationHandle(0x77))),
         ("vmm_map", "", 0, lambda: b.vmm_map(0, ptr, 2 << 20, drv.CUmemGenericAllocationHandle(0x77))),
-        ("vmm_map", "cuMemSetAccess", 0, lambda: C._cuMemSetAccess(ptr, 2 << 20, [access_desc], 1)),
+        ("vmm_map", "cuMemSetAccess", 0, lambda: A._cuMemSetAccess(ptr, 2 << 20, [access_desc], 1)),
         ("vmm_unmap", "", 0, lambda: b.vmm_unmap(ptr, 2 << 20)),
         ("pool_create", "", 0, lambda: b.pool_create(0)),
-        ("pool_create", "release threshold", 0, lambda: C._cuMemPoolSetAttribute(
-            pool, C._MPA.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, drv.cuuint64_t(2**64 - 1))),
+        ("pool_create", "release threshold", 0, lambda: A._cuMemPoolSetAttribute(
+            pool, A._MPA.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, drv.cuuint64_t(2**64 - 1))),
         ("pool_destroy", "", 0, lambda: b.pool_destroy(pool)),
         ("pool_alloc_async", "", 0, lambda: b.pool_alloc_async(pool, 1 << 20, s)),
         ("pool_usage", "", 0, lambda: b.pool_usage(pool)),
         ("pool_reset_high", "", 0, lambda: b.pool_reset_high(pool)),
         ("pool_trim", "", 0, lambda: b.pool_trim(pool, 0)),
-        ("init", "cuDriverGetVersion", 0, lambda: C._cuDriverGetVersion()),
-        ("init", "cuDeviceGetCount", 0, lambda: C._cuDeviceGetCount()),
-        ("init", "cuDeviceGet", 0, lambda: C._cuDeviceGet(0)),
-        ("init", "cuDevicePrimaryCtxRetain", 0, lambda: C._cuDevicePrimaryCtxRetain(b._devices[0])),
-        ("init", "cuGetErrorName", 0, lambda: C._cuGetErrorName(drv.CUresult(2))),
-        ("init", "cuGetErrorString", 0, lambda: C._cuGetErrorString(drv.CUresult(2))),
+        ("init", "cuDriverGetVersion", 0, lambda: A._cuDriverGetVersion()),
+        ("init", "cuDeviceGetCount", 0, lambda: A._cuDeviceGetCount()),
+        ("init", "cuDeviceGet", 0, lambda: A._cuDeviceGet(0)),
+        ("init", "cuDevicePrimaryCtxRetain", 0, lambda: A._cuDevicePrimaryCtxRetain(b._devices[0])),
+        ("init", "cuGetErrorName", 0, lambda: A._cuGetErrorName(drv.CUresult(2))),
+        ("init", "cuGetErrorString", 0, lambda: A._cuGetErrorString(drv.CUresult(2))),
     ]
     interface = set(base.Backend.__abstractmethods__) | {
         m for m in vars(base.Backend) if m.startswith(("vmm_", "pool_"))}
@@ -976,3 +979,32 @@ def test_peer_copy(cb):
 @pytest.mark.gpu
 def test_nvml_is_cached(cb):
     assert cb.nvml() is cb.nvml()
+
+
+@pytest.mark.gpu
+def test_ipc_mem_handle_semantics_the_simulator_copies(cb):
+    # Checked on an H100: any address inside a cuMemAlloc allocation gives its handle; pool,
+    # virtual, host memory and 0 are refused with CUDA_ERROR_INVALID_VALUE.
+    p = cb.mem_alloc(0, 4 << 20)
+    other = cb.mem_alloc(0, 4096)
+    s = cb.stream_create(0)
+    pool = cb.pool_create(0)
+    pooled = cb.pool_alloc_async(pool, 4096, s)
+    host = cb.host_alloc(4096)
+    try:
+        h = cb.ipc_mem_handle(p)
+        assert isinstance(h, bytes) and len(h) == base.IPC_HANDLE_SIZE
+        assert cb.ipc_mem_handle(p) == cb.ipc_mem_handle(p + 512) == h
+        assert cb.ipc_mem_handle(other) != h
+        for ptr in (pooled, host, 0):
+            with pytest.raises(CudaError) as info:
+                cb.ipc_mem_handle(ptr)
+            assert info.value.code == 1 and info.value.call == "cuIpcGetMemHandle"
+    finally:
+        cb.mem_free_async(0, pooled, s)
+        cb.stream_synchronize(s)
+        cb.pool_destroy(pool)
+        cb.stream_destroy(s)
+        cb.host_free(host)
+        cb.mem_free(0, other)
+        cb.mem_free(0, p)

@@ -1,10 +1,10 @@
-"""cudalab._driver.counting: counting driver calls, and what it pins (no call on a cache hit)."""
+"""cudalab.testing.count_calls: counting driver calls, and what it pins (no call on a cache hit)."""
 
 from __future__ import annotations
 
 import cudalab
 from cudalab import devices
-from cudalab._driver.counting import COUNTED, count_calls
+from cudalab.testing import COUNTED, count_calls
 
 
 def test_counts_and_restores():

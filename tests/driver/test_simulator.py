@@ -1,7 +1,9 @@
 """The simulator backend (:mod:`cudalab._driver.sim`).
 
-Every test builds its own :class:`SimulatorBackend` from a monkeypatched environment, so
-nothing here depends on (or disturbs) the process-wide backend the other tests use.
+Every test builds its own :class:`SimulatorBackend` from a :class:`SimulatorConfig` (read
+from a mapping with :meth:`SimulatorConfig.from_env`, never from ``os.environ`` unless the
+test is about that), so nothing here depends on (or disturbs) the process-wide backend the
+other tests use.
 """
 
 from __future__ import annotations
@@ -21,15 +23,17 @@ import numpy as np
 import pytest
 
 from cudalab._driver import base
-from cudalab._driver import sim as sim_mod
 from cudalab._driver.sim import (
     DEVICE_STRIDE,
     FAKE_BASE,
     SimulatedNvml,
     SimulatorBackend,
+    SimulatorConfig,
     parse_visible_devices,
     register_kernel,
 )
+from cudalab._driver.sim import kernels as sim_kernels
+from cudalab._driver.sim.config import device_uuid
 from cudalab.errors import CudaError, NvmlError, OutOfMemoryError
 
 GiB = 1 << 30
@@ -38,18 +42,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def make(monkeypatch):
-    """make(devices=None, memory=None, visible=None) -> a fresh, initialised backend."""
+def make():
+    """make(devices=None, memory=None, visible=None) -> a fresh, initialised backend, its
+    settings given as the environment variables' texts (None: unset)."""
 
     def _make(devices=None, memory=None, visible=None):
-        for key, value in (("CUDALAB_SIMULATOR_DEVICES", devices),
-                           ("CUDALAB_SIMULATOR_MEMORY", memory),
-                           ("CUDA_VISIBLE_DEVICES", visible)):
-            if value is None:
-                monkeypatch.delenv(key, raising=False)
-            else:
-                monkeypatch.setenv(key, str(value))
-        b = SimulatorBackend()
+        env = {key: str(value) for key, value in (("CUDALAB_SIMULATOR_DEVICES", devices),
+                                                  ("CUDALAB_SIMULATOR_MEMORY", memory),
+                                                  ("CUDA_VISIBLE_DEVICES", visible))
+               if value is not None}
+        b = SimulatorBackend(SimulatorConfig.from_env(env))
         b.init()
         return b
 
@@ -65,8 +67,8 @@ def b(make):
 @pytest.fixture
 def kernels(monkeypatch):
     """An isolated kernel registry (registrations vanish after the test)."""
-    registry = dict(sim_mod._KERNELS)
-    monkeypatch.setattr(sim_mod, "_KERNELS", registry)
+    registry = dict(sim_kernels._KERNELS)
+    monkeypatch.setattr(sim_kernels, "_KERNELS", registry)
     return registry
 
 
@@ -140,6 +142,12 @@ def test_device_count_env_malformed(make, value):
     ("3000000B", 3 * 10**6),
     (".5GiB", GiB // 2),
     ("", 16 * GiB),
+    # cudalab._units.parse_size's table (one parser for every size cudalab reads):
+    ("1g", GiB),
+    ("16G", 16 * GiB),
+    ("512m", 512 * MiB),
+    ("1.5GB", 15 * 10**8),
+    ("1e9", 10**9),
 ])
 def test_memory_env(make, value, expected):
     b = make(devices=1, memory=value)
@@ -147,12 +155,90 @@ def test_memory_env(make, value, expected):
     assert b.mem_get_info(0) == (expected, expected)
 
 
-@pytest.mark.parametrize("value", ["lots", "16 GiBs", "1.2.3GiB", "-1GiB", "16G", "GiB",
-                                   "100B", "2TiB", "1e9"])
+def test_memory_env_1g_is_a_gibibyte():
+    # The bug of issue 17: "1g" was rejected here while other inputs read it as 2**30.
+    assert SimulatorConfig.from_env({"CUDALAB_SIMULATOR_MEMORY": "1g"}).memory == 2**30
+
+
+@pytest.mark.parametrize("value", ["lots", "16 GiBs", "1.2.3GiB", "-1GiB", "GiB", "0",
+                                   "100B", "2TiB", "1024k1"])
 def test_memory_env_malformed(make, value):
     with pytest.raises(ValueError, match="CUDALAB_SIMULATOR_MEMORY") as info:
         make(memory=value)
     assert "e.g." in str(info.value) and "16GiB" in str(info.value)
+
+
+# ============================================================================ SimulatorConfig
+def test_config_defaults_and_from_env_mapping(monkeypatch):
+    cfg = SimulatorConfig()
+    assert (cfg.device_count, cfg.memory, cfg.visible_devices) == (2, 16 * GiB, None)
+    assert SimulatorConfig.from_env({}) == cfg
+    env = {"CUDALAB_SIMULATOR_DEVICES": "3", "CUDALAB_SIMULATOR_MEMORY": "512MiB",
+           "CUDA_VISIBLE_DEVICES": "2,0"}
+    monkeypatch.setenv("CUDALAB_SIMULATOR_DEVICES", "5")  # a given mapping ignores os.environ
+    got = SimulatorConfig.from_env(env)
+    assert got == SimulatorConfig(device_count=3, memory=512 * MiB, visible_devices="2,0")
+    assert got.visible() == [2, 0] and cfg.visible() == [0, 1]
+    assert SimulatorConfig.from_env().device_count == 5  # None reads os.environ
+    with pytest.raises(AttributeError):  # frozen
+        cfg.memory = 1  # type: ignore[misc]
+
+
+def test_backend_without_config_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("CUDALAB_SIMULATOR_DEVICES", "3")
+    monkeypatch.setenv("CUDALAB_SIMULATOR_MEMORY", "64MiB")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    b = SimulatorBackend()
+    assert b.config == SimulatorConfig(3, 64 * MiB, "1")
+    assert b.device_count() == 1 and b.device_info(0).total_memory == 64 * MiB
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"device_count": 0}, ValueError, "device_count=0 is out of range"),
+    ({"device_count": 65}, ValueError, "from 1 to 64"),
+    ({"device_count": 2.0}, TypeError, "device_count must be an int"),
+    ({"device_count": True}, TypeError, "device_count must be an int"),
+    ({"memory": (1 << 20) - 1}, ValueError, "between 1MiB"),
+    ({"memory": (1 << 40) + 1}, ValueError, "1TiB"),
+    ({"memory": "1g"}, TypeError, "memory must be an int"),
+    ({"visible_devices": 0}, TypeError, "visible_devices must be a str"),
+])
+def test_config_validation(kwargs, error, text):
+    with pytest.raises(error, match="SimulatorConfig") as info:
+        SimulatorConfig(**kwargs)
+    assert text in str(info.value)
+
+
+def test_config_bounds_are_accepted():
+    assert SimulatorConfig(device_count=64, memory=1 << 40).memory == 1 << 40
+    assert SimulatorConfig(device_count=1, memory=1 << 20).device_count == 1
+
+
+def test_backend_rejects_a_non_config():
+    with pytest.raises(TypeError, match="SimulatorConfig"):
+        SimulatorBackend({"device_count": 1})  # type: ignore[arg-type]
+
+
+def test_two_backends_with_different_configs_side_by_side():
+    small = SimulatorBackend(SimulatorConfig(device_count=1, memory=8 * MiB))
+    big = SimulatorBackend(SimulatorConfig(device_count=3, memory=64 * MiB, visible_devices="2"))
+    small.init()
+    big.init()
+    assert (small.device_count(), big.device_count()) == (1, 1)
+    assert small.mem_get_info(0) == (8 * MiB, 8 * MiB)
+    assert big.device_info(0).uuid == device_uuid(2) and big.nvml().device_count() == 3
+    p = big.mem_alloc(0, 16 * MiB)  # more than the small one holds
+    with pytest.raises(OutOfMemoryError):
+        small.mem_alloc(0, 16 * MiB)
+    q = small.mem_alloc(0, 4 * MiB)
+    big.memset_d8(0, p, 7, 16)
+    small.memset_d8(0, q, 9, 16)
+    assert bytes(big.host_view(p, 4)) == b"\x07" * 4 and bytes(small.host_view(q, 4)) == b"\x09" * 4
+    assert big.mem_get_info(0)[0] == 48 * MiB and small.mem_get_info(0)[0] == 4 * MiB
+    with pytest.raises(CudaError):  # one backend's handles are foreign to the other
+        small.stream_query(big.stream_create(0))
+    big.mem_free(0, p)
+    small.mem_free(0, q)
 
 
 # ============================================================================ CUDA_VISIBLE_DEVICES
@@ -178,7 +264,7 @@ def test_parse_visible_devices(value, count, expected):
 
 
 def test_parse_visible_devices_uuids():
-    uuids = [sim_mod._device_uuid(i) for i in range(3)]
+    uuids = [device_uuid(i) for i in range(3)]
     assert len(set(uuids)) == 3
     assert parse_visible_devices(uuids[1], 3) == [1]
     assert parse_visible_devices(f"{uuids[2]},{uuids[0]}", 3) == [2, 0]
@@ -200,16 +286,16 @@ def test_visible_devices_remap_the_backend(make):
     b = make(devices=3, memory="1GiB", visible="2,0")
     assert b.device_count() == 2
     info = b.device_info(0)
-    assert info.uuid == sim_mod._device_uuid(2) and info.pci_bus_id == "0000:1a:00.0"
-    assert b.device_info(1).uuid == sim_mod._device_uuid(0)
+    assert info.uuid == device_uuid(2) and info.pci_bus_id == "0000:1a:00.0"
+    assert b.device_info(1).uuid == device_uuid(0)
     expect_cuda_error(101, "CUDA_ERROR_INVALID_DEVICE", b.mem_alloc, 2, 512)
     nvml = b.nvml()
     assert nvml.device_count() == 3  # NVML ignores CUDA_VISIBLE_DEVICES
-    assert nvml.uuids() == [sim_mod._device_uuid(i) for i in range(3)]
+    assert nvml.uuids() == [device_uuid(i) for i in range(3)]
     b.mem_alloc(0, 10 * MiB)
-    assert nvml.memory_info(sim_mod._device_uuid(2))[2] == 10 * MiB
-    assert nvml.memory_info(sim_mod._device_uuid(1))[2] == 0
-    assert nvml.processes(sim_mod._device_uuid(1)) == []
+    assert nvml.memory_info(device_uuid(2))[2] == 10 * MiB
+    assert nvml.memory_info(device_uuid(1))[2] == 0
+    assert nvml.processes(device_uuid(1)) == []
 
 
 def test_visible_devices_empty_means_no_device(make):
@@ -1013,3 +1099,41 @@ def test_host_view_is_writable_and_shared(b):
     assert bytes(v[4:8]) == (0x01020304).to_bytes(4, "little")
     host = ctypes.create_string_buffer(b"xyz", 8)
     assert bytes(b.host_view(ctypes.addressof(host), 3)) == b"xyz"
+
+
+# ============================================================================ IPC memory handles
+def test_ipc_mem_handle_of_an_allocation(b):
+    p = b.mem_alloc(0, 3 * MiB)
+    q = b.mem_alloc(1, 4096)
+    h = b.ipc_mem_handle(p)
+    assert isinstance(h, bytes) and len(h) == base.IPC_HANDLE_SIZE
+    assert b.ipc_mem_handle(p) == h  # deterministic
+    assert b.ipc_mem_handle(p + 512) == b.ipc_mem_handle(p + 3 * MiB - 1) == h  # like the driver
+    assert b.ipc_mem_handle(q) != h
+    other = b.mem_alloc(0, 4096)
+    assert b.ipc_mem_handle(other) not in (h, b.ipc_mem_handle(q))
+    b.mem_free(0, p)
+    expect_cuda_error(1, "CUDA_ERROR_INVALID_VALUE", b.ipc_mem_handle, p,
+                      call="cuIpcGetMemHandle")  # freed
+
+
+def test_ipc_mem_handle_refuses_memory_it_cannot_share(b):
+    p = b.mem_alloc(0, 1 * MiB)
+    s = b.stream_create(0)
+    pool = b.pool_create(0)
+    pooled = b.pool_alloc_async(pool, 4096, s)
+    va = b.vmm_reserve(0, 2 * MiB)
+    phys = b.vmm_create(0, 2 * MiB)
+    b.vmm_map(0, va, 2 * MiB, phys)
+    host = b.host_alloc(4096)
+    for ptr in (p + 1 * MiB, pooled, pooled + 512, va, host, 0, FAKE_BASE + 5 * DEVICE_STRIDE):
+        expect_cuda_error(1, "CUDA_ERROR_INVALID_VALUE", b.ipc_mem_handle, ptr,
+                          call="cuIpcGetMemHandle")
+    b.vmm_unmap(va, 2 * MiB)
+    b.vmm_release(phys)
+    b.vmm_free_address(va, 2 * MiB)
+    b.mem_free_async(0, pooled, s)
+    b.stream_synchronize(s)
+    b.pool_destroy(pool)
+    b.host_free(host)
+    b.mem_free(0, p)

@@ -1,7 +1,7 @@
 """Virtual memory (VMM) and stream-ordered pools in the simulator backend.
 
-Like ``tests/test_simulator.py``, every simulator test builds its own
-:class:`SimulatorBackend` from a monkeypatched environment. The ``gpu`` tests at the end
+Like ``tests/driver/test_simulator.py``, every simulator test builds its own
+:class:`SimulatorBackend` from a :class:`SimulatorConfig`. The ``gpu`` tests at the end
 check, on the real driver, the semantics the simulator copies where the documentation is
 terse (release while mapped, unmapping several mappings at once, destroying a pool with live
 allocations).
@@ -15,14 +15,15 @@ import threading
 import numpy as np
 import pytest
 
-from cudalab._driver import sim as sim_mod
 from cudalab._driver.sim import (
     DEVICE_STRIDE,
     FAKE_BASE,
     MAX_DEVICES,
     SimulatorBackend,
+    SimulatorConfig,
     register_kernel,
 )
+from cudalab._driver.sim import kernels as sim_kernels
 from cudalab.errors import CudaError, OutOfMemoryError
 
 MiB = 1 << 20
@@ -31,18 +32,15 @@ FAKE_END = FAKE_BASE + MAX_DEVICES * DEVICE_STRIDE
 
 
 @pytest.fixture
-def make(monkeypatch):
-    """make(devices=None, memory=None) -> a fresh, initialised backend."""
+def make():
+    """make(devices=None, memory=None) -> a fresh, initialised backend (settings as the
+    environment variables' texts, read from a mapping; None: the default)."""
 
     def _make(devices=None, memory=None):
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-        for key, value in (("CUDALAB_SIMULATOR_DEVICES", devices),
-                           ("CUDALAB_SIMULATOR_MEMORY", memory)):
-            if value is None:
-                monkeypatch.delenv(key, raising=False)
-            else:
-                monkeypatch.setenv(key, str(value))
-        b = SimulatorBackend()
+        env = {key: str(value) for key, value in (("CUDALAB_SIMULATOR_DEVICES", devices),
+                                                  ("CUDALAB_SIMULATOR_MEMORY", memory))
+               if value is not None}
+        b = SimulatorBackend(SimulatorConfig.from_env(env))
         b.init()
         return b
 
@@ -57,8 +55,8 @@ def b(make):
 
 @pytest.fixture
 def kernels(monkeypatch):
-    registry = dict(sim_mod._KERNELS)
-    monkeypatch.setattr(sim_mod, "_KERNELS", registry)
+    registry = dict(sim_kernels._KERNELS)
+    monkeypatch.setattr(sim_kernels, "_KERNELS", registry)
     return registry
 
 
@@ -295,7 +293,7 @@ def test_granularity_and_argument_errors(b):
     b.vmm_release(h)
     expect_invalid(b.vmm_release, h, call="cuMemRelease")
     expect_invalid(b.vmm_release, 0x77)
-    expect_invalid(b.vmm_release, SimulatorBackend().vmm_create(0, G))  # another simulator
+    expect_invalid(b.vmm_release, SimulatorBackend(SimulatorConfig()).vmm_create(0, G))  # another simulator
     base = b.vmm_reserve(0, 2 * G)
     expect_invalid(b.vmm_map, 0, base, 2 * G, h)
     with pytest.raises(CudaError) as info:

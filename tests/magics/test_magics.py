@@ -24,9 +24,9 @@ from IPython.utils.capture import capture_output
 
 import cudalab
 import cudalab.memory as cm
+from cudalab._internal import format_bytes, format_time, parse_size
 from cudalab.magics import CudaLabMagics, load_ipython_extension, unload_ipython_extension
-from cudalab.magics.memory import parse_bytes
-from cudalab.magics.result import CudaTimedResult, format_bytes, format_time
+from cudalab.magics.result import CudaTimedResult
 from cudalab.magics.timed import _nice_ceil, parse_devices, parse_options
 
 MS = 1_000_000  # ns
@@ -144,12 +144,13 @@ def test_nice_ceil_and_formatting():
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(3 << 20, signed=True) == "+3.0 MiB"
     assert format_bytes(-512) == "-512 B"
-    assert parse_bytes("1048576") == 1 << 20
-    assert parse_bytes("1MiB") == parse_bytes("1 mib") == 1 << 20
-    assert parse_bytes("1.5GB") == 1_500_000_000
-    assert parse_bytes("64 KiB") == 65536
+    assert parse_size("1048576") == 1 << 20
+    assert parse_size("1MiB") == parse_size("1 mib") == 1 << 20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("64 KiB") == 65536
+    assert parse_size("1g") == 1 << 30  # one parser: "1g" is 2**30 in --threshold too
     with pytest.raises(ValueError):
-        parse_bytes("12 parsecs")
+        parse_size("12 parsecs")
 
 
 # =============================================================================== load/unload
@@ -383,11 +384,11 @@ def test_warnings_for_outliers(ip):
 def test_repeat_exception_propagates_and_state_is_restored(ip):
     import gc
 
-    from cudalab import kernels
+    from cudalab._internal import launch_observers
 
     r, _o, _t, _h = run(ip, "%%cuda_timed -n 2 -r 2\nraise RuntimeError('inner')")
     assert isinstance(r.error_in_exec, RuntimeError)
-    assert gc.isenabled() and not kernels._launch_observers
+    assert gc.isenabled() and not launch_observers
     r, _o, _t, _h = run(ip, "%%cuda_timed -n 2 -r 2\nreturn 5")
     assert not r.success  # refused like a bare "return" at top level
 
@@ -441,7 +442,7 @@ def _fake_cupti(monkeypatch, fail_status=None):
     import enum
     import types
 
-    from cudalab.magics import timed as tm
+    from cudalab._driver import cupti as seam_cupti
 
     class ActivityKind(enum.IntEnum):
         CONCURRENT_KERNEL = 10
@@ -482,18 +483,19 @@ def _fake_cupti(monkeypatch, fail_status=None):
     pkg.cupti = mod
     monkeypatch.setitem(sys.modules, "cupti", pkg)
     monkeypatch.setitem(sys.modules, "cupti.cupti", mod)
-    monkeypatch.setattr(tm, "_cupti_registered", False)
+    monkeypatch.setattr(seam_cupti, "_registered", False)
     return state
 
 
 def test_cupti_kernel_records_and_busy_message(monkeypatch):
-    from cudalab.magics import timed as tm
+    from cudalab._driver import cupti as seam_cupti
+    from cudalab.magics import kernel_listing as tm
 
     state = _fake_cupti(monkeypatch)
     tracer = tm._CuptiKernels()
     assert tracer.start() and state["enabled"]
     tracer.stop()
-    assert not state["enabled"] and tm._cupti_sink is None
+    assert not state["enabled"] and seam_cupti._sink is None
     (row,) = tracer.kernel_table()
     assert row["name"] == "ampere_sgemm" and row["count"] == 2
     assert row["gpu_time"] == pytest.approx(4e-6) and row["source"] == "cupti"
@@ -510,7 +512,7 @@ def test_cupti_kernel_records_and_busy_message(monkeypatch):
 
 
 def test_cupti_missing_message(monkeypatch):
-    from cudalab.magics import timed as tm
+    from cudalab.magics import kernel_listing as tm
 
     monkeypatch.setitem(sys.modules, "cupti", None)  # import cupti -> ImportError
     tracer = tm._CuptiKernels()
@@ -832,7 +834,7 @@ def test_gpu_kernels_lists_a_cudalab_kernel(ip):
 def driver_calls():
     """A Counter of the driver calls made through the backend and the event fast paths
     (``Event.record``/``query`` and the timer's records go through the fast paths)."""
-    from cudalab._driver.counting import count_calls
+    from cudalab.testing import count_calls
 
     cudalab.init()
     with count_calls() as counts:
@@ -887,7 +889,7 @@ def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypa
     after the next repeat; while the GPU keeps up it runs only every MAX_STRIDE repeats."""
     from cudalab import devices
     from cudalab._driver.base import STATUS_NOT_READY, FastPaths
-    from cudalab.magics.timed import _EventTimer
+    from cudalab.magics.event_timer import _EventTimer
 
     c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass", 64, 640)
     assert c.get("event_synchronize", 0) <= _FEW_WAITS
@@ -936,7 +938,7 @@ def test_in_flight_lag_grows_only_while_the_waits_are_short(ip, monkeypatch):
     behind: the lag doubles up to MAX_LAG. Longer waits keep two repeats in flight."""
     from cudalab import devices
     from cudalab._driver.base import STATUS_NOT_READY, FastPaths
-    from cudalab.magics import timed as T
+    from cudalab.magics import event_timer as T
 
     timers = []
     init = T._EventTimer.__init__
@@ -977,7 +979,7 @@ def test_long_runs_take_their_events_before_the_loop(ip, driver_calls):
 def test_events_grow_in_chunks_outside_the_repeats(ip, monkeypatch):
     """Past CHUNK repeats the timer takes the next chunk between two repeats; in the shared
     mode the next repeat then starts from a fresh event, so the pause is in no repeat."""
-    from cudalab.magics.timed import _EventTimer
+    from cudalab.magics.event_timer import _EventTimer
 
     take = _EventTimer._take
 

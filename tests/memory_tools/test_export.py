@@ -1,4 +1,5 @@
-"""cudalab.memory_tools.export: DataFrames of snapshots/history and the Chrome/Perfetto trace."""
+"""cudalab.memory_tools.export (DataFrames of snapshots/history), .perfetto (the Chrome/Perfetto
+trace), .trace_columns and .trace_io.read_history_csv."""
 
 from __future__ import annotations
 
@@ -16,16 +17,17 @@ from hypothesis import strategies as st
 
 pd = pytest.importorskip("pandas")
 
-from cudalab.memory_tools import export as ex  # noqa: E402
 from cudalab.memory_tools.export import (  # noqa: E402
     ACTIONS,
-    export_perfetto,
     history_frame,
-    read_history_csv,
     segments_frame,
     snapshot_frame,
     stats_frame,
 )
+from cudalab.memory_tools.perfetto import _assign_lanes, export_perfetto  # noqa: E402
+from cudalab.memory_tools.synthetic import synthetic_snapshot  # noqa: E402
+from cudalab.memory_tools.trace_columns import stream_label  # noqa: E402
+from cudalab.memory_tools.trace_io import read_history_csv  # noqa: E402
 
 HISTORY_DTYPES = {
     "time": "datetime64[us]", "time_us": "int64", "device": "int64", "stream": "int64",
@@ -92,7 +94,7 @@ def _hand_snapshot(**extra):
 
 # --------------------------------------------------------------------------- history_frame
 def test_history_columns_and_dtypes_generated():
-    snap = ex._synthetic_snapshot(3000, devices=2)
+    snap = synthetic_snapshot(3000, devices=2)
     df = history_frame(snap)
     assert _dtypes(df) == HISTORY_DTYPES
     assert len(df) == sum(len(t) for t in snap["device_traces"])
@@ -147,7 +149,7 @@ def test_running_totals_are_per_device():
 
 
 def test_torch_style_snapshot_without_cudalab_keys():
-    snap = ex._synthetic_snapshot(2000, cudalab_keys=False)
+    snap = synthetic_snapshot(2000, cudalab_keys=False)
     assert "cudalab" not in snap
     assert not any(k in e for e in snap["device_traces"][0] for k in ("device", "cell",
                                                                       "nvtx_range"))
@@ -162,7 +164,7 @@ def test_torch_style_snapshot_without_cudalab_keys():
 
 
 def test_final_totals_match_generated_segments():
-    snap = ex._synthetic_snapshot(5000, devices=2, streams=(0, 11, 22))
+    snap = synthetic_snapshot(5000, devices=2, streams=(0, 11, 22))
     df = history_frame(snap)
     seg = segments_frame(snap)
     for d in (0, 1):
@@ -183,11 +185,11 @@ def test_unknown_action_and_big_stream_handle():
 
 
 def test_snapshot_fallback_when_no_recorder(monkeypatch):
-    import cudalab.memory as cm
+    from cudalab.memory_tools import trace_columns
 
     snap = _hand_snapshot()
-    monkeypatch.setattr(ex, "_live_raw", lambda: None)
-    monkeypatch.setattr(cm, "_snapshot", lambda: snap, raising=False)
+    monkeypatch.setattr(trace_columns, "live_history", lambda: None)
+    monkeypatch.setattr(trace_columns, "take_snapshot", lambda: snap)
     assert len(history_frame()) == len(HAND)
     assert history_frame()["allocated"].tolist() == history_frame(snap)["allocated"].tolist()
 
@@ -223,7 +225,7 @@ def test_history_from_recorded_run(tmp_path):
     assert _dtypes(live) == _dtypes(df) == HISTORY_DTYPES
     n = len(live)
     # one "snapshot" entry per device that has an allocator (as torch), after the live rows
-    n_alloc_devices = sum(a is not None for a in cudalab.allocator.allocator._allocators)
+    n_alloc_devices = sum(a is not None for a in cudalab.allocator.registry._allocators)
     assert df["action"].astype(str).tolist()[n:] == ["snapshot"] * n_alloc_devices
     cols = [c for c in HISTORY_DTYPES if c not in ("action",)]
     pd.testing.assert_frame_equal(live[cols], df[cols].iloc[:n])
@@ -260,7 +262,7 @@ def test_segments_frames_default_to_live_memory_snapshot():
 
 
 def test_history_csv_round_trip(tmp_path):
-    snap = ex._synthetic_snapshot(2000, devices=2)
+    snap = synthetic_snapshot(2000, devices=2)
     snap["device_traces"][0].extend(HAND)  # frames, None cells, an oom
     df = history_frame(snap)
     p = tmp_path / "h.csv"
@@ -276,7 +278,7 @@ def test_history_csv_round_trip(tmp_path):
 
 def test_frames_parquet_round_trip(tmp_path):
     pytest.importorskip("pyarrow")
-    snap = ex._synthetic_snapshot(2000, devices=2)
+    snap = synthetic_snapshot(2000, devices=2)
     for name, df in (("h", history_frame(snap)), ("b", snapshot_frame(snap)),
                      ("s", segments_frame(snap))):
         p = tmp_path / f"{name}.parquet"
@@ -293,7 +295,7 @@ def test_frames_parquet_round_trip(tmp_path):
 def _tiled(n_total: int, base_entries: int = 100_000) -> dict:
     """A generated history repeated (shifted in time) up to ``n_total`` entries: cheaper to
     build than one 1M-entry generation, same per-entry shape."""
-    base = ex._synthetic_snapshot(base_entries)
+    base = synthetic_snapshot(base_entries)
     tr = base["device_traces"][0]
     span = tr[-1]["time_us"] - tr[0]["time_us"] + 1
     out: list = []
@@ -374,7 +376,7 @@ def test_segments_frame_fragmentation():
 
 
 def test_snapshot_frames_generated_and_empty():
-    snap = ex._synthetic_snapshot(3000, devices=2)
+    snap = synthetic_snapshot(3000, devices=2)
     bf, sf = snapshot_frame(snap), segments_frame(snap)
     assert _dtypes(bf) == BLOCK_DTYPES and _dtypes(sf) == SEGMENT_DTYPES
     assert len(sf) == len(snap["segments"])
@@ -504,7 +506,7 @@ def test_perfetto_hand_written(tmp_path):
 
 
 def test_perfetto_torch_snapshot_not_simulated_and_gz(tmp_path):
-    snap = ex._synthetic_snapshot(4000, cudalab_keys=False, streams=(0, 0x7F00AA, 0x7F00BB))
+    snap = synthetic_snapshot(4000, cudalab_keys=False, streams=(0, 0x7F00AA, 0x7F00BB))
     data = _load(export_perfetto(tmp_path / "t.json.gz", snap))
     with open(tmp_path / "t.json.gz", "rb") as f:
         assert f.read(2) == b"\x1f\x8b"
@@ -519,11 +521,11 @@ def test_perfetto_torch_snapshot_not_simulated_and_gz(tmp_path):
     tname = {e["tid"]: e["args"]["name"] for e in evs if e["name"] == "thread_name"}
     for tid, xs in by_tid.items():
         for x in xs:
-            assert tname[tid].startswith(ex._stream_label(x["args"]["stream"]))
+            assert tname[tid].startswith(stream_label(x["args"]["stream"]))
 
 
 def test_perfetto_generated_multi_device(tmp_path):
-    snap = ex._synthetic_snapshot(6000, devices=2, oom_every=500, snapshot_every=300)
+    snap = synthetic_snapshot(6000, devices=2, oom_every=500, snapshot_every=300)
     data = _load(export_perfetto(tmp_path / "t.json", snap))
     _check_trace(data)
     evs = data["traceEvents"]
@@ -559,11 +561,11 @@ def test_perfetto_preexisting_and_empty(tmp_path):
 
 def test_perfetto_default_snapshot(tmp_path, monkeypatch):
     import cudalab
-    import cudalab.memory as cm
+    from cudalab.memory_tools import perfetto, trace_columns
 
     cudalab.init()
-    monkeypatch.setattr(ex, "_live_raw", lambda: None)  # no recorder: falls back to _snapshot()
-    monkeypatch.setattr(cm, "_snapshot", _hand_snapshot, raising=False)
+    monkeypatch.setattr(perfetto, "live_history", lambda: None)  # no recorder: _snapshot()
+    monkeypatch.setattr(trace_columns, "take_snapshot", _hand_snapshot)
     assert export_perfetto(str(tmp_path / "d.json")) == str(tmp_path / "d.json")
     data = _load(tmp_path / "d.json")
     _check_trace(data)
@@ -581,7 +583,7 @@ def test_perfetto_default_snapshot(tmp_path, monkeypatch):
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20)), max_size=60))
 def test_lanes_never_overlap(pairs):
     iv = sorted((s, s + d) for s, d in pairs)
-    lanes = ex._assign_lanes([s for s, _ in iv], [e for _, e in iv])
+    lanes = _assign_lanes([s for s, _ in iv], [e for _, e in iv])
     by_lane = defaultdict(list)
     for (s, e), lane in zip(iv, lanes):
         by_lane[lane].append((s, e))
@@ -593,12 +595,19 @@ def test_lanes_never_overlap(pairs):
         assert max(lanes) + 1 <= depth
 
 
-def test_human_sizes():
-    assert ex._human(0) == "0 B" and ex._human(1023) == "1023 B"
-    assert ex._human(1024) == "1.0 KiB" and ex._human(1536) == "1.5 KiB"
-    assert ex._human(3 << 20) == "3.0 MiB" and ex._human(200 << 20) == "200 MiB"
-    assert ex._human((1 << 20) - 1) == "1.0 MiB"
-    assert ex._human(5 << 40) == "5.0 TiB"
+def test_slice_names_are_sizes_by_the_one_byte_formatter(tmp_path):
+    """Perfetto slice names are ``cudalab._units.format_bytes`` of the block's size."""
+    from cudalab._units import format_bytes
+
+    expect = {1023: "1023 B", 1024: "1.0 KiB", 1536: "1.5 KiB", 3 << 20: "3.0 MiB",
+              200 << 20: "200.0 MiB", (1 << 20) - 1: "1.0 MiB", 5 << 40: "5.0 TiB"}
+    assert format_bytes(0) == "0 B"
+    snap = {"device_traces": [[_e("alloc", 0x1000 * (i + 1), size, i)
+                               for i, size in enumerate(expect)]]}
+    data = _load(export_perfetto(tmp_path / "s.json", snap))
+    got = {e["args"]["size"]: e["name"] for e in data["traceEvents"] if e["ph"] == "X"}
+    assert got == expect
+    assert all(format_bytes(size) == name for size, name in got.items())
 
 
 def test_perfetto_escapes_frame_strings(tmp_path):

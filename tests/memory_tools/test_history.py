@@ -19,11 +19,13 @@ import weakref
 import pytest
 
 import cudalab
-from cudalab.errors import OutOfMemoryError
-from cudalab.allocator import allocator as A
-from cudalab.memory_tools import history
-from cudalab.allocator.allocator import DeviceCachingAllocator, UncachedAllocator
+from cudalab.allocator import registry as A
+from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.registry import native_allocator
+from cudalab.allocator.uncached import UncachedAllocator
+from cudalab.errors import OutOfMemoryError
+from cudalab.memory_tools import history, stacks
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -38,20 +40,20 @@ def line() -> int:
 
 def make(backend, conf: str | None = None) -> DeviceCachingAllocator:
     cfg = parse_alloc_conf(conf) if conf else AllocatorConfig()
-    return DeviceCachingAllocator(backend, 0, cfg, stream_resolver=lambda: 0)
+    return native_allocator(backend, 0, cfg, stream_resolver=lambda: 0)
 
 
 # Every test here runs with each stamp this Python has: the pure-Python one and, where it
 # was built (CPython 3.11-3.13), its C twin cudalab.memory_tools._stackstamp.
-STAMPS = ["python"] + (["compiled"] if history._c_stamp is not None else [])
+STAMPS = ["python"] + (["compiled"] if stacks._c_stamp is not None else [])
 
 
 @pytest.fixture(autouse=True, params=STAMPS)
 def stamp(request):
-    before = history.stamp_implementation()
-    history._use_stamp(request.param)
+    before = stacks.stamp_implementation()
+    stacks._use_stamp(request.param)
     yield request.param
-    history._use_stamp(before)
+    stacks._use_stamp(before)
 
 
 @pytest.fixture(autouse=True)
@@ -193,7 +195,7 @@ def _allocs_with_real_stacks(entries, got, action="alloc"):
 
 
 def test_cached_stacks_are_the_real_stacks(priv):
-    """Frames cache their stacks (see history._capture): callers that come and go at reused
+    """Frames cache their stacks (see stacks._capture): callers that come and go at reused
     addresses, recursion, generators resumed from different places, two lines of one frame
     and another thread must all still get their real stack."""
     a = priv()
@@ -295,7 +297,7 @@ def test_cached_stacks_keep_no_frame_alive(priv):
         o = Local()
         p = a.malloc(1000, 0)
         a.free(p)
-        assert isinstance(sys._getframe().f_trace, history._Mark)  # the cache is here
+        assert isinstance(sys._getframe().f_trace, stacks._Mark)  # the cache is here
         return weakref.ref(o)
 
     r = work()
@@ -326,12 +328,12 @@ def test_a_frame_keeps_a_bounded_number_of_stacks(priv):
     not keep a stack for each of them."""
     a = priv()
     cudalab.memory._record_memory_history()
-    for i in range(history._MARK_MAX + 50):
+    for i in range(stacks._MARK_MAX + 50):
         ns = {"a": a}
         exec(compile(f"def f{i}():\n    a.free(a.malloc(1000, 0))\n", "<gen>", "exec"), ns)
         ns[f"f{i}"]()
     mark = sys._getframe().f_trace
-    assert isinstance(mark, history._Mark) and 0 < len(mark) <= history._MARK_MAX
+    assert isinstance(mark, stacks._Mark) and 0 < len(mark) <= stacks._MARK_MAX
 
 
 @needs_no_tracer
@@ -370,7 +372,7 @@ def test_no_cache_under_a_trace_function_or_in_generators(priv):
 
     a.free(a.malloc(1000, 0))
     mine = sys._getframe().f_trace
-    assert isinstance(mine, history._Mark)
+    assert isinstance(mine, stacks._Mark)
     old = sys.gettrace()
     sys.settrace(tracer)
     try:
@@ -384,7 +386,7 @@ def test_no_cache_under_a_trace_function_or_in_generators(priv):
     assert sys._getframe().f_trace is mine
     a.free(p)
     _allocs_with_real_stacks(trace({p}), [(p, s)])
-    assert isinstance(untraced(), history._Mark) and next(gen()) is None
+    assert isinstance(untraced(), stacks._Mark) and next(gen()) is None
     assert own() is local
 
 
@@ -400,20 +402,20 @@ def test_frames_through_the_public_api_start_at_the_caller():
 
 @pytest.mark.parametrize("module", ["user_module", None])
 def test_memo_stamps_through_the_public_api_start_at_the_caller(module):
-    """The memo's stamps (history._stamp) skip cudalab's frames (here the array's and the
+    """The memo's stamps (stacks._stamp) skip cudalab's frames (here the array's and the
     allocator's) by module name, learning the names while recording, for code of a named
     module and for code run without one (exec'd in bare globals): the allocation and free
     stacks of a loop over ``cudalab.empty`` are the real ones."""
     cudalab.init()
     # emptied in place (the compiled stamp holds these very sets), refilled after
-    saved = set(history._cud_mods), set(history._other_mods)
-    history._cud_mods.clear()
-    history._other_mods.clear()
+    saved = set(stacks._cud_mods), set(stacks._other_mods)
+    stacks._cud_mods.clear()
+    stacks._other_mods.clear()
     try:
         _memo_stamps_start_at_the_caller(module)
     finally:
-        history._cud_mods.update(saved[0])
-        history._other_mods.update(saved[1])
+        stacks._cud_mods.update(saved[0])
+        stacks._other_mods.update(saved[1])
 
 
 def _memo_stamps_start_at_the_caller(module) -> None:
@@ -438,9 +440,9 @@ def _memo_stamps_start_at_the_caller(module) -> None:
     es = trace({p for p, _ in got})
     _allocs_with_real_stacks(es, got)
     _allocs_with_real_stacks(es, freed, "free_requested")
-    if history._modname is not None:  # Python 3.12+ (3.11 tells cudalab's frames by file)
-        assert "cudalab.array" in history._cud_mods
-        assert (module in history._other_mods) == (module is not None)
+    if stacks._modname is not None:  # Python 3.12+ (3.11 tells cudalab's frames by file)
+        assert "cudalab.array" in stacks._cud_mods
+        assert (module in stacks._other_mods) == (module is not None)
 
 
 @pytest.mark.parametrize("module", [5, ["not", "hashable"]])
@@ -924,3 +926,30 @@ def test_record_history_restores_after_an_exception(priv):
             a.malloc(1000, 0)
             raise KeyError("boom")
     assert a._trace is None and not history.is_recording()
+
+
+@pytest.mark.parametrize("context", [None, "state", "alloc", "all"])
+def test_the_recorder_hook_implements_the_allocator_hook_protocol(priv, context):
+    """The hook the recorder attaches is a ``cudalab.allocator.hooks.CompactTrace``: it
+    has every field of the protocol (so a field renamed in hooks.py fails here, not as a
+    silently slower recording), and it is attached through ``hooks.attach_trace``."""
+    from cudalab.allocator import hooks
+
+    fields = set(hooks.CompactTrace.__annotations__)
+    assert fields == {"compact", "compact_ok", "now", "free_now", "capacity"}
+    assert set(hooks.TRACE_ACTIONS) <= set(history.ACTIONS)
+    a = priv()
+    cudalab.memory._record_memory_history("all", context=context, max_entries=123)
+    trace = a._trace
+    assert callable(trace)
+    for name in fields:
+        assert hasattr(trace, name), name
+    assert callable(trace.compact) and callable(trace.now) and callable(trace.free_now)
+    assert trace.compact_ok() in (True, False) and trace.capacity == 123
+    stamp = trace.now()  # a time without stacks, else (time, stack)
+    if context is None:
+        assert isinstance(stamp, int) and stamp > 0
+    else:
+        assert isinstance(stamp, tuple) and len(stamp) == 2 and stamp[0] > 0
+    cudalab.memory._record_memory_history(None)
+    assert a._trace is None  # detached through hooks.detach_trace

@@ -1,4 +1,4 @@
-"""Trace replay and what-if (cudalab.memory_tools.replay) and the ``replay`` / ``what-if`` commands.
+"""Trace replay and what-if (cudalab.memory_tools.replay, .what_if, .trace_io) and the ``replay`` / ``what-if`` commands.
 
 Every replay runs on a private simulator built by the replay itself; the live workloads here
 run on private simulators built by the tests, with the trace logged by the test (not by the
@@ -20,11 +20,15 @@ import warnings
 import pytest
 
 import cudalab
-from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.registry import native_allocator
+from cudalab.memory_tools.progress import ProgressBar
+from cudalab.memory_tools.trace_io import TraceError
 
 # by module path: cudalab.memory may export the replay function under the module's name
 rp = importlib.import_module("cudalab.memory_tools.replay")
+wi = importlib.import_module("cudalab.memory_tools.what_if")
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -153,7 +157,7 @@ def test_replay_equals_live(monkeypatch, conf):
         side = sim.handle_int(sim.stream_create(0))
         trace = live_workload(live, streams=(0, side))
     else:
-        live = DeviceCachingAllocator(sim, 0, cfg, stream_resolver=lambda: 0)
+        live = native_allocator(sim, 0, cfg, stream_resolver=lambda: 0)
         trace = live_workload(live)
     stats = live.memory_stats()
     r = quiet_replay(trace, conf, device_memory=16 * GiB)
@@ -270,7 +274,7 @@ def test_dataframe_input_matches_the_list():
     assert r_df.num_device_alloc == r_list.num_device_alloc
     assert r_df.source == "DataFrame" and r_df.ignored == {"segment_alloc": 1}
     assert quiet_replay(df, device=1).peak_allocated == 1 << 40
-    with pytest.raises(rp.TraceError, match="lacks column"):
+    with pytest.raises(TraceError, match="lacks column"):
         rp.replay(df.drop(columns=["stream"]))
 
 
@@ -289,11 +293,11 @@ def test_torch_style_snapshot_dict(monkeypatch):
     # another device
     snap2 = torch_style_snapshot(trace, device_count=2, device=1)
     assert quiet_replay(snap2, device=1).peak_reserved == r.peak_reserved
-    with pytest.raises(rp.TraceError, match="devices with entries: 1"):
+    with pytest.raises(TraceError, match="devices with entries: 1"):
         rp.replay(snap2)
-    with pytest.raises(rp.TraceError, match="no trace for device 5"):
+    with pytest.raises(TraceError, match="no trace for device 5"):
         rp.replay(snap2, device=5)
-    with pytest.raises(rp.TraceError, match="device_traces"):
+    with pytest.raises(TraceError, match="device_traces"):
         rp.replay({"segments": []})
 
 
@@ -316,16 +320,16 @@ def test_snapshot_pickle_path_and_bad_files(tmp_path):
 
     evil = tmp_path / "evil.pkl"
     evil.write_bytes(pickle.dumps({"segments": [], "device_traces": [[Evil()]]}, protocol=4))
-    with pytest.raises(rp.TraceError, match="refus"):
+    with pytest.raises(TraceError, match="refus"):
         rp.replay(evil)
     assert not (tmp_path / "pwned").exists()
     junk = tmp_path / "junk.pkl"
     junk.write_bytes(b"not a pickle at all")
-    with pytest.raises(rp.TraceError):
+    with pytest.raises(TraceError):
         rp.replay(junk)
-    with pytest.raises(rp.TraceError, match="cannot read"):
+    with pytest.raises(TraceError, match="cannot read"):
         rp.replay(tmp_path / "missing.pkl")
-    with pytest.raises(rp.TraceError):
+    with pytest.raises(TraceError):
         rp.replay(42)
 
 
@@ -340,7 +344,7 @@ def test_bad_config_and_arguments():
 
 
 def test_progress_callback_and_process_state_untouched():
-    from cudalab.allocator import allocator as allocator_module
+    from cudalab.allocator import registry as allocator_module
 
     before = (list(allocator_module._allocators), list(allocator_module._active))
     env = {k: os.environ.get(k) for k in ("CUDALAB_SIMULATOR_DEVICES",
@@ -371,12 +375,12 @@ def test_what_if_ranks_the_default_sweep():
     trace = fragmenting_trace()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        df = rp.what_if(trace)
+        df = wi.what_if(trace)
     assert list(df.columns) == COLUMNS and df.index.name == "rank"
     assert list(df.index) == list(range(1, len(df) + 1))
     labels = set(df["config"])
-    assert labels == {"default", *(c for c in rp.DEFAULT_WHAT_IF_CONFIGS if c)}
-    assert rp.GC_CONFIG not in labels and "device_memory" in df.attrs["note"]
+    assert labels == {"default", *(c for c in wi.DEFAULT_WHAT_IF_CONFIGS if c)}
+    assert wi.GC_CONFIG not in labels and "device_memory" in df.attrs["note"]
     ok = df[df["ooms"] == 0]
     assert list(ok["peak_reserved"]) == sorted(ok["peak_reserved"])
     default = df[df["config"] == "default"].iloc[0]
@@ -388,22 +392,22 @@ def test_what_if_ranks_the_default_sweep():
     results = df.attrs["results"]
     assert [r.label for r in results] == list(df["config"])
     assert all(r.peak_reserved == p for r, p in zip(results, df["peak_reserved"]))
-    text = rp.format_what_if(df)
+    text = wi.format_what_if(df)
     assert "expandable_segments:True" in text and "best: expandable_segments:True" in text
 
 
 def test_what_if_with_configs_and_device_memory():
     pytest.importorskip("pandas")
     trace = fragmenting_trace()
-    df = rp.what_if(trace, ["expandable_segments:True"])
+    df = wi.what_if(trace, ["expandable_segments:True"])
     assert list(df["config"]) == ["expandable_segments:True", "default"]
-    df = rp.what_if(trace, "max_split_size_mb:128")  # one string is one config
+    df = wi.what_if(trace, "max_split_size_mb:128")  # one string is one config
     assert set(df["config"]) == {"default", "max_split_size_mb:128"}
     native_peak = quiet_replay(trace).peak_reserved
     dm = native_peak + 64 * MiB  # a device that the defaults nearly fill
-    df = rp.what_if(trace, device_memory=dm)
-    assert rp.GC_CONFIG in set(df["config"]) and "note" not in df.attrs
-    gc = df[df["config"] == rp.GC_CONFIG].iloc[0]
+    df = wi.what_if(trace, device_memory=dm)
+    assert wi.GC_CONFIG in set(df["config"]) and "note" not in df.attrs
+    gc = df[df["config"] == wi.GC_CONFIG].iloc[0]
     assert gc["peak_reserved"] <= 0.9 * dm  # the fraction caps it
     ooms = list(df["ooms"] > 0)
     assert ooms == sorted(ooms)  # configs that ran out of memory rank last
@@ -538,8 +542,8 @@ def test_torch_snapshot_replays_within_two_percent(tmp_path):
     assert abs(r.peak_reserved - torch_reserved) <= 0.02 * torch_reserved, (r, torch_reserved)
     assert r.peak_allocated == pytest.approx(torch_allocated, rel=0.005)
     assert r.reference["recorded_peak_reserved"] == torch_reserved
-    df = rp.what_if(path)
-    assert len(df) == len(rp.DEFAULT_WHAT_IF_CONFIGS)
+    df = wi.what_if(path)
+    assert len(df) == len(wi.DEFAULT_WHAT_IF_CONFIGS)
 
 
 def test_empty_and_degenerate_traces():
@@ -563,7 +567,7 @@ def test_configs_built_in_code_are_labelled():
     assert r.config == "max_split_size_mb:128,expandable_segments:True"
     assert parse_alloc_conf(r.config).expandable_segments
     pytest.importorskip("pandas")
-    df = rp.what_if(fragmenting_trace(rounds=3), [cfg, AllocatorConfig()])
+    df = wi.what_if(fragmenting_trace(rounds=3), [cfg, AllocatorConfig()])
     assert sorted(df["config"]) == ["default", r.config]
 
 
@@ -571,7 +575,7 @@ def test_text_progress_bar():
     import io
 
     out = io.StringIO()
-    bar = rp._Progress("default", stream=out, delay=0.0)
+    bar = ProgressBar("default", stream=out, delay=0.0)
     bar(10, 100)
     bar(100, 100)
     bar.close()

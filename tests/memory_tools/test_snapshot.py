@@ -15,10 +15,11 @@ import sys
 import pytest
 
 import cudalab
-from cudalab.memory_tools import history
-from cudalab.allocator.allocator import DeviceCachingAllocator
+from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
-from cudalab.memory_tools.snapshot import SnapshotLoadError, dumps_snapshot, to_plain
+from cudalab.allocator.registry import native_allocator
+from cudalab.memory_tools import history
+from cudalab.memory_tools.trace_io import SnapshotLoadError, dumps_snapshot, to_plain
 
 MiB = 1024 * 1024
 HERE = os.path.abspath(__file__)
@@ -53,7 +54,7 @@ def line() -> int:
 
 def make(backend, conf: str | None = None) -> DeviceCachingAllocator:
     cfg = parse_alloc_conf(conf) if conf else AllocatorConfig()
-    return DeviceCachingAllocator(backend, 0, cfg, stream_resolver=lambda: 0)
+    return native_allocator(backend, 0, cfg, stream_resolver=lambda: 0)
 
 
 @pytest.fixture(autouse=True)
@@ -274,15 +275,13 @@ def test_to_plain_converts_numpy_numbers_and_rejects_objects():
         to_plain({"segments": [{"bad": object()}]})
     with pytest.raises(TypeError):
         to_plain({"segments": [], "b": b"bytes"})
-    # the dump of cudalab's own snapshots pickles directly and converts only if needed
-    from cudalab.memory_tools.snapshot import _dumps_own
-
-    data = _dumps_own({"segments": [{"address": np.uint64(7), "frames": []}]})
+    # a snapshot is pickled directly and converted only if needed
+    data = dumps_snapshot({"segments": [{"address": np.uint64(7), "frames": []}]})
     got = cudalab.memory.load_snapshot(io.BytesIO(data))
     assert type(got["segments"][0]["address"]) is int
     assert {op.name for op in _ops(data)} <= VIEWER_OPS
     with pytest.raises(TypeError, match="only dict, list"):
-        _dumps_own({"segments": [object()]})
+        dumps_snapshot({"segments": [object()]})
 
 
 # --------------------------------------------------------------------------- loading

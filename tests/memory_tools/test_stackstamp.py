@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudalab.memory_tools import history
+from cudalab.memory_tools import stacks
 
 HERE = os.path.abspath(__file__)
 
@@ -36,7 +36,7 @@ def _allocator_method(stamp):
     return stamp()
 
 
-needs_compiled = pytest.mark.skipif(history._c_stamp is None,
+needs_compiled = pytest.mark.skipif(stacks._c_stamp is None,
                                     reason="cudalab.memory_tools._stackstamp is not built here (or CUDALAB_PURE_PYTHON is set)")
 
 
@@ -44,9 +44,9 @@ needs_compiled = pytest.mark.skipif(history._c_stamp is None,
 @pytest.mark.parametrize("first", ["python", "compiled"])
 def test_the_compiled_stamp_gives_the_python_stamps_stacks(first):
     """At one place of one frame both stamps give one stack object, whichever walks first
-    (the compiled one then takes history._capture's path, from the right depth), and it is
+    (the compiled one then takes stacks._capture's path, from the right depth), and it is
     the real stack; at a new instruction too."""
-    stamps = {"python": history._py_stamp, "compiled": history._c_stamp}
+    stamps = {"python": stacks._py_stamp, "compiled": stacks._c_stamp}
     order = [stamps[first], stamps["python" if first == "compiled" else "compiled"]]
 
     def place():
@@ -61,7 +61,7 @@ def test_the_compiled_stamp_gives_the_python_stamps_stacks(first):
     got, ln, again, ln2 = place()
     for (t, stack), ln_ in [(got[0], ln), (got[1], ln), (again[0], ln2), (again[1], ln2)]:
         assert t0 <= t <= time.time_ns()
-        fr = history.frames_to_dicts(stack)
+        fr = stacks.frames_to_dicts(stack)
         assert top(fr)[1:] == (ln_, "place") and fr[0]["filename"] == HERE
         real = traceback.extract_stack()
         assert [(f["filename"], f["name"]) for f in fr[1:]] == [
@@ -77,11 +77,11 @@ def test_the_compiled_stamp_gives_the_python_stamps_stacks(first):
 @needs_compiled
 def test_the_compiled_stamp_from_a_bare_thread_and_under_a_tracer():
     """A thread's outermost frame, and frames a trace function owns (no mark): the compiled
-    stamp falls back to history._capture and still gives the real stack."""
+    stamp falls back to stacks._capture and still gives the real stack."""
     out = []
 
     def body():
-        out.append((history.frames_to_dicts(_allocator_method(history._c_stamp)[1]), line()))
+        out.append((stacks.frames_to_dicts(_allocator_method(stacks._c_stamp)[1]), line()))
 
     th = threading.Thread(target=body)
     th.start()
@@ -95,10 +95,10 @@ def test_the_compiled_stamp_from_a_bare_thread_and_under_a_tracer():
 
     sys.settrace(tracer)
     try:
-        st, ln = _allocator_method(history._c_stamp)[1], line()
+        st, ln = _allocator_method(stacks._c_stamp)[1], line()
     finally:
         sys.settrace(None)
-    assert top(history.frames_to_dicts(st)) == (
+    assert top(stacks.frames_to_dicts(st)) == (
         HERE, ln, "test_the_compiled_stamp_from_a_bare_thread_and_under_a_tracer")
 
 
@@ -110,30 +110,30 @@ def test_the_compiled_stamp_is_built_where_it_can_be():
 
     if (sys.implementation.name != "cpython" or not (3, 11) <= sys.version_info[:2] <= (3, 13)
             or sysconfig.get_config_var("Py_GIL_DISABLED")):
-        assert history._c_stamp is None
+        assert stacks._c_stamp is None
         pytest.skip("the compiled stamp is for CPython 3.11-3.13 with the GIL")
-    if history._pure_python_requested():
-        assert history._c_stamp is None and history.stamp_implementation() == "python"
+    if stacks._pure_python_requested():
+        assert stacks._c_stamp is None and stacks.stamp_implementation() == "python"
         return
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     headers = os.path.join(sysconfig.get_paths()["include"], "internal", "pycore_frame.h")
     if shutil.which(cc) is None or not os.path.exists(headers):
         pytest.skip(f"no C compiler ({cc}) or no CPython headers here")
-    assert history._c_stamp is not None, (
+    assert stacks._c_stamp is not None, (
         "cudalab.memory_tools._stackstamp was not built: reinstall cudalab (pip install -e .) or "
         "run python setup.py build_ext --inplace")
-    assert history.stamp_implementation() == "compiled"  # (the default where it is built)
+    assert stacks.stamp_implementation() == "compiled"  # (the default where it is built)
 
 
 def test_choosing_a_stamp_checks_its_name(monkeypatch):
     with pytest.raises(ValueError, match="'python' or 'compiled'"):
-        history._use_stamp("fast")
-    before = history.stamp_implementation()
-    monkeypatch.setattr(history, "_c_stamp", None)
+        stacks._use_stamp("fast")
+    before = stacks.stamp_implementation()
+    monkeypatch.setattr(stacks, "_c_stamp", None)
     with pytest.raises(RuntimeError, match="not built"):
-        history._use_stamp("compiled")
+        stacks._use_stamp("compiled")
     monkeypatch.undo()
-    assert history.stamp_implementation() == before
+    assert stacks.stamp_implementation() == before
 
 
 class _FakeStackstamp:
@@ -167,7 +167,7 @@ def test_a_stale_compiled_stamp_is_reported_and_not_used(fake, monkeypatch):
     monkeypatch.setitem(sys.modules, "cudalab.memory_tools._stackstamp", fake)
     monkeypatch.setattr(M, "_stackstamp", fake, raising=False)
     with pytest.warns(RuntimeWarning, match="not usable, using the pure-Python stamp"):
-        assert history._load_compiled_stamp() is None
+        assert stacks._load_compiled_stamp() is None
 
 
 def test_a_fitting_compiled_stamp_gets_the_shared_state_and_the_switch_turns_it_off(
@@ -178,23 +178,23 @@ def test_a_fitting_compiled_stamp_gets_the_shared_state_and_the_switch_turns_it_
     monkeypatch.setitem(sys.modules, "cudalab.memory_tools._stackstamp", fake)
     monkeypatch.setattr(M, "_stackstamp", fake, raising=False)
     monkeypatch.delenv("CUDALAB_PURE_PYTHON", raising=False)
-    assert history._load_compiled_stamp() == fake.stamp
-    assert fake.given == (history._cud_mods, history._other_mods, history._internal,
-                          history._Mark, history._capture)
-    assert all(a is b for a, b in zip(fake.given, (history._cud_mods, history._other_mods)))
+    assert stacks._load_compiled_stamp() == fake.stamp
+    assert fake.given == (stacks._cud_mods, stacks._other_mods, stacks._internal,
+                          stacks._Mark, stacks._capture)
+    assert all(a is b for a, b in zip(fake.given, (stacks._cud_mods, stacks._other_mods)))
     monkeypatch.setenv("CUDALAB_PURE_PYTHON", "0")  # (0 or empty: not set)
-    assert history._load_compiled_stamp() == fake.stamp
+    assert stacks._load_compiled_stamp() == fake.stamp
     monkeypatch.setenv("CUDALAB_PURE_PYTHON", "1")
     fake.given = None
-    assert history._load_compiled_stamp() is None and fake.given is None
+    assert stacks._load_compiled_stamp() is None and fake.given is None
 
 
 @needs_compiled
 def test_the_compiled_setup_checks_its_arguments():
     from cudalab.memory_tools import _stackstamp
 
-    good = (history._cud_mods, history._other_mods, history._internal, history._Mark,
-            history._capture)
+    good = (stacks._cud_mods, stacks._other_mods, stacks._internal, stacks._Mark,
+            stacks._capture)
     try:
         for i, bad in [(0, []), (1, frozenset()), (2, set()), (3, dict), (3, int), (4, 5)]:
             args = list(good)
@@ -205,7 +205,7 @@ def test_the_compiled_setup_checks_its_arguments():
             _stackstamp.setup(*good[:4])
         # the refused setups kept the state: the stamp still gives the real stack
         first = _allocator_method(_stackstamp.stamp)[1]; ln = line()  # noqa: E702
-        assert top(history.frames_to_dicts(first)) == (
+        assert top(stacks.frames_to_dicts(first)) == (
             HERE, ln, "test_the_compiled_setup_checks_its_arguments")
     finally:  # (should a bad one have been taken, the next tests get the real state back)
         _stackstamp.setup(*good)
@@ -213,7 +213,7 @@ def test_the_compiled_setup_checks_its_arguments():
 
 @needs_compiled
 def test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_miss():
-    """Its common case (a loop at one place) needs no call to history._capture: only the
+    """Its common case (a loop at one place) needs no call to stacks._capture: only the
     first stamp at each place and the frames without a mark do."""
     from cudalab.memory_tools import _stackstamp
 
@@ -221,9 +221,9 @@ def test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_mis
 
     def counting(d):
         calls.append(d)
-        return history._capture(d + 1)  # (one more frame: this one)
+        return stacks._capture(d + 1)  # (one more frame: this one)
 
-    shared = (history._cud_mods, history._other_mods, history._internal, history._Mark)
+    shared = (stacks._cud_mods, stacks._other_mods, stacks._internal, stacks._Mark)
     _stackstamp.setup(*shared, counting)
     try:
         got = []
@@ -231,7 +231,7 @@ def test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_mis
             got.append(_allocator_method(_stackstamp.stamp)[1]); ln = line()  # noqa: E702
         assert calls == [1]
         assert all(g is got[0] for g in got)
-        assert top(history.frames_to_dicts(got[0])) == (
+        assert top(stacks.frames_to_dicts(got[0])) == (
             HERE, ln, "test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_miss")
 
         def fresh():  # a new frame each call, no mark yet: the slow path each time
@@ -242,7 +242,7 @@ def test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_mis
             fs.append(fresh())
         assert calls == [1, 1, 1] and fs[0] is fs[1]  # (equal stacks of one site: one tuple)
     finally:
-        _stackstamp.setup(*shared, history._capture)
+        _stackstamp.setup(*shared, stacks._capture)
 
 
 # ------------------------------------------------------------ random call structures
@@ -293,8 +293,8 @@ def test_both_stamps_agree_on_random_call_structures(path, repeats):
 
     def innermost(_depth):
         for i in range(repeats):
-            order = (history._c_stamp, history._py_stamp) if i % 2 else (
-                history._py_stamp, history._c_stamp)
+            order = (stacks._c_stamp, stacks._py_stamp) if i % 2 else (
+                stacks._py_stamp, stacks._c_stamp)
             got = [None, None]
             for j in range(2):  # one call site for both
                 got[j ^ (i % 2)] = _allocator_method(order[j])[1]
@@ -307,8 +307,8 @@ def test_both_stamps_agree_on_random_call_structures(path, repeats):
 
     level(0)
     for p, c in out:
-        assert history.frames_to_dicts(c) == history.frames_to_dicts(p)
-        assert history.frames_to_dicts(c)[0]["name"] == "innermost"
+        assert stacks.frames_to_dicts(c) == stacks.frames_to_dicts(p)
+        assert stacks.frames_to_dicts(c)[0]["name"] == "innermost"
     assert all(c is out[0][0] and p is out[0][0] for p, c in out)  # one place: one stack
 
 
@@ -319,9 +319,9 @@ def test_a_marked_frame_of_a_cudalab_module_not_seen_yet_is_still_skipped(which)
     same instruction, its mark knows a stack starting at it; the stamp must not take it
     before it knows the frame's module, which it learns only then: the stack starts at the
     user frame beyond it."""
-    if which == "compiled" and history._c_stamp is None:
+    if which == "compiled" and stacks._c_stamp is None:
         pytest.skip("cudalab.memory_tools._stackstamp is not built here")
-    stamp = history._c_stamp if which == "compiled" else history._py_stamp
+    stamp = stacks._c_stamp if which == "compiled" else stacks._py_stamp
     got = []
 
     def user_inner(arg):  # allocates from user code called by the cudalab frame
@@ -335,7 +335,7 @@ def test_a_marked_frame_of_a_cudalab_module_not_seen_yet_is_still_skipped(which)
            "    for f, arg in ((user_inner, None), (_allocator_method, stamp)):\n"
            "        r = f(arg)  # one instruction: a user function, then the allocator\n"
            "    got.append(r[1])\n")
-    filename = os.path.join(os.path.dirname(history.__file__), f"not_seen_{tag}.py")
+    filename = os.path.join(os.path.dirname(stacks.__file__), f"not_seen_{tag}.py")
     exec(compile(src, filename, "exec"), ns)
     cudalab_frame = ns["cudalab_frame"]
 
@@ -344,10 +344,10 @@ def test_a_marked_frame_of_a_cudalab_module_not_seen_yet_is_still_skipped(which)
         return ln
 
     ln = user_outer()
-    names = [[d["name"] for d in history.frames_to_dicts(s)] for s in got]
+    names = [[d["name"] for d in stacks.frames_to_dicts(s)] for s in got]
     assert names[0][:3] == ["user_inner", "cudalab_frame", "user_outer"]
-    assert names[1][0] == "user_outer" and history.frames_to_dicts(got[1])[0]["line"] == ln
-    if history._modname is not None:
-        assert ns["__name__"] in history._cud_mods
+    assert names[1][0] == "user_outer" and stacks.frames_to_dicts(got[1])[0]["line"] == ln
+    if stacks._modname is not None:
+        assert ns["__name__"] in stacks._cud_mods
     else:
-        assert history._internal[filename] is True
+        assert stacks._internal[filename] is True

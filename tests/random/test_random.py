@@ -21,9 +21,12 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab import kernels
+from cudalab import _internal, kernels
 from cudalab import random as R
 from cudalab._kernels import philox as P
+from cudalab.random import launch as RL
+from cudalab.random import sampling as RS
+from cudalab.random import state as RST
 
 SEEDS = (0, 1234, 2**63 - 1)
 
@@ -37,7 +40,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def _max_blocks(device: int = 0) -> int:
-    return R._device_max_blocks(device)
+    return RL._device_max_blocks(device)
 
 
 def _S(n: int, device: int = 0) -> int:
@@ -296,8 +299,8 @@ def test_generation_advances_offset_by_the_increment(fresh):
 def test_split_generation_offsets(monkeypatch, fresh):
     """A tensor torch would split for 32-bit indexing: same offsets and values per half
     (checked on a small array by pretending the index limit is tiny)."""
-    monkeypatch.setattr(R, "_INT32_MAX", 4095)
-    R._plans.clear()
+    monkeypatch.setattr(RL, "_INT32_MAX", 4095)
+    RL._plans.clear()
     try:
         n = 2000  # float32: 1 + 1999 * 4 > 4095 -> halves of 1000 (1 + 999 * 4 <= 4095)
         a = R.rand(n).numpy()
@@ -307,7 +310,7 @@ def test_split_generation_offsets(monkeypatch, fresh):
         ref2 = P.reference("uniform_f32", 1000, 1234, 8, S, (1.0, 0.0, 1.0))
         assert np.array_equal(a, np.concatenate([ref1, ref2]))
     finally:
-        R._plans.clear()
+        RL._plans.clear()
 
 
 # --------------------------------------------------------------------------- state API
@@ -508,7 +511,7 @@ def test_state_calls_before_init_are_queued_like_torch():
 
 
 def test_state_api_without_gpu_is_silently_ignored():
-    from tests.conftest import HAS_GPU
+    from tests.helpers.gpu import HAS_GPU
 
     if HAS_GPU:
         pytest.skip("a real GPU is present")
@@ -921,7 +924,7 @@ def test_bernoulli_statistics():
 # --------------------------------------------------------------------------- streams, launch
 def test_generation_runs_on_the_current_stream():
     seen = []
-    kernels._launch_observers.append(lambda *a: seen.append(a))
+    _internal.launch_observers.append(lambda *a: seen.append(a))
     try:
         s = cudalab.Stream()
         with cudalab.stream(s):
@@ -931,7 +934,7 @@ def test_generation_runs_on_the_current_stream():
         s.synchronize()
         R.randint(3, (4,))
     finally:
-        kernels._launch_observers.clear()
+        _internal.launch_observers.clear()
     names = [a[0] for a in seen]
     assert names == ["cudalab_rng_uniform_f32", "cudalab_rng_normal_f64",
                      "cudalab_rng_randint32_u64"]
@@ -941,13 +944,13 @@ def test_generation_runs_on_the_current_stream():
 
 def test_launch_geometry_covers_every_torch_thread():
     seen = []
-    kernels._launch_observers.append(lambda *a: seen.append(a))
+    _internal.launch_observers.append(lambda *a: seen.append(a))
     sizes = (1, 1000, 4 * 256 * _max_blocks() * 3 + 1)
     try:
         for n in sizes:
             R.rand(n)
     finally:
-        kernels._launch_observers.clear()
+        _internal.launch_observers.clear()
     for (_name, _dev, _stream, grid, block), n in zip(seen, sizes):
         S = _S(n)
         assert grid[0] * block[0] * 4 >= S and (grid[0] - 1) * block[0] * 4 < S
@@ -959,13 +962,13 @@ def test_launch_tuning_does_not_change_values():
     ref = R.randn(100_000).numpy()
     try:
         for block, kpt in ((64, 1), (128, 3), (256, 2)):
-            R._set_launch_tuning(block=block, k_per_thread=kpt)
+            RL._set_launch_tuning(block=block, k_per_thread=kpt)
             R.manual_seed(5)
             assert np.array_equal(R.randn(100_000).numpy(), ref)
     finally:
-        R._set_launch_tuning(block=256, k_per_thread=1)
+        RL._set_launch_tuning(block=256, k_per_thread=1)
     with pytest.raises(ValueError):
-        R._set_launch_tuning(block=100)
+        RL._set_launch_tuning(block=100)
 
 
 @pytest.mark.parametrize("tpt", [1, 2])
@@ -981,14 +984,14 @@ def test_tpt_variants_give_the_same_values(tpt):
                   "randint64_u64": (2**40, 5)}[suffix]
         n = 2 * 4 * 256 * _max_blocks() + 13
         ref = cudalab.empty(n, dtype)
-        R._generate(ref, R._kernel(suffix), P.unroll(suffix), params, None)
+        RS._generate(ref, RS._kernel(suffix), P.unroll(suffix), params, None)
         R.manual_seed(3)
         out = cudalab.empty(n, dtype)
         try:
-            R._set_launch_tuning(tpt=tpt, block=128, k_per_thread=2)
-            R._generate(out, k, P.unroll(suffix), params, None)
+            RL._set_launch_tuning(tpt=tpt, block=128, k_per_thread=2)
+            RS._generate(out, k, P.unroll(suffix), params, None)
         finally:
-            R._set_launch_tuning(tpt=P.TPT, block=256, k_per_thread=1)
+            RL._set_launch_tuning(tpt=P.TPT, block=256, k_per_thread=1)
         assert np.array_equal(_bits(out.numpy()), _bits(ref.numpy())), suffix
     with pytest.raises(ValueError):
         P.variant("uniform_f32", 3)
@@ -1048,13 +1051,13 @@ def test_graph_safe_protocol(backend, monkeypatch):
     graph = object()
     st.register_graph(graph)
     st.capture_prologue()
-    assert st.capturing and R._capturing_states == 1
+    assert st.capturing and len(RST._capturing_states) == 1
     with _FakeCapture(backend, monkeypatch) as cap:
         a = R.rand(1000, generator=g)
         b = R.randn(5000, generator=g)
     assert g.get_offset() == 0  # eager offset untouched during capture
     inc = st.capture_epilogue()
-    assert inc == 8 and not st.capturing and R._capturing_states == 0
+    assert inc == 8 and not st.capturing and len(RST._capturing_states) == 0
     assert all(v[6] == st._graph_buf.ptr for *_, v in cap.launches)  # read from device words
     assert [v[5] for *_, v in cap.launches] == [0, 4]                 # intragraph offsets
     ref = R.Generator(0).manual_seed(77)
@@ -1103,7 +1106,7 @@ def test_graph_capture_errors(backend, monkeypatch):
     finally:
         st.capture_epilogue()
         st.unregister_graph(graph)
-    assert R._capturing_states == 0
+    assert len(RST._capturing_states) == 0
     R.rand(10, generator=g)
 
 

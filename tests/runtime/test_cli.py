@@ -114,7 +114,7 @@ def test_info_in_process(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["devices"], info["error"]
     assert info["simulated"] is (info["backend"] == "simulator")
-    assert info["history_stamp"] == cudalab.memory_tools.history.stamp_implementation()
+    assert info["history_stamp"] == cudalab.memory_tools.stacks.stamp_implementation()
 
 
 # ------------------------------------------------------------------------ formatting

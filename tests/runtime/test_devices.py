@@ -12,6 +12,7 @@ import pytest
 
 import cudalab
 from cudalab import devices
+from cudalab._driver.visible_devices import parse_visible_devices
 
 
 def test_is_available_and_count():
@@ -158,7 +159,7 @@ def test_arch_list_and_gencode():
     ],
 )
 def test_parse_visible_devices(value, expected):
-    assert devices._parse_visible_devices(value) == expected
+    assert parse_visible_devices(value) == expected
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
@@ -184,7 +185,7 @@ def test_import_creates_no_context_and_is_lazy():
 
 def test_no_driver_path_is_clean():
     """Without the simulator and without a driver: not available, count 0, no exception."""
-    from tests.conftest import HAS_GPU
+    from tests.helpers.gpu import HAS_GPU
 
     if HAS_GPU:
         pytest.skip("a real driver is present")

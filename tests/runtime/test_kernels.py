@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab import kernels
+from cudalab import _internal, kernels
 from cudalab._driver import nvrtc
-from cudalab._kernels import FILL_KERNELS, fill_kernel, spin
+from cudalab._kernels import kernel as kernel_facility
+from cudalab._kernels.fill import FILL_KERNELS, fill_kernel
+from cudalab._kernels.spin import spin
 from cudalab.errors import KernelCompileError
 from cudalab.kernels import Kernel, KernelCacheWarning
 
@@ -50,7 +52,7 @@ def cache(tmp_path, monkeypatch):
     """A fresh disk cache directory and empty in-memory cache; counts real compilations."""
     d = tmp_path / "kcache"
     monkeypatch.setenv("CUDALAB_CACHE_DIR", str(d))
-    kernels._reset_caches_for_tests()
+    kernel_facility._reset_caches_for_tests()
     calls = []
     real = nvrtc.compile_cubin
 
@@ -60,7 +62,7 @@ def cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(nvrtc, "compile_cubin", counting)
     yield d, calls
-    kernels._reset_caches_for_tests()
+    kernel_facility._reset_caches_for_tests()
 
 
 def _cubin_files(d):
@@ -90,7 +92,7 @@ def test_every_kernel_compiles_to_cubin_without_warnings(arch):
     for k in kernels.all_kernels():
         cubin, log = nvrtc.compile_with_log(k.source, k.name, arch, k.options)
         assert cubin[:4] == ELF, k.name
-        assert kernels._valid_cubin(cubin)
+        assert kernel_facility._valid_cubin(cubin)
         assert log == "", f"{k.name} on {arch}: {log}"
 
 
@@ -185,7 +187,7 @@ def test_disk_cache_hit_after_restart(cache):
     assert len(calls) == 1
     files = _cubin_files(d)
     assert len(files) == 1 and files[0].read_bytes() == first
-    kernels._reset_caches_for_tests()  # a new process: memory empty, disk kept
+    kernel_facility._reset_caches_for_tests()  # a new process: memory empty, disk kept
     assert k.cubin("sm_90") == first
     assert len(calls) == 1
     assert not [p for p in d.iterdir() if p.name.startswith(".tmp-")]
@@ -226,10 +228,10 @@ def test_corrupt_cache_file_is_recompiled_and_rewritten(cache, damage):
         path.write_bytes(good[: len(good) // 2])
     else:
         path.write_bytes(b"")
-    kernels._reset_caches_for_tests()
+    kernel_facility._reset_caches_for_tests()
     again = k.cubin("sm_90")
     assert len(calls) == 2
-    assert again[:4] == ELF and kernels._valid_cubin(again)
+    assert again[:4] == ELF and kernel_facility._valid_cubin(again)
     assert path.read_bytes() == again
 
 
@@ -478,7 +480,7 @@ def test_simulator_launch_compiles_nothing(backend, monkeypatch):
 def test_launch_observers_called(backend):
     seen = []
     ptr = backend.mem_alloc(0, 256)
-    kernels._launch_observers.append(lambda *a: seen.append(a))
+    _internal.launch_observers.append(lambda *a: seen.append(a))
     try:
         s = cudalab.Stream()
         fill_kernel(4).launch(2, (32, 2), (ptr, 1, 64), stream=s)
@@ -490,7 +492,7 @@ def test_launch_observers_called(backend):
             ("cudalab_fill_u8", 0, cudalab.current_stream(), (1, 1, 1), (32, 1, 1)),
         ]
     finally:
-        kernels._launch_observers.clear()
+        _internal.launch_observers.clear()
         backend.mem_free(0, ptr)
 
 

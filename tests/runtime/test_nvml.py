@@ -302,7 +302,7 @@ def fake_devices(monkeypatch):
                         lambda d=None: SimpleNamespace(uuid=cuda_uuids[device_index(d)]))
 
     def install(nvml):
-        monkeypatch.setattr(cnvml, "_nvml", lambda: nvml)
+        monkeypatch.setattr(cnvml, "nvml_backend", lambda: nvml)
         return nvml
 
     install.seen = seen
@@ -379,7 +379,7 @@ def test_list_gpu_processes_probes_nvml_before_cuda(monkeypatch):
 
     monkeypatch.setattr(devices, "get_device_properties", boom)
     monkeypatch.setattr(devices, "_device_index", boom)
-    monkeypatch.setattr(cnvml, "_nvml", lambda: FakeNvml({}, [], unavailable="library"))
+    monkeypatch.setattr(cnvml, "nvml_backend", lambda: FakeNvml({}, [], unavailable="library"))
     assert cnvml.list_gpu_processes() == "cuda driver can't be loaded, is cuda enabled?"
 
 
@@ -413,9 +413,9 @@ def test_device_snapshot_without_nvml(fake_devices):
 
 
 def test_device_count_nvml(monkeypatch):
-    monkeypatch.setattr(cnvml, "_nvml", lambda: FakeNvml({}, [UUID_A, UUID_B]))
+    monkeypatch.setattr(cnvml, "nvml_backend", lambda: FakeNvml({}, [UUID_A, UUID_B]))
     assert cnvml.device_count_nvml() == 2
-    monkeypatch.setattr(cnvml, "_nvml", lambda: FakeNvml({}, [], unavailable="driver"))
+    monkeypatch.setattr(cnvml, "nvml_backend", lambda: FakeNvml({}, [], unavailable="driver"))
     assert cnvml.device_count_nvml() is None
 
 

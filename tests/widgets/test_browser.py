@@ -150,8 +150,8 @@ CELLS = [
     "print('allocated', cm.memory_allocated(0))",
     # 3: a 10k-block snapshot (not timed)
     "from cudalab.widgets import SnapshotViewer\n"
-    "from cudalab.widgets.snapshot_viewer import _demo_snapshot\n"
-    "snap = _demo_snapshot(10_000)\n"
+    "from cudalab.widgets.snapshot_viewer import demo_snapshot\n"
+    "snap = demo_snapshot(10_000)\n"
     "print('snapshot ready')",
     # 4: the viewer (timed)
     "v = SnapshotViewer(snap)\n"
@@ -400,7 +400,7 @@ def test_dashboard_and_viewer_in_html_manager(tmp_path):
     import cudalab
     import cudalab.memory as cm
     from cudalab.widgets import MemoryDashboard, SnapshotViewer
-    from cudalab.widgets.snapshot_viewer import _demo_snapshot
+    from cudalab.widgets.snapshot_viewer import demo_snapshot
 
     ARTIFACTS.mkdir(exist_ok=True)
     site = tmp_path / "site"
@@ -411,7 +411,7 @@ def test_dashboard_and_viewer_in_html_manager(tmp_path):
     names = [cudalab.get_device_name(i) for i in range(n_dev)]
     # max_rate above 1/interval: every tick pushes, so the last sample is what the widgets hold
     dash = MemoryDashboard(interval=0.05, max_rate=100)
-    viewer = SnapshotViewer(_demo_snapshot(2000))
+    viewer = SnapshotViewer(demo_snapshot(2000))
     buf = None
     try:
         with _static_server(site) as base:

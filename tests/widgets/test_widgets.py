@@ -23,8 +23,10 @@ import cudalab.memory as cm
 W = pytest.importorskip("ipywidgets")
 
 from cudalab.widgets import close_all, live_dashboards  # noqa: E402
-from cudalab.widgets.dashboard import MemoryDashboard, _png  # noqa: E402
-from cudalab.widgets.snapshot_viewer import SnapshotViewer, _demo_snapshot, _History  # noqa: E402
+from cudalab.widgets.dashboard import MemoryDashboard  # noqa: E402
+from cudalab.widgets.dashboard_chart import _png  # noqa: E402
+from cudalab.widgets.snapshot_history import _History  # noqa: E402
+from cudalab.widgets.snapshot_viewer import SnapshotViewer, demo_snapshot  # noqa: E402
 
 SAMPLER = "cudalab-dashboard-sampler"
 
@@ -200,13 +202,13 @@ def test_pause_and_resume():
 
 
 def test_thread_never_prints(monkeypatch, capfd):
-    from cudalab.widgets import dashboard
+    from cudalab.widgets import dashboard_device
 
     def boom(self, now):
         raise RuntimeError("sensor exploded")
 
     d = MemoryDashboard(devices=0, interval=0.02)
-    monkeypatch.setattr(dashboard._Device, "sample", boom)
+    monkeypatch.setattr(dashboard_device._Device, "sample", boom)
     assert _wait(lambda: "sensor exploded" in d._error)
     monkeypatch.undo()
     d.refresh()
@@ -314,7 +316,7 @@ def test_fallback_without_matplotlib(monkeypatch):
     def missing():
         raise ImportError("no matplotlib")
 
-    monkeypatch.setattr(plot, "_matplotlib", missing)
+    monkeypatch.setattr(plot, "load_matplotlib", missing)
     d = MemoryDashboard(start=False)
     d.refresh()
     bundle = d._repr_mimebundle_()
@@ -330,7 +332,7 @@ def test_sparkline_png_decodes():
 
     import numpy as np
 
-    from cudalab.widgets.dashboard import _chart
+    from cudalab.widgets.dashboard_chart import _chart
 
     img = _chart({"allocated": np.arange(50.0), "reserved": np.arange(50.0) * 2,
                   "nvml_used": np.full(50, 120.0)}, 600, 128.0, 100, 300, 64)
@@ -363,9 +365,9 @@ def test_snapshot_viewer_live_cudalab_snapshot(allocations):
 
 
 def test_snapshot_viewer_torch_format():
-    from cudalab.memory_tools.export import _synthetic_snapshot
+    from cudalab.memory_tools.synthetic import synthetic_snapshot
 
-    snap = _synthetic_snapshot(3000, devices=2, cudalab_keys=False)
+    snap = synthetic_snapshot(3000, devices=2, cudalab_keys=False)
     assert "cudalab" not in snap and "device" not in snap["device_traces"][0][0]
     v = SnapshotViewer(snap)
     assert v.last_render["segments"] == len(snap["segments"])
@@ -384,7 +386,7 @@ def test_snapshot_viewer_torch_format():
 
 
 def test_history_undo_matches_forward_replay():
-    snap = _demo_snapshot(600, devices=2)
+    snap = demo_snapshot(600, devices=2)
     h = _History(snap)
     for i in (0, 1, h.n // 3, h.n // 2, h.n - 1, h.n):
         live = {}
@@ -402,7 +404,7 @@ def test_history_undo_matches_forward_replay():
 
 
 def test_snapshot_viewer_10k_blocks_is_fast():
-    snap = _demo_snapshot(10_000)
+    snap = demo_snapshot(10_000)
     t = time.perf_counter()
     v = SnapshotViewer(snap)
     elapsed = time.perf_counter() - t
@@ -418,7 +420,7 @@ def test_snapshot_viewer_10k_blocks_is_fast():
 
 def test_snapshot_viewer_exports(tmp_path):
     pytest.importorskip("pandas")
-    snap = _demo_snapshot(300)
+    snap = demo_snapshot(300)
     v = SnapshotViewer(snap, prefix=str(tmp_path / "snap"))
     v._btn_pickle.click()
     assert "wrote" in v._export_status.value
@@ -452,7 +454,7 @@ def test_plot_helpers_return_figures(allocations):
 
     from cudalab.memory_tools.plot import plot_segments, plot_timeline
 
-    snap = _demo_snapshot(2000, devices=2)
+    snap = demo_snapshot(2000, devices=2)
     fig = plot_timeline(snap)
     assert isinstance(fig, Figure)
     assert len(fig.axes[0].lines) == 4  # allocated + reserved per device
@@ -482,13 +484,13 @@ def test_plot_without_matplotlib(monkeypatch):
     from cudalab.memory_tools.plot import plot_segments
 
     with pytest.raises(ImportError, match=r"cudalab\[widgets\]"):
-        plot_segments(_demo_snapshot(50))
+        plot_segments(demo_snapshot(50))
 
 
 def test_timeline_lift_matches_snapshot_end():
     from cudalab.memory_tools.plot import timeline
 
-    snap = _demo_snapshot(800)
+    snap = demo_snapshot(800)
     tl = timeline(snap)[0]
     live = sum(b["requested_size"] for s in snap["segments"] for b in s["blocks"]
                if b["state"] != "inactive")

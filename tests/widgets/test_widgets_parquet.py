@@ -16,7 +16,7 @@ pd = pytest.importorskip("pandas", reason="pandas is not installed (pip install 
 pytest.importorskip("ipywidgets")
 
 from cudalab.memory_tools.export import history_frame, snapshot_frame  # noqa: E402
-from cudalab.widgets.snapshot_viewer import SnapshotViewer, _demo_snapshot  # noqa: E402
+from cudalab.widgets.snapshot_viewer import SnapshotViewer, demo_snapshot  # noqa: E402
 
 
 def _need_pyarrow() -> None:
@@ -36,7 +36,7 @@ def _same_values(back, df) -> None:
 
 def test_viewer_parquet_button_writes_parquet_and_reads_back(tmp_path):
     _need_pyarrow()
-    snap = _demo_snapshot(500)
+    snap = demo_snapshot(500)
     v = SnapshotViewer(snap, prefix=str(tmp_path / "snap"))
     try:
         v._btn_parquet.click()
@@ -90,7 +90,7 @@ def test_parquet_export_without_engine_warns_and_names_the_extra(tmp_path, monke
         monkeypatch.setitem(sys.modules, mod, None)
     with pytest.raises(ImportError):  # the premise: pandas really has no engine now
         pd.DataFrame({"a": [1]}).to_parquet(tmp_path / "probe.parquet")
-    snap = _demo_snapshot(200)
+    snap = demo_snapshot(200)
     v = SnapshotViewer(snap, prefix=str(tmp_path / "snap"))
     try:
         with pytest.warns(RuntimeWarning, match=r"wrote CSV instead.*cudalab\[pandas\].*pyarrow"):

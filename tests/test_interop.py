@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab.allocator import interop
+from cudalab import interop
 
 
 def test_public_names():
     assert cudalab.memory.cupy_allocator is interop.cupy_allocator
     assert callable(interop.cupy_allocator)
+    assert cudalab.interop is interop and "interop" in dir(cudalab)
 
 
 def test_allocation_owner_frees_to_cudalab():

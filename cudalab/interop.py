@@ -3,10 +3,14 @@
 * CuPy: ``cupy.cuda.set_allocator(cudalab.memory.cupy_allocator)``. CuPy arrays then draw
   from (and show up in) cudalab's pool and statistics; memory is allocated on CuPy's current
   device and stream and returned when CuPy drops it.
-* Numba: ``numba.cuda.set_memory_manager(cudalab.allocator.interop.CudalabNumbaMemoryManager)``
-  or ``NUMBA_CUDA_MEMORY_MANAGER=cudalab.allocator.interop`` (External Memory Management
+* Numba: ``numba.cuda.set_memory_manager(cudalab.interop.CudalabNumbaMemoryManager)``
+  or ``NUMBA_CUDA_MEMORY_MANAGER=cudalab.interop`` (External Memory Management
   plugin; device memory only, host allocations stay Numba's).
 
+This adapter sits above the allocator and the memory API: it allocates through the public
+:func:`cudalab.memory.caching_allocator_alloc` and gives memory back from finalizers with
+:func:`cudalab._array_memory.release_device_memory` (the finalizer-safe release that
+device arrays use too), so the allocator runtime knows nothing of CuPy or Numba.
 Neither CuPy nor Numba is imported until used.
 """
 
@@ -15,17 +19,21 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from cudalab import memory as _memory
+from cudalab import streams
+from cudalab._array_memory import release_device_memory
+
 __all__ = ["cupy_allocator", "CudalabNumbaMemoryManager"]  # noqa: F822 (built lazily)
 
 _streams_lock = threading.Lock()
-_external_streams: dict[tuple[int, int], Any] = {}
+#: (device, another library's stream handle) -> its cudalab stream; at most
+#: ``_MAX_CACHED_STREAMS`` entries (cleared when full).
+_external_streams: dict[tuple[int, int], streams.Stream] = {}
 _MAX_CACHED_STREAMS = 256
 
 
-def _stream_for(device: int, value: int):
+def _stream_for(device: int, value: int) -> streams.Stream:
     """The cudalab stream for another library's stream handle on ``device``."""
-    from cudalab import streams
-
     if value == 0:
         return streams.default_stream(device)
     key = (device, value)
@@ -39,9 +47,6 @@ def _stream_for(device: int, value: int):
     return s
 
 
-_release_device_memory = None  # cudalab.array's, bound on first allocation
-
-
 class _Allocation:
     """Owns one block of cudalab memory; returns it to the allocator when collected."""
 
@@ -51,13 +56,13 @@ class _Allocation:
         self.ptr = ptr
         self.size = size
         self.device = device
-        self._owns = True
+        self._owns = True  # False once given back (the finalizer gives it back once)
 
     def __del__(self) -> None:
         try:
             if self._owns:
                 self._owns = False
-                _release_device_memory(self.ptr)
+                release_device_memory(self.ptr)
         except BaseException:
             pass
 
@@ -66,21 +71,32 @@ class _Allocation:
 
 
 def _allocate(nbytes: int, device: int, stream_value: int) -> _Allocation:
-    global _release_device_memory
-    from cudalab import memory
-
-    if _release_device_memory is None:
-        from cudalab.array import _release_device_memory
-
-    ptr = memory.caching_allocator_alloc(nbytes, device, _stream_for(device, stream_value))
+    ptr = _memory.caching_allocator_alloc(nbytes, device, _stream_for(device, stream_value))
     return _Allocation(ptr, nbytes, device)
 
 
-def cupy_allocator(nbytes: int):
+def cupy_allocator(nbytes: int) -> Any:
     """A CuPy allocator over cudalab's caching allocator.
 
     ``cupy.cuda.set_allocator(cudalab.memory.cupy_allocator)``; undo with
     ``cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)``.
+
+    Parameters
+    ----------
+    nbytes : int
+        Bytes, on CuPy's current device and stream.
+
+    Returns
+    -------
+    cupy.cuda.MemoryPointer
+        Over the allocation; the memory goes back to cudalab when CuPy drops it.
+
+    Raises
+    ------
+    ImportError
+        When CuPy is not installed.
+    cudalab.OutOfMemoryError
+        When the memory cannot be had.
     """
     import cupy
 
@@ -103,19 +119,29 @@ def _make_numba_manager():
     from numba import cuda
     from numba.cuda import HostOnlyCUDAMemoryManager, MemoryPointer
 
-    try:  # numba-cuda with the NVIDIA bindings (the default) wants CUdeviceptr
+    try:  # numba-cuda with the NVIDIA bindings (the default) wants their CUdeviceptr
         from numba.cuda.cudadrv import driver as _nb_driver
 
         use_nv = bool(getattr(_nb_driver, "USE_NV_BINDING", True))
     except ImportError:  # pragma: no cover
+        _nb_driver = None
         use_nv = True
 
+    # Numba's own binding types, from the binding module Numba uses (only cudalab._driver
+    # imports cuda.bindings itself).
     def _pointer(ptr: int):
         if use_nv:
-            from cuda.bindings.driver import CUdeviceptr
-
-            return CUdeviceptr(ptr)
+            return _nb_driver.binding.CUdeviceptr(ptr)
         return ctypes.c_uint64(ptr)
+
+    def _ipc_handle(data: bytes):
+        if use_nv:
+            handle = _nb_driver.binding.CUipcMemHandle()
+            ctypes.memmove(handle.getPtr(), data, len(data))
+            return handle
+        from numba.cuda.cudadrv import drvapi
+
+        return drvapi.cu_ipc_mem_handle.from_buffer_copy(data)
 
     class CudalabNumbaMemoryManager(HostOnlyCUDAMemoryManager):
         """Numba EMM plugin: device allocations come from cudalab's caching allocator."""
@@ -127,8 +153,6 @@ def _make_numba_manager():
             device = self.context.device.id
             if size == 0:
                 return MemoryPointer(self.context, _pointer(0), 0, finalizer=None)
-            from cudalab import streams
-
             stream = streams.current_stream(device)
             owner = _allocate(size, device, stream.cuda_stream)
             # The MemoryPointer's finalizer drops the owner, which frees to cudalab.
@@ -137,19 +161,18 @@ def _make_numba_manager():
                                  finalizer=holder.clear)
 
         def get_ipc_handle(self, memory):
-            from cuda.bindings.driver import cuIpcGetMemHandle
             from numba.cuda import IpcHandle
 
+            from cudalab import _internal
+
             start, _ = cuda.cudadrv.driver.device_extents(memory)
-            _, handle = cuIpcGetMemHandle(start)
+            handle = _ipc_handle(_internal.backend().ipc_mem_handle(int(start)))
             offset = int(memory.handle) - int(start)
             source_info = cuda.current_context().device.get_device_identity()
             return IpcHandle(memory, handle, memory.size, source_info, offset=offset)
 
         def get_memory_info(self):
-            import cudalab
-
-            free, total = cudalab.mem_get_info(self.context.device.id)
+            free, total = _memory.mem_get_info(self.context.device.id)
             try:
                 from numba.cuda.cudadrv.driver import MemoryInfo
 

@@ -1,0 +1,210 @@
+"""The stream-ordered memory work behind :class:`cudalab.DeviceArray`.
+
+Where an array's memory comes from and goes back to (the caching allocator), how one stream
+waits for another (events, no host sync), and the raw transfers and fills an array queues:
+host <-> device copies (asynchronous only with pinned memory from the pinned pool) and fills
+(memset when the pattern allows, else cudalab's fill kernels). :mod:`cudalab.array` holds the
+array type and the creation functions and calls these.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cudalab import _internal
+from cudalab import streams as _streams
+from cudalab import sync_debug as _sync
+
+if TYPE_CHECKING:
+    from cudalab.array import DeviceArray
+
+__all__ = [
+    "allocator_of",
+    "check_host_operand",
+    "fill",
+    "foreign_waits_for",
+    "host_transfer",
+    "memory_api",
+    "null_context",
+    "pinned_pool",
+    "release_device_memory",
+    "same_stream",
+    "stream_of",
+    "wait_stream",
+    "waits_for_foreign",
+]
+
+# --------------------------------------------------------------------------- lazy imports
+_mem: Any = None  # cudalab.memory, bound on first use (it imports the allocator)
+_pinned: Any = None  # cudalab.allocator.pinned, bound on first use
+
+
+def memory_api() -> Any:
+    """The :mod:`cudalab.memory` module (imported on first use: arrays load before it)."""
+    global _mem
+    if _mem is None:
+        from cudalab import memory
+
+        _mem = memory
+    return _mem
+
+
+def pinned_pool() -> Any:
+    """The :mod:`cudalab.allocator.pinned` module (imported on first use)."""
+    global _pinned
+    if _pinned is None:
+        from cudalab.allocator import pinned
+
+        _pinned = pinned
+    return _pinned
+
+
+def allocator_of(device: int) -> Any:
+    """The device's allocator (created on first use), without the public API's checks."""
+    from cudalab.allocator import registry as al
+
+    lst = al._allocators
+    a = lst[device] if device < len(lst) else None
+    return a if a is not None else al.get_allocator(device)
+
+
+def release_device_memory(ptr: int) -> None:
+    """Return ``ptr`` to the caching allocator, stream-ordered; for finalizers.
+
+    Used by a :class:`cudalab.DeviceArray` whose allocator was replaced, and by the interop
+    allocators of :mod:`cudalab.interop`. Does nothing while the process exits.
+
+    Parameters
+    ----------
+    ptr
+        A device address returned by ``caching_allocator_alloc``.
+
+    Raises
+    ------
+    Nothing: a failure is reported as a RuntimeWarning.
+    """
+    if _streams._exiting:  # the process is ending: the driver reclaims everything
+        return
+    try:
+        memory_api().caching_allocator_delete(ptr)
+    except Exception as exc:
+        try:
+            warnings.warn(f"cudalab: returning device memory 0x{ptr:x} to the allocator "
+                          f"failed: {exc}", RuntimeWarning, stacklevel=2)
+        except Exception:
+            pass
+
+
+def stream_of(device: int) -> _streams.Stream:
+    """The current stream of ``device`` (where new work on an array is queued)."""
+    return _streams.current_stream(device)
+
+
+def null_context(stream: _streams.Stream) -> None:
+    """Make the stream's device current when ``stream`` is a legacy/per-thread pseudo handle
+    (they act on the current context)."""
+    if stream._null:
+        _internal.ensure_context(stream.device_index)
+
+
+def same_stream(a: int, b: int) -> bool:
+    # 0 (null) and 1 (CU_STREAM_LEGACY) name the same legacy default stream.
+    return a == b or (a in (0, 1) and b in (0, 1))
+
+
+def wait_stream(waiter: _streams.Stream, producer: _streams.Stream) -> None:
+    """Make ``waiter`` wait for the work queued so far on ``producer`` (no host sync)."""
+    if (waiter.device_index == producer.device_index
+            and same_stream(waiter.cuda_stream, producer.cuda_stream)):
+        return
+    # The legacy/per-thread pseudo handles act on the current context: make it the right one.
+    _internal.ensure_context(producer.device_index)
+    ev = producer.record_event()
+    _internal.ensure_context(waiter.device_index)
+    waiter.wait_event(ev)
+
+
+def foreign_waits_for(value: int, ours: _streams.Stream) -> None:
+    """Another library's stream ``value`` waits for ``ours`` (a DLPack export)."""
+    if not same_stream(value, ours.cuda_stream):
+        wait_stream(_streams.ExternalStream(value, ours.device_index), ours)
+
+
+def waits_for_foreign(ours: _streams.Stream, value: int) -> None:
+    """``ours`` waits for another library's stream ``value`` (a CAI import)."""
+    if not same_stream(value, ours.cuda_stream):
+        wait_stream(ours, _streams.ExternalStream(value, ours.device_index))
+
+
+# --------------------------------------------------------------------------- transfers and fills
+def check_host_operand(arr: np.ndarray, dev: DeviceArray, what: str, writable: bool) -> None:
+    """Raise ValueError unless host ``arr`` matches ``dev`` exactly and is C-contiguous."""
+    if arr.shape != dev._shape or arr.dtype != dev._dtype:
+        raise ValueError(
+            f"{what}: the host array has shape {arr.shape} and dtype {arr.dtype}, the "
+            f"DeviceArray has shape {dev._shape} and dtype {dev._dtype}; they must match "
+            "exactly (no broadcasting or casting)")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what}: the host array is not C-contiguous (strides {arr.strides}); "
+                         "pass np.ascontiguousarray(a) instead")
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{what}: the host array is read-only")
+
+
+def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stream, host: int,
+                   non_blocking: bool, what: str) -> None:
+    """Copy ``n`` bytes between the device and host address ``host`` (``dst`` or ``src``) on
+    ``stream``. Waits for it, unless ``non_blocking`` and ``host`` is pinned memory from the
+    pinned pool, which then records the use so the buffer is not reused too early."""
+    pinned = non_blocking and pinned_pool()._lookup(host, n)
+    if not pinned:
+        _sync._note_sync(what)  # before queuing: in "error" mode nothing is left in flight
+    null_context(stream)
+    stream._b.memcpy_async(device, dst, src, n, stream._handle)
+    if pinned:
+        pinned_pool().record_use(host, stream)
+    else:
+        stream._b.stream_synchronize(stream._handle)
+
+
+def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Stream) -> None:
+    """Write ``count`` copies of the item ``pattern`` at ``ptr`` on ``stream``."""
+    b = stream._b
+    h = stream._handle
+    nbytes = count * len(pattern)
+    null_context(stream)
+    if pattern.count(pattern[0]) == len(pattern):
+        b.memset_d8_async(device, ptr, pattern[0], nbytes, h)
+        return
+    itemsize = len(pattern)
+    if itemsize == 4 and ptr % 4 == 0:
+        b.memset_d32_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
+        return
+    if itemsize == 16:
+        if pattern[:8] == pattern[8:]:
+            fill_with_kernel(ptr, pattern[:8], 2 * count, stream)
+            return
+        # Two different 8-byte halves (complex128 with re != im): write one element, then
+        # double the filled prefix with device-to-device copies (log2(count) copies).
+        fill_with_kernel(ptr, pattern[:8], 1, stream)
+        fill_with_kernel(ptr + 8, pattern[8:], 1, stream)
+        done = 1
+        while done < count:
+            step = min(done, count - done)
+            b.memcpy_async(device, ptr + done * 16, ptr, step * 16, h)
+            done += step
+        return
+    fill_with_kernel(ptr, pattern, count, stream)
+
+
+def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stream) -> None:
+    """Fill with cudalab's grid-stride fill kernel for ``len(pattern)``-byte items."""
+    from cudalab._kernels.fill import fill_kernel
+    from cudalab._kernels.kernel import launch_config_1d
+
+    kernel = fill_kernel(len(pattern))
+    grid, block = launch_config_1d(count, 256, max_blocks=8192)
+    kernel.launch(grid, block, (ptr, int.from_bytes(pattern, "little"), count), stream=stream)

@@ -1,0 +1,360 @@
+"""The real backend's memory concern: allocations, copies, fills, VMM and stream-ordered pools.
+
+:class:`CudaMemory` is a mixin of :class:`cudalab._driver.cuda.CudaBackend` (which supplies
+the context machinery it declares: ``_ctx``, ``_any_ctx``, ``_primary``, ``_device``). Same
+conventions as the rest of the real backend: one binding call and one integer test on hot
+paths (stream-ordered alloc/free, copies, fills).
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import threading
+from typing import Any
+
+from cudalab._driver.base import IPC_HANDLE_SIZE, Backend
+from cudalab._driver.cuda_api import (
+    _MEMORYTYPE_DEVICE,
+    _MEMORYTYPE_UNIFIED,
+    _MPA,
+    _PA_DEVICE_ORDINAL,
+    _PA_MEMORY_TYPE,
+    CU_MEMHOSTALLOC_PORTABLE,
+    CUDA_ERROR_INVALID_VALUE,
+    _check,
+    _cuIpcGetMemHandle,
+    _cuMemAddressFree,
+    _cuMemAddressReserve,
+    _cuMemAlloc,
+    _cuMemAllocAsync,
+    _cuMemAllocFromPoolAsync,
+    _cuMemcpy,
+    _cuMemcpyAsync,
+    _cuMemcpyPeerAsync,
+    _cuMemCreate,
+    _cuMemFree,
+    _cuMemFreeAsync,
+    _cuMemFreeHost,
+    _cuMemGetAllocationGranularity,
+    _cuMemGetInfo,
+    _cuMemHostAlloc,
+    _cuMemMap,
+    _cuMemPoolCreate,
+    _cuMemPoolDestroy,
+    _cuMemPoolGetAttribute,
+    _cuMemPoolSetAttribute,
+    _cuMemPoolTrimTo,
+    _cuMemRelease,
+    _cuMemSetAccess,
+    _cuMemsetD8,
+    _cuMemsetD8Async,
+    _cuMemsetD32Async,
+    _cuMemUnmap,
+    _cuPointerGetAttribute,
+    _drv,
+    _error,
+)
+
+# ------------------------------------------------------------- pointer -> device ordinal
+# cuda-bindings 13.3.1 (the GPU image's version) returns 0 for every
+# cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) call: its attribute helper lets
+# the driver write a C int but hands back a different, zero-initialised field (fixed by 13.5,
+# seen on 2 x H200: device-1 memory reported as device 0). So this one query goes straight to
+# libcuda through ctypes (the library is already loaded by the bindings at that point), with
+# the bindings as a fallback where ctypes cannot open it.
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+_libcuda_fn: Any = None
+
+
+def _libcuda_pointer_get_attribute() -> Any:
+    global _libcuda_fn
+    if _libcuda_fn is None:
+        fn: Any
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = False
+        _libcuda_fn = fn
+    return _libcuda_fn
+
+
+def _pointer_device_ordinal(ptr: int) -> tuple[int, int]:
+    """(CUresult, device ordinal) of CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL for ``ptr``."""
+    fn = _libcuda_pointer_get_attribute()
+    if fn:
+        out = ctypes.c_int(-1)
+        err = fn(ctypes.byref(out), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+        return err, out.value
+    err, ordinal = _cuPointerGetAttribute(_PA_DEVICE_ORDINAL, ptr)
+    return int(err), int(ordinal) if not err else -1
+
+
+
+class CudaMemory(Backend):
+    """Device and pinned host memory, copies, fills, pointer queries, IPC memory handles,
+    virtual memory and stream-ordered pools over the CUDA driver."""
+
+    # Supplied by CudaBackend (cudalab._driver.cuda): its lock and caches ...
+    _lock: threading.Lock
+    _contexts: dict[int, Any]  # ordinal -> retained primary CUcontext
+    _granularity: dict[int, int]  # ordinal -> VMM granularity
+
+    # ... and its context machinery.
+    @abc.abstractmethod
+    def _device(self, device: int) -> Any:
+        """The CUdevice of ordinal ``device`` (validates it)."""
+
+    @abc.abstractmethod
+    def _primary(self, device: int) -> Any:
+        """The retained primary context of ``device``."""
+
+    @abc.abstractmethod
+    def _ctx(self, device: int) -> None:
+        """Make ``device``'s primary context current on this thread."""
+
+    @abc.abstractmethod
+    def _any_ctx(self) -> None:
+        """Ensure some context is current."""
+
+    # --------------------------------------------------------------------------- memory
+    def mem_alloc(self, device: int, nbytes: int) -> int:
+        if nbytes == 0:
+            return 0  # like torch: empty allocations are the null pointer
+        self._ctx(device)
+        res = _cuMemAlloc(nbytes)
+        if res[0]:
+            raise _error(res[0], "cuMemAlloc")
+        return int(res[1])
+
+    def mem_free(self, device: int, ptr: int) -> None:
+        if not ptr:
+            return
+        self._ctx(device)
+        err = _cuMemFree(ptr)[0]
+        if err:
+            raise _error(err, "cuMemFree")
+
+    def mem_alloc_async(self, device: int, nbytes: int, stream: Any) -> int:
+        if nbytes == 0:
+            return 0
+        self._ctx(device)
+        res = _cuMemAllocAsync(nbytes, stream)
+        if res[0]:
+            raise _error(res[0], "cuMemAllocAsync")
+        return int(res[1])
+
+    def mem_free_async(self, device: int, ptr: int, stream: Any) -> None:
+        if not ptr:
+            return
+        self._ctx(device)
+        err = _cuMemFreeAsync(ptr, stream)[0]
+        if err:
+            raise _error(err, "cuMemFreeAsync")
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        self._ctx(device)
+        free, total = _check(_cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def host_alloc(self, nbytes: int) -> int:
+        self._any_ctx()
+        return int(_check(_cuMemHostAlloc(nbytes, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
+
+    def host_free(self, ptr: int) -> None:
+        if not ptr:
+            return
+        self._any_ctx()
+        err = _cuMemFreeHost(ptr)[0]
+        if err:
+            raise _error(err, "cuMemFreeHost")
+
+    def memcpy(self, device: int, dst: int, src: int, nbytes: int) -> None:
+        if not nbytes:
+            return
+        self._ctx(device)
+        err = _cuMemcpy(dst, src, nbytes)[0]
+        if err:
+            raise _error(err, "cuMemcpy")
+
+    def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        if not nbytes:
+            return
+        self._ctx(device)
+        err = _cuMemcpyAsync(dst, src, nbytes, stream)[0]
+        if err:
+            raise _error(err, "cuMemcpyAsync")
+
+    def memcpy_peer_async(
+        self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: Any
+    ) -> None:
+        if not nbytes:
+            return
+        dst_ctx = self._contexts.get(dst_device)
+        if dst_ctx is None:
+            dst_ctx = self._primary(dst_device)
+        src_ctx = self._contexts.get(src_device)
+        if src_ctx is None:
+            src_ctx = self._primary(src_device)
+        err = _cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, nbytes, stream)[0]
+        if err:
+            raise _error(err, "cuMemcpyPeerAsync")
+
+    def memset_d8(self, device: int, ptr: int, value: int, nbytes: int) -> None:
+        if not nbytes:
+            return
+        self._ctx(device)
+        err = _cuMemsetD8(ptr, value & 0xFF, nbytes)[0]
+        if err:
+            raise _error(err, "cuMemsetD8")
+
+    def memset_d8_async(self, device: int, ptr: int, value: int, nbytes: int, stream: Any) -> None:
+        if not nbytes:
+            return
+        self._ctx(device)
+        err = _cuMemsetD8Async(ptr, value & 0xFF, nbytes, stream)[0]
+        if err:
+            raise _error(err, "cuMemsetD8Async")
+
+    def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: Any) -> None:
+        if not count:
+            return
+        self._ctx(device)
+        err = _cuMemsetD32Async(ptr, value & 0xFFFFFFFF, count, stream)[0]
+        if err:
+            raise _error(err, "cuMemsetD32Async")
+
+    def pointer_device(self, ptr: int) -> int | None:
+        if not ptr:
+            return None
+        self._any_ctx()
+        err, mtype = _cuPointerGetAttribute(_PA_MEMORY_TYPE, ptr)
+        if err == CUDA_ERROR_INVALID_VALUE:
+            return None  # not allocated, mapped or registered with CUDA: plain host memory
+        if err:
+            raise _error(err, "cuPointerGetAttribute")
+        if int(mtype) not in (_MEMORYTYPE_DEVICE, _MEMORYTYPE_UNIFIED):
+            return None  # pinned / registered host memory
+        err, ordinal = _pointer_device_ordinal(ptr)
+        if err == CUDA_ERROR_INVALID_VALUE:
+            return None
+        if err:
+            raise _error(err, "cuPointerGetAttribute")
+        return ordinal if ordinal >= 0 else None
+
+
+    def ipc_mem_handle(self, ptr: int) -> bytes:
+        self._any_ctx()
+        handle = _check(_cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
+        # Read the C struct directly (as ipc_event_handle does): getPtr() exists in every
+        # bindings version, the `reserved` field does not.
+        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_SIZE)
+
+    # ---------------------------------------------------------------- virtual memory (VMM)
+    @staticmethod
+    def _alloc_prop(device: int) -> Any:
+        prop = _drv.CUmemAllocationProp()
+        prop.type = _drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = int(device)
+        return prop
+
+    def vmm_granularity(self, device: int) -> int:
+        g = self._granularity.get(device)
+        if g is None:
+            self._device(device)
+            g = int(_check(_cuMemGetAllocationGranularity(
+                self._alloc_prop(device),
+                _drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                "cuMemGetAllocationGranularity"))
+            with self._lock:
+                self._granularity[device] = g
+        return g
+
+    def vmm_reserve(self, device: int, size: int) -> int:
+        self._ctx(device)
+        return int(_check(_cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
+
+    def vmm_free_address(self, ptr: int, size: int) -> None:
+        err = _cuMemAddressFree(ptr, size)[0]
+        if err:
+            raise _error(err, "cuMemAddressFree")
+
+    def vmm_create(self, device: int, size: int) -> Any:
+        self._ctx(device)
+        return _check(_cuMemCreate(size, self._alloc_prop(device), 0), "cuMemCreate")
+
+    def vmm_release(self, handle: Any) -> None:
+        err = _cuMemRelease(handle)[0]
+        if err:
+            raise _error(err, "cuMemRelease")
+
+    def vmm_map(self, device: int, ptr: int, size: int, handle: Any) -> None:
+        self._ctx(device)
+        err = _cuMemMap(ptr, size, 0, handle, 0)[0]
+        if err:
+            raise _error(err, "cuMemMap")
+        desc = _drv.CUmemAccessDesc()
+        desc.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = int(device)
+        desc.flags = _drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        err = _cuMemSetAccess(ptr, size, [desc], 1)[0]
+        if err:
+            _cuMemUnmap(ptr, size)  # leave the range as it was
+            raise _error(err, "cuMemSetAccess")
+
+    def vmm_unmap(self, ptr: int, size: int) -> None:
+        err = _cuMemUnmap(ptr, size)[0]
+        if err:
+            raise _error(err, "cuMemUnmap")
+
+    # ---------------------------------------------------------------- stream-ordered pools
+    def pool_create(self, device: int) -> Any:
+        self._ctx(device)
+        props = _drv.CUmemPoolProps()
+        props.allocType = _drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = _drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        props.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = int(device)
+        pool = _check(_cuMemPoolCreate(props), "cuMemPoolCreate")
+        # Keep freed memory cached across synchronisations (torch's cudaMallocAsync setting).
+        err = _cuMemPoolSetAttribute(pool, _MPA.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                     _drv.cuuint64_t(2**64 - 1))[0]
+        if err:
+            _cuMemPoolDestroy(pool)
+            raise _error(err, "cuMemPoolSetAttribute")
+        return pool
+
+    def pool_destroy(self, pool: Any) -> None:
+        err = _cuMemPoolDestroy(pool)[0]
+        if err:
+            raise _error(err, "cuMemPoolDestroy")
+
+    def pool_alloc_async(self, pool: Any, nbytes: int, stream: Any) -> int:
+        if nbytes == 0:  # never ask the driver for 0 bytes (see tests/driver/test_simulator_vmm.py)
+            return 0
+        res = _cuMemAllocFromPoolAsync(nbytes, pool, stream)
+        if res[0]:
+            raise _error(res[0], "cuMemAllocFromPoolAsync")
+        return int(res[1])
+
+    def pool_usage(self, pool: Any) -> tuple[int, int, int, int]:
+        out = []
+        for attr in (_MPA.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, _MPA.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+                     _MPA.CU_MEMPOOL_ATTR_USED_MEM_CURRENT, _MPA.CU_MEMPOOL_ATTR_USED_MEM_HIGH):
+            out.append(int(_check(_cuMemPoolGetAttribute(pool, attr), "cuMemPoolGetAttribute")))
+        return out[0], out[1], out[2], out[3]
+
+    def pool_reset_high(self, pool: Any) -> None:
+        # Setting a *_HIGH attribute to 0 resets it to the current value.
+        for attr in (_MPA.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, _MPA.CU_MEMPOOL_ATTR_USED_MEM_HIGH):
+            err = _cuMemPoolSetAttribute(pool, attr, _drv.cuuint64_t(0))[0]
+            if err:
+                raise _error(err, "cuMemPoolSetAttribute")
+
+    def pool_trim(self, pool: Any, keep: int = 0) -> None:
+        err = _cuMemPoolTrimTo(pool, keep)[0]
+        if err:
+            raise _error(err, "cuMemPoolTrimTo")

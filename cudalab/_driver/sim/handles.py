@@ -1,0 +1,137 @@
+"""The simulator's handle objects: streams, events, stream-queue waits, modules and kernels.
+
+Each handle is an opaque object the layer above holds (``int(handle)`` is its fake C value,
+what :meth:`Backend.handle_int` returns). They carry state only; the behaviour lives in the
+backend's concern modules (:mod:`.streams`, :mod:`.events`, :mod:`.kernels`). Every ``repr``
+says "simulated".
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Callable
+
+from cudalab._driver.base import STREAM_NON_BLOCKING, Backend
+
+_handles = itertools.count(1)
+#: Fake handle values start here (well apart from fake device addresses).
+_HANDLE_BASE = 0x5A00_0000_0000
+
+
+def next_handle() -> int:
+    """A fresh fake C value for a handle (unique in the process)."""
+    return _HANDLE_BASE + next(_handles) * 0x40
+
+
+class _Stream:
+    """A simulated stream: a FIFO of operations ``(fn, args)`` and :class:`_Wait` entries.
+
+    Invariants (under ``lock``): ``draining`` is the ident of the one thread running the
+    queue, or 0; a stream with a non-empty ``queue`` is in the backend's ``_pending`` set;
+    ``paused`` (a test hook) keeps the queue from running.
+    """
+
+    __slots__ = ("backend", "device", "handle", "flags", "priority", "is_null", "is_per_thread",
+                 "legacy", "queue", "lock", "paused", "draining", "destroyed", "__weakref__")
+
+    def __init__(self, backend: Backend, device: int, handle: int, flags: int,
+                 priority: int, null: bool):
+        self.backend = backend
+        self.device = device
+        self.handle = handle
+        self.flags = flags
+        self.priority = priority
+        self.is_null = null
+        self.is_per_thread = False
+        # The legacy default stream and blocking streams synchronise with each other.
+        self.legacy = null or not (flags & STREAM_NON_BLOCKING)
+        self.queue: collections.deque = collections.deque()
+        self.lock = threading.RLock()
+        self.paused = False
+        self.draining = 0  # ident of the thread running this stream's operations, or 0
+        self.destroyed = False
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def __repr__(self) -> str:
+        kind = ("null stream" if self.is_null else "per-thread default stream"
+                if self.is_per_thread else f"stream 0x{self.handle:x}")
+        return f"<simulated {kind} on device {self.device}>"
+
+
+class _Event:
+    """A simulated event: ``epoch`` counts records requested, ``done`` is the latest record
+    that completed (``done <= epoch``; complete when equal), ``ts`` its time in ns."""
+
+    __slots__ = ("backend", "device", "handle", "flags", "epoch", "done", "ts", "rec_stream",
+                 "destroyed", "ipc_key", "target", "__weakref__")
+
+    def __init__(self, backend: Backend | None, device: int, handle: int, flags: int):
+        self.backend = backend
+        self.device = device
+        self.handle = handle
+        self.flags = flags
+        self.epoch = 0  # records requested
+        self.done = 0  # latest record completed
+        self.ts = 0
+        self.rec_stream: _Stream | None = None
+        self.destroyed = False
+        self.ipc_key: tuple[int, int] | None = None
+        self.target: _Event | None = None  # an IPC handle opened in its own process
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def __repr__(self) -> str:
+        return f"<simulated event 0x{self.handle:x} on device {self.device}>"
+
+
+class _Wait:
+    """A queue entry: later work on the stream waits until ``event`` reaches ``epoch``."""
+
+    __slots__ = ("event", "epoch", "stream")
+
+    def __init__(self, event: _Event, epoch: int, stream: _Stream | None):
+        self.event = event
+        self.epoch = epoch
+        self.stream = stream  # where the awaited record is queued
+
+
+class _Module:
+    """A loaded (simulated) module; kernels are looked up by name in the registry."""
+
+    __slots__ = ("backend", "device", "handle", "size", "unloaded")
+
+    def __init__(self, backend: Backend, device: int, handle: int, size: int):
+        self.backend = backend
+        self.device = device
+        self.handle = handle
+        self.size = size
+        self.unloaded = False
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def __repr__(self) -> str:
+        return f"<simulated module 0x{self.handle:x} on device {self.device} ({self.size} bytes)>"
+
+
+class _Function:
+    """A kernel of a module: its registered Python implementation."""
+
+    __slots__ = ("module", "name", "impl", "handle")
+
+    def __init__(self, module: _Module, name: str, impl: Callable[..., None], handle: int):
+        self.module = module
+        self.name = name
+        self.impl = impl
+        self.handle = handle
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def __repr__(self) -> str:
+        return f"<simulated kernel {self.name!r} on device {self.module.device}>"

@@ -1,0 +1,109 @@
+"""NVML for the simulator: device management values derived from the simulator's own state.
+
+:class:`SimulatedNvml` sees every simulated device (it ignores ``CUDA_VISIBLE_DEVICES``,
+like the real NVML) and labels itself simulated.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from cudalab._driver.base import Nvml
+from cudalab._driver.sim.core import ACTIVITY_KERNEL, SimulatorCore, now
+from cudalab.errors import NvmlError
+
+__all__ = ["SimulatedNvml", "busy_percent"]
+
+
+def busy_percent(activity: Iterable[tuple[int, int, int]]) -> tuple[int, int]:
+    """(gpu %, memory %) over the last second from an activity log of (start ns, end ns,
+    ACTIVITY_*) entries: the share of the second spent in kernels (memory: copies and fills
+    plus half the kernel time), at least 1% when anything ran."""
+    t_now = now()
+    lo = t_now - 1_000_000_000
+    kern = copy = 0
+    any_kern = any_copy = False
+    for t0, t1, kind in list(activity):
+        if t1 < lo:
+            continue
+        dt = t1 - max(t0, lo)
+        if kind == ACTIVITY_KERNEL:
+            kern += dt
+            any_kern = True
+        else:
+            copy += dt
+            any_copy = True
+
+    def pct(ns: float, active: bool) -> int:
+        return max(1, min(100, round(ns / 1e7))) if active else 0
+
+    return pct(kern, any_kern), pct(copy + kern / 2, any_kern or any_copy)
+
+
+class SimulatedNvml(Nvml):
+    """NVML for the simulator: every value is derived from the simulator's own state.
+
+    Sees all simulated devices (it ignores CUDA_VISIBLE_DEVICES, like the real NVML).
+    Utilisation is the share of the last second spent in kernels (memory: copies and fills
+    plus half the kernel time), at least 1% when anything ran; memory used is exactly the
+    simulator's allocations, so it agrees with ``mem_get_info`` (the simulator has no
+    context overhead).
+    """
+
+    simulated = True
+
+    def __init__(self, backend: SimulatorCore):
+        self._backend = backend
+
+    def __repr__(self) -> str:
+        return f"<SimulatedNvml: {self.device_count()} simulated devices (not a real NVML)>"
+
+    def device_count(self) -> int:
+        return self._backend._n_total
+
+    def uuids(self) -> list[str]:
+        return list(self._backend._uuids)
+
+    def name(self, uuid: str) -> str:
+        self._index(uuid)
+        return "cudalab simulated GPU (H100-like)"
+
+    def _index(self, uuid: str) -> int:
+        text = str(uuid).strip().lower()
+        if not text.startswith("gpu-"):
+            text = "gpu-" + text
+        for i, u in enumerate(self._backend._uuids):
+            if u.lower() == text:
+                return i
+        raise NvmlError(f"NVML (simulated): no simulated device has UUID {uuid!r}")
+
+    def _used(self, phys: int) -> tuple[int, int]:
+        b = self._backend
+        dev = b._by_physical.get(phys)
+        if dev is None:  # hidden from this process by CUDA_VISIBLE_DEVICES
+            return b._capacity, 0
+        return dev.capacity, dev.used
+
+    def utilization(self, uuid: str) -> tuple[int, int]:
+        return busy_percent(self._backend._activity[self._index(uuid)])
+
+    def memory_info(self, uuid: str) -> tuple[int, int, int]:
+        total, used = self._used(self._index(uuid))
+        return total, total - used, used
+
+    def temperature(self, uuid: str) -> int:
+        return 35 + self.utilization(uuid)[0] // 4
+
+    def power_usage(self, uuid: str) -> int:
+        return 70000 + self.utilization(uuid)[0] * 6000
+
+    def clock_sm(self, uuid: str) -> int:
+        return 1980 if self.utilization(uuid)[0] > 0 else 345
+
+    def processes(self, uuid: str) -> list[tuple[int, int | None]]:
+        phys = self._index(uuid)
+        dev = self._backend._by_physical.get(phys)
+        if dev is None or not dev.touched:
+            return []
+        return [(os.getpid(), self._used(phys)[1])]

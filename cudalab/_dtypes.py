@@ -1,0 +1,140 @@
+"""dtype and shape normalisation shared by device arrays and pinned host arrays.
+
+The one place that decides which dtypes a cudalab array can hold and how a ``shape`` argument
+is read, so :mod:`cudalab.array` (device memory) and :mod:`cudalab.allocator.pinned` (page-locked
+host memory) accept exactly the same arguments and cannot drift. Imports only numpy (and
+``ml_dtypes`` lazily, for bfloat16), so any layer may use it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SUPPORTED_DTYPES", "normalize_dtype", "normalize_shape"]
+
+#: dtypes a DeviceArray can hold (bfloat16 too when ml_dtypes is installed).
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(name)
+    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                 "uint64", "float16", "float32", "float64", "complex64", "complex128")
+)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+#: dtype arguments already seen (np.float32, "float32", np.dtype(...)) -> their dtype.
+#: Invariant: every value is in ``_SUPPORTED`` or is ml_dtypes' bfloat16; at most 256 entries.
+_DTYPE_CACHE: dict[Any, np.dtype] = {d: d for d in SUPPORTED_DTYPES}
+_FLOAT32 = np.dtype(np.float32)
+_SUPPORTED_TEXT = ("bool, int8, int16, int32, int64, uint8, uint16, uint32, uint64, float16, "
+                   "float32, float64, complex64, complex128, bfloat16 (with ml_dtypes)")
+
+
+def _bfloat16() -> np.dtype:
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("dtype 'bfloat16' needs the optional 'ml_dtypes' package "
+                        "(pip install ml_dtypes); numpy has no bfloat16 of its own") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def normalize_dtype(dtype: Any, default: np.dtype | None = _FLOAT32) -> np.dtype:
+    """The numpy dtype a cudalab array of ``dtype`` holds.
+
+    Parameters
+    ----------
+    dtype
+        Anything ``np.dtype`` accepts, or ``"bfloat16"`` / ``"bf16"``; ``None`` means ``default``.
+    default
+        The dtype for ``dtype=None``; ``None`` makes a dtype required.
+
+    Returns
+    -------
+    numpy.dtype
+        One of :data:`SUPPORTED_DTYPES`, or ml_dtypes' bfloat16.
+
+    Raises
+    ------
+    TypeError
+        The dtype is not supported (object, strings, datetimes, ...), bfloat16 is asked for
+        without ml_dtypes installed, or ``dtype`` and ``default`` are both ``None``.
+    """
+    try:
+        dt = _DTYPE_CACHE.get(dtype)
+    except TypeError:  # unhashable
+        dt = None
+    if dt is not None:
+        return dt
+    if dtype is None:
+        if default is None:
+            raise TypeError("a dtype is required")
+        return default
+    if isinstance(dtype, str) and dtype.strip().lower() in ("bfloat16", "bf16"):
+        return _bfloat16()
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"unsupported dtype {dtype!r}; cudalab arrays support {_SUPPORTED_TEXT}"
+                        ) from None
+    if dt in _SUPPORTED:
+        _remember_dtype(dtype, dt)
+        return dt
+    if dt.name == "bfloat16" and dt.itemsize == 2:  # ml_dtypes' (numpy has none of its own)
+        _remember_dtype(dtype, dt)
+        return dt
+    raise TypeError(f"unsupported dtype {dt}; cudalab arrays support {_SUPPORTED_TEXT}")
+
+
+def _remember_dtype(key: Any, dt: np.dtype) -> None:
+    try:
+        if len(_DTYPE_CACHE) < 256:
+            _DTYPE_CACHE[key] = dt
+    except TypeError:
+        pass
+
+
+def normalize_shape(shape: Any) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints.
+
+    Parameters
+    ----------
+    shape
+        An int, or a sequence of objects with ``__index__`` (not bools).
+
+    Returns
+    -------
+    tuple of int
+
+    Raises
+    ------
+    TypeError
+        ``shape`` is neither an int nor a sequence of ints.
+    ValueError
+        A dimension is negative.
+    """
+    t = type(shape)
+    if t is int:
+        if shape >= 0:
+            return (shape,)
+    elif t is tuple:
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return shape
+    bad = TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
+    if hasattr(shape, "__index__"):
+        items: tuple = (shape,)
+    else:
+        try:
+            items = tuple(shape)
+        except TypeError:
+            raise bad from None
+    if any(isinstance(d, (bool, np.bool_)) or not hasattr(d, "__index__") for d in items):
+        raise bad
+    dims = tuple(operator.index(d) for d in items)
+    for d in dims:
+        if d < 0:
+            raise ValueError(f"negative dimension {d} in shape {dims}: sizes must be >= 0")
+    return dims

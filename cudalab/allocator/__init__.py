@@ -1,0 +1,32 @@
+"""The allocator runtime: torch's caching allocator and the allocators beside it.
+
+This package holds the runtime half of cudalab's memory story; :mod:`cudalab.memory` is the
+``torch.cuda.memory`` API over it, and :mod:`cudalab.memory_tools` the tooling that observes
+it (history, snapshots, exports, replay). The runtime never imports either of them: the
+tooling attaches through the hook protocol of :mod:`cudalab.allocator.hooks`.
+
+==========================  ================================================================
+module                      concept
+==========================  ================================================================
+``policy``                  size rounding and the size rules (512 B, small/large, oversize)
+``blocks``                  ``Block``, the block-state constants, free lists and pools
+``base``                    the ``Allocator`` interface every allocator implements
+``cache_state``             the caching allocator's fields and their invariants
+``caching``                 ``DeviceCachingAllocator``: the cache-hit path, in one place
+``memo``                    the pair memo (a malloc+free pair deferred, see architecture.md)
+``slow_path``               the cache-miss ladder: segment allocation, release, OOM
+``inspection``              segments, invariants and the largest free block, for readers
+``expandable`` (+ ``expandable_segment``)  ``expandable_segments:True`` over the driver's VMM
+``async_allocator``         ``backend:cudaMallocAsync`` over the driver's memory pools
+``pluggable``               ``PluggableAllocator`` (torch's CUDAPluggableAllocator)
+``uncached``                ``UncachedAllocator`` (every malloc is a driver call)
+``registry``                one allocator per device: creation (the class is chosen here)
+``config``                  ``CUDALAB_ALLOC_CONF`` with torch's grammar
+``stats``                   the counters behind ``memory_stats()`` and ``memory_summary()``
+``scope``                   peak scopes (a region's peak without resetting the global one)
+``token_lock``              the allocator's lock, a one-element list
+``events``                  the pooled events that guard ``record_stream`` reuse
+``pinned``                  the caching pinned-host pool
+``hooks``                   the protocol a listener (history) attaches through
+==========================  ================================================================
+"""

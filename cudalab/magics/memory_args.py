@@ -1,0 +1,137 @@
+"""``%cuda_memory``'s command line (:func:`_parse` into :class:`_Args`) and its device
+argument (:func:`_resolve`), with the device labels every subcommand prints.
+
+Sizes (``--threshold``) are read by :func:`cudalab._internal.parse_size`, the package's
+one size parser: ``"1g"`` is 2**30 bytes here as everywhere.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any, Literal, overload
+
+from IPython.core.error import UsageError
+
+from cudalab import _internal
+
+__all__ = ["_Args", "_devices", "_label", "_parse", "_resolve", "_simulated"]
+
+
+class _Args:
+    __slots__ = ("command", "words", "device", "threshold", "max_entries", "context", "stacks")
+
+    def __init__(self) -> None:
+        self.command = "summary"
+        self.words: list[str] = []
+        self.device: str | None = None
+        self.threshold: int | None = None
+        self.max_entries: int | None = None
+        self.context: str | None = None
+        self.stacks: str | None = None
+
+
+_COMMANDS = ("summary", "stats", "diff", "mark", "reset-peaks", "empty-cache", "watch",
+             "history", "snapshot", "dashboard")
+
+
+def _parse(line: str) -> _Args:
+    try:
+        tokens = shlex.split(line or "")
+    except ValueError as exc:
+        raise UsageError(f"%cuda_memory: {exc}") from None
+    args = _Args()
+    i = 0
+    positional: list[str] = []
+    while i < len(tokens):
+        tok = tokens[i]
+        name, eq, inline = tok.partition("=")
+        if name in ("-d", "--device", "--threshold", "--max-entries", "--context", "--stacks"):
+            if eq:
+                value = inline
+            else:
+                i += 1
+                if i >= len(tokens):
+                    raise UsageError(f"%cuda_memory: option {name} needs a value")
+                value = tokens[i]
+                # "--threshold 64 KiB": a separate unit word
+                if name == "--threshold" and i + 1 < len(tokens) and \
+                        tokens[i + 1].lower() in _internal.SIZE_UNITS and tokens[i + 1] != "":
+                    i += 1
+                    value += tokens[i]
+            if name in ("-d", "--device"):
+                args.device = value
+            elif name == "--threshold":
+                try:
+                    args.threshold = _internal.parse_size(value, what="--threshold")
+                except ValueError as exc:
+                    raise UsageError(f"%cuda_memory: --threshold: {exc}") from None
+            elif name == "--max-entries":
+                try:
+                    args.max_entries = int(value)
+                    if args.max_entries < 1:
+                        raise ValueError
+                except ValueError:
+                    raise UsageError(f"%cuda_memory: --max-entries needs a positive integer, "
+                                     f"got {value!r}") from None
+            elif name == "--context":
+                args.context = value
+            else:
+                args.stacks = value
+        elif tok.startswith("-") and len(tok) > 1:
+            raise UsageError(f"%cuda_memory: unknown option {tok!r} (see %cuda_memory?)")
+        else:
+            positional.append(tok)
+        i += 1
+    if positional:
+        cmd = positional[0].lower().replace("_", "-")
+        aliases = {"reset-peak": "reset-peaks", "reset_peaks": "reset-peaks",
+                   "empty": "empty-cache", "empty_cache": "empty-cache"}
+        cmd = aliases.get(cmd, cmd)
+        if cmd not in _COMMANDS:
+            raise UsageError(f"%cuda_memory: unknown subcommand {positional[0]!r}; use one of "
+                             f"{', '.join(_COMMANDS)}")
+        args.command = cmd
+        args.words = positional[1:]
+    return args
+
+
+
+def _devices() -> Any:
+    """:mod:`cudalab.devices`, imported when first needed."""
+    from cudalab import devices
+
+    return devices
+
+
+@overload
+def _resolve(spec: str | None, init: Literal[True] = ...) -> int: ...
+@overload
+def _resolve(spec: str | None, init: bool) -> int | None: ...
+def _resolve(spec: str | None, init: bool = True) -> int | None:
+    """Device index for ``spec`` (None: current). ``init=False`` returns None instead of
+    initialising CUDA."""
+    devices = _devices()
+    if not devices.is_initialized() and not init:
+        return None
+    from cudalab.errors import CudaUnavailableError
+
+    try:
+        devices.init()
+    except CudaUnavailableError as exc:
+        raise UsageError(f"%cuda_memory: {exc}") from None
+    if spec is None:
+        return devices.current_device()
+    s = spec.strip()
+    try:
+        return _internal.device_index(int(s) if s.isdigit() else s)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"%cuda_memory: bad device {spec!r}: {exc}") from None
+
+
+def _simulated() -> bool:
+    return bool(_internal.is_initialized() and _internal.backend().simulated)
+
+
+def _label(d: int) -> str:
+    return f"cuda:{d}" + (" (simulated)" if _simulated() else "")
+

@@ -1,0 +1,608 @@
+"""Reading and writing traces and snapshots: files from strangers never run code.
+
+* **Pickles.** One restricted unpickler (:class:`_RestrictedUnpickler`) builds only what
+  pickle opcodes build by themselves: any reference to a class or function (GLOBAL,
+  STACK_GLOBAL, INST, OBJ, EXT*, persistent ids) is refused, so loading a file from a
+  stranger cannot execute code. Its depth is bounded: a pickle nested deeper than the
+  interpreter's recursion limit is refused as "nested too deeply" rather than crashing.
+  It reads snapshots (:func:`load_snapshot`, cudalab's and torch's ``_dump_snapshot``
+  files, raising :class:`SnapshotLoadError`) and plain-data trace pickles (the allocator
+  benchmark's ``{"trace": [...]}`` dicts, raising :class:`TraceError`).
+* **Writing snapshots.** :func:`to_plain` and :func:`dumps_snapshot`: a snapshot as plain
+  Python types (dict, list, tuple, str, int, float, bool, None) pickled with protocol 4,
+  which is what pytorch.org/memory_viz's own unpickler and ``torch.cuda._memory_viz`` read.
+* **Traces for replay.** :func:`load_trace` reads any accepted trace form into
+  :class:`TraceArrays` (parallel numpy arrays of the alloc/free entries) for
+  :mod:`cudalab.memory_tools.replay`:
+
+  - a snapshot dict (``cudalab.memory._snapshot()`` or ``torch.cuda.memory._snapshot()``):
+    the entries of ``device_traces[device]``;
+  - the path of a snapshot pickle (cudalab's ``_dump_snapshot`` or torch's), read with
+    :func:`load_snapshot`; a pickled dict ``{"trace": [(action, addr, size, stream), ...]}``
+    (the allocator benchmark's format) is read too;
+  - a pandas DataFrame with columns ``action``, ``addr``, ``size``, ``stream`` (and
+    optionally ``device``), as :func:`cudalab.memory.history_frame` returns;
+  - a list of ``(action, addr, size, stream)`` tuples, or of trace entry dicts.
+* **CSV.** :func:`read_history_csv` reads a saved ``history_frame()`` back with its dtypes.
+
+pandas is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import io
+import numbers
+import os
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cudalab.memory_tools.history import ACTIONS
+
+__all__ = [
+    "PICKLE_PROTOCOL",
+    "SnapshotLoadError",
+    "TraceArrays",
+    "TraceError",
+    "categorical",
+    "dumps_snapshot",
+    "load_snapshot",
+    "load_trace",
+    "read_history_csv",
+    "to_plain",
+]
+
+#: memory_viz's unpickler reads protocols 2 to 4 (newer copies also 5).
+PICKLE_PROTOCOL = 4
+
+
+class SnapshotLoadError(ValueError):
+    """A file is not a loadable memory snapshot (refused, truncated, corrupt, wrong content)."""
+
+
+class TraceError(ValueError):
+    """The trace cannot be read or has the wrong shape (a one-line message)."""
+
+
+# --------------------------------------------------------------------------- plain types
+class _NotPlain(TypeError):
+    def __init__(self, value: Any):
+        self.value = value
+        self.path: list[str] = []
+        super().__init__()
+
+    def __str__(self) -> str:
+        where = "".join(reversed(self.path)) or "the top level"
+        return (f"snapshot value at {where} has type {type(self.value).__module__}."
+                f"{type(self.value).__qualname__} ({self.value!r:.60}); a snapshot may hold "
+                "only dict, list, tuple, str, int, float, bool and None")
+
+
+def _scalar(x: Any) -> Any:
+    """A plain scalar for ``x`` (numpy scalars, int/str subclasses) or raise _NotPlain."""
+    if isinstance(x, bool):
+        return bool(x)
+    if type(x).__module__ == "numpy" and hasattr(x, "item"):  # numpy scalars
+        v = x.item()
+        if type(v) in (int, float, bool, str):
+            return v
+        raise _NotPlain(x)
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    if isinstance(x, numbers.Real):
+        return float(x)
+    if isinstance(x, str):
+        return str(x)
+    raise _NotPlain(x)
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def to_plain(obj: Any) -> Any:
+    """``obj`` with only dict/list/tuple/str/int/float/bool/None inside: numpy numbers and
+    subclasses of int/float/str/bool are converted (containers are copied only where
+    something changed; shared sub-objects stay shared); anything else raises TypeError
+    naming where it is."""
+    memo: dict[int, Any] = {}
+    scalars = _SCALARS
+
+    def walk(x: Any) -> Any:
+        t = type(x)
+        if t in scalars:
+            return x
+        if t is not dict and t is not list and t is not tuple:
+            return _scalar(x)
+        got = memo.get(id(x))
+        if got is not None:
+            return got[1]
+        out = x
+        if t is dict:
+            new = None
+            for i, (k, v) in enumerate(x.items()):
+                if type(k) in scalars and type(v) in scalars:
+                    if new is not None:
+                        new.append((k, v))
+                    continue
+                try:
+                    nk = walk(k)
+                    nv = walk(v)
+                except _NotPlain as e:
+                    e.path.append(f"[{k!r}]")
+                    raise
+                if new is None and (nk is not k or nv is not v):
+                    new = list(x.items())[:i]
+                if new is not None:
+                    new.append((nk, nv))
+            if new is not None:
+                out = dict(new)
+        else:
+            new = None
+            for i, v in enumerate(x):
+                if type(v) in scalars:
+                    if new is not None:
+                        new.append(v)
+                    continue
+                try:
+                    nv = walk(v)
+                except _NotPlain as e:
+                    e.path.append(f"[{i}]")
+                    raise
+                if new is None and nv is not v:
+                    new = list(x[:i])
+                if new is not None:
+                    new.append(nv)
+            if new is not None:
+                out = new if t is list else tuple(new)
+        memo[id(x)] = (x, out)
+        return out
+
+    return walk(obj)
+
+
+class _PlainPickler(pickle.Pickler):
+    """Pickles the exact builtin types as usual; the C pickler consults
+    ``reducer_override`` for nothing else, so plain data costs no check at all."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        raise _NotPlain(obj)
+
+
+def dumps_snapshot(snapshot: dict) -> bytes:
+    """``snapshot`` pickled for memory_viz (plain types, protocol 4).
+
+    A snapshot cudalab built (dicts, lists, tuples, str, int, float, bool, None by
+    construction) is pickled straight away (benchmark row "snapshot" of
+    benchmarks/history.py); anything else in it (a numpy integer from a pluggable allocator,
+    say) is converted by :func:`to_plain` first.
+
+    Parameters
+    ----------
+    snapshot : dict
+        Any snapshot-like dict.
+
+    Returns
+    -------
+    bytes
+        The pickle.
+
+    Raises
+    ------
+    TypeError
+        A value that is not plain data and cannot be converted (the message says where).
+    """
+    buf = io.BytesIO()
+    try:
+        _PlainPickler(buf, protocol=PICKLE_PROTOCOL).dump(snapshot)
+    except _NotPlain:
+        return pickle.dumps(to_plain(snapshot), protocol=PICKLE_PROTOCOL)
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- loading
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Builds only what pickle opcodes build by themselves: no classes, no functions.
+
+    The one unpickler of cudalab's files (snapshots and trace pickles alike): every class or
+    function reference and every persistent id raises :class:`SnapshotLoadError` naming
+    ``what``.
+    """
+
+    def __init__(self, file: Any, what: str):
+        super().__init__(file)
+        self._what = what
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise SnapshotLoadError(
+            f"refusing to load {self._what}: the pickle references {module}.{name}; "
+            "snapshots contain only plain data")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise SnapshotLoadError(
+            f"refusing to load {self._what}: the pickle uses a persistent id ({pid!r:.60}); "
+            "snapshots contain only plain data")
+
+
+def _unpickle(data: bytes, what: str) -> Any:
+    """``data`` unpickled by :class:`_RestrictedUnpickler`; SnapshotLoadError (naming
+    ``what``) for an empty, refused, too deeply nested, truncated or corrupt pickle."""
+    if not data:
+        raise SnapshotLoadError(f"cannot read {what}: the file is empty")
+    try:
+        return _RestrictedUnpickler(io.BytesIO(data), what).load()
+    except SnapshotLoadError:
+        raise
+    except RecursionError:  # the depth bound: the interpreter's recursion limit
+        raise SnapshotLoadError(f"cannot read {what}: nested too deeply") from None
+    except Exception as exc:  # noqa: BLE001 - every unpickling failure means the same here
+        raise SnapshotLoadError(
+            f"cannot read {what}: truncated or corrupt pickle ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _read(path_or_file: Any) -> tuple[bytes, str]:
+    if hasattr(path_or_file, "read"):
+        name = getattr(path_or_file, "name", None)
+        what = f"snapshot {name!r}" if isinstance(name, str) else "the snapshot file object"
+        data = path_or_file.read()
+        if isinstance(data, str):
+            raise SnapshotLoadError(f"cannot read {what}: open the file in binary mode ('rb')")
+        return bytes(data), what
+    if isinstance(path_or_file, (str, bytes, os.PathLike)):
+        what = f"snapshot {os.fsdecode(path_or_file)!r}"
+        with open(path_or_file, "rb") as f:
+            return f.read(), what
+    raise TypeError("load_snapshot() takes a path or a binary file object, got "
+                    f"{type(path_or_file).__name__}")
+
+
+def _as_snapshot(obj: Any, what: str) -> dict:
+    """``obj`` (unpickled) as a snapshot dict, or SnapshotLoadError saying why it is not one."""
+    if isinstance(obj, list) and all(isinstance(s, dict) and "blocks" in s for s in obj):
+        obj = {"segments": obj, "device_traces": []}
+    if not isinstance(obj, dict) or not isinstance(obj.get("segments"), list):
+        got = f"a dict with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, dict) \
+            else f"a {type(obj).__name__}"
+        raise SnapshotLoadError(
+            f"{what} is not a memory snapshot: expected a dict with a 'segments' list (as "
+            f"written by cudalab.memory._dump_snapshot or torch.cuda.memory._dump_snapshot), "
+            f"got {got}")
+    traces = obj.setdefault("device_traces", [])
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise SnapshotLoadError(f"{what} is not a memory snapshot: 'device_traces' must be a "
+                                "list of lists of trace entries")
+    return obj
+
+
+def load_snapshot(path_or_file: Any) -> dict:
+    """Read a memory snapshot pickle (cudalab's ``_dump_snapshot`` or torch's) safely.
+
+    The unpickler refuses every reference to a class or function, so loading a file from a
+    stranger cannot run code. A pickled ``memory_snapshot()`` list of segments is accepted
+    and wrapped into the dict form; missing ``device_traces`` is filled with ``[]``.
+
+    Parameters
+    ----------
+    path_or_file : str, bytes, os.PathLike or binary file object
+        The snapshot pickle.
+
+    Returns
+    -------
+    dict
+        The snapshot, in torch's schema.
+
+    Raises
+    ------
+    SnapshotLoadError
+        (a ValueError) A refused, empty, truncated or corrupt pickle, or one that is not a
+        snapshot.
+    OSError
+        The file cannot be read.
+    TypeError
+        ``path_or_file`` is neither a path nor a file object.
+    """
+    data, what = _read(path_or_file)
+    return _as_snapshot(_unpickle(data, what), what)
+
+
+@dataclass
+class TraceArrays:
+    """A trace reduced to parallel numpy arrays of its alloc/free entries (what
+    :func:`load_trace` returns and :func:`cudalab.memory_tools.replay.replay` replays)."""
+
+    source: str
+    action: np.ndarray  # int8: 1 alloc, 0 free
+    addr: np.ndarray  # int64 (dense ids when the addresses do not fit int64)
+    size: np.ndarray  # int64
+    stream: list[int]
+    ignored: dict[str, int] = field(default_factory=dict)
+    reference: dict[str, Any] = field(default_factory=dict)
+    #: (address, size) of the trace's segment_alloc entries, in order (the replay hands out
+    #: these addresses again, see replay._TraceAddresses).
+    segments: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.action)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _load_pickle(path: str) -> Any:
+    """Read a trace pickle without running code from it (the restricted unpickler of
+    :func:`load_snapshot`): a snapshot, else plain data that is a trace (the allocator
+    benchmark's ``{"trace": [...]}`` dicts, lists of tuples); TraceError otherwise."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from None
+    what = f"snapshot {path!r}"
+    obj: Any = None  # (stays None when the pickle itself is refused or corrupt)
+    try:
+        obj = _unpickle(data, what)
+        return _as_snapshot(obj, what)
+    except SnapshotLoadError as exc:  # refused, truncated, not a snapshot: one line
+        why = _first_line(exc)
+    if (isinstance(obj, dict) and isinstance(obj.get("trace"), list)) or \
+            (isinstance(obj, list) and obj and isinstance(obj[0], (tuple, list))):
+        return obj
+    raise TraceError(why if path in why else f"cannot load {path}: {why}")
+
+
+def _is_dataframe(obj: Any) -> bool:
+    mod = type(obj).__module__ or ""
+    return mod.startswith("pandas") and hasattr(obj, "columns") and hasattr(obj, "to_numpy")
+
+
+_ACTION_CODE = {"alloc": 1, "free_requested": 0, "free": 0}
+_SEGMENT_SIGN = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+def _int_array(values: Any, what: str, source: str) -> np.ndarray:
+    try:
+        arr = np.asarray(values)
+        if arr.dtype.kind == "f" and np.isfinite(arr).all() and (arr == np.round(arr)).all():
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind not in "iu":
+            arr = np.asarray([int(v) for v in values], dtype=np.int64)
+        return arr.astype(np.int64, copy=False)
+    except (OverflowError, TypeError, ValueError):
+        raise TraceError(f"{source}: trace {what} values must be integers") from None
+
+
+def _from_columns(source: str, actions: Sequence[Any], addrs: Any, sizes: Any,
+                  streams: Any) -> TraceArrays:
+    """Keep alloc/free entries, count the others by action (vectorised)."""
+    n = len(actions)
+    if n == 0:
+        z = np.zeros(0, np.int64)
+        return TraceArrays(source, np.zeros(0, np.int8), z, z, [])
+    get = _ACTION_CODE.get
+    try:
+        codes = np.array([get(a, 2) for a in actions], dtype=np.int8)
+    except TypeError:  # unhashable actions
+        codes = np.array([get(a, 2) if isinstance(a, str) else 2 for a in actions],
+                         dtype=np.int8)
+    keep = np.flatnonzero(codes < 2)
+    ignored: dict[str, int] = {}
+    ref: dict[str, Any] = {}
+    seg_allocs: list = []
+    if len(keep) < n:
+        other = np.flatnonzero(codes == 2).tolist()
+        sign = []
+        seg_idx = []
+        for i in other:
+            a = actions[i]
+            a = a if isinstance(a, str) else str(a)
+            ignored[a] = ignored.get(a, 0) + 1
+            sg = _SEGMENT_SIGN.get(a)
+            if sg is not None:
+                sign.append(sg)
+                seg_idx.append(i)
+        if seg_idx:
+            try:
+                seg_allocs = [(int(addrs[i]), int(sizes[i])) for i, sg in zip(seg_idx, sign)
+                              if sg > 0 and actions[i] == "segment_alloc"]
+            except (OverflowError, TypeError, ValueError):
+                seg_allocs = []
+            try:
+                seg_sizes = np.asarray([sizes[i] for i in seg_idx], dtype=np.int64)
+                ref["recorded_peak_reserved"] = int(
+                    np.cumsum(seg_sizes * np.asarray(sign, dtype=np.int64)).max(initial=0))
+            except (OverflowError, TypeError, ValueError):
+                pass
+    all_kept = len(keep) == n
+
+    def pick(values: Any) -> Any:
+        if all_kept:
+            return values
+        if isinstance(values, np.ndarray):
+            return values[keep]
+        return [values[i] for i in keep.tolist()]
+
+    try:
+        addr = np.asarray(pick(addrs), dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        addr = _object_keys(pick(addrs))
+    size_in = pick(sizes)
+    try:
+        size = np.asarray(size_in, dtype=np.int64)
+        if size.dtype.kind == "f":
+            raise TypeError
+    except (OverflowError, TypeError, ValueError):
+        size = np.asarray([s if isinstance(s, (int, np.integer)) and 0 < s < (1 << 62) else -1
+                           for s in size_in], dtype=np.int64)
+    stream = _int_array(pick(streams), "stream", source).tolist()
+    return TraceArrays(source, codes[keep], addr, size, stream, ignored, ref, seg_allocs)
+
+
+def _object_keys(values: Sequence[Any]) -> np.ndarray:
+    """Addresses that do not fit int64 (or are not ints): dense int ids by equality."""
+    ids: dict[Any, int] = {}
+    return np.asarray([ids.setdefault(v, len(ids)) for v in values], dtype=np.int64)
+
+
+def _from_entries(source: str, entries: Sequence[Any]) -> TraceArrays:
+    if not entries:
+        return _from_columns(source, [], [], [], [])
+    first = entries[0]
+    if isinstance(first, dict):
+        try:
+            actions = [e["action"] for e in entries]
+            addrs = [e.get("addr", 0) for e in entries]
+            sizes = [e.get("size", 0) for e in entries]
+            streams = [e.get("stream", 0) for e in entries]
+        except (KeyError, TypeError, AttributeError):
+            raise TraceError(f"{source}: trace entries must be dicts with 'action', 'addr', "
+                             "'size' and 'stream'") from None
+        return _from_columns(source, actions, addrs, sizes, streams)
+    try:  # (zip(*entries) is quadratic-ish for a million tuples: pick columns one by one)
+        actions = [e[0] for e in entries]
+        addrs = [e[1] for e in entries]
+        sizes = [e[2] for e in entries]
+        streams = [e[3] for e in entries]
+    except (TypeError, IndexError, KeyError):
+        raise TraceError(f"{source}: a trace list must hold (action, addr, size, stream) tuples "
+                         "or trace entry dicts") from None
+    return _from_columns(source, actions, addrs, sizes, streams)
+
+
+def _from_dataframe(source: str, df: Any, device: int | None) -> TraceArrays:
+    missing = [c for c in ("action", "addr", "size", "stream") if c not in df.columns]
+    if missing:
+        raise TraceError(f"{source}: the DataFrame lacks column(s) {', '.join(missing)} "
+                         "(needs action, addr, size, stream)")
+    if device is not None and "device" in df.columns:
+        dev = df["device"]
+        df = df[(dev == device) | dev.isna()]
+
+    def col(name: str) -> np.ndarray:
+        c = df[name]
+        if c.isna().any():
+            c = c.fillna(0)
+        return c.to_numpy()
+
+    return _from_columns(source, df["action"].tolist(), col("addr"), col("size"), col("stream"))
+
+
+def _from_snapshot(source: str, snap: dict, device: int) -> TraceArrays:
+    traces = snap.get("device_traces")
+    if not isinstance(traces, list):
+        raise TraceError(f"{source}: the snapshot has no 'device_traces' list (was history "
+                         "recording on? cudalab.memory.record_history() / "
+                         "torch.cuda.memory._record_memory_history())")
+    if not 0 <= device < len(traces):
+        raise TraceError(f"{source}: no trace for device {device} (the snapshot has "
+                         f"{len(traces)} device trace(s))")
+    entries = traces[device]
+    if not isinstance(entries, list):
+        raise TraceError(f"{source}: device_traces[{device}] is not a list")
+    if not entries:
+        others = [i for i, t in enumerate(traces) if t]
+        if others:
+            raise TraceError(f"{source}: the trace of device {device} is empty; devices with "
+                             f"entries: {', '.join(map(str, others))} (use device=...)")
+    return _from_entries(source, entries)
+
+
+def load_trace(trace: Any, device: int = 0) -> TraceArrays:
+    """Read any accepted trace form into arrays.
+
+    Parameters
+    ----------
+    trace
+        A snapshot dict, a snapshot (or trace) pickle path, a DataFrame (action, addr, size,
+        stream[, device]), a list of (action, addr, size, stream) tuples or of trace entry
+        dicts (see the module documentation), or a :class:`TraceArrays` (returned as is).
+    device : int, optional
+        Which device's trace of a snapshot or DataFrame to read (default 0).
+
+    Returns
+    -------
+    TraceArrays
+        The alloc/free entries; other actions are counted in ``ignored``.
+
+    Raises
+    ------
+    TraceError
+        (a ValueError) The trace cannot be read or has the wrong shape.
+    """
+    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise TraceError(f"device must be a device index (int >= 0), got {device!r}")
+    source = "trace"
+    reference: dict[str, Any] = {}
+    if isinstance(trace, (str, os.PathLike)):
+        source = os.fspath(trace)
+        if os.path.isdir(source):
+            raise TraceError(f"cannot read {source}: it is a directory, not a trace pickle")
+        trace = _load_pickle(source)
+    if isinstance(trace, TraceArrays):
+        return trace
+    if _is_dataframe(trace):
+        return _from_dataframe("DataFrame" if source == "trace" else source, trace, device)
+    if isinstance(trace, dict):
+        if "device_traces" in trace or "segments" in trace:
+            return _from_snapshot(source, trace, device)
+        if "trace" in trace:  # the allocator benchmark's {"name", "trace", "torch_peak_*"}
+            for key in ("torch_peak_reserved", "torch_peak_allocated"):
+                if isinstance(trace.get(key), int):
+                    reference[key] = trace[key]
+            if isinstance(trace.get("name"), str) and source == "trace":
+                source = trace["name"]
+            tr = _from_entries(source, trace["trace"])
+            tr.reference.update(reference)
+            return tr
+        raise TraceError(f"{source}: a dict trace must be a memory snapshot (with "
+                         "'device_traces') or hold a 'trace' list")
+    if isinstance(trace, (list, tuple)):
+        return _from_entries(source, trace)
+    raise TraceError(f"cannot replay a {type(trace).__name__}: give a snapshot dict, a snapshot "
+                     "pickle path, a DataFrame (action, addr, size, stream) or a list of "
+                     "(action, addr, size, stream) tuples")
+
+
+# --------------------------------------------------------------------------- CSV
+def categorical(pd: Any, values: Any, known: tuple[str, ...]) -> Any:
+    """A Categorical with ``known`` categories first, then any unknown values seen."""
+    extra = sorted({v for v in values if v not in known and v is not None})
+    return pd.Categorical(values, categories=list(known) + extra)
+
+
+def read_history_csv(path: Any):
+    """Read a saved history frame back with the dtypes it was saved with.
+
+    Parameters
+    ----------
+    path
+        A file written by ``history_frame().to_csv(path, index=False)`` (anything
+        ``pandas.read_csv`` reads).
+
+    Returns
+    -------
+    pandas.DataFrame
+        The columns of :func:`cudalab.memory_tools.export.history_frame`, with its dtypes.
+    """
+    import pandas as pd
+
+    df = pd.read_csv(path, dtype={"filename": object, "name": object, "cell": object,
+                                  "nvtx_range": object})
+    for col in ("time_us", "device", "stream", "addr", "size", "device_free", "allocated",
+                "reserved"):
+        if col in df:
+            df[col] = df[col].astype(np.int64)
+    if "time_us" in df:
+        df["time"] = pd.Series(df["time_us"].to_numpy().astype("datetime64[us]"), index=df.index)
+    if "action" in df:
+        df["action"] = categorical(pd, df["action"].astype(object).tolist(), ACTIONS)
+    if "line" in df:
+        df["line"] = df["line"].astype("Int64")
+    for col in ("filename", "name", "cell", "nvtx_range"):
+        if col in df:
+            df[col] = df[col].astype(object).where(df[col].notna(), None)
+    return df

@@ -1,0 +1,377 @@
+"""The :class:`Generator` class, the per-device default generators and the state API.
+
+torch's names and semantics: :func:`manual_seed`, :func:`manual_seed_all`, :func:`seed`,
+:func:`seed_all`, :func:`set_rng_state` and :func:`set_rng_state_all` never initialise CUDA:
+before cudalab is initialised they are queued (torch's ``_lazy_call``) and applied at the first
+use of a generator afterwards; with no GPU they are ignored. :func:`get_rng_state` returns 16
+bytes (little-endian uint64 seed, int64 offset). A generator's :attr:`Generator.graph_state`
+(a :class:`~cudalab.random.state.PhiloxState`) implements the CUDA-graph protocol of
+docs/random.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from cudalab import _internal
+from cudalab import devices as _devices
+from cudalab.random.state import (
+    DEFAULT_SEED,
+    PhiloxState,
+    _as_offset,
+    _as_seed,
+    _assert_not_capturing,
+    _lock,
+    _nondeterministic_seed,
+    _parse_state,
+    _state_bytes,
+)
+
+__all__ = [
+    "Generator",
+    "manual_seed",
+    "manual_seed_all",
+    "seed",
+    "seed_all",
+    "initial_seed",
+    "get_rng_state",
+    "get_rng_state_all",
+    "set_rng_state",
+    "set_rng_state_all",
+    "fork_rng",
+    "all_default_generators",
+]
+
+
+class Generator:
+    """A Philox4x32-10 generator on one device (``torch.Generator(device="cuda")``).
+
+    A new generator has torch's fixed default seed 67280421310721 and offset 0; pass it as
+    ``generator=`` to the sampling functions for a stream of numbers independent of the
+    default generator. Creating one does not create a CUDA context.
+    """
+
+    __slots__ = ("_device", "_state", "__weakref__")
+
+    def __init__(self, device: Any = "cuda"):
+        self._device = _internal.device_index(device)
+        self._state = PhiloxState(self._device, DEFAULT_SEED)
+
+    @classmethod
+    def _wrap(cls, device: int, state: PhiloxState) -> Generator:
+        g = object.__new__(cls)
+        g._device = device
+        g._state = state
+        return g
+
+    def __repr__(self) -> str:
+        return f"<cudalab.Generator cuda:{self._device}>"
+
+    @property
+    def device(self) -> _devices.Device:
+        """The generator's device (``Device('cuda:N')``)."""
+        return _devices.Device("cuda", self._device)
+
+    @property
+    def graph_state(self) -> PhiloxState:
+        """The state object (seed, offset, CUDA-graph protocol) this generator uses now."""
+        return self._state
+
+    def manual_seed(self, seed: int) -> Generator:
+        """Seed with ``seed`` (64-bit; negative values wrap) and reset the offset to 0."""
+        s = _as_seed(seed, "Generator.manual_seed()")
+        _assert_not_capturing("Generator.manual_seed()", self._device)
+        with _lock:
+            self._state.seed = s
+            self._state.offset = 0
+        return self
+
+    def seed(self) -> int:
+        """Seed non-deterministically (53 random bits); returns the seed."""
+        s = _nondeterministic_seed()
+        self.manual_seed(s)
+        return s
+
+    def initial_seed(self) -> int:
+        """The seed the generator was last seeded with."""
+        return self._state.seed
+
+    def get_state(self) -> np.ndarray:
+        """16 bytes: little-endian uint64 seed, int64 offset (a new numpy uint8 array)."""
+        _assert_not_capturing("Generator.get_state()", self._device)
+        with _lock:
+            seed, offset = self._state.seed, self._state.offset
+        return _state_bytes(seed, offset)
+
+    def set_state(self, new_state: Any) -> Generator:
+        """Restore a state from :meth:`get_state` (or the 8-byte seed-only form). A bad state
+        raises :class:`RandomStateError` or TypeError and leaves the generator unchanged."""
+        seed, offset = _parse_state(new_state, "Generator.set_state()")
+        self._set(seed, offset)
+        return self
+
+    def _set(self, seed: int, offset: int) -> None:
+        _assert_not_capturing("Generator.set_state()", self._device)
+        with _lock:
+            self._state.seed = seed
+            self._state.offset = offset
+
+    def get_offset(self) -> int:
+        """The Philox offset (per thread; advances by 4 * iterations per kernel)."""
+        _assert_not_capturing("Generator.get_offset()", self._device)
+        return self._state.offset
+
+    def set_offset(self, offset: int) -> Generator:
+        """Set the Philox offset (a multiple of 4)."""
+        o = _as_offset(offset, "Generator.set_offset()")
+        _assert_not_capturing("Generator.set_offset()", self._device)
+        with _lock:
+            self._state.offset = o
+        return self
+
+    def clone_state(self) -> Generator:
+        """A new generator on the same device with a copy of this one's state."""
+        return Generator._wrap(self._device, self._state.clone())
+
+    def graphsafe_get_state(self) -> Generator:
+        """A generator sharing this one's state object (for CUDA graphs, like torch)."""
+        return Generator._wrap(self._device, self._state)
+
+    def graphsafe_set_state(self, other: Generator) -> Generator:
+        """Use ``other``'s state object from now on (shared, not copied)."""
+        if not isinstance(other, Generator):
+            raise TypeError(f"graphsafe_set_state expects a cudalab.Generator, got "
+                            f"{type(other).__name__}")
+        if other._device != self._device:
+            raise ValueError(f"graphsafe_set_state: the state belongs to cuda:{other._device}, "
+                             f"this generator to cuda:{self._device}")
+        self._state = other._state
+        return self
+
+
+# --------------------------------------------------------------------------- defaults
+# The three lists below are guarded by state._lock and mutated in place, never rebound:
+# sampling.py binds them at import for its fast path (benchmarks/rng.py, rand(1000)).
+#: Default generator of each device (None until first used); grows to device_count().
+_defaults: list[Generator | None] = []
+_queued: list[Callable[[], object]] = []          # set_rng_state, seed, seed_all (in order)
+_seed_calls: list[Callable[[], object] | None] = []  # latest manual_seed / manual_seed_all
+
+
+def _default_generator(idx: int) -> Generator:
+    """Device ``idx``'s default generator (CUDA initialised; index valid)."""
+    if _queued or _seed_calls:
+        _run_queued()
+    gens = _defaults
+    if idx < len(gens):
+        g = gens[idx]
+        if g is not None:
+            return g
+    with _lock:
+        n = _devices.device_count()
+        if len(_defaults) < n:
+            _defaults.extend([None] * (n - len(_defaults)))
+        g = _defaults[idx]
+        if g is None:
+            g = Generator._wrap(idx, PhiloxState(idx, _nondeterministic_seed()))
+            _defaults[idx] = g
+    return g
+
+
+def _run_queued() -> None:
+    """Apply the state calls made before CUDA was initialised (torch's ``_lazy_call`` order:
+    queued calls first, then the latest manual_seed / manual_seed_all)."""
+    global _seed_cb, _seed_all_cb
+    if not _devices.is_initialized():
+        return
+    with _lock:
+        calls = list(_queued) + [c for c in _seed_calls if c is not None]
+        _queued.clear()
+        _seed_calls.clear()
+        _seed_cb = _seed_all_cb = None
+    for call in calls:
+        call()
+
+
+def _lazy_call(call: Callable[[], object], kind: str | None = None) -> None:
+    """Run ``call`` now if CUDA is initialised, else queue it (torch's ``_lazy_call``: only
+    the latest manual_seed and manual_seed_all are kept, and they run last)."""
+    global _seed_cb, _seed_all_cb
+    if _devices.is_initialized():
+        if _queued or _seed_calls:
+            _run_queued()
+        call()
+        return
+    with _lock:
+        if kind is None:
+            _queued.append(call)
+            return
+        if kind == "seed":
+            _seed_cb = call
+            order = [_seed_all_cb, _seed_cb]
+        else:
+            _seed_all_cb = call
+            order = [_seed_cb, _seed_all_cb]
+        _seed_calls[:] = order
+
+
+_seed_cb: Callable[[], object] | None = None
+_seed_all_cb: Callable[[], object] | None = None
+
+
+def _pending_device(device: Any) -> int:
+    """The device index a queued call applies to, without initialising CUDA."""
+    if device is None:
+        return _internal.thread_state().device
+    if isinstance(device, bool):
+        raise TypeError(f"expected a device index, got {device!r}")
+    idx: int | None
+    if isinstance(device, int):
+        idx = device
+    elif isinstance(device, (str, _devices.Device)):
+        idx = _devices.Device(device).index
+        if idx is None:
+            return _internal.thread_state().device
+    else:
+        try:
+            idx = operator.index(device)
+        except TypeError:
+            raise TypeError(f"expected a device index, 'cuda', 'cuda:N' or Device, got "
+                            f"{device!r}") from None
+    if idx < 0:
+        raise ValueError(f"device index must be non-negative, got {idx}")
+    return idx
+
+
+def _target_device(device: Any) -> int | None:
+    """Index for a state call: validated now when CUDA is up, else when the call runs.
+    None when there is no GPU at all (the call is then ignored, as in torch)."""
+    if _devices.is_initialized():
+        return _internal.device_index(device)
+    idx = _pending_device(device)
+    n = _devices.device_count()  # no CUDA context: NVML and CUDA_VISIBLE_DEVICES
+    if n == 0:
+        return None
+    if idx >= n:
+        raise ValueError(f"Invalid device index {idx}: cudalab sees {n} CUDA device(s)")
+    return idx
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the current device's default generator (offset 0). Safe without a GPU: ignored."""
+    s = _as_seed(int(seed), "manual_seed()")
+    idx = _target_device(None)
+    if idx is None:
+        return
+    _lazy_call(lambda: _default_generator(idx).manual_seed(s), "seed")
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seed every device's default generator. Safe without a GPU: ignored."""
+    s = _as_seed(int(seed), "manual_seed_all()")
+
+    def call() -> None:
+        for i in range(_devices.device_count()):
+            _default_generator(i).manual_seed(s)
+
+    _lazy_call(call, "seed_all")
+
+
+def seed() -> None:
+    """Seed the current device's default generator non-deterministically."""
+    idx = _target_device(None)
+    if idx is None:
+        return
+    _lazy_call(lambda: _default_generator(idx).seed())
+
+
+def seed_all() -> None:
+    """Seed every device with one non-deterministic seed."""
+
+    def call() -> None:
+        s = None
+        for i in range(_devices.device_count()):
+            g = _default_generator(i)
+            if s is None:
+                s = g.seed()
+            else:
+                g.manual_seed(s)
+
+    _lazy_call(call)
+
+
+def initial_seed() -> int:
+    """The current device's default seed (initialises CUDA, without a context)."""
+    return _default_generator(_devices.current_device()).initial_seed()
+
+
+def get_rng_state(device: Any = None) -> np.ndarray:
+    """The default generator's state of ``device`` (default: current) as 16 uint8 values:
+    little-endian uint64 seed then int64 offset. Initialises CUDA (no context)."""
+    return _default_generator(_internal.device_index(device)).get_state()
+
+
+def get_rng_state_all() -> list[np.ndarray]:
+    """:func:`get_rng_state` of every device."""
+    return [get_rng_state(i) for i in range(_devices.device_count())]
+
+
+def set_rng_state(new_state: Any, device: Any = None) -> None:
+    """Restore the default generator of ``device`` (default: current) from a 16-byte (or 8-byte
+    seed-only) uint8 state. Bad states raise :class:`RandomStateError`/TypeError and change
+    nothing. Before CUDA is initialised the call is queued; without a GPU it is ignored."""
+    seed_, offset = _parse_state(new_state, "set_rng_state()")
+    idx = _target_device(device)
+    if idx is None:
+        return
+    _lazy_call(lambda: _default_generator(idx)._set(seed_, offset))
+
+
+def set_rng_state_all(new_states: Iterable[Any]) -> None:
+    """:func:`set_rng_state` for devices 0, 1, ...; every state is checked before any is set."""
+    parsed = [_parse_state(s, f"set_rng_state_all() state {i}")
+              for i, s in enumerate(new_states)]
+    targets = [_target_device(i) for i in range(len(parsed))]
+    for idx, (seed_, offset) in zip(targets, parsed):
+        if idx is not None:
+            def call(idx: int = idx, s: int = seed_, o: int = offset) -> None:
+                _default_generator(idx)._set(s, o)
+
+            _lazy_call(call)
+
+
+@contextlib.contextmanager
+def fork_rng(devices: Iterable[Any] | None = None, enabled: bool = True) -> Iterator[None]:
+    """Save the default generators' states of ``devices`` (default: all) and restore them on
+    exit, like ``torch.random.fork_rng`` for CUDA (cudalab has no CPU generator to fork)."""
+    if not enabled:
+        yield
+        return
+    if devices is None:
+        idxs = list(range(_devices.device_count()))
+    else:
+        idxs = [_internal.device_index(d) for d in devices]
+    states = [(i, get_rng_state(i)) for i in idxs]
+    try:
+        yield
+    finally:
+        for i, st in states:
+            set_rng_state(st, i)
+
+
+def all_default_generators() -> tuple[Generator, ...]:
+    """Every device's default generator (``torch.cuda.default_generators``); () without a GPU.
+
+    ``cudalab.random.default_generators`` is this tuple (a module attribute computed on
+    access); it initialises CUDA when there is a GPU.
+    """
+    n = _devices.device_count()
+    if n == 0:
+        return ()
+    _devices.init()
+    return tuple(_default_generator(i) for i in range(n))

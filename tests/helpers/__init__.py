@@ -1,0 +1,4 @@
+"""Shared test helpers: imported by test modules as ``tests.helpers.<module>``.
+
+* :mod:`tests.helpers.gpu` — which backend the whole session runs on (``HAS_GPU``).
+"""
