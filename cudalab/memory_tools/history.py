@@ -368,7 +368,7 @@ def _detach(a: Any) -> None:
 
 def _targets() -> list:
     seen = {}
-    for a in list(_registry._active) + list(_extra):
+    for a in list(_registry.active) + list(_extra):
         seen[id(a)] = a
     return list(seen.values())
 

@@ -519,18 +519,18 @@ def async_registry(backend):
 
     gc.collect()
     with A._registry_lock:
-        saved = (list(A._allocators), list(A._active), A._config)
-        A._allocators.clear()
-        A._active.clear()
+        saved = (list(A.allocators), list(A.active), A._config)
+        A.allocators.clear()
+        A.active.clear()
         A._config = parse_alloc_conf(ASYNC)
     try:
         yield A
     finally:
         gc.collect()
         with A._registry_lock:
-            made = list(A._active)
-            A._allocators[:] = saved[0]
-            A._active[:] = saved[1]
+            made = list(A.active)
+            A.allocators[:] = saved[0]
+            A.active[:] = saved[1]
             A._config = saved[2]
         for a in made:
             for p in list(a._live):

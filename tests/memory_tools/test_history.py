@@ -751,9 +751,9 @@ def test_async_backend_refuses_recording(monkeypatch, backend):
 def test_allocators_created_later_are_recorded_on_every_device():
     cudalab.init()
     devs = list(range(min(2, cudalab.device_count())))
-    saved_allocs, saved_active = list(A._allocators), list(A._active)
-    A._allocators[:] = []
-    A._active[:] = []
+    saved_allocs, saved_active = list(A.allocators), list(A.active)
+    A.allocators[:] = []
+    A.active[:] = []
     made = []
     try:
         cudalab.memory._record_memory_history()
@@ -776,8 +776,8 @@ def test_allocators_created_later_are_recorded_on_every_device():
     finally:
         for a in made:
             a.empty_cache()
-        A._allocators[:] = saved_allocs
-        A._active[:] = saved_active
+        A.allocators[:] = saved_allocs
+        A.active[:] = saved_active
 
 
 def test_threads_record_into_the_device_ring(priv):
