@@ -355,7 +355,7 @@ def _history_traces(r, monkeypatch, level=None):
     from cudalab import nvtx
     from cudalab.memory_tools import history as h
 
-    monkeypatch.setattr(nvtx, "_used", False)
+    monkeypatch.setattr(nvtx, "ranges_used", False)
     logs: list[list] = [[], []]
     recs = [h._Recorder(0), h._Recorder(0)]
     for a, log, rec in zip(r.allocs, logs, recs):
@@ -482,14 +482,16 @@ def test_trace_actions_and_the_hook_protocol(backend):
         aa.close()
 
 
-def test_history_hook_has_the_compact_protocol(backend):
+def test_history_hook_has_the_compact_protocol(backend, monkeypatch):
     """The history recorder's hook provides every member of hooks.CompactTrace, so the
     allocator logs memo pairs as stamps (the two cannot drift apart unnoticed)."""
     import cudalab.memory
+    from cudalab import nvtx
     from cudalab.allocator.hooks import CompactTrace
     from cudalab.allocator.registry import native_allocator
     from cudalab.memory_tools import history
 
+    monkeypatch.setattr(nvtx, "ranges_used", False)  # as if no test had pushed a range
     a = native_allocator(backend, 0, parse_alloc_conf(""), stream_resolver=lambda: 0)
     cudalab.memory._record_memory_history("all", stacks="python")
     try:
