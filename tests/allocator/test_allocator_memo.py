@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import parse_alloc_conf
+from cudalab.allocator.hooks import attach_trace
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -327,7 +328,7 @@ def test_memo_records_the_same_history(monkeypatch, ops):
     r = _Runner(_pair(monkeypatch))
     logs: list[list] = [[], []]
     for a, log in zip(r.allocs, logs):
-        a._trace = lambda *entry, log=log: log.append(entry)
+        attach_trace(a, lambda *entry, log=log: log.append(entry))
     _run_history_ops(r, ops)
     assert logs[0] == logs[1]
     r.compare()
@@ -359,7 +360,7 @@ def _history_traces(r, monkeypatch, level=None):
     logs: list[list] = [[], []]
     recs = [h._Recorder(0), h._Recorder(0)]
     for a, log, rec in zip(r.allocs, logs, recs):
-        a._trace = h._make_trace(rec, h._NEVER if level is None else level, log.append)
+        attach_trace(a, h._make_trace(rec, h._NEVER if level is None else level, log.append))
     return logs, recs
 
 
@@ -451,7 +452,7 @@ def test_trace_actions_and_the_hook_protocol(backend):
     import typing
 
     from cudalab.allocator.async_allocator import AsyncPoolAllocator
-    from cudalab.allocator.hooks import TRACE_ACTIONS, TraceAction, attach_trace, detach_trace
+    from cudalab.allocator.hooks import TRACE_ACTIONS, TraceAction, detach_trace
     from cudalab.allocator.registry import native_allocator
 
     assert typing.get_args(TraceAction) == TRACE_ACTIONS
