@@ -66,7 +66,7 @@ def allocator_of(device: int) -> Any:
     """The device's allocator (created on first use), without the public API's checks."""
     from cudalab.allocator import registry as al
 
-    lst = al._allocators
+    lst = al.allocators
     a = lst[device] if device < len(lst) else None
     return a if a is not None else al.get_allocator(device)
 

@@ -224,15 +224,16 @@ def clock_event_reasons(device: int) -> int | None:
     ----------
     device : int
         A CUDA device index.
+
+    Returns
+    -------
+    int or None
+        The mask from the seam's :meth:`cudalab._driver.base.Nvml.clock_event_reasons`.
     """
     from cudalab import _driver
 
     try:
-        n: Any = _driver.get_backend().nvml()  # the seam's RealNvml on a real GPU
-        if getattr(n, "simulated", True) or not hasattr(n, "_call"):
-            return None
-        uuid = _devices.get_device_properties(device).uuid
-        return int(n._call("clock event reasons", "nvmlDeviceGetCurrentClocksEventReasons",
-                           n._handle(uuid)))
+        n = _driver.get_backend().nvml()
+        return n.clock_event_reasons(_devices.get_device_properties(device).uuid)
     except Exception:
         return None

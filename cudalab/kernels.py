@@ -18,6 +18,9 @@ This is the public face of the kernel facility, which lives in :mod:`cudalab._ke
   :func:`set_launch_blocking` synchronises the stream after every launch.
 * Code that wants to hear about every launch appends to
   :data:`cudalab._internal.launch_observers`.
+
+:func:`gpu_sleep` (``gpu_sleep(ns, stream=None)``) occupies a stream for a known time, like
+torch's ``torch.cuda._sleep``: for demos and timing experiments.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from cudalab._kernels.kernel import (
     registered_kernels,
     set_launch_blocking,
 )
+from cudalab._kernels.spin import gpu_sleep
 
 __all__ = [
     "Kernel",
@@ -45,6 +49,7 @@ __all__ = [
     "cache_key",
     "get_cubin",
     "KernelCacheWarning",
+    "gpu_sleep",
 ]
 
 

@@ -30,14 +30,14 @@ from cudalab.allocator.pluggable import (
     change_current_allocator,
     current_allocator,
 )
+from cudalab.allocator.registry import active as _active  # never rebound: bind once (hot)
 from cudalab.allocator.registry import (
-    _active,
-    _allocators,
     allocator_config,
     existing_allocator,
     find_owner,
     get_allocator,
 )
+from cudalab.allocator.registry import allocators as _allocators  # (likewise)
 from cudalab.allocator.scope import PeakScope, peak_scope
 from cudalab.allocator.stats import STAT_KEYS, nested_from_flat, render_memory_summary, zero_stats
 from cudalab.allocator.uncached import UncachedAllocator

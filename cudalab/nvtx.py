@@ -10,8 +10,10 @@ Return values follow torch's documentation, computed from cudalab's own per-thre
 :func:`range_push` returns the zero-based depth of the range it starts, :func:`range_pop`
 the zero-based depth of the range it ends, or -1 (NVTX's error value) when no range is open.
 
-:func:`current_ranges` exposes this thread's open push ranges (outermost first), which the
-allocator reads to tag its history entries.
+:func:`current_ranges` exposes this thread's open push ranges (outermost first). The
+allocator history (:mod:`cudalab.memory_tools.history`) tags each entry with the innermost
+one on its hot path, so two module attributes are documented for it (not torch API, not
+in ``__all__``): :data:`thread_ranges` and :data:`ranges_used`.
 """
 
 from __future__ import annotations
@@ -45,8 +47,12 @@ _resolve_lock = threading.Lock()
 _range_ids = itertools.count(1)
 _open_ranges: dict[int, Any] = {}  # range_start id -> nvtx range id
 
-# This thread's open push ranges live in _tls.messages (created on the thread's first push).
-_tls = threading.local()
+#: Per-thread state: ``thread_ranges.messages`` is this thread's list of open push ranges,
+#: outermost first, created on the thread's first :func:`range_push` (absent before).
+#: For the allocator history's hot path: read it as ``thread_ranges.__dict__.get("messages")``
+#: (no exception when absent) and never write it; only this module pushes and pops.
+#: Invariant: the object is never rebound, so a reader may bind it once at import.
+thread_ranges = threading.local()
 
 
 def _resolve() -> Any:
@@ -106,9 +112,11 @@ def _check(msg: Any) -> None:
 # The hot paths below test `_domain is not None` first: with no profiler attached (the usual
 # case) that single test is all the NVTX work they do.
 
-#: Set once any range is pushed: lets the allocator history skip the per-thread range
-#: lookup entirely in processes that never use NVTX.
-_used = False
+#: False until the first :func:`range_push` of the process, then True for good: lets the
+#: allocator history skip the per-thread range lookup entirely in processes that never use
+#: NVTX. A module-level bool that is rebound (once), so readers test ``nvtx.ranges_used``
+#: (one attribute load on the module) each time and never bind its value.
+ranges_used = False
 
 
 def range_push(msg: str) -> int:
@@ -116,12 +124,12 @@ def range_push(msg: str) -> int:
 
     Returns the zero-based depth of the range that is started.
     """
-    global _used
-    if not _used:
+    global ranges_used
+    if not ranges_used:
         hist = sys.modules.get("cudalab.memory_tools.history")
         if hist is not None:
             hist.nvtx_first_push()  # before the flag: what was logged without a range
-        _used = True
+        ranges_used = True
     domain = _domain
     if domain is not None:
         if domain is _UNSET:
@@ -133,9 +141,9 @@ def range_push(msg: str) -> int:
     elif msg.__class__ is not str:
         _check(msg)
     try:
-        stack = _tls.messages
+        stack = thread_ranges.messages
     except AttributeError:
-        stack = _tls.messages = []
+        stack = thread_ranges.messages = []
     stack.append(msg)
     return len(stack) - 1
 
@@ -147,7 +155,7 @@ def range_pop() -> int:
     (NVTX is then not called).
     """
     try:
-        stack = _tls.messages
+        stack = thread_ranges.messages
     except AttributeError:
         return -1
     if not stack:
@@ -195,12 +203,12 @@ def mark(msg: str) -> None:
 
 def current_ranges() -> tuple[str, ...]:
     """This thread's open :func:`range_push` ranges, outermost first."""
-    return tuple(getattr(_tls, "messages", ()))
+    return tuple(getattr(thread_ranges, "messages", ()))
 
 
 def current_range() -> str | None:
     """This thread's innermost open :func:`range_push` range, or None."""
-    stack = getattr(_tls, "messages", None)
+    stack = getattr(thread_ranges, "messages", None)
     return stack[-1] if stack else None
 
 

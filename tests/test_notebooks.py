@@ -1,11 +1,21 @@
-"""Every notebook in notebooks/ runs top to bottom (on the simulator in CI).
+"""Every notebook in notebooks/ runs top to bottom (on the simulator in CI), and uses only
+cudalab's public API.
 
 Each notebook runs in a fresh interpreter inside an IPython InteractiveShell, cell by cell,
 so magics work and a failing cell fails the test with its traceback.
+
+The notebooks are what a user copies from, so an AST scan of their code cells (names bound
+in one cell count in the later ones) fails on any ``_``-prefixed cudalab module or name:
+``import cudalab._x``, ``from cudalab._x import y``, ``from cudalab.x import _y``, and
+``X._y`` where ``X`` names something imported from cudalab (``cudalab.devices._backend()``).
+The only exceptions are the names torch itself spells with an underscore and cudalab.memory
+mirrors (:data:`TORCH_SPELLED`).
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import pathlib
 import subprocess
@@ -39,3 +49,142 @@ def test_notebook_runs(path):
                        env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "notebook ok" in r.stdout
+
+
+#: cudalab.memory's names in torch's own underscore spelling (torch.cuda.memory's documented
+#: ``_record_memory_history``, ``_snapshot``, ``_dump_snapshot``): public API here too.
+TORCH_SPELLED = frozenset({"_record_memory_history", "_snapshot", "_dump_snapshot"})
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _python_of(cell: str) -> list[str]:
+    """The Python of a code cell, as snippets to scan in order: the cell as IPython runs it
+    (magics turned into ``get_ipython().run_*_magic(name, line[, body])`` calls), each cell
+    magic's body (the magics used here run it as Python), and the Python statement that
+    ends a magic's argument line (``%cuda_timed -n 2 gpu_sleep(5)``: its longest tail that
+    parses)."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    out = [TransformerManager().transform_cell(cell)]
+    for node in ast.walk(ast.parse(out[0])):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("run_line_magic", "run_cell_magic")):
+            continue
+        args = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        if len(args) >= 2 and isinstance(args[1], str):
+            words = args[1].split()
+            for k in range(len(words)):
+                tail = " ".join(words[k:])
+                try:
+                    ast.parse(tail)
+                except SyntaxError:
+                    continue
+                out.append(tail)
+                break
+        if node.func.attr == "run_cell_magic" and len(args) == 3:
+            out.extend(_python_of(args[2]))
+    return out
+
+
+def private_uses(cells: list[str], name: str = "<notebook>") -> list[str]:
+    """Every use of a private cudalab module or name in ``cells`` (one notebook's code cells,
+    in order), as ``"name cell N line L: what"`` strings.
+
+    Raises
+    ------
+    SyntaxError
+        A cell is not Python as IPython runs it (the scan must see every cell).
+    """
+    out: list[str] = []
+    bound: set[str] = set()  # names bound to cudalab modules or objects imported from cudalab
+    trees = [(i, ast.parse(src, f"{name} cell {i}"))
+             for i, cell in enumerate(cells) for src in _python_of(cell)]
+    for i, tree in trees:
+
+        def bad(node: ast.AST, what: str, i: int = i) -> None:
+            out.append(f"{name} cell {i} line {getattr(node, 'lineno', '?')}: {what}")
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] != "cudalab":
+                        continue
+                    if any(_private(p) for p in parts):
+                        bad(node, f"imports {alias.name}")
+                    bound.add(alias.asname or parts[0])
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if parts[0] != "cudalab":
+                    continue
+                if any(_private(p) for p in parts):
+                    bad(node, f"imports from {node.module}")
+                for alias in node.names:
+                    if _private(alias.name) and alias.name not in TORCH_SPELLED:
+                        bad(node, f"imports {node.module}.{alias.name}")
+                    bound.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            chain = [node.attr]
+            root: ast.AST = node.value
+            while isinstance(root, ast.Attribute):
+                chain.append(root.attr)
+                root = root.value
+            if isinstance(root, ast.Call):  # cudalab.f()._x: the object a cudalab call made
+                inner = root.func
+                while isinstance(inner, ast.Attribute):
+                    inner = inner.value
+                root = inner
+            if not (isinstance(root, ast.Name) and root.id in bound):
+                continue
+            if _private(node.attr) and node.attr not in TORCH_SPELLED:
+                bad(node, f"reads {root.id}...{node.attr}")
+    return out
+
+
+def _code_cells(path: pathlib.Path) -> list[str]:
+    nb = json.loads(path.read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_uses_only_public_api(path):
+    assert private_uses(_code_cells(path), path.name) == []
+
+
+def test_the_notebooks_are_found():
+    assert len(NOTEBOOKS) >= 4
+
+
+@pytest.mark.parametrize("cells", [
+    ["import cudalab\nprint(cudalab.devices._backend().name)"],
+    ["import cudalab\n", "x = cudalab.devices._tls"],
+    ["from cudalab._kernels.spin import gpu_sleep"],
+    ["import cudalab._internal"],
+    ["from cudalab import _internal"],
+    ["from cudalab.memory import _LAZY"],
+    ["import cudalab.memory as cm\n", "cm._LAZY"],
+    ["from cudalab import memory\nmemory._reader(0)"],
+    ["import cudalab\ncudalab.get_device_properties(0)._info"],
+    ["%load_ext cudalab\nimport cudalab", "%%cuda_timed -n 1\ncudalab.devices._backend()"],
+    ["import cudalab", "%%cuda_timed -n 1 x = cudalab._driver\npass"],
+    ["import cudalab", "r = %cuda_timed -o -q -n 2 cudalab.devices._tls"],
+])
+def test_the_scan_catches_planted_private_uses(cells):
+    assert len(private_uses(cells)) == 1
+
+
+@pytest.mark.parametrize("cells", [
+    ["import cudalab\nprint(cudalab.get_device_properties(0).simulated)"],
+    ["from cudalab.kernels import gpu_sleep\ngpu_sleep(1000)"],
+    ["import cudalab.memory as cm\nsnap = cm._snapshot()"],
+    ["import cudalab\ncudalab.memory._record_memory_history(context=None)"],
+    ["import numpy as np\nnp.random._bit_generator"],  # not cudalab's
+    ["import cudalab\nx = cudalab.zeros((4,))\nx.__cuda_array_interface__"],
+])
+def test_the_scan_allows_public_api(cells):
+    assert private_uses(cells) == []

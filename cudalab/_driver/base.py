@@ -500,6 +500,13 @@ class Nvml(abc.ABC):
     def processes(self, uuid: str) -> list[tuple[int, int | None]]:
         """Compute processes as (pid, used bytes or None when NVML cannot tell)."""
 
+    @abc.abstractmethod
+    def clock_event_reasons(self, uuid: str) -> int | None:
+        """NVML's clocks-event-reasons bit mask (``nvmlDeviceGetCurrentClocksEventReasons``:
+        what limits the device's clocks now, e.g. 0x4 SW power cap, 0x40 HW thermal
+        slowdown), or None where there is no such mask to read (the simulator has no clock
+        limits; a ``pynvml`` without the call)."""
+
 
 #: Signature of a simulator kernel: impl(sim_backend, grid, block, shared_mem, *arg_values).
 SimKernel = Callable[..., None]

@@ -200,6 +200,13 @@ class RealNvml(Nvml):
             out.append((int(proc.pid), used))
         return out
 
+    def clock_event_reasons(self, uuid: str) -> int | None:
+        lib = self._lib()
+        if not hasattr(lib, "nvmlDeviceGetCurrentClocksEventReasons"):  # older nvidia-ml-py
+            return None
+        return int(self._call("clock event reasons (nvmlDeviceGetCurrentClocksEventReasons)",
+                              "nvmlDeviceGetCurrentClocksEventReasons", self._handle(uuid)))
+
 
 def _copy_error(err: NvmlError) -> NvmlError:
     if isinstance(err, NvmlUnavailableError):

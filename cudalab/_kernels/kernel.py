@@ -498,6 +498,8 @@ class Kernel:
             raise ValueError(f"shared_mem must be a non-negative int, got {shared_mem!r}")
         values = args if self._args_ok(args) else self._convert_args(args)
 
+        # cudalab.random.launch._launch is a near-copy of the steps below, kept for the RNG's
+        # launch cost (benchmarks/rng.py); tests/random/test_launch_copy.py pins the two.
         backend = stream._b
         states = getattr(self._tls, "state", None)
         state = None if states is None else states.get(device)

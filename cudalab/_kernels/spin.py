@@ -78,7 +78,24 @@ spin_stamped = Kernel("cudalab_spin_stamped", STAMPED_SOURCE, ("u8", "p", "u8"),
 
 
 def gpu_sleep(ns: int, stream=None) -> None:
-    """Occupy ``stream`` (default: the current stream) for ``ns`` nanoseconds of GPU time."""
+    """Occupy ``stream`` for ``ns`` nanoseconds of GPU time (public as
+    :func:`cudalab.kernels.gpu_sleep`; torch's nearest is ``torch.cuda._sleep(cycles)``).
+
+    One thread busy-waits on ``%globaltimer``, so the duration is wall time, not clock
+    cycles; on the simulator the stream's worker sleeps for that long.
+
+    Parameters
+    ----------
+    ns
+        How long, in nanoseconds (a non-negative int).
+    stream
+        A :class:`cudalab.Stream` (default: the current stream).
+
+    Raises
+    ------
+    ValueError
+        ``ns`` is not a non-negative int.
+    """
     if isinstance(ns, bool) or not isinstance(ns, int) or ns < 0:
         raise ValueError(f"ns must be a non-negative int, got {ns!r}")
     spin.launch(1, 1, (ns,), stream=stream)

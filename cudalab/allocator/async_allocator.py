@@ -49,15 +49,18 @@ from cudalab.allocator.policy import MAX_ALLOCATION_SIZE, check_size
 from cudalab.allocator.stats import STAT_KEYS, Counters, format_size
 from cudalab.errors import CudaError, OutOfMemoryError
 
-__all__ = ["AsyncPoolAllocator", "AsyncPoolStats", "SNAPSHOT_UNSUPPORTED"]
+__all__ = ["AsyncPoolAllocator", "AsyncPoolStats", "HISTORY_UNSUPPORTED", "SNAPSHOT_UNSUPPORTED"]
 
-#: The RuntimeError text for snapshots and history recording under this backend.
+#: The RuntimeError text for snapshots under this backend.
 SNAPSHOT_UNSUPPORTED = (
     "memory snapshots are not supported with the cudaMallocAsync backend: it does not track "
     "individual blocks (torch: \"Calling snapshot with backend:cudaMallocAsync is not "
     "meaningful\"); use backend:native for memory_snapshot() and history recording"
 )
-_HISTORY_UNSUPPORTED = (
+#: The error message of history recording under this backend; also raised by
+#: :mod:`cudalab.memory_tools.history` when recording starts before any allocator exists,
+#: so the two cannot drift.
+HISTORY_UNSUPPORTED = (
     "recording the allocation history is not supported with the cudaMallocAsync backend "
     "(torch: \"cudaMallocAsync does not yet support recordHistory\"); use backend:native"
 )
@@ -350,7 +353,7 @@ class AsyncPoolAllocator(Allocator):
     @_trace.setter
     def _trace(self, value: Any) -> None:
         if value is not None:
-            raise RuntimeError(_HISTORY_UNSUPPORTED)
+            raise RuntimeError(HISTORY_UNSUPPORTED)
 
     def pool_usage(self) -> tuple[int, int, int, int]:
         """(reserved, reserved high, used, used high) bytes of this allocator's pool."""

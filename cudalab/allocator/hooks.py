@@ -16,7 +16,7 @@ How a listener attaches
 * To allocators created later: append a callable to the registry's create hooks
   (:func:`cudalab.allocator.registry.add_create_hook`); it is called with each new
   allocator before the allocator is published, and it must not raise.
-* The allocators that exist are ``cudalab.allocator.registry._active`` (one per device
+* The allocators that exist are ``cudalab.allocator.registry.active`` (one per device
   used), plus private ones the listener was handed.
 
 Every allocator keeps the attribute ``_trace: AllocatorTrace | None``; None (the default)

@@ -124,7 +124,7 @@ def change_current_allocator(allocator: PluggableAllocator | None) -> None:
 
 def current_allocator() -> PluggableAllocator | None:
     """The allocator set by :func:`change_current_allocator` (None: the settings decide)."""
-    spec = _registry._custom
+    spec = _registry.custom_factory()
     return spec if isinstance(spec, PluggableAllocator) else None
 
 

@@ -4,13 +4,18 @@ one another's subclasses).
 
 Fields (guarded by ``_registry_lock`` for writes; read without it on the hot getters):
 
-* ``_allocators[device]``: the device's allocator or None (never replaced once set, until
-  ``_reset_for_tests``);
-* ``_active``: the allocators that exist, in creation order (for pointer lookups and the
-  history recorder);
+* :data:`allocators` ``[device]``: the device's allocator or None -- public for the readers
+  above the allocator (the ``cudalab.memory`` getters, the tooling, ``cudalab._array_memory``);
+* :data:`active`: the allocators that exist, in creation order (for pointer lookups and the
+  history recorder) -- public for the same readers;
 * ``_custom``: the :class:`~cudalab.allocator.pluggable.PluggableAllocator` installed by
-  ``change_current_allocator``, or None; it can only change while ``_active`` is empty;
+  ``change_current_allocator``, or None (read it with :func:`custom_factory`); it can only
+  change while :data:`active` is empty;
 * ``_on_create``: create hooks (see :func:`add_create_hook`).
+
+Both lists are module-level objects that are never rebound (only appended to, assigned by
+index, or cleared by ``_reset_for_tests``), so a reader may bind them once at import
+(``from cudalab.allocator.registry import allocators``) and index them without the lock.
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ __all__ = [
     "DeviceAllocatorFactory",
     "add_create_hook",
     "allocator_config",
+    "active",
+    "allocators",
     "create_allocator",
+    "custom_factory",
     "existing_allocator",
     "find_owner",
     "get_allocator",
@@ -129,16 +137,24 @@ class DeviceAllocatorFactory(Protocol):
                          stream_resolver: Callable[[], int] | None = None) -> Allocator: ...
 
 
-#: Guards the writes below (get_allocator reads _allocators without it).
+#: Guards the writes below (get_allocator reads ``allocators`` without it).
 _registry_lock = threading.Lock()
-#: _allocators[device]: the device's allocator, None until first use; set once.
-_allocators: list[Allocator | None] = []
-#: Allocators that exist, for pointer lookups (few: one per device used).
-_active: list[Allocator] = []
+#: ``allocators[device]``: the device's allocator, None where none was created yet.
+#: Invariants, so that hot readers may use it without the lock: the list object is never
+#: rebound (bind it once at import); it only grows (``extend`` with None) or has a None slot
+#: assigned, under ``_registry_lock``; a slot, once set, is never replaced (until
+#: ``_reset_for_tests``, which clears the list in place). Read-only for everyone but this module.
+allocators: list[Allocator | None] = []
+#: The allocators that exist, in creation order (one per device used, so few): for pointer
+#: lookups, ``empty_cache`` and the tooling. Same invariants as :data:`allocators`: never
+#: rebound, only appended to under ``_registry_lock`` (in the same step that fills the
+#: device's :data:`allocators` slot, so the two cannot drift). Iterate a ``list()`` copy
+#: where the loop may allocate.
+active: list[Allocator] = []
 #: The settings, parsed once (allocator_config); None until then.
 _config: AllocatorConfig | None = None
 #: The allocator of change_current_allocator (None: the settings decide); changes only
-#: while _active is empty.
+#: while ``active`` is empty. Read it with custom_factory().
 _custom: DeviceAllocatorFactory | None = None
 #: Called with each allocator get_allocator() creates, before it is published (the history
 #: recorder attaches itself here, see cudalab.allocator.hooks); a hook must not raise.
@@ -171,6 +187,12 @@ def remove_create_hook(hook: Callable[[Allocator], None]) -> None:
         _on_create.remove(hook)
 
 
+def custom_factory() -> DeviceAllocatorFactory | None:
+    """The allocator installed by :func:`set_custom_allocator` for every device, or None
+    (the settings decide)."""
+    return _custom
+
+
 def set_custom_allocator(spec: DeviceAllocatorFactory | None) -> None:
     """Install ``spec`` (a PluggableAllocator, or None) as the allocator of every device.
 
@@ -181,7 +203,7 @@ def set_custom_allocator(spec: DeviceAllocatorFactory | None) -> None:
     """
     global _custom
     with _registry_lock:
-        if _active:
+        if active:
             raise RuntimeError("Can't swap an already initialized allocator")
         _custom = spec
 
@@ -226,23 +248,23 @@ def get_allocator(device: int) -> Allocator:
     ValueError, NotImplementedError
         The settings cannot be honoured (nothing is published then).
     """
-    allocs = _allocators
+    allocs = allocators
     if device < len(allocs):
         a = allocs[device]
         if a is not None:
             return a
     with _registry_lock:
-        if device >= len(_allocators):
-            _allocators.extend([None] * (device + 1 - len(_allocators)))
-        a = _allocators[device]
+        if device >= len(allocators):
+            allocators.extend([None] * (device + 1 - len(allocators)))
+        a = allocators[device]
         if a is None:
             from cudalab import devices
 
             a = create_allocator(devices._backend(), device, allocator_config())
             for hook in _on_create:
                 hook(a)
-            _allocators[device] = a
-            _active.append(a)
+            allocators[device] = a
+            active.append(a)
         return a
 
 
@@ -254,7 +276,7 @@ def existing_allocator(device: int) -> Allocator | None:
     device
         A device index (>= 0).
     """
-    allocs = _allocators
+    allocs = allocators
     return allocs[device] if device < len(allocs) else None
 
 
@@ -266,7 +288,7 @@ def find_owner(ptr: int) -> Allocator | None:
     ptr
         A device pointer (int).
     """
-    for a in _active:
+    for a in active:
         if a.owns(ptr):
             return a
     return None
@@ -276,6 +298,6 @@ def _reset_for_tests() -> None:
     """Forget every allocator and the parsed settings (tests only)."""
     global _config
     with _registry_lock:
-        _allocators.clear()
-        _active.clear()
+        allocators.clear()
+        active.clear()
         _config = None

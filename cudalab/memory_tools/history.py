@@ -68,9 +68,10 @@ from typing import Any, Literal, NamedTuple
 from cudalab import nvtx as _nvtx
 from cudalab.allocator import hooks as _hooks
 from cudalab.allocator import registry as _registry
+from cudalab.allocator.async_allocator import HISTORY_UNSUPPORTED
 from cudalab.allocator.hooks import CompactTrace
 from cudalab.memory_tools import stacks as _stacks
-from cudalab.nvtx import _tls as _nvtx_tls
+from cudalab.nvtx import thread_ranges as _nvtx_ranges  # never rebound: bound once (hot)
 
 __all__ = [
     "ACTIONS",
@@ -164,26 +165,15 @@ _extra: weakref.WeakSet = weakref.WeakSet()  # allocators attached by attach_all
 _hooked = False
 
 
-class _NvtxAlwaysUsed:
-    _used = True
-
-
-def _nvtx_flag() -> Any:
-    """An object whose ``_used`` says whether any NVTX range was ever pushed: the
-    ``cudalab.nvtx`` module when it keeps that flag (then a process that never uses NVTX
-    skips the thread-local lookup of the open range), else a stand-in that always says yes."""
-    return _nvtx if hasattr(_nvtx, "_used") else _NvtxAlwaysUsed
-
-
 def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> CompactTrace:
     """The allocator hook ``trace(action, addr, size, stream)`` for one recorder."""
     now = time.time_ns
-    nvtls = _nvtx_tls
-    nv = _nvtx_flag()
+    nvtls = _nvtx_ranges
+    nv = _nvtx  # nv.ranges_used: one attribute load per entry (the flag is rebound once)
 
     if level == _NEVER:
         def trace_times(action: str, addr: int, size: int, stream: int) -> None:
-            m = nvtls.__dict__.get("messages") if nv._used else None
+            m = nvtls.__dict__.get("messages") if nv.ranges_used else None
             append((action, addr, size, stream, now(), None, m[-1] if m else None, _cell))
 
         def pairs(addr: int, size: int, stream: int, times: Any) -> None:
@@ -267,7 +257,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
             ef = fr if on_alloc else None
         else:
             ef = None
-        m = nvtls.__dict__.get("messages") if nv._used else None
+        m = nvtls.__dict__.get("messages") if nv.ranges_used else None
         append((action, addr, size, stream, now(), ef, m[-1] if m else None, _cell))
 
     # Memo pairs are logged compactly too (see _compact): their stamps are (time, stack)
@@ -315,7 +305,7 @@ def _compact(trace: Any, pairs: Callable, now: Callable, free_now: Callable,
     add a call level there (benchmarks/history.py, history added cost rows).
     ``tests/memory_tools/test_history.py`` checks it against the protocol's fields."""
     trace.compact = pairs
-    trace.compact_ok = lambda: not nv._used
+    trace.compact_ok = lambda: not nv.ranges_used
     trace.now = now
     trace.free_now = free_now
     trace.capacity = None  # the ring's (max_entries, set by _attach): older stamps go
@@ -368,7 +358,7 @@ def _detach(a: Any) -> None:
 
 def _targets() -> list:
     seen = {}
-    for a in list(_registry._active) + list(_extra):
+    for a in list(_registry.active) + list(_extra):
         seen[id(a)] = a
     return list(seen.values())
 
@@ -401,9 +391,7 @@ def _install_hook() -> None:
 
 def _check_backend() -> None:
     if _registry.allocator_config().backend == "cudaMallocAsync":
-        from cudalab.allocator.async_allocator import _HISTORY_UNSUPPORTED
-
-        raise RuntimeError(_HISTORY_UNSUPPORTED)
+        raise RuntimeError(HISTORY_UNSUPPORTED)
 
 
 def _apply(st: _Settings, clear: bool) -> None:
@@ -653,7 +641,7 @@ def _record_snapshot(device: int, total_active: int) -> None:
     st = _settings
     if st is None or "snapshot" in st.skip:
         return
-    m = _nvtx_tls.__dict__.get("messages") if _nvtx_flag()._used else None
+    m = _nvtx_ranges.__dict__.get("messages") if _nvtx.ranges_used else None
     _ring(device, st.max_entries).append(
         ("snapshot", 0, total_active, 0, time.time_ns(), None, m[-1] if m else None, _cell))
 

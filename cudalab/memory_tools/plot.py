@@ -190,7 +190,7 @@ def _live_ends() -> dict[int, tuple[int, int]]:
     from cudalab.allocator import registry
 
     out = {}
-    for a in list(registry._active):
+    for a in list(registry.active):
         st = a.memory_stats()
         out[a.device] = (st.get("requested_bytes.all.current", 0),
                          st.get("reserved_bytes.all.current", 0))
@@ -370,7 +370,7 @@ def _live_segments() -> list[dict]:
     from cudalab.allocator import registry
 
     out: list[dict] = []
-    for a in sorted(registry._active, key=lambda a: a.device):
+    for a in sorted(registry.active, key=lambda a: a.device):
         out.extend(a.segments())
     return out
 

@@ -60,7 +60,7 @@ def allocator_settings(config: AllocatorConfig | None = None) -> dict:
 
 
 def _registry_allocators() -> list:
-    return sorted(_registry._active, key=lambda a: a.device)
+    return sorted(_registry.active, key=lambda a: a.device)
 
 
 def _segments_of(allocators: list, cache: dict) -> tuple[list[dict], dict[int, int]]:

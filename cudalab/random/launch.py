@@ -112,6 +112,11 @@ def _plan(dev: int, n: int, itemsize: int, unroll: int) -> tuple:
     return plan
 
 
+# Near-copy of the tail of cudalab._kernels.kernel.Kernel.launch (its per-thread function
+# and argument-pack cache, context switch, launch, CUDA_LAUNCH_BLOCKING synchronise and launch
+# observers), kept for speed: the launch-overhead rows "cudalab rand(1000)" and
+# "cudalab uniform_(1000)" of benchmarks/rng.py. tests/random/test_launch_copy.py pins the two
+# together (same calls in the same order, same closed-stream error): change both or neither.
 def _launch(kernel: Any, device: int, stream: _streams.Stream, grid: tuple, block: tuple,
             args: tuple) -> None:
     """Launch with a per-thread cached function handle and argument pack (the values are

@@ -21,6 +21,7 @@ import pytest
 
 from cudalab.allocator.async_allocator import AsyncPoolAllocator
 from cudalab.allocator.config import parse_alloc_conf
+from cudalab.allocator.hooks import attach_trace, detach_trace
 from cudalab.allocator.registry import create_allocator
 from cudalab.allocator.stats import STAT_KEYS
 from cudalab.errors import OutOfMemoryError
@@ -410,8 +411,8 @@ def test_snapshot_and_history_are_unsupported(make):
     with pytest.raises(RuntimeError, match="not supported with the cudaMallocAsync backend"):
         a.segments()
     with pytest.raises(RuntimeError, match="history"):
-        a._trace = lambda *args: None
-    a._trace = None
+        attach_trace(a, lambda *args: None)
+    detach_trace(a)
     assert a._trace is None
 
 
@@ -519,18 +520,18 @@ def async_registry(backend):
 
     gc.collect()
     with A._registry_lock:
-        saved = (list(A._allocators), list(A._active), A._config)
-        A._allocators.clear()
-        A._active.clear()
+        saved = (list(A.allocators), list(A.active), A._config)
+        A.allocators.clear()
+        A.active.clear()
         A._config = parse_alloc_conf(ASYNC)
     try:
         yield A
     finally:
         gc.collect()
         with A._registry_lock:
-            made = list(A._active)
-            A._allocators[:] = saved[0]
-            A._active[:] = saved[1]
+            made = list(A.active)
+            A.allocators[:] = saved[0]
+            A.active[:] = saved[1]
             A._config = saved[2]
         for a in made:
             for p in list(a._live):

@@ -155,7 +155,7 @@ def test_bad_environment_fails_at_first_allocator_creation_and_keeps_state(monke
     variable lets the next attempt succeed (nothing half-built is left behind)."""
     from cudalab.allocator import registry as A
 
-    saved = (list(A._allocators), list(A._active), A._config)
+    saved = (list(A.allocators), list(A.active), A._config)
     try:
         A._reset_for_tests()
         monkeypatch.setenv("CUDALAB_ALLOC_CONF", "max_split_size_mb:5")
@@ -168,8 +168,8 @@ def test_bad_environment_fails_at_first_allocator_creation_and_keeps_state(monke
         a.free(a.malloc(100))
         a.empty_cache()
     finally:
-        A._allocators[:] = saved[0]
-        A._active[:] = saved[1]
+        A.allocators[:] = saved[0]
+        A.active[:] = saved[1]
         A._config = saved[2]
 
 

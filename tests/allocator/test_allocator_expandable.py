@@ -18,6 +18,7 @@ from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import parse_alloc_conf
 from cudalab.allocator.expandable import ExpandableCachingAllocator
 from cudalab.allocator.expandable_segment import address_space_size
+from cudalab.allocator.hooks import attach_trace
 from cudalab.allocator.registry import create_allocator, native_allocator
 from cudalab.allocator.stats import STAT_KEYS
 from cudalab.errors import OutOfMemoryError
@@ -148,7 +149,7 @@ def test_one_byte_maps_one_small_page_and_counts_no_segment(alloc):
 
 def test_growth_maps_pages_and_merges_the_free_tail(alloc):
     trace = []
-    alloc._trace = lambda *e: trace.append(e)
+    attach_trace(alloc, lambda *e: trace.append(e))
     p = alloc.malloc(30 * MiB)  # two 20 MiB pages, a 10 MiB free tail
     s = alloc.memory_stats()
     assert s["reserved_bytes.large_pool.current"] == 40 * MiB and s["num_device_alloc"] == 1
@@ -233,7 +234,7 @@ def test_fragmentation_case_reserves_less_than_native_segments(backend, allocs):
 # --------------------------------------------------------------------------- release
 def test_empty_cache_unmaps_only_fully_free_pages(alloc):
     trace = []
-    alloc._trace = lambda *e: trace.append(e)
+    attach_trace(alloc, lambda *e: trace.append(e))
     p = alloc.malloc(30 * MiB)
     q = alloc.malloc(15 * MiB)  # [30, 45) on page 2 ([40, 60))
     alloc.free(q)  # free [30, 60): page 2 is wholly free, page 1 half used by p
@@ -294,7 +295,7 @@ def _free_unmapped_free_unmapped(a):
 def test_growth_maps_several_holes_and_merges_everything_between(alloc):
     a1 = _free_unmapped_free_unmapped(alloc)
     trace = []
-    alloc._trace = lambda *e: trace.append(e)
+    attach_trace(alloc, lambda *e: trace.append(e))
     x = alloc.malloc(80 * MiB)  # 10 free + 20 mapped + 40 free + 20 of the 20 MiB mapped
     assert x == a1 + 10 * MiB
     assert [(e[0], e[1] - a1, e[2]) for e in trace] == [
@@ -312,7 +313,7 @@ def test_failed_growth_keeps_what_was_mapped_consistent(monkeypatch):
     a = make(sim)
     a1 = _free_unmapped_free_unmapped(a)  # 60 MiB mapped
     trace = []
-    a._trace = lambda *e: trace.append(e)
+    attach_trace(a, lambda *e: trace.append(e))
     with pytest.raises(OutOfMemoryError, match="Tried to allocate 80.00 MiB"):
         a.malloc(80 * MiB)  # the hole is mapped, the next page is not: give up, release, retry
     assert [(e[0], e[1] - a1, e[2]) for e in trace if e[0] != "oom"] == [

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import parse_alloc_conf
+from cudalab.allocator.hooks import attach_trace
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -327,7 +328,7 @@ def test_memo_records_the_same_history(monkeypatch, ops):
     r = _Runner(_pair(monkeypatch))
     logs: list[list] = [[], []]
     for a, log in zip(r.allocs, logs):
-        a._trace = lambda *entry, log=log: log.append(entry)
+        attach_trace(a, lambda *entry, log=log: log.append(entry))
     _run_history_ops(r, ops)
     assert logs[0] == logs[1]
     r.compare()
@@ -355,11 +356,11 @@ def _history_traces(r, monkeypatch, level=None):
     from cudalab import nvtx
     from cudalab.memory_tools import history as h
 
-    monkeypatch.setattr(nvtx, "_used", False)
+    monkeypatch.setattr(nvtx, "ranges_used", False)
     logs: list[list] = [[], []]
     recs = [h._Recorder(0), h._Recorder(0)]
     for a, log, rec in zip(r.allocs, logs, recs):
-        a._trace = h._make_trace(rec, h._NEVER if level is None else level, log.append)
+        attach_trace(a, h._make_trace(rec, h._NEVER if level is None else level, log.append))
     return logs, recs
 
 
@@ -451,7 +452,7 @@ def test_trace_actions_and_the_hook_protocol(backend):
     import typing
 
     from cudalab.allocator.async_allocator import AsyncPoolAllocator
-    from cudalab.allocator.hooks import TRACE_ACTIONS, TraceAction, attach_trace, detach_trace
+    from cudalab.allocator.hooks import TRACE_ACTIONS, TraceAction, detach_trace
     from cudalab.allocator.registry import native_allocator
 
     assert typing.get_args(TraceAction) == TRACE_ACTIONS
@@ -482,14 +483,16 @@ def test_trace_actions_and_the_hook_protocol(backend):
         aa.close()
 
 
-def test_history_hook_has_the_compact_protocol(backend):
+def test_history_hook_has_the_compact_protocol(backend, monkeypatch):
     """The history recorder's hook provides every member of hooks.CompactTrace, so the
     allocator logs memo pairs as stamps (the two cannot drift apart unnoticed)."""
     import cudalab.memory
+    from cudalab import nvtx
     from cudalab.allocator.hooks import CompactTrace
     from cudalab.allocator.registry import native_allocator
     from cudalab.memory_tools import history
 
+    monkeypatch.setattr(nvtx, "ranges_used", False)  # as if no test had pushed a range
     a = native_allocator(backend, 0, parse_alloc_conf(""), stream_resolver=lambda: 0)
     cudalab.memory._record_memory_history("all", stacks="python")
     try:

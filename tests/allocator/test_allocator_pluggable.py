@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 from cudalab.allocator.config import AllocatorConfig
+from cudalab.allocator.hooks import attach_trace
 from cudalab.allocator.pluggable import (
     PluggableAllocator,
     PluggableDeviceAllocator,
@@ -55,18 +56,18 @@ def registry(backend):
 
     gc.collect()
     with A._registry_lock:
-        saved = (list(A._allocators), list(A._active), A._config)
-        A._allocators.clear()
-        A._active.clear()
+        saved = (list(A.allocators), list(A.active), A._config)
+        A.allocators.clear()
+        A.active.clear()
         A._config = AllocatorConfig()
     try:
         yield A
     finally:
         gc.collect()
         with A._registry_lock:
-            made = list(A._active)
-            A._allocators[:] = saved[0]
-            A._active[:] = saved[1]
+            made = list(A.active)
+            A.allocators[:] = saved[0]
+            A.active[:] = saved[1]
             A._config = saved[2]
         A._custom = None
         for a in made:
@@ -353,7 +354,7 @@ def test_pluggable_allocator_trace_hook(backend, rec):
     a = PluggableDeviceAllocator(PluggableAllocator(rec.malloc, rec.free), backend, 0,
                                  stream_resolver=lambda: 0)
     seen = []
-    a._trace = lambda action, ptr, size, stream: seen.append((action, size))
+    attach_trace(a, lambda action, ptr, size, stream: seen.append((action, size)))
     a.free(a.malloc(64))
     assert seen == [("segment_alloc", 64), ("alloc", 64), ("free_requested", 64),
                     ("free_completed", 64), ("segment_free", 64)]

@@ -14,6 +14,7 @@ import pytest
 
 from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.hooks import attach_trace
 from cudalab.allocator.policy import allocation_size, round_size, roundup_power2_next_division
 from cudalab.allocator.registry import create_allocator, native_allocator
 from cudalab.allocator.uncached import UncachedAllocator
@@ -288,7 +289,7 @@ def test_cache_hits_make_no_driver_calls(backend):
 
 def test_trace_hook_sees_torchs_points(alloc):
     seen = []
-    alloc._trace = lambda action, addr, size, stream: seen.append((action, size))
+    attach_trace(alloc, lambda action, addr, size, stream: seen.append((action, size)))
     p = alloc.malloc(100)
     alloc.free(p)
     alloc.empty_cache()

@@ -13,6 +13,7 @@ import pytest
 
 from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import AllocatorConfig
+from cudalab.allocator.hooks import attach_trace
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -203,7 +204,7 @@ def _deferral_scenario(backend, history: bool, inject_at: int | None):
     s = cudalab.default_stream(0)  # a Stream object: pure hits
     if history:
         for a, log in zip(allocs, logs):
-            a._trace = h._make_trace(h._Recorder(0), h._NEVER, log.append)
+            attach_trace(a, h._make_trace(h._Recorder(0), h._NEVER, log.append))
     for a in allocs:
         a.free(a.malloc(64, s))  # a cached segment to carve from
         for _ in range(3):

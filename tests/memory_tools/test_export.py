@@ -225,7 +225,7 @@ def test_history_from_recorded_run(tmp_path):
     assert _dtypes(live) == _dtypes(df) == HISTORY_DTYPES
     n = len(live)
     # one "snapshot" entry per device that has an allocator (as torch), after the live rows
-    n_alloc_devices = sum(a is not None for a in cudalab.allocator.registry._allocators)
+    n_alloc_devices = sum(a is not None for a in cudalab.allocator.registry.allocators)
     assert df["action"].astype(str).tolist()[n:] == ["snapshot"] * n_alloc_devices
     cols = [c for c in HISTORY_DTYPES if c not in ("action",)]
     pd.testing.assert_frame_equal(live[cols], df[cols].iloc[:n])

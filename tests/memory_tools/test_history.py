@@ -751,9 +751,9 @@ def test_async_backend_refuses_recording(monkeypatch, backend):
 def test_allocators_created_later_are_recorded_on_every_device():
     cudalab.init()
     devs = list(range(min(2, cudalab.device_count())))
-    saved_allocs, saved_active = list(A._allocators), list(A._active)
-    A._allocators[:] = []
-    A._active[:] = []
+    saved_allocs, saved_active = list(A.allocators), list(A.active)
+    A.allocators[:] = []
+    A.active[:] = []
     made = []
     try:
         cudalab.memory._record_memory_history()
@@ -776,8 +776,8 @@ def test_allocators_created_later_are_recorded_on_every_device():
     finally:
         for a in made:
             a.empty_cache()
-        A._allocators[:] = saved_allocs
-        A._active[:] = saved_active
+        A.allocators[:] = saved_allocs
+        A.active[:] = saved_active
 
 
 def test_threads_record_into_the_device_ring(priv):
@@ -815,14 +815,14 @@ def test_nvtx_range_is_recorded(priv):
 
 
 def test_nvtx_lookup_is_skipped_while_no_range_was_ever_pushed(priv, monkeypatch):
-    """When cudalab.nvtx keeps a ``_used`` flag, False skips the thread-local lookup."""
+    """While ``cudalab.nvtx.ranges_used`` is False the history skips the thread-local lookup."""
     a = priv()
-    monkeypatch.setattr(cudalab.nvtx, "_used", False, raising=False)
+    monkeypatch.setattr(cudalab.nvtx, "ranges_used", False)
     cudalab.memory._record_memory_history(context=None)
     with cudalab.nvtx.range("r"):
-        cudalab.nvtx._used = False  # (as if the range had never been pushed)
+        cudalab.nvtx.ranges_used = False  # (as if the range had never been pushed)
         p = a.malloc(1000, 0)
-        cudalab.nvtx._used = True
+        cudalab.nvtx.ranges_used = True
         q = a.malloc(1500, 0)
     got = {e["addr"]: e["nvtx_range"] for e in trace({p, q}) if e["action"] == "alloc"}
     assert got == {p: None, q: "r"}
@@ -859,7 +859,7 @@ def test_memo_pairs_logged_as_times_keep_their_cell_and_nvtx_range(priv, monkeyp
     first NVTX range write them out first, so every entry keeps its own cell and range."""
     a = priv()
     s = cudalab.default_stream(0)  # a Stream object: the memo's pure hits
-    monkeypatch.setattr(cudalab.nvtx, "_used", False, raising=False)
+    monkeypatch.setattr(cudalab.nvtx, "ranges_used", False)
     cudalab.memory._record_memory_history(context=None)
     a.free(a.malloc(64, s))
     history.set_current_cell("c1")

@@ -346,7 +346,7 @@ def test_bad_config_and_arguments():
 def test_progress_callback_and_process_state_untouched():
     from cudalab.allocator import registry as allocator_module
 
-    before = (list(allocator_module._allocators), list(allocator_module._active))
+    before = (list(allocator_module.allocators), list(allocator_module.active))
     env = {k: os.environ.get(k) for k in ("CUDALAB_SIMULATOR_DEVICES",
                                           "CUDALAB_SIMULATOR_MEMORY", "CUDA_VISIBLE_DEVICES")}
     calls = []
@@ -354,7 +354,7 @@ def test_progress_callback_and_process_state_untouched():
     r = quiet_replay(trace, progress=lambda done, total: calls.append((done, total)))
     assert calls and calls[-1] == (len(trace), len(trace))
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
-    assert (list(allocator_module._allocators), list(allocator_module._active)) == before
+    assert (list(allocator_module.allocators), list(allocator_module.active)) == before
     assert {k: os.environ.get(k) for k in env} == env
     assert r.entries_per_s > 0
 

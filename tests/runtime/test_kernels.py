@@ -601,3 +601,18 @@ def test_gpu_spin_2ms_measured_by_events(backend):
         end.synchronize()
         times.append(start.elapsed_time(end))
     assert all(1.9 <= t <= 3.0 for t in times), times
+
+
+def test_gpu_sleep_is_public_and_occupies_the_stream(backend):
+    """cudalab.kernels.gpu_sleep (the notebooks' spin; torch.cuda._sleep's counterpart)."""
+    assert "gpu_sleep" in kernels.__all__
+    s = cudalab.Stream()
+    start, end = cudalab.Event(enable_timing=True), cudalab.Event(enable_timing=True)
+    start.record(s)
+    kernels.gpu_sleep(2_000_000, stream=s)
+    end.record(s)
+    end.synchronize()
+    assert start.elapsed_time(end) >= 1.5
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError):
+            kernels.gpu_sleep(bad)

@@ -84,13 +84,14 @@ def make_pynvml(devices=None, init_error=None, errors=None, calls=None):
     fn("nvmlDeviceGetClockInfo", lambda h, clock: devices[h[1]]["clocks"][clock])
     fn("nvmlDeviceGetComputeRunningProcesses",
        lambda h: [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in devices[h[1]]["procs"]])
+    fn("nvmlDeviceGetCurrentClocksEventReasons", lambda h: devices[h[1]]["reasons"])
     return mod
 
 
 def device_data(**over):
     data = dict(gpu=37, mem=12, total=80 * 1024 * MIB, free=70 * 1024 * MIB,
                 used=10 * 1024 * MIB, temp=41, power=123456, clocks={0: 1500, 1: 1980, 2: 2619},
-                procs=[])
+                procs=[], reasons=0)
     data.update(over)
     return data
 
@@ -235,6 +236,33 @@ def test_handles_cached_per_uuid_and_init_once_across_threads(fake_pynvml):
     assert set(lookups) == {UUID_A, UUID_B} and lookups.count(UUID_B) == 1
 
 
+def test_clock_event_reasons(fake_pynvml):
+    """The seam's clock_event_reasons: NVML's mask by UUID, an NvmlError on failure, None
+    with a pynvml that lacks the call."""
+    mod, calls = fake_pynvml(devices={UUID_A: device_data(reasons=0x44), UUID_B: device_data()})
+    nv = RealNvml()
+    assert nv.clock_event_reasons(UUID_A) == 0x44  # SW power cap | HW thermal slowdown
+    assert nv.clock_event_reasons(UUID_B) == 0
+    assert ("nvmlDeviceGetCurrentClocksEventReasons", (("handle", UUID_A),)) in calls
+    fake_pynvml(devices={UUID_A: device_data()},
+                errors={"nvmlDeviceGetCurrentClocksEventReasons": 3})
+    with pytest.raises(NvmlError, match=r"clock event reasons .* is not supported"):
+        RealNvml().clock_event_reasons(UUID_A)
+    old, _ = fake_pynvml(devices={UUID_A: device_data()})
+    del old.nvmlDeviceGetCurrentClocksEventReasons
+    assert RealNvml().clock_event_reasons(UUID_A) is None
+
+
+def test_simulated_nvml_has_no_clock_event_reasons(backend):
+    if not backend.simulated:
+        pytest.skip("the simulator's NVML")
+    nv = backend.nvml()
+    for uuid in nv.uuids():
+        assert nv.clock_event_reasons(uuid) is None
+    with pytest.raises(NvmlError, match="no simulated device"):
+        nv.clock_event_reasons(UUID_A)
+
+
 # ------------------------------------------------------------------------ cudalab.nvml over a fake Nvml
 class FakeNvml(Nvml):
     def __init__(self, data, order, simulated=False, unavailable=None, unsupported=()):
@@ -278,6 +306,9 @@ class FakeNvml(Nvml):
 
     def processes(self, uuid):
         return list(self._get(uuid, "processes")["procs"])
+
+    def clock_event_reasons(self, uuid):
+        return self._get(uuid, "reasons")["reasons"]
 
 
 @pytest.fixture
@@ -460,3 +491,18 @@ def test_active_backend_end_to_end():
         assert cnvml.device_memory_used(d) >= 0
     for spec in (f"cuda:{n - 1}", cudalab.Device("cuda", n - 1), None):
         assert isinstance(cnvml.utilization(spec), int)
+
+
+def test_internal_clock_event_reasons_asks_the_seam(fake_devices, monkeypatch):
+    """cudalab._internal.clock_event_reasons maps the CUDA ordinal to its UUID and asks the
+    backend's Nvml; None on any error."""
+    from cudalab import _driver, _internal
+
+    data = two_gpu_data()
+    data[UUID_B]["reasons"] = 0x4
+    fake = FakeNvml(data, order=[UUID_B, UUID_A])
+    monkeypatch.setattr(_driver.get_backend(), "nvml", lambda: fake)
+    assert _internal.clock_event_reasons(1) == 0x4
+    assert _internal.clock_event_reasons(0) == 0
+    fake.unsupported.add("reasons")
+    assert _internal.clock_event_reasons(1) is None

@@ -40,7 +40,10 @@ def clean_state(monkeypatch):
     """Each test starts with an empty stack on this thread and its own attribute cache."""
     monkeypatch.setattr(cnvtx, "_attributes", {})
     monkeypatch.setattr(cnvtx, "_open_ranges", {})
-    monkeypatch.setattr(cnvtx, "_tls", threading.local())
+    monkeypatch.setattr(cnvtx.thread_ranges, "messages", [], raising=False)  # never rebound
+    # the pushes here must not leave the process-wide flag set for later tests (the history's
+    # compact memo logging depends on it)
+    monkeypatch.setattr(cnvtx, "ranges_used", cnvtx.ranges_used)
     yield
 
 

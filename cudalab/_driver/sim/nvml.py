@@ -101,6 +101,12 @@ class SimulatedNvml(Nvml):
     def clock_sm(self, uuid: str) -> int:
         return 1980 if self.utilization(uuid)[0] > 0 else 345
 
+    def clock_event_reasons(self, uuid: str) -> int | None:
+        """None: simulated devices have no clocks for anything to limit (the %cuda_timed
+        context then shows no reasons, and says the device is simulated)."""
+        self._index(uuid)  # an unknown UUID still raises, like every query here
+        return None
+
     def processes(self, uuid: str) -> list[tuple[int, int | None]]:
         phys = self._index(uuid)
         dev = self._backend._by_physical.get(phys)
