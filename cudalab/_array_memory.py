@@ -17,6 +17,7 @@ import numpy as np
 from cudalab import _internal
 from cudalab import streams as _streams
 from cudalab import sync_debug as _sync
+from cudalab.allocator import registry as _registry
 
 if TYPE_CHECKING:
     from cudalab.array import DeviceArray
@@ -36,6 +37,9 @@ __all__ = [
     "wait_stream",
     "waits_for_foreign",
 ]
+
+#: The registry's per-device allocators (the list object itself: never replaced).
+_allocators = _registry.allocators
 
 # --------------------------------------------------------------------------- lazy imports
 _mem: Any = None  # cudalab.memory, bound on first use (it imports the allocator)
@@ -63,12 +67,14 @@ def pinned_pool() -> Any:
 
 
 def allocator_of(device: int) -> Any:
-    """The device's allocator (created on first use), without the public API's checks."""
-    from cudalab.allocator import registry as al
+    """The device's allocator (created on first use), without the public API's checks.
 
-    lst = al.allocators
-    a = lst[device] if device < len(lst) else None
-    return a if a is not None else al.get_allocator(device)
+    Every :class:`cudalab.DeviceArray` calls this: the registry's list is bound at import
+    (it is never replaced, see :data:`cudalab.allocator.registry.allocators`), so the
+    common case is one index (benchmark row "cudalab empty+drop", benchmarks/history.py).
+    """
+    a = _allocators[device] if device < len(_allocators) else None
+    return a if a is not None else _registry.get_allocator(device)
 
 
 def release_device_memory(ptr: int) -> None:
