@@ -11,6 +11,7 @@ import numpy as np
 
 from cudalab._internal import format_bytes
 from cudalab.memory_tools.plot import STATE_COLORS, STATE_LABELS, segment_pool
+from cudalab.memory_tools.trace_columns import stream_label
 
 __all__ = ["render_segment_map"]
 
@@ -19,8 +20,6 @@ _CODE = {s: i for i, s in enumerate(_STATES)}
 _LABEL_W = 190  # px for the row labels
 
 
-def _stream_label(s: int) -> str:
-    return "0 (default)" if s == 0 else f"0x{s:x}"
 
 
 def _frame_text(fr: dict) -> str:
@@ -139,8 +138,8 @@ def render_segment_map(segments: list[dict], width: int = 640, max_rows: int = 8
             by[_CODE.get(b.get("state", ""), 2)] += b["size"]
             nb += 0 if b.get("gap") else 1
         summary = (f"cuda:{seg.get('device', 0)} segment 0x{seg.get('address', 0):x}: "
-                   f"{format_bytes(seg.get('total_size', 0))}, {segment_pool(seg)} pool, stream "
-                   f"{_stream_label(seg.get('stream', 0))}, {nb} blocks; allocated {format_bytes(by[0])}, "
+                   f"{format_bytes(seg.get('total_size', 0))}, {segment_pool(seg)} pool, "
+                   f"{stream_label(seg.get('stream', 0))}, {nb} blocks; allocated {format_bytes(by[0])}, "
                    f"pending free {format_bytes(by[1])}, inactive {format_bytes(by[2])}")
         out.append(f'<g transform="translate({_LABEL_W},{y})"><title>{html.escape(summary)}</title>')
         out.append(f'<rect width="{px[r]}" height="{row_h}" fill="none" stroke="#999" '
@@ -170,8 +169,8 @@ def _block_tip(b: dict, seg: dict) -> str:
     fr = b.get("frames") or []
     top = f"; {_frame_text(fr[0])}" if fr else ""
     return (f"block 0x{b['address']:x}: {format_bytes(b['size'])} ({b.get('requested_size', 0):,} B "
-            f"requested), {STATE_LABELS.get(b.get('state', ''), b.get('state'))}, stream "
-            f"{_stream_label(b.get('stream', seg.get('stream', 0)))}{top}")
+            f"requested), {STATE_LABELS.get(b.get('state', ''), b.get('state'))}, "
+            f"{stream_label(b.get('stream', seg.get('stream', 0)))}{top}")
 
 
 

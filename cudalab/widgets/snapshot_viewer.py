@@ -47,12 +47,12 @@ from cudalab.memory_tools.plot import (
     load,
     segment_pool,
 )
+from cudalab.memory_tools.trace_columns import stream_label
 from cudalab.widgets.snapshot_history import _History
 from cudalab.widgets.snapshot_render import (
     _CODE,
     _LABEL_W,
     _frame_text,
-    _stream_label,
     _timeline_svg,
     render_segment_map,
 )
@@ -93,7 +93,7 @@ class SnapshotViewer(W.VBox):
         lay = W.Layout(width="auto")
         self._device = W.Dropdown(options=[("all", _ALL)] + [(f"cuda:{d}", d) for d in devices],
                                   value=_ALL, description="device", layout=W.Layout(width="170px"))
-        self._stream = W.Dropdown(options=[("all", _ALL)] + [(_stream_label(s), s) for s in streams],
+        self._stream = W.Dropdown(options=[("all", _ALL)] + [(stream_label(s), s) for s in streams],
                                   value=_ALL, description="stream", layout=W.Layout(width="210px"))
         self._pool = W.Dropdown(options=[("all", _ALL)] + [(p, p) for p in pools],
                                 value=_ALL, description="pool", layout=W.Layout(width="190px"))
@@ -227,8 +227,8 @@ class SnapshotViewer(W.VBox):
             extra = (f", device free {format_bytes(e['device_free'])}" if "device_free" in e else "")
             t_rel = (int(h.time_us[i - 1]) - int(h.time_us[0])) / 1e6
             txt = (f"entry {i - 1}: <b>{html.escape(str(e.get('action')))}</b> cuda:{int(h.dev[i - 1])} "
-                   f"addr 0x{e.get('addr', 0):x} size {format_bytes(e.get('size', 0))} stream "
-                   f"{_stream_label(e.get('stream', 0))} at +{t_rel:.6f} s{extra}{stack}")
+                   f"addr 0x{e.get('addr', 0):x} size {format_bytes(e.get('size', 0))} "
+                   f"{stream_label(e.get('stream', 0))} at +{t_rel:.6f} s{extra}{stack}")
         self._entry.value = f'<div class="cudalab-snap-entry" style="font-size:12px">{txt}</div>'
 
     def _fill_pickers(self, segs: list[dict]) -> None:
@@ -302,8 +302,8 @@ class SnapshotViewer(W.VBox):
 
     def _segment_detail(self, seg: dict) -> str:
         return (f"segment 0x{seg.get('address', 0):x} on cuda:{seg.get('device', 0)}: "
-                f"{format_bytes(seg.get('total_size', 0))}, {segment_pool(seg)} pool, stream "
-                f"{_stream_label(seg.get('stream', 0))}, no blocks")
+                f"{format_bytes(seg.get('total_size', 0))}, {segment_pool(seg)} pool, "
+                f"{stream_label(seg.get('stream', 0))}, no blocks")
 
     def _block_detail(self, b: dict, seg: dict) -> str:
         fr = b.get("frames") or []
@@ -312,8 +312,8 @@ class SnapshotViewer(W.VBox):
         return (f'<div class="cudalab-snap-detail" style="font-size:12px">'
                 f'<b>block 0x{b["address"]:x}</b> &middot; {STATE_LABELS.get(b.get("state", ""), b.get("state"))}'
                 f' &middot; size {b["size"]:,} B ({format_bytes(b["size"])}) &middot; requested '
-                f'{b.get("requested_size", 0):,} B &middot; stream '
-                f'{_stream_label(b.get("stream", seg.get("stream", 0)))} &middot; segment '
+                f'{b.get("requested_size", 0):,} B &middot; '
+                f'{stream_label(b.get("stream", seg.get("stream", 0)))} &middot; segment '
                 f'0x{seg.get("address", 0):x} (cuda:{seg.get("device", 0)}, {segment_pool(seg)} pool, '
                 f'{format_bytes(seg.get("total_size", 0))})<ul style="margin:2px 0">{stack}</ul></div>')
 
