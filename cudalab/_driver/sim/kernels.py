@@ -139,7 +139,7 @@ def _dims(value: Any, limits: tuple[int, int, int], what: str, call: str) -> tup
     for v, hi in zip(dims, limits):
         if not 1 <= v <= hi:
             raise invalid_value(call, f"{what} {dims} is outside the limits (1..{limits})")
-    return dims  # type: ignore[return-value]
+    return dims  # type: ignore[return-value]  # three ints: checked just above
 
 
 
