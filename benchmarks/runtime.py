@@ -1,4 +1,4 @@
-"""Runtime core benchmark (issue 2): import cost and hot-path call overheads.
+"""Runtime core benchmark: import cost and hot-path call overheads of cudalab.
 
 Compares cudalab with raw cuda.bindings calls, torch.cuda and CuPy in the same run:
 ``import`` time, ``Event.record``, ``Event.query``, ``Stream.query``, ``current_stream()``,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from cudalab._driver import use_simulator
 from cudalab.devices import (
     Device,
     DeviceProperties,
@@ -31,6 +30,7 @@ from cudalab.devices import (
     mem_get_info,
     set_device,
     synchronize,
+    use_simulator,
 )
 from cudalab.errors import (
     CudaError,

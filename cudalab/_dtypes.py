@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SUPPORTED_DTYPES", "normalize_dtype", "normalize_shape"]
+__all__ = ["SUPPORTED_DTYPES", "normalize_dtype", "normalize_shape", "size_args"]
 
 #: dtypes a DeviceArray can hold (bfloat16 too when ml_dtypes is installed).
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
@@ -138,3 +138,78 @@ def normalize_shape(shape: Any) -> tuple[int, ...]:
         if d < 0:
             raise ValueError(f"negative dimension {d} in shape {dims}: sizes must be >= 0")
     return dims
+
+
+#: Never a size, though some have ``__index__`` (bools) or name an int type (``np.int32``).
+_NOT_SIZES = (bool, np.bool_, str, float, type, np.dtype)
+
+
+def _is_int(d: Any) -> bool:
+    """An int-like size: an int or an ``__index__`` object, not a bool or a dtype."""
+    if type(d) is int:
+        return True
+    if isinstance(d, _NOT_SIZES):
+        return False
+    return hasattr(type(d), "__index__")
+
+
+def size_args(what: str, size: tuple, dtype: Any) -> tuple[Any, Any]:
+    """The shape and dtype of a creation call ``what(*size, dtype=dtype)``.
+
+    The creation functions take one positional shape fast and call this for anything else.
+
+    Parameters
+    ----------
+    what
+        The function's name, for messages (``"zeros"``).
+    size
+        The positional arguments: torch's sizes as ints (``2, 3``), or one shape followed by
+        a dtype as numpy allows (``(2, 3), np.float32``).
+    dtype
+        The ``dtype=`` keyword (None when not given).
+
+    Returns
+    -------
+    tuple
+        ``(shape, dtype)``: the shape for :func:`normalize_shape`, the dtype for
+        :func:`normalize_dtype`.
+
+    Raises
+    ------
+    TypeError
+        No size, a dtype given twice, or arguments that are neither sizes nor one shape and
+        a dtype (``zeros((2, 3), 4)``, ``zeros(2, 3, np.float32)``).
+    """
+    if len(size) == 2 and dtype is None:  # numpy's empty(shape, dtype), a known dtype: fast
+        try:
+            dt = _DTYPE_CACHE.get(size[1])
+        except TypeError:  # unhashable
+            dt = None
+        if dt is not None:
+            return size[0], dt
+    if not size:
+        raise TypeError(f"{what}() needs a size: sizes as ints or one tuple, e.g. {what}(2, 3) "
+                        f"or {what}((2, 3))")
+    for d in size:
+        if not _is_int(d):
+            break
+    else:
+        return size, dtype
+    expected = "expected sizes as ints or one tuple; pass the dtype as dtype=..."
+    if len(size) == 2 and not _is_int(size[1]) and not isinstance(size[1], (tuple, list)):
+        # numpy's form, empty(shape, dtype): the second argument must be a dtype.
+        if size[1] is None:
+            return size[0], dtype
+        if dtype is not None:
+            raise TypeError(f"{what}() got a dtype twice: {size[1]!r} after the size and "
+                            f"dtype={dtype!r}; {expected}")
+        try:
+            dt = normalize_dtype(size[1], None)
+        except TypeError:
+            if isinstance(size[1], (str, type, np.dtype)):  # meant as a dtype: say why not
+                raise
+            raise TypeError(f"{what}() got {size[1]!r} after the size {size[0]!r}, which is "
+                            f"neither a size nor a dtype; {expected}") from None
+        return size[0], dt
+    args = ", ".join(map(repr, size))
+    raise TypeError(f"{what}({args}): {expected}")

@@ -43,7 +43,7 @@ from cudalab._array_memory import (
     wait_stream,
     waits_for_foreign,
 )
-from cudalab._dtypes import SUPPORTED_DTYPES, normalize_dtype, normalize_shape
+from cudalab._dtypes import SUPPORTED_DTYPES, normalize_dtype, normalize_shape, size_args
 
 __all__ = [
     "DeviceArray",
@@ -352,7 +352,7 @@ class DeviceArray:
         dev = _internal.device_index(device)
         if dev == self._device:
             return self
-        out = empty(self._shape, self._dtype, device=dev)
+        out = empty(self._shape, dtype=self._dtype, device=dev)
         out.copy_(self, non_blocking=non_blocking)
         return out
 
@@ -521,7 +521,7 @@ class DeviceArray:
                              "the DLPack protocol; use 1 for the legacy default stream")
         src = self
         if copy:
-            src = empty(self._shape, self._dtype, device=self._device)
+            src = empty(self._shape, dtype=self._dtype, device=self._device)
             src.copy_(self)
         if stream != -1:
             foreign_waits_for(_LEGACY_STREAM if stream is None else stream,
@@ -586,14 +586,44 @@ def _from_cuda_array_interface(obj: Any) -> DeviceArray:
 
 
 # --------------------------------------------------------------------------- creation
-def empty(shape: Any, dtype: Any = np.float32, device: Any = None) -> DeviceArray:
-    """Uninitialised array (memory from the caching allocator, current stream)."""
+def empty(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
+    """Uninitialised array (memory from the caching allocator, current stream).
+
+    Parameters
+    ----------
+    size, *sizes
+        The shape, as torch takes it: ints (``empty(2, 3)``), or one int, tuple or list
+        (``empty((2, 3))``, ``empty(5)``). numpy's ``empty(shape, dtype)`` works too.
+    dtype
+        The element type (a numpy dtype or its name, or ``"bfloat16"``); default float32.
+    device
+        None (the current device), an int, ``"cuda"``, ``"cuda:N"`` or a Device.
+
+    Returns
+    -------
+    DeviceArray
+
+    Raises
+    ------
+    TypeError
+        The arguments are neither sizes nor one shape and a dtype (``empty((2, 3), 4)``), or
+        the dtype is not supported.
+    """
+    if not sizes:
+        return DeviceArray(size, dtype, device)
+    shape, dtype = size_args("empty", (size, *sizes), dtype)
     return DeviceArray(shape, dtype, device)
 
 
-def zeros(shape: Any, dtype: Any = np.float32, device: Any = None) -> DeviceArray:
-    """Array of zeros (a stream-ordered memset on the current stream)."""
-    a = DeviceArray(shape, dtype, device)
+def zeros(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
+    """Array of zeros (a stream-ordered memset on the current stream).
+
+    Takes the same arguments as :func:`empty`: ``zeros(2, 3)``, ``zeros((2, 3))``,
+    ``zeros([2, 3])``, ``zeros(5)``, with ``dtype=`` (default float32) and ``device=``.
+    """
+    if sizes:
+        size, dtype = size_args("zeros", (size, *sizes), dtype)
+    a = DeviceArray(size, dtype, device)
     if a._nbytes:
         stream = stream_of(a._device)
         null_context(stream)
@@ -601,9 +631,15 @@ def zeros(shape: Any, dtype: Any = np.float32, device: Any = None) -> DeviceArra
     return a
 
 
-def ones(shape: Any, dtype: Any = np.float32, device: Any = None) -> DeviceArray:
-    """Array of ones."""
-    return DeviceArray(shape, dtype, device).fill_(1)
+def ones(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
+    """Array of ones.
+
+    Takes the same arguments as :func:`empty`: ``ones(2, 3)``, ``ones((2, 3))``,
+    ``ones([2, 3])``, ``ones(5)``, with ``dtype=`` (default float32) and ``device=``.
+    """
+    if sizes:
+        size, dtype = size_args("ones", (size, *sizes), dtype)
+    return DeviceArray(size, dtype, device).fill_(1)
 
 
 def full(shape: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
@@ -630,13 +666,13 @@ def _like(a: Any, dtype: Any, device: Any) -> tuple[tuple[int, ...], Any, Any]:
 def empty_like(a: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
     """Uninitialised array with ``a``'s shape and dtype (and device, for a DeviceArray)."""
     shape, dt, dev = _like(a, dtype, device)
-    return empty(shape, dt, dev)
+    return empty(shape, dtype=dt, device=dev)
 
 
 def zeros_like(a: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
     """Zeros with ``a``'s shape and dtype (and device, for a DeviceArray)."""
     shape, dt, dev = _like(a, dtype, device)
-    return zeros(shape, dt, dev)
+    return zeros(shape, dtype=dt, device=dev)
 
 
 def asarray(obj: Any, device: Any = None, dtype: Any = None) -> DeviceArray:
@@ -662,7 +698,7 @@ def asarray(obj: Any, device: Any = None, dtype: Any = None) -> DeviceArray:
     if dt is None:
         normalize_dtype(host.dtype)  # reject object, string, datetime... with a clear error
     host = np.ascontiguousarray(host)
-    out = empty(host.shape, host.dtype, device=device)
+    out = empty(host.shape, dtype=host.dtype, device=device)
     out.copy_(host)
     return out
 

@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
             p = sub.add_parser(
                 "replay", help="replay a memory trace through the allocator (simulated)",
                 description="Replay the alloc/free trace of a memory snapshot pickle "
-                            "(cudalab's or torch's _dump_snapshot) through a fresh caching "
+                            "(cudalab's or torch's _dump_snapshot) or of a history CSV "
+                            "(%%cuda_memory history save X.csv) through a fresh caching "
                             "allocator on a private simulated device and print peak "
                             "reserved/allocated memory, device allocations, retries and OOMs.")
             p.add_argument("--conf", default=None, metavar="CONF",
@@ -307,7 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--conf", action="append", default=[], metavar="CONF",
                            help="a setting to try instead of the default sweep (repeatable; "
                                 "the defaults are always the baseline)")
-        p.add_argument("trace", metavar="TRACE", help="snapshot pickle with a history trace")
+        p.add_argument("trace", metavar="TRACE",
+                       help="a history: snapshot pickle (%%cuda_memory history save X.pickle, "
+                            "_dump_snapshot) or history CSV (history save X.csv); a "
+                            "Perfetto JSON is refused (it keeps no event order)")
         p.add_argument("--device", type=int, default=0, help="device trace to replay (default 0)")
         p.add_argument("--device-memory", default=None, metavar="SIZE",
                        help="memory of the simulated device, e.g. 80GiB (default: "

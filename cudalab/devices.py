@@ -37,6 +37,7 @@ __all__ = [
     "get_arch_list",
     "get_gencode_flags",
     "ipc_collect",
+    "use_simulator",
 ]
 
 
@@ -186,6 +187,9 @@ _props: list[DeviceProperties | None] = []
 _backend_obj: Backend = None  # type: ignore[assignment]  # None only before init
 _fast: FastPaths | None = None  # FastPaths of the backend, set at init
 _count_cache: int | None = None
+#: Whether a "CUDA unavailable" error already told how to run on the simulator (said once).
+_hint_given = False
+_SIMULATOR_HINT = "To run without a GPU, set CUDALAB_SIMULATOR=1 or call cudalab.use_simulator()."
 
 
 def _after_fork_in_child() -> None:
@@ -229,19 +233,58 @@ def _do_init() -> None:
     try:
         backend.init()
     except DriverNotFoundError as exc:
-        raise CudaUnavailableError(
-            f"cudalab cannot use CUDA: {exc}. To run without a GPU, set CUDALAB_SIMULATOR=1 "
-            "(or call cudalab.use_simulator() first) to use the simulated devices."
-        ) from exc
+        raise CudaUnavailableError(_unavailable(f"cudalab cannot use CUDA: {exc}")) from exc
     count = backend.device_count()
     if count <= 0:
         raise CudaUnavailableError("No CUDA GPUs are available")
+    _driver.commit(backend)
     _backend_obj = backend
     _fast = backend.fast_paths()
     _count = count
     _count_cache = count
     _props = [None] * count
     _initialized = True
+
+
+def _unavailable(reason: str) -> str:
+    """``reason`` as one sentence, followed by the simulator hint the first time only."""
+    global _hint_given
+    text = reason.rstrip(". ") + "."
+    if _hint_given:
+        return text
+    _hint_given = True
+    return f"{text} {_SIMULATOR_HINT}"
+
+
+def use_simulator(enable: bool = True) -> None:
+    """Run on the simulated devices (or, with ``enable=False``, the real driver).
+
+    Allowed as long as CUDA is not initialised (:func:`is_initialized` is False), also after
+    :func:`is_available` or :func:`device_count` probed the real driver, so the fallback
+    ``if not cudalab.is_available(): cudalab.use_simulator()`` works.
+
+    Parameters
+    ----------
+    enable
+        True for the simulator, False for the real CUDA driver.
+
+    Raises
+    ------
+    RuntimeError
+        CUDA is already initialised with the other backend (:func:`is_initialized` is
+        True), or was initialised before this process was forked.
+    """
+    global _count_cache
+    with _init_lock:
+        current = _driver.current_backend()
+        if _in_bad_fork and not (current and current.name == ("simulator" if enable else "cuda")):
+            raise RuntimeError(
+                "cudalab initialised CUDA before this process was forked; a forked child can "
+                "neither use CUDA nor change its backend (use the 'spawn' start method)"
+            )
+        _driver.use_simulator(enable)
+        if not _initialized:
+            _count_cache = None  # a probe of the previous backend
 
 
 def _backend() -> Backend:

@@ -10,6 +10,15 @@ in one cell count in the later ones) fails on any ``_``-prefixed cudalab module 
 ``X._y`` where ``X`` names something imported from cudalab (``cudalab.devices._backend()``).
 The only exceptions are the names torch itself spells with an underscore and cudalab.memory
 mirrors (:data:`TORCH_SPELLED`).
+
+The notebooks are committed executed on the simulator, so a reader on a code host sees
+their outputs: each has outputs, its code cells ran in order, and every text output that
+shows a device says "simulated". To refresh them after editing a notebook::
+
+    CUDALAB_SIMULATOR=1 .venv/bin/python -m tests.test_notebooks --execute
+
+(``jupyter nbconvert --execute --inplace``, then :func:`slim`: no widget state, no timing
+metadata, so the files stay small and diffs show only what changed).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -188,3 +198,77 @@ def test_the_scan_catches_planted_private_uses(cells):
 ])
 def test_the_scan_allows_public_api(cells):
     assert private_uses(cells) == []
+
+
+# --------------------------------------------------------------------------- committed outputs
+#: What a code cell's outputs may weigh once committed (widget state is never committed).
+MAX_NOTEBOOK_BYTES = 200_000
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+SHOWS_A_DEVICE = re.compile(r"\bcuda:\d|\bGPU\b")
+
+
+def _texts(output: dict) -> list[str]:
+    """The plain text a reader sees of one output (stream text, ``text/plain``)."""
+    if output.get("output_type") == "stream":
+        text = output.get("text", "")
+        return ["".join(text) if isinstance(text, list) else text]
+    plain = output.get("data", {}).get("text/plain")
+    if plain is None:
+        return []
+    return ["".join(plain) if isinstance(plain, list) else plain]
+
+
+def slim(nb: dict) -> dict:
+    """``nb`` as committed: no widget state (it is hundreds of KB; the outputs keep their
+    static PNG/HTML/text pictures, so no widget view is left either), no per-cell timing."""
+    nb.get("metadata", {}).pop("widgets", None)
+    for cell in nb["cells"]:
+        cell.get("metadata", {}).pop("execution", None)
+        for out in cell.get("outputs", []):
+            data = out.get("data")
+            if data and WIDGET_MIME in data and len(data) > 1:
+                del data[WIDGET_MIME]
+    return nb
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_is_committed_executed_on_the_simulator(path):
+    raw = path.read_bytes()
+    assert len(raw) <= MAX_NOTEBOOK_BYTES, f"{path.name}: {len(raw):,} bytes (widget state?)"
+    nb = json.loads(raw)
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    counts = [c.get("execution_count") for c in code]
+    assert counts == list(range(1, len(code) + 1)), \
+        f"{path.name}: not executed top to bottom (execution counts {counts}); see the module doc"
+    assert any(c["outputs"] for c in code), f"{path.name} has no outputs"
+    assert "widgets" not in nb.get("metadata", {}), f"{path.name} carries widget state"
+    shown = 0
+    for i, cell in enumerate(nb["cells"]):
+        for out in cell.get("outputs", []):
+            assert out.get("output_type") != "error", f"{path.name} cell {i} raised"
+            assert WIDGET_MIME not in out.get("data", {}), f"{path.name} cell {i}: widget view"
+            for text in _texts(out):
+                if SHOWS_A_DEVICE.search(text):
+                    shown += 1
+                    assert "simulated" in text, \
+                        f"{path.name} cell {i} shows a device but not that it is simulated: " \
+                        f"{text[:200]!r}"
+    assert shown, f"{path.name}: no output shows the (simulated) device"
+
+
+def _execute() -> None:  # pragma: no cover - a maintenance command, see the module doc
+    if os.environ.get("CUDALAB_SIMULATOR") != "1":
+        sys.exit("run with CUDALAB_SIMULATOR=1: the committed outputs are the simulator's")
+    jupyter = pathlib.Path(sys.executable).with_name("jupyter")
+    subprocess.run([str(jupyter), "nbconvert", "--to", "notebook", "--execute", "--inplace",
+                    "--ExecutePreprocessor.timeout=300", *map(str, NOTEBOOKS)], check=True)
+    for path in NOTEBOOKS:
+        nb = slim(json.loads(path.read_text()))
+        path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+        print(f"{path.name}: {path.stat().st_size:,} bytes")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if sys.argv[1:] != ["--execute"]:
+        sys.exit("usage: python -m tests.test_notebooks --execute")
+    _execute()

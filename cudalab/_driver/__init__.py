@@ -1,8 +1,10 @@
 """Backend selection for the driver seam (see :mod:`cudalab._driver.base`).
 
 The real backend is the default. The simulator is chosen only explicitly, with
-``CUDALAB_SIMULATOR=1`` in the environment or :func:`use_simulator` before the first CUDA
-call; cudalab never falls back to it silently.
+``CUDALAB_SIMULATOR=1`` in the environment or :func:`use_simulator` before CUDA is
+initialised; cudalab never falls back to it silently. Probing the real backend
+(``is_available()``, ``device_count()``) creates it but does not commit the process to it:
+only :func:`commit`, called by :mod:`cudalab.devices` once CUDA is initialised, does.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from cudalab._driver.base import Backend
 _lock = threading.Lock()
 _backend: Backend | None = None
 _requested: str | None = None  # set by use_simulator()
+#: True once cudalab.devices initialised CUDA on ``_backend`` (handles may exist from then
+#: on, so the backend can no longer be replaced).
+_committed = False
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -45,19 +50,46 @@ def selected_backend_name() -> str:
 def use_simulator(enable: bool = True) -> None:
     """Select the simulator (or, with ``enable=False``, the real driver) for this process.
 
-    Must be called before cudalab initialises CUDA; afterwards the backend cannot change.
+    Allowed until cudalab initialises CUDA (``cudalab.is_initialized()``); a backend that was
+    only probed (``is_available()``, ``device_count()``) is dropped and replaced, so
+    ``if not cudalab.is_available(): cudalab.use_simulator()`` works.
+
+    Parameters
+    ----------
+    enable
+        True for the simulator, False for the real CUDA driver.
+
+    Raises
+    ------
+    RuntimeError
+        CUDA was already initialised with the other backend.
     """
-    global _requested
+    global _requested, _backend
     name = "simulator" if enable else "cuda"
     with _lock:
         if _backend is not None:
             if _backend.name == name:
                 return
-            raise RuntimeError(
-                f"cudalab is already initialised with the {_backend.name!r} backend; "
-                "use_simulator() must be called before the first CUDA call"
-            )
+            if _committed:
+                raise RuntimeError(
+                    f"cudalab has already initialised CUDA with the {_backend.name!r} backend "
+                    "(cudalab.is_initialized() is True), so it cannot switch to the "
+                    f"{name!r} one; call use_simulator() before the first CUDA call"
+                )
+            _backend = None  # only probed: nothing holds a handle from it yet
         _requested = name
+
+
+def commit(backend: Backend) -> None:
+    """Record that CUDA is initialised on ``backend``: from now on it cannot be replaced.
+
+    Called by :mod:`cudalab.devices` (under its init lock) once initialisation succeeded.
+    """
+    global _committed
+    with _lock:
+        if backend is not _backend:
+            raise RuntimeError("the cudalab backend was replaced while CUDA was initialised")
+        _committed = True
 
 
 def get_backend() -> Backend:
@@ -91,7 +123,8 @@ def current_backend() -> Backend | None:
 
 def _reset_for_tests() -> None:
     """Forget the backend (tests only: live handles from the old one become invalid)."""
-    global _backend, _requested
+    global _backend, _requested, _committed
     with _lock:
         _backend = None
         _requested = None
+        _committed = False

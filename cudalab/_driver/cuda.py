@@ -278,10 +278,8 @@ class CudaBackend(CudaMemory):
             except (RuntimeError, OSError) as exc:
                 # cuda-pathfinder's DynamicLibNotFoundError (bindings >= 13.4) or
                 # RuntimeError("Failed to dlopen libcuda.so.1") (bindings 13.3): no driver.
-                self._init_failure = (
-                    "no NVIDIA driver found (libcuda.so.1 could not be loaded): "
-                    f"{type(exc).__name__}: {exc}"
-                )
+                # The loader's own (long) text stays in the chained exception, shown once.
+                self._init_failure = "no NVIDIA driver found (libcuda.so.1 could not be loaded)"
                 raise DriverNotFoundError(self._init_failure) from exc
             if err == CUDA_ERROR_STUB_LIBRARY:
                 self._init_failure = (

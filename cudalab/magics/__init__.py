@@ -143,6 +143,9 @@ class CudaLabMagics(Magics):
           %%cuda_timed -r 7 -w 2 x = cudalab.zeros(1 << 20)
           step(x)
 
+        A trailing ``# comment`` on the magic's line is a comment, not a statement. Ctrl-C
+        in repeat mode reports the repeats that finished, then interrupts the cell.
+
         Options:
           -n N             loops per repeat (default: auto-range)
           -r R             repeats (default CudaLabMagics.repeat = 7)
@@ -163,6 +166,7 @@ class CudaLabMagics(Magics):
         when IQR/median > 10 % or max > 4x min, and the SM clock, temperature and power
         before and after (NVML), with a hint when the clock moved.
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame above the user's
         from cudalab.magics.timed import run_cuda_timed
 
         return run_cuda_timed(self, line, cell, local_ns)
@@ -184,14 +188,22 @@ class CudaLabMagics(Magics):
                                             the peak inside the cell (scoped: nobody's
                                             max_memory_allocated is reset) and GPU time
           %cuda_memory watch off
-          %cuda_memory history start [--max-entries N] | stop | save PATH | frame
-          %cuda_memory snapshot [PATH]      the snapshot viewer (PATH: write a memory_viz pickle)
+          %cuda_memory history start [--max-entries N] [--context C] [--stacks S]
+                                            record every allocator's history; C: state,
+                                            alloc, all (default) or none; S: python, all
+                                            (default) or none
+          %cuda_memory history stop         stop recording (what was recorded stays readable)
+          %cuda_memory history save PATH    .csv, .json (Perfetto) or a memory_viz pickle
+          %cuda_memory history frame        the recorded history as a DataFrame
+          %cuda_memory snapshot             the snapshot viewer of the live allocator
           %cuda_memory snapshot dict        the snapshot dict (torch's _snapshot() schema)
+          %cuda_memory snapshot PATH        write the snapshot to PATH (a memory_viz pickle)
           %cuda_memory snapshot view [PATH] the snapshot viewer widget (live, or of a pickle)
           %cuda_memory dashboard [-d DEV]   the live dashboard (cudalab.widgets.MemoryDashboard)
 
         BYTES accepts units: 1048576, 1MiB, 64 KiB, 1.5GB. Python variables expand as in
-        other line magics: %cuda_memory snapshot {path}.
+        other line magics: %cuda_memory snapshot {path}. A ``#`` that starts a word (outside
+        quotes) starts a comment: %cuda_memory snapshot  # the viewer.
         """
         from cudalab.magics.memory import run_cuda_memory
 
@@ -219,7 +231,7 @@ class CudaLabMagics(Magics):
         widgets = sys.modules.get("cudalab.widgets")
         if widgets is not None and hasattr(widgets, "close_all"):
             try:
-                widgets.close_all()  # every live dashboard's sampler thread (issue 7)
+                widgets.close_all()  # every live dashboard's sampler thread
             except Exception:
                 pass
         if self._flush is not None:

@@ -10,6 +10,7 @@ it, it closes the scope and prints one line. The peak is **scoped**: nobody's
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -39,6 +40,29 @@ def _show(text: str, html_text: str | None = None) -> None:
         bundle["text/html"] = html_text
     display(bundle, raw=True)
 
+
+
+def _cannot(what: str, verb: str, path: str, exc: Exception) -> UsageError:
+    """A one-line UsageError for a path ``%cuda_memory`` could not write or read."""
+    if isinstance(exc, OSError):
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            reason = "it is a directory"
+        elif verb == "write" and not os.path.isdir(parent):
+            reason = f"the directory '{parent}' does not exist"
+        elif isinstance(exc, FileNotFoundError):
+            reason = "no such file"
+        else:
+            reason = exc.strerror or str(exc)
+        return UsageError(f"{what}: cannot {verb} '{path}': {reason}")
+    return UsageError(f"{what}: {exc}")
+
+
+def _path_word(args: _Args, i: int, usage: str) -> str:
+    """``args.words[i]``, a path (a UsageError when it is missing or empty)."""
+    if len(args.words) <= i or not args.words[i].strip():
+        raise UsageError(usage)
+    return args.words[i]
 
 
 # =============================================================================== state
@@ -163,21 +187,22 @@ def _history(magics: Any, args: _Args) -> Any:
               "('%cuda_memory history save PATH' or 'frame')")
         return None
     if sub == "save":
-        if len(args.words) < 2:
-            raise UsageError("%cuda_memory history save PATH (.pickle for memory_viz, .csv, "
-                             ".json for Perfetto)")
-        path = args.words[1]
+        path = _path_word(args, 1, "%cuda_memory history save PATH (.pickle for memory_viz, "
+                                   ".csv, .json for Perfetto)")
         low = path.lower()
         n = _history_entries()
-        if low.endswith(".csv"):
-            cm.history_frame().to_csv(path, index=False)
-            kind = "CSV (cudalab.memory.read_history_csv reads it back)"
-        elif low.endswith(".json") or low.endswith(".json.gz"):
-            cm.export_perfetto(path)
-            kind = "Perfetto/Chrome trace JSON (open in ui.perfetto.dev)"
-        else:
-            cm.export_memory_viz(path)
-            kind = "torch snapshot pickle (open at https://pytorch.org/memory_viz)"
+        try:
+            if low.endswith(".csv"):
+                cm.history_frame().to_csv(path, index=False)
+                kind = "CSV (cudalab.memory.read_history_csv reads it back)"
+            elif low.endswith(".json") or low.endswith(".json.gz"):
+                cm.export_perfetto(path)
+                kind = "Perfetto/Chrome trace JSON (open in ui.perfetto.dev)"
+            else:
+                cm.export_memory_viz(path)
+                kind = "torch snapshot pickle (open at https://pytorch.org/memory_viz)"
+        except (OSError, ValueError) as exc:
+            raise _cannot("%cuda_memory history save", "write", path, exc) from None
         print(f"cudalab history: wrote {n} entries to {path}: {kind}")
         return None
     if sub == "frame":
@@ -235,17 +260,26 @@ def _snapshot(args: _Args) -> Any:
         cls = _widget_class("SnapshotViewer", "%cuda_memory snapshot view")
         if cls is None:
             return None
-        return cls(args.words[1] if len(args.words) > 1 else None)
+        if len(args.words) < 2:
+            return cls(None)
+        path = _path_word(args, 1, "%cuda_memory snapshot view [PATH]")
+        try:
+            return cls(path)
+        except (OSError, ValueError) as exc:  # missing, unreadable, not a snapshot
+            raise _cannot("%cuda_memory snapshot view", "read", path, exc) from None
     if args.words:
-        path = args.words[0]
-        cm.export_memory_viz(path)
+        path = _path_word(args, 0, "%cuda_memory snapshot [PATH | dict | view [PATH]]")
+        try:
+            cm.export_memory_viz(path)
+        except (OSError, ValueError) as exc:
+            raise _cannot("%cuda_memory snapshot", "write", path, exc) from None
         snap = SnapshotDict(take_snapshot())
         print(f"{snap._summary()}; wrote {path} (open it at https://pytorch.org/memory_viz; the "
               "file is read in the browser, not uploaded)")
         return None
 
     snap = SnapshotDict(take_snapshot())
-    try:  # the viewer where the widgets can load (issue 7: "%cuda_memory snapshot")
+    try:  # the viewer where the widgets can load
         from cudalab.widgets import SnapshotViewer
     except ImportError:
         return snap

@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 
 from cudalab import _internal
 
-__all__ = ["_Args", "_devices", "_label", "_parse", "_resolve", "_simulated"]
+__all__ = ["_Args", "_devices", "_label", "_parse", "_resolve", "_simulated", "strip_comment"]
 
 
 class _Args:
@@ -34,9 +34,48 @@ _COMMANDS = ("summary", "stats", "diff", "mark", "reset-peaks", "empty-cache", "
              "history", "snapshot", "dashboard")
 
 
+def strip_comment(line: str) -> str:
+    """``line`` without a trailing shell comment: from a ``#`` that starts a word, outside
+    quotes, to the end (as a POSIX shell reads it; ``a#b`` and ``"x #y"`` keep theirs).
+
+    Parameters
+    ----------
+    line : str
+        A magic's argument line.
+
+    Returns
+    -------
+    str
+        The line up to the comment (all of it when there is none).
+    """
+    if "#" not in line:
+        return line
+    quote = ""
+    escaped = False
+    space = True  # the start of the line starts a word
+    for i, c in enumerate(line):
+        word_start, space = space, False
+        if escaped:
+            escaped = False
+        elif quote:
+            if c == quote:
+                quote = ""
+            elif c == "\\" and quote == '"':
+                escaped = True
+        elif c == "\\":
+            escaped = True
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and word_start:
+            return line[:i]
+        else:
+            space = c.isspace()
+    return line
+
+
 def _parse(line: str) -> _Args:
     try:
-        tokens = shlex.split(line or "")
+        tokens = shlex.split(strip_comment(line or ""))
     except ValueError as exc:
         raise UsageError(f"%cuda_memory: {exc}") from None
     args = _Args()

@@ -71,6 +71,7 @@ _perf = time.perf_counter
 
 # ------------------------------------------------------------------------------- single
 def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
+    __tracebackhide__ = True  # noqa: F841 - see run_cuda_timed
     from cudalab.magics.result import CudaTimedResult
 
     magics, opts = ctx.magics, ctx.opts
@@ -164,6 +165,7 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
 
 # ------------------------------------------------------------------------------- repeat
 def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: bool) -> Any:
+    __tracebackhide__ = True  # noqa: F841 - see run_cuda_timed
     from cudalab.magics.result import CudaTimedResult
 
     magics, opts = ctx.magics, ctx.opts
@@ -194,9 +196,19 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
         nv_before = nvml_context(ctx.devs) if magics.nvml else {}
         if magics.disable_gc:
             gc.disable()
+        interrupted: KeyboardInterrupt | None = None
+        timing_fn = inner.once if number == 1 else inner
         try:
             begin, end = timer.loop_hooks(repeat, max_time)
-            done = (inner.once if number == 1 else inner)(number, 0, begin, end, rep)
+            done = timing_fn(number, 0, begin, end, rep)
+        except KeyboardInterrupt as exc:
+            timer.abort()
+            # Ctrl-C still reports the repeats that finished, then ends the cell as
+            # interrupted (as %time does); with no finished repeat there is nothing to report
+            done = _repeats_done(exc, timing_fn)
+            if not done:
+                raise
+            interrupted = exc
         except BaseException:
             timer.abort()
             raise
@@ -208,7 +220,7 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
         nv_after = nvml_context(ctx.devs) if magics.nvml else {}
         kernels: list[dict] = []
         note = ""
-        if opts.kernels:
+        if opts.kernels and interrupted is None:
             kernels, note = _instrumented_run(magics, ctx, opts, inner, tracker, rep)
     finally:
         _remove_observer(tracker)
@@ -216,7 +228,10 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
             gc.enable()
         if conflict:
             glob.update(conflict)
-    if done < repeat:
+    if interrupted is not None:
+        ctx.warnings.append(f"interrupted after {done} repeats (of {repeat}): the statistics "
+                            "cover those")
+    elif done < repeat:
         ctx.warnings.append(f"stopped after {done} of {repeat} repeats: --max-time "
                             f"{max_time:g} s reached")
     if tracker.new_side:
@@ -238,9 +253,23 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
     _clock_hints(nv_before, nv_after, magics, ctx)
     result.warnings, result.hints = list(ctx.warnings), list(ctx.hints)
     _publish(magics, opts, result)
+    if interrupted is not None:
+        raise interrupted
     if opts.output:
         return result
     return None
+
+
+def _repeats_done(exc: BaseException, timing_fn: Any) -> int:
+    """Measured repeats that finished before ``exc`` left the timing function: its repeat
+    counter, read from its frame in the traceback (the loop itself keeps no count)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is timing_fn.__code__:
+            j = tb.tb_frame.f_locals.get("_cl_j", 0)
+            return max(0, ~j if j < 0 else j)
+        tb = tb.tb_next
+    return 0
 
 
 def _count_to(n: int) -> Any:
@@ -324,6 +353,9 @@ def _publish(magics: Any, opts: TimedOptions, result: Any) -> None:
 
 def run_cuda_timed(magics: Any, line: str, cell: str | None, local_ns: Any) -> Any:
     """The body of ``%cuda_timed`` / ``%%cuda_timed`` (see its docstring)."""
+    # IPython's tracebacks skip frames that set this (as its own magics' frames are skipped):
+    # an error in the cell shows the user's frames, not the magic's
+    __tracebackhide__ = True  # noqa: F841
     opts = parse_options(line or "")
     if cell is None and not opts.stmt:
         raise UsageError("%cuda_timed needs a statement to time (or use %%cuda_timed)")

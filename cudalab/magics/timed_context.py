@@ -190,7 +190,10 @@ def _clock_hints(before: dict, after: dict, magics: Any, ctx: _Context) -> None:
     for d in ctx.devs:
         b, a = before.get(d) or {}, after.get(d) or {}
         cb, ca = b.get("clock_rate"), a.get("clock_rate")
-        if cb and ca and abs(ca - cb) / max(ca, cb) > magics.clock_hint_threshold:
+        # a simulated clock can't be locked: no advice (the report says the run is simulated)
+        simulated = ctx.simulated or b.get("simulated") or a.get("simulated")
+        if (cb and ca and not simulated
+                and abs(ca - cb) / max(ca, cb) > magics.clock_hint_threshold):
             ctx.hints.append(
                 f"cuda:{d}: the SM clock moved {cb} → {ca} MHz during the measurement (ramping "
                 "up from idle, or throttling): add warm-up (-w) or lock the clocks "

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import io
+import tokenize
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -123,8 +125,26 @@ def parse_options(line: str) -> TimedOptions:
         if len(tok) > 1 and (tok[1].isalpha() or tok[1] == "-"):
             raise UsageError(f"%cuda_timed: unknown option {tok!r} (see %cuda_timed?)")
         break  # "-x + 1", "-1": a statement that starts with a minus sign
-    opts.stmt = line[pos:].strip()
+    opts.stmt = _strip_comment(line[pos:]).strip()
     return opts
+
+
+def _strip_comment(stmt: str) -> str:
+    """``stmt`` without a trailing Python comment (a ``#`` outside string literals):
+    ``%%cuda_timed -r 50  # GPU time`` has no setup statement."""
+    if "#" not in stmt:
+        return stmt
+    if stmt.lstrip().startswith("#"):
+        return ""
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(stmt).readline):
+            if tok.type == tokenize.COMMENT:
+                return stmt[:tok.start[1]] if tok.start[0] == 1 else stmt
+            if tok.type == tokenize.ERRORTOKEN and tok.string[:1] in ("'", '"'):
+                break  # an unterminated string: leave its text as written
+    except (tokenize.TokenError, SyntaxError):
+        pass  # the statement's own error is reported when it is compiled
+    return stmt
 
 
 def parse_devices(spec: str | None) -> list[int]:

@@ -233,7 +233,8 @@ class ReplayResult:
     entries_per_s: float = 0.0
     #: Reference values found with the trace: ``torch_peak_reserved`` /
     #: ``torch_peak_allocated`` (benchmark pickles), ``recorded_peak_reserved`` (the peak the
-    #: trace's own segment_alloc/segment_free entries imply).
+    #: trace's own segment_alloc/segment_free entries imply), ``allocs_in_earlier_segments``
+    #: (allocations in memory reserved before the history began: a mid-session start).
     reference: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -306,7 +307,15 @@ class ReplayResult:
         if self.skipped:
             rows.append(("skipped", ", ".join(f"{k} {v:,}" for k, v in self.skipped.items())))
         if self.truncated:
-            rows.append(("truncated", "yes (the trace starts with frees: max_entries?)"))
+            rows.append(("truncated", "yes (the trace starts with frees of blocks allocated "
+                                      "before it began: history started mid-session, or "
+                                      "max_entries; the replay leaves those blocks out)"))
+        earlier = self.reference.get("allocs_in_earlier_segments")
+        if earlier:
+            rows.append(("note", f"{earlier:,} allocations reused memory reserved before the "
+                                 "history began (started mid-session): the recorded peak "
+                                 "leaves that memory out, the replay starts from nothing, "
+                                 "so replay/recorded above 1 is expected"))
         rows.append(("replay speed", f"{self.entries_per_s:,.0f} entries/s "
                                      f"({self.elapsed_s:.3f} s)"))
         return rows
@@ -617,8 +626,9 @@ def skip_warning(plan: ReplayPlan, source: str) -> str | None:
     text = (f"replay of {source}: skipped {total:,} of {plan.n_entries:,} alloc/free entries: "
             + "; ".join(parts))
     if plan.truncated:
-        text += (" (the trace starts with frees: it was probably truncated by max_entries, "
-                 "so memory allocated before it began is missing from the replay)")
+        text += (" (the trace starts with frees: the history was started mid-session or "
+                 "truncated by max_entries, so memory allocated before it began is missing "
+                 "from the replay)")
     return text
 
 

@@ -17,9 +17,12 @@
 
   - a snapshot dict (``cudalab.memory._snapshot()`` or ``torch.cuda.memory._snapshot()``):
     the entries of ``device_traces[device]``;
-  - the path of a snapshot pickle (cudalab's ``_dump_snapshot`` or torch's), read with
-    :func:`load_snapshot`; a pickled dict ``{"trace": [(action, addr, size, stream), ...]}``
-    (the allocator benchmark's format) is read too;
+  - the path of a file, told apart by its content: a snapshot pickle (cudalab's
+    ``_dump_snapshot`` or ``%cuda_memory history save X.pickle``, torch's), read with
+    :func:`load_snapshot`, or a pickled dict ``{"trace": [(action, addr, size, stream), ...]}``
+    (the allocator benchmark's format); a history CSV (``history save X.csv``, read with
+    :func:`read_history_csv`); a snapshot dict or entry list saved as JSON. A Perfetto JSON
+    (``history save X.json``) is refused with a message naming these: it keeps no event order;
   - a pandas DataFrame with columns ``action``, ``addr``, ``size``, ``stream`` (and
     optionally ``device``), as :func:`cudalab.memory.history_frame` returns;
   - a list of ``(action, addr, size, stream)`` tuples, or of trace entry dicts.
@@ -333,15 +336,73 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def _load_pickle(path: str) -> Any:
-    """Read a trace pickle without running code from it (the restricted unpickler of
-    :func:`load_snapshot`): a snapshot, else plain data that is a trace (the allocator
-    benchmark's ``{"trace": [...]}`` dicts, lists of tuples); TraceError otherwise."""
+#: What a trace file may be, for error messages.
+TRACE_FILES = ("a snapshot pickle (%cuda_memory history save X.pickle, "
+               "cudalab.memory._dump_snapshot or torch's) or a history CSV "
+               "(%cuda_memory history save X.csv, history_frame().to_csv)")
+
+
+def _load_file(path: str) -> Any:
+    """Read a trace file, told apart by its content: a pickle (by the restricted
+    unpickler), a history CSV (a DataFrame), a JSON snapshot or entry list; a
+    Perfetto/Chrome trace JSON or anything else is refused naming the formats read."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from None
+    head = data[:1]
+    if data[:2] == b"\x1f\x8b":  # gzip: cudalab writes only Perfetto JSON that way
+        import gzip
+
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as exc:
+            raise TraceError(f"cannot read {path}: corrupt gzip file ({exc})") from None
+        head = data.lstrip()[:1]
+    elif head != b"\x80":  # not a pickle (protocol 2+): text?
+        head = data.lstrip()[:1]
+    if head in (b"{", b"["):
+        return _load_json(path, data)
+    first = data.split(b"\n", 1)[0]
+    if head != b"\x80" and b"," in first and b"action" in first.split(b","):
+        return _load_csv(path)
+    if head != b"\x80" and path.lower().endswith(".csv"):
+        raise TraceError(f"cannot read {path}: not a history CSV (its first line has no "
+                         f"'action' column); replay reads {TRACE_FILES}")
+    return _load_pickle(path, data)  # (protocol 0 and 1 pickles are text: refused there)
+
+
+def _load_csv(path: str) -> Any:
+    try:
+        return read_history_csv(path)
+    except ImportError:
+        raise TraceError(f"cannot read {path}: reading a history CSV needs pandas "
+                         "(pip install pandas)") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise TraceError(f"cannot read history CSV {path}: {_first_line(exc)}") from None
+
+
+def _load_json(path: str, data: bytes) -> Any:
+    import json
+
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise TraceError(f"cannot read {path}: invalid JSON ({_first_line(exc)}); replay "
+                         f"reads {TRACE_FILES}") from None
+    if isinstance(obj, dict) and "traceEvents" in obj:
+        raise TraceError(
+            f"cannot replay {path}: it is a Perfetto/Chrome trace JSON (a timeline for "
+            "ui.perfetto.dev, which keeps block lifetimes but not the order of the "
+            f"allocator's events); replay reads {TRACE_FILES}")
+    return obj  # a snapshot dict or entry list written as JSON: checked by load_trace
+
+
+def _load_pickle(path: str, data: bytes) -> Any:
+    """Read a trace pickle without running code from it (the restricted unpickler of
+    :func:`load_snapshot`): a snapshot, else plain data that is a trace (the allocator
+    benchmark's ``{"trace": [...]}`` dicts, lists of tuples); TraceError otherwise."""
     what = f"snapshot {path!r}"
     obj: Any = None  # (stays None when the pickle itself is refused or corrupt)
     try:
@@ -352,6 +413,8 @@ def _load_pickle(path: str) -> Any:
     if (isinstance(obj, dict) and isinstance(obj.get("trace"), list)) or \
             (isinstance(obj, list) and obj and isinstance(obj[0], (tuple, list))):
         return obj
+    if why.endswith(")") and "truncated or corrupt pickle" in why:
+        why += f"; replay reads {TRACE_FILES}"
     raise TraceError(why if path in why else f"cannot load {path}: {why}")
 
 
@@ -439,7 +502,29 @@ def _from_columns(source: str, actions: Sequence[Any], addrs: Any, sizes: Any,
         size = np.asarray([s if isinstance(s, (int, np.integer)) and 0 < s < (1 << 62) else -1
                            for s in size_in], dtype=np.int64)
     stream = _int_array(pick(streams), "stream", source).tolist()
+    if "recorded_peak_reserved" in ref and addr.dtype == np.int64:
+        _count_earlier(ref, [i for i, sg in zip(seg_idx, sign) if sg > 0], addrs, sizes,
+                       addr[codes[keep] == 1])
     return TraceArrays(source, codes[keep], addr, size, stream, ignored, ref, seg_allocs)
+
+
+def _count_earlier(ref: dict, seg_rows: list, addrs: Any, sizes: Any,
+                   alloc_addr: np.ndarray) -> None:
+    """``ref["allocs_in_earlier_segments"]``: allocations at addresses outside every segment
+    the trace reserved (a history started mid-session: they reused memory reserved before
+    it, which the recorded peak does not count)."""
+    try:
+        lo = np.asarray([int(addrs[i]) for i in seg_rows], dtype=np.int64)
+        hi = lo + np.asarray([int(sizes[i]) for i in seg_rows], dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        return
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], np.maximum.accumulate(hi[order])
+    j = np.searchsorted(lo, alloc_addr, side="right") - 1
+    inside = (j >= 0) & (alloc_addr < hi[np.maximum(j, 0)])
+    n = int(alloc_addr.size - inside.sum())
+    if n:
+        ref["allocs_in_earlier_segments"] = n
 
 
 def _object_keys(values: Sequence[Any]) -> np.ndarray:
@@ -517,7 +602,7 @@ def load_trace(trace: Any, device: int = 0) -> TraceArrays:
     Parameters
     ----------
     trace
-        A snapshot dict, a snapshot (or trace) pickle path, a DataFrame (action, addr, size,
+        A snapshot dict, a snapshot (or trace) pickle or history CSV path, a DataFrame (action, addr, size,
         stream[, device]), a list of (action, addr, size, stream) tuples or of trace entry
         dicts (see the module documentation), or a :class:`TraceArrays` (returned as is).
     device : int, optional
@@ -540,8 +625,8 @@ def load_trace(trace: Any, device: int = 0) -> TraceArrays:
     if isinstance(trace, (str, os.PathLike)):
         source = os.fspath(trace)
         if os.path.isdir(source):
-            raise TraceError(f"cannot read {source}: it is a directory, not a trace pickle")
-        trace = _load_pickle(source)
+            raise TraceError(f"cannot read {source}: it is a directory, not a trace file")
+        trace = _load_file(source)
     if isinstance(trace, TraceArrays):
         return trace
     if _is_dataframe(trace):

@@ -148,6 +148,23 @@ def test_init_maps_loader_errors(monkeypatch, exc):
         C.CudaBackend().init()
 
 
+def test_loader_error_message_is_one_short_sentence(monkeypatch):
+    loader = OSError("libcuda.so.1: cannot open shared object file. Ensure the driver is installed.")
+
+    def boom(flags):
+        raise loader
+
+    monkeypatch.setattr(C, "_cuInit", boom)
+    b = C.CudaBackend()
+    with pytest.raises(DriverNotFoundError) as first:
+        b.init()
+    assert str(first.value) == "no NVIDIA driver found (libcuda.so.1 could not be loaded)"
+    assert first.value.__cause__ is loader  # the loader's text, once, in the chain
+    with pytest.raises(DriverNotFoundError) as again:
+        b.init()
+    assert str(again.value) == str(first.value)
+
+
 def test_init_no_device_means_zero_devices(monkeypatch):
     # A thread that never had a context (other tests on a GPU host leave one current here).
     monkeypatch.setattr(C._THREAD, "device", -1)
