@@ -1,4 +1,4 @@
-"""Allocator benchmark (issue 3): cache-hit latency, stats getters, fragmentation on real traces.
+"""Allocator benchmark: cache-hit latency, stats getters, fragmentation on real traces.
 
 In one run, side by side:
 

@@ -1,4 +1,4 @@
-"""Export benchmark (issue 4): DataFrames and Perfetto JSON from a 1M-entry history.
+"""Export benchmark: DataFrames and Perfetto JSON from a 1M-entry history.
 
 A self-consistent torch-schema snapshot with N trace entries is generated
 (``cudalab.memory_tools.synthetic.synthetic_snapshot``: random alloc/free on two streams, segments,
@@ -19,7 +19,7 @@ the machine is shared).
 
     python benchmarks/export.py [--entries 1000000] [--no-live] [--json out.json] [--quick]
 
-The issue's bound: 1M history entries to a DataFrame in <= 2 s.
+The target: 1M history entries to a DataFrame in <= 2 s.
 """
 
 from __future__ import annotations

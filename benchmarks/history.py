@@ -1,4 +1,4 @@
-"""History, snapshot and replay benchmark (issue 4), side by side with torch in one run.
+"""History, snapshot and replay benchmark, side by side with torch in one run.
 
 * added cost of allocation history per alloc+free pair: cudalab's
   ``caching_allocator_alloc/delete`` and ``DeviceArray`` creation+drop with history off,
@@ -13,7 +13,7 @@
 
     python benchmarks/history.py [--json out.json] [--quick]
 
-Bounds (issue 4): history with python stacks adds <= 0.5x torch's added cost; with
+Bounds (the targets this project set): history with python stacks adds <= 0.5x torch's added cost; with
 stacks=None <= 0.3 us; snapshot of 2000 blocks <= torch's time; replay >= 200k entries/s.
 """
 

@@ -1,4 +1,4 @@
-"""Random-number benchmark (issue 5): GB/s of rand/randn into 1 GiB float32, and launch cost.
+"""Random-number benchmark: GB/s of rand/randn into 1 GiB float32, and launch cost.
 
 Measures, in one run on one GPU: cudalab ``uniform_``/``normal_`` (what ``rand``/``randn``
 run), torch's ``Tensor.uniform_``/``normal_`` and CuPy's generators writing the same 1 GiB

@@ -1,4 +1,4 @@
-"""IPython extension benchmark (issue 6): the cost and accuracy of %%cuda_timed and the watch.
+"""IPython extension benchmark: the cost and accuracy of %%cuda_timed and the watch.
 
     python benchmarks/timing.py [--json out.json] [--quick]
 
@@ -30,20 +30,20 @@ doing when the start event was recorded:
 * *idle GPU at the start event* — ``cupyx.profiler.benchmark`` and the usual torch loop
   (``a.record(); f(); b.record(); b.synchronize()``) sync the host after every repeat, so
   the start event fires at once on an idle GPU, and the time also holds the host's path from
-  the record to the launch plus the launch's trip to the GPU (on the issue's H100 host about
+  the record to the launch plus the launch's trip to the GPU (on an H100 host about
   7 µs for the torch loop and 17 µs for cupyx: 0.7-1.7 % of 1 ms).
   ``%%cuda_timed`` is put in the same regime by a ``cudalab.synchronize()`` setup statement
   (setup runs before every repeat, untimed), without changing how it measures.
 
 The table gives each median, its excess over the kernel's own time, and the differences
 between tools measured in the same regime (target: within 1 %), then the cross-regime
-differences the issue first quoted (ours against the idle-start tools), which hold the
+differences that were first quoted (ours against the idle-start tools), which hold the
 launch gap and are not a like-with-like comparison. cupyx cannot be run with a busy GPU
 (its start event is recorded inside ``benchmark`` right after its own sync), so it is only
 compared in the idle regime; its host path from the start event to the launch is longer
 than the torch loop's (after the record it restores the current device with a
 ``cudaSetDevice`` call, reads the clock, then calls the function), which is why it read
-higher than torch in the issue's runs.
+higher than torch in earlier H100 runs.
 
 **Watch cost per cell**: the ``pre_run_cell`` + ``post_run_cell`` hooks of ``%cuda_memory
 watch on`` called directly (the default threshold 0 prints one line per cell, into a

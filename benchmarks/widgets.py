@@ -1,4 +1,4 @@
-"""Widgets benchmark (issue 7): what a live dashboard costs, and the snapshot viewer's speed.
+"""Widgets benchmark: what a live dashboard costs, and the snapshot viewer's speed.
 
 * slowdown of an allocation-heavy loop (``caching_allocator_alloc`` + ``delete`` of 4 KiB,
   and ``cudalab.empty`` + drop) while a ``MemoryDashboard`` of every device samples at 10 Hz,
@@ -11,7 +11,7 @@
 
     python benchmarks/widgets.py [--json out.json] [--quick]
 
-Bounds (issue 7): slowdown <= 2 % at 10 Hz; <= 2 KB per tick per device; 10k-block viewer
+Bounds (the targets this project set): slowdown <= 2 % at 10 Hz; <= 2 KB per tick per device; 10k-block viewer
 first render <= 1 s.
 """
 
