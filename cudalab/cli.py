@@ -193,10 +193,10 @@ def _format_info(info: dict[str, Any]) -> str:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from cudalab import _driver
+    from cudalab import _driver, devices
 
     if args.simulator:
-        _driver.use_simulator()
+        devices.use_simulator()  # the public one: it also forgets a probed device count
     try:
         _driver.selected_backend_name()
     except ValueError as exc:  # CUDALAB_SIMULATOR set to something unintelligible

@@ -48,21 +48,14 @@ def selected_backend_name() -> str:
 
 
 def use_simulator(enable: bool = True) -> None:
-    """Select the simulator (or, with ``enable=False``, the real driver) for this process.
-
-    Allowed until cudalab initialises CUDA (``cudalab.is_initialized()``); a backend that was
-    only probed (``is_available()``, ``device_count()``) is dropped and replaced, so
-    ``if not cudalab.is_available(): cudalab.use_simulator()`` works.
-
-    Parameters
-    ----------
-    enable
-        True for the simulator, False for the real CUDA driver.
+    """The seam's half of :func:`cudalab.use_simulator` (``cudalab.devices.use_simulator``,
+    which adds the fork check and forgets a probed device count): select the backend by name,
+    dropping one that was only probed.
 
     Raises
     ------
     RuntimeError
-        CUDA was already initialised with the other backend.
+        The other backend is committed (CUDA was initialised on it, see :func:`commit`).
     """
     global _requested, _backend
     name = "simulator" if enable else "cuda"

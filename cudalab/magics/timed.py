@@ -60,7 +60,7 @@ from cudalab.magics.kernel_listing import (
     _LaunchTracker,
     _remove_observer,
 )
-from cudalab.magics.timed_compile import compile_repeat, compile_single
+from cudalab.magics.timed_compile import REPEAT_COUNTER, compile_repeat, compile_single
 from cudalab.magics.timed_context import _clock_hints, _Context, _stat_warnings, nvml_context
 from cudalab.magics.timed_options import TimedOptions, parse_devices, parse_options
 
@@ -266,7 +266,7 @@ def _repeats_done(exc: BaseException, timing_fn: Any) -> int:
     tb = exc.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code is timing_fn.__code__:
-            j = tb.tb_frame.f_locals.get("_cl_j", 0)
+            j = tb.tb_frame.f_locals.get(REPEAT_COUNTER, 0)
             return max(0, ~j if j < 0 else j)
         tb = tb.tb_next
     return 0

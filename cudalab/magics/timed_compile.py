@@ -36,6 +36,11 @@ class _Filler(ast.NodeTransformer):
         return node
 
 
+#: The timing function's repeat counter: ``%%cuda_timed`` reads it from the function's frame
+#: after a Ctrl-C to report the repeats that finished (``timed._repeats_done``); the template
+#: below is checked to use this name, so the two cannot drift.
+REPEAT_COUNTER = "_cl_j"
+
 #: The timing function. The repeats loop inside it, so a repeat costs no call of its own:
 #: ``begin()`` (``time.perf_counter`` itself in the shared-boundary mode) before the loops,
 #: ``end(j, t0)`` after them, which records the end events and returns ``j + 1``, or
@@ -55,6 +60,7 @@ _TEMPLATE = (
 _TEMPLATE_ONCE = _TEMPLATE.replace(
     "        for _cl_i in _cl_repeat(None, _cl_n):\n            stmt\n", "        stmt\n")
 assert _TEMPLATE_ONCE != _TEMPLATE
+assert f"        {REPEAT_COUNTER} = _cl_end({REPEAT_COUNTER}, _cl_t0)\n" in _TEMPLATE
 
 
 def _parse(shell: Any, source: str) -> tuple[ast.Module, str]:
