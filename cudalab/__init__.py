@@ -24,6 +24,9 @@ from cudalab.devices import (
     get_device_properties,
     get_gencode_flags,
     init,
+    is_bf16_supported,
+    is_tf32_supported,
+    check_error,
     ipc_collect,
     is_available,
     is_initialized,
@@ -47,6 +50,7 @@ from cudalab.streams import (
     StreamContext,
     current_stream,
     default_stream,
+    get_stream_from_external,
     set_stream,
     stream,
 )
@@ -66,7 +70,8 @@ _LAZY: dict[str, str] = {
             "memory_stats", "memory_stats_as_nested_dict", "memory_summary", "empty_cache",
             "set_per_process_memory_fraction", "get_per_process_memory_fraction",
             "caching_allocator_alloc", "caching_allocator_delete", "get_allocator_backend",
-            "memory_snapshot",
+            "memory_snapshot", "caching_allocator_enable", "CUDAPluggableAllocator",
+            "change_current_allocator",
         )
     },
     # device arrays and pinned memory
@@ -76,8 +81,10 @@ _LAZY: dict[str, str] = {
                      "asarray", "from_dlpack")
     },
     **{name: "cudalab.memory" for name in ("record_history", "load_snapshot", "export_memory_viz")},
-    **{name: "cudalab.allocator.pinned" for name in ("empty_pinned", "pin_memory", "is_pinned",
-                                                   "pinned_memory_stats", "empty_pinned_cache")},
+    **{name: "cudalab.allocator.pinned" for name in (
+        "empty_pinned", "pin_memory", "is_pinned", "pinned_memory_stats", "empty_pinned_cache",
+        "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
+        "reset_accumulated_host_memory_stats")},
     # random numbers (torch.cuda's RNG API, bit-exact generation)
     **{
         name: "cudalab.random"
@@ -125,10 +132,11 @@ def __dir__() -> list[str]:
 __all__ = [
     "CudaError", "CudaUnavailableError", "Device", "DeviceProperties", "DriverNotFoundError",
     "Event", "ExternalStream", "KernelCompileError", "NvmlError", "OutOfMemoryError", "Stream",
-    "StreamContext", "can_device_access_peer", "current_device", "current_stream",
-    "default_stream", "device", "device_count", "device_of", "get_arch_list",
+    "StreamContext", "can_device_access_peer", "check_error", "current_device",
+    "current_stream", "default_stream", "device", "device_count", "device_of", "get_arch_list",
     "get_device_capability", "get_device_name", "get_device_properties", "get_gencode_flags",
-    "get_sync_debug_mode", "init", "ipc_collect", "is_available", "is_initialized",
+    "get_stream_from_external", "get_sync_debug_mode", "init", "ipc_collect", "is_available",
+    "is_bf16_supported", "is_initialized", "is_tf32_supported",
     "mem_get_info", "set_device", "set_stream", "set_sync_debug_mode", "stream", "synchronize",
     "use_simulator", *sorted(_LAZY),
 ]

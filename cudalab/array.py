@@ -89,7 +89,8 @@ class DeviceArray:
     """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
 
     ``DeviceArray(shape, dtype=float32, device=None)`` is :func:`cudalab.empty`. Attributes:
-    ``shape``, ``dtype`` (numpy), ``strides`` (bytes), ``device`` / ``device_index`` (int),
+    ``shape``, ``dtype`` (numpy), ``strides`` (bytes), ``device`` (a :class:`cudalab.Device`,
+    ``cuda:N``) / ``device_index`` (int),
     ``nbytes``, ``size``, ``ndim``, ``itemsize``, ``ptr`` (= :meth:`data_ptr`), ``stream``
     (the stream the memory was allocated on).
     """
@@ -192,12 +193,18 @@ class DeviceArray:
         return _c_strides(self._shape, self._dtype.itemsize) if s is None else s
 
     @property
-    def device(self) -> int:
-        """Index of the device holding the memory."""
-        return self._device
+    def device(self) -> _devices.Device:
+        """The device holding the memory, as torch's ``Tensor.device``.
+
+        A :class:`cudalab.Device` that prints as ``cuda:0`` and compares equal to
+        ``cudalab.Device("cuda:0")`` (and to the string ``"cuda:0"``), not to the int 0:
+        the index is ``device.index`` or :attr:`device_index`.
+        """
+        return _devices.device_object(self._device)
 
     @property
     def device_index(self) -> int:
+        """Index of the device holding the memory (an int)."""
         return self._device
 
     @property

@@ -12,7 +12,12 @@ import threading
 from typing import TYPE_CHECKING, Any, Literal
 
 from cudalab import _driver
-from cudalab.errors import CudaError, CudaUnavailableError, DriverNotFoundError
+from cudalab.errors import (
+    CudaError,
+    CudaUnavailableError,
+    DriverNotFoundError,
+    OutOfMemoryError,
+)
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend, FastPaths
@@ -31,12 +36,15 @@ __all__ = [
     "get_device_name",
     "get_device_capability",
     "get_device_properties",
+    "is_bf16_supported",
+    "is_tf32_supported",
     "can_device_access_peer",
     "mem_get_info",
     "synchronize",
     "get_arch_list",
     "get_gencode_flags",
     "ipc_collect",
+    "check_error",
     "use_simulator",
 ]
 
@@ -92,6 +100,33 @@ class Device:
 
     def __hash__(self) -> int:
         return hash((self.type, self.index))
+
+
+#: Shared :class:`Device` objects by index (``device_object``); a Device is never mutated
+#: after construction, so one object per index can be handed out to every caller.
+_device_objects: list[Device] = []
+
+
+def device_object(index: int) -> Device:
+    """The :class:`Device` ``cuda:<index>``, one shared object per index (no validation:
+    ``index`` is a valid device index the caller already holds).
+
+    Parameters
+    ----------
+    index : int
+        A device index (>= 0).
+
+    Returns
+    -------
+    Device
+        ``Device("cuda", index)``.
+    """
+    objs = _device_objects
+    if index < len(objs):
+        return objs[index]
+    while len(objs) <= index:
+        objs.append(Device("cuda", len(objs)))
+    return objs[index]
 
 
 def _parse_device_string(text: str) -> tuple[str, int | None]:
@@ -481,6 +516,47 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
     return (p.major, p.minor)
 
 
+#: The lowest compute capability with native bfloat16 and TF32 arithmetic (Ampere, sm_80).
+_BF16_TF32_MIN_MAJOR = 8
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """Whether the current device supports bfloat16, as ``torch.cuda.is_bf16_supported``.
+
+    Parameters
+    ----------
+    including_emulation : bool, optional
+        True (default, torch's): also count devices that only emulate bfloat16. Any CUDA
+        device can hold bfloat16 data (torch's check creates a bfloat16 tensor, which
+        works on every device), so the answer is then True whenever a device is
+        available. False: only native support, compute capability 8.0 or higher.
+
+    Returns
+    -------
+    bool
+        False when CUDA is not available. On the simulator the simulated device's
+        capability (9.0) decides.
+    """
+    if not is_available():
+        return False
+    if get_device_properties(current_device()).major >= _BF16_TF32_MIN_MAJOR:
+        return True
+    return bool(including_emulation)
+
+
+def is_tf32_supported() -> bool:
+    """Whether the current device has TF32 tensor cores, as ``torch.cuda.is_tf32_supported``.
+
+    Returns
+    -------
+    bool
+        True for compute capability 8.0 or higher (torch: native bfloat16 support,
+        ``is_bf16_supported(including_emulation=False)``); False when CUDA is not
+        available.
+    """
+    return is_bf16_supported(including_emulation=False)
+
+
 def can_device_access_peer(device: Any, peer_device: Any) -> bool:
     """Whether ``device`` can access ``peer_device``'s memory directly."""
     a = _device_index(device, optional=False)
@@ -538,3 +614,47 @@ def ipc_collect() -> None:
     is nothing to collect; it still initialises CUDA like torch's version does.
     """
     _lazy_init()
+
+
+def check_error(code: int) -> None:
+    """Raise :class:`cudalab.CudaError` for a failed CUDA status code (torch's
+    ``torch.cuda.check_error``).
+
+    Parameters
+    ----------
+    code : int
+        A status code returned by a CUDA call made outside cudalab. cudalab talks to the
+        driver, so the code is read as a ``CUresult``; the common codes (1 invalid value,
+        2 out of memory, 3 not initialised, ...) are the same numbers as the runtime's
+        ``cudaError_t``, which torch's version takes.
+
+    Returns
+    -------
+    None
+        When ``code`` is 0 (success).
+
+    Raises
+    ------
+    cudalab.CudaError
+        For any other code, carrying ``code``, the driver's error name and description
+        (``cuGetErrorName`` / ``cuGetErrorString``; the simulator gives ``"CUDA error N"``)
+        and ``call="check_error"``; :class:`cudalab.OutOfMemoryError` for code 2.
+    TypeError
+        When ``code`` is not an int.
+    """
+    if isinstance(code, bool) or not isinstance(code, int):
+        raise TypeError(f"check_error: code must be an int status code, got {code!r}")
+    if code == 0:
+        return None
+    try:
+        exc = _driver.get_backend().status_error(int(code), "check_error")
+    except (DriverNotFoundError, CudaUnavailableError):  # no driver to name the code
+        exc = CudaError(int(code), call="check_error")
+    if int(code) == _CUDA_ERROR_OUT_OF_MEMORY and not isinstance(exc, OutOfMemoryError):
+        exc = OutOfMemoryError(call="check_error")
+    raise exc
+
+
+#: ``CUDA_ERROR_OUT_OF_MEMORY`` (also ``cudaErrorMemoryAllocation``): check_error raises
+#: OutOfMemoryError for it, as the driver seam does.
+_CUDA_ERROR_OUT_OF_MEMORY = 2

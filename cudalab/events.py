@@ -179,6 +179,21 @@ class Event:
         """The driver handle as an int (0 before the first record)."""
         return 0 if self._handle is None else self._b.handle_int(self._handle)
 
+    @property
+    def event_id(self) -> int:
+        """torch's ``Event.event_id``: the ``CUevent`` handle's integer value, the same as
+        :attr:`cuda_event` (0 before the event is created by its first record, and after
+        :meth:`close`)."""
+        return 0 if self._handle is None else self._b.handle_int(self._handle)
+
+    @property
+    def device(self) -> _devices.Device | None:
+        """The event's device (torch's ``Event.device``): a :class:`cudalab.Device`, or
+        None while the event has not been created (events are created lazily, on the
+        device of the stream of their first record, as torch's)."""
+        idx = self.device_index
+        return None if idx < 0 else _devices.device_object(idx)
+
     def close(self) -> None:
         """Release the driver handle now (idempotent)."""
         h = self._handle

@@ -25,7 +25,9 @@ from cudalab.allocator.async_allocator import AsyncPoolAllocator
 from cudalab.allocator.base import Allocator, bad_pointer
 from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.oom_observers import attach_out_of_memory_observer
 from cudalab.allocator.pluggable import (
+    CUDAPluggableAllocator,
     PluggableAllocator,
     change_current_allocator,
     current_allocator,
@@ -36,6 +38,7 @@ from cudalab.allocator.registry import (
     existing_allocator,
     find_owner,
     get_allocator,
+    set_allocator_settings,
 )
 from cudalab.allocator.registry import allocators as _allocators  # (likewise)
 from cudalab.allocator.scope import PeakScope, peak_scope
@@ -43,6 +46,12 @@ from cudalab.allocator.stats import STAT_KEYS, nested_from_flat, render_memory_s
 from cudalab.allocator.uncached import UncachedAllocator
 
 if TYPE_CHECKING:  # the tooling's names, loaded on first use by __getattr__ (see _LAZY)
+    from cudalab.allocator.pinned import (
+        host_memory_stats,
+        host_memory_stats_as_nested_dict,
+        reset_accumulated_host_memory_stats,
+        reset_peak_host_memory_stats,
+    )
     from cudalab.memory_tools.export import (
         history_frame,
         segments_frame,
@@ -77,17 +86,21 @@ __all__ = [
     "AsyncPoolAllocator",
     "DeviceCachingAllocator",
     "HistoryRecording",
+    "CUDAPluggableAllocator",
     "PluggableAllocator",
     "UncachedAllocator",
     "STAT_KEYS",
     "SnapshotLoadError",
     "caching_allocator_alloc",
     "caching_allocator_delete",
+    "caching_allocator_enable",
     "change_current_allocator",
     "empty_cache",
     "export_memory_viz",
     "get_allocator_backend",
     "get_per_process_memory_fraction",
+    "host_memory_stats",
+    "host_memory_stats_as_nested_dict",
     "load_snapshot",
     "max_memory_allocated",
     "max_memory_cached",
@@ -104,9 +117,11 @@ __all__ = [
     "record_history",
     "record_stream",
     "render_memory_summary",
+    "reset_accumulated_host_memory_stats",
     "reset_accumulated_memory_stats",
     "reset_max_memory_allocated",
     "reset_max_memory_cached",
+    "reset_peak_host_memory_stats",
     "reset_peak_memory_stats",
     "set_per_process_memory_fraction",
 ]
@@ -466,6 +481,95 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
     return _devices.mem_get_info(device)
 
 
+def caching_allocator_enable(value: bool = True) -> None:
+    """Turn the caching allocator on or off (torch's function of the same name).
+
+    While it is off, every allocation is a plain driver allocation and every free of such
+    an allocation a plain driver free; blocks allocated from the cache before stay the
+    cache's. As torch's, allocations made while caching is off appear in no statistic,
+    snapshot or history, and the ``cudaMallocAsync`` and pluggable allocators are not
+    affected (see :mod:`cudalab.allocator.caching_switch`).
+
+    Parameters
+    ----------
+    value : bool, optional
+        True (default) turns caching on, False off.
+
+    Raises
+    ------
+    TypeError
+        When ``value`` is not a bool.
+
+    Notes
+    -----
+    As torch's, this does nothing until CUDA is initialised (``cudalab.init()`` or the
+    first CUDA call): call it after that.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"caching_allocator_enable: value must be a bool, got {value!r}")
+    if not _internal.is_initialized():
+        return
+    from cudalab.allocator.caching_switch import set_caching_enabled
+
+    set_caching_enabled(value)
+
+
+def _set_allocator_settings(settings: str) -> None:
+    """Change the allocator configuration at run time (torch's
+    ``torch.cuda.memory._set_allocator_settings``).
+
+    ``settings`` uses the ``CUDALAB_ALLOC_CONF`` grammar (:func:`parse_alloc_conf`); the keys
+    it names change, the others keep their values. Existing allocators apply the new size
+    rules (``max_split_size_mb``, ``max_non_split_rounding_mb``, ``large_segment_size_mb``,
+    ``roundup_power2_divisions``), ``garbage_collection_threshold`` and
+    ``per_process_memory_fraction`` from their next allocation; allocators created later
+    use the new settings. torch 2.11 deprecates this name in favour of
+    ``torch._C._accelerator_setAllocatorSettings``, which cudalab does not have: this is
+    cudalab's one entry point, without a warning.
+
+    Parameters
+    ----------
+    settings : str
+        For example ``"max_split_size_mb:128,garbage_collection_threshold:0.6"``.
+
+    Raises
+    ------
+    TypeError
+        When ``settings`` is not a str.
+    ValueError
+        When it does not parse; nothing changes.
+    RuntimeError
+        Once an allocator exists, for a change of ``backend`` (as torch) or of
+        ``expandable_segments`` (torch applies it to new segments; cudalab fixes it per
+        allocator); nothing changes.
+    """
+    set_allocator_settings(settings)
+
+
+def _attach_out_of_memory_observer(observer: Any) -> None:
+    """Call ``observer(device, alloc, device_allocated, device_free)`` before every
+    out-of-memory error of the native allocators (torch's private function of the same
+    name).
+
+    ``alloc`` is the size the allocator asked the driver for, ``device_allocated`` the
+    per-process limit when a memory fraction is set (else the device's total memory) and
+    ``device_free`` the driver's free memory. An observer that raises does not hide the
+    :class:`cudalab.OutOfMemoryError`: its exception becomes a RuntimeWarning. See
+    :mod:`cudalab.allocator.oom_observers`.
+
+    Parameters
+    ----------
+    observer : callable
+        Called with four ints.
+
+    Raises
+    ------
+    TypeError
+        When ``observer`` is not callable.
+    """
+    attach_out_of_memory_observer(observer)
+
+
 # --------------------------------------------------------------------------- raw allocation
 def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -> int:
     """Allocate ``size`` bytes from the caching allocator (torch's function of the same name).
@@ -523,6 +627,10 @@ def caching_allocator_delete(mem_ptr: int) -> None:
             return
     if mem_ptr == 0 and type(mem_ptr) is int:
         return
+    owner = find_owner(mem_ptr) if type(mem_ptr) is int else None
+    if owner is not None:  # allocated while caching was off (caching_allocator_enable)
+        owner.free(mem_ptr)
+        return
     raise bad_pointer(mem_ptr)
 
 
@@ -571,8 +679,13 @@ _LAZY = {
     # interop shims and the pinned host pool, loaded on demand
     "cupy_allocator": "cudalab.interop",
     "CudalabNumbaMemoryManager": "cudalab.interop",
-    "pinned_memory_stats": "cudalab.allocator.pinned",
-    "empty_pinned_cache": "cudalab.allocator.pinned",
+    **{name: "cudalab.allocator.pinned" for name in (
+        "pinned_memory_stats", "empty_pinned_cache", "host_memory_stats",
+        "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
+        "reset_accumulated_host_memory_stats")},
+    # torch's private names for the SVG plots and user metadata on trace entries
+    **{name: _TOOLING + "usage_plots" for name in ("_save_segment_usage", "_save_memory_usage")},
+    **{name: _TOOLING + "history" for name in ("_set_memory_metadata", "_get_memory_metadata")},
 }
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "StreamContext",
     "current_stream",
     "default_stream",
+    "get_stream_from_external",
     "set_stream",
     "stream",
 ]
@@ -111,7 +112,18 @@ class Stream:
     @property
     def device(self) -> _devices.Device:
         """The stream's device as a :class:`cudalab.Device`."""
-        return _devices.Device("cuda", self.device_index)
+        return _devices.device_object(self.device_index)
+
+    @property
+    def stream_id(self) -> int:
+        """An int that identifies the stream on its device (torch's ``Stream.stream_id``).
+
+        torch's value is an internal encoding of its stream pool; cudalab's is the driver
+        handle's value, the same as :attr:`cuda_stream`: stable for the stream's life, equal
+        for every :class:`Stream` object wrapping the same driver stream, and 0 for the
+        default (legacy null) stream, whose torch id is 0 too.
+        """
+        return self.cuda_stream
 
     @property
     def priority(self) -> int:
@@ -252,6 +264,34 @@ class ExternalStream(Stream):
         self._owned = False
         self._null = stream_ptr == 0
         self._ctx_stack = None
+
+
+def get_stream_from_external(data_ptr: int, device: Any = None) -> ExternalStream:
+    """Wrap a stream created outside cudalab (torch's ``get_stream_from_external``).
+
+    Parameters
+    ----------
+    data_ptr : int
+        The driver handle of the stream (``cudaStream_t`` / ``CUstream`` as an int, e.g.
+        CuPy's ``Stream.ptr`` or torch's ``Stream.cuda_stream``); 0 is the legacy default
+        stream.
+    device : int, str, Device or None, optional
+        The device the stream belongs to (default: the current device).
+
+    Returns
+    -------
+    ExternalStream
+        A stream cudalab never destroys: the caller keeps the external stream alive while
+        the returned object is used.
+
+    Raises
+    ------
+    TypeError
+        When ``data_ptr`` is not a non-negative int.
+    ValueError
+        For a device index out of range.
+    """
+    return ExternalStream(data_ptr, device)
 
 
 # --------------------------------------------------------------------------- current stream

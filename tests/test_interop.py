@@ -80,7 +80,7 @@ def test_cupy_dlpack_both_ways():
         with cupy.cuda.Device(1):
             x1 = cupy.arange(4, dtype=cupy.int32)
         b1 = cudalab.from_dlpack(x1)
-        assert b1.device == 1 and b1.ptr == x1.data.ptr
+        assert b1.device_index == 1 and b1.ptr == x1.data.ptr
         np.testing.assert_array_equal(b1.numpy(), np.arange(4))
         c1 = cupy.from_dlpack(b1)
         assert c1.device.id == 1
@@ -145,7 +145,7 @@ def test_from_dlpack_of_torch_tensor():
     if torch.cuda.device_count() > 1:
         t1 = torch.ones(5, device="cuda:1")
         a1 = cudalab.from_dlpack(t1)  # torch wants the tensor's device current meanwhile
-        assert a1.device == 1 and a1.ptr == t1.data_ptr()
+        assert a1.device_index == 1 and a1.ptr == t1.data_ptr()
         assert torch.cuda.current_device() == 0 and cudalab.current_device() == 0
         np.testing.assert_array_equal(a1.numpy(), np.ones(5, np.float32))
         back = torch.from_dlpack(a1)

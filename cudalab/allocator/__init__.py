@@ -20,6 +20,8 @@ module                      concept
 ``async_allocator``         ``backend:cudaMallocAsync`` over the driver's memory pools
 ``pluggable``               ``PluggableAllocator`` (torch's CUDAPluggableAllocator)
 ``uncached``                ``UncachedAllocator`` (every malloc is a driver call)
+``caching_switch``          ``caching_allocator_enable``: caching turned off at run time
+``oom_observers``           the out-of-memory observers (torch's OOM observer hook)
 ``registry``                one allocator per device: creation (the class is chosen here)
 ``config``                  ``CUDALAB_ALLOC_CONF`` with torch's grammar
 ``stats``                   the counters behind ``memory_stats()`` and ``memory_summary()``
@@ -27,6 +29,7 @@ module                      concept
 ``token_lock``              the allocator's lock, a one-element list
 ``events``                  the pooled events that guard ``record_stream`` reuse
 ``pinned``                  the caching pinned-host pool
+``host_stats``              the pinned pool's statistics in torch's layout
 ``hooks``                   the protocol a listener (history) attaches through
 ==========================  ================================================================
 """

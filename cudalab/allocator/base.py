@@ -18,6 +18,7 @@ from cudalab.allocator.stats import DeviceStats, format_size
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
+    from cudalab.allocator.config import AllocatorConfig
     from cudalab.allocator.hooks import AllocatorTrace
 
 __all__ = ["Allocator", "bad_pointer", "current_stream_key", "fraction_total", "oom_text",
@@ -109,6 +110,22 @@ class Allocator(abc.ABC):
 
     def sync_pending(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
         """Apply frees deferred because the lock was busy (before reading statistics)."""
+
+    def reconfigure(self, config: AllocatorConfig) -> None:
+        """Apply settings changed at run time (``cudalab.memory._set_allocator_settings``).
+
+        The base version keeps ``config`` and applies its ``per_process_memory_fraction``;
+        the native caching allocator also applies its size rules.
+
+        Parameters
+        ----------
+        config : AllocatorConfig
+            The new settings; ``backend`` and ``expandable_segments`` are the ones this
+            allocator was created with (the caller checks).
+        """
+        self.config = config  # type: ignore[attr-defined]
+        if config.per_process_memory_fraction is not None:
+            self.set_memory_fraction(config.per_process_memory_fraction)
 
     def memory_stats(self) -> dict:
         """torch's 122-key ``memory_stats()`` dict."""

@@ -29,6 +29,8 @@ from cudalab._units import KiB, MiB
 __all__ = [
     "AllocatorConfig",
     "parse_alloc_conf",
+    "merge_settings",
+    "NATIVE_ONLY_KEYS",
     "config_from_env",
     "no_caching_from_env",
     "ENV_VARS",
@@ -281,6 +283,9 @@ _NATIVE_ONLY = frozenset((
     "release_lock_on_cudamalloc",
 ))
 
+#: The keys only the native caching allocator uses (public name of the set above).
+NATIVE_ONLY_KEYS = _NATIVE_ONLY
+
 #: Every key the parser accepts.
 KNOWN_KEYS = (
     "backend",
@@ -415,6 +420,51 @@ def parse_alloc_conf(text: str | None, source: str = "parse_alloc_conf") -> Allo
                 stacklevel=3,
             )
     return replace(AllocatorConfig(text=text, source=source), keys=tuple(keys), **values)
+
+
+#: The AllocatorConfig fields each settings key sets (merge_settings).
+_KEY_FIELDS: dict[str, tuple[str, ...]] = {
+    "backend": ("backend",),
+    "max_split_size_mb": ("max_split_size",),
+    "max_non_split_rounding_mb": ("max_non_split_rounding_size",),
+    "large_segment_size_mb": ("large_segment_size",),
+    "roundup_power2_divisions": ("roundup_power2_divisions",),
+    "garbage_collection_threshold": ("garbage_collection_threshold",),
+    "per_process_memory_fraction": ("per_process_memory_fraction",),
+    **{key: (name,) for key, name in _BOOL_KEYS.items()},
+    "pinned_num_register_threads": ("pinned_num_register_threads",),
+    "pinned_reserve_segment_size_mb": ("pinned_reserve_segment_size_mb",),
+    "pinned_max_round_threshold_mb": ("pinned_max_round_threshold_mb",),
+    "pinned_max_cached_size_mb": ("pinned_max_cached_size_mb",),
+}
+
+
+def merge_settings(base: AllocatorConfig, update: AllocatorConfig) -> AllocatorConfig:
+    """``base`` with the keys given in ``update`` applied, as torch's ``parseArgs`` applies
+    a settings string at run time (keys not named keep their values).
+
+    Parameters
+    ----------
+    base : AllocatorConfig
+        The settings in force.
+    update : AllocatorConfig
+        A parsed settings string (:func:`parse_alloc_conf`); only its ``keys`` count.
+
+    Returns
+    -------
+    AllocatorConfig
+        The merged settings; ``text`` and ``source`` are ``update``'s (torch's
+        ``last_allocator_settings`` is the last string applied).
+    """
+    values: dict[str, Any] = {}
+    for key in update.keys:
+        for name in _KEY_FIELDS[key]:
+            values[name] = getattr(update, name)
+    if "large_segment_size_mb" in update.keys and "max_non_split_rounding_mb" not in update.keys:
+        # the parser ties the default rounding slack to the segment size
+        values["max_non_split_rounding_size"] = update.max_non_split_rounding_size
+    keys = tuple(dict.fromkeys(base.keys + update.keys))
+    return replace(base, text=update.text, source=update.source, keys=keys, **values)
 
 
 def _env_conf(environ: Mapping[str, str]) -> tuple[str, str] | None:

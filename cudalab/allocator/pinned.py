@@ -23,6 +23,7 @@ import bisect
 import collections
 import math
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from cudalab import devices as _devices
 from cudalab._dtypes import normalize_dtype, normalize_shape
 from cudalab._units import format_bytes
 from cudalab.allocator.events import EventPool
+from cudalab.allocator.host_stats import HostStats, flatten
 from cudalab.errors import OutOfMemoryError
 
 if TYPE_CHECKING:
@@ -42,6 +44,10 @@ __all__ = [
     "is_pinned",
     "record_use",
     "pinned_memory_stats",
+    "host_memory_stats",
+    "host_memory_stats_as_nested_dict",
+    "reset_peak_host_memory_stats",
+    "reset_accumulated_host_memory_stats",
     "empty_pinned_cache",
     "CachingHostAllocator",
     "round_size",
@@ -97,6 +103,10 @@ class CachingHostAllocator:
         self._host_allocs = 0
         self._host_frees = 0
         self._cache_hits = 0
+        #: torch's HostStats (cudalab.allocator.host_stats), updated with the counters
+        #: above: allocation/allocated_bytes with _used, segment/reserved_bytes with the
+        #: blocks that exist (used + free + returned).
+        self._host_stats = HostStats()
 
     # ------------------------------------------------------------------ plumbing
     def _b(self) -> Backend:
@@ -121,6 +131,8 @@ class CachingHostAllocator:
             del self._used_starts[bisect.bisect_left(self._used_starts, block.ptr)]
             self._allocated_bytes -= block.size
             self._requested_bytes -= block.requested
+            self._host_stats.allocation.decrease(1)
+            self._host_stats.allocated_bytes.decrease(block.size)
             self._free.setdefault(block.size, []).append(block)
             self._cached_bytes += block.size
             self._cached_blocks += 1
@@ -173,6 +185,8 @@ class CachingHostAllocator:
         self._requested_bytes += nbytes
         if self._allocated_bytes > self._peak_allocated:
             self._peak_allocated = self._allocated_bytes
+        self._host_stats.allocation.increase(1)
+        self._host_stats.allocated_bytes.increase(block.size)
 
     def _take_cached(self, size: int) -> _Block | None:
         blocks = self._free.get(size)
@@ -190,10 +204,12 @@ class CachingHostAllocator:
 
     def _allocate(self, size: int) -> _Block:
         b = self._b()
+        t0 = time.perf_counter_ns()
         try:
             ptr = b.host_alloc(size)
         except OutOfMemoryError:
             self.empty_cache()
+            t0 = time.perf_counter_ns()
             try:
                 ptr = b.host_alloc(size)
             except OutOfMemoryError as exc:
@@ -201,8 +217,13 @@ class CachingHostAllocator:
                     text=f"out of pinned host memory allocating {format_bytes(size)} ({size} "
                          f"bytes; {format_bytes(self.stats()['allocated_bytes'])} of pinned "
                          f"memory in use): {exc}") from exc
+        elapsed_us = (time.perf_counter_ns() - t0) // 1000
         with self._lock:
             self._host_allocs += 1
+            hs = self._host_stats
+            hs.segment.increase(1)
+            hs.reserved_bytes.increase(size)
+            hs.host_alloc_time.add(elapsed_us)
         return _Block(ptr, size)
 
     def release(self, block: _Block) -> None:
@@ -262,9 +283,15 @@ class CachingHostAllocator:
             return
         b = self._b()
         for block in to_free:
+            t0 = time.perf_counter_ns()
             b.host_free(block.ptr)
+            elapsed_us = (time.perf_counter_ns() - t0) // 1000
             with self._lock:
                 self._host_frees += 1
+                hs = self._host_stats
+                hs.segment.decrease(1)
+                hs.reserved_bytes.decrease(block.size)
+                hs.host_free_time.add(elapsed_us)
 
     def stats(self) -> dict[str, int]:
         """Counters: bytes/blocks in use and cached, peak, host allocations and frees."""
@@ -284,6 +311,21 @@ class CachingHostAllocator:
                 "num_host_free": self._host_frees,
                 "num_cache_hits": self._cache_hits,
             }
+
+    def host_stats(self) -> dict[str, object]:
+        """torch's nested host stats dict (:meth:`HostStats.nested`), after filing returns."""
+        with self._lock:
+            self._drain()
+            return self._host_stats.nested()
+
+    def reset_host_stats(self, peak: bool) -> None:
+        """Reset the peaks (``peak=True``) or the accumulated counters of the host stats."""
+        with self._lock:
+            self._drain()
+            if peak:
+                self._host_stats.reset_peak()
+            else:
+                self._host_stats.reset_accumulated()
 
 
 _allocator = CachingHostAllocator()
@@ -412,18 +454,72 @@ def _lookup(ptr: int, nbytes: int) -> bool:
 
 
 def pinned_memory_stats() -> dict[str, int]:
-    """The pinned cache's counters.
+    """The pinned cache's counters: an alias of :func:`host_memory_stats` (torch's name)
+    that also carries cudalab's flat summary keys.
+
+    Unlike :func:`host_memory_stats` it answers (zeros) before CUDA is initialised.
 
     Returns
     -------
     dict of str to int
-        ``allocated_bytes``/``allocated_blocks`` (in use, rounded sizes),
-        ``requested_bytes``, ``cached_bytes``/``cached_blocks`` (free, kept),
-        ``cached_blocks_pending`` (free but possibly still used by a copy),
+        Every key of :func:`host_memory_stats`, plus ``allocated_bytes``/``allocated_blocks``
+        (in use, rounded sizes), ``requested_bytes``, ``cached_bytes``/``cached_blocks``
+        (free, kept), ``cached_blocks_pending`` (free but possibly still used by a copy),
         ``reserved_bytes`` (= allocated + cached), ``peak_allocated_bytes``,
         ``num_host_alloc``/``num_host_free`` (driver calls) and ``num_cache_hits``.
     """
-    return _allocator.stats()
+    out = flatten(_allocator.host_stats())
+    out.update(_allocator.stats())
+    return out
+
+
+def host_memory_stats_as_nested_dict() -> dict[str, object]:
+    """torch's ``host_memory_stats_as_nested_dict()``: the pinned allocator's statistics.
+
+    Returns
+    -------
+    dict
+        ``{"num_host_alloc": int, "num_host_free": int, "allocation": {...},
+        "segment": {...}, "allocated_bytes": {...}, "reserved_bytes": {...},
+        "host_alloc_time": {...}, "host_free_time": {...}}`` (see
+        :func:`host_memory_stats`); ``{}`` when CUDA is not initialised, as torch.
+    """
+    if not _devices.is_initialized():
+        return {}
+    return _allocator.host_stats()
+
+
+def host_memory_stats() -> dict[str, int]:
+    """torch's ``host_memory_stats()``: the pinned (host) allocator's statistics, flat.
+
+    Keys (torch 2.11's): ``allocation.{current,peak,allocated,freed}`` (blocks handed out;
+    a block counts until the last array over it goes), ``allocated_bytes.{...}`` (their
+    rounded bytes), ``segment.{...}`` (blocks obtained from the driver, in use or cached),
+    ``reserved_bytes.{...}`` (their bytes), ``num_host_alloc`` / ``num_host_free`` (driver
+    allocations / frees), ``host_alloc_time.{total,max,min,count,avg}`` and
+    ``host_free_time.{...}`` (microseconds in those driver calls). Peaks are exact (torch
+    sums per-size-bucket peaks, an upper bound).
+
+    Returns
+    -------
+    dict of str to int
+        The statistics, keys sorted; ``{}`` when CUDA is not initialised, as torch.
+    """
+    return flatten(host_memory_stats_as_nested_dict())
+
+
+def reset_peak_host_memory_stats() -> None:
+    """torch's ``reset_peak_host_memory_stats()``: every ``peak`` of
+    :func:`host_memory_stats` becomes the current value; ``host_alloc_time`` and
+    ``host_free_time`` forget their ``min`` and ``max``."""
+    _allocator.reset_host_stats(peak=True)
+
+
+def reset_accumulated_host_memory_stats() -> None:
+    """torch's ``reset_accumulated_host_memory_stats()``: the ``allocated`` and ``freed``
+    counters of :func:`host_memory_stats` (hence ``num_host_alloc``/``num_host_free``) and
+    the durations' ``total``/``count`` back to 0."""
+    _allocator.reset_host_stats(peak=False)
 
 
 def empty_pinned_cache() -> None:

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from cudalab.allocator.hooks import AllocatorTrace
 
 __all__ = [
+    "CUDAPluggableAllocator",
     "PluggableAllocator",
     "PluggableDeviceAllocator",
     "change_current_allocator",
@@ -104,6 +105,79 @@ class PluggableAllocator:
         return PluggableDeviceAllocator(self, backend, device, config, stream_resolver)
 
 
+class CUDAPluggableAllocator(PluggableAllocator):
+    """torch's ``CUDAPluggableAllocator(path_to_so_file, alloc_fn_name, free_fn_name)``: an
+    allocator whose two functions come from a shared library, loaded with :mod:`ctypes`.
+
+    The functions have torch's C signatures::
+
+        void* alloc_fn(ssize_t size, int device, cudaStream_t stream);
+        void free_fn(void* ptr, ssize_t size, int device, cudaStream_t stream);
+
+    Activate it with :func:`change_current_allocator` before the first allocation, as in
+    torch. Differences from torch: the functions are called through :mod:`ctypes` from
+    Python (torch calls them from C++), so each allocation costs a few microseconds more;
+    a NULL result raises :class:`cudalab.OutOfMemoryError` naming the function; cudalab
+    keeps statistics for it (torch's ``memory_stats()`` raises for a pluggable
+    allocator). :class:`PluggableAllocator` takes Python callables instead of a library.
+
+    Parameters
+    ----------
+    path_to_so_file : str or os.PathLike
+        The shared library (``ctypes.CDLL`` loads it; ``RTLD_GLOBAL`` is not used).
+    alloc_fn_name : str
+        The symbol of the allocation function.
+    free_fn_name : str
+        The symbol of the free function.
+
+    Raises
+    ------
+    TypeError
+        When a name is not a str.
+    OSError
+        When the library cannot be loaded.
+    AttributeError
+        When the library has no such symbol.
+    """
+
+    __slots__ = ("path_to_so_file", "alloc_fn_name", "free_fn_name", "_library")
+
+    def __init__(self, path_to_so_file: Any, alloc_fn_name: str, free_fn_name: str):
+        import ctypes  # (only here: keeps the allocator package's import lean)
+        import os
+
+        for name, value in (("alloc_fn_name", alloc_fn_name), ("free_fn_name", free_fn_name)):
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"CUDAPluggableAllocator: {name} must be a non-empty str, "
+                                f"got {value!r}")
+        path = os.fspath(path_to_so_file)
+        library = ctypes.CDLL(path)
+        alloc = getattr(library, alloc_fn_name)  # AttributeError names the missing symbol
+        free = getattr(library, free_fn_name)
+        alloc.restype = ctypes.c_void_p
+        alloc.argtypes = (ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+        free.restype = None
+        free.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+
+        def malloc_fn(size: int, device: int, stream: int) -> int:
+            return alloc(size, device, stream) or 0  # NULL comes back as None
+
+        def free_fn(ptr: int, size: int, device: int, stream: int) -> None:
+            free(ptr, size, device, stream)
+
+        malloc_fn.__qualname__ = f"{os.path.basename(path)}:{alloc_fn_name}"
+        free_fn.__qualname__ = f"{os.path.basename(path)}:{free_fn_name}"
+        super().__init__(malloc_fn, free_fn)
+        self.path_to_so_file = path
+        self.alloc_fn_name = alloc_fn_name
+        self.free_fn_name = free_fn_name
+        self._library = library  # keeps the library loaded while the allocator lives
+
+    def __repr__(self) -> str:
+        return (f"CUDAPluggableAllocator({self.path_to_so_file!r}, {self.alloc_fn_name!r}, "
+                f"{self.free_fn_name!r})")
+
+
 def _fn_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
@@ -111,9 +185,19 @@ def _fn_name(fn: Any) -> str:
 def change_current_allocator(allocator: PluggableAllocator | None) -> None:
     """Use ``allocator`` for every device from now on (torch's function of the same name).
 
-    Must be called before the first allocation: once any device's allocator exists this
-    raises RuntimeError ("Can't swap an already initialized allocator"), like torch.
-    ``None`` goes back to the allocator the settings choose (also only before first use).
+    Parameters
+    ----------
+    allocator : PluggableAllocator, CUDAPluggableAllocator or None
+        The allocator; ``None`` (a cudalab extension) goes back to the allocator the
+        settings choose.
+
+    Raises
+    ------
+    RuntimeError
+        Once any device's allocator exists ("Can't swap an already initialized
+        allocator", as torch): call it before the first allocation.
+    TypeError
+        When ``allocator`` is not a :class:`PluggableAllocator`.
     """
     if allocator is not None and not isinstance(allocator, PluggableAllocator):
         raise TypeError(

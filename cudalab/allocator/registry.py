@@ -21,13 +21,21 @@ index, or cleared by ``_reset_for_tests``), so a reader may bind them once at im
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from cudalab.allocator.async_allocator import AsyncPoolAllocator
 from cudalab.allocator.base import Allocator
 from cudalab.allocator.caching import DeviceCachingAllocator
-from cudalab.allocator.config import AllocatorConfig, config_from_env, no_caching_from_env
+from cudalab.allocator.config import (
+    NATIVE_ONLY_KEYS,
+    AllocatorConfig,
+    config_from_env,
+    merge_settings,
+    no_caching_from_env,
+    parse_alloc_conf,
+)
 from cudalab.allocator.expandable import ExpandableCachingAllocator
 from cudalab.allocator.uncached import UncachedAllocator
 
@@ -48,6 +56,7 @@ __all__ = [
     "native_allocator",
     "remove_create_hook",
     "set_custom_allocator",
+    "set_allocator_settings",
 ]
 
 
@@ -227,6 +236,63 @@ def allocator_config() -> AllocatorConfig:
     if cfg is None:
         cfg = _config = config_from_env()
     return cfg
+
+
+def set_allocator_settings(settings: str) -> AllocatorConfig:
+    """Change the allocator settings at run time (``cudalab.memory._set_allocator_settings``).
+
+    Parameters
+    ----------
+    settings : str
+        Settings in the ``CUDALAB_ALLOC_CONF`` grammar; only the keys it names change.
+
+    Returns
+    -------
+    AllocatorConfig
+        The settings now in force (existing allocators were reconfigured with them).
+
+    Raises
+    ------
+    TypeError
+        When ``settings`` is not a str.
+    ValueError
+        When it does not parse (nothing changes).
+    RuntimeError
+        When an allocator exists and the string changes ``backend`` (torch: "Allocator
+        backend parsed at runtime != allocator backend parsed at load time") or
+        ``expandable_segments`` (fixed for an allocator's lifetime in cudalab; torch applies
+        it to new segments); nothing changes.
+    """
+    global _config
+    if not isinstance(settings, str):
+        raise TypeError(f"settings must be a str in the CUDALAB_ALLOC_CONF grammar, got "
+                        f"{type(settings).__name__} {settings!r}")
+    update = parse_alloc_conf(settings, source="_set_allocator_settings")
+    with _registry_lock:
+        current = _config if _config is not None else config_from_env()
+        merged = merge_settings(current, update)
+        if active:
+            if merged.backend != current.backend:
+                raise RuntimeError(
+                    f"Allocator backend parsed at runtime != allocator backend parsed at load "
+                    f"time ({merged.backend} != {current.backend}): the backend is chosen "
+                    "when the first allocator is created")
+            if merged.expandable_segments != current.expandable_segments:
+                raise RuntimeError(
+                    f"expandable_segments:{merged.expandable_segments} cannot be applied at "
+                    f"run time: cudalab fixes it when a device's allocator is created (it is "
+                    f"{current.expandable_segments}); set it in CUDALAB_ALLOC_CONF or "
+                    "before the first allocation")
+        if merged.backend == "cudaMallocAsync" and "backend" not in update.keys:
+            ignored = [k for k in update.keys if k in NATIVE_ONLY_KEYS]
+            if ignored:
+                warnings.warn(f"_set_allocator_settings: backend:cudaMallocAsync ignores "
+                              f"{', '.join(ignored)}", stacklevel=3)
+        _config = merged
+        targets = list(active)
+    for a in targets:
+        a.reconfigure(merged)
+    return merged
 
 
 def get_allocator(device: int) -> Allocator:

@@ -17,6 +17,8 @@ from typing import NoReturn
 from cudalab.allocator.base import oom_text
 from cudalab.allocator.blocks import DETACHED, KEY_SHIFT, Block, BlockPool
 from cudalab.allocator.cache_state import CacheState
+from cudalab.allocator.oom_observers import notify_out_of_memory
+from cudalab.allocator.oom_observers import observers as _oom_observers  # never rebound
 from cudalab.allocator.policy import allocation_size
 from cudalab.errors import CudaError, OutOfMemoryError
 
@@ -246,6 +248,15 @@ class SlowPath(CacheState):
         if self._trace is not None:
             self._trace("oom", free, rs, skey)
         st.num_ooms += 1
-        raise OutOfMemoryError(text=oom_text(
+        exc = OutOfMemoryError(text=oom_text(
             self.device, alloc_size, free, total, st.current("b_alloc"), st.current("b_res"),
             self._allowed if self._set_fraction else None))
+        if _oom_observers:  # torch calls them with the allocator's lock released
+            allowed = self._allowed if self._set_fraction else total
+            lock = self._lock
+            lock.release()
+            try:
+                notify_out_of_memory(self.device, alloc_size, allowed, free)
+            finally:
+                lock.acquire()
+        raise exc

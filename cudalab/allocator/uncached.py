@@ -14,6 +14,8 @@ from cudalab.allocator.base import (
     stream_key,
 )
 from cudalab.allocator.config import SMALL_SIZE, UNLIMITED, AllocatorConfig
+from cudalab.allocator.oom_observers import notify_out_of_memory
+from cudalab.allocator.oom_observers import observers as _oom_observers  # never rebound
 from cudalab.allocator.policy import check_size
 from cudalab.allocator.stats import Counters, DeviceStats
 from cudalab.errors import OutOfMemoryError
@@ -59,13 +61,16 @@ class UncachedAllocator(Allocator):
         st = self.stats
         pool = st.small if size <= SMALL_SIZE else st.large
         with self._lock:
-            if self._set_fraction and st.current("b_res") + size > self._allowed:
-                raise self._oom(size)
+            over = self._set_fraction and st.current("b_res") + size > self._allowed
+            exc = self._oom(size) if over else None
+        if exc is not None:
+            raise self._observed(exc, size)
         try:
             ptr = self.backend.mem_alloc(self.device, size)
         except OutOfMemoryError:
             with self._lock:
-                raise self._oom(size) from None
+                exc = self._oom(size)
+            raise self._observed(exc, size) from None
         with self._lock:
             self._live[ptr] = (size, size, pool)
             st.num_device_alloc += 1
@@ -130,6 +135,14 @@ class UncachedAllocator(Allocator):
             "blocks": [{"address": ptr, "size": size, "requested_size": req,
                         "state": "active_allocated", "frames": []}],
         } for ptr, (size, req, pool) in items]
+
+    def _observed(self, exc: OutOfMemoryError, size: int) -> OutOfMemoryError:
+        """``exc``, after the out-of-memory observers saw it (lock not held)."""
+        if _oom_observers:
+            free, total = self.backend.mem_get_info(self.device)
+            notify_out_of_memory(self.device, size,
+                                 self._allowed if self._set_fraction else total, free)
+        return exc
 
     def _oom(self, size: int) -> OutOfMemoryError:
         free, total = self.backend.mem_get_info(self.device)

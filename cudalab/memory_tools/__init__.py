@@ -17,7 +17,8 @@ Modules, lowest first (each imports only those above it):
 * :mod:`~cudalab.memory_tools.snapshot` — taking snapshots in torch's format;
 * :mod:`~cudalab.memory_tools.trace_columns` — a snapshot's history as columns;
 * :mod:`~cudalab.memory_tools.export` (DataFrames), :mod:`~cudalab.memory_tools.perfetto`
-  (Chrome/Perfetto JSON), :mod:`~cudalab.memory_tools.plot` (matplotlib figures);
+  (Chrome/Perfetto JSON), :mod:`~cudalab.memory_tools.plot` (matplotlib figures),
+  :mod:`~cudalab.memory_tools.usage_plots` (torch's flame-graph SVGs of a snapshot);
 * :mod:`~cudalab.memory_tools.replay` (one replay on a private simulator),
   :mod:`~cudalab.memory_tools.what_if` (a ranked sweep of settings),
   :mod:`~cudalab.memory_tools.progress` (their progress bar);

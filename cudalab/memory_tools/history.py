@@ -31,7 +31,9 @@ turned into ``{"filename", "line", "name"}`` dicts only when a snapshot is taken
 (:func:`cudalab.memory_tools.stacks.frames_to_dicts`). For an ``oom`` entry ``addr`` holds
 the bytes free on the device.
 ``nvtx_range`` is the innermost open :mod:`cudalab.nvtx` range of the thread, ``cell`` the
-notebook cell id set with :func:`set_current_cell`.
+notebook cell id set with :func:`set_current_cell`. An entry recorded while user metadata
+is set (:func:`_set_memory_metadata`) has a ninth element, the metadata string (torch's
+``user_metadata``); without metadata, entries are built exactly as before.
 
 Stacks are captured by :mod:`cudalab.memory_tools.stacks` (cached on the running frames,
 cudalab's own frames left out; the memo's stamp has a C twin there). Memo pairs (a loop
@@ -77,7 +79,9 @@ __all__ = [
     "ACTIONS",
     "FIELDS",
     "HistoryRecording",
+    "_get_memory_metadata",
     "_record_memory_history",
+    "_set_memory_metadata",
     "attach_allocator",
     "current_cell",
     "detach_allocator",
@@ -125,6 +129,63 @@ def set_current_cell(cell_id: Any) -> None:
 def current_cell() -> str | None:
     """The cell id set by :func:`set_current_cell`."""
     return _cell
+
+
+# --------------------------------------------------------------------------- user metadata
+#: torch's user metadata: the string recorded on new entries ("" for none). It is bound into
+#: each recorder's appender when the recorder is attached (_appender), so setting it
+#: re-attaches the recorders; reading it costs the recording path nothing.
+_metadata = ""
+
+
+def _set_memory_metadata(metadata: str) -> None:
+    """Record ``metadata`` on the history entries from now on (torch's
+    ``torch.cuda.memory._set_memory_metadata``).
+
+    Entries recorded while it is set carry it as ``user_metadata`` in snapshots
+    (``cudalab.memory._snapshot()``) and exports; it has no effect while history is not
+    recorded, and it is not shown on segments or blocks. It applies to every device and
+    thread (torch 2.11 keeps one value per allocator too; newer torch keeps one per
+    thread), and to every cudalab allocator that records history.
+
+    Parameters
+    ----------
+    metadata : str
+        The string; ``""`` clears it.
+
+    Raises
+    ------
+    TypeError
+        When ``metadata`` is not a str.
+    """
+    global _metadata
+    if not isinstance(metadata, str):
+        raise TypeError(f"metadata must be a str, got {type(metadata).__name__} {metadata!r}")
+    with _lock:
+        if metadata == _metadata:
+            return
+        st = _settings
+        if st is not None:
+            _sync_allocators()  # deferred entries (memo pairs) carry the old metadata
+        _metadata = metadata
+        if st is not None:
+            for a in _targets():
+                try:
+                    _attach(a, st)
+                except RuntimeError:  # an allocator that cannot record: nothing to do
+                    pass
+
+
+def _get_memory_metadata() -> str:
+    """The metadata set by :func:`_set_memory_metadata` (torch's
+    ``_get_memory_metadata``).
+
+    Returns
+    -------
+    str
+        ``""`` when none is set.
+    """
+    return _metadata
 
 
 # --------------------------------------------------------------------------- state
@@ -321,13 +382,21 @@ def _ring(device: int, maxlen: int) -> deque:
 
 def _appender(device: int, st: _Settings) -> Callable[[tuple], None]:
     raw = _ring(device, st.max_entries).append
+    meta = _metadata
+    if meta:  # (only while metadata is set: the plain path appends the tuple as built)
+        ring_append = raw
+
+        def raw(entry: tuple) -> None:
+            ring_append((*entry, meta))
+
     if not st.skip:
         return raw
     skip = st.skip
+    put = raw
 
     def append(entry: tuple) -> None:
         if entry[0] not in skip:
-            raw(entry)
+            put(entry)
 
     return append
 
@@ -642,8 +711,11 @@ def _record_snapshot(device: int, total_active: int) -> None:
     if st is None or "snapshot" in st.skip:
         return
     m = _nvtx_ranges.__dict__.get("messages") if _nvtx.ranges_used else None
-    _ring(device, st.max_entries).append(
-        ("snapshot", 0, total_active, 0, time.time_ns(), None, m[-1] if m else None, _cell))
+    entry: tuple = ("snapshot", 0, total_active, 0, time.time_ns(), None, m[-1] if m else None,
+                    _cell)
+    if _metadata:
+        entry = (*entry, _metadata)
+    _ring(device, st.max_entries).append(entry)
 
 
 def entry_to_dict(e: tuple, device: int, cache: dict | None = None) -> dict:
@@ -657,7 +729,7 @@ def entry_to_dict(e: tuple, device: int, cache: dict | None = None) -> dict:
         "time_us": e[4] // 1000,
         "frames": _stacks.frames_to_dicts(e[5], cache),
         "compile_context": "",
-        "user_metadata": "",
+        "user_metadata": e[8] if len(e) > 8 else "",
         "device": device,
         "nvtx_range": e[6],
         "cell": e[7],

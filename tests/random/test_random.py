@@ -608,7 +608,7 @@ def test_generator_device_checks(two_devices):
     with pytest.raises(ValueError, match="cuda:1"):
         R.rand(4, generator=g1)  # output on the current device 0
     x = R.rand(4, device=1, generator=g1)
-    assert x.device == 1 and g1.get_offset() == 4
+    assert x.device_index == 1 and g1.get_offset() == 4
     with pytest.raises(TypeError):
         R.rand(4, generator=np.random.default_rng(0))
 
@@ -656,7 +656,7 @@ def test_concurrent_generation_reserves_disjoint_offsets():
 def _check_equal_reference(arr, suffix, seed, offset, params, tol=None):
     got = arr.numpy()
     n = got.size
-    ref = P.reference(suffix, n, seed, offset, _S(n, arr.device), params)
+    ref = P.reference(suffix, n, seed, offset, _S(n, arr.device_index), params)
     if tol is None:
         assert np.array_equal(_bits(got.reshape(-1)), _bits(ref.view(_bits(got).dtype))), suffix
     else:

@@ -41,7 +41,8 @@ def test_empty_attributes():
     assert isinstance(a, DeviceArray)
     assert a.shape == (3, 4) and a.dtype == np.float32 and a.ndim == 2
     assert a.strides == (16, 4) and a.size == 12 and a.itemsize == 4 and a.nbytes == 48
-    assert a.device == 0 and a.device_index == 0
+    assert a.device == cudalab.Device("cuda:0") and str(a.device) == "cuda:0" and a.device_index == 0
+    assert a.device.index == 0 and a.device.type == "cuda" and a.device != 0
     assert a.ptr == a.data_ptr() != 0
     assert a.is_contiguous()
     assert a.stream is cudalab.current_stream()
@@ -95,14 +96,14 @@ def test_asarray_from_host():
 def test_asarray_device_and_dtype(two_devices):
     a = cudalab.asarray(np.arange(4, dtype=np.float32))
     b = cudalab.asarray(a, device=1)
-    assert b.device == 1 and b is not a
+    assert b.device_index == 1 and b is not a
     np.testing.assert_array_equal(b.numpy(), np.arange(4))
     assert cudalab.asarray(a, device=0) is a
     assert cudalab.asarray(a, dtype=np.float32) is a
     with pytest.raises(TypeError, match="cast"):
         cudalab.asarray(a, dtype=np.float64)
     c = cudalab.asarray(np.ones(3), device="cuda:1")
-    assert c.device == 1
+    assert c.device_index == 1
 
 
 def test_every_dtype_round_trips():
@@ -207,7 +208,7 @@ def test_copy_peer(two_devices):
         d = a.to(0)
         assert d is a
         e = a.to("cuda:1")
-    assert e.device == 1
+    assert e.device_index == 1
     np.testing.assert_array_equal(e.numpy(), host)
 
 
@@ -264,7 +265,7 @@ def _cai_view(arr, shape, strides=None, read_only=False, stream=None):
 def test_cuda_array_interface_import():
     a = cudalab.asarray(np.arange(6, dtype=np.float32))
     v = _cai_view(a, shape=(6,))
-    assert v.ptr == a.ptr and v.is_contiguous() and v.device == 0
+    assert v.ptr == a.ptr and v.is_contiguous() and v.device_index == 0
     np.testing.assert_array_equal(v.numpy(), np.arange(6))
     ro = _cai_view(a, shape=(6,), read_only=True)
     with pytest.raises(ValueError, match="read-only"):
@@ -464,7 +465,7 @@ def test_dlpack_device():
 def test_dlpack_round_trip_shares_memory():
     a = cudalab.asarray(np.arange(12, dtype=np.int16).reshape(3, 4))
     b = cudalab.from_dlpack(a)
-    assert b.ptr == a.ptr and b.shape == (3, 4) and b.dtype == np.int16 and b.device == 0
+    assert b.ptr == a.ptr and b.shape == (3, 4) and b.dtype == np.int16 and b.device_index == 0
     assert b.is_contiguous() and b.strides == a.strides
     np.testing.assert_array_equal(b.numpy(), a.numpy())
     b.fill_(7)
