@@ -110,8 +110,7 @@ def _switch(a: Any, enabled: bool) -> None:
     if isinstance(a, _Bypass):
         return
     a.sync_pending()  # the memo's deferred work first: its hit path lives in malloc
-    if "_bypass_live" not in a.__dict__:
-        a._bypass_live = {}
+    vars(a).setdefault("_bypass_live", {})  # (kept across switches: see _Bypass)
     a.__class__ = _bypass_class(cls)
 
 

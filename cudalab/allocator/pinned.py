@@ -465,11 +465,12 @@ def pinned_memory_stats() -> dict[str, int]:
         Every key of :func:`host_memory_stats`, plus ``allocated_bytes``/``allocated_blocks``
         (in use, rounded sizes), ``requested_bytes``, ``cached_bytes``/``cached_blocks``
         (free, kept), ``cached_blocks_pending`` (free but possibly still used by a copy),
-        ``reserved_bytes`` (= allocated + cached), ``peak_allocated_bytes``,
-        ``num_host_alloc``/``num_host_free`` (driver calls) and ``num_cache_hits``.
+        ``reserved_bytes`` (= allocated + cached), ``peak_allocated_bytes`` and
+        ``num_cache_hits``; ``num_host_alloc``/``num_host_free`` (driver calls) are
+        :func:`host_memory_stats`'s, which :func:`reset_accumulated_host_memory_stats` resets.
     """
-    out = flatten(_allocator.host_stats())
-    out.update(_allocator.stats())
+    out = _allocator.stats()
+    out.update(flatten(_allocator.host_stats()))  # num_host_alloc/free: torch's (resettable)
     return out
 
 
