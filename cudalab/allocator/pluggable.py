@@ -1,7 +1,9 @@
-"""Pluggable allocators: device memory from user-supplied Python callables.
+"""Pluggable allocators: device memory from user-supplied functions.
 
 torch's ``torch.cuda.memory.CUDAPluggableAllocator(path, alloc_fn_name, free_fn_name)`` +
-``change_current_allocator`` without a shared library::
+``change_current_allocator`` work as in torch (:class:`CUDAPluggableAllocator` loads the two
+functions from a shared library with :mod:`ctypes`); :class:`PluggableAllocator` takes
+Python callables instead, without a shared library::
 
     def my_malloc(size, device, stream):        # -> device pointer (int)
         ...
