@@ -234,6 +234,6 @@ def clock_event_reasons(device: int) -> int | None:
 
     try:
         n = _driver.get_backend().nvml()
-        return n.clock_event_reasons(_devices.get_device_properties(device).uuid)
+        return n.clock_event_reasons(_devices.get_device_properties(device).nvml_uuid)
     except Exception:
         return None

@@ -458,7 +458,9 @@ class DeviceArray:
             if step != 1:
                 raise ValueError(f"DeviceArray slices must have step 1, got step {step}")
             length = max(0, stop - start)
-            ptr = self._ptr + start * row if length and row else self._ptr
+            # torch: a view starts at its offset even when empty (base[5:] of 5 elements
+            # has data_ptr() base + 5 * itemsize), so pointer arithmetic on views agrees
+            ptr = self._ptr + start * row
             return self._view(ptr, (length,) + self._shape[1:], self._dtype)
         if isinstance(key, (bool, np.bool_)):
             raise TypeError("boolean indices are not supported")

@@ -104,7 +104,7 @@ def _gather_info() -> dict[str, Any]:
             "memory_free": int(free),
             "memory_total": int(total),
             "multi_processor_count": props.multi_processor_count,
-            "uuid": props.uuid,
+            "uuid": props.nvml_uuid,
         }
         snap = nvml.device_snapshot(index)
         snap.pop("simulated")

@@ -133,7 +133,9 @@ def _parse_device_string(text: str) -> tuple[str, int | None]:
     s = text.strip()
     kind, sep, num = s.partition(":")
     if kind != "cuda":
-        raise ValueError(f"expected a CUDA device like 'cuda' or 'cuda:1', got {text!r}")
+        # torch's wording first, then ours
+        raise ValueError(f"Expected a cuda device, but got: {s[:40]} (cudalab takes 'cuda', "
+                         f"'cuda:N', a device index or a Device)")
     if not sep:
         return "cuda", None
     if not num.isdigit():
@@ -141,16 +143,31 @@ def _parse_device_string(text: str) -> tuple[str, int | None]:
     return "cuda", int(num)
 
 
+def _parse_uuid(text: str) -> Any:
+    """``"GPU-…"``/``"MIG-…"`` (NVML's spelling) as a :class:`uuid.UUID` (torch's type).
+
+    ``uuid`` is imported here, not at module level, to keep ``import cudalab`` fast.
+    """
+    import uuid
+
+    digits = text[4:] if text.startswith(("GPU-", "MIG-")) else text
+    try:
+        return uuid.UUID(digits)
+    except ValueError:
+        raise ValueError(f"the driver reported a malformed device UUID {text!r}") from None
+
+
 class DeviceProperties:
     """Properties of one device with torch's attribute names (``_CudaDeviceProperties``).
 
-    ``uuid`` is NVML's spelling (``"GPU-…"``), a plain string. ``simulated`` is True on the
-    simulator.
+    ``uuid`` is a :class:`uuid.UUID`, as torch's (``str()`` gives the 36-character form and
+    ``.bytes`` the 16 raw bytes); ``nvml_uuid`` is the same identity in NVML's and nvidia-smi's
+    spelling (``"GPU-…"``), which NVML lookups take. ``simulated`` is True on the simulator.
     """
 
     __slots__ = (
         "index", "name", "major", "minor", "total_memory", "multi_processor_count", "uuid",
-        "pci_bus_id", "pci_device_id", "pci_domain_id", "L2_cache_size",
+        "nvml_uuid", "pci_bus_id", "pci_device_id", "pci_domain_id", "L2_cache_size",
         "max_threads_per_multi_processor", "max_threads_per_block", "warp_size",
         "regs_per_multiprocessor", "shared_memory_per_block", "shared_memory_per_block_optin",
         "shared_memory_per_multiprocessor", "clock_rate", "memory_clock_rate",
@@ -165,7 +182,9 @@ class DeviceProperties:
         self.minor = info.minor
         self.total_memory = info.total_memory
         self.multi_processor_count = info.multi_processor_count
-        self.uuid = info.uuid
+        #: ``uuid`` and ``nvml_uuid`` are both read from ``info.uuid``, so the two cannot drift.
+        self.nvml_uuid = info.uuid
+        self.uuid = _parse_uuid(info.uuid)
         self.pci_bus_id = info.pci_bus_id
         self.pci_device_id = info.pci_device_id
         self.pci_domain_id = info.pci_domain_id
@@ -221,7 +240,6 @@ _props: list[DeviceProperties | None] = []
 #: True (the hot path of _ensure_context), hence typed as set.
 _backend_obj: Backend = None  # type: ignore[assignment]  # None only before init
 _fast: FastPaths | None = None  # FastPaths of the backend, set at init
-_count_cache: int | None = None
 #: Whether a "CUDA unavailable" error already told how to run on the simulator (said once).
 _hint_given = False
 _SIMULATOR_HINT = "To run without a GPU, set CUDALAB_SIMULATOR=1 or call cudalab.use_simulator()."
@@ -256,7 +274,7 @@ def _lazy_init() -> None:
 
 
 def _do_init() -> None:
-    global _initialized, _count, _props, _backend_obj, _count_cache, _fast
+    global _initialized, _count, _props, _backend_obj, _fast
     if _initialized:
         return
     if _in_bad_fork:
@@ -276,7 +294,6 @@ def _do_init() -> None:
     _backend_obj = backend
     _fast = backend.fast_paths()
     _count = count
-    _count_cache = count
     _props = [None] * count
     _initialized = True
 
@@ -309,7 +326,6 @@ def use_simulator(enable: bool = True) -> None:
         CUDA is already initialised with the other backend (:func:`is_initialized` is
         True), or was initialised before this process was forked.
     """
-    global _count_cache
     with _init_lock:
         current = _driver.current_backend()
         if _in_bad_fork and not (current and current.name == ("simulator" if enable else "cuda")):
@@ -318,8 +334,6 @@ def use_simulator(enable: bool = True) -> None:
                 "neither use CUDA nor change its backend (use the 'spawn' start method)"
             )
         _driver.use_simulator(enable)
-        if not _initialized:
-            _count_cache = None  # a probe of the previous backend
 
 
 def _backend() -> Backend:
@@ -362,29 +376,23 @@ def device_count() -> int:
     """Number of usable devices; 0 when there is no driver or GPU (never raises).
 
     Like torch, this does not initialise CUDA on the real backend: it asks NVML and parses
-    ``CUDA_VISIBLE_DEVICES``, falling back to the driver only if NVML cannot answer.
+    ``CUDA_VISIBLE_DEVICES``, falling back to the driver only if NVML cannot answer. Like
+    torch, the count is not cached before CUDA is initialised, so a change of
+    ``CUDA_VISIBLE_DEVICES`` before then is seen (the simulator fixes the devices it shows
+    when it is created). After initialisation the count is fixed.
     """
-    global _count_cache
     if _initialized:
         return _count
-    if _count_cache is not None:
-        return _count_cache
-    backend_name = _driver.selected_backend_name()
-    if backend_name == "cuda":
+    if _driver.selected_backend_name() == "cuda":
         n = _count_without_init()
         if n is not None:
-            if n > 0:
-                _count_cache = n
             return n
     try:
         backend = _driver.get_backend()
         backend.init()
-        n = backend.device_count()
+        return backend.device_count()
     except (DriverNotFoundError, CudaError, OSError):
         return 0
-    if n > 0:
-        _count_cache = n
-    return n
 
 
 def is_available() -> bool:
@@ -420,6 +428,10 @@ def _device_index(device: Any = None, optional: bool = True) -> int:
         if dev.index is None:
             return current_device()
         return _device_index(dev.index)
+    if isinstance(device, _device_context):
+        # torch.cuda._utils._get_device_index accepts a torch.cuda.device context object and
+        # takes its idx; -1 (made from None or a negative index) means the current device.
+        return current_device() if device.idx < 0 else _device_index(device.idx)
     idx = getattr(device, "device_index", None)
     if isinstance(idx, int):
         return _device_index(idx)
@@ -477,6 +489,10 @@ class device:  # noqa: N801 - torch's name
         if self.idx >= 0 and self.prev_idx != self.idx and self.prev_idx >= 0:
             set_device(self.prev_idx)
         return False
+
+
+#: The context manager class under a name that the ``device`` parameters above can't shadow.
+_device_context = device
 
 
 class device_of(device):  # noqa: N801 - torch's name

@@ -156,12 +156,18 @@ class Event:
         stream.wait_event(self)
 
     def elapsed_time(self, end_event: Event) -> float:
-        """Milliseconds between this event and ``end_event`` (both recorded and completed)."""
+        """Milliseconds between this event and ``end_event`` (both recorded and completed).
+
+        Raises
+        ------
+        ValueError
+            If either event was created without ``enable_timing=True``, or was never recorded
+            (torch's ``TORCH_CHECK_VALUE`` checks, same messages).
+        """
         if not (self.enable_timing and end_event.enable_timing):
-            raise RuntimeError("Both events must be created with enable_timing=True to measure "
-                               "elapsed time")
+            raise ValueError("Both events must be created with argument 'enable_timing=True'.")
         if self._handle is None or end_event._handle is None:
-            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+            raise ValueError("Both events must be recorded before calculating elapsed time.")
         return self._b.event_elapsed_time(self._handle, end_event._handle)
 
     def ipc_handle(self) -> bytes:

@@ -35,10 +35,13 @@ from cudalab.allocator.pluggable import (
 from cudalab.allocator.registry import active as _active  # never rebound: bind once (hot)
 from cudalab.allocator.registry import (
     allocator_config,
+    count_sync_before_creation,
+    custom_factory,
     existing_allocator,
     find_owner,
     get_allocator,
     set_allocator_settings,
+    syncs_before_creation,
 )
 from cudalab.allocator.registry import allocators as _allocators  # (likewise)
 from cudalab.allocator.scope import PeakScope, peak_scope
@@ -283,6 +286,8 @@ def memory_stats(device: Any = None, extended: bool = False) -> dict[str, int]:
             out = zero_stats(0)
         else:
             out = zero_stats(-1 if cfg.max_split_size >= UNLIMITED else cfg.max_split_size)
+        if d < len(syncs_before_creation) and syncs_before_creation[d]:
+            out["num_sync_all_streams"] = syncs_before_creation[d]
     else:
         out = a.memory_stats()
     if extended:
@@ -376,9 +381,12 @@ def reset_accumulated_memory_stats(device: Any = None) -> None:
     device : int, str, Device or None, optional
         The device (default: the current device).
     """
-    a = existing_allocator(_internal.device_index(device))
+    d = _internal.device_index(device)
+    a = existing_allocator(d)
     if a is not None:
         a.reset_accumulated_stats()
+    elif d < len(syncs_before_creation):
+        syncs_before_creation[d] = 0
 
 
 def reset_max_memory_allocated(device: Any = None) -> None:
@@ -407,6 +415,10 @@ def empty_cache() -> None:
         return
     for a in list(_active):
         a.empty_cache()
+    # torch's emptyCache runs on every device's allocator, so its num_sync_all_streams moves
+    # on devices nothing was allocated on yet; count those without creating allocators.
+    if custom_factory() is None and allocator_config().backend == "native":
+        count_sync_before_creation(_devices.device_count())
 
 
 def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:

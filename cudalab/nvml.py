@@ -86,7 +86,7 @@ def resolve_device(device: Any) -> tuple[int, str, Nvml]:
     from cudalab import _internal, devices
 
     index = _internal.device_index(device)
-    uuid = devices.get_device_properties(index).uuid
+    uuid = devices.get_device_properties(index).nvml_uuid
     return index, uuid, nvml_backend()
 
 

@@ -505,7 +505,7 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
     def get_memory_fraction(self) -> float:
         if not self._set_fraction:
             return 1.0
-        return self._allowed / self._total if self._total else self._fraction
+        return self._fraction  # the float that was set, exactly (torch stores it too)
 
     def add_free_memory_callback(self, callback: Callable[[], bool]) -> None:
         """torch's FreeMemoryCallback: called (without the lock) on a cache miss; return True

@@ -141,11 +141,15 @@ class _Parser:
         self.i = 0
 
     # errors ---------------------------------------------------------------
-    def error(self, key: str | None, bad: str, form: str) -> ValueError:
+    def error(self, key: str | None, bad: str, form: str, torch_text: str = "") -> ValueError:
+        """The error for ``bad`` where ``form`` was expected; ``torch_text``, torch's own
+        message for the same mistake, leads when given (cudalab's explanation follows)."""
         where = f"{self.source}={self.text!r}"
+        lead = f"{torch_text} (" if torch_text else ""
+        tail = ")" if torch_text else ""
         if key is None:
-            return ValueError(f"{where}: {bad}; expected {form}")
-        return ValueError(f"{where}: invalid {key} value {bad!r}; expected {form}")
+            return ValueError(f"{lead}{where}: {bad}; expected {form}{tail}")
+        return ValueError(f"{lead}{where}: invalid {key} value {bad!r}; expected {form}{tail}")
 
     # token access ---------------------------------------------------------
     def peek(self) -> str | None:
@@ -175,12 +179,16 @@ class _Parser:
         return int(tok)
 
     def boolean(self, key: str) -> bool:
-        tok = self.value(key, "True or False")
+        """torch's boolean values: exactly ``True`` or ``False`` (torch 2.11's parser takes
+        no other spelling: not ``true``, ``1`` nor ``yes``)."""
+        torch_text = f"Expected a single True/False argument for {key}"
+        tok = self.take()
         if tok == "True":
             return True
         if tok == "False":
             return False
-        raise self.error(key, tok, "True or False (capitalised, as torch spells them)")
+        raise self.error(key, "" if tok is None else tok,
+                         "True or False (capitalised, as torch spells them)", torch_text)
 
     def number(self, key: str, form: str) -> float:
         tok = self.value(key, form)
@@ -378,7 +386,8 @@ def parse_alloc_conf(text: str | None, source: str = "parse_alloc_conf") -> Allo
             p.expect_colon(key, form)
             fraction = p.number(key, form)
             if not 0.0 <= fraction <= 1.0:
-                raise p.error(key, str(fraction), form)
+                raise p.error(key, str(fraction), form,
+                              "per_process_memory_fraction is invalid, set it in [0.0, 1.0]")
             values["per_process_memory_fraction"] = fraction
         elif key in _BOOL_KEYS:
             p.expect_colon(key, "True or False")

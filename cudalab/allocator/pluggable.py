@@ -343,10 +343,11 @@ class PluggableDeviceAllocator(Allocator):
         with self._lock:
             self._total = total
             self._limit = int(fraction * total)
+            self._fraction = float(fraction)  # returned as set (torch stores the fraction)
             self._limited = True
 
     def get_memory_fraction(self) -> float:
-        return self._limit / self._total if self._limited and self._total else 1.0
+        return self._fraction if self._limited else 1.0
 
     def segments(self) -> list[dict]:
         """One segment per live allocation (torch's snapshot layout)."""

@@ -46,6 +46,7 @@ __all__ = [
     "DeviceAllocatorFactory",
     "add_create_hook",
     "allocator_config",
+    "count_sync_before_creation",
     "active",
     "allocators",
     "create_allocator",
@@ -57,6 +58,7 @@ __all__ = [
     "remove_create_hook",
     "set_custom_allocator",
     "set_allocator_settings",
+    "syncs_before_creation",
 ]
 
 
@@ -154,6 +156,12 @@ _registry_lock = threading.Lock()
 #: assigned, under ``_registry_lock``; a slot, once set, is never replaced (until
 #: ``_reset_for_tests``, which clears the list in place). Read-only for everyone but this module.
 allocators: list[Allocator | None] = []
+#: ``num_sync_all_streams`` that ``empty_cache()`` counted on each device before the device's
+#: allocator existed: torch creates an allocator per device when CUDA initialises, so its
+#: counter moves on every device; ours are created on first use, and one created later starts
+#: from this count (:func:`get_allocator`), so the two stay equal to torch's. Indexed by device,
+#: grown on demand, written under ``_registry_lock``.
+syncs_before_creation: list[int] = []
 #: The allocators that exist, in creation order (one per device used, so few): for pointer
 #: lookups, ``empty_cache`` and the tooling. Same invariants as :data:`allocators`: never
 #: rebound, only appended to under ``_registry_lock`` (in the same step that fills the
@@ -327,11 +335,29 @@ def get_allocator(device: int) -> Allocator:
             from cudalab import devices
 
             a = create_allocator(devices._backend(), device, allocator_config())
+            if device < len(syncs_before_creation):
+                a.stats.num_sync_all_streams += syncs_before_creation[device]
             for hook in _on_create:
                 hook(a)
             allocators[device] = a
             active.append(a)
         return a
+
+
+def count_sync_before_creation(device_count: int) -> None:
+    """Count one ``empty_cache()`` synchronisation on every device without an allocator yet.
+
+    Parameters
+    ----------
+    device_count
+        The number of devices (:data:`syncs_before_creation` grows to it).
+    """
+    with _registry_lock:
+        if len(syncs_before_creation) < device_count:
+            syncs_before_creation.extend([0] * (device_count - len(syncs_before_creation)))
+        for device in range(device_count):
+            if device >= len(allocators) or allocators[device] is None:
+                syncs_before_creation[device] += 1
 
 
 def existing_allocator(device: int) -> Allocator | None:
@@ -366,4 +392,5 @@ def _reset_for_tests() -> None:
     with _registry_lock:
         allocators.clear()
         active.clear()
+        syncs_before_creation.clear()
         _config = None

@@ -119,10 +119,11 @@ class UncachedAllocator(Allocator):
         with self._lock:
             self._total = total
             self._allowed = int(fraction * total)
+            self._fraction = float(fraction)  # returned as set (torch stores the fraction)
             self._set_fraction = True
 
     def get_memory_fraction(self) -> float:
-        return self._allowed / self._total if self._set_fraction and self._total else 1.0
+        return self._fraction if self._set_fraction else 1.0
 
     def segments(self) -> list[dict]:
         with self._lock:

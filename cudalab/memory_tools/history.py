@@ -12,11 +12,14 @@ Settings, as torch's ``torch.cuda.memory._record_memory_history``:
   signature ``(enabled, record_context=True, trace_alloc_max_entries=1,
   trace_alloc_record_context=False, device=None, record_context_cpp=False, ...)``.
 * ``context``: when stacks are captured. None: never; ``"state"``: at allocation, kept on the
-  live block for snapshots only; ``"alloc"``: also attached to the alloc trace entries (free
-  entries then carry the allocation's stack, as torch's); ``"all"``: free entries carry the
-  stack of the code that freed.
+  live block for snapshots only (segments keep none, so freed memory shows no allocating
+  stack, as torch's); ``"alloc"``: also attached to the alloc trace entries and to the
+  segments (free entries then carry the allocation's stack, as torch's); ``"all"``: free
+  entries carry the stack of the code that freed.
 * ``stacks``: ``"python"`` or ``"all"``. cudalab has no C++ frames, so both capture the same
-  Python frames (cudalab's own frames are left out). ``None`` (a cudalab extension) captures
+  Python frames (cudalab's own frames are left out, except that a free's stack starts at
+  the :mod:`cudalab.memory` function called, such as ``empty_cache``, whose frame torch's
+  stacks show because torch writes that API in Python). ``None`` (a cudalab extension) captures
   no stack at all, whatever ``context`` says.
 * ``max_entries``: size of the per-device ring buffer; once full the oldest entry is
   overwritten. Entries read back oldest to newest.
@@ -48,7 +51,8 @@ turns recording off.
 
 As torch: ``enabled="state"`` with the default ``context="all"`` still captures a stack at
 each free (kept nowhere but torch does the same); taking a snapshot (``_snapshot()`` and
-``memory_snapshot()``) appends a ``snapshot`` entry per device while recording.
+``memory_snapshot()``) appends a ``snapshot`` entry per device while recording, after the
+snapshot's own trace was read (so that trace ends with the last allocator event).
 
 Differences from torch: turning recording off also forgets the stacks of live blocks (torch
 keeps them on its blocks until they are freed); the pluggable allocator records too (torch's
@@ -256,6 +260,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
     blocks = rec.blocks
     segs = rec.segs
     cap = _stacks._capture
+    cap_api = _stacks.capture_from_api  # frees' stacks keep the API frame, as torch's
     getframe = sys._getframe
     ident = threading.get_ident
     on_alloc = level >= _ALLOC
@@ -274,7 +279,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
             ef = fr if on_alloc else None
         elif action == "free_requested":
             if on_free:
-                fr = cap(2)
+                fr = cap_api(2)
                 f1 = getframe(1)  # the allocator method freeing, to spot a completion inside it
                 rec.last_free = (addr, fr, id(f1), f1.f_code)
                 ef = fr
@@ -303,13 +308,15 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
             else:
                 fr = cap(2)
                 rec.pending = (ident(), fr)
-            if addr not in segs:
+            # torch keeps a segment's stack only from context "alloc" up ("state" keeps
+            # the stacks of live blocks only: freed memory shows no allocating frames)
+            if on_alloc and addr not in segs:
                 segs[addr] = fr
             ef = fr if on_alloc else None
         elif action == "segment_free" or action == "segment_unmap":
             fr = segs.pop(addr, None)
             if on_free:
-                fr = cap(2)
+                fr = cap_api(2)
             ef = fr if on_alloc else None
         elif action == "oom":
             p = rec.pending

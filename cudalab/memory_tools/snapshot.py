@@ -105,15 +105,17 @@ def take_snapshot(device: Any = None, *, allocators: list | None = None) -> dict
     cache: dict = {}
     allocs = _registry_allocators() if allocators is None else list(allocators)
     segments, active = _segments_of(allocs, cache)
-    if _history.is_recording():
-        for dev, total in sorted(active.items()):
-            _history._record_snapshot(dev, total)
     n = device_count() if _internal.is_initialized() else 0
     for d in _history.devices_with_history():
         n = max(n, d + 1)
     for a in allocs:
         n = max(n, a.device + 1)
     traces = [_history.trace_entries(d, cache) for d in range(n)]
+    # As torch: each device's trace is read first, then the snapshot entry is recorded, so
+    # the snapshot's own trace ends with the last allocator event, not with itself.
+    if _history.is_recording():
+        for dev, total in sorted(active.items()):
+            _history._record_snapshot(dev, total)
     config = None
     if allocators is not None and allocs and isinstance(getattr(allocs[0], "config", None),
                                                          AllocatorConfig):

@@ -153,6 +153,48 @@ def _capture(d: int) -> tuple:
     return t
 
 
+#: The module whose functions are torch.cuda.memory's: torch writes those in Python, so
+#: torch's stacks show their frames (``empty_cache`` on a ``segment_free``, say).
+_API_MODULE = "cudalab.memory"
+
+
+def capture_from_api(d: int) -> tuple:
+    """:func:`_capture`'s stack, preceded by the frame of the :mod:`cudalab.memory` function
+    the user called, when one is on the stack (its outermost one); the frames inside it are
+    dropped as :func:`_capture` drops them.
+
+    torch's stacks keep the frames of its Python API (``torch.cuda.memory.empty_cache``,
+    ``caching_allocator_delete``), so a free's stack in memory_viz shows what released the
+    memory. Used for the stacks of frees (context ``"all"``), which are not on the hot path.
+    """
+    d += 1  # this frame
+    try:
+        f = _getframe(d)
+    except ValueError:
+        return ()
+    api = None
+    internal = _internal
+    while f is not None:
+        fn = f.f_code.co_filename
+        flag = internal.get(fn)
+        if flag is None:
+            flag = internal[fn] = _is_internal(fn)
+        if not flag:
+            break
+        if f.f_globals.get("__name__") == _API_MODULE:
+            api = f  # the outermost one wins
+        f = f.f_back
+    rest: tuple = ()
+    if f is not None:
+        li = f.f_lasti
+        m = f.f_trace
+        cached = m.get(li) if type(m) is _Mark else None
+        rest = cached if cached is not None else _miss(f, li, m)
+    if api is None:
+        return rest
+    return _shared((api.f_code, api.f_lasti) + rest)
+
+
 # The memo's stamp. Hot path (benchmarks/history.py row stacks="python"): one call per memo
 # hit while recording with stacks, so its common case is written out here rather than
 # calling _capture. Its C twin, _stackstamp.c's stamp(), is the only other fast copy;

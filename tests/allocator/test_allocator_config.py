@@ -110,13 +110,40 @@ def test_malformed_settings_name_option_value_and_form(text, option, bad, form):
     with pytest.raises(ValueError) as info:
         parse_alloc_conf(text, source="CUDALAB_ALLOC_CONF")
     msg = str(info.value)
-    assert msg.startswith(f"CUDALAB_ALLOC_CONF={text!r}")
+    # torch's own message leads where torch has one (see the test below); then cudalab's
+    assert msg.startswith(f"CUDALAB_ALLOC_CONF={text!r}") or f"(CUDALAB_ALLOC_CONF={text!r}" in msg
     if option:
         assert option in msg
     if bad is not None:
         assert repr(bad) in msg
     if form:
         assert form in msg
+
+
+@pytest.mark.parametrize("text, torch_text", [
+    ("expandable_segments:true", "Expected a single True/False argument for expandable_segments"),
+    ("release_lock_on_cudamalloc:1",
+     "Expected a single True/False argument for release_lock_on_cudamalloc"),
+    ("pinned_use_cuda_host_register:yes",
+     "Expected a single True/False argument for pinned_use_cuda_host_register"),
+    ("per_process_memory_fraction:1.5",
+     "per_process_memory_fraction is invalid, set it in [0.0, 1.0]"),
+])
+def test_invalid_settings_read_as_torchs_first(text, torch_text):
+    with pytest.raises(ValueError) as info:
+        parse_alloc_conf(text, source="CUDALAB_ALLOC_CONF")
+    assert str(info.value).startswith(torch_text + " (CUDALAB_ALLOC_CONF=")
+
+
+@pytest.mark.parametrize("spelling", ["true", "false", "TRUE", "1", "0", "yes", "on", ""])
+def test_boolean_options_take_exactly_torchs_spellings(spelling):
+    """torch 2.11's parser takes exactly ``True`` and ``False`` for every boolean option."""
+    for key in ("expandable_segments", "release_lock_on_cudamalloc",
+                "pinned_use_cuda_host_register", "pinned_use_background_threads",
+                "graph_capture_record_stream_reuse"):
+        assert parse_alloc_conf(f"{key}:True") != parse_alloc_conf(f"{key}:False")
+        with pytest.raises(ValueError, match=f"True/False argument for {key}"):
+            parse_alloc_conf(f"{key}:{spelling}")
 
 
 def test_async_backend_warns_about_native_only_options():

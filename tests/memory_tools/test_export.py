@@ -217,16 +217,19 @@ def test_history_from_recorded_run(tmp_path):
         cm.caching_allocator_delete(p)
         live = history_frame()  # the recorder read directly
         live_x = _load(export_perfetto(tmp_path / "live.json"))
-        snap = cm._snapshot()  # appends a "snapshot" entry (as torch)
+        snap = cm._snapshot()  # appends a "snapshot" entry after reading the trace (as torch)
+        after = history_frame()
         cm.caching_allocator_delete(q)
     finally:
         rec(None)
     df = history_frame(snap)
     assert _dtypes(live) == _dtypes(df) == HISTORY_DTYPES
     n = len(live)
-    # one "snapshot" entry per device that has an allocator (as torch), after the live rows
+    # the snapshot's trace holds what was recorded before it: its own entries (one per device
+    # that has an allocator, as torch) come after, in the live history
     n_alloc_devices = sum(a is not None for a in cudalab.allocator.registry.allocators)
-    assert df["action"].astype(str).tolist()[n:] == ["snapshot"] * n_alloc_devices
+    assert len(df) == n
+    assert after["action"].astype(str).tolist()[n:] == ["snapshot"] * n_alloc_devices
     cols = [c for c in HISTORY_DTYPES if c not in ("action",)]
     pd.testing.assert_frame_equal(live[cols], df[cols].iloc[:n])
     assert live["action"].astype(str).tolist() == df["action"].astype(str).tolist()[:n]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import uuid
 
 import pytest
 
@@ -118,7 +119,9 @@ def test_properties(backend):
     assert p.multi_processor_count > 0
     assert p.L2_cache_size > 0
     assert p.max_threads_per_multi_processor >= 1024
-    assert p.uuid.startswith("GPU-") and len(p.uuid) == 40
+    # torch's type: a UUID whose str() has 36 characters and .bytes 16; NVML's spelling beside it
+    assert isinstance(p.uuid, uuid.UUID) and len(str(p.uuid)) == 36 and len(p.uuid.bytes) == 16
+    assert p.nvml_uuid == f"GPU-{p.uuid}"
     assert ":" in p.pci_bus_id
     assert cudalab.get_device_capability(0) == (p.major, p.minor)
     assert cudalab.get_device_name(0) == p.name

@@ -330,7 +330,7 @@ def fake_devices(monkeypatch):
 
     monkeypatch.setattr(devices, "_device_index", device_index)
     monkeypatch.setattr(devices, "get_device_properties",
-                        lambda d=None: SimpleNamespace(uuid=cuda_uuids[device_index(d)]))
+                        lambda d=None: SimpleNamespace(nvml_uuid=cuda_uuids[device_index(d)]))
 
     def install(nvml):
         monkeypatch.setattr(cnvml, "nvml_backend", lambda: nvml)
@@ -475,7 +475,7 @@ def test_active_backend_end_to_end():
     assert n >= 1
     assert cnvml.device_count_nvml() == nv.device_count() >= n
     for d in range(n):
-        uuid = cudalab.get_device_properties(d).uuid
+        uuid = cudalab.get_device_properties(d).nvml_uuid
         assert uuid in nv.uuids()
         text = cnvml.list_gpu_processes(d)
         first = text.splitlines()[0]

@@ -152,8 +152,12 @@ def test_events_record_query_sync():
 def test_event_timing_and_errors():
     a = cudalab.Event(enable_timing=True)
     b = cudalab.Event(enable_timing=True)
-    with pytest.raises(RuntimeError, match="recorded"):
+    with pytest.raises(ValueError, match="Both events must be recorded"):  # torch's type and text
         a.elapsed_time(b)
+    untimed = cudalab.Event()
+    untimed.record()
+    with pytest.raises(ValueError, match="created with argument 'enable_timing=True'"):
+        untimed.elapsed_time(untimed)
     a.record()
     b.record()
     b.synchronize()
@@ -161,7 +165,7 @@ def test_event_timing_and_errors():
     assert isinstance(ms, float) and ms >= 0.0
     c = cudalab.Event()
     c.record()
-    with pytest.raises(RuntimeError, match="enable_timing"):
+    with pytest.raises(ValueError, match="enable_timing"):
         a.elapsed_time(c)
 
 
