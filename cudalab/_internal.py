@@ -24,8 +24,8 @@ What it offers
   at its first record).
 * **Owned raw device memory**: :class:`ScratchBuffer` (a driver allocation outside the
   caching allocator, e.g. ``%%cuda_timed --cold``'s L2 flush buffer).
-* **CUPTI**: :func:`cupti_kernel_activity` (kernel activity records, through the seam's
-  :mod:`cudalab._driver.cupti`).
+* **CUPTI**: :func:`cupti_kernel_activity` (kernel, memcpy and memset activity records,
+  through the seam's :mod:`cudalab._driver.cupti`).
 * **NVML**: :func:`clock_event_reasons` (what limits a device's clocks now).
 
 Nothing here creates a CUDA context on import, and importing it is cheap.
@@ -205,7 +205,9 @@ class ScratchBuffer:
 
 # ----------------------------------------------------------------------------- CUPTI
 def cupti_kernel_activity() -> KernelActivity:
-    """A new CUPTI kernel-activity tracer (:class:`cudalab._driver.cupti.KernelActivity`).
+    """A new CUPTI activity tracer of kernels, memcpys and memsets
+    (:class:`cudalab._driver.cupti.KernelActivity`; its ``demangle`` gives a kernel symbol's
+    C++ name).
 
     Nothing is imported from ``cupti`` until its ``start()``; when CUPTI cannot be used,
     ``start()`` returns False and its ``note`` says why.

@@ -73,7 +73,8 @@ class CudaLabMagics(Magics):
     disable_gc = Bool(True, help="Disable Python's garbage collector while repeats are "
                                  "measured (as %timeit).").tag(config=True)
     cupti = Bool(True, help="--kernels uses CUPTI (the optional cupti-python package) to list "
-                            "every library's kernels when it can.").tag(config=True)
+                            "every library's kernels, memcpys and memsets when it can; False "
+                            "lists cudalab's own launches only.").tag(config=True)
 
     # ----------------------------------------------------------------- %cuda_memory watch
     watch_threshold = Int(
@@ -155,7 +156,8 @@ class CudaLabMagics(Magics):
                            repeat, outside the timed events
           -d, --device D   device(s) to time: 0, cuda:1, 0,1 or all (default: current)
           --kernels        list the kernels the cell launched with their GPU times
-                           (CUPTI when cupti-python is installed; cudalab's own otherwise)
+                           (CUPTI when cupti-python is installed: every library's kernels,
+                           memcpys and memsets; cudalab's own kernels otherwise)
           -o               return a CudaTimedResult
           -v VAR           store the CudaTimedResult in VAR
           -q               quiet: print nothing

@@ -2,8 +2,15 @@
 
 Two sources: :class:`_LaunchTracker`, a launch observer that sees cudalab's own launches
 (and which streams and devices they used, for the timer), and :class:`_CuptiKernels`, a
-consumer of CUPTI kernel activity records (every library's kernels), which it gets through
-:func:`cudalab._internal.cupti_kernel_activity`; :func:`_kernel_report` picks one.
+consumer of CUPTI activity records (every library's kernels, and the memcpys and memsets),
+which it gets through :func:`cudalab._internal.cupti_kernel_activity`;
+:func:`_kernel_report` picks one. While CUPTI records, the tracker records no per-launch
+events (CUPTI's timestamps replace them), so ``--kernels`` costs the cell only CUPTI's own
+tracing and one decode per record.
+
+Switches for tests: :attr:`CudaLabMagics.cupti <cudalab.magics.CudaLabMagics.cupti>` = False
+forces the fallback (cudalab's own launches) where CUPTI is installed, and
+:data:`SIMULATOR_USES_CUPTI` lets a stand-in ``cupti`` module feed the magic on the simulator.
 """
 
 from __future__ import annotations
@@ -16,7 +23,13 @@ if TYPE_CHECKING:
     from cudalab.magics.timed_context import _Context
     from cudalab.magics.timed_options import TimedOptions
 
-__all__ = ["_CuptiKernels", "_LaunchTracker", "_cupti_for", "_kernel_report"]
+__all__ = ["SIMULATOR_USES_CUPTI", "_CuptiKernels", "_LaunchTracker", "_cupti_for",
+           "_kernel_report"]
+
+#: Whether ``--kernels`` asks CUPTI for records on the simulator. False: real CUPTI records
+#: nothing there (no GPU work). Tests set it True with a stand-in ``cupti`` module installed
+#: (tests/helpers/fake_cupti.py) to run the magic's CUPTI path without a GPU.
+SIMULATOR_USES_CUPTI = False
 
 
 class _LaunchTracker:
@@ -68,7 +81,8 @@ class _LaunchTracker:
             prev[key] = ev
             row = table.setdefault((name, device), {
                 "name": name, "device": device, "count": 0, "gpu_time": 0.0,
-                "grid": grid, "block": block, "source": "events", "_unknown": 0})
+                "grid": grid, "block": block, "source": "events", "kind": "kernel",
+                "bytes": 0, "_unknown": 0})
             row["count"] += 1
             if t is None:
                 row["_unknown"] += 1
@@ -99,16 +113,18 @@ _FALLBACK = "; listing cudalab's own launches only"
 
 
 class _CuptiKernels:
-    """CUPTI kernel activity records around a region (every library's kernels), as the
-    ``--kernels`` table: the seam's :class:`~cudalab._driver.cupti.KernelActivity`
-    collects and decodes the records; this aggregates them per kernel name and device."""
+    """CUPTI activity records around a region (every library's kernels, memcpys and
+    memsets), as the ``--kernels`` table: the seam's
+    :class:`~cudalab._driver.cupti.KernelActivity` collects and decodes the records; this
+    aggregates them per (kind, name, device)."""
 
     def __init__(self) -> None:
         self._act = _internal.cupti_kernel_activity()
 
     @property
     def records(self) -> list[tuple]:
-        """The decoded records: (name, device, start_ns, end_ns, stream, grid, block)."""
+        """The decoded records: (kind, name, device, start_ns, end_ns, stream, grid, block,
+        bytes)."""
         return self._act.records
 
     @property
@@ -128,17 +144,40 @@ class _CuptiKernels:
     def start(self) -> bool:
         return self._act.start()
 
-    def stop(self) -> None:
+    def stop(self, devices: tuple[int, ...] | list[int] = ()) -> None:
+        """Wait for ``devices`` (their work must be done for its records to be complete),
+        then flush and disable the records."""
+        if self._act.active:
+            import cudalab
+
+            for d in devices:
+                try:
+                    cudalab.synchronize(d)
+                except Exception:  # a sticky error: the flush still delivers what finished
+                    break
         self._act.stop()
 
     def kernel_table(self) -> list[dict]:
-        table: dict[tuple[str, int], dict] = {}
-        for name, dev, start, end, _sid, grid, block in self.records:
-            row = table.setdefault((name, dev), {
-                "name": name, "device": dev, "count": 0, "gpu_time": 0.0,
-                "grid": grid, "block": block, "source": "cupti"})
+        """Per (kind, name, device), in order of first appearance: ``name`` (a kernel's C++
+        name, demangled as torch.profiler shows it; ``[memcpy HtoD]`` / ``[memset]``),
+        ``symbol`` (the kernel's symbol as recorded), ``device``, ``count``, ``gpu_time``
+        (seconds, the sum of the records' end - start), ``grid``, ``block``,
+        ``source`` ("cupti"), ``kind`` ("kernel", "memcpy", "memset") and ``bytes``."""
+        demangle = self._act.demangle
+        table: dict[tuple[str, str, int], dict] = {}
+        for kind, name, dev, start, end, _sid, grid, block, nbytes in self.records:
+            row = table.get((kind, name, dev))
+            if row is None:
+                row = table[(kind, name, dev)] = {
+                    "name": demangle(name), "symbol": name, "device": dev, "count": 0,
+                    "gpu_time": 0.0, "grid": grid, "block": block, "source": "cupti",
+                    "kind": kind, "bytes": 0}
             row["count"] += 1
             row["gpu_time"] += max(0, end - start) / 1e9
+            row["bytes"] += nbytes
+        if not self._act.durations_known:  # on a clock another tool set, of unknown rate
+            for row in table.values():
+                row["gpu_time"] = None
         return list(table.values())
 
 
@@ -146,7 +185,7 @@ def _cupti_for(magics: Any, ctx: _Context, opts: TimedOptions) -> tuple[Any, str
     """A CUPTI kernel tracer for ``--kernels`` when it may be used, else (None, why not)."""
     if not opts.kernels:
         return None, ""
-    if ctx.simulated:
+    if ctx.simulated and not SIMULATOR_USES_CUPTI:
         return None, "CUPTI is not used on the simulator"
     if not magics.cupti:
         return None, "CUPTI is off (CudaLabMagics.cupti = False)"
@@ -158,7 +197,8 @@ def _kernel_report(opts: TimedOptions, tracker: _LaunchTracker, cupti: Any, why:
     if not opts.kernels:
         return [], ""
     if cupti is not None and cupti.records:
-        return cupti.kernel_table(), f"CUPTI activity records, every library's kernels{per}"
+        return cupti.kernel_table(), ("CUPTI activity records: every library's kernels, "
+                                      f"memcpys and memsets{per}")
     if cupti is not None and cupti.started and not cupti.note:
         return [], f"CUPTI recorded no kernel{per}"
     if cupti is not None:

@@ -25,6 +25,16 @@ from cudalab._internal import format_bytes, format_time
 __all__ = ["CudaTimedResult", "format_time"]
 
 
+#: The text report shows kernel names up to this many characters (demangled C++ template
+#: names run to hundreds); the HTML table and ``kernels`` keep the full name.
+NAME_WIDTH = 90
+
+
+def _short_name(name: str) -> str:
+    """``name`` cut to :data:`NAME_WIDTH` characters (an ellipsis marks the cut)."""
+    return name if len(name) <= NAME_WIDTH else name[:NAME_WIDTH - 1] + "…"
+
+
 def _stats(values: np.ndarray) -> dict[str, float]:
     v = np.asarray(values, dtype=np.float64)
     v = v[~np.isnan(v)]
@@ -61,7 +71,10 @@ class CudaTimedResult:
         cold: whether L2 was flushed before each repeat (``--cold``).
         flush_bytes: bytes written per flush, by device.
         kernels: per kernel name and device: ``{"name", "device", "count", "gpu_time",
-            "grid", "block", "source"}`` (``--kernels``); ``gpu_time`` in seconds or None.
+            "grid", "block", "source", "kind", "bytes"}`` (``--kernels``); ``gpu_time`` in
+            seconds or None; ``kind`` is "kernel", or "memcpy"/"memset" (CUPTI only, named
+            ``[memcpy HtoD]``/``[memset]``, with their ``bytes``); CUPTI rows also carry the
+            kernel's recorded ``symbol`` (``name`` is its demangled C++ name).
         kernels_note: how ``kernels`` was obtained (CUPTI, or cudalab's own launches).
         nvml_before, nvml_after: ``{device: {"clock_rate", "temperature", "power_draw",
             ...}}`` NVML readings around the measurement.
@@ -250,7 +263,10 @@ class CudaTimedResult:
         for k in self.kernels:
             n = k.get("count", 0)
             t = k.get("gpu_time")
-            rows.append((str(k.get("name")), f"cuda:{k.get('device')}", str(n),
+            name = str(k.get("name"))
+            if k.get("kind") in ("memcpy", "memset"):
+                name += f" {format_bytes(k.get('bytes', 0))}"
+            rows.append((name, f"cuda:{k.get('device')}", str(n),
                          self._t(t) if t is not None else "n/a",
                          self._t(t / n) if (t is not None and n) else "n/a"))
         return rows
@@ -280,10 +296,11 @@ class CudaTimedResult:
             lines.append(f"  kernels: {self.kernels_note}" if self.kernels_note else "  kernels:")
             rows = self._kernel_rows()
             if rows:
-                w = max(len(r[0]) for r in rows)
+                short = [_short_name(r[0]) for r in rows]
+                w = max(len(n) for n in short)
                 lines.append(f"    {'name':<{w}}  device  count  GPU total   per launch")
-                for r in rows:
-                    lines.append(f"    {r[0]:<{w}}  {r[1]:<6}  {r[2]:>5}  {r[3]:>10}  {r[4]:>10}")
+                for n, r in zip(short, rows):
+                    lines.append(f"    {n:<{w}}  {r[1]:<6}  {r[2]:>5}  {r[3]:>10}  {r[4]:>10}")
         if self.compile_time > 0.1:
             lines.append(f"  compile time {self._t(self.compile_time)}")
         lines += [f"  warning: {w}" for w in self.warnings]

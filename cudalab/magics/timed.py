@@ -93,8 +93,8 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
     side_ends: list[tuple[int, Any]] = []
     _add_observer(tracker)
     try:
-        if cupti is not None:
-            cupti.start()
+        if cupti is not None and cupti.start():
+            tracker.record = False  # CUPTI times every launch: no per-launch events
         t_cpu0 = timer.begin_single()
         try:
             exec(code, glob, local_ns)  # noqa: S102
@@ -121,7 +121,7 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
     finally:
         _remove_observer(tracker)
         if cupti is not None:
-            cupti.stop()
+            cupti.stop(ctx.devs)
     gpu_row: list[float] = []
     for k, d in enumerate(ctx.devs):
         t = float("nan")
@@ -314,8 +314,8 @@ def _instrumented_run(magics: Any, ctx: _Context, opts: TimedOptions, inner: Any
     timer = ctx.timer(1, tracker.side, flush=False, shared=False)  # start right before the body
     _add_observer(probe)
     try:
-        if cupti is not None:
-            cupti.start()
+        if cupti is not None and cupti.start():
+            probe.record = False  # CUPTI times every launch: no per-launch events
         begin, end = timer.loop_hooks(1)
         inner(1, 0, begin, end, rep)
         timer.finish(1)
@@ -324,7 +324,7 @@ def _instrumented_run(magics: Any, ctx: _Context, opts: TimedOptions, inner: Any
     finally:
         _remove_observer(probe)
         if cupti is not None:
-            cupti.stop()
+            cupti.stop(ctx.devs)
     return _kernel_report(opts, probe, cupti, why, timer.start_events(0), None,
                           per=" (one extra run of a single loop)")
 

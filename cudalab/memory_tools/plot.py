@@ -8,8 +8,8 @@
 
 Both return a :class:`matplotlib.figure.Figure` (or draw into ``ax`` and return its figure).
 They build figures with ``matplotlib.figure.Figure`` directly, never through ``pyplot``, so
-they neither need nor change a GUI backend. matplotlib is optional: it is imported inside the
-functions, and a missing one raises ImportError naming the extra (``cudalab[widgets]``).
+they neither need nor change a GUI backend. matplotlib (a dependency) is imported inside the
+functions, and a missing one raises ImportError saying how to install it.
 
 The helpers without ``plot_`` (:func:`load`, :func:`timeline`, :func:`filter_segments`,
 :func:`segment_pool`, :func:`byte_scale`, :func:`load_matplotlib`) are shared with
@@ -73,7 +73,7 @@ def load_matplotlib() -> tuple[Any, Any]:
     Raises
     ------
     ImportError
-        matplotlib is not installed (the message names the ``cudalab[widgets]`` extra).
+        matplotlib (a dependency of cudalab) is not installed.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -81,7 +81,7 @@ def load_matplotlib() -> tuple[Any, Any]:
     except ImportError as exc:  # pragma: no cover - exercised only without matplotlib
         raise ImportError(
             "cudalab's plots need matplotlib, which is not installed: "
-            "pip install 'cudalab[widgets]' (or pip install matplotlib)") from exc
+            "pip install matplotlib (a dependency of cudalab: reinstalling cudalab brings it)") from exc
     return Figure, FigureCanvasAgg
 
 

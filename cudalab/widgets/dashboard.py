@@ -26,7 +26,7 @@ How it stays cheap and safe:
   :func:`close_all` (which ``%unload_ext cudalab`` calls) and at interpreter exit (atexit).
 
 A saved or nbconvert'ed notebook shows a static picture: ``_repr_mimebundle_`` adds an
-``image/png`` drawn with matplotlib (``pip install 'cudalab[widgets]'``); without
+``image/png`` drawn with matplotlib (a dependency of cudalab); without
 matplotlib it adds ``text/html`` (a table and the sparkline) instead.
 """
 

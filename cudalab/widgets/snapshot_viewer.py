@@ -21,7 +21,7 @@
   later entries from the final snapshot (as memory_viz does), with checkpoints so scrubbing
   stays fast.
 * **Export**: parquet (``snapshot_frame``/``history_frame``; needs pyarrow, which
-  ``cudalab[pandas]`` brings: without a parquet engine the frames are written as CSV, with a
+  ``cudalab[parquet]`` brings: without a parquet engine the frames are written as CSV, with a
   ``RuntimeWarning`` and a note in the export line saying so), the memory_viz pickle
   (protocol 4) and Perfetto JSON.
 
@@ -338,7 +338,7 @@ class SnapshotViewer(W.VBox):
     def export_parquet(self, prefix: str = "memory_snapshot") -> list[str]:
         """``PREFIX_blocks.parquet`` (``snapshot_frame``) and, with history,
         ``PREFIX_history.parquet`` (``history_frame``); returns the paths. Needs a parquet
-        engine for pandas (pyarrow: ``pip install 'cudalab[pandas]'``); without one the same
+        engine for pandas (pyarrow: ``pip install 'cudalab[parquet]'``); without one the same
         frames are written as ``.csv`` and a ``RuntimeWarning`` says so (the button shows it
         in the export line)."""
         from cudalab.memory_tools.export import history_frame, snapshot_frame
@@ -359,7 +359,7 @@ class SnapshotViewer(W.VBox):
             out.append(path)
         if missing:
             warnings.warn(f"no parquet engine for pandas ({missing}): wrote CSV instead "
-                          f"({', '.join(out)}); pip install 'cudalab[pandas]' (pyarrow) for parquet",
+                          f"({', '.join(out)}); pip install 'cudalab[parquet]' (pyarrow) for parquet",
                           RuntimeWarning, stacklevel=2)
         return out
 

@@ -483,7 +483,7 @@ def test_plot_without_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     from cudalab.memory_tools.plot import plot_segments
 
-    with pytest.raises(ImportError, match=r"cudalab\[widgets\]"):
+    with pytest.raises(ImportError, match=r"pip install matplotlib \(a dependency of cudalab"):
         plot_segments(demo_snapshot(50))
 
 

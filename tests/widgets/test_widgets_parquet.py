@@ -1,4 +1,4 @@
-"""The SnapshotViewer's parquet export, for real: written with pyarrow (``cudalab[pandas]``
+"""The SnapshotViewer's parquet export, for real: written with pyarrow (``cudalab[parquet]``
 brings it), read back with ``pandas.read_parquet``, compared with the frames it was made from;
 and, without a parquet engine, the CSV fallback that must say so (a RuntimeWarning naming the
 extra, and the note on the export line) instead of changing format silently."""
@@ -12,7 +12,7 @@ import pytest
 
 import cudalab.memory as cm
 
-pd = pytest.importorskip("pandas", reason="pandas is not installed (pip install 'cudalab[pandas]')")
+pd = pytest.importorskip("pandas", reason="pandas is not installed (pip install 'cudalab[parquet]')")
 pytest.importorskip("ipywidgets")
 
 from cudalab.memory_tools.export import history_frame, snapshot_frame  # noqa: E402
@@ -20,7 +20,7 @@ from cudalab.widgets.snapshot_viewer import SnapshotViewer, demo_snapshot  # noq
 
 
 def _need_pyarrow() -> None:
-    pytest.importorskip("pyarrow", reason="pyarrow is not installed (pip install 'cudalab[pandas]')")
+    pytest.importorskip("pyarrow", reason="pyarrow is not installed (pip install 'cudalab[parquet]')")
 
 
 def _same_values(back, df) -> None:
@@ -93,7 +93,7 @@ def test_parquet_export_without_engine_warns_and_names_the_extra(tmp_path, monke
     snap = demo_snapshot(200)
     v = SnapshotViewer(snap, prefix=str(tmp_path / "snap"))
     try:
-        with pytest.warns(RuntimeWarning, match=r"wrote CSV instead.*cudalab\[pandas\].*pyarrow"):
+        with pytest.warns(RuntimeWarning, match=r"wrote CSV instead.*cudalab\[parquet\].*pyarrow"):
             paths = v.export_parquet(str(tmp_path / "m"))
         assert paths == [str(tmp_path / "m_blocks.csv"), str(tmp_path / "m_history.csv")]
         back = pd.read_csv(paths[0])
@@ -102,6 +102,6 @@ def test_parquet_export_without_engine_warns_and_names_the_extra(tmp_path, monke
         v._btn_parquet.click()
         status = v._export_status.value
         assert "snap_blocks.csv" in status and "wrote CSV instead" in status, status
-        assert "cudalab[pandas]" in status, status
+        assert "cudalab[parquet]" in status, status
     finally:
         v.close()
