@@ -78,8 +78,8 @@ class CudaLabMagics(Magics):
     # ----------------------------------------------------------------- %cuda_memory watch
     watch_threshold = Int(
         0, help="Default --threshold of '%cuda_memory watch on' in bytes: a cell's line is "
-                "printed only when |Δallocated|, |Δreserved| or its peak above the start "
-                "reaches it (0: every cell).").tag(config=True)
+                "printed only when the absolute Δallocated, Δreserved or its peak above the "
+                "start reaches it (0: every cell).").tag(config=True)
     watch_sync = Bool(
         True, help="'%cuda_memory watch' waits for the cell's GPU work to report its GPU time; "
                    "when False the time is shown only if the work already finished.").tag(config=True)
@@ -160,7 +160,7 @@ class CudaLabMagics(Magics):
           -v VAR           store the CudaTimedResult in VAR
           -q               quiet: print nothing
           -p P             significant digits (default 3)
-          --no-raise-error single mode: report an exception instead of re-raising it
+          --no-raise-error  single mode: report an exception instead of re-raising it
 
         Statistics: median, IQR, min, max and count of the GPU time per loop, with warnings
         when IQR/median > 10 % or max > 4x min, and the SM clock, temperature and power
