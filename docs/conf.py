@@ -83,9 +83,11 @@ html_title = "cudalab"
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
-    "secondary_sidebar_items": ["page-toc"],
+    # The names table needs the width: no right-hand sidebar on its page.
+    "secondary_sidebar_items": {"**": ["page-toc"], "torch_differences": []},
 }
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["cudalab.css"]
 
 
 def _copy_notebooks() -> None:
