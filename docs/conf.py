@@ -54,7 +54,8 @@ extensions = [
     "torch_names",
 ]
 
-source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
+# .rst first: autosummary names its stubs with the first suffix, and writes reStructuredText.
+source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
 root_doc = "index"
 exclude_patterns = ["_build", "**.ipynb_checkpoints", "README.md"]
 templates_path: list[str] = []
@@ -72,7 +73,7 @@ autodoc_default_options = {"members": True, "show-inheritance": False}
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 napoleon_numpy_docstring = True
-napoleon_google_docstring = False
+napoleon_google_docstring = True  # some classes document their arguments Google-style (Args:)
 napoleon_use_rtype = False
 
 # No intersphinx: CI builds offline, and a failed inventory fetch is a warning (-W: an error).
