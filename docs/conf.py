@@ -16,7 +16,7 @@ Where the pages come from
   (``tests/test_notebooks.py`` keeps them so), so the site renders their stored outputs and
   never runs them (``nb_execution_mode = "off"``). Sphinx reads sources only from under its
   source directory, and a symlink would not survive a checkout on every platform, so
-  :func:`_copy_notebooks` copies them into ``docs/notebooks/`` (git-ignored) when the build
+  :func:`copy_notebooks` copies them into ``docs/notebooks/`` (git-ignored) when the build
   starts. It copies a notebook only when its bytes changed and keeps its modification time,
   so an incremental build re-reads only the notebooks that changed. ``notebooks/`` stays the
   one place to edit them.
@@ -91,18 +91,21 @@ html_static_path = ["_static"]
 html_css_files = ["cudalab.css"]
 
 
-def _copy_notebooks() -> None:
-    """Copy ``notebooks/*.ipynb`` into ``docs/notebooks/`` (see the module doc); drop stale ones."""
-    target = DOCS / "notebooks"
+def copy_notebooks(source: pathlib.Path, target: pathlib.Path) -> None:
+    """Copy ``source/*.ipynb`` into ``target`` (see the module doc) and drop stale copies.
+
+    A notebook is copied only when its bytes differ from the copy, with its modification
+    time, so an incremental build re-reads only the notebooks that changed.
+    """
     target.mkdir(exist_ok=True)
-    sources = {path.name: path for path in sorted((ROOT / "notebooks").glob("*.ipynb"))}
+    sources = {path.name: path for path in sorted(source.glob("*.ipynb"))}
     for stale in target.glob("*.ipynb"):
         if stale.name not in sources:
             stale.unlink()
-    for name, source in sources.items():
+    for name, notebook in sources.items():
         copy = target / name
-        if not copy.exists() or copy.read_bytes() != source.read_bytes():
-            shutil.copy2(source, copy)
+        if not copy.exists() or copy.read_bytes() != notebook.read_bytes():
+            shutil.copy2(notebook, copy)
 
 
-_copy_notebooks()
+copy_notebooks(ROOT / "notebooks", DOCS / "notebooks")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import csv
 import importlib
+import importlib.util
 import os
 import pathlib
 import re
@@ -131,6 +132,27 @@ def test_quickstart_script_runs():
     assert "after empty_cache: reserved 0 bytes" in result.stdout, result.stdout
     if env.get("CUDALAB_SIMULATOR") == "1":
         assert "simulated" in result.stdout
+
+
+def test_copy_notebooks_copies_changed_and_drops_stale(tmp_path):
+    spec = importlib.util.spec_from_file_location("docs_conf", ROOT / "docs" / "conf.py")
+    assert spec is not None and spec.loader is not None
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)  # (also refreshes docs/notebooks/, which git ignores)
+    source, target = tmp_path / "notebooks", tmp_path / "site"
+    source.mkdir()
+    (source / "a.ipynb").write_text("{}")
+    (source / "b.ipynb").write_text('{"cells": []}')
+    target.mkdir()
+    (target / "gone.ipynb").write_text("{}")
+    conf.copy_notebooks(source, target)
+    assert sorted(path.name for path in target.iterdir()) == ["a.ipynb", "b.ipynb"]
+    assert (target / "b.ipynb").read_text() == '{"cells": []}'
+    os.utime(target / "a.ipynb", ns=(0, 0))  # a re-copy would restore the source's time
+    (source / "b.ipynb").write_text('{"cells": [1]}')
+    conf.copy_notebooks(source, target)
+    assert (target / "b.ipynb").read_text() == '{"cells": [1]}'
+    assert (target / "a.ipynb").stat().st_mtime_ns == 0, "an unchanged notebook was copied again"
 
 
 def _readme_test_command() -> str:
