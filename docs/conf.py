@@ -87,6 +87,15 @@ html_theme_options = {
     # The names table needs the width: no right-hand sidebar on its page.
     "secondary_sidebar_items": {"**": ["page-toc"], "torch_differences": []},
 }
+# The left sidebar lists a section's pages: only the API reference has a section; elsewhere it
+# would be an empty "Section Navigation".
+html_sidebars = {
+    **{page: [] for page in ("index", "install", "quickstart", "troubleshooting", "magics",
+                             "widgets", "random", "torch_differences", "architecture",
+                             "changelog")},
+    "concepts/*": [],
+    "notebooks/*": [],
+}
 html_static_path = ["_static"]
 html_css_files = ["cudalab.css"]
 
