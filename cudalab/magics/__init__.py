@@ -52,11 +52,11 @@ class CudaLabMagics(Magics):
     repeat = Int(7, help="Repeats measured in repeat mode when -r is not given.").tag(config=True)
     warmup = Int(1, help="Warm-up runs (untimed) in repeat mode when -w is not given.").tag(config=True)
     min_repeat_time = Float(
-        0.2, help="Auto-ranging target: loops per repeat grow until one repeat takes this many "
+        0.2, help="Loops per repeat grow (auto-ranging) until one repeat takes this many "
                   "seconds (when -n is not given).").tag(config=True)
     max_time = Float(
-        10.0, help="Default --max-time: seconds the measured repeats may take in all; repeat "
-                   "mode stops early (after at least one repeat) past it.").tag(config=True)
+        10.0, help="Seconds the measured repeats may take in all (the default of --max-time); "
+                   "repeat mode stops early (after at least one repeat) past it.").tag(config=True)
     precision = Int(3, help="Significant digits of the printed times.").tag(config=True)
     iqr_warning = Float(
         0.10, help="Warn when the interquartile range exceeds this fraction of the median.").tag(config=True)
@@ -78,9 +78,9 @@ class CudaLabMagics(Magics):
 
     # ----------------------------------------------------------------- %cuda_memory watch
     watch_threshold = Int(
-        0, help="Default --threshold of '%cuda_memory watch on' in bytes: a cell's line is "
-                "printed only when |Δallocated|, |Δreserved| or its peak above the start "
-                "reaches it (0: every cell).").tag(config=True)
+        0, help="The default --threshold of '%cuda_memory watch on', in bytes; a cell's line is "
+                "printed only when the absolute Δallocated, Δreserved or its peak above the "
+                "start reaches it, and 0 prints every cell.").tag(config=True)
     watch_sync = Bool(
         True, help="'%cuda_memory watch' waits for the cell's GPU work to report its GPU time; "
                    "when False the time is shown only if the work already finished.").tag(config=True)
@@ -162,7 +162,7 @@ class CudaLabMagics(Magics):
           -v VAR           store the CudaTimedResult in VAR
           -q               quiet: print nothing
           -p P             significant digits (default 3)
-          --no-raise-error single mode: report an exception instead of re-raising it
+          --no-raise-error  single mode: report an exception instead of re-raising it
 
         Statistics: median, IQR, min, max and count of the GPU time per loop, with warnings
         when IQR/median > 10 % or max > 4x min, and the SM clock, temperature and power

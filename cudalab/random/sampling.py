@@ -297,7 +297,7 @@ def normal(mean: float = 0.0, std: float = 1.0, size: Any = None, *, dtype: Any 
 
 def uniform_(array: Any, from_: float = 0.0, to: float = 1.0, *,
              generator: Generator | None = None) -> Any:
-    """Fill ``array`` with uniform samples in [from_, to) (``Tensor.uniform_``), in place on
+    """Fill ``array`` with uniform samples in ``[from_, to)`` (``Tensor.uniform_``), in place on
     the current stream; returns ``array``. Floating dtypes; bit-exact with torch."""
     target = _as_target(array, "uniform_()")
     tag = _float_tag(target._dtype, "uniform_()")
