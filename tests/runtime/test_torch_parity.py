@@ -237,7 +237,8 @@ torch = pytest.importorskip("torch") if HAS_GPU else None
 def test_uuid_matches_torchs():
     tp = torch.cuda.get_device_properties(0)
     cp = cudalab.get_device_properties(0)
-    assert str(cp.uuid) == str(tp.uuid) and cp.uuid.bytes == tp.uuid.bytes
+    # torch's .bytes is a sequence of 16 byte values; ours is bytes, as uuid.UUID's
+    assert str(cp.uuid) == str(tp.uuid) and cp.uuid.bytes == bytes(tp.uuid.bytes)
 
 
 @pytest.mark.gpu
