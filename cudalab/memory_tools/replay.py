@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from cudalab._atomic_write import atomic_write
 from cudalab._units import GiB, MiB, format_bytes
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
 from cudalab.errors import OutOfMemoryError
@@ -766,4 +767,5 @@ def save_plot(results: ReplayResult | Sequence[ReplayResult], path: str | os.Pat
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="upper left")
-    fig.savefig(path)
+    with atomic_write(path, "wb") as f:  # a failure leaves the previous file intact
+        fig.savefig(f, format=ext[1:])

@@ -28,6 +28,7 @@ from cudalab import _internal
 from cudalab.memory_tools import history as _history
 from cudalab.memory_tools.history import ACTIONS
 from cudalab.memory_tools.snapshot import memory_snapshot, take_snapshot
+from cudalab.memory_tools.snapshot_check import check_snapshot
 from cudalab.memory_tools.stacks import line_of
 from cudalab.memory_tools.trace_io import load_snapshot
 
@@ -63,17 +64,22 @@ def stream_label(stream: int) -> str:
 
 
 def resolve_snapshot(snap: Any) -> dict:
-    """The snapshot dict to read (see the module docstring for what ``snap`` may be)."""
+    """The snapshot dict to read (see the module docstring for what ``snap`` may be).
+
+    A dict or segment list given is checked against torch's schema
+    (:func:`cudalab.memory_tools.snapshot_check.check_snapshot`: SnapshotLoadError naming a
+    malformed entry); a file is checked when it is loaded; the live snapshot is cudalab's own.
+    """
     if snap is None:
         return take_snapshot()
     if isinstance(snap, (str, os.PathLike)):
         return load_snapshot(snap)
     if isinstance(snap, list):  # memory_snapshot()'s segment list
-        return {"segments": snap, "device_traces": []}
+        return check_snapshot({"segments": snap, "device_traces": []})
     if not isinstance(snap, dict):
         raise TypeError(f"snap must be a snapshot dict, a segment list or a path, "
                         f"not {type(snap).__name__}")
-    return snap
+    return check_snapshot(snap)
 
 
 def live_simulated() -> bool:
@@ -157,7 +163,7 @@ def _dict_columns(entries: list, codes: _Codes, extras: bool) -> dict:
     n = len(entries)
     # one C-level pass per column (map + itemgetter) beats one Python loop over 1M dicts
     cols = {
-        "time_us": np.fromiter(map(itemgetter("time_us"), entries), np.int64, n),
+        "time_us": np.fromiter(_column(entries, "time_us", 0), np.int64, n),
         "code": np.fromiter(map(codes.__getitem__, map(itemgetter("action"), entries)),
                             np.int16, n),
         "size": np.fromiter(map(itemgetter("size"), entries), np.int64, n),

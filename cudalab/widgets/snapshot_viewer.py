@@ -39,6 +39,7 @@ from typing import Any
 
 import ipywidgets as W
 
+from cudalab import _internal
 from cudalab._internal import format_bytes
 from cudalab.memory_tools.plot import (
     STATE_COLORS,
@@ -341,7 +342,7 @@ class SnapshotViewer(W.VBox):
         engine for pandas (pyarrow: ``pip install 'cudalab[pandas]'``); without one the same
         frames are written as ``.csv`` and a ``RuntimeWarning`` says so (the button shows it
         in the export line)."""
-        from cudalab.memory_tools.export import history_frame, snapshot_frame
+        from cudalab.memory_tools.export import history_frame, save_frame, snapshot_frame
 
         frames = [("blocks", snapshot_frame(self.snapshot))]
         if self.history is not None:
@@ -350,12 +351,12 @@ class SnapshotViewer(W.VBox):
         missing = ""
         for name, df in frames:
             path = f"{prefix}_{name}.parquet"
-            try:
-                df.to_parquet(path)
+            try:  # (atomically: a failed export leaves an earlier file intact)
+                save_frame(df, path, "parquet")
             except ImportError as exc:  # pandas found no parquet engine
                 missing = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 path = f"{prefix}_{name}.csv"
-                df.to_csv(path, index=False)
+                save_frame(df, path, "csv")
             out.append(path)
         if missing:
             warnings.warn(f"no parquet engine for pandas ({missing}): wrote CSV instead "
@@ -368,8 +369,7 @@ class SnapshotViewer(W.VBox):
         from cudalab.memory_tools.trace_io import dumps_snapshot
 
         path = prefix if prefix.endswith(".pickle") else f"{prefix}.pickle"
-        with open(path, "wb") as f:
-            f.write(dumps_snapshot(self.snapshot))
+        _internal.write_bytes_atomic(path, dumps_snapshot(self.snapshot))
         return [path]
 
     def export_perfetto(self, prefix: str = "memory_snapshot") -> list[str]:
