@@ -30,6 +30,7 @@ offending index is looked for only after a pass failed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
@@ -60,6 +61,14 @@ def _show(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+def _bound(n: int) -> str:
+    """``2**63``, ``-2**63``, ``0``: a range bound as people read it."""
+    m = abs(n)
+    if m > 1 and m & (m - 1) == 0:
+        return f"{'-' if n < 0 else ''}2**{m.bit_length() - 1}"
+    return str(n)
+
+
 def _type_name(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
@@ -69,7 +78,7 @@ def _is_int_type(t: type) -> bool:
 
 
 class _Where:
-    """Builds the location of an offending value: ``what: segments[3]['blocks'][7]``."""
+    """The snapshot's name, for the messages: ``what: segments[3]['blocks'][7] ...``."""
 
     __slots__ = ("what",)
 
@@ -80,104 +89,104 @@ class _Where:
         return SnapshotLoadError(f"{self.what}: {path}{text}")
 
 
-def _dicts(rows: Any, path: str, where: _Where, name: str) -> list:
+Locate = Callable[[int], str]  # row index -> the row's path, e.g. "device_traces[0][12]"
+
+
+def _dicts(rows: Any, path: str, locate: Locate, where: _Where, name: str) -> list:
     """``rows`` checked to be a list of dicts."""
     if type(rows) is not list:
-        raise where.fail(path, f" is {_type_name(rows)}, expected a list of {name}s (dicts)")
+        plural = "trace entries" if name == "trace entry" else f"{name}s"
+        raise where.fail(path, f" is {_show(rows)}, expected a list of {plural} (dicts)")
     if rows and set(map(type, rows)) != {dict}:
         for j, r in enumerate(rows):
             if type(r) is not dict:
-                raise where.fail(f"{path}[{j}]", f" is {_show(r)}, expected a {name} (a dict)")
+                raise where.fail(locate(j), f" is {_show(r)}, expected a {name} (a dict)")
     return rows
 
 
-def _column(rows: list, key: str, required: bool, path: str, where: _Where
-            ) -> tuple[list, list[int] | None]:
-    """The values of ``key`` over ``rows`` and their row indices (None: every row)."""
-    try:
-        return list(map(itemgetter(key), rows)), None
-    except KeyError:
-        if required:
-            j = next(j for j, r in enumerate(rows) if key not in r)
-            raise where.fail(f"{path}[{j}]", f" lacks the key {key!r}") from None
-    idx = [j for j, r in enumerate(rows) if key in r]
-    return [rows[j][key] for j in idx], idx
+class _Column:
+    """The values of one key over rows (one C-level pass), and the row of each value."""
+
+    __slots__ = ("rows", "key", "values", "partial")
+
+    def __init__(self, rows: list, key: str, required: bool, locate: Locate, where: _Where):
+        self.rows = rows
+        self.key = key
+        try:
+            self.values = list(map(itemgetter(key), rows))
+            self.partial = False
+        except KeyError:
+            if required:
+                j = next(j for j, r in enumerate(rows) if key not in r)
+                raise where.fail(locate(j), f" lacks the key {key!r}") from None
+            self.values = [r[key] for r in rows if key in r]
+            self.partial = True
+
+    def row_of(self, k: int) -> int:
+        """The row of ``values[k]`` (looked for only when a check failed)."""
+        if not self.partial:
+            return k
+        return [j for j, r in enumerate(self.rows) if self.key in r][k]
+
+    def first_bad(self, ok: Callable[[Any], bool]) -> tuple[int, Any]:
+        for k, v in enumerate(self.values):
+            if not ok(v):
+                return self.row_of(k), v
+        raise AssertionError("no offending value")  # (only called after a pass failed)
 
 
-def _bad(values: list, idx: list[int] | None, ok: Callable[[Any], bool]) -> tuple[int, Any]:
-    for k, v in enumerate(values):
-        if not ok(v):
-            return (k if idx is None else idx[k]), v
-    raise AssertionError("no offending value")  # (only called after a pass failed)
-
-
-def _ints(values: list, idx: list[int] | None, key: str, path: str, where: _Where,
-          bounds: tuple[int, int]) -> None:
+def _ints(col: _Column, locate: Locate, where: _Where, bounds: tuple[int, int]) -> None:
+    values = col.values
     if not values:
         return
+    key = col.key
     if not all(map(_is_int_type, set(map(type, values)))):
-        j, v = _bad(values, idx, lambda v: _is_int_type(type(v)))
-        raise where.fail(f"{path}[{j}][{key!r}]", f" is {_show(v)} ({_type_name(v)}), expected "
-                         "an integer")
+        j, v = col.first_bad(lambda v: _is_int_type(type(v)))
+        raise where.fail(f"{locate(j)}[{key!r}]", f" is {_show(v)} ({_type_name(v)}), "
+                         "expected an integer")
     lo, hi = bounds
     if min(values) < lo or max(values) >= hi:
-        j, v = _bad(values, idx, lambda v: lo <= v < hi)
-        raise where.fail(f"{path}[{j}][{key!r}]", f" is {v!r:.60}, out of range (expected "
-                         f"{lo:,} <= {key} < {hi:,})")
+        j, v = col.first_bad(lambda v: lo <= v < hi)
+        raise where.fail(f"{locate(j)}[{key!r}]", f" is {v!r:.60}, out of range (expected "
+                         f"{_bound(lo)} <= {key} < {_bound(hi)})")
 
 
-def _texts(values: list, idx: list[int] | None, key: str, path: str, where: _Where,
-           none_ok: bool = False) -> None:
+def _texts(col: _Column, locate: Locate, where: _Where, none_ok: bool = False) -> None:
     allowed = {str, type(None)} if none_ok else {str}
-    if values and not set(map(type, values)) <= allowed:
-        j, v = _bad(values, idx, lambda v: type(v) in allowed)
-        raise where.fail(f"{path}[{j}][{key!r}]", f" is {_show(v)} ({_type_name(v)}), expected "
-                         f"text{' or None' if none_ok else ''}")
+    if col.values and not set(map(type, col.values)) <= allowed:
+        j, v = col.first_bad(lambda v: type(v) in allowed)
+        raise where.fail(f"{locate(j)}[{col.key!r}]", f" is {_show(v)} ({_type_name(v)}), "
+                         f"expected text{' or None' if none_ok else ''}")
 
 
-def _frames(values: list, idx: list[int] | None, path: str, where: _Where,
-            every: bool = False) -> None:
+_FRAME_KEYS = (("filename", True, "text"), ("line", True, "int"), ("name", True, "text"))
+
+
+def _frames(col: _Column, locate: Locate, where: _Where, every: bool = False) -> None:
     """Each value a list of frames; the top (first) frame of each (``every``: each frame) a
     dict with filename, line and name (what the exports and the viewer read)."""
+    values = col.values
     if not values:
         return
     if set(map(type, values)) != {list}:
-        j, v = _bad(values, idx, lambda v: type(v) is list)
-        raise where.fail(f"{path}[{j}]['frames']", f" is {_show(v)}, expected a list of frames")
-    if every:  # (segments and blocks: few, and the viewer shows their whole stacks)
-        for k, f in enumerate(values):
-            for m in range(1, len(f)):
-                if type(f[m]) is not dict:
-                    j = k if idx is None else idx[k]
-                    raise where.fail(f"{path}[{j}]['frames'][{m}]", f" is {_show(f[m])}, "
-                                     "expected a frame (a dict)")
-    rows = [j if idx is None else idx[j] for j, f in enumerate(values) if f]
-    tops = [f[0] for f in values if f]
-    if not tops:
+        j, v = col.first_bad(lambda v: type(v) is list)
+        raise where.fail(f"{locate(j)}['frames']", f" is {_show(v)}, expected a list of frames")
+    stacks = list(filter(None, values))  # (C-level: the non-empty stacks)
+    frames = list(chain.from_iterable(stacks)) if every else list(map(itemgetter(0), stacks))
+    if not frames:
         return
-    if set(map(type, tops)) != {dict}:
-        k, v = _bad(tops, None, lambda v: type(v) is dict)
-        raise where.fail(f"{path}[{rows[k]}]['frames'][0]", f" is {_show(v)}, expected a frame "
-                         "(a dict with filename, line, name)")
-    for key in ("filename", "line", "name"):
-        try:
-            got = list(map(itemgetter(key), tops))
-        except KeyError:
-            k = next(k for k, t in enumerate(tops) if key not in t)
-            raise where.fail(f"{path}[{rows[k]}]['frames'][0]", f" lacks the key {key!r}") \
-                from None
-        inner = f"{path}[{{}}]['frames'][0]"
-        if key == "line":
-            if not all(map(_is_int_type, set(map(type, got)))):
-                k, v = _bad(got, None, lambda v: _is_int_type(type(v)))
-                raise where.fail(inner.format(rows[k]), f"['line'] is {_show(v)}, expected an "
-                                 "integer")
-            if min(got) < -_I63 or max(got) >= _I63:
-                k, v = _bad(got, None, lambda v: -_I63 <= v < _I63)
-                raise where.fail(inner.format(rows[k]), f"['line'] is {v!r:.60}, out of range")
-        elif not set(map(type, got)) <= {str}:
-            k, v = _bad(got, None, lambda v: type(v) is str)
-            raise where.fail(inner.format(rows[k]), f"[{key!r}] is {_show(v)}, expected text")
+
+    def frame_path(m: int) -> str:  # the m-th frame checked -> its path
+        if every:
+            for k, f in enumerate(values):
+                if m < len(f):
+                    return f"{locate(col.row_of(k))}['frames'][{m}]"
+                m -= len(f)
+        k = [k for k, f in enumerate(values) if f][m]
+        return f"{locate(col.row_of(k))}['frames'][0]"
+
+    _dicts(frames, "frames", frame_path, where, "frame")
+    _check_rows(frames, frame_path, where, _FRAME_KEYS)
 
 
 # (key, required, kind) of a trace entry
@@ -188,28 +197,30 @@ _ENTRY_KEYS = (("action", True, "text"), ("size", True, "int"), ("addr", False, 
 _SEGMENT_KEYS = (("address", True, "int"), ("total_size", True, "int"), ("device", False, "int"),
                  ("stream", False, "int"), ("allocated_size", False, "int"),
                  ("active_size", False, "int"), ("requested_size", False, "int"),
-                 ("segment_type", False, "text"), ("frames", False, "frames"))
+                 ("segment_type", False, "text"), ("frames", False, "frames*"))
 _BLOCK_KEYS = (("address", True, "int"), ("size", True, "int"), ("state", True, "text"),
                ("requested_size", False, "int"), ("stream", False, "int"),
-               ("frames", False, "frames"))
+               ("frames", False, "frames*"))
 
 
-def _check_rows(rows: list, path: str, where: _Where, keys: tuple, skip_bad_sizes: bool = False,
-                every_frame: bool = False) -> None:
+def _check_rows(rows: list, locate: Locate, where: _Where, keys: tuple,
+                skip_bad_sizes: bool = False) -> dict[str, _Column]:
+    cols = {}
     for key, required, kind in keys:
-        values, idx = _column(rows, key, required, path, where)
+        col = cols[key] = _Column(rows, key, required, locate, where)
         if kind == "int":
             if key == "size" and skip_bad_sizes:
                 continue  # (the replay counts and skips sizes that are not integers)
-            _ints(values, idx, key, path, where, _INT_RANGES.get(key, _SIZE))
-        elif kind == "frames":
-            _frames(values, idx, path, where, every_frame)
+            _ints(col, locate, where, _INT_RANGES.get(key, _SIZE))
+        elif kind.startswith("frames"):
+            _frames(col, locate, where, every=kind == "frames*")
         else:
-            _texts(values, idx, key, path, where, none_ok=kind == "text?")
+            _texts(col, locate, where, none_ok=kind == "text?")
+    return cols
 
 
 def check_trace_entries(entries: Any, path: str, what: str,
-                        keys: tuple[str, ...] | None = None) -> list:
+                        keys: tuple[str, ...] | None = None) -> dict[str, list | None]:
     """Check one device's trace entries (see the module documentation).
 
     Parameters
@@ -226,8 +237,9 @@ def check_trace_entries(entries: Any, path: str, what: str,
 
     Returns
     -------
-    list
-        ``entries``.
+    dict
+        Each key checked -> the list of its values, one per entry (what the exports read,
+        so they need not read it again), or None where some entries lack the key.
 
     Raises
     ------
@@ -235,13 +247,51 @@ def check_trace_entries(entries: Any, path: str, what: str,
         The first malformed entry, named by index and key.
     """
     where = _Where(what)
-    _dicts(entries, path, where, "trace entry")
+
+    def locate(j: int) -> str:
+        return f"{path}[{j}]"
+
+    _dicts(entries, path, locate, where, "trace entry")
     spec = _ENTRY_KEYS if keys is None else tuple(k for k in _ENTRY_KEYS if k[0] in keys)
-    _check_rows(entries, path, where, spec, skip_bad_sizes=keys == TRACE_KEYS_FOR_REPLAY)
-    return entries
+    cols = _check_rows(entries, locate, where, spec,
+                       skip_bad_sizes=keys == TRACE_KEYS_FOR_REPLAY)
+    return {k: None if c.partial else c.values for k, c in cols.items()}
 
 
-def check_snapshot(snap: Any, what: str = "snapshot") -> dict:
+def _check_segments(segments: Any, where: _Where) -> None:
+    def seg_path(i: int) -> str:
+        return f"segments[{i}]"
+
+    _dicts(segments, "segments", seg_path, where, "segment")
+    cols = _check_rows(segments, seg_path, where, _SEGMENT_KEYS)
+    if sum(cols["total_size"].values) >= _I63:
+        raise where.fail("segments", ": the total_size values add up to 2**63 or more")
+    for i, pool in enumerate(seg.get("segment_pool_id") for seg in segments):
+        if pool is not None and not (type(pool) in (list, tuple) and len(pool) == 2
+                                     and all(_is_int_type(type(x)) for x in pool)):
+            raise where.fail(f"segments[{i}]['segment_pool_id']", f" is {_show(pool)}, "
+                             "expected two integers")
+    lists = _Column(segments, "blocks", True, seg_path, where)
+    if set(map(type, lists.values)) - {list}:
+        i, v = lists.first_bad(lambda v: type(v) is list)
+        raise where.fail(f"segments[{i}]['blocks']", f" is {_show(v)}, expected a list of "
+                         "blocks (dicts)")
+    blocks = list(chain.from_iterable(lists.values))  # every block, checked in one pass
+
+    def block_path(m: int) -> str:
+        for i, b in enumerate(lists.values):
+            if m < len(b):
+                return f"segments[{i}]['blocks'][{m}]"
+            m -= len(b)
+        raise AssertionError("no such block")
+
+    _dicts(blocks, "blocks", block_path, where, "block")
+    cols = _check_rows(blocks, block_path, where, _BLOCK_KEYS)
+    if sum(cols["size"].values) + sum(cols["requested_size"].values) >= _I63:
+        raise where.fail("segments", ": the block sizes add up to 2**63 or more")
+
+
+def check_snapshot(snap: Any, what: str = "snapshot", *, entries: bool = True) -> dict:
     """Check ``snap`` against torch's snapshot schema (see the module documentation).
 
     Parameters
@@ -250,6 +300,10 @@ def check_snapshot(snap: Any, what: str = "snapshot") -> dict:
         A snapshot dict (``segments`` and/or ``device_traces``).
     what : str, optional
         The snapshot, for the messages (e.g. ``"snapshot 'run.pickle'"``).
+    entries : bool, optional
+        Check the trace entries' keys too (default). False checks only that each device's
+        trace is a list of dicts: for readers that call :func:`check_trace_entries` as they
+        read the entries (the exports), so a million entries are read once, not twice.
 
     Returns
     -------
@@ -264,36 +318,19 @@ def check_snapshot(snap: Any, what: str = "snapshot") -> dict:
     """
     where = _Where(what)
     if type(snap) is not dict:
-        raise where.fail("the snapshot", f" is {_type_name(snap)}, expected a dict")
+        raise where.fail("the snapshot", f" is {_show(snap)}, expected a dict")
     segments = snap.get("segments")
     if segments is not None:
-        _dicts(segments, "segments", where, "segment")
-        _check_rows(segments, "segments", where, _SEGMENT_KEYS, every_frame=True)
-        if segments and sum(map(itemgetter("total_size"), segments)) >= _I63:
-            raise where.fail("segments", ": the total_size values add up to 2**63 bytes or more")
-        sizes = 0
-        for i, seg in enumerate(segments):
-            path = f"segments[{i}]"
-            blocks = seg.get("blocks")
-            if blocks is None:
-                raise where.fail(path, " lacks the key 'blocks'")
-            _dicts(blocks, f"{path}['blocks']", where, "block")
-            _check_rows(blocks, f"{path}['blocks']", where, _BLOCK_KEYS, every_frame=True)
-            if blocks:
-                sizes += sum(map(itemgetter("size"), blocks))
-                sizes += sum(b.get("requested_size", 0) for b in blocks)
-            if sizes >= _I63:
-                raise where.fail(path, ": the block sizes add up to 2**63 bytes or more")
-            pool = seg.get("segment_pool_id")
-            if pool is not None and not (type(pool) in (list, tuple) and len(pool) == 2
-                                         and all(_is_int_type(type(x)) for x in pool)):
-                raise where.fail(f"{path}['segment_pool_id']", f" is {_show(pool)}, expected "
-                                 "two integers")
+        _check_segments(segments, where)
     traces = snap.get("device_traces")
     if traces is not None:
         if type(traces) is not list:
-            raise where.fail("device_traces", f" is {_type_name(traces)}, expected a list of "
+            raise where.fail("device_traces", f" is {_show(traces)}, expected a list of "
                              "lists of trace entries")
-        for d, entries in enumerate(traces):
-            check_trace_entries(entries, f"device_traces[{d}]", what)
+        for d, trace in enumerate(traces):
+            path = f"device_traces[{d}]"
+            if entries:
+                check_trace_entries(trace, path, what)
+            else:
+                _dicts(trace, path, lambda j, path=path: f"{path}[{j}]", where, "trace entry")
     return snap

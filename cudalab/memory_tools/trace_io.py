@@ -627,14 +627,21 @@ def _from_snapshot(source: str, snap: dict, device: int) -> TraceArrays:
     if not isinstance(entries, list):
         raise TraceError(f"{source}: device_traces[{device}] is not a list")
     # the keys the replay reads, named when malformed (sizes that are not integers are
-    # skipped by the replay, counted in its warning)
-    check_trace_entries(entries, f"device_traces[{device}]", source, TRACE_KEYS_FOR_REPLAY)
+    # skipped by the replay, counted in its warning); the check hands over their columns
+    cols = check_trace_entries(entries, f"device_traces[{device}]", source,
+                               TRACE_KEYS_FOR_REPLAY)
     if not entries:
         others = [i for i, t in enumerate(traces) if t]
         if others:
             raise TraceError(f"{source}: the trace of device {device} is empty; devices with "
                              f"entries: {', '.join(map(str, others))} (use device=...)")
-    return _from_entries(source, entries)
+
+    def column(key: str) -> list:
+        got = cols[key]
+        return got if got is not None else [e.get(key, 0) for e in entries]
+
+    return _from_columns(source, column("action"), column("addr"), column("size"),
+                         column("stream"))
 
 
 def load_trace(trace: Any, device: int = 0, *, max_bytes: int | str | None = None
