@@ -11,7 +11,8 @@ the ``SnapshotViewer`` and the replay never fail later with a bare ``KeyError``,
 
 What it checks (torch's schema; keys beyond these, metadata, are not looked at):
 
-* the snapshot: a dict; ``segments`` a list, ``device_traces`` a list of lists;
+* the snapshot: a dict; ``segments`` a list, ``device_traces`` a list of lists, cudalab's
+  ``cudalab`` a dict with a bool ``simulated``;
 * a segment: a dict with ``address`` and ``total_size`` (integers) and ``blocks`` (a list of
   dicts with ``address``, ``size`` and ``state``); the optional ``device``, ``stream``,
   ``allocated_size``, ``active_size``, ``requested_size`` integers, ``segment_type`` text,
@@ -291,6 +292,12 @@ def _check_segments(segments: Any, where: _Where) -> None:
         raise where.fail("segments", ": the block sizes add up to 2**63 or more")
 
 
+def _entry_locator(path: str) -> Locate:
+    def locate(j: int) -> str:
+        return f"{path}[{j}]"
+    return locate
+
+
 def check_snapshot(snap: Any, what: str = "snapshot", *, entries: bool = True) -> dict:
     """Check ``snap`` against torch's snapshot schema (see the module documentation).
 
@@ -319,6 +326,11 @@ def check_snapshot(snap: Any, what: str = "snapshot", *, entries: bool = True) -
     where = _Where(what)
     if type(snap) is not dict:
         raise where.fail("the snapshot", f" is {_show(snap)}, expected a dict")
+    extra = snap.get("cudalab")  # cudalab's own key: {"simulated": bool}
+    if extra is not None and not (type(extra) is dict
+                                  and type(extra.get("simulated", False)) in (bool, int)):
+        raise where.fail("cudalab", f" is {_show(extra)}, expected a dict "
+                         "{'simulated': bool}")
     segments = snap.get("segments")
     if segments is not None:
         _check_segments(segments, where)
@@ -332,5 +344,5 @@ def check_snapshot(snap: Any, what: str = "snapshot", *, entries: bool = True) -
             if entries:
                 check_trace_entries(trace, path, what)
             else:
-                _dicts(trace, path, lambda j, path=path: f"{path}[{j}]", where, "trace entry")
+                _dicts(trace, path, _entry_locator(path), where, "trace entry")
     return snap

@@ -276,14 +276,18 @@ def _as_snapshot(obj: Any, what: str, check: bool = True) -> dict:
     if type(obj) is list and obj and all(type(s) is dict and "blocks" in s for s in obj):
         obj = {"segments": obj, "device_traces": []}
     if type(obj) is not dict or type(obj.get("segments")) is not list:
-        got = (f"a dict with keys {_keys_text(obj)}" if type(obj) is dict
-               else f"a {type(obj).__name__}")
+        if type(obj) is dict and "segments" in obj:
+            got = f"a dict whose 'segments' is a {type(obj['segments']).__name__}"
+        elif type(obj) is dict:
+            got = f"a dict with keys {_keys_text(obj)}"
+        else:
+            got = f"a {type(obj).__name__}"
         raise SnapshotLoadError(
             f"{what} is not a memory snapshot: expected a dict with a 'segments' list (as "
             f"written by cudalab.memory._dump_snapshot or torch.cuda.memory._dump_snapshot), "
             f"got {got}")
     traces = obj.setdefault("device_traces", [])
-    if type(traces) is not list or not all(type(t) is list for t in traces):
+    if type(traces) is not list:
         raise SnapshotLoadError(f"{what} is not a memory snapshot: 'device_traces' must be a "
                                 "list of lists of trace entries")
     return check_snapshot(obj, what) if check else obj
