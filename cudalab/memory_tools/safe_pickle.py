@@ -334,7 +334,8 @@ class RestrictedUnpickler(pickle.Unpickler):
 #: Opcode bytes that build a tuple (TUPLE1-3, TUPLE): their count bounds how deeply tuples
 #: nest, which is what CPython hashes recursively in C.
 _TUPLE_OPCODES = b"\x85\x86\x87t"
-#: Tuples nested this deep hash safely on any thread's stack (8 MiB holds ~50,000 levels).
+#: Tuples nested this deep hash safely on the main thread's and glibc's default thread stacks
+#: (8 MiB hold ~50,000 levels; this many take about 3 MiB).
 _SAFE_TUPLE_DEPTH = 20_000
 _STACK_PER_LEVEL = 256  # bytes of C stack per level of tuple hashing, with a margin
 _MAX_THREAD_STACK = 1 << 30
@@ -357,6 +358,7 @@ def _nesting_levels(obj: Any, limit: int) -> int:
             break
         refs = gc.get_referents(*level)
         level = list(compress(refs, map(containers, map(type, refs))))
+        level = list(dict(zip(map(id, level), level)).values())  # shared ones once
     return n
 
 

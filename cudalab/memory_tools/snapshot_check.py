@@ -31,8 +31,9 @@ offending index is looked for only after a pass failed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import chain
-from operator import itemgetter
+from functools import partial
+from itertools import chain, repeat
+from operator import is_not, itemgetter
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,10 @@ def _dicts(rows: Any, path: str, locate: Locate, where: _Where, name: str) -> li
     return rows
 
 
+_MISSING = object()
+_present = partial(is_not, _MISSING)
+
+
 class _Column:
     """The values of one key over rows (one C-level pass), and the row of each value."""
 
@@ -120,7 +125,8 @@ class _Column:
             if required:
                 j = next(j for j, r in enumerate(rows) if key not in r)
                 raise where.fail(locate(j), f" lacks the key {key!r}") from None
-            self.values = [r[key] for r in rows if key in r]
+            got = map(dict.get, rows, repeat(key), repeat(_MISSING))  # (C-level passes)
+            self.values = list(filter(_present, got))
             self.partial = True
 
     def row_of(self, k: int) -> int:
@@ -176,6 +182,14 @@ def _frames(col: _Column, locate: Locate, where: _Where, every: bool = False) ->
     frames = list(chain.from_iterable(stacks)) if every else list(map(itemgetter(0), stacks))
     if not frames:
         return
+    if not every and set(map(type, frames)) == {dict}:  # shared frames are checked once
+        unique = dict(zip(map(id, frames), frames))
+        if len(unique) < len(frames):
+            try:
+                _check_rows(list(unique.values()), str, where, _FRAME_KEYS)
+                return
+            except SnapshotLoadError:
+                pass  # (found one: again over every frame, to name where it is)
 
     def frame_path(m: int) -> str:  # the m-th frame checked -> its path
         if every:

@@ -246,6 +246,7 @@ def _natively_plain(obj: Any) -> bool:
         if not bad.isdisjoint(types):
             return False
         level = list(compress(refs, map(containers, types)))
+        level = list(dict(zip(map(id, level), level)).values())  # shared ones (frames) once
     return True
 
 
