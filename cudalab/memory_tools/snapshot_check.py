@@ -63,6 +63,11 @@ def _show(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+def _only(values: list, cls: type) -> bool:
+    """Whether every value is a ``cls`` (subclasses too), one C-level pass."""
+    return all(issubclass(t, cls) for t in set(map(type, values)))
+
+
 def _bound(n: int) -> str:
     """``2**63``, ``-2**63``, ``0``: a range bound as people read it."""
     m = abs(n)
@@ -96,12 +101,12 @@ Locate = Callable[[int], str]  # row index -> the row's path, e.g. "device_trace
 
 def _dicts(rows: Any, path: str, locate: Locate, where: _Where, name: str) -> list:
     """``rows`` checked to be a list of dicts."""
-    if type(rows) is not list:
+    if not isinstance(rows, list):
         plural = "trace entries" if name == "trace entry" else f"{name}s"
         raise where.fail(path, f" is {_show(rows)}, expected a list of {plural} (dicts)")
-    if rows and set(map(type, rows)) != {dict}:
+    if rows and not _only(rows, dict):
         for j, r in enumerate(rows):
-            if type(r) is not dict:
+            if not isinstance(r, dict):
                 raise where.fail(locate(j), f" is {_show(r)}, expected a {name} (a dict)")
     return rows
 
@@ -175,14 +180,14 @@ def _frames(col: _Column, locate: Locate, where: _Where, every: bool = False) ->
     values = col.values
     if not values:
         return
-    if set(map(type, values)) != {list}:
-        j, v = col.first_bad(lambda v: type(v) is list)
+    if not _only(values, list):
+        j, v = col.first_bad(lambda v: isinstance(v, list))
         raise where.fail(f"{locate(j)}['frames']", f" is {_show(v)}, expected a list of frames")
     stacks = list(filter(None, values))  # (C-level: the non-empty stacks)
     frames = list(chain.from_iterable(stacks)) if every else list(map(itemgetter(0), stacks))
     if not frames:
         return
-    if not every and set(map(type, frames)) == {dict}:  # shared frames are checked once
+    if not every and _only(frames, dict):  # shared frames are checked once
         unique = dict(zip(map(id, frames), frames))
         if len(unique) < len(frames):
             try:
@@ -287,8 +292,8 @@ def _check_segments(segments: Any, where: _Where) -> None:
             raise where.fail(f"segments[{i}]['segment_pool_id']", f" is {_show(pool)}, "
                              "expected two integers")
     lists = _Column(segments, "blocks", True, seg_path, where)
-    if set(map(type, lists.values)) - {list}:
-        i, v = lists.first_bad(lambda v: type(v) is list)
+    if not _only(lists.values, list):
+        i, v = lists.first_bad(lambda v: isinstance(v, list))
         raise where.fail(f"segments[{i}]['blocks']", f" is {_show(v)}, expected a list of "
                          "blocks (dicts)")
     blocks = list(chain.from_iterable(lists.values))  # every block, checked in one pass
@@ -338,10 +343,10 @@ def check_snapshot(snap: Any, what: str = "snapshot", *, entries: bool = True) -
         ``segments[2]['blocks'][5] lacks the key 'size'``.
     """
     where = _Where(what)
-    if type(snap) is not dict:
+    if not isinstance(snap, dict):
         raise where.fail("the snapshot", f" is {_show(snap)}, expected a dict")
     extra = snap.get("cudalab")  # cudalab's own key: {"simulated": bool}
-    if extra is not None and not (type(extra) is dict
+    if extra is not None and not (isinstance(extra, dict)
                                   and type(extra.get("simulated", False)) in (bool, int)):
         raise where.fail("cudalab", f" is {_show(extra)}, expected a dict "
                          "{'simulated': bool}")
@@ -350,7 +355,7 @@ def check_snapshot(snap: Any, what: str = "snapshot", *, entries: bool = True) -
         _check_segments(segments, where)
     traces = snap.get("device_traces")
     if traces is not None:
-        if type(traces) is not list:
+        if not isinstance(traces, list):
             raise where.fail("device_traces", f" is {_show(traces)}, expected a list of "
                              "lists of trace entries")
         for d, trace in enumerate(traces):

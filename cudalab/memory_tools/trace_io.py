@@ -274,12 +274,12 @@ def _keys_text(obj: dict) -> str:
 def _as_snapshot(obj: Any, what: str, check: bool = True) -> dict:
     """``obj`` (unpickled) as a snapshot dict, or SnapshotLoadError saying why it is not one
     (``check``: and checked against the schema, :func:`.snapshot_check.check_snapshot`)."""
-    if type(obj) is list and obj and all(type(s) is dict and "blocks" in s for s in obj):
+    if isinstance(obj, list) and obj and all(isinstance(s, dict) and "blocks" in s for s in obj):
         obj = {"segments": obj, "device_traces": []}
-    if type(obj) is not dict or type(obj.get("segments")) is not list:
-        if type(obj) is dict and "segments" in obj:
+    if not isinstance(obj, dict) or not isinstance(obj.get("segments"), list):
+        if isinstance(obj, dict) and "segments" in obj:
             got = f"a dict whose 'segments' is a {type(obj['segments']).__name__}"
-        elif type(obj) is dict:
+        elif isinstance(obj, dict):
             got = f"a dict with keys {_keys_text(obj)}"
         else:
             got = f"a {type(obj).__name__}"
@@ -288,7 +288,7 @@ def _as_snapshot(obj: Any, what: str, check: bool = True) -> dict:
             f"written by cudalab.memory._dump_snapshot or torch.cuda.memory._dump_snapshot), "
             f"got {got}")
     traces = obj.setdefault("device_traces", [])
-    if type(traces) is not list:
+    if not isinstance(traces, list):
         raise SnapshotLoadError(f"{what} is not a memory snapshot: 'device_traces' must be a "
                                 "list of lists of trace entries")
     return check_snapshot(obj, what) if check else obj

@@ -421,3 +421,16 @@ def test_a_real_snapshot_round_trips(tmp_path):
     snap = load_snapshot(path)
     assert snap["segments"] and snap["device_traces"]
     _read_everything(snap)
+
+
+def test_dict_and_list_subclasses_are_snapshots_too():
+    class Snap(dict):
+        pass
+
+    class Entries(list):
+        pass
+
+    snap = synthetic_snapshot(100)
+    sub = Snap(snap, device_traces=[Entries(t) for t in snap["device_traces"]])
+    assert export.history_frame(sub)["size"].tolist() == export.history_frame(snap)["size"].tolist()
+    assert len(export.snapshot_frame(sub)) == len(export.snapshot_frame(snap))
