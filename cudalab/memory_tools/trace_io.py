@@ -39,6 +39,7 @@ import io
 import numbers
 import os
 import pickle
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import compress
@@ -212,16 +213,22 @@ def dumps_snapshot(snapshot: dict) -> bytes:
     ------
     TypeError
         A value that is not plain data and cannot be converted (the message says where).
+    ValueError
+        The snapshot nests containers deeper than the interpreter's recursion limit.
     """
     buf = io.BytesIO()
     try:
-        _PlainPickler(buf, protocol=PICKLE_PROTOCOL).dump(snapshot)
-        clean = _natively_plain(snapshot)
-    except _NotPlain:
-        clean = False
-    if clean:
-        return buf.getvalue()
-    return pickle.dumps(to_plain(snapshot), protocol=PICKLE_PROTOCOL)  # or TypeError: where
+        try:
+            _PlainPickler(buf, protocol=PICKLE_PROTOCOL).dump(snapshot)
+            clean = _natively_plain(snapshot)
+        except _NotPlain:
+            clean = False
+        if clean:
+            return buf.getvalue()
+        return pickle.dumps(to_plain(snapshot), protocol=PICKLE_PROTOCOL)  # or TypeError: where
+    except RecursionError:
+        raise ValueError("cannot pickle the snapshot: it nests containers too deeply (deeper "
+                         f"than the recursion limit, {sys.getrecursionlimit()})") from None
 
 
 _CONTAINERS = frozenset({dict, list, tuple})

@@ -57,7 +57,7 @@ def _deep_list(depth: int) -> bytes:
 def _deep_dict_segments(depth: int) -> bytes:
     """{"segments": [[[[...]]]], "device_traces": []}."""
     return (b"\x80\x04}(\x8c\x08segments" + b"]" * depth + b"a" * (depth - 1)
-            + b"\x8c\x0cdevice_traces]u.")
+            + b"\x8c\x0ddevice_traces]u.")
 
 
 def _run_python(code: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -434,3 +434,13 @@ def test_dict_and_list_subclasses_are_snapshots_too():
     sub = Snap(snap, device_traces=[Entries(t) for t in snap["device_traces"]])
     assert export.history_frame(sub)["size"].tolist() == export.history_frame(snap)["size"].tolist()
     assert len(export.snapshot_frame(sub)) == len(export.snapshot_frame(snap))
+
+
+def test_a_deep_value_in_an_unchecked_key_loads_but_does_not_export_a_recursion_error():
+    """Deep lists under a key the schema does not read load (lists cannot crash CPython:
+    its recursion over them is checked); pickling them again is a ValueError."""
+    data = (b"\x80\x04}(\x8c\x08segments]\x8c\x0ddevice_traces]\x8c\x04meta"
+            + b"]" * 5_000 + b"a" * 4_999 + b"u.")
+    got = load_snapshot(io.BytesIO(data))
+    with pytest.raises(ValueError, match="nests containers too deeply"):
+        dumps_snapshot(got)
