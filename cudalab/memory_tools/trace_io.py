@@ -408,7 +408,7 @@ def _load_csv(path: str) -> Any:
     except ImportError:
         raise TraceError(f"cannot read {path}: reading a history CSV needs pandas "
                          "(pip install pandas)") from None
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:
         raise TraceError(f"cannot read history CSV {path}: {_first_line(exc)}") from None
 
 
@@ -727,6 +727,19 @@ def categorical(pd: Any, values: Any, known: tuple[str, ...]) -> Any:
     return pd.Categorical(values, categories=list(known) + extra)
 
 
+def _csv_offender(column: Any, name: str) -> str:
+    """``"column 'size', row 3 is '1e400'"``: the first value of ``column`` that is not an
+    int64 (as written), for the message of :func:`read_history_csv`."""
+    for row, v in zip(column.index, column.tolist()):
+        try:
+            ok = float(v) == int(v) and -(1 << 63) <= int(v) < (1 << 63)
+        except (OverflowError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            return f"column {name!r}, row {row} is {v!r:.40}"
+    return f"column {name!r}"
+
+
 def read_history_csv(path: Any):
     """Read a saved history frame back with the dtypes it was saved with.
 
@@ -740,6 +753,12 @@ def read_history_csv(path: Any):
     -------
     pandas.DataFrame
         The columns of :func:`cudalab.memory_tools.export.history_frame`, with its dtypes.
+
+    Raises
+    ------
+    ValueError
+        An integer column holds something else (text, a fraction, a gap, a number beyond
+        int64): the message names the column and the row.
     """
     import pandas as pd
 
@@ -748,7 +767,14 @@ def read_history_csv(path: Any):
     for col in ("time_us", "device", "stream", "addr", "size", "device_free", "allocated",
                 "reserved"):
         if col in df:
-            df[col] = df[col].astype(np.int64)
+            try:
+                values = df[col]
+                if values.dtype.kind == "f" and not (values == np.round(values)).all():
+                    raise ValueError  # (astype would cut 512.5 to 512 silently)
+                df[col] = values.astype(np.int64)
+            except (OverflowError, TypeError, ValueError):
+                raise ValueError(f"{_csv_offender(df[col], col)}, expected an integer that "
+                                 "fits int64") from None
     if "time_us" in df:
         df["time"] = pd.Series(df["time_us"].to_numpy().astype("datetime64[us]"), index=df.index)
     if "action" in df:

@@ -444,3 +444,20 @@ def test_a_deep_value_in_an_unchecked_key_loads_but_does_not_export_a_recursion_
     got = load_snapshot(io.BytesIO(data))
     with pytest.raises(ValueError, match="nests containers too deeply"):
         dumps_snapshot(got)
+
+
+@pytest.mark.parametrize("value", ["1180591620717411303424", "abc", "1e400", "512.5", ""])
+@pytest.mark.parametrize("column", ["size", "addr", "time_us"])
+def test_a_malformed_history_csv_names_the_column_and_row(tmp_path, column, value):
+    df = export.history_frame(synthetic_snapshot(50))
+    df.to_csv(tmp_path / "h.csv", index=False)
+    lines = (tmp_path / "h.csv").read_text().splitlines()
+    i = lines[0].split(",").index(column)
+    row = lines[4].split(",")
+    row[i] = value
+    lines[4] = ",".join(row)
+    (tmp_path / "h.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=rf"column '{column}', row 3 is"):
+        cudalab.memory.read_history_csv(tmp_path / "h.csv")
+    with pytest.raises(TraceError, match=rf"column '{column}', row 3"):
+        replay(str(tmp_path / "h.csv"))
