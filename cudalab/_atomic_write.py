@@ -8,12 +8,14 @@ never leaves a truncated or empty file where a good one was.
 
 The new file gets the permissions the target had; a new target gets the usual ``0o666``
 less the process's umask (a plain ``open(path, "w")`` would give the same), not the
-``0o600`` of a temporary file. A symbolic link as target is followed: the file it points to
+``0o600`` of a temporary file. A target the process may not write (a read-only file) is
+refused with PermissionError, as ``open`` would, rather than replaced. A symbolic link as target is followed: the file it points to
 is replaced, the link stays.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -80,6 +82,9 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *,
         raise ValueError(f"atomic_write: mode must be 'wb' or 'w', got {mode!r}")
     target = os.path.realpath(os.fspath(path))
     directory, name = os.path.split(target)
+    if os.path.exists(target) and not os.path.isdir(target) and not os.access(target, os.W_OK):
+        # a read-only file stays protected, as with open(path, "w")
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
     if mode == "w" and encoding is None:
         encoding = "utf-8"
     import tempfile  # (lazily: importing cudalab stays cheap)

@@ -77,6 +77,17 @@ def test_a_successful_write_replaces_and_keeps_permissions(target):
     assert os.listdir(target.parent) == [target.name]
 
 
+def test_a_read_only_target_is_refused_as_open_would(target, monkeypatch):
+    os.chmod(target, 0o444)
+    if os.access(target, os.W_OK):  # (root may write anything: pretend it may not)
+        monkeypatch.setattr(_atomic_write.os, "access", lambda path, mode: False)
+    with pytest.raises(PermissionError) as info:
+        write_bytes_atomic(target, b"new")
+    assert info.value.filename == str(target)
+    os.chmod(target, 0o644)
+    assert_intact(target)
+
+
 def test_a_new_file_gets_the_umask_permissions_not_the_temporary_ones(tmp_path):
     mask = os.umask(0o027)
     try:
