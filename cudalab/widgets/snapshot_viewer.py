@@ -23,7 +23,10 @@
 * **Export**: parquet (``snapshot_frame``/``history_frame``; needs pyarrow, which
   ``cudalab[pandas]`` brings: without a parquet engine the frames are written as CSV, with a
   ``RuntimeWarning`` and a note in the export line saying so), the memory_viz pickle
-  (protocol 4) and Perfetto JSON.
+  (protocol 4) and Perfetto JSON. Each file is replaced atomically: a failed export (a value
+  that cannot be written, named in the export line; Ctrl-C) leaves an earlier file intact.
+* **Checked input**: a snapshot (dict or file) is checked against torch's schema; a
+  malformed one is a ``SnapshotLoadError`` naming the entry and the key.
 
 Only plain ipywidgets 8 (HTML with inline SVG, Dropdown, IntSlider, Button), so it renders
 wherever ipywidgets does (tested: JupyterLab 4, Notebook 7, html-manager; see docs/widgets.md).
