@@ -16,6 +16,9 @@ What it offers
 * **Raw handles**: :func:`stream_handle` and :func:`event_handle`, the opaque seam handles
   owned by a :class:`cudalab.Stream` / :class:`cudalab.Event`.
 * **Launch observers**: :data:`launch_observers`, called by every runtime kernel launch.
+* **Files**: :func:`atomic_write` and :func:`write_bytes_atomic` (see
+  :mod:`cudalab._atomic_write`): every file cudalab writes replaces its target atomically, so
+  a failed export leaves the previous file intact.
 * **Units**: :func:`parse_size`, :func:`format_bytes`, :func:`format_time` (one parser, one
   formatter for the whole package; see :mod:`cudalab._units`), and :data:`SIZE_UNITS`, the
   parser's unit table (``%cuda_memory --threshold 64 KiB`` takes a separate unit word).
@@ -38,6 +41,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from cudalab import devices as _devices
+from cudalab._atomic_write import atomic_write, write_bytes_atomic
 from cudalab._driver.base import STATUS_NOT_READY, STATUS_SUCCESS, FastPaths
 from cudalab._units import SIZE_UNITS, format_bytes, format_time, parse_size
 
@@ -50,6 +54,7 @@ __all__ = [
     "SIZE_UNITS",
     "STATUS_SUCCESS",
     "ScratchBuffer",
+    "atomic_write",
     "backend",
     "clock_event_reasons",
     "create_event",
@@ -65,6 +70,7 @@ __all__ = [
     "parse_size",
     "stream_handle",
     "thread_state",
+    "write_bytes_atomic",
 ]
 
 

@@ -25,7 +25,6 @@ import operator
 import os
 import re
 import sys
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cudalab._atomic_write import write_bytes_atomic
 from cudalab._driver import nvrtc as _nvrtc
 
 if TYPE_CHECKING:
@@ -130,14 +130,9 @@ def _write_cached(directory: Path, path: Path, data: bytes) -> None:
     key = str(directory)
     if key in _unwritable_dirs:
         return
-    tmp = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".cubin")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-        tmp = None
+        write_bytes_atomic(path, data)  # (a temporary file beside it, then os.replace)
     except OSError as exc:
         with _cache_lock:
             first = key not in _unwritable_dirs
@@ -150,12 +145,6 @@ def _write_cached(directory: Path, path: Path, data: bytes) -> None:
                 KernelCacheWarning,
                 stacklevel=4,
             )
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def get_cubin(source: str, name: str, arch: str, options: Sequence[str] = ()) -> bytes:

@@ -193,7 +193,9 @@ def _history(magics: Any, args: _Args) -> Any:
         n = _history_entries()
         try:
             if low.endswith(".csv"):
-                cm.history_frame().to_csv(path, index=False)
+                from cudalab.memory_tools.export import save_frame
+
+                save_frame(cm.history_frame(), path, "csv")  # atomically
                 kind = "CSV (cudalab.memory.read_history_csv reads it back)"
             elif low.endswith(".json") or low.endswith(".json.gz"):
                 cm.export_perfetto(path)
@@ -201,7 +203,7 @@ def _history(magics: Any, args: _Args) -> Any:
             else:
                 cm.export_memory_viz(path)
                 kind = "torch snapshot pickle (open at https://pytorch.org/memory_viz)"
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, TypeError) as exc:
             raise _cannot("%cuda_memory history save", "write", path, exc) from None
         print(f"cudalab history: wrote {n} entries to {path}: {kind}")
         return None
@@ -271,7 +273,7 @@ def _snapshot(args: _Args) -> Any:
         path = _path_word(args, 0, "%cuda_memory snapshot [PATH | dict | view [PATH]]")
         try:
             cm.export_memory_viz(path)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, TypeError) as exc:
             raise _cannot("%cuda_memory snapshot", "write", path, exc) from None
         snap = SnapshotDict(take_snapshot())
         print(f"{snap._summary()}; wrote {path} (open it at https://pytorch.org/memory_viz; the "

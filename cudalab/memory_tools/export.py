@@ -11,7 +11,8 @@ None for the live process (see :mod:`cudalab.memory_tools.trace_columns`, which 
 
 The trace for ui.perfetto.dev is :func:`cudalab.memory_tools.perfetto.export_perfetto`, the
 pickle for pytorch.org/memory_viz ``cudalab.memory.export_memory_viz``. The frames save with
-pandas' own ``to_parquet`` (needs pyarrow) and ``to_csv``;
+:func:`save_frame` (parquet, which needs pyarrow, or CSV; atomically, and a value that does
+not belong in a column is named, not written as its ``str()``);
 :func:`cudalab.memory_tools.trace_io.read_history_csv` reads a saved history back with its
 dtypes. pandas is imported only inside the functions that build frames, so importing this
 module costs nothing.
@@ -19,10 +20,12 @@ module costs nothing.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
+from cudalab._atomic_write import atomic_write
 from cudalab.memory_tools.history import ACTIONS
 from cudalab.memory_tools.trace_columns import (
     device_index,
@@ -37,6 +40,7 @@ __all__ = [
     "BLOCK_STATES",
     "SEGMENT_TYPES",
     "history_frame",
+    "save_frame",
     "segments_frame",
     "snapshot_frame",
     "stats_frame",
@@ -261,3 +265,75 @@ def stats_frame(devices: Any = None):
             data[r] = [st.get(k, 0) for k in STAT_KEYS]
     return pd.DataFrame(data, columns=list(STAT_KEYS),
                         index=pd.Index(idx, dtype=np.int64, name="device"))
+
+
+# --------------------------------------------------------------------------- saving
+#: The types a text column of the frames may hold (None/NaN are missing values).
+_CELL_TYPES = (str, int, float, bool, type(None))
+FRAME_FORMATS = ("parquet", "csv")
+
+
+def _check_cells(df: Any, path: str) -> None:
+    """TypeError naming the column, row and type of the first value of an object column
+    that is not text, a number or missing (a ``bytes``, ``set``, ``dict``... from user data)."""
+    for col in df.columns:
+        values = df[col]
+        if values.dtype != object:
+            continue
+        if all(issubclass(t, _CELL_TYPES) for t in set(map(type, values))):
+            continue
+        for row, v in zip(df.index, values):
+            if not isinstance(v, _CELL_TYPES):
+                raise TypeError(
+                    f"cannot write {path}: column {col!r}, row {row!r} holds a "
+                    f"{type(v).__module__}.{type(v).__qualname__} ({v!r:.60}); a frame saves "
+                    "only text, numbers and missing values (None)")
+
+
+def save_frame(df: Any, path: str | os.PathLike, format: str | None = None) -> str:
+    """Write one of this module's frames to ``path`` atomically: parquet or CSV.
+
+    The file replaces ``path`` only once it is complete, so a failure (an unserialisable
+    value, a full disk, Ctrl-C) leaves a file that was there before intact.
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+        The frame (:func:`history_frame`, :func:`snapshot_frame`, ...).
+    path : str or os.PathLike
+        The file to write.
+    format : {"parquet", "csv"}, optional
+        Default: by ``path``'s extension (``.csv`` is CSV, anything else parquet). CSV is
+        written without the index (:func:`cudalab.memory_tools.trace_io.read_history_csv`
+        reads a history back with its dtypes).
+
+    Returns
+    -------
+    str
+        The path written.
+
+    Raises
+    ------
+    TypeError
+        A text column holds something else than text, numbers or None (the message names
+        the column, the row and the type).
+    ValueError
+        ``format`` is not ``"parquet"`` or ``"csv"``.
+    ImportError
+        Parquet without a parquet engine for pandas (pyarrow); nothing is written.
+    OSError
+        The file cannot be written.
+    """
+    p = os.fspath(path)
+    if format is None:
+        format = "csv" if p.lower().endswith(".csv") else "parquet"
+    if format not in FRAME_FORMATS:
+        raise ValueError(f"save_frame: format must be 'parquet' or 'csv', got {format!r}")
+    _check_cells(df, p)
+    if format == "csv":
+        with atomic_write(p, "w", newline="") as f:
+            df.to_csv(f, index=False)
+    else:
+        with atomic_write(p, "wb") as f:
+            df.to_parquet(f)
+    return p

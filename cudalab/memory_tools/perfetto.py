@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from cudalab._atomic_write import atomic_write
 from cudalab._units import format_bytes
 from cudalab.memory_tools.trace_columns import (
     ALLOC,
@@ -76,7 +77,8 @@ def export_perfetto(path: Any, snap: Any = None) -> str:
     Timestamps are µs since the first entry. Thread ids are unique across the file (Perfetto
     keys threads by tid). A path ending in ``.gz`` is gzip-compressed (Perfetto opens it).
     Events are written incrementally, so memory stays proportional to the history, not to
-    the JSON text. Returns the path as a string.
+    the JSON text. The file is replaced atomically: when writing fails, a file that was
+    there before is left intact. Returns the path as a string.
     """
     raw = live_history() if snap is None else None
     simulated: bool
@@ -91,8 +93,7 @@ def export_perfetto(path: Any, snap: Any = None) -> str:
         t = TraceColumns(s, extras=False)
     n_dev = max((d for d, _, _ in t.bounds), default=-1) + 1
     p = os.fspath(path)
-    fh = open(p, "wb")  # noqa: SIM115 - closed below
-    try:
+    with atomic_write(p, "wb") as fh:  # a failure leaves the previous file intact
         f = (gzip.GzipFile(fileobj=fh, mode="wb", compresslevel=3) if p.endswith(".gz")
              else fh)
         out = io.TextIOWrapper(f, encoding="utf-8", newline="\n", write_through=False)
@@ -101,8 +102,6 @@ def export_perfetto(path: Any, snap: Any = None) -> str:
         out.detach()
         if f is not fh:
             f.close()
-    finally:
-        fh.close()
     return p
 
 

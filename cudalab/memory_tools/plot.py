@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from cudalab._atomic_write import atomic_write
 from cudalab.memory_tools.trace_columns import (
     TraceColumns,
     device_index,
@@ -376,6 +377,13 @@ def _live_segments() -> list[dict]:
 
 
 def save_figure(fig: Any, path: str | os.PathLike, **kwargs: Any) -> str:
-    """``fig.savefig(path)`` for a figure from this module; returns the path."""
-    fig.savefig(path, **kwargs)
-    return os.fspath(path)
+    """``fig.savefig(path, **kwargs)`` for a figure from this module, written atomically (a
+    failure leaves a file that was there before intact); returns the path. The format is
+    ``kwargs["format"]``, else ``path``'s extension, else matplotlib's default."""
+    p = os.fspath(path)
+    if kwargs.get("format") is None:
+        ext = os.path.splitext(p)[1][1:].lower()
+        kwargs["format"] = ext or None
+    with atomic_write(p, "wb") as f:
+        fig.savefig(f, **kwargs)
+    return p

@@ -18,9 +18,15 @@ entries describe what the recorded allocator did and are ignored. Stream ids are
 the allocator as its int stream keys, so per-stream caching is reproduced. The replay is
 best effort where the trace is incomplete, and one :class:`ReplayWarning` counts what was
 skipped: frees of addresses that the trace never allocated (a trace truncated by
-``max_entries`` starts with such frees), second frees, and allocations of an address that is
-still live. An allocation that runs out of memory during the replay is recorded (``ooms``)
-and the replay goes on without it; its later free is skipped.
+``max_entries`` starts with such frees), second frees, allocations of an address that is
+still live, and allocations (with their frees) whose size is not a positive integer: a
+string such as ``"512"``, a fraction such as ``512.5``, a bool, NaN or a size of 2⁶² or
+more is skipped, never replayed as some other number of bytes. An entry that lacks
+``action`` or ``size``, or whose ``addr``/``stream`` is not an integer, is a
+:class:`~cudalab.memory_tools.safe_pickle.SnapshotLoadError` naming it. An allocation that
+runs out of memory during the replay is recorded (``ooms``) and the replay goes on without
+it; its later free is skipped. Trace files larger than ``CUDALAB_MAX_SNAPSHOT_BYTES``
+(default 4 GiB) are refused.
 
 The simulated device has ``device_memory`` bytes. By default it is unconstraining: four
 times the trace's peak of live requested memory rounded up to a GiB, at least 16 GiB, and
@@ -53,6 +59,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from cudalab._atomic_write import atomic_write
 from cudalab._units import GiB, MiB, format_bytes
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
 from cudalab.errors import OutOfMemoryError
@@ -718,6 +725,9 @@ def replay(trace: Any, config: str | AllocatorConfig | None = None, *,
     ------
     TraceError
         (a ValueError, :mod:`cudalab.memory_tools.trace_io`) The trace cannot be read.
+    SnapshotLoadError
+        (a ValueError) The file is too large or too deeply nested, or a trace entry is
+        malformed (the message names its index and key).
     ValueError
         Bad settings or ``device_memory``.
     """
@@ -766,4 +776,5 @@ def save_plot(results: ReplayResult | Sequence[ReplayResult], path: str | os.Pat
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="upper left")
-    fig.savefig(path)
+    with atomic_write(path, "wb") as f:  # a failure leaves the previous file intact
+        fig.savefig(f, format=ext[1:])

@@ -136,10 +136,19 @@ _snapshot = take_snapshot
 # --------------------------------------------------------------------------- writing
 def _dump_snapshot(filename: str | os.PathLike = "dump_snapshot.pickle") -> None:
     """torch's ``_dump_snapshot``: pickle :func:`_snapshot` to ``filename`` (protocol 4),
-    for https://pytorch.org/memory_viz and ``torch.cuda._memory_viz``."""
-    data = dumps_snapshot(_snapshot())
-    with open(filename, "wb") as f:
-        f.write(data)
+    for https://pytorch.org/memory_viz and ``torch.cuda._memory_viz``.
+
+    The file is replaced atomically (:func:`cudalab._internal.atomic_write`): when pickling
+    or writing fails, a file that was there before is left intact.
+
+    Raises
+    ------
+    TypeError
+        The snapshot holds a value that is not plain data (the message says where).
+    OSError
+        The file cannot be written.
+    """
+    _internal.write_bytes_atomic(filename, dumps_snapshot(_snapshot()))
 
 
 def export_memory_viz(path: str | os.PathLike = "memory_snapshot.pickle") -> str:

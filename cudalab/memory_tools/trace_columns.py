@@ -28,6 +28,7 @@ from cudalab import _internal
 from cudalab.memory_tools import history as _history
 from cudalab.memory_tools.history import ACTIONS
 from cudalab.memory_tools.snapshot import memory_snapshot, take_snapshot
+from cudalab.memory_tools.snapshot_check import check_snapshot, check_trace_entries
 from cudalab.memory_tools.stacks import line_of
 from cudalab.memory_tools.trace_io import load_snapshot
 
@@ -63,17 +64,22 @@ def stream_label(stream: int) -> str:
 
 
 def resolve_snapshot(snap: Any) -> dict:
-    """The snapshot dict to read (see the module docstring for what ``snap`` may be)."""
+    """The snapshot dict to read (see the module docstring for what ``snap`` may be).
+
+    A dict or segment list given is checked against torch's schema
+    (:func:`cudalab.memory_tools.snapshot_check.check_snapshot`: SnapshotLoadError naming a
+    malformed entry); a file is checked when it is loaded; the live snapshot is cudalab's own.
+    """
     if snap is None:
         return take_snapshot()
     if isinstance(snap, (str, os.PathLike)):
         return load_snapshot(snap)
     if isinstance(snap, list):  # memory_snapshot()'s segment list
-        return {"segments": snap, "device_traces": []}
+        return check_snapshot({"segments": snap, "device_traces": []}, entries=False)
     if not isinstance(snap, dict):
         raise TypeError(f"snap must be a snapshot dict, a segment list or a path, "
                         f"not {type(snap).__name__}")
-    return snap
+    return check_snapshot(snap, entries=False)  # (the entries: as TraceColumns reads them)
 
 
 def live_simulated() -> bool:
@@ -152,25 +158,31 @@ def _concat(parts: list) -> list:
     return out
 
 
-def _dict_columns(entries: list, codes: _Codes, extras: bool) -> dict:
-    """Columns of one device's torch-schema trace entry dicts."""
+def _dict_columns(entries: list, codes: _Codes, extras: bool, device: int = 0) -> dict:
+    """Columns of one device's torch-schema trace entry dicts, checked as they are read
+    (:func:`cudalab.memory_tools.snapshot_check.check_trace_entries`: SnapshotLoadError
+    naming a malformed entry)."""
     n = len(entries)
-    # one C-level pass per column (map + itemgetter) beats one Python loop over 1M dicts
+    # one C-level pass per key (map + itemgetter) beats one Python loop over 1M dicts; the
+    # check reads them and hands them over
+    checked = check_trace_entries(entries, f"device_traces[{device}]", "snapshot")
+
+    def column(key: str, default: Any) -> list:
+        got = checked[key]
+        return got if got is not None else [e.get(key, default) for e in entries]
+
+    frames = column("frames", None)
     cols = {
-        "time_us": np.fromiter(map(itemgetter("time_us"), entries), np.int64, n),
-        "code": np.fromiter(map(codes.__getitem__, map(itemgetter("action"), entries)),
-                            np.int16, n),
-        "size": np.fromiter(map(itemgetter("size"), entries), np.int64, n),
-        # oom entries have device_free instead of addr: no itemgetter fast path here
-        "addr": int_array([e.get("addr", 0) for e in entries]),
-        "stream": int_array(_column(entries, "stream", 0)),
-        "top": ([f[0] if f else None for f in map(itemgetter("frames"), entries)]
-                if "frames" in entries[0] else
-                [f[0] if (f := e.get("frames")) else None for e in entries]),
+        "time_us": np.fromiter(column("time_us", 0), np.int64, n),
+        "code": np.fromiter(map(codes.__getitem__, column("action", "")), np.int16, n),
+        "size": np.fromiter(column("size", 0), np.int64, n),
+        "addr": int_array(column("addr", 0)),  # (oom entries have device_free instead)
+        "stream": int_array(column("stream", 0)),
+        "top": [f[0] if f else None for f in frames],
     }
     if extras:  # cudalab's keys (not needed by the Perfetto export)
-        cols["cell"] = _column(entries, "cell", None)
-        cols["nvtx_range"] = _column(entries, "nvtx_range", None)
+        cols["cell"] = column("cell", None)
+        cols["nvtx_range"] = column("nvtx_range", None)
     oom = np.flatnonzero(cols["code"] == OOM)
     cols["oom"] = (oom, [entries[i].get("device_free", -1) for i in oom.tolist()])
     return cols
@@ -250,7 +262,7 @@ class TraceColumns:
                 continue
             n = len(entries)
             cols = (_raw_columns(entries, codes, extras, cache) if raw is not None
-                    else _dict_columns(entries, codes, extras))
+                    else _dict_columns(entries, codes, extras, d))
             for k, v in cols.items():
                 parts[k].append(v)
             parts["device"].append(np.full(n, d, dtype=np.int64))

@@ -1,11 +1,13 @@
 """Reading and writing traces and snapshots: files from strangers never run code.
 
-* **Pickles.** One restricted unpickler (:class:`_RestrictedUnpickler`) builds only what
-  pickle opcodes build by themselves: any reference to a class or function (GLOBAL,
-  STACK_GLOBAL, INST, OBJ, EXT*, persistent ids) is refused, so loading a file from a
-  stranger cannot execute code. Its depth is bounded: a pickle nested deeper than the
-  interpreter's recursion limit is refused as "nested too deeply" rather than crashing.
-  It reads snapshots (:func:`load_snapshot`, cudalab's and torch's ``_dump_snapshot``
+* **Pickles.** The one restricted unpickler
+  (:func:`cudalab.memory_tools.safe_pickle.unpickle`) builds only what pickle opcodes build
+  by themselves: any reference to a class or function (GLOBAL, STACK_GLOBAL, INST, OBJ,
+  EXT*, persistent ids) is refused, so loading a file from a stranger cannot execute code.
+  Its input is bounded: files larger than ``CUDALAB_MAX_SNAPSHOT_BYTES`` (default 4 GiB)
+  and pickles nested too deeply are refused rather than exhausting memory or the C stack.
+  Snapshots are then checked against torch's schema
+  (:func:`cudalab.memory_tools.snapshot_check.check_snapshot`). It reads snapshots (:func:`load_snapshot`, cudalab's and torch's ``_dump_snapshot``
   files, raising :class:`SnapshotLoadError`) and plain-data trace pickles (the allocator
   benchmark's ``{"trace": [...]}`` dicts, raising :class:`TraceError`).
 * **Writing snapshots.** :func:`to_plain` and :func:`dumps_snapshot`: a snapshot as plain
@@ -37,13 +39,28 @@ import io
 import numbers
 import os
 import pickle
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 import numpy as np
 
 from cudalab.memory_tools.history import ACTIONS
+from cudalab.memory_tools.safe_pickle import (
+    SnapshotLoadError,
+    gunzip_bounded,
+    max_snapshot_bytes,
+    read_bounded,
+    read_path_bounded,
+    unpickle,
+)
+from cudalab.memory_tools.snapshot_check import (
+    TRACE_KEYS_FOR_REPLAY,
+    check_snapshot,
+    check_trace_entries,
+)
 
 __all__ = [
     "PICKLE_PROTOCOL",
@@ -60,10 +77,6 @@ __all__ = [
 
 #: memory_viz's unpickler reads protocols 2 to 4 (newer copies also 5).
 PICKLE_PROTOCOL = 4
-
-
-class SnapshotLoadError(ValueError):
-    """A file is not a loadable memory snapshot (refused, truncated, corrupt, wrong content)."""
 
 
 class TraceError(ValueError):
@@ -166,6 +179,10 @@ def to_plain(obj: Any) -> Any:
     return walk(obj)
 
 
+#: Types the pickler writes natively that are not plain data (memory_viz cannot read them).
+_NATIVE_NOT_PLAIN = frozenset({bytes, bytearray, set, frozenset})
+
+
 class _PlainPickler(pickle.Pickler):
     """Pickles the exact builtin types as usual; the C pickler consults
     ``reducer_override`` for nothing else, so plain data costs no check at all."""
@@ -196,101 +213,111 @@ def dumps_snapshot(snapshot: dict) -> bytes:
     ------
     TypeError
         A value that is not plain data and cannot be converted (the message says where).
+    ValueError
+        The snapshot nests containers deeper than the interpreter's recursion limit.
     """
     buf = io.BytesIO()
     try:
-        _PlainPickler(buf, protocol=PICKLE_PROTOCOL).dump(snapshot)
-    except _NotPlain:
-        return pickle.dumps(to_plain(snapshot), protocol=PICKLE_PROTOCOL)
-    return buf.getvalue()
+        try:
+            _PlainPickler(buf, protocol=PICKLE_PROTOCOL).dump(snapshot)
+            clean = _natively_plain(snapshot)
+        except _NotPlain:
+            clean = False
+        if clean:
+            return buf.getvalue()
+        return pickle.dumps(to_plain(snapshot), protocol=PICKLE_PROTOCOL)  # or TypeError: where
+    except RecursionError:
+        raise ValueError("cannot pickle the snapshot: it nests containers too deeply (deeper "
+                         f"than the recursion limit, {sys.getrecursionlimit()})") from None
+
+
+_CONTAINERS = frozenset({dict, list, tuple})
+_MAX_LEVELS = 100_000  # (a container that holds itself would go on forever)
+
+
+def _natively_plain(obj: Any) -> bool:
+    """Whether no bytes, bytearray, set or frozenset hides in ``obj``: the pickler writes
+    those natively, past ``reducer_override``. Breadth first, one C-level pass per level
+    (``gc.get_referents``), so a snapshot of a million entries costs a fraction of a
+    second."""
+    import gc
+
+    level = [obj]
+    bad = _NATIVE_NOT_PLAIN
+    containers = _CONTAINERS.__contains__
+    for _ in range(_MAX_LEVELS):
+        if not level:
+            break
+        refs = gc.get_referents(*level)
+        types = list(map(type, refs))
+        if not bad.isdisjoint(types):
+            return False
+        level = list(compress(refs, map(containers, types)))
+        level = list(dict(zip(map(id, level), level)).values())  # shared ones (frames) once
+    return True
 
 
 # --------------------------------------------------------------------------- loading
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Builds only what pickle opcodes build by themselves: no classes, no functions.
-
-    The one unpickler of cudalab's files (snapshots and trace pickles alike): every class or
-    function reference and every persistent id raises :class:`SnapshotLoadError` naming
-    ``what``.
-    """
-
-    def __init__(self, file: Any, what: str):
-        super().__init__(file)
-        self._what = what
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise SnapshotLoadError(
-            f"refusing to load {self._what}: the pickle references {module}.{name}; "
-            "snapshots contain only plain data")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise SnapshotLoadError(
-            f"refusing to load {self._what}: the pickle uses a persistent id ({pid!r:.60}); "
-            "snapshots contain only plain data")
-
-
-def _unpickle(data: bytes, what: str) -> Any:
-    """``data`` unpickled by :class:`_RestrictedUnpickler`; SnapshotLoadError (naming
-    ``what``) for an empty, refused, too deeply nested, truncated or corrupt pickle."""
-    if not data:
-        raise SnapshotLoadError(f"cannot read {what}: the file is empty")
-    try:
-        return _RestrictedUnpickler(io.BytesIO(data), what).load()
-    except SnapshotLoadError:
-        raise
-    except RecursionError:  # the depth bound: the interpreter's recursion limit
-        raise SnapshotLoadError(f"cannot read {what}: nested too deeply") from None
-    except Exception as exc:  # noqa: BLE001 - every unpickling failure means the same here
-        raise SnapshotLoadError(
-            f"cannot read {what}: truncated or corrupt pickle ({type(exc).__name__}: {exc})"
-        ) from exc
-
-
-def _read(path_or_file: Any) -> tuple[bytes, str]:
+def _read(path_or_file: Any, max_bytes: int | str | None) -> tuple[bytes, str]:
+    limit = max_snapshot_bytes(max_bytes)
     if hasattr(path_or_file, "read"):
         name = getattr(path_or_file, "name", None)
         what = f"snapshot {name!r}" if isinstance(name, str) else "the snapshot file object"
-        data = path_or_file.read()
-        if isinstance(data, str):
-            raise SnapshotLoadError(f"cannot read {what}: open the file in binary mode ('rb')")
-        return bytes(data), what
+        return read_bounded(path_or_file, what, limit), what
     if isinstance(path_or_file, (str, bytes, os.PathLike)):
         what = f"snapshot {os.fsdecode(path_or_file)!r}"
-        with open(path_or_file, "rb") as f:
-            return f.read(), what
+        return read_path_bounded(path_or_file, what, limit), what
     raise TypeError("load_snapshot() takes a path or a binary file object, got "
                     f"{type(path_or_file).__name__}")
 
 
-def _as_snapshot(obj: Any, what: str) -> dict:
-    """``obj`` (unpickled) as a snapshot dict, or SnapshotLoadError saying why it is not one."""
-    if isinstance(obj, list) and all(isinstance(s, dict) and "blocks" in s for s in obj):
+def _keys_text(obj: dict) -> str:
+    """A dict's first keys for a message (text keys only: no repr of a hostile key)."""
+    keys = sorted(k for k in obj if isinstance(k, str))[:8]
+    others = sum(1 for k in obj if not isinstance(k, str))
+    return f"{keys}" + (f" and {others} key(s) that are not text" if others else "")
+
+
+def _as_snapshot(obj: Any, what: str, check: bool = True) -> dict:
+    """``obj`` (unpickled) as a snapshot dict, or SnapshotLoadError saying why it is not one
+    (``check``: and checked against the schema, :func:`.snapshot_check.check_snapshot`)."""
+    if isinstance(obj, list) and obj and all(isinstance(s, dict) and "blocks" in s for s in obj):
         obj = {"segments": obj, "device_traces": []}
     if not isinstance(obj, dict) or not isinstance(obj.get("segments"), list):
-        got = f"a dict with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, dict) \
-            else f"a {type(obj).__name__}"
+        if isinstance(obj, dict) and "segments" in obj:
+            got = f"a dict whose 'segments' is a {type(obj['segments']).__name__}"
+        elif isinstance(obj, dict):
+            got = f"a dict with keys {_keys_text(obj)}"
+        else:
+            got = f"a {type(obj).__name__}"
         raise SnapshotLoadError(
             f"{what} is not a memory snapshot: expected a dict with a 'segments' list (as "
             f"written by cudalab.memory._dump_snapshot or torch.cuda.memory._dump_snapshot), "
             f"got {got}")
     traces = obj.setdefault("device_traces", [])
-    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+    if not isinstance(traces, list):
         raise SnapshotLoadError(f"{what} is not a memory snapshot: 'device_traces' must be a "
                                 "list of lists of trace entries")
-    return obj
+    return check_snapshot(obj, what) if check else obj
 
 
-def load_snapshot(path_or_file: Any) -> dict:
+def load_snapshot(path_or_file: Any, *, max_bytes: int | str | None = None) -> dict:
     """Read a memory snapshot pickle (cudalab's ``_dump_snapshot`` or torch's) safely.
 
     The unpickler refuses every reference to a class or function, so loading a file from a
-    stranger cannot run code. A pickled ``memory_snapshot()`` list of segments is accepted
-    and wrapped into the dict form; missing ``device_traces`` is filled with ``[]``.
+    stranger cannot run code; the file's size and nesting are bounded and its content is
+    checked against torch's schema (see :mod:`cudalab.memory_tools.safe_pickle` and
+    :mod:`cudalab.memory_tools.snapshot_check`). A pickled ``memory_snapshot()`` list of
+    segments is accepted and wrapped into the dict form; missing ``device_traces`` is filled
+    with ``[]``.
 
     Parameters
     ----------
     path_or_file : str, bytes, os.PathLike or binary file object
         The snapshot pickle.
+    max_bytes : int or str, optional
+        The largest file to read (bytes or a size such as ``"512MiB"``). Default: the
+        environment variable ``CUDALAB_MAX_SNAPSHOT_BYTES``, else 4 GiB.
 
     Returns
     -------
@@ -300,15 +327,17 @@ def load_snapshot(path_or_file: Any) -> dict:
     Raises
     ------
     SnapshotLoadError
-        (a ValueError) A refused, empty, truncated or corrupt pickle, or one that is not a
-        snapshot.
+        (a ValueError) A refused, empty, truncated, corrupt, too large or too deeply nested
+        pickle, one that is not a snapshot, or a malformed entry (the message names it).
     OSError
         The file cannot be read.
     TypeError
         ``path_or_file`` is neither a path nor a file object.
+    ValueError
+        ``max_bytes`` (or ``CUDALAB_MAX_SNAPSHOT_BYTES``) is not a size.
     """
-    data, what = _read(path_or_file)
-    return _as_snapshot(_unpickle(data, what), what)
+    data, what = _read(path_or_file, max_bytes)
+    return _as_snapshot(unpickle(data, what), what)
 
 
 @dataclass
@@ -342,21 +371,21 @@ TRACE_FILES = ("a snapshot pickle (%cuda_memory history save X.pickle, "
                "(%cuda_memory history save X.csv, history_frame().to_csv)")
 
 
-def _load_file(path: str) -> Any:
+def _load_file(path: str, max_bytes: int | str | None = None) -> Any:
     """Read a trace file, told apart by its content: a pickle (by the restricted
     unpickler), a history CSV (a DataFrame), a JSON snapshot or entry list; a
-    Perfetto/Chrome trace JSON or anything else is refused naming the formats read."""
+    Perfetto/Chrome trace JSON or anything else is refused naming the formats read. Files
+    (and gzip contents) over ``max_bytes`` are refused (SnapshotLoadError)."""
+    limit = max_snapshot_bytes(max_bytes)
+    what = f"trace {path!r}"
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_path_bounded(path, what, limit)
     except OSError as exc:
         raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from None
     head = data[:1]
     if data[:2] == b"\x1f\x8b":  # gzip: cudalab writes only Perfetto JSON that way
-        import gzip
-
         try:
-            data = gzip.decompress(data)
+            data = gunzip_bounded(data, what, limit)  # (a gzip bomb stops at the limit)
         except (OSError, EOFError) as exc:
             raise TraceError(f"cannot read {path}: corrupt gzip file ({exc})") from None
         head = data.lstrip()[:1]
@@ -379,7 +408,7 @@ def _load_csv(path: str) -> Any:
     except ImportError:
         raise TraceError(f"cannot read {path}: reading a history CSV needs pandas "
                          "(pip install pandas)") from None
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:
         raise TraceError(f"cannot read history CSV {path}: {_first_line(exc)}") from None
 
 
@@ -406,10 +435,14 @@ def _load_pickle(path: str, data: bytes) -> Any:
     what = f"snapshot {path!r}"
     obj: Any = None  # (stays None when the pickle itself is refused or corrupt)
     try:
-        obj = _unpickle(data, what)
-        return _as_snapshot(obj, what)
-    except SnapshotLoadError as exc:  # refused, truncated, not a snapshot: one line
+        obj = unpickle(data, what)
+    except SnapshotLoadError as exc:  # refused, too deep, truncated: one line
         why = _first_line(exc)
+    else:
+        try:  # (its entries are checked for the replay by _from_snapshot)
+            return _as_snapshot(obj, what, check=False)
+        except SnapshotLoadError as exc:  # not a snapshot: maybe a plain trace
+            why = _first_line(exc)
     if (isinstance(obj, dict) and isinstance(obj.get("trace"), list)) or \
             (isinstance(obj, list) and obj and isinstance(obj[0], (tuple, list))):
         return obj
@@ -493,19 +526,36 @@ def _from_columns(source: str, actions: Sequence[Any], addrs: Any, sizes: Any,
         addr = np.asarray(pick(addrs), dtype=np.int64)
     except (OverflowError, TypeError, ValueError):
         addr = _object_keys(pick(addrs))
-    size_in = pick(sizes)
-    try:
-        size = np.asarray(size_in, dtype=np.int64)
-        if size.dtype.kind == "f":
-            raise TypeError
-    except (OverflowError, TypeError, ValueError):
-        size = np.asarray([s if isinstance(s, (int, np.integer)) and 0 < s < (1 << 62) else -1
-                           for s in size_in], dtype=np.int64)
+    size = _sizes(pick(sizes))
     stream = _int_array(pick(streams), "stream", source).tolist()
     if "recorded_peak_reserved" in ref and addr.dtype == np.int64:
         _count_earlier(ref, [i for i, sg in zip(seg_idx, sign) if sg > 0], addrs, sizes,
                        addr[codes[keep] == 1])
     return TraceArrays(source, codes[keep], addr, size, stream, ignored, ref, seg_allocs)
+
+
+def _valid_size(s: Any) -> bool:
+    return bool(isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_))
+                and 0 < s < (1 << 62))
+
+
+def _sizes(values: Any) -> np.ndarray:
+    """int64 sizes; -1 where a size is not a positive integer (a string such as ``"512"``,
+    a fraction such as ``512.5``, a bool, a NaN, 2**70): the replay skips those entries
+    (``invalid_size``). Whole floats of a numpy column (a DataFrame with gaps) count as
+    integers."""
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind in "iu":
+            return values.astype(np.int64, copy=False)
+        if values.dtype.kind == "f":
+            ok = np.isfinite(values) & (values == np.round(values)) & (values > 0) \
+                & (values < 2.0 ** 62)
+            return np.where(ok, values, -1).astype(np.int64)
+        values = values.tolist()
+    types = set(map(type, values))
+    if types <= {int} and (not values or (min(values) > 0 and max(values) < (1 << 62))):
+        return np.asarray(values, dtype=np.int64)
+    return np.asarray([s if _valid_size(s) else -1 for s in values], dtype=np.int64)
 
 
 def _count_earlier(ref: dict, seg_rows: list, addrs: Any, sizes: Any,
@@ -588,15 +638,26 @@ def _from_snapshot(source: str, snap: dict, device: int) -> TraceArrays:
     entries = traces[device]
     if not isinstance(entries, list):
         raise TraceError(f"{source}: device_traces[{device}] is not a list")
+    # the keys the replay reads, named when malformed (sizes that are not integers are
+    # skipped by the replay, counted in its warning); the check hands over their columns
+    cols = check_trace_entries(entries, f"device_traces[{device}]", source,
+                               TRACE_KEYS_FOR_REPLAY)
     if not entries:
         others = [i for i, t in enumerate(traces) if t]
         if others:
             raise TraceError(f"{source}: the trace of device {device} is empty; devices with "
                              f"entries: {', '.join(map(str, others))} (use device=...)")
-    return _from_entries(source, entries)
+
+    def column(key: str) -> list:
+        got = cols[key]
+        return got if got is not None else [e.get(key, 0) for e in entries]
+
+    return _from_columns(source, column("action"), column("addr"), column("size"),
+                         column("stream"))
 
 
-def load_trace(trace: Any, device: int = 0) -> TraceArrays:
+def load_trace(trace: Any, device: int = 0, *, max_bytes: int | str | None = None
+               ) -> TraceArrays:
     """Read any accepted trace form into arrays.
 
     Parameters
@@ -607,6 +668,9 @@ def load_trace(trace: Any, device: int = 0) -> TraceArrays:
         dicts (see the module documentation), or a :class:`TraceArrays` (returned as is).
     device : int, optional
         Which device's trace of a snapshot or DataFrame to read (default 0).
+    max_bytes : int or str, optional
+        The largest trace file to read (bytes or a size such as ``"512MiB"``; gzip files:
+        decompressed). Default: ``CUDALAB_MAX_SNAPSHOT_BYTES``, else 4 GiB.
 
     Returns
     -------
@@ -617,6 +681,10 @@ def load_trace(trace: Any, device: int = 0) -> TraceArrays:
     ------
     TraceError
         (a ValueError) The trace cannot be read or has the wrong shape.
+    SnapshotLoadError
+        (a ValueError) The file is larger than ``max_bytes``, or a snapshot's trace entry is
+        malformed (the message names its index and key; sizes that are not integers are not
+        an error: the replay skips those entries and counts them in its warning).
     """
     if not isinstance(device, int) or isinstance(device, bool) or device < 0:
         raise TraceError(f"device must be a device index (int >= 0), got {device!r}")
@@ -626,7 +694,7 @@ def load_trace(trace: Any, device: int = 0) -> TraceArrays:
         source = os.fspath(trace)
         if os.path.isdir(source):
             raise TraceError(f"cannot read {source}: it is a directory, not a trace file")
-        trace = _load_file(source)
+        trace = _load_file(source, max_bytes)
     if isinstance(trace, TraceArrays):
         return trace
     if _is_dataframe(trace):
@@ -659,6 +727,19 @@ def categorical(pd: Any, values: Any, known: tuple[str, ...]) -> Any:
     return pd.Categorical(values, categories=list(known) + extra)
 
 
+def _csv_offender(column: Any, name: str) -> str:
+    """``"column 'size', row 3 is '1e400'"``: the first value of ``column`` that is not an
+    int64 (as written), for the message of :func:`read_history_csv`."""
+    for row, v in zip(column.index, column.tolist()):
+        try:
+            ok = float(v) == int(v) and -(1 << 63) <= int(v) < (1 << 63)
+        except (OverflowError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            return f"column {name!r}, row {row} is {v!r:.40}"
+    return f"column {name!r}"
+
+
 def read_history_csv(path: Any):
     """Read a saved history frame back with the dtypes it was saved with.
 
@@ -672,6 +753,12 @@ def read_history_csv(path: Any):
     -------
     pandas.DataFrame
         The columns of :func:`cudalab.memory_tools.export.history_frame`, with its dtypes.
+
+    Raises
+    ------
+    ValueError
+        An integer column holds something else (text, a fraction, a gap, a number beyond
+        int64): the message names the column and the row.
     """
     import pandas as pd
 
@@ -680,7 +767,14 @@ def read_history_csv(path: Any):
     for col in ("time_us", "device", "stream", "addr", "size", "device_free", "allocated",
                 "reserved"):
         if col in df:
-            df[col] = df[col].astype(np.int64)
+            try:
+                values = df[col]
+                if values.dtype.kind == "f" and not (values == np.round(values)).all():
+                    raise ValueError  # (astype would cut 512.5 to 512 silently)
+                df[col] = values.astype(np.int64)
+            except (OverflowError, TypeError, ValueError):
+                raise ValueError(f"{_csv_offender(df[col], col)}, expected an integer that "
+                                 "fits int64") from None
     if "time_us" in df:
         df["time"] = pd.Series(df["time_us"].to_numpy().astype("datetime64[us]"), index=df.index)
     if "action" in df:

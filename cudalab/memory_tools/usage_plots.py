@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import html
 import os
-import tempfile
 import zlib
 from typing import Any
 
+from cudalab._atomic_write import atomic_write
 from cudalab._units import format_bytes
 
 __all__ = ["_save_memory_usage", "_save_segment_usage", "folded_memory", "folded_segments",
@@ -235,19 +235,8 @@ def memory(snapshot: dict) -> str:
 
 # --------------------------------------------------------------------------- files
 def _write_atomically(filename: Any, text: str) -> None:
-    path = os.fspath(filename)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".cudalab-", suffix=".svg.tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_write(filename, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _snapshot_or_now(snapshot: dict | None) -> dict:

@@ -10,6 +10,7 @@ import bisect
 import numpy as np
 
 from cudalab.memory_tools.plot import filter_segments
+from cudalab.memory_tools.snapshot_check import check_trace_entries
 
 __all__ = ["_History"]
 
@@ -25,6 +26,8 @@ class _History:
 
     def __init__(self, snap: dict):
         traces = snap.get("device_traces") or []
+        for d, trace in enumerate(traces):  # SnapshotLoadError naming a malformed entry
+            check_trace_entries(trace, f"device_traces[{d}]", "snapshot")
         keyed = [(e.get("time_us", 0), d, j) for d, tr in enumerate(traces) for j, e in enumerate(tr)]
         keyed.sort(key=lambda x: x[0])
         self.entries: list[dict] = [traces[d][j] for _, d, j in keyed]

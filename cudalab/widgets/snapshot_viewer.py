@@ -23,7 +23,10 @@
 * **Export**: parquet (``snapshot_frame``/``history_frame``; needs pyarrow, which
   ``cudalab[parquet]`` brings: without a parquet engine the frames are written as CSV, with a
   ``RuntimeWarning`` and a note in the export line saying so), the memory_viz pickle
-  (protocol 4) and Perfetto JSON.
+  (protocol 4) and Perfetto JSON. Each file is replaced atomically: a failed export (a value
+  that cannot be written, named in the export line; Ctrl-C) leaves an earlier file intact.
+* **Checked input**: a snapshot (dict or file) is checked against torch's schema; a
+  malformed one is a ``SnapshotLoadError`` naming the entry and the key.
 
 Only plain ipywidgets 8 (HTML with inline SVG, Dropdown, IntSlider, Button), so it renders
 wherever ipywidgets does (tested: JupyterLab 4, Notebook 7, html-manager; see docs/widgets.md).
@@ -39,6 +42,7 @@ from typing import Any
 
 import ipywidgets as W
 
+from cudalab import _internal
 from cudalab._internal import format_bytes
 from cudalab.memory_tools.plot import (
     STATE_COLORS,
@@ -341,7 +345,7 @@ class SnapshotViewer(W.VBox):
         engine for pandas (pyarrow: ``pip install 'cudalab[parquet]'``); without one the same
         frames are written as ``.csv`` and a ``RuntimeWarning`` says so (the button shows it
         in the export line)."""
-        from cudalab.memory_tools.export import history_frame, snapshot_frame
+        from cudalab.memory_tools.export import history_frame, save_frame, snapshot_frame
 
         frames = [("blocks", snapshot_frame(self.snapshot))]
         if self.history is not None:
@@ -350,12 +354,12 @@ class SnapshotViewer(W.VBox):
         missing = ""
         for name, df in frames:
             path = f"{prefix}_{name}.parquet"
-            try:
-                df.to_parquet(path)
+            try:  # (atomically: a failed export leaves an earlier file intact)
+                save_frame(df, path, "parquet")
             except ImportError as exc:  # pandas found no parquet engine
                 missing = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 path = f"{prefix}_{name}.csv"
-                df.to_csv(path, index=False)
+                save_frame(df, path, "csv")
             out.append(path)
         if missing:
             warnings.warn(f"no parquet engine for pandas ({missing}): wrote CSV instead "
@@ -368,8 +372,7 @@ class SnapshotViewer(W.VBox):
         from cudalab.memory_tools.trace_io import dumps_snapshot
 
         path = prefix if prefix.endswith(".pickle") else f"{prefix}.pickle"
-        with open(path, "wb") as f:
-            f.write(dumps_snapshot(self.snapshot))
+        _internal.write_bytes_atomic(path, dumps_snapshot(self.snapshot))
         return [path]
 
     def export_perfetto(self, prefix: str = "memory_snapshot") -> list[str]:

@@ -280,7 +280,8 @@ def test_to_plain_converts_numpy_numbers_and_rejects_objects():
     with pytest.raises(TypeError):
         to_plain({"segments": [], "b": b"bytes"})
     # a snapshot is pickled directly and converted only if needed
-    data = dumps_snapshot({"segments": [{"address": np.uint64(7), "frames": []}]})
+    data = dumps_snapshot({"segments": [{"address": np.uint64(7), "total_size": np.int64(0),
+                                         "blocks": [], "frames": []}]})
     got = cudalab.memory.load_snapshot(io.BytesIO(data))
     assert type(got["segments"][0]["address"]) is int
     assert {op.name for op in _ops(data)} <= VIEWER_OPS
