@@ -23,7 +23,6 @@ its tooltip (SVG ``<title>``) names it with its bytes and share.
 from __future__ import annotations
 
 import html
-import os
 import zlib
 from typing import Any
 
