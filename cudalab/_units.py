@@ -113,6 +113,7 @@ def parse_size(text: str | int, *, what: str = "size", allow_zero: bool = True) 
     """
     from fractions import Fraction  # here, not at import: it loads decimal (import cudalab time)
 
+    value: Fraction | None
     if isinstance(text, int) and not isinstance(text, bool):
         value = Fraction(text)
     else:
@@ -125,6 +126,7 @@ def parse_size(text: str | int, *, what: str = "size", allow_zero: bool = True) 
         if value is None:
             raise ValueError(f"cannot read the {what} {echo(text)}: give bytes or a number with a "
                              f"unit ({_EXAMPLES})")
+    assert value is not None  # (for the type checker: both branches set it)
     nbytes = int(value)  # rounded down (toward zero)
     if value < 0 or (nbytes == 0 and not allow_zero):
         bound = "at least 0 bytes" if allow_zero else "at least 1 byte"

@@ -130,9 +130,7 @@ def _launch(kernel: Any, device: int, stream: _streams.Stream, grid: tuple, bloc
     if entry is None or entry[0] is not backend:
         entry = (backend, kernel.get_function(device, backend), backend.make_args(kernel.signature))
         cache[(kernel, device)] = entry
-    handle = stream._handle
-    if handle is None:
-        raise RuntimeError(f"{stream!r} was closed")
+    handle = stream._handle  # (a closed stream's handle: the launch raises its error)
     _ensure_context(device)
     entry[2].set(*args)
     backend.launch(entry[1], grid, block, 0, handle, entry[2])
