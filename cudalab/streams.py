@@ -239,7 +239,6 @@ class Stream:
         try:
             h = self._handle
             if self._owned and type(h) is not ClosedHandle and not _exiting:
-                self._handle = ClosedHandle(repr(self))
                 self._b.stream_destroy(h)
         except Exception:
             pass
