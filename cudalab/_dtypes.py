@@ -9,9 +9,12 @@ host memory) accept exactly the same arguments and cannot drift. Imports only nu
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping, Set
 from typing import Any
 
 import numpy as np
+
+from cudalab._units import echo
 
 __all__ = ["SUPPORTED_DTYPES", "normalize_dtype", "normalize_shape", "size_args"]
 
@@ -75,7 +78,7 @@ def normalize_dtype(dtype: Any, default: np.dtype | None = _FLOAT32) -> np.dtype
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"unsupported dtype {dtype!r}; cudalab arrays support {_SUPPORTED_TEXT}"
+        raise TypeError(f"unsupported dtype {echo(dtype)}; cudalab arrays support {_SUPPORTED_TEXT}"
                         ) from None
     if dt in _SUPPORTED:
         _remember_dtype(dtype, dt)
@@ -123,9 +126,12 @@ def normalize_shape(shape: Any) -> tuple[int, ...]:
                 break
         else:
             return shape
-    bad = TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
+    bad = TypeError(f"shape must be an int or a sequence of ints, got {echo(shape)}")
     if hasattr(shape, "__index__"):
         items: tuple = (shape,)
+    elif isinstance(shape, (Set, Mapping)):  # unordered, or keys: never a shape (torch agrees)
+        raise TypeError(f"shape must be an int or a sequence of ints (a tuple or list), got a "
+                        f"{type(shape).__name__}: {echo(shape)}")
     else:
         try:
             items = tuple(shape)
@@ -201,8 +207,8 @@ def size_args(what: str, size: tuple, dtype: Any) -> tuple[Any, Any]:
         if size[1] is None:
             return size[0], dtype
         if dtype is not None:
-            raise TypeError(f"{what}() got a dtype twice: {size[1]!r} after the size and "
-                            f"dtype={dtype!r}; {expected}")
+            raise TypeError(f"{what}() got a dtype twice: {echo(size[1])} after the size and "
+                            f"dtype={echo(dtype)}; {expected}")
         try:
             dt = normalize_dtype(size[1], None)
         except TypeError:

@@ -21,7 +21,8 @@ What it offers
   a failed export leaves the previous file intact.
 * **Units**: :func:`parse_size`, :func:`format_bytes`, :func:`format_time` (one parser, one
   formatter for the whole package; see :mod:`cudalab._units`), and :data:`SIZE_UNITS`, the
-  parser's unit table (``%cuda_memory --threshold 64 KiB`` takes a separate unit word).
+  parser's unit table (``%cuda_memory --threshold 64 KiB`` takes a separate unit word), and
+  :func:`echo`, the one way an error message repeats a person's input (cut to a prefix).
 * **Seam constants** the upper layers compare statuses against (``STATUS_NOT_READY``).
 * **Events**: :func:`create_event` (make a :class:`cudalab.Event`'s driver event now, not
   at its first record).
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from cudalab import devices as _devices
 from cudalab._atomic_write import atomic_write, write_bytes_atomic
 from cudalab._driver.base import STATUS_NOT_READY, STATUS_SUCCESS, FastPaths
-from cudalab._units import SIZE_UNITS, format_bytes, format_time, parse_size
+from cudalab._units import SIZE_UNITS, echo, format_bytes, format_time, parse_size
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
@@ -60,6 +61,7 @@ __all__ = [
     "create_event",
     "cupti_kernel_activity",
     "device_index",
+    "echo",
     "ensure_context",
     "event_handle",
     "fast_paths",

@@ -19,13 +19,51 @@ Units (case-insensitive, optional space between number and unit):
 
 The number may have a fraction and an exponent (``1.5g``, ``2e9``, ``.5 GiB``); the result is
 exact (no float rounding) and rounded down to a whole byte.
+
+Input echoed back in an error message goes through :func:`echo`, which cuts it to a readable
+prefix (a 200 KB malformed setting gives a one-line message, not a 200 KB one).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "parse_size", "format_bytes", "format_time", "SIZE_UNITS"]
+__all__ = ["KiB", "MiB", "GiB", "TiB", "parse_size", "format_bytes", "format_time", "SIZE_UNITS",
+           "ECHO_LIMIT", "echo"]
+
+#: How many characters of a person's input an error message repeats; the rest is counted.
+ECHO_LIMIT = 80
+
+
+def echo(value: object, limit: int = ECHO_LIMIT) -> str:
+    """``repr(value)`` for an error message, cut to a readable prefix.
+
+    Every error message that repeats what it was given (a setting, an option, a shape, a
+    device string) uses this, so no input, however long, makes a message longer than a line
+    or two.
+
+    Parameters
+    ----------
+    value : object
+        What was given (a str is cut before it is quoted, so its quotes stay paired).
+    limit : int, optional
+        The most characters of ``value`` (of its repr, for other types) repeated.
+
+    Returns
+    -------
+    str
+        ``repr(value)`` when that is short; else the repr of the first ``limit`` characters,
+        "…" and the whole length, e.g. ``'max_split_size_mb:1,max_sp'… (200,569 characters)``.
+    """
+    if isinstance(value, str):
+        if len(value) <= limit:
+            return repr(value)
+        return f"{value[:limit]!r}… ({len(value):,} characters)"
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters)"
+
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -42,7 +80,8 @@ SIZE_UNITS: dict[str, int] = {
 
 # ASCII digits only; an optional exponent ("2e9", "1.5E-3"); the unit is matched by the table.
 # Compiled on first use by re's own cache (not at import: import cudalab time).
-_SIZE_PATTERN = r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*$"
+#: (An exponent has at most 3 digits: 10**99999999 would take minutes to compute.)
+_SIZE_PATTERN = r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d{1,3})?)\s*([a-z]*)\s*$"
 _SIZE_FLAGS = re.IGNORECASE | re.ASCII
 _EXAMPLES = "e.g. 1048576, 512MiB, 64 KiB, 1.5GB, 2g"
 
@@ -74,19 +113,24 @@ def parse_size(text: str | int, *, what: str = "size", allow_zero: bool = True) 
     """
     from fractions import Fraction  # here, not at import: it loads decimal (import cudalab time)
 
+    value: Fraction | None
     if isinstance(text, int) and not isinstance(text, bool):
         value = Fraction(text)
     else:
         m = re.match(_SIZE_PATTERN, str(text), _SIZE_FLAGS)
         factor = SIZE_UNITS.get(m.group(2).lower()) if m else None
-        if m is None or factor is None:
-            raise ValueError(f"cannot read the {what} {text!r}: give bytes or a number with a "
+        try:
+            value = Fraction(m.group(1)) * factor if m and factor else None  # exact
+        except ValueError:  # over 4300 digits: int() refuses them (sys.get_int_max_str_digits)
+            value = None
+        if value is None:
+            raise ValueError(f"cannot read the {what} {echo(text)}: give bytes or a number with a "
                              f"unit ({_EXAMPLES})")
-        value = Fraction(m.group(1)) * factor  # exact, exponent included
+    assert value is not None  # (for the type checker: both branches set it)
     nbytes = int(value)  # rounded down (toward zero)
     if value < 0 or (nbytes == 0 and not allow_zero):
         bound = "at least 0 bytes" if allow_zero else "at least 1 byte"
-        raise ValueError(f"the {what} must be {bound}, got {text!r} ({_EXAMPLES})")
+        raise ValueError(f"the {what} must be {bound}, got {echo(text)} ({_EXAMPLES})")
     return nbytes
 
 

@@ -297,7 +297,7 @@ class DeviceArray:
         if n == 0:
             return out
         stream = self._stream
-        if stream._handle is None:  # the allocation stream was closed: use the current one
+        if stream.closed:  # the allocation stream was closed: use the current one
             stream = stream_of(self._device)
         host = out.__array_interface__["data"][0]
         host_transfer(self._device, host, self._ptr, n, stream, host, non_blocking,

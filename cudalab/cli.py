@@ -217,7 +217,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     import os
     import warnings
 
-    from cudalab._units import parse_size
+    from cudalab._units import echo, parse_size
 
     # (by module path: cudalab.memory may export the replay *function* under the same name)
     rp, wi = (importlib.import_module(f"cudalab.memory_tools.{m}") for m in ("replay", "what_if"))
@@ -227,7 +227,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         memory = parse_size(args.device_memory, allow_zero=False) if args.device_memory else None
         if args.plot:
             if os.path.splitext(args.plot)[1].lower() not in (".png", ".svg"):
-                raise ValueError(f"plot file must end in .png or .svg, got {args.plot!r}")
+                raise ValueError(f"plot file must end in .png or .svg, got {echo(args.plot)}")
             try:
                 import matplotlib  # noqa: F401
             except ImportError:

@@ -12,6 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Literal
 
 from cudalab import _driver
+from cudalab._units import echo
 from cudalab.errors import (
     CudaError,
     CudaUnavailableError,
@@ -69,16 +70,16 @@ class Device:
         elif isinstance(spec, str):
             dtype, didx = _parse_device_string(spec)
         else:
-            raise TypeError(f"expected a device index, 'cuda', 'cuda:N' or Device, got {spec!r}")
+            raise TypeError(f"expected a device index, 'cuda', 'cuda:N' or Device, got {echo(spec)}")
         if index is not None:
             if didx is not None:
-                raise ValueError(f"device {spec!r} already has an index; got index={index!r} too")
+                raise ValueError(f"device {echo(spec)} already has an index; got index={echo(index)} too")
             didx = index
         if didx is not None:
             if isinstance(didx, bool) or not isinstance(didx, int):
-                raise TypeError(f"device index must be an int, got {didx!r}")
+                raise TypeError(f"device index must be an int, got {echo(didx)}")
             if didx < 0:
-                raise ValueError(f"device index must be non-negative, got {didx}")
+                raise ValueError(f"device index must not be negative, got {didx}")
         self.type = dtype
         self.index = didx
 
@@ -134,12 +135,15 @@ def _parse_device_string(text: str) -> tuple[str, int | None]:
     kind, sep, num = s.partition(":")
     if kind != "cuda":
         # torch's wording first, then ours
-        raise ValueError(f"Expected a cuda device, but got: {s[:40]} (cudalab takes 'cuda', "
+        raise ValueError(f"Expected a cuda device, but got: {echo(s)} (cudalab takes 'cuda', "
                          f"'cuda:N', a device index or a Device)")
     if not sep:
         return "cuda", None
+    if num[:1] == "-" and num[1:].isdigit():  # torch: "Device index must not be negative"
+        raise ValueError(f"invalid device string {echo(text)}: the device index must not be "
+                         "negative")
     if not num.isdigit():
-        raise ValueError(f"invalid device string {text!r}: the index after 'cuda:' must be a number")
+        raise ValueError(f"invalid device string {echo(text)}: the index after 'cuda:' must be a number")
     return "cuda", int(num)
 
 
@@ -420,7 +424,7 @@ def _device_index(device: Any = None, optional: bool = True) -> int:
             raise ValueError("a device index is required here; got None")
         return current_device()
     if isinstance(device, bool):
-        raise TypeError(f"expected a device index, got {device!r}")
+        raise TypeError(f"expected a device index, got {echo(device)}")
     if isinstance(device, int):
         return _device_index(int(device))
     if isinstance(device, (str, Device)):
@@ -435,7 +439,7 @@ def _device_index(device: Any = None, optional: bool = True) -> int:
     idx = getattr(device, "device_index", None)
     if isinstance(idx, int):
         return _device_index(idx)
-    raise TypeError(f"expected a device index, 'cuda', 'cuda:N' or Device, got {device!r}")
+    raise TypeError(f"expected a device index, 'cuda', 'cuda:N' or Device, got {echo(device)}")
 
 
 def current_device() -> int:

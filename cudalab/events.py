@@ -21,6 +21,7 @@ from cudalab._driver.base import (
     IPC_HANDLE_SIZE,
     STATUS_NOT_READY,
 )
+from cudalab._units import echo
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
@@ -109,15 +110,23 @@ class Event:
         """Record the event on ``stream`` (default: the current stream)."""
         if stream is None:
             stream = _streams.current_stream()
-        h = self._handle
-        if h is None:
-            h = self._create(stream.device_index)
-        if stream._null:
-            # Direct read, not _internal.ensure_context(): the "Event.record" row of
-            # benchmarks/runtime.py (and %%cuda_timed's per-repeat cost, benchmarks/timing.py).
-            _devices._ensure_context(stream.device_index)
-        if self._rec(h, stream._handle)[0]:
-            self._record_failed(stream)
+        # No type check up front (the "Event.record" row): a non-Stream fails at its first
+        # attribute read, and the handler turns that into a TypeError naming the parameter
+        # (a try costs nothing until something raises).
+        try:
+            h = self._handle
+            if h is None:
+                h = self._create(stream.device_index)
+            if stream._null:
+                # Direct read, not _internal.ensure_context(): the "Event.record" row of
+                # benchmarks/runtime.py (and %%cuda_timed's per-repeat cost, benchmarks/timing.py).
+                _devices._ensure_context(stream.device_index)
+            if self._rec(h, stream._handle)[0]:
+                self._record_failed(stream)
+        except AttributeError:
+            if not isinstance(stream, _streams.Stream):
+                raise _not_a_stream("Event.record()", stream) from None
+            raise
         return self
 
     def _record_failed(self, stream: Any) -> None:
@@ -158,12 +167,27 @@ class Event:
     def elapsed_time(self, end_event: Event) -> float:
         """Milliseconds between this event and ``end_event`` (both recorded and completed).
 
+        Parameters
+        ----------
+        end_event : Event
+            The later event.
+
+        Returns
+        -------
+        float
+            Milliseconds.
+
         Raises
         ------
+        TypeError
+            ``end_event`` is not an :class:`Event`.
         ValueError
             If either event was created without ``enable_timing=True``, or was never recorded
             (torch's ``TORCH_CHECK_VALUE`` checks, same messages).
         """
+        if not isinstance(end_event, Event):
+            raise TypeError(f"Event.elapsed_time(): end_event must be a cudalab.Event, got "
+                            f"{type(end_event).__name__} {echo(end_event)}")
         if not (self.enable_timing and end_event.enable_timing):
             raise ValueError("Both events must be created with argument 'enable_timing=True'.")
         if self._handle is None or end_event._handle is None:
@@ -227,6 +251,12 @@ class Event:
     def __repr__(self) -> str:
         where = f"cuda:{self.device_index}" if self._handle is not None else "uninitialized"
         return f"<cudalab.Event {where} timing={self.enable_timing}>"
+
+
+def _not_a_stream(what: str, stream: Any) -> TypeError:
+    """The TypeError for a ``stream`` argument that is not a :class:`cudalab.Stream`."""
+    return TypeError(f"{what}: stream must be a cudalab.Stream or None, got "
+                     f"{type(stream).__name__} {echo(stream)}")
 
 
 def record_fast(event: Event, stream: Any) -> None:

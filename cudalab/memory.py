@@ -147,7 +147,13 @@ def _reader(device: Any) -> Allocator | None:
         return None
     d = _tls.device if device is None else _internal.device_index(device)
     a = existing_allocator(d)
-    if a is not None and (a._pending_frees or a._memo is not None):
+    if a is None:
+        # Nothing allocated yet: the settings are still read, so that a malformed
+        # CUDALAB_ALLOC_CONF raises in every reader, as in memory_stats(), and not only in
+        # some (parsed once, then cached; the readers' path with an allocator is untouched).
+        allocator_config()
+        return None
+    if a._pending_frees or a._memo is not None:
         a.sync_pending()
     return a
 
@@ -175,7 +181,10 @@ def memory_allocated(device: Any = None) -> int:
     if device is None and _devices._initialized:  # the common call, inlined (see above)
         d = _tls.device
         a = _allocators[d] if d < len(_allocators) else None
-        if a is not None and (a._pending_frees or a._memo is not None):
+        if a is None:
+            allocator_config()  # a malformed setting raises, as in every reader (see _reader)
+            return 0
+        if a._pending_frees or a._memo is not None:
             a.sync_pending()
     else:
         a = _reader(device)
@@ -354,6 +363,8 @@ def memory_snapshot() -> list[dict]:
     """
     from cudalab.memory_tools.snapshot import memory_snapshot as snapshot_all_devices
 
+    if not _active and _internal.is_initialized():
+        allocator_config()  # a malformed setting raises, as in every reader (see _reader)
     return snapshot_all_devices()
 
 

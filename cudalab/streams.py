@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cudalab import devices as _devices
 from cudalab import sync_debug as _sync
-from cudalab._driver.base import STATUS_NOT_READY, STREAM_NON_BLOCKING
+from cudalab._driver.base import STATUS_NOT_READY, STREAM_NON_BLOCKING, ClosedHandle
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
@@ -64,6 +64,9 @@ class Stream:
     The stream owns its driver handle: ``close()`` releases it now, otherwise it is
     released when the object is garbage collected (never during interpreter exit, when the
     driver may already be gone). ``with s:`` makes it the current stream of its device.
+    A closed stream is refused, with a RuntimeError that names it, by everything that would
+    queue work on it or wait for it (its methods, ``Event.record``, the allocator,
+    ``set_stream`` and ``with``).
     """
 
     __slots__ = ("_handle", "device_index", "cuda_stream", "_owned", "_null", "_b", "_ctx_stack",
@@ -71,7 +74,9 @@ class Stream:
 
     _b: Backend
     _q: Callable[[Any], tuple]  # the seam's unchecked stream query (the "Stream.query" row)
-    _handle: Any  # the driver stream; None once closed
+    #: The driver stream; a ClosedHandle once closed (never None: the seam reads None as
+    #: the null stream, so a closed stream would silently become the null stream).
+    _handle: Any
     _ctx_stack: list[StreamContext] | None  # open ``with stream:`` blocks, innermost last
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
@@ -154,9 +159,10 @@ class Stream:
         return hash((self.device_index, self.cuda_stream))
 
     def __repr__(self) -> str:
-        state = "" if self._handle is not None else " closed"
-        return (f"<cudalab.{type(self).__name__} device=cuda:{self.device_index} "
-                f"cuda_stream={self.cuda_stream:#x}{state}>")
+        closed = type(self._handle) is ClosedHandle
+        name = "Stream" if type(self) is _ClosedStream else type(self).__name__
+        return (f"<cudalab.{name} device=cuda:{self.device_index} "
+                f"cuda_stream={self.cuda_stream:#x}{' closed' if closed else ''}>")
 
     # ------------------------------------------------------------------ work
     def query(self) -> bool:
@@ -186,6 +192,7 @@ class Stream:
         """Make all future work on this stream wait for ``event`` (no host sync)."""
         h = event._handle
         if h is None:  # never recorded: nothing to wait for (torch does the same)
+            self._check_open()  # (a recorded event reaches the seam, which refuses a closed one)
             return
         if self._null:
             from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
@@ -208,21 +215,43 @@ class Stream:
 
     # ------------------------------------------------------------------ ownership
     def close(self) -> None:
-        """Release the driver handle now (idempotent). Work already queued still runs."""
+        """Release the driver handle now (idempotent). Work already queued still runs.
+
+        From then on the stream is refused (RuntimeError naming it) wherever work would be
+        queued on it or waited for. How, without a check on the hot paths: the handle
+        becomes a :class:`~cudalab._driver.base.ClosedHandle`, which the seam refuses
+        wherever a handle goes (queries, event records, copies, launches); a plain
+        :class:`Stream` becomes a :class:`_ClosedStream`, whose type the allocator's
+        explicit-stream path does not take (``type(stream) is Stream``), so the allocator
+        reaches :func:`~cudalab.allocator.base.stream_key`, which refuses it; and the
+        allocators forget it as a memo stream (``_close_listeners``). An ExternalStream is
+        not owned: closing it does nothing.
+        """
         h = self._handle
-        if h is not None and self._owned:
-            self._handle = None
+        if self._owned and type(h) is not ClosedHandle:
+            self._handle = ClosedHandle(repr(self))
+            if type(self) is Stream:
+                self.__class__ = _ClosedStream
+            for listener in _close_listeners:
+                listener(self)
             self._b.stream_destroy(h)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` released the stream (it can no longer be used)."""
+        return type(self._handle) is ClosedHandle
+
     def _check_open(self) -> None:
-        if self._handle is None:
-            raise RuntimeError(f"{self!r} was closed")
+        """Raise the closed stream's RuntimeError (for paths that do not reach the seam)."""
+        h = self._handle
+        if type(h) is ClosedHandle:
+            raise h.error()
 
     def __del__(self) -> None:
         try:
-            if self._owned and self._handle is not None and not _exiting:
-                self._b.stream_destroy(self._handle)
-                self._handle = None
+            h = self._handle
+            if self._owned and type(h) is not ClosedHandle and not _exiting:
+                self._b.stream_destroy(h)
         except Exception:
             pass
 
@@ -239,6 +268,22 @@ class Stream:
         assert self._ctx_stack is not None  # __enter__ made it
         self._ctx_stack.pop().__exit__(*exc)
         return False
+
+
+class _ClosedStream(Stream):
+    """A :class:`Stream` after :meth:`Stream.close` (its class is switched; same slots).
+
+    It behaves as a closed Stream in every way (``isinstance(s, Stream)`` holds, its repr
+    says ``cudalab.Stream ... closed``); its only purpose is that ``type(s) is Stream`` no
+    longer holds, which sends it off the allocator's fast path (see :meth:`Stream.close`).
+    """
+
+    __slots__ = ()
+
+
+#: Called with each stream that :meth:`Stream.close` closes (the allocator registry adds
+#: one that makes the allocators forget it). Appended to at import only.
+_close_listeners: list[Callable[[Stream], None]] = []
 
 
 class ExternalStream(Stream):
@@ -374,6 +419,7 @@ def set_stream(stream: Stream | None) -> None:
         return
     if not isinstance(stream, Stream):
         raise TypeError(f"set_stream expects a cudalab.Stream, got {stream!r}")
+    stream._check_open()
     cur = _tls.streams
     if cur is None:
         cur = _thread_streams()

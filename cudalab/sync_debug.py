@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import warnings
 
+from cudalab._units import echo
+
 __all__ = ["set_sync_debug_mode", "get_sync_debug_mode"]
 
 _NAMES = {"default": 0, "warn": 1, "error": 2}
@@ -25,14 +27,14 @@ def set_sync_debug_mode(debug_mode: int | str) -> None:
     if isinstance(debug_mode, str):
         if debug_mode not in _NAMES:
             raise RuntimeError(
-                f"invalid value of debug_mode {debug_mode!r}, expected one of `default`, `warn`, `error`"
+                f"invalid value of debug_mode {echo(debug_mode)}, expected one of `default`, `warn`, `error`"
             )
         value = _NAMES[debug_mode]
     elif isinstance(debug_mode, int) and not isinstance(debug_mode, bool) and debug_mode in (0, 1, 2):
         value = debug_mode
     else:
         raise RuntimeError(
-            f"invalid value of debug_mode {debug_mode!r}, expected one of `default`, `warn`, `error` (or 0, 1, 2)"
+            f"invalid value of debug_mode {echo(debug_mode)}, expected one of `default`, `warn`, `error` (or 0, 1, 2)"
         )
     _mode = value
 

@@ -13,6 +13,7 @@ import os
 import threading
 
 from cudalab._driver.base import Backend
+from cudalab._units import echo
 
 _lock = threading.Lock()
 _backend: Backend | None = None
@@ -33,7 +34,7 @@ def _env_wants_simulator() -> bool:
     if value in _FALSE:
         return False
     raise ValueError(
-        f"CUDALAB_SIMULATOR={raw!r} is not understood; use 1/true/yes/on to select the "
+        f"CUDALAB_SIMULATOR={echo(raw)} is not understood; use 1/true/yes/on to select the "
         "simulator or 0/false/no/off (or unset) for the real driver"
     )
 

@@ -65,6 +65,40 @@ class FastPaths(NamedTuple):
     event_elapsed_time: Callable[[Any, Any], tuple]
 
 
+class ClosedHandle:
+    """What an owner keeps in place of a driver handle it has released (a closed Stream).
+
+    Both backends refuse it wherever a handle is expected, with the error of :meth:`error`,
+    which names the owner: cuda.bindings converts a handle argument that is not its own
+    type with ``int()``, which raises here, and the simulator raises the same error when
+    it meets one. So the hot paths that pass the handle straight to the seam (an event
+    record, a stream query, an allocation, a kernel launch) refuse a closed stream without
+    checking anything themselves (a ``None`` handle would be the null stream to both).
+
+    Parameters
+    ----------
+    owner : str
+        The owner's description for the error (its repr, e.g. ``<cudalab.Stream ...>``).
+    """
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: str):
+        self.owner = owner
+
+    def error(self) -> RuntimeError:
+        """The error every use of the handle raises."""
+        return RuntimeError(f"{self.owner} was closed: it can no longer be used")
+
+    def __int__(self) -> int:
+        raise self.error()
+
+    __index__ = __int__
+
+    def __repr__(self) -> str:
+        return f"<closed handle of {self.owner}>"
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     """Static properties of one device, read once (torch's ``_CudaDeviceProperties`` fields)."""

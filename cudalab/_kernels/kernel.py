@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from cudalab._atomic_write import write_bytes_atomic
 from cudalab._driver import nvrtc as _nvrtc
+from cudalab._driver.base import ClosedHandle
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
@@ -470,8 +471,8 @@ class Kernel:
             stream = _current_stream()
         elif not isinstance(stream, _Stream):
             raise TypeError(f"stream must be a cudalab Stream, got {stream!r}")
-        elif stream._handle is None:
-            raise RuntimeError(f"{stream!r} was closed")
+        elif type(stream._handle) is ClosedHandle:  # (the seam would refuse it too, later)
+            raise stream._handle.error()
         device = stream.device_index
         if type(grid) is int and 0 < grid <= 0x7FFFFFFF:
             grid3 = (grid, 1, 1)

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cudalab import streams as _streams
-from cudalab._driver.base import EVENT_DISABLE_TIMING, STREAM_NON_BLOCKING
+from cudalab._driver.base import EVENT_DISABLE_TIMING, STREAM_NON_BLOCKING, ClosedHandle
 from cudalab.allocator.base import Allocator, bad_pointer, fraction_total, stream_key
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig, config_from_env
 from cudalab.allocator.policy import MAX_ALLOCATION_SIZE, check_size
@@ -400,10 +400,9 @@ class AsyncPoolAllocator(Allocator):
                 raise ValueError(
                     f"stream {stream!r} belongs to device {stream.device_index}, "
                     f"not to device {self.device}")
-            h = stream._handle
-            if h is None:
-                raise ValueError(f"stream {stream!r} is closed")
-            return h, stream.cuda_stream
+            # A closed stream's handle is a ClosedHandle, which the seam's allocation call
+            # refuses with the error naming the stream (no check here).
+            return stream._handle, stream.cuda_stream
         key = stream_key(stream, self.device)
         return self._handle_for(key), key
 
@@ -475,7 +474,7 @@ class AsyncPoolAllocator(Allocator):
     def _join(self, unifier: Any, dev: int, h: Any, key: int) -> None:
         """Make ``unifier`` wait for the work queued so far on stream ``h`` of ``dev``."""
         b = self.backend
-        if h is None:  # a closed stream: wait for its device instead
+        if type(h) is ClosedHandle:  # a closed stream: wait for its device instead
             b.synchronize(dev)
             return
         if key < 3:

@@ -14,6 +14,7 @@ import abc
 from typing import TYPE_CHECKING, Any
 
 from cudalab import streams as _streams
+from cudalab._driver.base import ClosedHandle
 from cudalab.allocator.stats import DeviceStats, format_size
 
 if TYPE_CHECKING:
@@ -91,6 +92,18 @@ class Allocator(abc.ABC):
     @abc.abstractmethod
     def record_stream(self, ptr: int, stream: Any) -> None:
         """Note that ``ptr`` is used on ``stream`` (its reuse then waits for that work)."""
+
+    def forget_stream(self, stream: Any) -> None:
+        """``stream`` was closed: keep no fast path that would still hand memory out on it.
+
+        Parameters
+        ----------
+        stream : cudalab.Stream
+            The stream :meth:`cudalab.Stream.close` closed (called by the registry's close
+            listener). The default does nothing: only the native allocator's pair memo
+            remembers a Stream object.
+        """
+        return
 
     @abc.abstractmethod
     def empty_cache(self) -> None:
@@ -176,6 +189,9 @@ def stream_use(stream: Any, need_handle: bool = False) -> tuple[int, int]:
     if (not isinstance(key, int) or not isinstance(dev, int)
             or (need_handle and not hasattr(stream, "_handle"))):
         raise TypeError(f"record_stream needs a cudalab.Stream, got {type(stream).__name__}")
+    h = getattr(stream, "_handle", None)
+    if type(h) is ClosedHandle:  # a closed Stream: no work can be queued on it any more
+        raise h.error()
     return dev, key
 
 
@@ -198,6 +214,9 @@ def stream_key(stream: Any, device: int) -> int:
             "stream must be a cudalab.Stream or an int stream handle, got "
             f"{type(stream).__name__} {stream!r}"
         )
+    h = getattr(stream, "_handle", None)
+    if type(h) is ClosedHandle:  # a closed Stream (which never takes malloc's fast path)
+        raise h.error()
     dev = getattr(stream, "device_index", device)
     if dev != device:
         raise ValueError(f"stream {stream!r} belongs to device {dev}, not to device {device}")

@@ -58,6 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cudalab import streams as _streams
+from cudalab._driver.base import ClosedHandle
 from cudalab.allocator.base import bad_pointer, fraction_total, stream_key, stream_use
 from cudalab.allocator.blocks import (
     ALLOCATED,
@@ -646,6 +647,9 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
             evpool = self._event_pools.get(dev)
             if evpool is None:
                 evpool = self._event_pools[dev] = EventPool(backend, dev)
+            if type(s._handle) is ClosedHandle:  # nothing more can be queued on it: wait for the device instead
+                backend.synchronize(dev)
+                continue
             ev = evpool.get()
             try:
                 if s.cuda_stream == 0:

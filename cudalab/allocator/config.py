@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cudalab._units import KiB, MiB
+from cudalab._units import KiB, MiB, echo
 
 __all__ = [
     "AllocatorConfig",
@@ -142,14 +142,15 @@ class _Parser:
 
     # errors ---------------------------------------------------------------
     def error(self, key: str | None, bad: str, form: str, torch_text: str = "") -> ValueError:
-        """The error for ``bad`` where ``form`` was expected; ``torch_text``, torch's own
-        message for the same mistake, leads when given (cudalab's explanation follows)."""
-        where = f"{self.source}={self.text!r}"
+        """The ValueError for ``bad`` where ``form`` was expected (echoing a readable prefix
+        of it and of the settings); ``torch_text``, torch's own message for the same
+        mistake, leads when given (cudalab's explanation follows)."""
+        where = f"{self.source}={echo(self.text)}"
         lead = f"{torch_text} (" if torch_text else ""
         tail = ")" if torch_text else ""
         if key is None:
             return ValueError(f"{lead}{where}: {bad}; expected {form}{tail}")
-        return ValueError(f"{lead}{where}: invalid {key} value {bad!r}; expected {form}{tail}")
+        return ValueError(f"{lead}{where}: invalid {key} value {echo(bad)}; expected {form}{tail}")
 
     # token access ---------------------------------------------------------
     def peek(self) -> str | None:
@@ -176,7 +177,10 @@ class _Parser:
         tok = self.value(key, form)
         if not tok.isdigit() or not tok.isascii():
             raise self.error(key, tok, form)
-        return int(tok)
+        try:
+            return int(tok)
+        except ValueError:  # over Python's limit on digits (sys.get_int_max_str_digits)
+            raise self.error(key, tok, form) from None
 
     def boolean(self, key: str) -> bool:
         """torch's boolean values: exactly ``True`` or ``False`` (torch 2.11's parser takes
@@ -252,7 +256,8 @@ def _parse_divisions(p: _Parser, key: str) -> tuple[int, ...]:
             for j in range(last_index + 1, ROUNDUP_POWER2_INTERVALS):
                 table[j] = value
         else:
-            if not boundary.isdigit() or not boundary.isascii():
+            if (not boundary.isdigit() or not boundary.isascii()
+                    or len(boundary) > 30):  # (past any size; int() refuses 4300 digits)
                 raise p.error(key, f"{boundary}:{value}", form)
             b = int(boundary)
             if not _is_pow2(b):
@@ -356,7 +361,7 @@ def parse_alloc_conf(text: str | None, source: str = "parse_alloc_conf") -> Allo
         key = p.take()
         assert key is not None
         if key in _SEPARATORS:
-            raise p.error(None, f"unexpected {key!r} where an option name should be",
+            raise p.error(None, f"unexpected {echo(key)} where an option name should be",
                           "key:value pairs separated by ',' (e.g. max_split_size_mb:128)")
         keys.append(key)
         if key == "backend":
@@ -412,7 +417,7 @@ def parse_alloc_conf(text: str | None, source: str = "parse_alloc_conf") -> Allo
             values[key] = p.uint(key, form)
         else:
             raise ValueError(
-                f"{p.source}={p.text!r}: unknown option {key!r}; accepted options are "
+                f"{p.source}={echo(p.text)}: unknown option {echo(key)}; accepted options are "
                 + ", ".join(KNOWN_KEYS)
             )
         nxt = p.peek()

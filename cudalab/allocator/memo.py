@@ -140,6 +140,18 @@ class PairMemo(CacheState):
         trace("free_requested", b.ptr, b.requested, stream)
         trace("free_completed", b.ptr, b.requested, stream)
 
+    def forget_stream(self, stream: Any) -> None:
+        """``stream`` was closed: a pure hit must not hand memory out on it any more (its
+        test is ``stream is self._hit_stream``; a closed stream is never set up as one again:
+        it is no longer of type Stream). The pair memo itself is flushed, as any other
+        change of plan does."""
+        if self._hit_stream is stream:
+            with self._lock:
+                if self._hit_stream is stream:
+                    if self._memo is not None:
+                        self._flush_memo()
+                    self._hit_stream = NO_STREAM
+
     def _flush_memo(self) -> None:
         """Make the memo's deferred work real (lock held); no-op without a memo."""
         b = self._memo

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cudalab import streams as _streams
-from cudalab._driver.base import EVENT_DISABLE_TIMING
+from cudalab._driver.base import EVENT_DISABLE_TIMING, ClosedHandle
 from cudalab.allocator import registry as _registry
 from cudalab.allocator.base import (
     Allocator,
@@ -391,7 +391,7 @@ class PluggableDeviceAllocator(Allocator):
         for s in uses:
             dev = s.device_index
             h = s._handle
-            if h is None:  # closed stream
+            if type(h) is ClosedHandle:  # closed stream
                 b.synchronize(dev)
                 continue
             if s.cuda_stream < 3:

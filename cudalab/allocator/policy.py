@@ -12,6 +12,7 @@ from __future__ import annotations
 from operator import index as _index
 from typing import Any
 
+from cudalab._units import echo
 from cudalab.allocator.config import (
     MIN_BLOCK_SIZE,
     MIN_LARGE_ALLOC,
@@ -90,12 +91,12 @@ def check_size(size: Any) -> int:
     """
     if type(size) is not int:
         if isinstance(size, bool):
-            raise TypeError(f"allocation size must be an int, got {size!r}")
+            raise TypeError(f"allocation size must be an int, got {echo(size)}")
         try:
             size = _index(size)
         except TypeError:
             raise TypeError(
-                f"allocation size must be an int, got {type(size).__name__} {size!r}"
+                f"allocation size must be an int, got {type(size).__name__} {echo(size)}"
             ) from None
     if size < 0:
         raise ValueError(f"allocation size must be >= 0, got {size}")

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from cudalab import streams as _streams
 from cudalab.allocator.async_allocator import AsyncPoolAllocator
 from cudalab.allocator.base import Allocator
 from cudalab.allocator.caching import DeviceCachingAllocator
@@ -202,6 +203,15 @@ def remove_create_hook(hook: Callable[[Allocator], None]) -> None:
     """Undo :func:`add_create_hook` (nothing if ``hook`` was not added)."""
     if hook in _on_create:
         _on_create.remove(hook)
+
+
+def _forget_closed_stream(stream: _streams.Stream) -> None:
+    """A Stream was closed: no allocator may keep a fast path to it (see Stream.close)."""
+    for a in list(active):
+        a.forget_stream(stream)
+
+
+_streams._close_listeners.append(_forget_closed_stream)
 
 
 def custom_factory() -> DeviceAllocatorFactory | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from cudalab._internal import format_bytes
+from cudalab._internal import echo, format_bytes
 from cudalab.magics.memory_args import _Args, _devices, _label, _parse, _resolve, _simulated
 from cudalab.magics.memory_report import (
     _Mark,
@@ -214,7 +214,7 @@ def _history(magics: Any, args: _Args) -> Any:
         state = f"recording ({_settings_text(s)})" if s else "not recording"
         print(f"cudalab history: {state}; {_history_entries()} entries held")
         return None
-    raise UsageError(f"%cuda_memory history: unknown action {sub!r}; use start, stop, save PATH "
+    raise UsageError(f"%cuda_memory history: unknown action {echo(sub)}; use start, stop, save PATH "
                      "or frame")
 
 
@@ -386,4 +386,4 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
         return _snapshot(args)
     if cmd == "dashboard":
         return _dashboard(magics, args)
-    raise UsageError(f"%cuda_memory: unknown subcommand {cmd!r}")  # pragma: no cover
+    raise UsageError(f"%cuda_memory: unknown subcommand {echo(cmd)}")  # pragma: no cover

@@ -111,13 +111,13 @@ def _parse(line: str) -> _Args:
                         raise ValueError
                 except ValueError:
                     raise UsageError(f"%cuda_memory: --max-entries needs a positive integer, "
-                                     f"got {value!r}") from None
+                                     f"got {_internal.echo(value)}") from None
             elif name == "--context":
                 args.context = value
             else:
                 args.stacks = value
         elif tok.startswith("-") and len(tok) > 1:
-            raise UsageError(f"%cuda_memory: unknown option {tok!r} (see %cuda_memory?)")
+            raise UsageError(f"%cuda_memory: unknown option {_internal.echo(tok)} (see %cuda_memory?)")
         else:
             positional.append(tok)
         i += 1
@@ -164,7 +164,7 @@ def _resolve(spec: str | None, init: bool = True) -> int | None:
     try:
         return _internal.device_index(int(s) if s.isdigit() else s)
     except (TypeError, ValueError) as exc:
-        raise UsageError(f"%cuda_memory: bad device {spec!r}: {exc}") from None
+        raise UsageError(f"%cuda_memory: bad device {_internal.echo(spec)}: {exc}") from None
 
 
 def _simulated() -> bool:

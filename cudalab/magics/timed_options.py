@@ -70,9 +70,9 @@ def _convert(attr: str, opt: str, text: str) -> Any:
     except ValueError:
         kind = "a positive number" if attr == "max_time" else (
             "a non-negative integer" if attr == "warmup" else "a positive integer")
-        raise UsageError(f"%cuda_timed: {opt} needs {kind}, got {text!r}") from None
+        raise UsageError(f"%cuda_timed: {opt} needs {kind}, got {_internal.echo(text)}") from None
     if attr == "var" and not text.isidentifier():
-        raise UsageError(f"%cuda_timed: -v needs a variable name, got {text!r}")
+        raise UsageError(f"%cuda_timed: -v needs a variable name, got {_internal.echo(text)}")
     return text
 
 
@@ -123,7 +123,7 @@ def parse_options(line: str) -> TimedOptions:
             pos = end
             continue
         if len(tok) > 1 and (tok[1].isalpha() or tok[1] == "-"):
-            raise UsageError(f"%cuda_timed: unknown option {tok!r} (see %cuda_timed?)")
+            raise UsageError(f"%cuda_timed: unknown option {_internal.echo(tok)} (see %cuda_timed?)")
         break  # "-x + 1", "-1": a statement that starts with a minus sign
     opts.stmt = _strip_comment(line[pos:]).strip()
     return opts
@@ -164,10 +164,10 @@ def parse_devices(spec: str | None) -> list[int]:
         try:
             idx = _internal.device_index(int(part) if part.isdigit() else part)
         except (TypeError, ValueError) as exc:
-            raise UsageError(f"%cuda_timed: bad device {part!r}: {exc}") from None
+            raise UsageError(f"%cuda_timed: bad device {_internal.echo(part)}: {exc}") from None
         if idx not in out:
             out.append(idx)
     if not out:
-        raise UsageError(f"%cuda_timed: no device in {spec!r}")
+        raise UsageError(f"%cuda_timed: no device in {_internal.echo(spec)}")
     return out
 

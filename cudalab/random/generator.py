@@ -20,6 +20,7 @@ import numpy as np
 
 from cudalab import _internal
 from cudalab import devices as _devices
+from cudalab._units import echo
 from cudalab.random.state import (
     DEFAULT_SEED,
     PhiloxState,
@@ -262,9 +263,43 @@ def _target_device(device: Any) -> int | None:
     return idx
 
 
+def _int_seed(seed: Any, what: str) -> int:
+    """``int(seed)``, as torch's ``manual_seed`` converts it (so ``1.0`` and ``"7"`` are seeds),
+    with an error that names ``seed`` when the conversion fails.
+
+    Raises
+    ------
+    TypeError
+        ``seed`` has no integer value (None, a list, ...).
+    ValueError
+        ``seed`` is a str that is not an integer, or a NaN or infinite float.
+    """
+    try:
+        return int(seed)
+    except TypeError:
+        raise TypeError(f"{what}: seed must be an integer (or convertible with int()), got "
+                        f"{type(seed).__name__} {echo(seed)}") from None
+    except (ValueError, OverflowError):
+        raise ValueError(f"{what}: seed must be an integer (or convertible with int()), got "
+                         f"{echo(seed)}") from None
+
+
 def manual_seed(seed: int) -> None:
-    """Seed the current device's default generator (offset 0). Safe without a GPU: ignored."""
-    s = _as_seed(int(seed), "manual_seed()")
+    """Seed the current device's default generator (offset 0). Safe without a GPU: ignored.
+
+    Parameters
+    ----------
+    seed : int
+        The seed (converted with ``int()``, as torch does; 64-bit, negative values wrap).
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``seed`` is not an integer and ``int(seed)`` fails (the message names ``seed``).
+    RandomStateError
+        ``seed`` is outside [-2**63, 2**64 - 1].
+    """
+    s = _as_seed(_int_seed(seed, "manual_seed()"), "manual_seed()")
     idx = _target_device(None)
     if idx is None:
         return
@@ -272,8 +307,21 @@ def manual_seed(seed: int) -> None:
 
 
 def manual_seed_all(seed: int) -> None:
-    """Seed every device's default generator. Safe without a GPU: ignored."""
-    s = _as_seed(int(seed), "manual_seed_all()")
+    """Seed every device's default generator. Safe without a GPU: ignored.
+
+    Parameters
+    ----------
+    seed : int
+        The seed (converted with ``int()``, as torch does).
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``int(seed)`` fails (the message names ``seed``).
+    RandomStateError
+        ``seed`` is outside [-2**63, 2**64 - 1].
+    """
+    s = _as_seed(_int_seed(seed, "manual_seed_all()"), "manual_seed_all()")
 
     def call() -> None:
         for i in range(_devices.device_count()):

@@ -15,6 +15,7 @@ from typing import Any
 
 from cudalab import devices as _devices
 from cudalab import streams as _streams
+from cudalab._driver.base import ClosedHandle
 from cudalab._internal import launch_observers as _launch_observers
 from cudalab._kernels import kernel as _facility
 
@@ -131,8 +132,8 @@ def _launch(kernel: Any, device: int, stream: _streams.Stream, grid: tuple, bloc
         entry = (backend, kernel.get_function(device, backend), backend.make_args(kernel.signature))
         cache[(kernel, device)] = entry
     handle = stream._handle
-    if handle is None:
-        raise RuntimeError(f"{stream!r} was closed")
+    if type(handle) is ClosedHandle:  # (the seam would refuse it too, after the argument set)
+        raise handle.error()
     _ensure_context(device)
     entry[2].set(*args)
     backend.launch(entry[1], grid, block, 0, handle, entry[2])

@@ -23,7 +23,11 @@ How it stays cheap and safe:
   re-sent only when its pixels changed): a few hundred bytes of HTML and a palette PNG of
   about 1 KB per device per tick, whatever the window;
 * the thread holds only a weak reference to the dashboard and stops on :meth:`close`, on
-  :func:`close_all` (which ``%unload_ext cudalab`` calls) and at interpreter exit (atexit).
+  :func:`close_all` (which ``%unload_ext cudalab`` calls), at interpreter exit (atexit) and
+  when the dashboard is no longer referenced: ipywidgets' own bookkeeping (its registry of
+  open widgets, the comm's message callback, the buttons' callbacks) holds it only weakly,
+  so a dashboard that was dropped is collected, closed, and its thread ends. Keep a
+  reference to a dashboard you show (a cell's result is one: IPython's ``Out`` keeps it).
 
 A saved or nbconvert'ed notebook shows a static picture: ``_repr_mimebundle_`` adds an
 ``image/png`` drawn with matplotlib (a dependency of cudalab); without
@@ -37,12 +41,14 @@ import base64
 import contextlib
 import html
 import io
+import math
 import threading
 import time
 import weakref
 from typing import Any
 
 import ipywidgets as W
+import ipywidgets.widgets.widget as _widget_module
 import numpy as np
 
 from cudalab import _internal
@@ -54,6 +60,9 @@ __all__ = ["MemoryDashboard", "close_all", "live_dashboards"]
 
 _live: weakref.WeakSet = weakref.WeakSet()
 _THREAD_NAME = "cudalab-dashboard-sampler"
+#: Sampling intervals are in (0, MAX_INTERVAL] seconds (one day); shorter than MIN_INTERVAL
+#: counts as MIN_INTERVAL.
+MIN_INTERVAL, MAX_INTERVAL = 0.02, 86400.0
 
 _ALLOC_C, _RES_C, _OTHER_C = "#1f77b4", "#fdae6b", "#bdbdbd"
 _WARN_C, _DANGER_C, _OK_C = "#e6550d", "#d62728", "#31a354"
@@ -84,6 +93,36 @@ atexit.register(_stop_threads_at_exit)
 
 
 
+def _seconds(value: Any, name: str, low: float = 0.0, high: float = MAX_INTERVAL) -> float:
+    """``value`` as a float in (``low``, ``high``]: ValueError (TypeError for a non-number)
+    naming ``name`` otherwise. NaN and infinities are refused: a NaN interval made the
+    sampler spin, an infinite one killed it with OverflowError."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number of seconds, got "
+                        f"{type(value).__name__} {_internal.echo(value)}") from None
+    if not (math.isfinite(x) and low < x <= high):
+        raise ValueError(f"{name} must be in ({low:g}, {high:g}] seconds, got {x!r}")
+    return x
+
+
+def _weak_callback(owner: Any, method: str) -> Any:
+    """A callback that calls ``owner.<method>`` while ``owner`` lives, without keeping it
+    alive (for ipywidgets, which holds its callbacks as long as the widget is open)."""
+    ref = weakref.ref(owner)
+
+    def call(*args: Any) -> Any:
+        target = ref()
+        if target is not None:
+            return getattr(target, method)(*args)
+        return None
+
+    return call
+
+
 def _pct(v: int, cap: int) -> float:
     return 100.0 * v / cap if cap else 0.0
 
@@ -106,9 +145,11 @@ def _device_indices(devices: Any) -> list[int]:
 class MemoryDashboard(W.VBox):
     """A live memory dashboard for ``devices`` (None: every device).
 
-    ``interval``: seconds between samples (>= 0.02); ``window``: samples kept per device
-    (the time series spans ``window * interval`` seconds); ``max_rate``: widget pushes per
-    second at most (samples in between still land in the ring buffers); ``warn``/``danger``:
+    ``interval``: seconds between samples, in (0, 86400] (less than 0.02 counts as 0.02; it
+    can be changed while running); ``window``: samples kept per device (the time series spans
+    ``window * interval`` seconds); ``max_rate``: widget pushes per second at most, in
+    (0, 1000] (less than 0.1 counts as 0.1; samples in between still land in the ring
+    buffers); ``warn``/``danger``:
     fractions of capacity (reserved, or NVML's used when larger) that colour the panel;
     ``fallback``: add the static PNG/HTML picture to the display bundle; ``start``: start
     the sampler thread now (else call :meth:`start`).
@@ -116,15 +157,30 @@ class MemoryDashboard(W.VBox):
     Attributes: :attr:`samples` (per device, the ring buffers as numpy arrays via
     :meth:`history`), :attr:`latest` (per device, the last sample's values), :attr:`snapshots`
     (what the "Take snapshot" button took).
+
+    Raises ValueError for an ``interval`` or ``max_rate`` that is NaN, infinite or outside its
+    range (TypeError for one that is not a number), here and when set later.
+
+    The dashboard lives as long as something outside ipywidgets references it (see the
+    module's doc): drop every reference and it is closed and its sampler thread ends.
     """
 
     def __init__(self, devices: Any = None, interval: float = 0.5, window: int = 600, *,
                  max_rate: float = 10.0, warn: float = 0.8, danger: float = 0.9,
                  fallback: bool = True, start: bool = True, chart_size: tuple[int, int] = (300, 64)):
+        # What close() reads, set first: ipywidgets' __del__ calls close() even on a
+        # dashboard whose construction failed.
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._viewer: Any = None
+        interval = _seconds(interval, "MemoryDashboard interval")  # (before any widget opens)
+        max_rate = _seconds(max_rate, "MemoryDashboard max_rate", high=1000.0)
         super().__init__()
-        self.interval = max(float(interval), 0.02)
+        self._hold_weakly()
+        self.interval = interval
         self.window = max(int(window), 2)
-        self.max_rate = max(float(max_rate), 0.1)
+        self.max_rate = max_rate
         self.warn, self.danger = float(warn), float(danger)
         self.fallback = bool(fallback)
         self.chart_size = (int(chart_size[0]), int(chart_size[1]))
@@ -132,17 +188,13 @@ class MemoryDashboard(W.VBox):
         #: None: max(interval, 0.5)
         self.chart_interval: float | None = None
         self.snapshots: list[dict] = []
-        self._closed = False
         self._paused = False
         self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._n = 0
         self._last_push = 0.0
         self._error = ""
         self._note = ""
         self._note_time = self._error_time = 0.0
-        self._viewer: Any = None
         self._devices = [_Device(d, self.window) for d in _device_indices(devices)]
         simulated = False
         if self._devices:
@@ -162,10 +214,12 @@ class MemoryDashboard(W.VBox):
         self._snap = W.Button(description="Take snapshot", icon="camera",
                               tooltip="take cudalab.memory._snapshot() and open it below",
                               layout=W.Layout(width="auto"))
-        self._pause.observe(self._on_pause, "value")
-        self._reset.on_click(self._on_reset)
-        self._empty.on_click(self._on_empty)
-        self._snap.on_click(self._on_snapshot)
+        # Weak callbacks: the buttons live in ipywidgets' registry as long as they are open,
+        # and must not keep the dashboard alive through them.
+        self._pause.observe(_weak_callback(self, "_on_pause"), "value")
+        self._reset.on_click(_weak_callback(self, "_on_reset"))
+        self._empty.on_click(_weak_callback(self, "_on_empty"))
+        self._snap.on_click(_weak_callback(self, "_on_snapshot"))
         self._status = W.HTML()
         self._snapshot_box = W.VBox()
         legend = W.HTML(
@@ -205,6 +259,44 @@ class MemoryDashboard(W.VBox):
             self.start()
 
     # ----------------------------------------------------------------- lifecycle
+    @property
+    def interval(self) -> float:
+        """Seconds between samples, in (0, 86400] (read by the sampler at each tick)."""
+        return self._interval
+
+    @interval.setter
+    def interval(self, value: float) -> None:
+        self._interval = max(_seconds(value, "MemoryDashboard interval"), MIN_INTERVAL)
+
+    @property
+    def max_rate(self) -> float:
+        """Widget pushes per second at most, in (0, 1000]."""
+        return self._max_rate
+
+    @max_rate.setter
+    def max_rate(self, value: float) -> None:
+        self._max_rate = max(_seconds(value, "MemoryDashboard max_rate", high=1000.0), 0.1)
+
+    def _hold_weakly(self) -> None:
+        """Make ipywidgets' hold on this (just opened) widget weak.
+
+        ipywidgets keeps every open widget in its registry (``_instances``) and in its
+        comm's message callback until it is closed, so a dashboard nobody references would
+        live, and sample, forever. The comm now reaches it through a weak callback and the
+        registry forgets it (its children stay there: they hold no strong reference back);
+        when it is collected, ipywidgets' ``__del__`` closes it, and :meth:`close` its
+        children. The price: the frontend cannot ask for the dashboard's state again after
+        a page reload (run its cell again). Without the registry (another ipywidgets) the
+        dashboard is held as before, until closed.
+        """
+        comm = self.comm
+        if comm is None:
+            return
+        comm.on_msg(_weak_callback(self, "_handle_msg"))
+        registry = getattr(_widget_module, "_instances", None)
+        if isinstance(registry, dict) and registry.get(self.model_id) is self:
+            del registry[self.model_id]
+
     def start(self) -> None:
         """Start the sampler thread (no-op if it runs or the dashboard is closed)."""
         if self._closed or (self._thread is not None and self._thread.is_alive()):
@@ -556,10 +648,16 @@ class MemoryDashboard(W.VBox):
 
 
 def _descendants(w: W.Widget) -> list[W.Widget]:
+    """The widgets under ``w``: its children, theirs, and every one's layout and style
+    (widgets too, with a comm each: left open, they would outlive the dashboard)."""
     out = []
     for c in getattr(w, "children", ()) or ():
         out.extend(_descendants(c))
         out.append(c)
+    for name in ("layout", "style"):
+        part = getattr(w, name, None)
+        if isinstance(part, W.Widget):
+            out.append(part)
     return out
 
 
@@ -572,7 +670,13 @@ def _sampler(ref: weakref.ref, stop: threading.Event) -> None:
         d = ref()
         if d is None or d._closed:
             return
-        interval = max(float(d.interval), 0.02)
+        interval = d.interval
+        # (Never a busy loop nor an overflow, even if the attribute was bypassed: a NaN
+        # fails the first test.)
+        if not interval >= MIN_INTERVAL:
+            interval = MIN_INTERVAL
+        elif interval > MAX_INTERVAL:
+            interval = MAX_INTERVAL
         del d
         now = time.monotonic()
         due = max(due + interval, now + interval / 4)  # a fixed rate, without bursts after a stall

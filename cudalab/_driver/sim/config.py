@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cudalab._driver.visible_devices import parse_visible_devices as _parse_visible
-from cudalab._units import GiB, MiB, TiB, parse_size
+from cudalab._units import GiB, MiB, TiB, echo, parse_size
 
 __all__ = ["SimulatorConfig", "parse_visible_devices", "device_uuid", "MAX_DEVICES",
            "MIN_MEMORY", "MAX_MEMORY"]
@@ -91,10 +91,10 @@ class SimulatorConfig:
                 raise TypeError(f"SimulatorConfig.{name} must be an int, not "
                                 f"{type(value).__name__}")
         if not 1 <= self.device_count <= MAX_DEVICES:
-            raise ValueError(f"SimulatorConfig.device_count={self.device_count!r} is out of range; "
+            raise ValueError(f"SimulatorConfig.device_count={echo(self.device_count)} is out of range; "
                              f"give a whole number from 1 to {MAX_DEVICES}")
         if not MIN_MEMORY <= self.memory <= MAX_MEMORY:
-            raise ValueError(f"SimulatorConfig.memory={self.memory!r} is out of range; give the "
+            raise ValueError(f"SimulatorConfig.memory={echo(self.memory)} is out of range; give the "
                              "bytes per simulated device, between 1MiB (1048576) and 1TiB "
                              "(1099511627776)")
         if self.visible_devices is not None and not isinstance(self.visible_devices, str):
@@ -138,12 +138,12 @@ def _read_device_count(raw: str | None) -> int:
     if raw is None or not raw.strip():
         return _DEFAULT_DEVICES
     text = raw.strip()
-    if re.fullmatch(r"\+?\d+", text):
+    if re.fullmatch(r"\+?\d{1,20}", text):  # (longer: out of range, and int() refuses 4300)
         n = int(text)
         if 1 <= n <= MAX_DEVICES:
             return n
     raise ValueError(
-        f"{_DEVICES_ENV}={raw!r} is not understood; give the number of simulated "
+        f"{_DEVICES_ENV}={echo(raw)} is not understood; give the number of simulated "
         f"devices as a whole number from 1 to {MAX_DEVICES}, e.g. {_DEVICES_ENV}=2"
     )
 
@@ -160,7 +160,7 @@ def _read_memory(raw: str | None) -> int:
             return size
         reason = f"{size} bytes is outside 1MiB..1TiB"
     raise ValueError(
-        f"{_MEMORY_ENV}={raw!r} is not understood ({reason}); give the memory per simulated "
+        f"{_MEMORY_ENV}={echo(raw)} is not understood ({reason}); give the memory per simulated "
         "device as bytes or a number with a unit (k, m, g, t or KiB, MiB, GiB, TiB: powers "
         "of 1024; KB, MB, GB, TB: powers of 1000), between 1MiB and 1TiB, e.g. 16GiB, 1g, "
         "1.5GiB, 512 MiB, 8GB or 1073741824"

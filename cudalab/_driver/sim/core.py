@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from cudalab._driver.base import STREAM_DEFAULT, Backend
+from cudalab._driver.base import STREAM_DEFAULT, Backend, ClosedHandle
 from cudalab._driver.sim.config import SimulatorConfig, device_uuid
 from cudalab._driver.sim.handles import _Event, _Stream
 from cudalab._driver.sim.heap import _Device, _Pool, _VmmRange
@@ -163,6 +163,8 @@ class SimulatorCore(Backend):
                 raise CudaError(201, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context",
                                 call=call)
             return self._devs[d].null
+        if type(stream) is ClosedHandle:  # a closed Stream's (cuda.bindings' int() raises it)
+            raise stream.error()
         raise invalid_handle(call, f"{stream!r} is not a stream of this simulator")
 
     def _event_handle(self, event: Any, call: str) -> _Event:
