@@ -26,8 +26,9 @@ How it stays cheap and safe:
   :func:`close_all` (which ``%unload_ext cudalab`` calls), at interpreter exit (atexit) and
   when the dashboard is no longer referenced: ipywidgets' own bookkeeping (its registry of
   open widgets, the comm's message callback, the buttons' callbacks) holds it only weakly,
-  so a dashboard that was dropped is collected, closed, and its thread ends. Keep a
-  reference to a dashboard you show (a cell's result is one: IPython's ``Out`` keeps it).
+  so a dashboard that was dropped before it was shown is collected, closed, and its thread
+  ends. A dashboard that was displayed (``display(d)`` or a cell's result) is held until it
+  is closed, as any widget on screen.
 
 A saved or nbconvert'ed notebook shows a static picture: ``_repr_mimebundle_`` adds an
 ``image/png`` drawn with matplotlib (a dependency of cudalab); without
@@ -59,6 +60,10 @@ from cudalab.widgets.dashboard_device import _Device
 __all__ = ["MemoryDashboard", "close_all", "live_dashboards"]
 
 _live: weakref.WeakSet = weakref.WeakSet()
+#: Dashboards that were displayed (``display(d)`` or a cell's result), held until closed:
+#: one on screen keeps sampling even when no variable names it (``display(Dashboard())``),
+#: as any ipywidget shown; one dropped before it was shown is collected.
+_shown: set = set()
 _THREAD_NAME = "cudalab-dashboard-sampler"
 #: Sampling intervals are in (0, MAX_INTERVAL] seconds (one day); shorter than MIN_INTERVAL
 #: counts as MIN_INTERVAL.
@@ -330,6 +335,7 @@ class MemoryDashboard(W.VBox):
         self._closed = True
         self._stop_sampler()
         _live.discard(self)
+        _shown.discard(self)
         if self._viewer is not None:
             with contextlib.suppress(Exception):
                 self._viewer.close()
@@ -636,6 +642,8 @@ class MemoryDashboard(W.VBox):
         if isinstance(data, tuple):  # (data, metadata) form
             data = data[0]
         data = dict(data)
+        if not self._closed:
+            _shown.add(self)  # on screen: held until closed (see _shown)
         data["text/plain"] = self._text()
         if self.fallback and not self._closed:
             try:

@@ -47,6 +47,22 @@ def test_dropped_dashboards_stop_sampling():
     assert wait_until(lambda: len(samplers()) == before, timeout=3.0), len(samplers())
 
 
+def test_a_displayed_dashboard_lives_until_closed():
+    """``display(MemoryDashboard())`` keeps no variable: the dashboard is on screen, so it
+    keeps sampling until it is closed, as any widget shown."""
+    before = len(samplers())
+    d = MemoryDashboard(interval=0.05)
+    d._repr_mimebundle_()  # what display() and a cell's result call
+    del d
+    gc.collect()
+    time.sleep(0.2)
+    assert len(samplers()) == before + 1
+    (shown,) = [x for x in live_dashboards() if x in dashboard_module._shown]
+    shown.close()
+    assert shown not in dashboard_module._shown
+    assert wait_until(lambda: len(samplers()) == before, timeout=3.0)
+
+
 def test_a_dropped_dashboard_is_closed_with_its_widgets():
     """Collected, it is closed: its widgets leave ipywidgets' registry (no leak per cell
     re-run), and it is no longer among the live dashboards."""
