@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from cudalab import _interrupts
 from cudalab.allocator.async_allocator import AsyncPoolAllocator
 from cudalab.allocator.base import Allocator
 from cudalab.allocator.caching import DeviceCachingAllocator
@@ -265,6 +266,7 @@ def get_allocator(device: int) -> Allocator:
                 hook(a)
             allocators[device] = a
             active.append(a)
+            _interrupts.install()  # Ctrl-C deferred across allocator calls (main thread)
         return a
 
 
