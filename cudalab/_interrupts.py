@@ -23,21 +23,22 @@ code, right after the allocator call, the finalizer or the bookkeeping ends. Not
 the guarded code itself: the hot paths cost what they cost before, and the price (a walk
 over the main thread's frames) is paid only when Ctrl-C is pressed.
 
-Invariants: at most one interrupt is owed (``_owed``), and while it is, at most one helper
-thread runs (``_poller``); the helper trips the signal at most once, then ends. So each
-KeyboardInterrupt raised answers one press of Ctrl-C (presses that come while one is owed
-are merged into it, as a busy signal handler merges them).
+Invariants: at most one interrupt is owed (``_owed``); a helper thread (``_poller``) runs
+exactly while one is owed; it has at most one trip outstanding (it waits for the handler to
+run before it looks again). So each KeyboardInterrupt raised answers one press of Ctrl-C
+(presses that come while one is owed are merged into it, as CPython merges the presses that
+come before its handler runs).
 
-Where the wrapper is installed: by :func:`install`, called when an allocator is created (in
-the main thread) and, in IPython, before every cell (``ipykernel`` puts its own handler back
+Where the wrapper is installed: by :func:`install`, called by ``import cudalab`` and when an
+allocator is created (in the main thread) and, in IPython, before every cell (``ipykernel`` puts its own handler back
 around every request). Code that sets its own SIGINT handler later replaces the wrapper;
 then interrupts are delivered as Python delivers them.
 """
 
 from __future__ import annotations
 
+import _signal  # (not ``signal``: ``import cudalab`` installs the wrapper, and adds no import)
 import _thread
-import signal
 import sys
 import threading
 import time
@@ -45,20 +46,27 @@ from collections.abc import Callable, Iterable
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["install", "installed", "guard", "guard_files", "open_code", "close_code",
-           "deferring", "POLL_SECONDS"]
+__all__ = ["install", "installed", "guard", "guard_files", "guard_imports", "open_code",
+           "close_code", "deferring", "POLL_SECONDS", "SWITCH_SECONDS"]
 
 #: How often the helper thread looks at the main thread while an interrupt is owed.
 POLL_SECONDS = 0.0002
+#: The interpreter's thread switch interval while an interrupt is owed (so the helper gets to
+#: look at a busy main thread every ~50 µs, not every 5 ms); the old one is put back after.
+SWITCH_SECONDS = 5e-5
 
 # What decides, by code object (functions) and by file-name prefix (whole packages).
 _guarded_codes: set[CodeType] = set()
 _guarded_prefixes: tuple[str, ...] = ()
+_import_prefixes: tuple[str, ...] = ()  # files whose module code (an import) is guarded
 _open_codes: set[CodeType] = set()  # user code run by guarded functions (delivers at once)
 
-_lock = threading.Lock()  # guards _owed and _poller (taken by the handler and the helper)
+# guards the three below; re-entrant: the handler may run again inside itself
+_lock = threading.RLock()
 _owed = False  # an interrupt came in guarded code and was not delivered yet
-_poller: threading.Thread | None = None  # the helper thread while one runs
+_calls = 0  # calls of the handler so far (the helper waits for one after each trip)
+_poller: threading.Thread | None = None  # the helper thread, while an interrupt is owed
+_switch = [0.005]  # the switch interval to put back when the helper ends
 
 
 def guard(*functions: Any) -> None:
@@ -93,6 +101,19 @@ def guard_files(prefixes: Iterable[str]) -> None:
     _guarded_prefixes = tuple(dict.fromkeys((*_guarded_prefixes, *prefixes)))
 
 
+def guard_imports(prefixes: Iterable[str]) -> None:
+    """Defer Ctrl-C while the module code of a file whose path starts with a prefix runs (an
+    import of it), and so across the imports that module code makes.
+
+    Parameters
+    ----------
+    prefixes
+        Path prefixes (e.g. a package's directory with a trailing separator).
+    """
+    global _import_prefixes
+    _import_prefixes = tuple(dict.fromkeys((*_import_prefixes, *prefixes)))
+
+
 def open_code(code: CodeType) -> None:
     """Deliver Ctrl-C at once in frames of ``code`` (user code run by guarded code); undo
     with :func:`close_code`."""
@@ -120,11 +141,13 @@ def deferring(frame: FrameType | None) -> bool:
     guarded = _guarded_codes
     opened = _open_codes
     prefixes = _guarded_prefixes
+    imports = _import_prefixes
     while frame is not None:
         code = frame.f_code
         if code in opened:
             return False
-        if code in guarded or code.co_filename.startswith(prefixes):
+        if code in guarded or code.co_filename.startswith(prefixes) or (
+                code.co_name == "<module>" and code.co_filename.startswith(imports)):
             return True
         frame = frame.f_back
     return False
@@ -139,52 +162,49 @@ class _DeferringHandler:
         self.wrapped = wrapped
 
     def __call__(self, signum: int, frame: FrameType | None) -> Any:
-        global _owed
-        if deferring(frame):
-            with _lock:
-                _owed = True
-                _start_poller()
-            return None
+        global _owed, _calls, _poller
         with _lock:
+            _calls += 1
+            if deferring(frame):
+                _owed = True
+                if _poller is None:
+                    _switch[0] = sys.getswitchinterval()
+                    sys.setswitchinterval(SWITCH_SECONDS)
+                    _poller = threading.Thread(target=_redeliver, name="cudalab-interrupt",
+                                               daemon=True)
+                    _poller.start()
+                return None
             _owed = False
         return self.wrapped(signum, frame)
 
 
-def _start_poller() -> None:
-    """Start the helper thread unless one runs (``_lock`` held)."""
-    global _poller
-    if _poller is None:
-        _poller = threading.Thread(target=_redeliver, name="cudalab-interrupt", daemon=True)
-        _poller.start()
-
-
 def _redeliver() -> None:
-    """The helper thread: trip SIGINT once the main thread left guarded code, then end."""
+    """The helper thread: while an interrupt is owed, trip SIGINT when the main thread is seen
+    outside guarded code, and wait for the handler to have run before looking again."""
     global _poller
     main = threading.main_thread().ident
-    try:
-        while True:
-            time.sleep(POLL_SECONDS)
-            frame = sys._current_frames().get(main)  # type: ignore[arg-type]
-            with _lock:
-                if not _owed or frame is None:
-                    return
-                if not deferring(frame):
-                    # the handler takes the owed interrupt (or, if it is back in guarded
-                    # code by then, owes it again and starts a new helper)
-                    _poller = None
-                    _thread.interrupt_main(signal.SIGINT)
-                    return
-            del frame
-    finally:
+    sleep = time.sleep
+    current_frames = sys._current_frames
+    while True:
+        sleep(POLL_SECONDS)
+        frame = current_frames().get(main)  # type: ignore[arg-type]
         with _lock:
-            if _poller is threading.current_thread():
+            if not _owed:
                 _poller = None
+                sys.setswitchinterval(_switch[0])
+                return
+            calls = -1
+            if frame is not None and not deferring(frame):
+                calls = _calls
+                _thread.interrupt_main(_signal.SIGINT)
+        del frame
+        while calls == _calls:  # one trip at a time: the handler decides (again) first
+            sleep(POLL_SECONDS)
 
 
 def installed() -> bool:
     """Whether the main thread's SIGINT handler is cudalab's deferring wrapper."""
-    return isinstance(signal.getsignal(signal.SIGINT), _DeferringHandler)
+    return isinstance(_signal.getsignal(_signal.SIGINT), _DeferringHandler)
 
 
 def install() -> bool:
@@ -202,12 +222,12 @@ def install() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     _hook_ipython()
-    current = signal.getsignal(signal.SIGINT)
+    current = _signal.getsignal(_signal.SIGINT)
     if isinstance(current, _DeferringHandler):
         return True
     if not callable(current):  # SIG_IGN, SIG_DFL, or a handler not set from Python
         return False
-    signal.signal(signal.SIGINT, _DeferringHandler(current))
+    _signal.signal(_signal.SIGINT, _DeferringHandler(current))
     return True
 
 

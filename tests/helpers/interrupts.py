@@ -46,14 +46,14 @@ def count_events(op: Callable[[], Any], traced: Callable[[FrameType], bool],
 
 
 def interrupt_at(op: Callable[[], Any], traced: Callable[[FrameType], bool], k: int,
-                 opcodes: bool = False) -> tuple[bool, BaseException | None]:
+                 opcodes: bool = False, timeout: float = DELIVERY_TIMEOUT) -> tuple[bool, BaseException | None, bool]:
     """Run ``op()``, simulating Ctrl-C at its k-th traced event (1-based).
 
     Returns
     -------
-    (bool, KeyboardInterrupt or None)
-        Whether op() returned, and the KeyboardInterrupt that came (None: none within
-        :data:`DELIVERY_TIMEOUT`).
+    (bool, KeyboardInterrupt or None, bool)
+        Whether op() returned, the KeyboardInterrupt that came (None: none within
+        ``timeout`` seconds), and whether the k-th event came (the signal was sent).
     """
     n = [0]
 
@@ -79,12 +79,12 @@ def interrupt_at(op: Callable[[], Any], traced: Callable[[FrameType], bool], k: 
             returned = True
         finally:
             sys.settrace(None)
-        deadline = time.monotonic() + DELIVERY_TIMEOUT
+        deadline = time.monotonic() + (timeout if n[0] >= k else 0.0)
         while time.monotonic() < deadline:
             time.sleep(0.0001)
     except KeyboardInterrupt as exc:
         caught = exc
-    return returned, caught
+    return returned, caught, n[0] >= k
 
 
 def frames_of(tb: TracebackType | None) -> list[FrameType]:
