@@ -24,8 +24,9 @@ the guarded code itself: the hot paths cost what they cost before, and the price
 over the main thread's frames) is paid only when Ctrl-C is pressed.
 
 Invariants: at most one interrupt is owed (``_owed``); a helper thread (``_poller``) runs
-exactly while one is owed; it has at most one trip outstanding (it waits for the handler to
-run before it looks again). So each KeyboardInterrupt raised answers one press of Ctrl-C
+while one is owed; it has at most one trip outstanding (``_tripped``, cleared by the handler),
+and a trip that finds nothing owed any more (a safe point, :func:`deliver_owed`, delivered
+it) is dropped. So each KeyboardInterrupt raised answers one press of Ctrl-C
 (presses that come while one is owed are merged into it, as CPython merges the presses that
 come before its handler runs).
 
@@ -47,7 +48,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 __all__ = ["install", "installed", "guard", "guard_files", "guard_imports", "open_code",
-           "close_code", "deferring", "POLL_SECONDS", "SWITCH_SECONDS"]
+           "close_code", "deferring", "deliver_owed", "POLL_SECONDS", "SWITCH_SECONDS"]
 
 #: How often the helper thread looks at the main thread while an interrupt is owed.
 POLL_SECONDS = 0.0002
@@ -64,7 +65,7 @@ _open_codes: set[CodeType] = set()  # user code run by guarded functions (delive
 # guards the three below; re-entrant: the handler may run again inside itself
 _lock = threading.RLock()
 _owed = False  # an interrupt came in guarded code and was not delivered yet
-_calls = 0  # calls of the handler so far (the helper waits for one after each trip)
+_tripped = False  # the helper tripped SIGINT and the handler has not run since
 _poller: threading.Thread | None = None  # the helper thread, while an interrupt is owed
 _switch = [0.005]  # the switch interval to put back when the helper ends
 
@@ -162,9 +163,12 @@ class _DeferringHandler:
         self.wrapped = wrapped
 
     def __call__(self, signum: int, frame: FrameType | None) -> Any:
-        global _owed, _calls, _poller
+        global _owed, _tripped, _poller
         with _lock:
-            _calls += 1
+            from_helper = _tripped
+            _tripped = False
+            if from_helper and not _owed:
+                return None  # the helper's trip, for an interrupt a safe point delivered
             if deferring(frame):
                 _owed = True
                 if _poller is None:
@@ -180,8 +184,8 @@ class _DeferringHandler:
 
 def _redeliver() -> None:
     """The helper thread: while an interrupt is owed, trip SIGINT when the main thread is seen
-    outside guarded code, and wait for the handler to have run before looking again."""
-    global _poller
+    outside guarded code (one trip at a time: the handler decides again first)."""
+    global _poller, _tripped, _owed
     main = threading.main_thread().ident
     sleep = time.sleep
     current_frames = sys._current_frames
@@ -189,17 +193,40 @@ def _redeliver() -> None:
         sleep(POLL_SECONDS)
         frame = current_frames().get(main)  # type: ignore[arg-type]
         with _lock:
+            if _owed and not isinstance(_signal.getsignal(_signal.SIGINT), _DeferringHandler):
+                _owed = False  # the wrapper was replaced (ipykernel after a cell): drop it
             if not _owed:
                 _poller = None
                 sys.setswitchinterval(_switch[0])
                 return
-            calls = -1
-            if frame is not None and not deferring(frame):
-                calls = _calls
+            if not _tripped and frame is not None and not deferring(frame):
+                _tripped = True
                 _thread.interrupt_main(_signal.SIGINT)
         del frame
-        while calls == _calls:  # one trip at a time: the handler decides (again) first
-            sleep(POLL_SECONDS)
+
+
+def deliver_owed() -> None:
+    """A safe point: raise the interrupt owed, if any, now (through the wrapped handler).
+
+    For code that ends a guarded stretch and knows it is a good place: e.g. ``%%cuda_timed``
+    right before it runs the cell's code and before it returns, so a cell interrupted while
+    the magic kept its books still ends as interrupted, however short its body.
+
+    Raises
+    ------
+    KeyboardInterrupt
+        When an interrupt was owed (and the wrapped handler raises, as Python's does).
+    """
+    global _owed
+    if not _owed:
+        return
+    with _lock:
+        if not _owed:
+            return
+        _owed = False
+    handler = _signal.getsignal(_signal.SIGINT)
+    wrapped = handler.wrapped if isinstance(handler, _DeferringHandler) else _signal.default_int_handler
+    wrapped(_signal.SIGINT, sys._getframe(1))
 
 
 def installed() -> bool:
