@@ -203,12 +203,14 @@ _LAZY_CHILD = textwrap.dedent("""
             out["returned"] = returned
             out["delivered"] = exc is not None
             tb = exc.__traceback__ if exc is not None else None
-            files = []
+            inside = []  # frames of an import, or of cudalab's lazy-import functions
             while tb is not None:
-                files.append(tb.tb_frame.f_code.co_filename)
+                code = tb.tb_frame.f_code
+                if ("importlib" in code.co_filename or code.co_name in ("<module>", "__getattr__",
+                        "memory_api") or code.co_filename.startswith({alloc!r})):
+                    inside.append(f"{{code.co_filename}}:{{code.co_name}}")
                 tb = tb.tb_next
-            out["inside"] = [f for f in files if (f.startswith({cud!r}) or "importlib" in f)
-                             and not f.endswith("_interrupts.py")]  # (the handler's own)
+            out["inside"] = inside
             try:
                 first_use()
                 a = cudalab.empty(100)
@@ -231,10 +233,12 @@ _LAZY_CHILD = textwrap.dedent("""
 
 def test_an_interrupt_during_first_use_imports_is_deferred_and_retryable(tmp_path):
     """SIGINT at sampled lines of cudalab's first use (its lazy imports, importlib's frames
-    included), each in a fresh forked process: the import finishes, the KeyboardInterrupt
-    comes after it in the caller, and using cudalab again works."""
+    included), each in a fresh forked process: the imports finish, the KeyboardInterrupt
+    comes after them (never inside an import or the allocator), and using cudalab again
+    works."""
     script = tmp_path / "lazy.py"
-    script.write_text(_LAZY_CHILD.format(root=ROOT, cud=CUDALAB_DIR + os.sep))
+    script.write_text(_LAZY_CHILD.format(root=ROOT, cud=CUDALAB_DIR + os.sep,
+                                         alloc=os.path.join(CUDALAB_DIR, "allocator", "")))
     env = dict(os.environ, CUDALAB_SIMULATOR="1")
 
     def run(arg: str) -> str:
@@ -246,8 +250,8 @@ def test_an_interrupt_during_first_use_imports_is_deferred_and_retryable(tmp_pat
 
     n = int(run("count"))
     assert n > 1000
-    ks = sorted({1, 2, 3, n, *range(5, n, max(1, n // 40))})
+    ks = sorted({1, 2, 3, n, *range(5, n, max(1, n // 20))})
     for out in json.loads(run(",".join(map(str, ks)))):
         assert out["retry"] == "ok", out
         assert out["delivered"], out
-        assert out["returned"] and not out["inside"], out
+        assert not out["inside"], out  # raised after the imports, never inside one
