@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import _signal  # (not ``signal``: ``import cudalab`` installs the wrapper, and adds no import)
 import _thread
+import os
 import sys
 import threading
 import time
@@ -68,6 +69,19 @@ _owed = False  # an interrupt came in guarded code and was not delivered yet
 _tripped = False  # the helper tripped SIGINT and the handler has not run since
 _poller: threading.Thread | None = None  # the helper thread, while an interrupt is owed
 _switch = [0.005]  # the switch interval to put back when the helper ends
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has no helper thread, and its copy of the lock may be held."""
+    global _lock, _owed, _tripped, _poller
+    _lock = threading.RLock()
+    if _poller is not None:
+        sys.setswitchinterval(_switch[0])
+    _owed = _tripped = False
+    _poller = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def guard(*functions: Any) -> None:

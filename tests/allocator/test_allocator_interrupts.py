@@ -193,3 +193,34 @@ def test_deferring_is_decided_by_the_first_guarded_or_open_frame(deferring):
         _interrupts._guarded_codes.discard(here.f_code)
     with pytest.raises(TypeError, match="functions or code objects"):
         _interrupts.guard(42)
+
+
+def test_a_forked_child_forgets_an_owed_interrupt(deferring):
+    """The helper thread does not survive fork: a child starts with nothing owed, a free lock
+    and the switch interval put back."""
+    import os
+    import sys
+    import time
+
+    switch = sys.getswitchinterval()
+    here = sys._getframe()
+    _interrupts.guard(here.f_code)  # an interrupt arriving in this test is owed, not raised
+    try:
+        _interrupts._DeferringHandler(signal.default_int_handler)(signal.SIGINT, here)
+        assert _interrupts._owed and _interrupts._poller is not None
+        with _interrupts._lock:  # (the helper could hold it at the fork)
+            pid = os.fork()
+            if pid == 0:
+                ok = (not _interrupts._owed and _interrupts._poller is None
+                      and _interrupts._lock.acquire(timeout=1)
+                      and sys.getswitchinterval() == switch)
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        _interrupts._owed = False  # (nothing to deliver in this test)
+    finally:
+        _interrupts._guarded_codes.discard(here.f_code)
+    deadline = time.monotonic() + 2
+    while _interrupts._poller is not None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert _interrupts._poller is None and sys.getswitchinterval() == switch
