@@ -81,7 +81,8 @@ def _after_fork_in_child() -> None:
     _poller = None
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def guard(*functions: Any) -> None:
