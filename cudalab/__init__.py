@@ -8,8 +8,10 @@ bindings nor numpy; those load on first use. Set ``CUDALAB_SIMULATOR=1`` (or cal
 from __future__ import annotations
 
 import importlib
+import os as _os
 from typing import Any
 
+from cudalab import _interrupts
 from cudalab.devices import (
     Device,
     DeviceProperties,
@@ -57,6 +59,11 @@ from cudalab.streams import (
 from cudalab.sync_debug import get_sync_debug_mode, set_sync_debug_mode
 
 __version__ = "0.1.0"
+
+# Ctrl-C is deferred while cudalab's modules are imported (first use loads them lazily) and
+# across its critical sections: a half-finished import is never left bound (cudalab._interrupts).
+_interrupts.guard_imports([_os.path.join(__path__[0], "")])
+_interrupts.install()
 
 # Public names that live in heavier modules, loaded on first access.
 _LAZY: dict[str, str] = {
@@ -113,6 +120,9 @@ def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"cudalab.{name}")
     raise AttributeError(f"module 'cudalab' has no attribute {name!r}")
+
+
+_interrupts.guard(__getattr__)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cudalab import _internal
+from cudalab import _internal, _interrupts
 from cudalab import streams as _streams
 from cudalab import sync_debug as _sync
 from cudalab.allocator import registry as _registry
@@ -66,6 +66,9 @@ def pinned_pool() -> Any:
     return _pinned
 
 
+_interrupts.guard(memory_api, pinned_pool)  # lazy imports: Ctrl-C waits until they are done
+
+
 def allocator_of(device: int) -> Any:
     """The device's allocator (created on first use), without the public API's checks.
 
@@ -102,6 +105,9 @@ def release_device_memory(ptr: int) -> None:
                           f"failed: {exc}", RuntimeWarning, stacklevel=2)
         except Exception:
             pass
+
+
+_interrupts.guard(release_device_memory)  # a finalizer's: Ctrl-C waits until it returns
 
 
 def stream_of(device: int) -> _streams.Stream:

@@ -31,6 +31,11 @@ What it offers
 * **CUPTI**: :func:`cupti_kernel_activity` (kernel, memcpy and memset activity records,
   through the seam's :mod:`cudalab._driver.cupti`).
 * **NVML**: :func:`clock_event_reasons` (what limits a device's clocks now).
+* **Ctrl-C** (:mod:`cudalab._interrupts`): :func:`defer_interrupts_in` (files whose code
+  runs with Ctrl-C deferred: bookkeeping an interrupt must not cut in half) and
+  :func:`deliver_interrupts_in` / :func:`stop_delivering_interrupts_in` (the user's code
+  that such code runs, where Ctrl-C is delivered at once), :func:`deliver_owed_interrupt`
+  (a safe point: raise a deferred Ctrl-C now).
 
 Nothing here creates a CUDA context on import, and importing it is cheap.
 """
@@ -41,6 +46,7 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
+from cudalab import _interrupts
 from cudalab import devices as _devices
 from cudalab._atomic_write import atomic_write, write_bytes_atomic
 from cudalab._driver.base import STATUS_NOT_READY, STATUS_SUCCESS, FastPaths
@@ -60,6 +66,9 @@ __all__ = [
     "clock_event_reasons",
     "create_event",
     "cupti_kernel_activity",
+    "defer_interrupts_in",
+    "deliver_interrupts_in",
+    "deliver_owed_interrupt",
     "device_index",
     "echo",
     "ensure_context",
@@ -70,6 +79,7 @@ __all__ = [
     "is_initialized",
     "launch_observers",
     "parse_size",
+    "stop_delivering_interrupts_in",
     "stream_handle",
     "thread_state",
     "write_bytes_atomic",
@@ -247,3 +257,51 @@ def clock_event_reasons(device: int) -> int | None:
         return n.clock_event_reasons(_devices.get_device_properties(device).nvml_uuid)
     except Exception:
         return None
+
+
+# ------------------------------------------------------------------------------- Ctrl-C
+def defer_interrupts_in(paths: list[str]) -> None:
+    """Run the code of these source files with Ctrl-C deferred (see :mod:`cudalab._interrupts`):
+    a KeyboardInterrupt that comes while it runs is raised once the main thread is out of it
+    (or in code given to :func:`deliver_interrupts_in`).
+
+    Parameters
+    ----------
+    paths : list of str
+        Source file paths (a module's ``__file__``).
+    """
+    _interrupts.guard_files(paths)
+
+
+def deliver_interrupts_in(code: Any) -> None:
+    """Deliver Ctrl-C at once in frames of ``code`` (the user's code run by deferring code,
+    e.g. a ``%%cuda_timed`` cell); undo with :func:`stop_delivering_interrupts_in`.
+
+    Parameters
+    ----------
+    code : code object
+        The compiled user code.
+    """
+    _interrupts.open_code(code)
+
+
+def stop_delivering_interrupts_in(code: Any) -> None:
+    """Undo :func:`deliver_interrupts_in` (no error if it was not done).
+
+    Parameters
+    ----------
+    code : code object
+        The compiled user code.
+    """
+    _interrupts.close_code(code)
+
+
+def deliver_owed_interrupt() -> None:
+    """A safe point: raise the Ctrl-C that came during deferring code, if one is owed.
+
+    Raises
+    ------
+    KeyboardInterrupt
+        When one is owed.
+    """
+    _interrupts.deliver_owed()

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cudalab import _dlpack, _internal
+from cudalab import _dlpack, _internal, _interrupts
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab._array_memory import (
@@ -592,6 +592,12 @@ def _from_cuda_array_interface(obj: Any) -> DeviceArray:
                              "1 means the legacy default stream")
         waits_for_foreign(ours, int(foreign))
     return DeviceArray._wrap(ptr, shape, dtype, strides, device, ours, obj, bool(read_only))
+
+
+# Ctrl-C is deferred while an array takes its memory and while its finalizer gives it back
+# (cudalab._interrupts): raised in a finalizer, it would be printed as "Exception ignored" and
+# lost; raised between malloc and ``_owns = True``, the block would never be freed.
+_interrupts.guard(DeviceArray.__init__, DeviceArray.__del__)
 
 
 # --------------------------------------------------------------------------- creation

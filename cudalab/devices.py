@@ -135,7 +135,8 @@ def _parse_device_string(text: str) -> tuple[str, int | None]:
     kind, sep, num = s.partition(":")
     if kind != "cuda":
         # torch's wording first, then ours
-        raise ValueError(f"Expected a cuda device, but got: {echo(s)} (cudalab takes 'cuda', "
+        shown = s if len(s) <= 40 else echo(s)  # torch's text shows the string unquoted
+        raise ValueError(f"Expected a cuda device, but got: {shown} (cudalab takes 'cuda', "
                          f"'cuda:N', a device index or a Device)")
     if not sep:
         return "cuda", None

@@ -19,8 +19,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from cudalab import _interrupts, streams
 from cudalab import memory as _memory
-from cudalab import streams
 from cudalab._array_memory import release_device_memory
 
 __all__ = ["cupy_allocator", "CudalabNumbaMemoryManager"]  # noqa: F822 (built lazily)
@@ -68,6 +68,9 @@ class _Allocation:
 
     def __repr__(self) -> str:
         return f"<cudalab allocation 0x{self.ptr:x} ({self.size} bytes) on cuda:{self.device}>"
+
+
+_interrupts.guard(_Allocation.__del__)  # Ctrl-C waits until the finalizer returns
 
 
 def _allocate(nbytes: int, device: int, stream_value: int) -> _Allocation:

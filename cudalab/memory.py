@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from cudalab import _internal
+from cudalab import _internal, _interrupts
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab.allocator.async_allocator import AsyncPoolAllocator
@@ -721,6 +721,9 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+_interrupts.guard(__getattr__)  # Ctrl-C waits for the lazy import (see cudalab._interrupts)
 
 
 def __dir__() -> list[str]:

@@ -32,4 +32,14 @@ module                      concept
 ``host_stats``              the pinned pool's statistics in torch's layout
 ``hooks``                   the protocol a listener (history) attaches through
 ==========================  ================================================================
+
+Ctrl-C: every function of this package runs with interrupts deferred (see
+:mod:`cudalab._interrupts`): a KeyboardInterrupt is raised in the caller once the allocator
+call returns, never between an acquire and its release or inside a paired update.
 """
+
+import os as _os
+
+from cudalab import _interrupts
+
+_interrupts.guard_files([_os.path.dirname(_os.path.abspath(__file__)) + _os.sep])

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from cudalab import _interrupts
 from cudalab import streams as _streams
 from cudalab.allocator.async_allocator import AsyncPoolAllocator
 from cudalab.allocator.base import Allocator
@@ -351,6 +352,7 @@ def get_allocator(device: int) -> Allocator:
                 hook(a)
             allocators[device] = a
             active.append(a)
+            _interrupts.install()  # Ctrl-C deferred across allocator calls (main thread)
         return a
 
 

@@ -53,6 +53,8 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from cudalab import _internal
+from cudalab.magics import event_timer, kernel_listing, timed_compile, timed_context
 from cudalab.magics.kernel_listing import (
     _add_observer,
     _cupti_for,
@@ -68,6 +70,13 @@ __all__ = ["TimedOptions", "parse_options", "run_cuda_timed", "parse_devices"]
 
 _perf = time.perf_counter
 
+# Ctrl-C: the magic's own code (this module and the ones it runs the cell with, whose hooks
+# the timing function calls) runs with it deferred, so an interrupt never leaves the event
+# pool, the observers or the timer half-updated; the cell's code takes it at once
+# (_Context.deliver_interrupts_in), so the cell stops where it is.
+_internal.defer_interrupts_in([__file__, event_timer.__file__, kernel_listing.__file__,
+                               timed_compile.__file__, timed_context.__file__])
+
 
 # ------------------------------------------------------------------------------- single
 def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
@@ -78,8 +87,10 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
     shell = magics.shell
     glob = shell.user_ns
     code, expr_code, tc = compile_single(shell, source)
+    ctx.deliver_interrupts_in(code, expr_code)
     if setup:  # cell mode with a statement on the %% line: run it first, untimed
         setup_code, setup_expr, _ = compile_single(shell, setup)
+        ctx.deliver_interrupts_in(setup_code, setup_expr)
         exec(setup_code, glob, local_ns)  # noqa: S102 - the user's own code, as %time
         if setup_expr is not None:
             eval(setup_expr, glob, local_ns)  # noqa: S307
@@ -97,6 +108,7 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
             tracker.record = False  # CUPTI times every launch: no per-launch events
         t_cpu0 = timer.begin_single()
         try:
+            _internal.deliver_owed_interrupt()  # a Ctrl-C that came while setting up
             exec(code, glob, local_ns)  # noqa: S102
             if expr_code is not None:
                 out = eval(expr_code, glob, local_ns)  # noqa: S307
@@ -183,7 +195,9 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
     gc_was = gc.isenabled()
     try:
         inner, tc, has_setup = compile_repeat(shell, setup, stmt, glob)
+        ctx.deliver_interrupts_in(inner.__code__, inner.once.__code__)
         _add_observer(tracker)
+        _internal.deliver_owed_interrupt()  # a Ctrl-C that came while setting up
         if warmup:
             inner.once(1, 0, _perf, _count_to(warmup), rep)
         number = opts.number
@@ -363,10 +377,16 @@ def run_cuda_timed(magics: Any, line: str, cell: str | None, local_ns: Any) -> A
     try:
         if cell is None:
             if opts.repeat_mode:
-                return _run_repeat(ctx, "", opts.stmt, local_ns, line_mode=True)
-            return _run_single(ctx, opts.stmt, "", local_ns)
-        if opts.repeat_mode:
-            return _run_repeat(ctx, opts.stmt, cell, local_ns, line_mode=False)
-        return _run_single(ctx, cell, opts.stmt, local_ns)
+                out = _run_repeat(ctx, "", opts.stmt, local_ns, line_mode=True)
+            else:
+                out = _run_single(ctx, opts.stmt, "", local_ns)
+        elif opts.repeat_mode:
+            out = _run_repeat(ctx, opts.stmt, cell, local_ns, line_mode=False)
+        else:
+            out = _run_single(ctx, cell, opts.stmt, local_ns)
     finally:
         ctx.close()
+    # a Ctrl-C that came while the magic kept its books (deferred there) ends the cell as
+    # interrupted, however short its body was
+    _internal.deliver_owed_interrupt()
+    return out

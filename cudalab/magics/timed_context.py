@@ -121,6 +121,9 @@ class _Context:
         self.flush: Callable[[], None] | None = None  # runs before each start event (--cold)
         self.warnings: list[str] = []
         self.hints: list[str] = []
+        #: the cell's compiled code objects: Ctrl-C is delivered in them at once, while the
+        #: magic's own code (these modules) runs with it deferred (see timed.py)
+        self.user_codes: list[Any] = []
         if opts.cold:
             self._setup_flush()
 
@@ -149,8 +152,18 @@ class _Context:
         if self.simulated:
             self.hints.append("the simulator has no L2 cache: --cold only exercises the flush path")
 
+    def deliver_interrupts_in(self, *codes: Any) -> None:
+        """Ctrl-C is delivered at once in these compiled codes of the cell (until close)."""
+        for code in codes:
+            if code is not None:
+                self.user_codes.append(code)
+                _internal.deliver_interrupts_in(code)
+
     def close(self) -> None:
-        """Give the events back to the pool (keeping an enclosing run's)."""
+        """Give the events back to the pool (keeping an enclosing run's); Ctrl-C is deferred
+        again in the cell's codes."""
+        for code in self.user_codes:
+            _internal.stop_delivering_interrupts_in(code)
         self.pool.release(self.pool_mark)
         if not self.pool_mark:
             self.pool.trim()
