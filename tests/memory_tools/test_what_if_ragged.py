@@ -1,0 +1,215 @@
+"""What-if on a ragged-batch inference workload: the generator, the bounded search, the
+explanation and the ``what-if`` command (cudalab.memory_tools.synthetic, .what_if,
+.what_if_grid).
+
+The search runs on small traces (a few thousand entries) to stay fast; the numbers of the
+full-size trace are in ``benchmarks/what_if.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import cudalab
+from cudalab.memory_tools import what_if_grid
+from cudalab.memory_tools.synthetic import ragged_inference_trace, ragged_inference_workload
+from cudalab.memory_tools.trace_io import load_trace
+
+rp = importlib.import_module("cudalab.memory_tools.replay")
+wi = importlib.import_module("cudalab.memory_tools.what_if")
+
+ROOT = pathlib.Path(cudalab.__file__).resolve().parent.parent
+SMALL = {"steps": 60, "layers": 2, "max_batch": 8, "arrival_rate": 1.0, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def small_trace():
+    return ragged_inference_trace(**SMALL)
+
+
+@pytest.fixture(scope="module")
+def searched(small_trace):
+    pytest.importorskip("pandas")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a complete trace: nothing skipped
+        return wi.what_if(small_trace)
+
+
+# --------------------------------------------------------------------------- the generator
+def test_ragged_trace_is_deterministic_and_ragged(small_trace):
+    assert ragged_inference_trace(**SMALL) == small_trace
+    assert ragged_inference_trace(**{**SMALL, "seed": 4}) != small_trace
+    allocs = [e for e in small_trace if e[0] == "alloc"]
+    frees = [e for e in small_trace if e[0] == "free_requested"]
+    assert len(allocs) == len(frees) > 1000  # every allocation is freed by the end
+    assert {a[1] for a in allocs} == {f[1] for f in frees}
+    assert len({a[2] for a in allocs}) > 100  # ragged: many distinct sizes
+    # LIFO-ish activations: a third of the frees release one of the last four live blocks;
+    # the others free a KV cache after its grown copy, or a finished request's caches
+    live: list[int] = []
+    recent = 0
+    for action, addr, _, _ in small_trace:
+        if action == "alloc":
+            live.append(addr)
+        else:
+            recent += addr in live[-4:]
+            live.remove(addr)
+    assert 0.3 * len(frees) < recent < 0.9 * len(frees)
+
+
+def test_workload_counts_and_bad_arguments():
+    sizes: list[int] = []
+    counts = ragged_inference_workload(lambda n: sizes.append(n) or n, lambda h: None, **SMALL)
+    assert counts["allocations"] == len(sizes) and counts["requests"] >= counts["finished"] > 0
+    assert max(sizes) < counts["peak_live_bytes"] <= sum(sizes)
+    for bad in ({"steps": 0}, {"layers": 1.5}, {"hidden": True}, {"arrival_rate": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ragged_inference_workload(lambda n: n, lambda h: None, **bad)
+
+
+def test_recorded_trace_is_the_workload(small_trace):
+    """The same workload run for real through cudalab's allocator (cudalab.empty) with the
+    history recorder on gives a genuine trace with the same requests, which replays to the
+    same peaks as the generator's trace."""
+    cudalab.empty_cache()
+    live: dict[int, object] = {}
+
+    def allocate(nbytes: int) -> int:
+        array = cudalab.empty(nbytes, dtype="uint8")
+        live[id(array)] = array
+        return id(array)
+
+    cudalab.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        ragged_inference_workload(allocate, lambda h: live.pop(h) and None, **SMALL)
+        snapshot = cudalab.memory._snapshot()
+    finally:
+        cudalab.memory._record_memory_history(None)
+    assert not live
+    trace = load_trace(snapshot)
+    recorded = [int(s) for a, s in zip(trace.action, trace.size) if a == 1]
+    assert recorded == [e[2] for e in small_trace if e[0] == "alloc"]
+    for conf in ("", "expandable_segments:True"):
+        a, b = rp.replay(snapshot, conf), rp.replay(small_trace, conf)
+        assert (a.peak_reserved, a.peak_allocated) == (b.peak_reserved, b.peak_allocated)
+
+
+# --------------------------------------------------------------------------- the search
+def test_search_tries_the_settings_users_would(searched):
+    labels = set(searched["config"])
+    assert set(wi.DEFAULT_WHAT_IF_CONFIGS) - {""} <= labels and "default" in labels
+    assert any(c.startswith("expandable_segments:True,max_split_size_mb:") for c in labels)
+    assert "expandable_segments:True,roundup_power2_divisions:[256:1,512:2,1024:4,>:8]" in labels
+    gc = [c for c in labels if "garbage_collection_threshold" in c]
+    assert gc and all("per_process_memory_fraction" in c for c in gc)
+    assert any("expandable_segments:True" in c for c in gc)  # combinations with a cap
+    assert len(searched) <= what_if_grid.MAX_REPLAYS
+    assert searched.attrs["searched"] and searched.attrs["elapsed_s"] > 0
+
+
+def test_best_row_is_the_minimum(searched):
+    fine = searched[searched["ooms"] == 0]
+    best = searched.iloc[0]
+    assert best["ooms"] == 0 and best["peak_reserved"] == fine["peak_reserved"].min()
+    assert list(fine["peak_reserved"]) == sorted(fine["peak_reserved"])
+    assert list(searched["ooms"] > 0) == sorted(searched["ooms"] > 0)
+    assert best["peak_reserved"] < searched[searched["config"] == "default"].iloc[0]["peak_reserved"]
+
+
+def test_ratios_match_a_direct_replay(small_trace, searched):
+    peak_live = rp.plan_replay(load_trace(small_trace)).peak_live
+    assert searched.attrs["peak_live"] == peak_live
+    results = searched.attrs["results"]
+    picks = {0, 1, len(searched) - 1, int(np.flatnonzero(searched["config"] == "default")[0])}
+    for pos in sorted(picks):
+        row, r = searched.iloc[pos], results[pos]
+        direct = rp.replay(small_trace, row["config"] if row["config"] != "default" else None,
+                           device_memory=r.device_memory)
+        assert (direct.peak_reserved, direct.peak_allocated, direct.retries, direct.ooms) == (
+            row["peak_reserved"], row["peak_allocated"], row["retries"], row["ooms"])
+        assert row["peak_ratio"] == pytest.approx(direct.peak_reserved / direct.peak_allocated)
+        assert row["live_ratio"] == pytest.approx(direct.peak_reserved / peak_live)
+        assert row["ratio"] == pytest.approx(direct.ratio)
+
+
+def test_breakdown_adds_up_and_is_explained(searched):
+    peak_live = searched.attrs["peak_live"]
+    for (_, row), b in zip(searched.iterrows(), searched.attrs["breakdown"]):
+        if row["ooms"]:
+            continue
+        assert b["requested"] + b["rounding"] + b["free_cached"] == row["peak_reserved"]
+        assert 0 < b["requested"] <= peak_live and b["rounding"] >= 0 and b["free_cached"] >= 0
+    text = wi.format_what_if(searched, target=1.10)
+    assert "where the reserved peak goes" in text and "expandable segments map pages" in text
+    assert "goal res/alloc <= 1.10" in text and "simulated" in text and "run time" in text
+    best = searched.iloc[0]
+    reached = (searched["peak_ratio"][searched["ooms"] == 0] <= 1.10).any()
+    assert ("NOT reached" in text) != reached
+    assert f"best: {best['config']}" in text
+
+
+def test_grid_prunes_and_descends_with_a_fake_replay():
+    """The search logic alone: idle max_split values are not combined, the fraction descent
+    stops at the first OOM and bisects, fractions below the live bytes are never tried."""
+    calls: list[tuple[str, int | None]] = []
+
+    def run(text: str, memory: int | None):
+        calls.append((text, memory))
+        peak, ooms = 1000, 0
+        if "expandable_segments:True" in text:
+            peak = 800
+        if "per_process_memory_fraction:" in text:
+            fraction = float(text.rsplit(":", 1)[1])
+            peak = min(peak, int(fraction * 1000))
+            ooms = int(fraction < 0.72)
+        return SimpleNamespace(peak_reserved=peak, num_device_alloc=1, retries=0, ooms=ooms)
+
+    results, cap = what_if_grid.search(run, peak_live=600)
+    texts = [t for t, _ in calls]
+    assert cap == 1 << 20  # a device the defaults fill, rounded up to a MiB
+    assert len(texts) == len(set(texts)) == len(results) <= what_if_grid.MAX_REPLAYS
+    assert texts[:len(what_if_grid.SINGLE_SETTINGS)] == list(what_if_grid.SINGLE_SETTINGS)
+    assert "expandable_segments:True,max_split_size_mb:512" in texts  # shown once
+    assert not any(t.startswith("max_split_size_mb:") and "," in t for t in texts)
+    es = [t for t in texts if t.startswith("expandable_segments:True,garbage")]
+    fractions = [float(t.rsplit(":", 1)[1]) for t in es if "threshold:0.8" in t]
+    assert fractions[:6] == [0.95, 0.9, 0.85, 0.8, 0.75, 0.7]  # down to the first OOM
+    assert fractions[6:] == [0.725, 0.7125]  # then two bisections
+    assert all(m == cap for t, m in calls if "fraction" in t)
+    _, cap = what_if_grid.search(run, peak_live=600, device_memory=5 << 20)
+    assert cap == 5 << 20
+
+    def run_tight(text, memory):
+        return SimpleNamespace(peak_reserved=1000, num_device_alloc=1, retries=0, ooms=0)
+
+    calls.clear()
+    results, cap = what_if_grid.search(run_tight, peak_live=(1 << 20) - 1)
+    assert not any("fraction" in r for r in map(str, results))  # every fraction < live bytes
+
+
+# --------------------------------------------------------------------------- the command
+def test_cli_prints_the_searched_table(tmp_path, small_trace):
+    path = tmp_path / "ragged.pickle"
+    path.write_bytes(pickle.dumps({"trace": small_trace}, protocol=4))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDALAB_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONIOENCODING"] = "utf-8"
+    res = subprocess.run([sys.executable, "-m", "cudalab", "what-if", str(path), "--target",
+                          "1.10"], capture_output=True, text=True, encoding="utf-8", env=env,
+                         timeout=600, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("rank"))
+    assert "res/alloc" in header and "res/live" in header
+    assert any("expandable_segments:True,garbage_collection_threshold" in line for line in lines)
+    assert "goal res/alloc <= 1.10" in res.stdout and "run time" in res.stdout
