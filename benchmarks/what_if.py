@@ -16,8 +16,8 @@ requested bytes (res/live), the best setting, where the reserved peak goes, whet
 ``--target`` is reached and the search's run time.
 
     python benchmarks/what_if.py [--steps 400] [--layers 4] [--seed 0] [--target 1.10]
-                                 [--device-memory 80GiB] [--synthetic] [--json out.json]
-                                 [--quick]
+                                 [--batching continuous|static] [--device-memory 80GiB]
+                                 [--synthetic] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400, help="decode steps (default 400)")
     p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="continuous batching (default) or padded static batches")
     p.add_argument("--target", type=float, default=1.10,
                    help="goal for peak reserved / peak allocated (default 1.10)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
@@ -80,7 +82,8 @@ def main() -> None:
 
     wi = importlib.import_module("cudalab.memory_tools.what_if")
     workload = {"steps": 120 if args.quick else args.steps,
-                "layers": 2 if args.quick else args.layers, "seed": args.seed}
+                "layers": 2 if args.quick else args.layers, "seed": args.seed,
+                "batching": args.batching}
     t0 = time.perf_counter()
     if args.synthetic:
         trace: object = ragged_inference_trace(**workload)

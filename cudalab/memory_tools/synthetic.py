@@ -16,7 +16,7 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
 
-__all__ = ["ragged_inference_trace", "ragged_inference_workload", "synthetic_snapshot"]
+__all__ = ["BATCHING_CONTINUOUS", "BATCHING_STATIC", "ragged_inference_trace", "ragged_inference_workload", "synthetic_snapshot"]
 
 
 _SYN_FILES = ("train.py", "model.py", "layers.py", "optim.py", "data.py")
@@ -188,6 +188,10 @@ def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, 
 # ====================================================================== ragged inference
 #: Bytes per element of the ragged workload's tensors (fp16/bf16 activations and KV cache).
 _ELEMENT_BYTES = 2
+#: ``batching`` of :func:`ragged_inference_workload`: requests join and leave at every step.
+BATCHING_CONTINUOUS = "continuous"
+#: ``batching`` of :func:`ragged_inference_workload`: padded batches run to their end.
+BATCHING_STATIC = "static"
 #: Bytes per element of the logits (computed in fp32 for sampling, as Hugging Face does).
 _LOGIT_BYTES = 4
 
@@ -195,10 +199,11 @@ _LOGIT_BYTES = 4
 class _Request:
     """One request of the ragged workload."""
 
-    __slots__ = ("cached", "remaining", "caches", "prefill")
+    __slots__ = ("cached", "remaining", "rows", "caches", "prefill")
 
-    def __init__(self, prompt: int, new_tokens: int):
-        self.cached = prompt  # tokens in the KV cache (after this step's prefill)
+    def __init__(self, prompt: int, new_tokens: int, rows: int):
+        self.rows = rows  # sequences: 1, or a static batch padded to one length
+        self.cached = prompt  # tokens per row in the KV cache (after this step's prefill)
         self.remaining = new_tokens  # tokens still to generate (> 0 while active)
         self.caches: list[tuple[Any, Any]] = []  # (K, V) blocks per layer, once prefilled
         self.prefill = True  # admitted in the current step: its prompt is processed now
@@ -208,19 +213,24 @@ def ragged_inference_workload(allocate: Callable[[int], Any], free: Callable[[An
                               steps: int = 400, seed: int = 0, layers: int = 4,
                               hidden: int = 4096, kv_dim: int = 1024, vocab: int = 32000,
                               max_batch: int = 16, arrival_rate: float = 0.8,
-                              max_prompt: int = 4096, max_new_tokens: int = 1024) -> dict[str, int]:
+                              max_prompt: int = 4096, max_new_tokens: int = 1024,
+                              batching: str = "continuous") -> dict[str, int]:
     """Drive a ragged-batch LLM inference workload through ``allocate`` / ``free``.
 
-    A continuous-batching decoder without a paged KV cache (Hugging Face's ``DynamicCache``
-    pattern): requests arrive at random, each with a prompt length and a generation length
-    drawn from long-tailed (log-normal) distributions, and at most ``max_batch`` run at a
-    time, so the batch size and the sequence lengths change at every step. Each request owns
-    one K and one V tensor per layer, grown by concatenation at every decode step (the next,
-    one token longer tensor is allocated before the old one is freed). Each step runs the
-    layers over the step's tokens (the prompts of the requests admitted in it, one token for
-    every other request): hidden states, fused QKV, attention output and the MLP's
-    intermediates, of sizes proportional to tokens × width, freed in nearly LIFO order,
-    then fp32 logits of the last tokens. Finished requests free their caches.
+    A decoder without a paged KV cache (Hugging Face's ``DynamicCache`` pattern): requests
+    arrive at random, each with a prompt length and a generation length drawn from
+    long-tailed (log-normal) distributions. With ``batching="continuous"`` at most
+    ``max_batch`` run at a time and a finished request's place is taken at the next step, so
+    the batch size and the sequence lengths change at every step; each request owns one K and
+    one V tensor per layer. With ``batching="static"`` (offline batch inference) a
+    batch of 1 to ``max_batch`` requests (uniformly drawn) is padded to its longest prompt
+    and runs until its longest generation ends (``generate()`` on a padded batch), then the
+    next batch starts; the batch owns one K and one V tensor per layer. Caches grow by concatenation at every decode step (the next, one token longer
+    tensor is allocated before the old one is freed). Each step runs the layers over the
+    step's tokens (the prompts admitted in it, one token for every other sequence): hidden
+    states, fused QKV, attention output and the MLP's intermediates, of sizes proportional to
+    tokens × width, freed in nearly LIFO order, then fp32 logits of the last tokens.
+    Finished requests free their caches.
 
     Parameters
     ----------
@@ -239,9 +249,11 @@ def ragged_inference_workload(allocate: Callable[[int], Any], free: Callable[[An
     max_batch : int, optional
         Most requests decoded together (default 16).
     arrival_rate : float, optional
-        Mean requests arriving per step (Poisson; default 0.8).
+        Mean requests arriving per step (Poisson; default 0.8; continuous batching only).
     max_prompt, max_new_tokens : int, optional
         Caps of the prompt and generation lengths (defaults 4096 and 1024).
+    batching : {"continuous", "static"}, optional
+        :data:`BATCHING_CONTINUOUS` (default) or :data:`BATCHING_STATIC` (see above).
 
     Returns
     -------
@@ -252,7 +264,8 @@ def ragged_inference_workload(allocate: Callable[[int], Any], free: Callable[[An
     Raises
     ------
     ValueError
-        A size or count is not a positive integer, or ``arrival_rate`` is not positive.
+        A size or count is not a positive integer, ``arrival_rate`` is not positive, or
+        ``batching`` is neither "continuous" nor "static".
     """
     for name, value in (("steps", steps), ("layers", layers), ("hidden", hidden),
                         ("kv_dim", kv_dim), ("vocab", vocab), ("max_batch", max_batch),
@@ -261,6 +274,9 @@ def ragged_inference_workload(allocate: Callable[[int], Any], free: Callable[[An
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if not (isinstance(arrival_rate, (int, float)) and 0 < arrival_rate < 1e6):
         raise ValueError(f"arrival_rate must be a positive number, got {arrival_rate!r}")
+    if batching not in (BATCHING_CONTINUOUS, BATCHING_STATIC):
+        raise ValueError(f"batching must be {BATCHING_CONTINUOUS!r} or {BATCHING_STATIC!r}, "
+                         f"got {batching!r}")
     rng = random.Random(seed)
     live = 0
     peak = 0
@@ -288,25 +304,37 @@ def ragged_inference_workload(allocate: Callable[[int], Any], free: Callable[[An
             p *= rng.random()
         return k
 
+    def draw() -> tuple[int, int]:  # a request: (prompt length, tokens to generate)
+        prompt = min(max_prompt, max(8, int(rng.lognormvariate(5.5, 1.0))))
+        return prompt, min(max_new_tokens, max(1, int(rng.lognormvariate(4.5, 1.0))))
+
     kv_token = kv_dim * _ELEMENT_BYTES
     waiting: list[tuple[int, int]] = []
     active: list[_Request] = []
     admitted = finished = 0
     for _ in range(steps):
-        for _ in range(poisson(arrival_rate)):
-            prompt = min(max_prompt, max(8, int(rng.lognormvariate(5.5, 1.0))))
-            gen = min(max_new_tokens, max(1, int(rng.lognormvariate(4.5, 1.0))))
-            waiting.append((prompt, gen))
+        if batching == BATCHING_CONTINUOUS:
+            for _ in range(poisson(arrival_rate)):
+                waiting.append(draw())
         new_requests = []
-        while waiting and len(active) < max_batch:
-            prompt, gen = waiting.pop(0)
-            req = _Request(prompt, gen)
+        if batching == BATCHING_CONTINUOUS:
+            while waiting and len(active) < max_batch:
+                prompt, gen = waiting.pop(0)
+                req = _Request(prompt, gen, 1)
+                active.append(req)
+                new_requests.append(req)
+                admitted += 1
+        elif not active:  # static: the next padded batch, once the last is done
+            batch = [draw() for _ in range(rng.randint(1, max_batch))]
+            req = _Request(max(p for p, _ in batch), max(g for _, g in batch), len(batch))
             active.append(req)
             new_requests.append(req)
-            admitted += 1
+            admitted += len(batch)
         if not active:
             continue
-        tokens = sum(r.cached for r in new_requests) + (len(active) - len(new_requests))
+        rows = sum(r.rows for r in active)
+        tokens = sum(r.rows * r.cached for r in new_requests) + rows - sum(
+            r.rows for r in new_requests)
         width = tokens * hidden * _ELEMENT_BYTES
         x = new(width)  # embeddings
         for layer in range(layers):
@@ -314,12 +342,13 @@ def ragged_inference_workload(allocate: Callable[[int], Any], free: Callable[[An
             qkv = new(tokens * (hidden + 2 * kv_dim) * _ELEMENT_BYTES)
             for r in active:  # the KV cache: written at prefill, grown by torch.cat
                 if r.prefill:
-                    r.caches.append((new(r.cached * kv_token), new(r.cached * kv_token)))
+                    size = r.rows * r.cached * kv_token
+                    r.caches.append((new(size), new(size)))
                 else:
                     k_old, v_old = r.caches[layer]
-                    k_new = new((r.cached + 1) * kv_token)
+                    k_new = new(r.rows * (r.cached + 1) * kv_token)
                     drop(k_old)
-                    v_new = new((r.cached + 1) * kv_token)
+                    v_new = new(r.rows * (r.cached + 1) * kv_token)
                     drop(v_old)
                     r.caches[layer] = (k_new, v_new)
             attn = new(width)
@@ -343,9 +372,9 @@ def ragged_inference_workload(allocate: Callable[[int], Any], free: Callable[[An
             drop(h)
             drop(x)
             x = out
-        logits = new(len(active) * vocab * _LOGIT_BYTES)
+        logits = new(rows * vocab * _LOGIT_BYTES)
         drop(x)
-        ids = new(len(active) * 8)
+        ids = new(rows * 8)
         drop(logits)
         still = []
         for r in active:
@@ -358,7 +387,7 @@ def ragged_inference_workload(allocate: Callable[[int], Any], free: Callable[[An
                 for k, v in r.caches:
                     drop(k)
                     drop(v)
-                finished += 1
+                finished += r.rows
             else:
                 still.append(r)
         active = still

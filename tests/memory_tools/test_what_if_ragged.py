@@ -72,9 +72,33 @@ def test_workload_counts_and_bad_arguments():
     counts = ragged_inference_workload(lambda n: sizes.append(n) or n, lambda h: None, **SMALL)
     assert counts["allocations"] == len(sizes) and counts["requests"] >= counts["finished"] > 0
     assert max(sizes) < counts["peak_live_bytes"] <= sum(sizes)
-    for bad in ({"steps": 0}, {"layers": 1.5}, {"hidden": True}, {"arrival_rate": 0}):
+    for bad in ({"steps": 0}, {"layers": 1.5}, {"hidden": True}, {"arrival_rate": 0},
+                {"batching": "dynamic"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ragged_inference_workload(lambda n: n, lambda h: None, **bad)
+
+
+def test_static_batching_runs_padded_batches():
+    """Static batching: each batch runs to its end before the next starts; its one K and V
+    cache per layer grows by the batch's row count times a token row at every step."""
+    kv = 1024 * 2
+    sizes: list[int] = []
+    counts = ragged_inference_workload(lambda n: sizes.append(n) or n, lambda h: None,
+                                       batching="static", steps=150, layers=1, max_batch=8,
+                                       max_new_tokens=12, seed=5)
+    assert counts["requests"] > 8 and 0 < counts["requests"] - counts["finished"] <= 8
+    assert ragged_inference_trace(batching="static", steps=50, seed=5) == \
+        ragged_inference_trace(batching="static", steps=50, seed=5)
+    assert ragged_inference_trace(batching="static", steps=50, seed=5) != \
+        ragged_inference_trace(steps=50, seed=5)
+    # a step of a one-layer model makes 16 allocations: x, norm, qkv, K, V, attn, proj, h,
+    # norm, up, gate, act, down, out, logits, ids; K grows by rows * kv, 1 <= rows <= 8
+    assert len(sizes) == 16 * 150
+    k = sizes[3::16]
+    assert k == sizes[4::16]  # V is K's size
+    growth = [b - a for a, b in zip(k, k[1:]) if 0 < b - a <= 8 * kv]
+    assert len(growth) > 100 and all(d % kv == 0 for d in growth)
+    assert len(set(growth)) > 1  # batches of several sizes
 
 
 def test_recorded_trace_is_the_workload(small_trace):
