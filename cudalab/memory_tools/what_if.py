@@ -305,6 +305,8 @@ def _goal_lines(df: Any, target: float) -> list[str]:
     trace's peak of live requested bytes). res/live is never below res/alloc (allocated
     blocks hold at least the requested bytes), and rounding cannot flatter it, so a setting
     that reaches the target there reaches it on res/alloc too."""
+    if not df.attrs.get("peak_live", 1):
+        return [f"goal <= {target:.2f}: nothing to measure (the trace allocates nothing)"]
     fine = df[df["ooms"] == 0]
     ok = fine[fine["live_ratio"] <= target]
     uncapped = fine[~fine["config"].str.contains("per_process_memory_fraction")]

@@ -141,6 +141,8 @@ def search(run: Callable[[str, int | None], Any], *, peak_live: int,
     for text in SINGLE_SETTINGS:
         attempt(text)
     default = results[""]
+    if peak_live <= 0:  # nothing is ever live: no combination or cap can differ
+        return list(results.values()), cap_device_memory(device_memory, default.peak_reserved)
 
     # stage 2: combinations. A max_split_size_mb value that changed nothing alone (same peak,
     # same device allocations: the limit never mattered on this trace) is not combined.

@@ -219,12 +219,12 @@ def test_grid_prunes_and_descends_with_a_fake_replay():
     _, cap = what_if_grid.search(run, peak_live=600, device_memory=5 << 20)
     assert cap == 5 << 20
 
-    def run_tight(text, memory):
-        return SimpleNamespace(peak_reserved=1000, num_device_alloc=1, retries=0, ooms=0)
-
     calls.clear()
-    results, cap = what_if_grid.search(run_tight, peak_live=(1 << 20) - 1)
-    assert not any("fraction" in r for r in map(str, results))  # every fraction < live bytes
+    results, cap = what_if_grid.search(run, peak_live=(1 << 20) - 1)
+    assert not any("fraction" in t for t, _ in calls)  # every fraction < the live bytes
+    calls.clear()
+    results, cap = what_if_grid.search(run, peak_live=0)  # an empty trace: stage 1 only
+    assert [t for t, _ in calls] == list(what_if_grid.SINGLE_SETTINGS)
 
 
 # --------------------------------------------------------------------------- the command
@@ -243,3 +243,10 @@ def test_cli_prints_the_searched_table(tmp_path, small_trace):
     assert "res/alloc" in header and "res/live" in header
     assert any("expandable_segments:True,garbage_collection_threshold" in line for line in lines)
     assert "goal <= 1.10" in res.stdout and "run time" in res.stdout
+
+
+def test_empty_trace_searches_single_settings_only():
+    pytest.importorskip("pandas")
+    df = wi.what_if([])
+    assert len(df) == len(what_if_grid.SINGLE_SETTINGS) and df.attrs["peak_live"] == 0
+    assert "nothing to measure" in wi.format_what_if(df, target=1.10)
