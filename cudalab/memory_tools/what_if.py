@@ -13,7 +13,8 @@ reserved / peak allocated) and ``live_ratio`` (peak reserved / the trace's peak 
 requested bytes, the same denominator for every setting: rounding such as
 ``roundup_power2_divisions`` inflates "allocated" and so flatters the first, never the
 second). :func:`explain` splits each notable setting's reserved peak into requested bytes,
-rounding and free cached blocks (fragmentation), and says what each setting changed.
+rounding and cached memory never allocated at once (fragmentation), and says what each
+setting changed.
 """
 
 from __future__ import annotations
@@ -23,13 +24,10 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
-
 from cudalab._units import format_bytes
 from cudalab.allocator.config import AllocatorConfig
 from cudalab.memory_tools.progress import progress_callback
 from cudalab.memory_tools.replay import (
-    ReplayPlan,
     ReplayResult,
     ReplayWarning,
     as_config,
@@ -112,7 +110,7 @@ def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, 
         :class:`ReplayResult` of each row, same order), ``source``, ``peak_live``,
         ``elapsed_s`` (the whole run), ``searched`` (the default search ran),
         ``cap_memory`` (the device the search's fractions refer to), ``breakdown`` (per row:
-        requested, rounding and free cached bytes at its reserved peak) and ``note``.
+        the split of its peak reserved bytes, see :func:`explain`) and ``note``.
 
     Raises
     ------
@@ -173,7 +171,6 @@ def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, 
     base = next(r for r in results if r.label == "default")
     ranked = sorted(enumerate(results), key=lambda ir: (ir[1].ooms > 0, ir[1].peak_reserved,
                                                         ir[0]))
-    live_at = _live_requested(plan)
     rows = []
     breakdown = []
     for _, r in ranked:
@@ -192,10 +189,9 @@ def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, 
             "retries": r.retries,
             "ooms": r.ooms,
         })
-        requested = live_at(r.peak_index)
-        breakdown.append({"requested": requested,
-                          "rounding": r.allocated_at_peak - requested,
-                          "free_cached": r.peak_reserved - r.allocated_at_peak})
+        breakdown.append({"requested": plan.peak_live,
+                          "rounding": r.peak_allocated - plan.peak_live,
+                          "free_cached": r.peak_reserved - r.peak_allocated})
     df = pd.DataFrame(rows, columns=COLUMNS)
     df.index = pd.RangeIndex(1, len(df) + 1, name="rank")
     df.attrs["results"] = [r for _, r in ranked]
@@ -208,25 +204,6 @@ def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, 
     if note:
         df.attrs["note"] = note
     return df
-
-
-def _live_requested(plan: ReplayPlan) -> Callable[[int], int]:
-    """``f(entry index)``: bytes requested and not yet freed just after that trace entry."""
-    if not plan.action:
-        return lambda index: 0
-    act = np.asarray(plan.action, dtype=np.int8)
-    size = np.asarray(plan.size, dtype=np.int64)
-    slot = np.asarray(plan.slot, dtype=np.int64)
-    by_entry = np.zeros(plan.n_entries, dtype=np.int64)
-    by_entry[plan.index[act == 1]] = size[act == 1]
-    live = np.cumsum(np.where(act == 1, size, -by_entry[slot]))
-    index = plan.index
-
-    def at(entry: int) -> int:
-        pos = int(np.searchsorted(index, entry, side="right")) - 1
-        return int(live[pos]) if pos >= 0 else 0
-
-    return at
 
 
 # ====================================================================================== text
@@ -353,10 +330,14 @@ def _find(df: Any, predicate: Callable[[str], bool]) -> int | None:
 def explain(df: Any, *, target: float | None = None) -> list[str]:
     """Why the settings differ: where each notable setting's reserved peak went.
 
-    At its reserved peak each replay's reserved bytes are the bytes requested and live,
-    plus rounding (allocated block sizes over the requests: 512 B steps, power-of-two
-    divisions, remainders under 1 MiB left unsplit), plus free blocks kept in the cache
-    that the next requests could not use (fragmentation). The lines compare the defaults,
+    Each replay's peak reserved bytes split into the trace's peak of live requested bytes
+    (``requested``, the same for every setting), plus rounding (``rounding``: peak
+    allocated over that; block sizes over the requests: power-of-two divisions, remainders
+    under 1 MiB left unsplit), plus cached memory that was never allocated at once
+    (``free_cached``: peak reserved over peak allocated; free blocks the requests could not
+    use: fragmentation). The three parts give the table's ratios: res/alloc is
+    (requested + rounding + free_cached) / (requested + rounding), res/live is the same
+    over ``requested``. The lines compare the defaults,
     expandable segments alone, the best setting without a memory cap and the best overall,
     and name what each setting changed.
 
@@ -385,8 +366,9 @@ def explain(df: Any, *, target: float | None = None) -> list[str]:
             picks.append((name, pos))
     if not picks:
         return []
-    lines = ["where the reserved peak goes (requested + rounding + free cached blocks "
-             "= reserved, at each setting's peak):"]
+    lines = ["where the reserved peak goes: peak live requested + rounding (peak allocated - "
+             "that) + cached but never allocated at once (peak reserved - peak allocated) = "
+             "peak reserved:"]
     width = max(len(configs[p]) for _, p in picks)
     for name, pos in picks:
         b = breakdown[pos]
@@ -401,16 +383,17 @@ def explain(df: Any, *, target: float | None = None) -> list[str]:
         free = breakdown[default_pos]["free_cached"]
         res = int(df["peak_reserved"].iloc[default_pos])
         lines.append(f"why: with the defaults {100 * free / res if res else 0:.0f} % of the "
-                     "reserved peak is free blocks the cache cannot reuse: blocks freed earlier "
-                     "(a KV cache freed after its one-token-longer copy was allocated, "
-                     "activations of an earlier batch shape) are too small for the next "
-                     "requests, and the remainders of split 2 MiB / 20 MiB segments stay "
-                     "reserved while any block of their segment is live.")
+                     "reserved peak is never allocated at once. That is fragmentation: "
+                     "blocks freed earlier are too small for later requests (e.g. a buffer "
+                     "freed after its slightly larger copy was allocated, as a KV cache grown "
+                     "by torch.cat is, or activations of an earlier batch shape), and free "
+                     "remainders of split 2 MiB / 20 MiB segments stay reserved while any "
+                     "block of their segment is live.")
         if es_pos is not None:
             es_free = breakdown[es_pos]["free_cached"]
             lines.append(f"  expandable segments map pages onto one growing segment, so free "
                          f"space at its end merges with new pages and no segment is rounded up: "
-                         f"free cached blocks {format_bytes(free, decimals=1)} -> "
+                         f"never allocated at once {format_bytes(free, decimals=1)} -> "
                          f"{format_bytes(es_free, decimals=1)}; what remains are holes between "
                          "live blocks inside the segment, whose pages stay mapped (garbage "
                          "collection never frees expandable blocks; only a retry or "
@@ -433,8 +416,8 @@ def explain(df: Any, *, target: float | None = None) -> list[str]:
                              "rounding) below its first size, and the blocks are smaller.")
             else:
                 lines.append(f"  {c} trades holes for rounding: rounding "
-                             f"{format_bytes(b['rounding'], decimals=1)}, free cached "
-                             f"{format_bytes(b['free_cached'], decimals=1)} (it also inflates "
+                             f"{format_bytes(b['rounding'], decimals=1)}, never allocated at "
+                             f"once {format_bytes(b['free_cached'], decimals=1)} (it also inflates "
                              "'allocated', so res/alloc flatters it; res/live does not).")
     capped = [p for p, c in enumerate(configs) if "per_process_memory_fraction" in c]
     if capped:

@@ -21,7 +21,8 @@ replays at most (:data:`MAX_REPLAYS`):
    device that the defaults exactly fill), tried from 0.95 downwards in steps of 0.05; the
    descent stops at the first setting that runs out of memory and bisects twice between it
    and the last fraction that fit; fractions that leave less than the trace's peak of live
-   bytes are never tried (they must run out). The best fraction found is tried once more
+   bytes are never tried (they must run out), nor those under which neither the cap nor
+   garbage collection would act (the replay would repeat the base's). The best fraction found is tried once more
    with a lower threshold (0.6).
 
 Under a cap the allocator frees its cache and retries (``retries``) instead of reserving
@@ -181,9 +182,14 @@ def search(run: Callable[[str, int | None], Any], *, peak_live: int,
 
     for base in (best_es, best_plain):
         fits: float | None = None
+        # Where neither the cap nor garbage collection can act (GC never frees expandable
+        # blocks), the replay would repeat the base's: such fractions are skipped.
+        reach = 1.0 if _ES in base else GC_THRESHOLDS[0]
         for fraction in FRACTIONS:
             if fraction * cap < peak_live:
                 break  # less than the live bytes: it must run out of memory
+            if reach * fraction * cap >= results[base].peak_reserved:
+                continue
             if capped(base, fraction).ooms:
                 if fits is not None:
                     fails = fraction

@@ -172,7 +172,10 @@ def test_breakdown_adds_up_and_is_explained(searched):
         if row["ooms"]:
             continue
         assert b["requested"] + b["rounding"] + b["free_cached"] == row["peak_reserved"]
-        assert 0 < b["requested"] <= peak_live and b["rounding"] >= 0 and b["free_cached"] >= 0
+        assert b["requested"] == peak_live and b["rounding"] >= 0 and b["free_cached"] >= 0
+        assert b["requested"] + b["rounding"] == row["peak_allocated"]
+        assert row["peak_reserved"] / (b["requested"] + b["rounding"]) == pytest.approx(
+            row["peak_ratio"])
     text = wi.format_what_if(searched, target=1.10)
     assert "where the reserved peak goes" in text and "expandable segments map pages" in text
     assert "goal <= 1.10" in text and "simulated" in text and "run time" in text
@@ -192,35 +195,42 @@ def test_grid_prunes_and_descends_with_a_fake_replay():
     """The search logic alone: idle max_split values are not combined, the fraction descent
     stops at the first OOM and bisects, fractions below the live bytes are never tried."""
     calls: list[tuple[str, int | None]] = []
+    mib = 1 << 20
 
     def run(text: str, memory: int | None):
         calls.append((text, memory))
-        peak, ooms = 1000, 0
+        peak, ooms = 1000 * mib, 0
         if "expandable_segments:True" in text:
-            peak = 800
+            peak = 800 * mib
         if "per_process_memory_fraction:" in text:
             fraction = float(text.rsplit(":", 1)[1])
-            peak = min(peak, int(fraction * 1000))
+            peak = min(peak, int(fraction * 1000 * mib))
             ooms = int(fraction < 0.72)
         return SimpleNamespace(peak_reserved=peak, num_device_alloc=1, retries=0, ooms=ooms)
 
-    results, cap = what_if_grid.search(run, peak_live=600)
+    results, cap = what_if_grid.search(run, peak_live=600 * mib)
     texts = [t for t, _ in calls]
-    assert cap == 1 << 20  # a device the defaults fill, rounded up to a MiB
+    assert cap == 1000 * mib  # a device the defaults exactly fill
     assert len(texts) == len(set(texts)) == len(results) <= what_if_grid.MAX_REPLAYS
     assert texts[:len(what_if_grid.SINGLE_SETTINGS)] == list(what_if_grid.SINGLE_SETTINGS)
     assert "expandable_segments:True,max_split_size_mb:512" in texts  # shown once
     assert not any(t.startswith("max_split_size_mb:") and "," in t for t in texts)
     es = [t for t in texts if t.startswith("expandable_segments:True,garbage")]
     fractions = [float(t.rsplit(":", 1)[1]) for t in es if "threshold:0.8" in t]
-    assert fractions[:6] == [0.95, 0.9, 0.85, 0.8, 0.75, 0.7]  # down to the first OOM
-    assert fractions[6:] == [0.725, 0.7125]  # then two bisections
+    # 0.95 to 0.8 leave room for the 800 MiB the base reserves: skipped (nothing would act)
+    assert fractions[:2] == [0.75, 0.7]  # down to the first OOM
+    assert fractions[2:] == [0.725, 0.7125]  # then two bisections
+    plain = [float(t.rsplit(":", 1)[1]) for t in texts
+             if t.startswith("garbage_collection_threshold:0.8")]
+    assert plain[:2] == [0.95, 0.9]  # garbage collection acts at 0.8 of 950 MiB < 1000 MiB
+    assert "expandable_segments:True,garbage_collection_threshold:0.6," \
+           "per_process_memory_fraction:0.725" in texts  # the best cap, other threshold
     assert all(m == cap for t, m in calls if "fraction" in t)
-    _, cap = what_if_grid.search(run, peak_live=600, device_memory=5 << 20)
-    assert cap == 5 << 20
+    _, cap = what_if_grid.search(run, peak_live=600 * mib, device_memory=5000 * mib)
+    assert cap == 5000 * mib
 
     calls.clear()
-    results, cap = what_if_grid.search(run, peak_live=(1 << 20) - 1)
+    results, cap = what_if_grid.search(run, peak_live=999 * mib)
     assert not any("fraction" in t for t, _ in calls)  # every fraction < the live bytes
     calls.clear()
     results, cap = what_if_grid.search(run, peak_live=0)  # an empty trace: stage 1 only
