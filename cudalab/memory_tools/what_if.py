@@ -37,7 +37,13 @@ from cudalab.memory_tools.replay import (
     skip_warning,
 )
 from cudalab.memory_tools.trace_io import load_trace
-from cudalab.memory_tools.what_if_grid import MAX_REPLAYS, ROUNDUP_SETTINGS, SINGLE_SETTINGS, search
+from cudalab.memory_tools.what_if_grid import (
+    FRACTIONS,
+    MAX_REPLAYS,
+    ROUNDUP_SETTINGS,
+    SINGLE_SETTINGS,
+    search,
+)
 
 __all__ = [
     "COLUMNS",
@@ -150,7 +156,11 @@ def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, 
         if configs is None:
             results, cap_memory = search(run, peak_live=plan.peak_live,
                                          device_memory=device_memory)
-            if device_memory is None:
+            if not any("per_process_memory_fraction" in r.config for r in results):
+                note = (f"no per_process_memory_fraction was tried: none from {FRACTIONS[0]} "
+                        f"to {FRACTIONS[-1]} of {format_bytes(cap_memory, decimals=2)} both "
+                        "caps this trace and leaves room for its live bytes")
+            elif device_memory is None:
                 note = (f"memory fractions are of a device the defaults exactly fill "
                         f"({format_bytes(cap_memory, decimals=2)}); pass device_memory= "
                         "(CLI: --device-memory) to model your GPU")

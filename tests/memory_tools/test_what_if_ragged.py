@@ -260,3 +260,11 @@ def test_empty_trace_searches_single_settings_only():
     df = wi.what_if([])
     assert len(df) == len(what_if_grid.SINGLE_SETTINGS) and df.attrs["peak_live"] == 0
     assert "nothing to measure" in wi.format_what_if(df, target=1.10)
+
+
+def test_a_large_device_tries_no_cap_and_says_so(small_trace):
+    pytest.importorskip("pandas")
+    df = wi.what_if(small_trace, device_memory=80 << 30)
+    assert not df["config"].str.contains("per_process_memory_fraction").any()
+    assert "no per_process_memory_fraction was tried" in df.attrs["note"]
+    assert all(r.device_memory == 80 << 30 for r in df.attrs["results"])
