@@ -259,11 +259,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         else:
             print(json.dumps({"source": results[0].source if results else args.trace,
                               "note": table.attrs.get("note"),
+                              "peak_live": table.attrs.get("peak_live"),
+                              "elapsed_s": table.attrs.get("elapsed_s"),
                               "ranking": [{"rank": int(rank), **row} for rank, row in
                                           zip(table.index, table.to_dict("records"))]},
                              indent=2))
     else:
-        print(str(result) if name == "replay" else wi.format_what_if(table))
+        print(str(result) if name == "replay" else wi.format_what_if(table, target=args.target))
         if args.plot:
             print(f"plot saved to {args.plot}")
     return 0
@@ -302,12 +304,18 @@ def build_parser() -> argparse.ArgumentParser:
             p = sub.add_parser(
                 "what-if", help="rank allocator settings by the memory a trace would need",
                 description="Replay a memory trace under several allocator settings "
-                            "(default: a sweep of expandable_segments, max_split_size_mb, "
-                            "roundup_power2_divisions and backend:cudaMallocAsync) and print "
-                            "them ranked by peak reserved memory.")
+                            "(default: a bounded search over expandable_segments, "
+                            "max_split_size_mb, roundup_power2_divisions, "
+                            "backend:cudaMallocAsync, their combinations and "
+                            "garbage_collection_threshold under per_process_memory_fraction "
+                            "caps) and print them ranked by peak reserved memory, with where "
+                            "the memory of the reserved peak went.")
             p.add_argument("--conf", action="append", default=[], metavar="CONF",
-                           help="a setting to try instead of the default sweep (repeatable; "
+                           help="a setting to try instead of the default search (repeatable; "
                                 "the defaults are always the baseline)")
+            p.add_argument("--target", type=float, default=None, metavar="RATIO",
+                           help="a goal for peak reserved / peak allocated (e.g. 1.10): say "
+                                "which settings reach it, or which comes closest")
         p.add_argument("trace", metavar="TRACE",
                        help="a history: snapshot pickle (%%cuda_memory history save X.pickle, "
                             "_dump_snapshot) or history CSV (history save X.csv); a "

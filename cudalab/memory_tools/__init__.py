@@ -20,7 +20,9 @@ Modules, lowest first (each imports only those above it):
   (Chrome/Perfetto JSON), :mod:`~cudalab.memory_tools.plot` (matplotlib figures),
   :mod:`~cudalab.memory_tools.usage_plots` (torch's flame-graph SVGs of a snapshot);
 * :mod:`~cudalab.memory_tools.replay` (one replay on a private simulator),
-  :mod:`~cudalab.memory_tools.what_if` (a ranked sweep of settings),
+  :mod:`~cudalab.memory_tools.what_if` (a ranked sweep of settings) with
+  :mod:`~cudalab.memory_tools.what_if_grid` (its bounded search),
   :mod:`~cudalab.memory_tools.progress` (their progress bar);
-* :mod:`~cudalab.memory_tools.synthetic` — synthetic snapshots for tests and benchmarks.
+* :mod:`~cudalab.memory_tools.synthetic` — synthetic snapshots and a ragged-batch
+  inference workload for tests and benchmarks.
 """

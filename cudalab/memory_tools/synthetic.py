@@ -1,11 +1,22 @@
-"""Synthetic snapshots for tests and benchmarks: self-consistent, in torch's schema."""
+"""Synthetic traces for tests and benchmarks.
+
+* :func:`synthetic_snapshot`: a self-consistent snapshot dict in torch's schema (random
+  training-like traffic), for the snapshot, export and viewer tools.
+* :func:`ragged_inference_workload`: a ragged-batch LLM inference workload (long-tailed
+  sequence lengths, KV caches grown per request, LIFO activations) driven through any
+  allocate/free pair: cudalab's own arrays to record a real trace, or
+  :func:`ragged_inference_trace`'s address model for a trace without a device.
+"""
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Callable
 from operator import itemgetter
+from typing import Any
 
-__all__ = ["synthetic_snapshot"]
+__all__ = ["BATCHING_CONTINUOUS", "BATCHING_STATIC", "ragged_inference_trace", "ragged_inference_workload", "synthetic_snapshot"]
 
 
 _SYN_FILES = ("train.py", "model.py", "layers.py", "optim.py", "data.py")
@@ -172,3 +183,254 @@ def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, 
     if cudalab_keys:
         snap["cudalab"] = {"simulated": simulated}
     return snap
+
+
+# ====================================================================== ragged inference
+#: Bytes per element of the ragged workload's tensors (fp16/bf16 activations and KV cache).
+_ELEMENT_BYTES = 2
+#: ``batching`` of :func:`ragged_inference_workload`: requests join and leave at every step.
+BATCHING_CONTINUOUS = "continuous"
+#: ``batching`` of :func:`ragged_inference_workload`: padded batches run to their end.
+BATCHING_STATIC = "static"
+#: Bytes per element of the logits (computed in fp32 for sampling, as Hugging Face does).
+_LOGIT_BYTES = 4
+
+
+class _Request:
+    """One request of the ragged workload."""
+
+    __slots__ = ("cached", "remaining", "rows", "caches", "prefill")
+
+    def __init__(self, prompt: int, new_tokens: int, rows: int):
+        self.rows = rows  # sequences: 1, or a static batch padded to one length
+        self.cached = prompt  # tokens per row in the KV cache (after this step's prefill)
+        self.remaining = new_tokens  # tokens still to generate (> 0 while active)
+        self.caches: list[tuple[Any, Any]] = []  # (K, V) blocks per layer, once prefilled
+        self.prefill = True  # admitted in the current step: its prompt is processed now
+
+
+def ragged_inference_workload(allocate: Callable[[int], Any], free: Callable[[Any], None], *,
+                              steps: int = 400, seed: int = 0, layers: int = 4,
+                              hidden: int = 4096, kv_dim: int = 1024, vocab: int = 32000,
+                              max_batch: int = 16, arrival_rate: float = 0.8,
+                              max_prompt: int = 4096, max_new_tokens: int = 1024,
+                              batching: str = "continuous") -> dict[str, int]:
+    """Drive a ragged-batch LLM inference workload through ``allocate`` / ``free``.
+
+    A decoder without a paged KV cache (Hugging Face's ``DynamicCache`` pattern): requests
+    arrive at random, each with a prompt length and a generation length drawn from
+    long-tailed (log-normal) distributions. With ``batching="continuous"`` at most
+    ``max_batch`` run at a time and a finished request's place is taken at the next step, so
+    the batch size and the sequence lengths change at every step; each request owns one K and
+    one V tensor per layer. With ``batching="static"`` (offline batch inference) a
+    batch of 1 to ``max_batch`` requests (uniformly drawn) is padded to its longest prompt
+    and runs until its longest generation ends (``generate()`` on a padded batch), then the
+    next batch starts; the batch owns one K and one V tensor per layer. Caches grow by concatenation at every decode step (the next, one token longer
+    tensor is allocated before the old one is freed). Each step runs the layers over the
+    step's tokens (the prompts admitted in it, one token for every other sequence): hidden
+    states, fused QKV, attention output and the MLP's intermediates, of sizes proportional to
+    tokens × width, freed in nearly LIFO order, then fp32 logits of the last tokens.
+    Finished requests free their caches.
+
+    Parameters
+    ----------
+    allocate : callable
+        ``allocate(nbytes) -> handle``: one device allocation of ``nbytes`` bytes.
+    free : callable
+        ``free(handle)``: releases an allocation made by ``allocate``.
+    steps : int, optional
+        Decoding steps (default 400).
+    seed : int, optional
+        Seed of the workload's own random generator: the same arguments give the same
+        sequence of calls.
+    layers, hidden, kv_dim, vocab : int, optional
+        Model shape: transformer layers, hidden width, K (and V) width per token (grouped
+        query attention: 8 KV heads of 128 by default) and vocabulary size.
+    max_batch : int, optional
+        Most requests decoded together (default 16).
+    arrival_rate : float, optional
+        Mean requests arriving per step (Poisson; default 0.8; continuous batching only).
+    max_prompt, max_new_tokens : int, optional
+        Caps of the prompt and generation lengths (defaults 4096 and 1024).
+    batching : {"continuous", "static"}, optional
+        :data:`BATCHING_CONTINUOUS` (default) or :data:`BATCHING_STATIC` (see above).
+
+    Returns
+    -------
+    dict
+        Counts: ``allocations``, ``requests`` (admitted), ``finished``, ``peak_live_bytes``
+        (the peak of bytes requested and not yet freed).
+
+    Raises
+    ------
+    ValueError
+        A size or count is not a positive integer, ``arrival_rate`` is not positive, or
+        ``batching`` is neither "continuous" nor "static".
+    """
+    for name, value in (("steps", steps), ("layers", layers), ("hidden", hidden),
+                        ("kv_dim", kv_dim), ("vocab", vocab), ("max_batch", max_batch),
+                        ("max_prompt", max_prompt), ("max_new_tokens", max_new_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not (isinstance(arrival_rate, (int, float)) and 0 < arrival_rate < 1e6):
+        raise ValueError(f"arrival_rate must be a positive number, got {arrival_rate!r}")
+    if batching not in (BATCHING_CONTINUOUS, BATCHING_STATIC):
+        raise ValueError(f"batching must be {BATCHING_CONTINUOUS!r} or {BATCHING_STATIC!r}, "
+                         f"got {batching!r}")
+    rng = random.Random(seed)
+    live = 0
+    peak = 0
+    n_alloc = 0
+
+    def new(nbytes: int) -> tuple[Any, int]:
+        nonlocal live, peak, n_alloc
+        handle = allocate(nbytes)
+        n_alloc += 1
+        live += nbytes
+        if live > peak:
+            peak = live
+        return handle, nbytes
+
+    def drop(block: tuple[Any, int]) -> None:
+        nonlocal live
+        free(block[0])
+        live -= block[1]
+
+    def poisson(mean: float) -> int:  # Knuth: small means only
+        limit = math.exp(-mean)
+        k, p = 0, rng.random()
+        while p > limit:
+            k += 1
+            p *= rng.random()
+        return k
+
+    def draw() -> tuple[int, int]:  # a request: (prompt length, tokens to generate)
+        prompt = min(max_prompt, max(8, int(rng.lognormvariate(5.5, 1.0))))
+        return prompt, min(max_new_tokens, max(1, int(rng.lognormvariate(4.5, 1.0))))
+
+    kv_token = kv_dim * _ELEMENT_BYTES
+    waiting: list[tuple[int, int]] = []
+    active: list[_Request] = []
+    admitted = finished = 0
+    for _ in range(steps):
+        if batching == BATCHING_CONTINUOUS:
+            for _ in range(poisson(arrival_rate)):
+                waiting.append(draw())
+        new_requests = []
+        if batching == BATCHING_CONTINUOUS:
+            while waiting and len(active) < max_batch:
+                prompt, gen = waiting.pop(0)
+                req = _Request(prompt, gen, 1)
+                active.append(req)
+                new_requests.append(req)
+                admitted += 1
+        elif not active:  # static: the next padded batch, once the last is done
+            batch = [draw() for _ in range(rng.randint(1, max_batch))]
+            req = _Request(max(p for p, _ in batch), max(g for _, g in batch), len(batch))
+            active.append(req)
+            new_requests.append(req)
+            admitted += len(batch)
+        if not active:
+            continue
+        rows = sum(r.rows for r in active)
+        tokens = sum(r.rows * r.cached for r in new_requests) + rows - sum(
+            r.rows for r in new_requests)
+        width = tokens * hidden * _ELEMENT_BYTES
+        x = new(width)  # embeddings
+        for layer in range(layers):
+            norm = new(width)
+            qkv = new(tokens * (hidden + 2 * kv_dim) * _ELEMENT_BYTES)
+            for r in active:  # the KV cache: written at prefill, grown by torch.cat
+                if r.prefill:
+                    size = r.rows * r.cached * kv_token
+                    r.caches.append((new(size), new(size)))
+                else:
+                    k_old, v_old = r.caches[layer]
+                    k_new = new(r.rows * (r.cached + 1) * kv_token)
+                    drop(k_old)
+                    v_new = new(r.rows * (r.cached + 1) * kv_token)
+                    drop(v_old)
+                    r.caches[layer] = (k_new, v_new)
+            attn = new(width)
+            drop(qkv)
+            proj = new(width)
+            drop(attn)
+            drop(norm)
+            h = new(width)  # residual add
+            drop(proj)
+            norm = new(width)
+            up = new(4 * width)
+            gate = new(4 * width)
+            act = new(4 * width)
+            drop(gate)
+            drop(up)
+            down = new(width)
+            drop(act)
+            drop(norm)
+            out = new(width)  # residual add
+            drop(down)
+            drop(h)
+            drop(x)
+            x = out
+        logits = new(rows * vocab * _LOGIT_BYTES)
+        drop(x)
+        ids = new(rows * 8)
+        drop(logits)
+        still = []
+        for r in active:
+            if r.prefill:
+                r.prefill = False
+            else:
+                r.cached += 1
+            r.remaining -= 1
+            if r.remaining <= 0:
+                for k, v in r.caches:
+                    drop(k)
+                    drop(v)
+                finished += r.rows
+            else:
+                still.append(r)
+        active = still
+        drop(ids)
+    for r in active:  # the server drains: every cache is released
+        for k, v in r.caches:
+            drop(k)
+            drop(v)
+    return {"allocations": n_alloc, "requests": admitted, "finished": finished,
+            "peak_live_bytes": peak}
+
+
+def ragged_inference_trace(*, stream: int = 0, **workload: Any) -> list[tuple[str, int, int, int]]:
+    """The trace of :func:`ragged_inference_workload` as (action, addr, size, stream) tuples.
+
+    Every allocation gets a fresh address (the trace only pairs frees with allocations), so
+    the trace is what a recorder would see up to addresses; :mod:`cudalab.memory_tools.replay`
+    and :mod:`cudalab.memory_tools.what_if` read it as is.
+
+    Parameters
+    ----------
+    stream : int, optional
+        The stream id written in every entry (default 0).
+    **workload
+        Arguments of :func:`ragged_inference_workload` (``steps``, ``seed``, ``layers``, ...).
+
+    Returns
+    -------
+    list of tuple
+        ``("alloc" | "free_requested", addr, size, stream)`` in call order.
+    """
+    trace: list[tuple[str, int, int, int]] = []
+    add = trace.append
+    next_addr = [0x7F0000000000]
+
+    def allocate(nbytes: int) -> tuple[int, int]:
+        addr = next_addr[0]
+        next_addr[0] = addr + ((nbytes + 511) & -512)
+        add(("alloc", addr, nbytes, stream))
+        return addr, nbytes
+
+    def free(handle: tuple[int, int]) -> None:
+        add(("free_requested", handle[0], handle[1], stream))
+
+    ragged_inference_workload(allocate, free, **workload)
+    return trace
