@@ -148,7 +148,10 @@ def test_interrupt_at_every_line_and_bytecode(backend, deferring, name):
         for k in range(1, n + 1):
             a, op = setup()
             returned, exc, tripped = interrupt_at(op, in_allocator, k, opcodes)
-            assert tripped and returned, f"event {k}: the operation did not complete"
+            # the interrupt is delivered once the main thread left the allocator: after the
+            # operation, or between two of its allocator calls (free_while_busy and
+            # pure_hit_and_free make several), never inside one (check_after)
+            assert tripped and (returned or exc is not None), f"event {k}: nothing came back"
             check_after(a, exc)
 
 

@@ -10,10 +10,11 @@ then it waits for the KeyboardInterrupt and returns it (None when none came).
 from __future__ import annotations
 
 import _thread
+import contextlib
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -37,12 +38,37 @@ def count_events(op: Callable[[], Any], traced: Callable[[FrameType], bool],
             return local
         return None
 
-    sys.settrace(glob)
-    try:
-        op()
-    finally:
-        sys.settrace(None)
+    with _opcode_tracing(opcodes):
+        sys.settrace(glob)
+        try:
+            op()
+        finally:
+            sys.settrace(None)
     return n[0]
+
+
+def _ignore(frame: FrameType, event: str, arg: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _opcode_tracing(opcodes: bool) -> Iterator[None]:
+    """Make CPython 3.12 deliver opcode events to frames that ask for them at their call.
+
+    3.12's instrumentation can miss ``f_trace_opcodes`` set by the global trace function at
+    a call (the first opcode-traced run of a code after a line-traced one then gives no
+    opcode event at all); a frame of the caller tracing opcodes turns them on first.
+    """
+    if not opcodes:
+        yield
+        return
+    caller = sys._getframe(2)
+    old = caller.f_trace, caller.f_trace_opcodes
+    caller.f_trace, caller.f_trace_opcodes = _ignore, True
+    try:
+        yield
+    finally:
+        caller.f_trace, caller.f_trace_opcodes = old
 
 
 def interrupt_at(op: Callable[[], Any], traced: Callable[[FrameType], bool], k: int,
@@ -73,12 +99,13 @@ def interrupt_at(op: Callable[[], Any], traced: Callable[[FrameType], bool], k: 
     returned = False
     caught: BaseException | None = None
     try:
-        sys.settrace(glob)
-        try:
-            op()
-            returned = True
-        finally:
-            sys.settrace(None)
+        with _opcode_tracing(opcodes):
+            sys.settrace(glob)
+            try:
+                op()
+                returned = True
+            finally:
+                sys.settrace(None)
         deadline = time.monotonic() + (timeout if n[0] >= k else 0.0)
         while time.monotonic() < deadline:
             time.sleep(0.0001)
