@@ -109,3 +109,34 @@ def test_the_cli_prints_a_prefix_of_a_long_conf(tmp_path):
     assert "invalid max_split_size_mb value" in res.stderr
     assert f"({len(conf):,} characters)" in res.stderr
     assert len(res.stderr) < 1000, len(res.stderr)
+
+
+# --------------------------------------------------------------------------- fuzzing
+_PIECES = ["max_split_size_mb", "expandable_segments", "garbage_collection_threshold",
+           "roundup_power2_divisions", "backend", "per_process_memory_fraction",
+           "release_lock_on_cudamalloc", "pinned_num_register_threads", "large_segment_size_mb",
+           ":", ",", "[", "]", ">", "True", "False", "native", "cudaMallocAsync", "0", "1",
+           "0.5", "-1", "1e309", "nan", "inf", "256", "512:4", "9" * 30, " ", "\t", "é", "\x00"]
+
+
+def test_fuzzed_settings_parse_or_raise_a_short_value_error():
+    """3,000 random settings strings (torch's tokens, in any order, with junk): each parses
+    or raises ValueError with a bounded message; nothing else escapes (no IndexError,
+    OverflowError, RecursionError...)."""
+    import random
+    import warnings
+
+    from cudalab.allocator.config import parse_alloc_conf
+
+    rng = random.Random(23)
+    parsed = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (cudaMallocAsync ignoring native options)
+        for _ in range(3000):
+            text = "".join(rng.choice(_PIECES) for _ in range(rng.randint(0, 12)))
+            try:
+                parse_alloc_conf(text, source="CUDALAB_ALLOC_CONF")
+                parsed += 1
+            except ValueError as exc:
+                assert len(str(exc)) < 2000, text
+    assert 0 < parsed < 3000  # both outcomes were exercised
