@@ -213,13 +213,13 @@ class HistoryRing:
                 table.index[id(v) if table.by_id else v] = len(table.values)
                 table.values.append(v)
             get = remap.__getitem__
-            for ci, c in enumerate(self._chunks):
-                if c[0] == _COLUMNS:
-                    c = list(c)
+            for ci, chunk in enumerate(self._chunks):
+                if chunk[0] == _COLUMNS:
+                    parts = list(chunk)
                     for k in cols:
-                        if c[k] is not None:
-                            c[k] = array("i", map(get, c[k]))
-                    self._chunks[ci] = tuple(c)
+                        if parts[k] is not None:
+                            parts[k] = array("i", map(get, parts[k]))
+                    self._chunks[ci] = tuple(parts)
             table.rebuild_at = max(_TABLE_MIN, 2 * len(table.values))
 
     def clear(self) -> None:
@@ -284,7 +284,7 @@ def _rows(c: tuple, start: int, frames: list, strings: list) -> list:
             acts[start:], addrs[start:], sizes[start:], streams[start:], times[start:],
             fr[start:], nvtx[start:], cells[start:])
         metas = None if metas is None else metas[start:]
-    rows = list(zip(_lookup(acts, ACTIONS), addrs, sizes, streams, times,
+    rows = list(zip(_lookup(acts, ACTIONS), _ints(addrs), _ints(sizes), _ints(streams), times,
                     _lookup(fr, frames), _lookup(nvtx, strings), _lookup(cells, strings)))
     if metas is not None:
         rows = [r if not m else (*r, m) for r, m in zip(rows, _lookup(metas, strings))]
@@ -299,3 +299,11 @@ def _lookup(codes: Any, table: Any) -> Any:
             return repeat(table[first], len(codes))
         return itemgetter(*codes)(table)
     return [table[i] for i in codes]
+
+
+def _ints(column: array) -> Any:
+    """The values of an integer column; a constant one (the pairs of a loop: one address,
+    size and stream) as one int repeated, which makes no int object per entry."""
+    if len(column) > 1 and column.count(column[0]) == len(column):
+        return repeat(column[0], len(column))
+    return column
