@@ -8,13 +8,18 @@
   frames deeper, and in an IPython cell; with the compiled stamp built
   (``cudalab.memory_tools._stackstamp``), ``stacks="python"`` is timed with it and with the
   pure-Python stamp, alternating;
+* steady state of a long recording: the added cost per ``empty``+drop pair once the ring
+  already holds 100k and 1M entries (``max_entries`` = N, so it wraps), cudalab
+  ``stacks=None`` / ``"python"`` next to torch ``"python"``, the memory per recorded entry
+  (RSS growth) and a full ``gc.collect()``'s time with the ring full, each in a fresh process;
 * ``memory_snapshot()`` with 2000 live blocks, cudalab against torch;
 * replay throughput (trace entries per second) on a synthetic 200k-entry trace.
 
     python benchmarks/history.py [--json out.json] [--quick]
 
 Bounds (the targets this project set): history with python stacks adds <= 0.5x torch's added cost; with
-stacks=None <= 0.3 us; snapshot of 2000 blocks <= torch's time; replay >= 200k entries/s.
+stacks=None <= 0.3 us (also once the ring holds 1M entries); memory per recorded entry <=
+torch's; snapshot of 2000 blocks <= torch's time; replay >= 200k entries/s.
 """
 
 from __future__ import annotations
@@ -198,6 +203,159 @@ def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
     return out
 
 
+def _rss() -> int:
+    """The process's resident bytes (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _steady_one(cap: int, who: str, stacks: str | None, n: int, rounds: int) -> dict:
+    """One row of :func:`history_steady`, in a fresh process (so that the RSS growth is
+    the recording's own): seconds per pair with nothing recording (before and after),
+    then with ``who`` ("cudalab" or "torch") recording once its ring holds ``cap``
+    entries (medians over rounds), the RSS growth over those entries and a full
+    ``gc.collect()``'s time."""
+    import gc
+
+    import cudalab
+    import cudalab.memory as cm
+    from cudalab.memory_tools import history
+
+    if hasattr(os, "sched_setaffinity"):  # fewer migrations: steadier times
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[-2:])
+    cudalab.init()
+    size = 4096
+    if who == "cudalab":
+        loop = _script_loop("_e(_n)", dict(_e=cudalab.empty, _n=size // 4))
+
+        def start() -> None:
+            cm._record_memory_history("all", stacks=stacks, max_entries=cap)
+
+        def stop() -> None:
+            cm._record_memory_history(None)
+
+        sync = history._sync_allocators
+    else:
+        import torch
+
+        torch.empty(1, device="cuda")
+        loop = _script_loop('_te(_s, dtype=_u, device="cuda")',
+                            dict(_te=torch.empty, _u=torch.uint8, _s=size))
+
+        def start() -> None:
+            torch.cuda.memory._record_memory_history(enabled="all", stacks=stacks,
+                                                     max_entries=cap)
+
+        def stop() -> None:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+        def sync() -> None:
+            pass
+
+    def time_off() -> list:
+        return [loop(n) / n for _ in range(rounds)]
+
+    loop(1000)
+    off = time_off()
+    gc.collect()
+    rss0 = _rss()
+    start()
+    for _ in range(0, cap // 3 + 1, 10_000):  # each pair records 3 entries
+        loop(10_000)
+        sync()
+    rss1 = _rss()
+    t0 = time.perf_counter()
+    gc.collect()
+    gc_ms = (time.perf_counter() - t0) * 1e3
+    times = []
+    paired = []
+    for _ in range(rounds):  # each round long enough for the garbage collector's passes
+        times.append(loop(n) / n)
+        sync()  # (not timed: see the write-out row of the short-recording tables)
+        if who == "cudalab":
+            # the recording path alone: the same loop with the hooks detached, the ring
+            # (and what it costs the garbage collector) still there
+            from cudalab.allocator import hooks, registry
+
+            traced = [(a, a._trace) for a in list(registry.active) if a._trace is not None]
+            for a, _ in traced:
+                hooks.detach_trace(a)
+            paired.append(times[-1] - loop(n) / n)
+            for a, t in traced:
+                hooks.attach_trace(a, t)
+    stop()
+    off_s = statistics.median(off + time_off())  # before and after the recording
+    on = statistics.median(times)
+    return {"on_us": on * 1e6, "off_us": off_s * 1e6, "added_us": (on - off_s) * 1e6,
+            "bytes_per_entry": (rss1 - rss0) / cap, "gc_collect_ms": gc_ms,
+            "paired_added_us": statistics.median(paired) * 1e6 if paired else None}
+
+
+def history_steady(sizes: tuple, n: int, rounds: int, sim: bool) -> dict:
+    """The added cost per ``empty``+drop pair once the ring already holds N entries (for
+    each N of ``sizes``; ``max_entries=N``, so the ring stays full and wraps), with
+    cudalab's ``stacks=None`` and ``stacks="python"`` and torch's ``stacks="python"``; the
+    memory each recorded entry costs (the process's RSS growth over the N entries, for
+    both); and the time of a full ``gc.collect()`` with the ring full.
+
+    Each row runs in a fresh process (:func:`_steady_one`); times are medians over
+    ``rounds`` loops of ``n`` pairs each, long enough that every loop pays its share of
+    the garbage collector's full passes (one per ~125,000 pairs with a tracked ring)."""
+    import json
+    import subprocess
+
+    torch = None if sim else optional_import("torch")
+    modes = [("cudalab", "stacks=None", None), ("cudalab", "stacks=python", "python")]
+    if torch is not None and torch.cuda.is_available():
+        modes.append(("torch", "stacks=python", "python"))
+    out: dict = {}
+    for cap in sizes:
+        res: dict = {}
+        for who, mode, stacks in modes:
+            here = os.path.dirname(os.path.abspath(__file__))
+            code = (f"import json, sys; sys.path.insert(0, {here!r}); import history as h; "
+                    f"print(json.dumps(h._steady_one({cap}, {who!r}, {stacks!r}, {n}, "
+                    f"{rounds})))")
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                  text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"steady-state row {who} {mode} N={cap} failed:\n"
+                                   f"{proc.stderr[-3000:]}")
+            res[f"{who} [{mode}]"] = json.loads(proc.stdout.strip().splitlines()[-1])
+        out[cap] = res
+    return out
+
+
+def _steady_table(res: dict, device: str) -> Table:
+    t = Table(f"History once the ring holds N entries (empty+drop pairs, {device})")
+    for cap, rows in res.items():
+        for key, r in rows.items():
+            note = ("bound <= 0.3" if key.endswith("[stacks=None]") else "")
+            t.add(f"N={cap:,}: added: {key}", r["added_us"], "µs", note)
+        for key, r in rows.items():
+            if r.get("paired_added_us") is not None:
+                t.add(f"N={cap:,}: added, hooks on/off alternating: {key}",
+                      r["paired_added_us"], "µs", "the recording path alone, ring kept")
+        for key, r in rows.items():
+            t.add(f"N={cap:,}: memory per entry: {key}", r["bytes_per_entry"], "B",
+                  "process RSS growth / N")
+        for key, r in rows.items():
+            t.add(f"N={cap:,}: full gc.collect(): {key}", r["gc_collect_ms"], "ms")
+        ours = rows.get("cudalab [stacks=python]")
+        theirs = rows.get("torch [stacks=python]")
+        if ours and theirs:
+            t.add(f"N={cap:,}: ratio cudalab / torch added [stacks=python]",
+                  ours["added_us"] / theirs["added_us"] if theirs["added_us"] else None, "×",
+                  "bound <= 0.5")
+            t.add(f"N={cap:,}: ratio cudalab / torch memory per entry [stacks=python]",
+                  ours["bytes_per_entry"] / theirs["bytes_per_entry"]
+                  if theirs["bytes_per_entry"] else None, "×", "bound <= 1")
+    return t
+
+
 def snapshot_time(blocks: int, repeat: int, sim: bool) -> dict:
     import cudalab
     import cudalab.memory as cm
@@ -284,6 +442,8 @@ def main() -> None:
     res = {"env": environment(cudalab.devices._backend().name, cudalab.get_device_name())}
     res["env"]["stamp"] = stamp = stacks.stamp_implementation()
     res["history"] = {w: history_cost(n, rounds, sim, w) for w in _PLACES}
+    sizes = (10_000, 100_000) if args.quick else (100_000, 1_000_000)
+    res["steady"] = history_steady(sizes, 10 * n, rounds if args.quick else 7, sim)
     res["snapshot_ms"] = snapshot_time(2000, 5 if args.quick else 21, sim)
     res["replay_entries_per_s"] = replay_rate(20_000 if args.quick else 200_000, 3)
 
@@ -291,6 +451,7 @@ def main() -> None:
         if h is not None:
             print(_history_table(h, f"{_PLACES[where]}, {res['env']['device']}, {stamp} stamp",
                                  stamp).render())
+    print(_steady_table(res["steady"], res["env"]["device"]).render())
     t = Table("memory_snapshot() with 2000 live blocks")
     for k, v in res["snapshot_ms"].items():
         t.add(k, v, "ms")

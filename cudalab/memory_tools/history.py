@@ -27,8 +27,11 @@ Settings, as torch's ``torch.cuda.memory._record_memory_history``:
   actions not to record; ``device``, ``compile_context`` and ``global_record_annotations``
   are accepted for torch compatibility and ignored.
 
-Entries are stored compactly as tuples ``(action, addr, size, stream, time_ns, frames,
-nvtx_range, cell)`` (see :data:`FIELDS`), one ring (a ``collections.deque``) per device;
+Entries are recorded as tuples ``(action, addr, size, stream, time_ns, frames,
+nvtx_range, cell)`` (see :data:`FIELDS`) into one ring per device, a
+:class:`~cudalab.memory_tools.history_ring.HistoryRing`, which moves them into columns of
+machine integers every few thousand entries (no Python object per stored entry, nothing
+for the garbage collector to traverse) and rebuilds the tuples when they are read;
 ``frames`` is None or a flat tuple ``(code, lasti, code, lasti, ...)`` innermost first,
 turned into ``{"filename", "line", "name"}`` dicts only when a snapshot is taken
 (:func:`cudalab.memory_tools.stacks.frames_to_dicts`). For an ``oom`` entry ``addr`` holds
@@ -67,7 +70,6 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, NamedTuple
 
@@ -77,6 +79,7 @@ from cudalab.allocator import registry as _registry
 from cudalab.allocator.async_allocator import HISTORY_UNSUPPORTED
 from cudalab.allocator.hooks import CompactTrace
 from cudalab.memory_tools import stacks as _stacks
+from cudalab.memory_tools.history_ring import ACTIONS, CHUNK, HistoryRing
 from cudalab.nvtx import thread_ranges as _nvtx_ranges  # never rebound: bound once (hot)
 
 __all__ = [
@@ -99,9 +102,6 @@ __all__ = [
     "trace_entries",
 ]
 
-#: Every trace action, in torch's order.
-ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
-           "segment_map", "segment_unmap", "snapshot", "oom")
 #: The fields of a raw entry tuple (:func:`raw_entries`).
 FIELDS = ("action", "addr", "size", "stream", "time_ns", "frames", "nvtx_range", "cell")
 
@@ -224,15 +224,22 @@ class _Recorder:
 
 _lock = threading.RLock()
 _settings: _Settings | None = None
-_rings: dict[int, deque] = {}
+_rings: dict[int, HistoryRing] = {}
 _recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # allocator -> _Recorder
 _extra: weakref.WeakSet = weakref.WeakSet()  # allocators attached by attach_allocator()
 _hooked = False
 
 
-def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> CompactTrace:
-    """The allocator hook ``trace(action, addr, size, stream)`` for one recorder."""
+def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None],
+                ring: HistoryRing | None = None) -> CompactTrace:
+    """The allocator hook ``trace(action, addr, size, stream)`` for one recorder, passing
+    its entries to ``append``. With ``ring`` (whose ``young`` list ``append`` fills), the
+    hook has the ring compact its young entries each time they reach a chunk."""
     now = time.time_ns
+    # the ring's young entries, and when to compact them (never, without a ring)
+    young: list = ring.young if ring is not None else []
+    compact = ring.compact if ring is not None else _no_compact
+    full = CHUNK if ring is not None else sys.maxsize
     nvtls = _nvtx_ranges
     nv = _nvtx  # nv.ranges_used: one attribute load per entry (the flag is rebound once)
 
@@ -240,6 +247,8 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
         def trace_times(action: str, addr: int, size: int, stream: int) -> None:
             m = nvtls.__dict__.get("messages") if nv.ranges_used else None
             append((action, addr, size, stream, now(), None, m[-1] if m else None, _cell))
+            if len(young) >= full:
+                compact()
 
         def pairs(addr: int, size: int, stream: int, times: Any) -> None:
             """The entries of memo pairs that the allocator logged compactly, pairs of
@@ -253,6 +262,8 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
                     append(("free_completed", addr, size, stream, f, None, None, cell))
                 if t:
                     append(("alloc", addr, size, stream, t, None, None, cell))
+                if len(young) >= full:
+                    compact()
 
         # Entries without stacks carry nothing but the time: the memo's stamps are times.
         return _compact(trace_times, pairs, now, now, nv)
@@ -327,6 +338,8 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
             ef = None
         m = nvtls.__dict__.get("messages") if nv.ranges_used else None
         append((action, addr, size, stream, now(), ef, m[-1] if m else None, _cell))
+        if len(young) >= full:
+            compact()
 
     # Memo pairs are logged compactly too (see _compact): their stamps are (time, stack)
     # for an allocation, and for a free when frees carry their own stack (context "all"),
@@ -354,6 +367,8 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None]) -> 
                 t, fr = a
                 blocks[addr] = fr
                 append(("alloc", addr, size, stream, t, fr if on_alloc else None, None, cell))
+            if len(young) >= full:
+                compact()
 
     stamp = _stacks.active_stamp()
     return _compact(trace, pairs_with_stacks, stamp, stamp if on_free else now, nv)
@@ -380,15 +395,21 @@ def _compact(trace: Any, pairs: Callable, now: Callable, free_now: Callable,
     return trace  # a function given the protocol's fields
 
 
-def _ring(device: int, maxlen: int) -> deque:
+def _no_compact() -> None:
+    """The compaction of a hook without a ring (tests hand ``_make_trace`` a list)."""
+
+
+def _ring(device: int, maxlen: int) -> HistoryRing:
     ring = _rings.get(device)
-    if ring is None or ring.maxlen != maxlen:
-        ring = _rings[device] = deque(ring or (), maxlen=maxlen)  # keeps the newest
+    if ring is None:
+        ring = _rings[device] = HistoryRing(maxlen)
+    elif ring.maxlen != maxlen:
+        ring.set_maxlen(maxlen)  # keeps the newest
     return ring
 
 
-def _appender(device: int, st: _Settings) -> Callable[[tuple], None]:
-    raw = _ring(device, st.max_entries).append
+def _appender(ring: HistoryRing, st: _Settings) -> Callable[[tuple], None]:
+    raw = ring.young.append
     meta = _metadata
     if meta:  # (only while metadata is set: the plain path appends the tuple as built)
         ring_append = raw
@@ -414,7 +435,8 @@ def _attach(a: Any, st: _Settings) -> None:
     rec = _recorders.get(a)
     if rec is None:
         rec = _Recorder(a.device)
-    trace = _make_trace(rec, st.level, _appender(a.device, st))
+    ring = _ring(a.device, st.max_entries)
+    trace = _make_trace(rec, st.level, _appender(ring, st), ring)
     trace.capacity = st.max_entries
     # deferred frees happened before recording starts: attach_trace applies them first; the
     # cudaMallocAsync allocator raises RuntimeError here
@@ -703,13 +725,7 @@ def raw_entries(device: int) -> list[tuple]:
     ring = _rings.get(device)
     if ring is None:
         return []
-    for _ in range(100):
-        try:
-            return list(ring)
-        except RuntimeError:  # appended to while copying: try again
-            continue
-    with _lock:
-        return list(ring)
+    return ring.entries()
 
 
 def _record_snapshot(device: int, total_active: int) -> None:
