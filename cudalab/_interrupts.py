@@ -16,12 +16,13 @@ whose code is *guarded* (registered with :func:`guard_files` / :func:`guard`) de
 interrupt, the first whose code is *open* (:func:`open_code`: the user's code that a guarded
 function runs, e.g. the body of a ``%%cuda_timed`` cell) or no such frame delivers it (the
 wrapped handler is called). Other frames (a user's free-memory callback, a history hook) do
-not decide. A deferred interrupt is owed: a helper thread watches the main thread and, once
-its innermost deciding frame is no longer guarded, trips SIGINT again
-(``_thread.interrupt_main``), so the wrapped handler raises KeyboardInterrupt in the user's
-code, right after the allocator call, the finalizer or the bookkeeping ends. Nothing runs in
-the guarded code itself: the hot paths cost what they cost before, and the price (a walk
-over the main thread's frames) is paid only when Ctrl-C is pressed.
+not decide. A deferred interrupt is owed: a helper thread trips SIGINT again every
+``POLL_SECONDS`` (``_thread.interrupt_main``), and each time the handler, in the main thread,
+looks at its frames again: once the innermost deciding frame is no longer guarded, the
+wrapped handler raises KeyboardInterrupt in the user's code, right after the allocator call,
+the finalizer or the bookkeeping ends. Nothing runs in the guarded code itself: the hot
+paths cost what they cost before, and the price (walks over the main thread's frames, by
+the main thread) is paid only while an interrupt is owed, a few milliseconds per press.
 
 Invariants: at most one interrupt is owed (``_owed``); a helper thread (``_poller``) runs
 while one is owed; it has at most one trip outstanding (``_tripped``, cleared by the handler),
@@ -198,15 +199,19 @@ class _DeferringHandler:
 
 
 def _redeliver() -> None:
-    """The helper thread: while an interrupt is owed, trip SIGINT when the main thread is seen
-    outside guarded code (one trip at a time: the handler decides again first)."""
+    """The helper thread: while an interrupt is owed, trip SIGINT again and again (one trip
+    at a time); the handler, running in the main thread, decides each time whether the main
+    thread has left guarded code (then it delivers) or not (then the interrupt stays owed).
+
+    The helper never looks at the main thread's frames itself: reading another thread's
+    frames (``sys._current_frames()`` and ``f_back``) while it runs is not safe in CPython
+    3.11 (a walk can meet a frame being torn down: seen here as a crash), so every walk is
+    done by the main thread, over its own stack.
+    """
     global _poller, _tripped, _owed
-    main = threading.main_thread().ident
     sleep = time.sleep
-    current_frames = sys._current_frames
     while True:
         sleep(POLL_SECONDS)
-        frame = current_frames().get(main)  # type: ignore[arg-type]
         with _lock:
             if _owed and not isinstance(_signal.getsignal(_signal.SIGINT), _DeferringHandler):
                 _owed = False  # the wrapper was replaced (ipykernel after a cell): drop it
@@ -214,10 +219,9 @@ def _redeliver() -> None:
                 _poller = None
                 sys.setswitchinterval(_switch[0])
                 return
-            if not _tripped and frame is not None and not deferring(frame):
+            if not _tripped:
                 _tripped = True
                 _thread.interrupt_main(_signal.SIGINT)
-        del frame
 
 
 def deliver_owed() -> None:

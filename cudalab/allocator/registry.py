@@ -346,7 +346,10 @@ def get_allocator(device: int) -> Allocator:
             from cudalab import devices
 
             a = create_allocator(devices._backend(), device, allocator_config())
-            if device < len(syncs_before_creation):
+            # (torch counts them on its native allocators only: the async and pluggable
+            # ones keep no such statistic)
+            if device < len(syncs_before_creation) and isinstance(
+                    a, (DeviceCachingAllocator, UncachedAllocator)):
                 a.stats.num_sync_all_streams += syncs_before_creation[device]
             for hook in _on_create:
                 hook(a)
