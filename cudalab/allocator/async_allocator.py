@@ -297,9 +297,6 @@ class AsyncPoolAllocator(Allocator):
             self._limit = int(fraction * total)
             self._limited = True
 
-    def get_memory_fraction(self) -> float:
-        return self._fraction if self._limited else 1.0
-
     def segments(self) -> list[dict]:
         raise RuntimeError(SNAPSHOT_UNSUPPORTED)
 

@@ -113,9 +113,14 @@ class Allocator(abc.ABC):
     def set_memory_fraction(self, fraction: float) -> None:
         """Cap reserved memory at ``fraction`` of the device's total memory."""
 
-    @abc.abstractmethod
+    #: The fraction :meth:`set_memory_fraction` last set, exactly as given (torch stores
+    #: it); 1.0 until then. Every allocator sets it in ``__init__`` and in
+    #: :meth:`set_memory_fraction`, so :meth:`get_memory_fraction` is this one method.
+    _fraction: float
+
     def get_memory_fraction(self) -> float:
         """The cap set by :meth:`set_memory_fraction` (1.0 when none)."""
+        return self._fraction
 
     @abc.abstractmethod
     def segments(self) -> list[dict]:

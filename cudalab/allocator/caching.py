@@ -503,11 +503,6 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
         if config.per_process_memory_fraction is not None:
             self.set_memory_fraction(config.per_process_memory_fraction)
 
-    def get_memory_fraction(self) -> float:
-        if not self._set_fraction:
-            return 1.0
-        return self._fraction  # the float that was set, exactly (torch stores it too)
-
     def add_free_memory_callback(self, callback: Callable[[], bool]) -> None:
         """torch's FreeMemoryCallback: called (without the lock) on a cache miss; return True
         if it freed memory so the search is repeated."""

@@ -236,6 +236,7 @@ class PluggableDeviceAllocator(Allocator):
         self._uses: dict[int, set] = {}
         self._lock = threading.Lock()
         self._limited = False
+        self._fraction = 1.0
         self._limit = UNLIMITED
         self._total = 0
         self._trace: AllocatorTrace | None = None
@@ -345,9 +346,6 @@ class PluggableDeviceAllocator(Allocator):
             self._limit = int(fraction * total)
             self._fraction = float(fraction)  # returned as set (torch stores the fraction)
             self._limited = True
-
-    def get_memory_fraction(self) -> float:
-        return self._fraction if self._limited else 1.0
 
     def segments(self) -> list[dict]:
         """One segment per live allocation (torch's snapshot layout)."""

@@ -48,6 +48,7 @@ class UncachedAllocator(Allocator):
         self._live: dict[int, tuple[int, int, Counters]] = {}
         self._lock = threading.Lock()
         self._set_fraction = False
+        self._fraction = 1.0
         self._allowed = 0
         self._total = 0
         self._trace: AllocatorTrace | None = None
@@ -121,9 +122,6 @@ class UncachedAllocator(Allocator):
             self._allowed = int(fraction * total)
             self._fraction = float(fraction)  # returned as set (torch stores the fraction)
             self._set_fraction = True
-
-    def get_memory_fraction(self) -> float:
-        return self._fraction if self._set_fraction else 1.0
 
     def segments(self) -> list[dict]:
         with self._lock:

@@ -26,6 +26,8 @@ import io
 import os
 import pickle
 import threading
+from collections.abc import Iterator
+from itertools import compress
 from typing import Any
 
 from cudalab._units import GiB, parse_size
@@ -37,6 +39,7 @@ __all__ = [
     "RestrictedUnpickler",
     "SnapshotLoadError",
     "check_nesting",
+    "container_levels",
     "max_snapshot_bytes",
     "read_bounded",
     "unpickle",
@@ -342,24 +345,41 @@ _MAX_THREAD_STACK = 1 << 30
 _stack_lock = threading.Lock()
 
 
-def _nesting_levels(obj: Any, limit: int) -> int:
-    """How many levels of containers ``obj`` has, counted breadth first (no recursion; one
-    C-level pass per level), or ``limit + 1`` once deeper (a structure that holds itself
-    is endless)."""
-    import gc
-    from itertools import compress
+def container_levels(obj: Any, containers: frozenset, limit: int
+                     ) -> Iterator[tuple[list, list[type]]]:
+    """``obj``'s levels breadth first: for each, the objects the level's containers refer to
+    and their types (no recursion; one C-level pass, ``gc.get_referents``, per level).
 
-    containers = frozenset({dict, list, tuple, set, frozenset}).__contains__
+    Parameters
+    ----------
+    obj
+        The root (level 0 is ``[obj]``).
+    containers : frozenset of type
+        The types walked into; a container shared by several (a stack's frames) is walked
+        once.
+    limit : int
+        The most levels yielded (a structure that holds itself is endless).
+    """
+    import gc
+
+    is_container = containers.__contains__
     level = [obj]
-    n = 0
-    while level:
-        n += 1
-        if n > limit:
-            break
+    for _ in range(limit):
+        if not level:
+            return
         refs = gc.get_referents(*level)
-        level = list(compress(refs, map(containers, map(type, refs))))
+        types = list(map(type, refs))
+        yield refs, types
+        level = list(compress(refs, map(is_container, types)))
         level = list(dict(zip(map(id, level), level)).values())  # shared ones once
-    return n
+
+
+_NESTING_CONTAINERS = frozenset({dict, list, tuple, set, frozenset})
+
+
+def _nesting_levels(obj: Any, limit: int) -> int:
+    """How many levels of containers ``obj`` has, or ``limit + 1`` once deeper."""
+    return sum(1 for _ in container_levels(obj, _NESTING_CONTAINERS, limit + 1))
 
 
 def _load_on_big_stack(data: bytes, what: str, stack_bytes: int) -> Any:

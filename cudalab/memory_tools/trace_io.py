@@ -42,7 +42,6 @@ import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -50,6 +49,7 @@ import numpy as np
 from cudalab.memory_tools.history import ACTIONS
 from cudalab.memory_tools.safe_pickle import (
     SnapshotLoadError,
+    container_levels,
     gunzip_bounded,
     max_snapshot_bytes,
     read_bounded,
@@ -240,21 +240,9 @@ def _natively_plain(obj: Any) -> bool:
     those natively, past ``reducer_override``. Breadth first, one C-level pass per level
     (``gc.get_referents``), so a snapshot of a million entries costs a fraction of a
     second."""
-    import gc
-
-    level = [obj]
     bad = _NATIVE_NOT_PLAIN
-    containers = _CONTAINERS.__contains__
-    for _ in range(_MAX_LEVELS):
-        if not level:
-            break
-        refs = gc.get_referents(*level)
-        types = list(map(type, refs))
-        if not bad.isdisjoint(types):
-            return False
-        level = list(compress(refs, map(containers, types)))
-        level = list(dict(zip(map(id, level), level)).values())  # shared ones (frames) once
-    return True
+    return all(bad.isdisjoint(types)
+               for _, types in container_levels(obj, _CONTAINERS, _MAX_LEVELS))
 
 
 # --------------------------------------------------------------------------- loading

@@ -26,7 +26,7 @@ import html
 import zlib
 from typing import Any
 
-from cudalab._atomic_write import atomic_write
+from cudalab._atomic_write import write_bytes_atomic
 from cudalab._units import format_bytes
 
 __all__ = ["_save_memory_usage", "_save_segment_usage", "folded_memory", "folded_segments",
@@ -233,11 +233,6 @@ def memory(snapshot: dict) -> str:
 
 
 # --------------------------------------------------------------------------- files
-def _write_atomically(filename: Any, text: str) -> None:
-    with atomic_write(filename, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
 def _snapshot_or_now(snapshot: dict | None) -> dict:
     if snapshot is None:
         from cudalab.memory_tools.snapshot import _snapshot
@@ -268,7 +263,7 @@ def _save_segment_usage(filename: Any = "output.svg", snapshot: dict | None = No
     OSError
         When the file cannot be written (nothing is left behind).
     """
-    _write_atomically(filename, segments(_snapshot_or_now(snapshot)))
+    write_bytes_atomic(filename, segments(_snapshot_or_now(snapshot)).encode())
 
 
 def _save_memory_usage(filename: Any = "output.svg", snapshot: dict | None = None) -> None:
@@ -289,4 +284,4 @@ def _save_memory_usage(filename: Any = "output.svg", snapshot: dict | None = Non
     OSError
         When the file cannot be written (nothing is left behind).
     """
-    _write_atomically(filename, memory(_snapshot_or_now(snapshot)))
+    write_bytes_atomic(filename, memory(_snapshot_or_now(snapshot)).encode())
