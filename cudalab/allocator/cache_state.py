@@ -92,7 +92,6 @@ class CacheState(Allocator):
             )
         self.backend = backend
         self.device = device
-        self.config = config
         self._default_stream = stream_resolver or (lambda: current_stream_key(device))
         self._tls_streams = stream_resolver is None  # malloc reads the thread's stream list
         ms = config.max_split_size
@@ -100,18 +99,11 @@ class CacheState(Allocator):
         self.large = BlockPool(False)
         self.stats = DeviceStats(-1 if ms >= UNLIMITED else ms, self.small, self.large)
         self._agg = self.stats.agg
-        # settings read on the hot path
-        self._max_split = ms
-        self._split_limited = ms < UNLIMITED
-        self._max_non_split = config.max_non_split_rounding_size
-        self._large_segment = config.large_segment_size
-        self._rounding = any(d > 1 for d in config.roundup_power2_divisions)
-        self._gc_threshold = config.garbage_collection_threshold
-        self._gc_on = False  # set_fraction and threshold > 0
         self._set_fraction = False
         self._fraction = 1.0
         self._allowed = 0
         self._total = 0
+        self._apply_settings(config)  # the settings read on the hot path
         # state
         self._lock = lock = TokenLock()
         self._take = lock.take  # the hot paths inline acquire/release (see token_lock)
@@ -136,10 +128,7 @@ class CacheState(Allocator):
         #: trace(action, addr, size, stream) at torch's points; None (the default) costs
         #: one test per operation. Set through hooks.attach_trace / detach_trace.
         self._trace: AllocatorTrace | None = None
-        # ---- the pair memo (see _establish_memo)
-        #: Whether this allocator may defer frees at all (off for flavours with their own
-        #: malloc, for max_split_size, and for tests that compare against the plain path).
-        self._memo_ok = type(self)._memo_class_ok and not self._split_limited
+        # ---- the pair memo (see _establish_memo; _memo_ok is set by _apply_settings)
         self._last: Block | None = None  # the block the last malloc took by a plain best fit
         self._last_stream: Any = None  # the stream argument (or current Stream) of that malloc
         self._memo: Block | None = None
@@ -167,3 +156,24 @@ class CacheState(Allocator):
         self._memo_split = (0, 0)  # inactive_split (count, bytes) accumulated per hit pair
         if config.per_process_memory_fraction is not None:
             self.set_memory_fraction(config.per_process_memory_fraction)
+
+    def _apply_settings(self, config: AllocatorConfig) -> None:
+        """Keep ``config`` and the hot path's copies of its settings.
+
+        The one place they are derived, at creation and by ``reconfigure``, so the two
+        cannot drift. ``_gc_on`` is "a fraction is set and the threshold is > 0";
+        ``_memo_ok`` is whether this allocator may defer frees at all (off for flavours
+        with their own malloc, for max_split_size, and for tests that compare against the
+        plain path).
+        """
+        self.config = config
+        ms = config.max_split_size
+        self._max_split = ms
+        self._split_limited = ms < UNLIMITED
+        self.stats.max_split_size = -1 if ms >= UNLIMITED else ms
+        self._max_non_split = config.max_non_split_rounding_size
+        self._large_segment = config.large_segment_size
+        self._rounding = any(d > 1 for d in config.roundup_power2_divisions)
+        self._gc_threshold = config.garbage_collection_threshold
+        self._gc_on = self._set_fraction and self._gc_threshold > 0.0
+        self._memo_ok = type(self)._memo_class_ok and not self._split_limited

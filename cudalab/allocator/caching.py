@@ -70,7 +70,7 @@ from cudalab.allocator.blocks import (
     BlockPool,
 )
 from cudalab.allocator.cache_state import NO_STREAM
-from cudalab.allocator.config import UNLIMITED, AllocatorConfig
+from cudalab.allocator.config import AllocatorConfig
 from cudalab.allocator.events import EventPool
 from cudalab.allocator.inspection import Inspection
 from cudalab.allocator.memo import PairMemo
@@ -489,17 +489,7 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
             self._last = None
             if self._pending_frees:
                 self._drain_pending_frees()
-            self.config = config
-            ms = config.max_split_size
-            self._max_split = ms
-            self._split_limited = ms < UNLIMITED
-            self.stats.max_split_size = -1 if ms >= UNLIMITED else ms
-            self._max_non_split = config.max_non_split_rounding_size
-            self._large_segment = config.large_segment_size
-            self._rounding = any(d > 1 for d in config.roundup_power2_divisions)
-            self._gc_threshold = config.garbage_collection_threshold
-            self._gc_on = self._set_fraction and self._gc_threshold > 0.0
-            self._memo_ok = type(self)._memo_class_ok and not self._split_limited
+            self._apply_settings(config)
         if config.per_process_memory_fraction is not None:
             self.set_memory_fraction(config.per_process_memory_fraction)
 
