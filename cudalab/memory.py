@@ -36,7 +36,6 @@ from cudalab.allocator.registry import active as _active  # never rebound: bind 
 from cudalab.allocator.registry import (
     allocator_config,
     count_sync_before_creation,
-    custom_factory,
     existing_allocator,
     find_owner,
     get_allocator,
@@ -428,8 +427,7 @@ def empty_cache() -> None:
         a.empty_cache()
     # torch's emptyCache runs on every device's allocator, so its num_sync_all_streams moves
     # on devices nothing was allocated on yet; count those without creating allocators.
-    if custom_factory() is None and allocator_config().backend == "native":
-        count_sync_before_creation(_devices.device_count())
+    count_sync_before_creation(_devices.device_count())
 
 
 def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:

@@ -360,13 +360,17 @@ def get_allocator(device: int) -> Allocator:
 
 
 def count_sync_before_creation(device_count: int) -> None:
-    """Count one ``empty_cache()`` synchronisation on every device without an allocator yet.
+    """Count one ``empty_cache()`` synchronisation on every device without an allocator yet
+    (nothing when the allocators to come are not native ones: torch's async and pluggable
+    allocators keep no such statistic).
 
     Parameters
     ----------
     device_count
         The number of devices (:data:`syncs_before_creation` grows to it).
     """
+    if _custom is not None or allocator_config().backend != "native":
+        return
     with _registry_lock:
         if len(syncs_before_creation) < device_count:
             syncs_before_creation.extend([0] * (device_count - len(syncs_before_creation)))
