@@ -32,44 +32,12 @@ from cudalab._driver.sim import (
     parse_visible_devices,
     register_kernel,
 )
-from cudalab._driver.sim import kernels as sim_kernels
 from cudalab._driver.sim.config import device_uuid
 from cudalab.errors import CudaError, NvmlError, OutOfMemoryError
 
 GiB = 1 << 30
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def make():
-    """make(devices=None, memory=None, visible=None) -> a fresh, initialised backend, its
-    settings given as the environment variables' texts (None: unset)."""
-
-    def _make(devices=None, memory=None, visible=None):
-        env = {key: str(value) for key, value in (("CUDALAB_SIMULATOR_DEVICES", devices),
-                                                  ("CUDALAB_SIMULATOR_MEMORY", memory),
-                                                  ("CUDA_VISIBLE_DEVICES", visible))
-               if value is not None}
-        b = SimulatorBackend(SimulatorConfig.from_env(env))
-        b.init()
-        return b
-
-    return _make
-
-
-@pytest.fixture
-def b(make):
-    """Two 64 MiB devices: small enough to fill on purpose."""
-    return make(devices=2, memory="64MiB")
-
-
-@pytest.fixture
-def kernels(monkeypatch):
-    """An isolated kernel registry (registrations vanish after the test)."""
-    registry = dict(sim_kernels._KERNELS)
-    monkeypatch.setattr(sim_kernels, "_KERNELS", registry)
-    return registry
 
 
 def expect_cuda_error(code, name, fn, *args, call=None, message=None):

@@ -23,41 +23,11 @@ from cudalab._driver.sim import (
     SimulatorConfig,
     register_kernel,
 )
-from cudalab._driver.sim import kernels as sim_kernels
 from cudalab.errors import CudaError, OutOfMemoryError
 
 MiB = 1 << 20
 G = 2 * MiB  # the simulator's VMM granularity
 FAKE_END = FAKE_BASE + MAX_DEVICES * DEVICE_STRIDE
-
-
-@pytest.fixture
-def make():
-    """make(devices=None, memory=None) -> a fresh, initialised backend (settings as the
-    environment variables' texts, read from a mapping; None: the default)."""
-
-    def _make(devices=None, memory=None):
-        env = {key: str(value) for key, value in (("CUDALAB_SIMULATOR_DEVICES", devices),
-                                                  ("CUDALAB_SIMULATOR_MEMORY", memory))
-               if value is not None}
-        b = SimulatorBackend(SimulatorConfig.from_env(env))
-        b.init()
-        return b
-
-    return _make
-
-
-@pytest.fixture
-def b(make):
-    """Two 64 MiB devices: small enough to fill on purpose."""
-    return make(devices=2, memory="64MiB")
-
-
-@pytest.fixture
-def kernels(monkeypatch):
-    registry = dict(sim_kernels._KERNELS)
-    monkeypatch.setattr(sim_kernels, "_KERNELS", registry)
-    return registry
 
 
 def expect_invalid(fn, *args, call=None):
