@@ -25,6 +25,7 @@ from cudalab.allocator.hooks import attach_trace, detach_trace
 from cudalab.allocator.registry import create_allocator
 from cudalab.allocator.stats import STAT_KEYS
 from cudalab.errors import OutOfMemoryError
+from tests.helpers.counting_backend import CountingBackend
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -37,25 +38,6 @@ MOVING = {
     "active_bytes.all.current", "active_bytes.all.peak",
     "reserved_bytes.all.current", "reserved_bytes.all.peak",
 }
-
-
-class CountingBackend:
-    """Wraps a backend and counts every driver call made through it."""
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.calls: list[str] = []
-
-    def __getattr__(self, name):
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
-
-        def wrapper(*args, **kwargs):
-            self.calls.append(name)
-            return attr(*args, **kwargs)
-
-        return wrapper
 
 
 @pytest.fixture

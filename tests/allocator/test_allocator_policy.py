@@ -19,6 +19,7 @@ from cudalab.allocator.policy import allocation_size, round_size, roundup_power2
 from cudalab.allocator.registry import create_allocator, native_allocator
 from cudalab.allocator.uncached import UncachedAllocator
 from cudalab.errors import OutOfMemoryError
+from tests.helpers.counting_backend import CountingBackend
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -69,25 +70,6 @@ def block_of(a, ptr: int) -> dict:
         if b["address"] == ptr:
             return b
     raise AssertionError(f"{ptr:#x} starts no block")
-
-
-class CountingBackend:
-    """Wraps a backend and counts every driver call made through it."""
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.calls: list[str] = []
-
-    def __getattr__(self, name):
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
-
-        def wrapper(*args, **kwargs):
-            self.calls.append(name)
-            return attr(*args, **kwargs)
-
-        return wrapper
 
 
 # --------------------------------------------------------------------------- rounding
@@ -298,31 +280,6 @@ def test_trace_hook_sees_torchs_points(alloc):
 
 
 # --------------------------------------------------------------------------- record_stream
-@pytest.fixture
-def hold(backend):
-    """hold(stream) keeps work queued on ``stream`` from completing until release()."""
-    paused = []
-
-    class Holder:
-        def __call__(self, stream):
-            if hasattr(backend, "pause_stream"):
-                backend.pause_stream(stream._handle)
-            else:  # a real GPU: keep the stream busy for a while
-                from cudalab._kernels.spin import gpu_sleep
-
-                gpu_sleep(500_000_000, stream=stream)
-            paused.append(stream)
-
-        def release(self):
-            while paused:
-                s = paused.pop()
-                if hasattr(backend, "resume_stream"):
-                    backend.resume_stream(s._handle)
-                s.synchronize()
-
-    h = Holder()
-    yield h
-    h.release()
 
 
 def test_record_stream_defers_reuse_until_events_complete(backend, allocs, hold):
