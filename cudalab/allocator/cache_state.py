@@ -26,7 +26,7 @@ from cudalab.allocator.token_lock import TokenLock
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
-    from cudalab.allocator.hooks import AllocatorTrace
+    from cudalab.allocator.hooks import AllocatorTrace, StampLog
 
 __all__ = ["CacheState", "NO_STREAM"]
 
@@ -139,9 +139,12 @@ class CacheState(Allocator):
         self._hit_size = -1  # the request of a pure memo hit (-1: none)
         #: memo pairs logged compactly for the history: (free stamp, alloc stamp) pairs, 0
         #: for none (see _establish_memo); _hit_ap is its append, _hit_now and _hit_fnow
-        #: make the alloc and free stamps
-        self._hit_log: deque[Any] | None = None
+        #: make the alloc and free stamps; _hit_rec(tfree), where the log has it (the
+        #: history's compiled HitLog), logs a pure hit's two stamps in one call (invariant:
+        #: set only while _hit_ap is, both from the same log)
+        self._hit_log: StampLog | None = None
         self._hit_ap: Callable[[Any], None] | None = None
+        self._hit_rec: Callable[[Any], None] | None = None
         self._hit_now: Callable[[], Any] = _no_stamp  # (called only while _hit_ap is set)
         self._hit_fnow: Callable[[], Any] = _no_stamp
         self._hit_stream: Any = NO_STREAM  # the Stream object of a pure hit

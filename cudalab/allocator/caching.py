@@ -100,7 +100,7 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
     # subclasses') in the instance dict.
     __slots__ = ("_take", "_give", "_hit_size", "_hit_stream", "_hit_none",
                  "_ready", "_pending_frees", "_live", "_memo_hits", "_trace", "_memo",
-                 "_tls_streams", "device", "_hit_log", "_hit_ap", "_hit_now", "_hit_fnow",
+                 "_tls_streams", "device", "_hit_log", "_hit_ap", "_hit_rec", "_hit_now", "_hit_fnow",
                  "_memo_req0")
 
     # ------------------------------------------------------------------ public API
@@ -125,8 +125,10 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
                 self._live[m.ptr] = m
                 self._memo_hits += 1
                 if self._trace is not None:
-                    ap = self._hit_ap
-                    if ap is not None:  # see _establish_memo
+                    rec = self._hit_rec
+                    if rec is not None:  # its free's stamp and its own, in one call
+                        rec(m.tfree)
+                    elif (ap := self._hit_ap) is not None:  # see _establish_memo
                         ap(m.tfree)  # its free's stamp (0: none, skipped when written)
                         ap(self._hit_now())
                     else:

@@ -27,7 +27,7 @@ module can name it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "TraceAction",
     "AllocatorTrace",
     "CompactTrace",
+    "StampLog",
     "Traceable",
     "attach_trace",
     "detach_trace",
@@ -103,7 +104,7 @@ class CompactTrace(AllocatorTrace, Protocol):
     #: entry), oldest first; ``addr``, ``size`` (the memo's first request) and ``stream`` as
     #: in ``__call__``. Called with the lock held; it must consume ``stamps`` before it
     #: returns (the allocator clears the log afterwards) and must not raise.
-    compact: Callable[[int, int, int, Sequence[Any]], None]
+    compact: Callable[[int, int, int, StampLog], None]
     #: ``compact_ok()``: whether pairs may be logged as stamps from now on (False when the
     #: entries would carry more than a stamp, e.g. an NVTX range). Asked when a memo is set
     #: up, with the lock held.
@@ -118,6 +119,23 @@ class CompactTrace(AllocatorTrace, Protocol):
     #: ``2 * capacity`` stamps in its log (older ones would be dropped by the listener
     #: anyway); read when a memo is set up.
     capacity: int | None
+    #: ``new_log(maxlen)``: the log the allocator keeps the stamps in (a :class:`StampLog`
+    #: bounded to the newest ``maxlen`` stamps, None: unbounded), made when a memo is set up.
+    #: Its optional ``hit(tfree)`` logs a pure hit's free stamp then ``now()``, in one call.
+    new_log: Callable[[int | None], StampLog]
+
+
+class StampLog(Protocol):
+    """The log of memo stamps a :class:`CompactTrace` makes (``new_log``): a bounded
+    ``collections.deque`` does; oldest first, at most its bound (the oldest dropped)."""
+
+    def append(self, stamp: Any, /) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Any: ...
 
 
 class Traceable(Protocol):

@@ -14,7 +14,6 @@ flushes it.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from cudalab import streams as _streams
@@ -115,9 +114,10 @@ class PairMemo(CacheState):
         if trace is not None and getattr(trace, "compact", None) is not None and trace.compact_ok():
             # bounded like the history's ring: stamps older than what it keeps are dropped
             cap = trace.capacity
-            log: deque[Any] = deque(maxlen=None if cap is None or cap >= 1 << 60 else 2 * cap)
+            log = trace.new_log(None if cap is None or cap >= 1 << 60 else 2 * cap)
             self._hit_log = log
             self._hit_ap = log.append
+            self._hit_rec = getattr(log, "hit", None)  # one call for a pure hit's two stamps
             self._hit_now = trace.now
             self._hit_fnow = trace.free_now
         return True
@@ -170,7 +170,7 @@ class PairMemo(CacheState):
                 log.append(b.tfree)
                 log.append(0)
             self._spill_log()
-            self._hit_log = self._hit_ap = None
+            self._hit_log = self._hit_ap = self._hit_rec = None
         b.tfree = 0
         self._memo = None
         self._hit_size = -1

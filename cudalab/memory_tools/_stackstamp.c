@@ -230,6 +230,201 @@ setup(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ---- HitLog: the memo's stamp log, with a pure hit's two stamps logged in one call ------ */
+/* Why: with history on, every pure memo hit of the caching allocator logs two stamps: its
+ * free's (carried on the block) and its own. As a deque that was two appends and a call of
+ * the stamp function, three calls from Python on the hot path; HitLog.hit(tfree) makes it
+ * one (benchmarks/history.py, rows "stacks=None" and "stacks=python" once the ring holds
+ * N entries). Otherwise HitLog is the deque it replaces: append, len, iteration (oldest
+ * first), clear, bounded to the newest maxlen stamps. Stamps are logged in pairs, so the
+ * bound (even) drops whole pairs.
+ * Storage: a list holding at most 2 * maxlen stamps; when it reaches that, the oldest
+ * maxlen are deleted at once (amortised O(1) per stamp); readers see the newest maxlen. */
+#define HIT_CLOCK 0 /* now is time.time_ns(): read the clock here */
+#define HIT_STAMP 1 /* now is this module's stamp(): called here directly */
+#define HIT_CALL 2  /* now is any callable */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *items;    /* list of stamps, oldest first (invariant: len <= 2 * maxlen) */
+    Py_ssize_t maxlen;  /* > 0 and even; PY_SSIZE_T_MAX / 4 for "unbounded" */
+    int kind;           /* HIT_CLOCK, HIT_STAMP or HIT_CALL */
+    PyObject *now;      /* the stamp function (kept for HIT_CALL and the repr) */
+} HitLog;
+
+static PyObject *stamp(PyObject *module, PyObject *Py_UNUSED(ignored));
+
+static int
+hitlog_bound(HitLog *self)
+{
+    Py_ssize_t n = PyList_GET_SIZE(self->items);
+    if (n >= 2 * self->maxlen) {
+        return PyList_SetSlice(self->items, 0, n - self->maxlen, NULL);
+    }
+    return 0;
+}
+
+static PyObject *
+hitlog_append(HitLog *self, PyObject *x)
+{
+    if (PyList_Append(self->items, x) < 0 || hitlog_bound(self) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+hitlog_hit(HitLog *self, PyObject *tfree)
+{
+    PyObject *now;
+    if (self->kind == HIT_CLOCK) {
+        long long t;
+        now = now_ns(&t) < 0 ? NULL : PyLong_FromLongLong(t);
+    } else if (self->kind == HIT_STAMP) {
+        now = stamp(NULL, NULL);
+    } else {
+        now = PyObject_CallNoArgs(self->now);
+    }
+    if (now == NULL) {
+        return NULL;
+    }
+    int err = PyList_Append(self->items, tfree) < 0 || PyList_Append(self->items, now) < 0;
+    Py_DECREF(now);
+    if (err || hitlog_bound(self) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+hitlog_clear(HitLog *self, PyObject *Py_UNUSED(ignored))
+{
+    if (PyList_SetSlice(self->items, 0, PyList_GET_SIZE(self->items), NULL) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* the newest maxlen stamps, as a new list */
+static PyObject *
+hitlog_newest(HitLog *self)
+{
+    Py_ssize_t n = PyList_GET_SIZE(self->items);
+    return PyList_GetSlice(self->items, n > self->maxlen ? n - self->maxlen : 0, n);
+}
+
+static Py_ssize_t
+hitlog_len(HitLog *self)
+{
+    Py_ssize_t n = PyList_GET_SIZE(self->items);
+    return n > self->maxlen ? self->maxlen : n;
+}
+
+static PyObject *
+hitlog_iter(HitLog *self)
+{
+    PyObject *items = hitlog_newest(self);
+    if (items == NULL) {
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(items);
+    Py_DECREF(items);
+    return it;
+}
+
+static PyObject *
+hitlog_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"maxlen", "now", "kind", NULL};
+    Py_ssize_t maxlen;
+    PyObject *now;
+    int kind;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nOi:HitLog", kwlist, &maxlen, &now, &kind)) {
+        return NULL;
+    }
+    if (maxlen < 2 || maxlen % 2 || maxlen > PY_SSIZE_T_MAX / 4) {
+        PyErr_Format(PyExc_ValueError, "HitLog: maxlen must be even, >= 2 and < %zd, got %zd",
+                     PY_SSIZE_T_MAX / 4, maxlen);
+        return NULL;
+    }
+    if (kind != HIT_CLOCK && kind != HIT_STAMP && kind != HIT_CALL) {
+        PyErr_Format(PyExc_ValueError, "HitLog: unknown kind %d", kind);
+        return NULL;
+    }
+    if (!PyCallable_Check(now)) {
+        PyErr_SetString(PyExc_TypeError, "HitLog: now must be callable");
+        return NULL;
+    }
+    if (kind == HIT_STAMP && capture == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_stackstamp.setup() was not called");
+        return NULL;
+    }
+    HitLog *self = (HitLog *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->items = PyList_New(0);
+    if (self->items == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->maxlen = maxlen;
+    self->kind = kind;
+    self->now = Py_NewRef(now);
+    return (PyObject *)self;
+}
+
+static int
+hitlog_traverse(HitLog *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->items);
+    Py_VISIT(self->now);
+    return 0;
+}
+
+static int
+hitlog_tp_clear(HitLog *self)
+{
+    Py_CLEAR(self->items);
+    Py_CLEAR(self->now);
+    return 0;
+}
+
+static void
+hitlog_dealloc(HitLog *self)
+{
+    PyObject_GC_UnTrack(self);
+    hitlog_tp_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef hitlog_methods[] = {
+    {"append", (PyCFunction)hitlog_append, METH_O, "Log one stamp."},
+    {"hit", (PyCFunction)hitlog_hit, METH_O,
+     "hit(tfree): log a pure memo hit, its free's stamp tfree then a fresh stamp of its own."},
+    {"clear", (PyCFunction)hitlog_clear, METH_NOARGS, "Drop every stamp."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods hitlog_as_sequence = {
+    .sq_length = (lenfunc)hitlog_len,
+};
+
+static PyTypeObject HitLogType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cudalab.memory_tools._stackstamp.HitLog",
+    .tp_basicsize = sizeof(HitLog),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "HitLog(maxlen, now, kind): the memo's stamp log (see the comment in _stackstamp.c).",
+    .tp_new = hitlog_new,
+    .tp_dealloc = (destructor)hitlog_dealloc,
+    .tp_traverse = (traverseproc)hitlog_traverse,
+    .tp_clear = (inquiry)hitlog_tp_clear,
+    .tp_iter = (getiterfunc)hitlog_iter,
+    .tp_methods = hitlog_methods,
+    .tp_as_sequence = &hitlog_as_sequence,
+};
+
 static PyMethodDef methods[] = {
     {"stamp", stamp, METH_NOARGS, stamp_doc},
     {"setup", setup, METH_VARARGS, setup_doc},
@@ -254,9 +449,13 @@ PyInit__stackstamp(void)
     if (one == NULL && (one = PyLong_FromLong(1)) == NULL) {
         return NULL;
     }
+    if (PyType_Ready(&HitLogType) < 0) {
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&module_def);
-    /* the setup() signature and stamp() contract stacks.py expects */
-    if (m != NULL && PyModule_AddIntConstant(m, "API", 1) < 0) {
+    /* the setup() signature, stamp() and HitLog contract stacks.py expects */
+    if (m != NULL && (PyModule_AddIntConstant(m, "API", 2) < 0
+                      || PyModule_AddObjectRef(m, "HitLog", (PyObject *)&HitLogType) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

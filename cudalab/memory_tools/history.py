@@ -392,6 +392,7 @@ def _compact(trace: Any, pairs: Callable, now: Callable, free_now: Callable,
     trace.now = now
     trace.free_now = free_now
     trace.capacity = None  # the ring's (max_entries, set by _attach): older stamps go
+    trace.new_log = lambda maxlen: _stacks.hit_log(maxlen, now)
     return trace  # a function given the protocol's fields
 
 

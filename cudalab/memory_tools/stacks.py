@@ -36,6 +36,7 @@ import os
 import sys
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -254,8 +255,8 @@ def _load_compiled_stamp() -> Callable[[], tuple] | None:
         return None
     try:
         api = getattr(_stackstamp, "API", None)
-        if api != 1:
-            raise TypeError(f"API {api!r}, expected 1")
+        if api != 2:
+            raise TypeError(f"API {api!r}, expected 2")
         # The objects are shared, not copied: they are filled in place and never rebound.
         _stackstamp.setup(_cud_mods, _other_mods, _internal, _Mark, _capture)
     except Exception as exc:  # noqa: BLE001  (a stale build must not break recording)
@@ -269,6 +270,38 @@ def _load_compiled_stamp() -> Callable[[], tuple] | None:
 _c_stamp = _load_compiled_stamp()
 if _c_stamp is not None:
     _stamp = _c_stamp
+
+#: Kinds of stamp function of a compiled HitLog (_stackstamp.c's HIT_CLOCK, HIT_STAMP,
+#: HIT_CALL: so the two cannot drift, tests/memory_tools/test_stackstamp.py checks them).
+_HIT_CLOCK, _HIT_STAMP, _HIT_CALL = 0, 1, 2
+#: A log this long counts as unbounded (the compiled log's own limit is 2**61 - 1).
+_UNBOUNDED = 1 << 60
+
+
+def hit_log(maxlen: int | None, now: Callable[[], Any]) -> Any:
+    """The caching allocator's log of memo stamps for one recording (the protocol's
+    ``CompactTrace.new_log``): bounded to the newest ``maxlen`` stamps (None: unbounded).
+
+    With the compiled stamp in use it is ``_stackstamp.HitLog``, whose ``hit(tfree)`` logs a
+    pure memo hit's two stamps (its free's, then ``now()``'s) in one call from the allocator's
+    hot path (benchmarks/history.py, the rows once the ring holds N entries); otherwise a
+    ``collections.deque`` (the allocator then appends the two stamps itself). Both iterate
+    oldest first and have ``append``, ``clear`` and ``len``.
+
+    Parameters
+    ----------
+    maxlen : int or None
+        The most stamps kept (even, as stamps come in pairs), None for no bound.
+    now : callable
+        The stamp of a hit: ``time.time_ns`` or the active stack stamp.
+    """
+    if _c_stamp is None or _stamp is not _c_stamp:
+        return deque(maxlen=maxlen)
+    from cudalab.memory_tools import _stackstamp  # type: ignore[attr-defined]  # C, no stub
+
+    kind = _HIT_CLOCK if now is time.time_ns else _HIT_STAMP if now is _c_stamp else _HIT_CALL
+    bound = _UNBOUNDED if maxlen is None or maxlen >= _UNBOUNDED else maxlen + (maxlen & 1)
+    return _stackstamp.HitLog(bound, now, kind)
 
 
 def active_stamp() -> Callable[[], tuple]:

@@ -500,7 +500,7 @@ def test_history_hook_has_the_compact_protocol(backend, monkeypatch):
         trace = a._trace
         assert callable(trace)
         members = set(CompactTrace.__annotations__)
-        assert members == {"compact", "compact_ok", "now", "free_now", "capacity"}
+        assert members == {"compact", "compact_ok", "now", "free_now", "capacity", "new_log"}
         for name in members:
             assert hasattr(trace, name), name
         for _ in range(4):

@@ -941,7 +941,7 @@ def test_the_recorder_hook_implements_the_allocator_hook_protocol(priv, context)
     from cudalab.allocator import hooks
 
     fields = set(hooks.CompactTrace.__annotations__)
-    assert fields == {"compact", "compact_ok", "now", "free_now", "capacity"}
+    assert fields == {"compact", "compact_ok", "now", "free_now", "capacity", "new_log"}
     assert set(hooks.TRACE_ACTIONS) <= set(history.ACTIONS)
     a = priv()
     cudalab.memory._record_memory_history("all", context=context, max_entries=123)
@@ -951,6 +951,10 @@ def test_the_recorder_hook_implements_the_allocator_hook_protocol(priv, context)
         assert hasattr(trace, name), name
     assert callable(trace.compact) and callable(trace.now) and callable(trace.free_now)
     assert trace.compact_ok() in (True, False) and trace.capacity == 123
+    log = trace.new_log(6)  # a StampLog: bounded, oldest first
+    for i in range(5):
+        log.append(i)
+    assert list(log) == [0, 1, 2, 3, 4][-len(log):] and 4 <= len(log) <= 6
     stamp = trace.now()  # a time without stacks, else (time, stack)
     if context is None:
         assert isinstance(stamp, int) and stamp > 0

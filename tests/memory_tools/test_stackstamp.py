@@ -31,9 +31,14 @@ def top(frames) -> tuple:
     return (f["filename"], f["line"], f["name"])
 
 
-def _allocator_method(stamp):
+def _allocator_method(stamp, *args):
     """Stands for the allocator method that calls the stamp: the stamp skips it."""
-    return stamp()
+    return stamp(*args)
+
+
+def _name() -> str:
+    """The caller's function name."""
+    return sys._getframe(1).f_code.co_name
 
 
 needs_compiled = pytest.mark.skipif(stacks._c_stamp is None,
@@ -141,7 +146,7 @@ class _FakeStackstamp:
 
     __file__ = "/somewhere/_stackstamp.so"
 
-    def __init__(self, api=1, fail=None):
+    def __init__(self, api=2, fail=None):
         self.API = api
         self.fail = fail
         self.given = None
@@ -155,7 +160,7 @@ class _FakeStackstamp:
         raise AssertionError("not called here")
 
 
-@pytest.mark.parametrize("fake", [_FakeStackstamp(api=0), _FakeStackstamp(api=None),
+@pytest.mark.parametrize("fake", [_FakeStackstamp(api=1), _FakeStackstamp(api=None),
                                   _FakeStackstamp(fail=TypeError("setup() takes 4 arguments"))],
                          ids=["old API", "no API", "setup fails"])
 def test_a_stale_compiled_stamp_is_reported_and_not_used(fake, monkeypatch):
@@ -351,3 +356,100 @@ def test_a_marked_frame_of_a_cudalab_module_not_seen_yet_is_still_skipped(which)
         assert ns["__name__"] in stacks._cud_mods
     else:
         assert stacks._internal[filename] is True
+
+
+# ---------------------------------------------------------------- the memo's stamp log
+def _logs(maxlen):
+    """The two kinds of stamp log the history hands the allocator: the compiled HitLog
+    (where it is built) and the deque it replaces."""
+    from collections import deque
+
+    out = [deque(maxlen=maxlen)]
+    if stacks._c_stamp is not None:
+        from cudalab.memory_tools import _stackstamp
+
+        out.append(_stackstamp.HitLog(maxlen, time.time_ns, stacks._HIT_CLOCK))
+    return out
+
+
+@pytest.mark.parametrize("maxlen", [2, 6, 1000])
+def test_the_stamp_logs_keep_the_newest_stamps_oldest_first_like_a_deque(maxlen):
+    """HitLog is a drop-in for the bounded deque: the same contents after any run of
+    appends (in pairs), through several rounds of dropping the oldest, and after clear."""
+    logs = _logs(maxlen)
+    for n in range(0, 3 * maxlen + 7):
+        for log in logs:
+            log.append(2 * n)
+            log.append(2 * n + 1)
+        seen = [list(log) for log in logs]
+        assert all(s == seen[0] for s in seen), seen
+        assert all(len(log) == len(seen[0]) <= maxlen for log in logs)
+        assert all(bool(log) for log in logs)
+    assert seen[0][-1] == 2 * n + 1 and len(seen[0]) == maxlen
+    for log in logs:
+        log.clear()
+        assert len(log) == 0 and not log and list(log) == []
+
+
+@needs_compiled
+def test_a_hit_logs_the_free_stamp_then_a_fresh_stamp_of_each_kind():
+    from cudalab.memory_tools import _stackstamp
+
+    t0 = time.time_ns()
+    log = _stackstamp.HitLog(8, time.time_ns, stacks._HIT_CLOCK)
+    log.hit(0)
+    log.hit(123)
+    free0, now0, free1, now1 = list(log)
+    assert (free0, free1) == (0, 123) and t0 <= now0 <= now1 <= time.time_ns()
+    calls = []
+    log = _stackstamp.HitLog(4, lambda: calls.append(1) or ("t", "stack"), stacks._HIT_CALL)
+    for i in range(5):
+        log.hit(i)
+    assert list(log) == [3, ("t", "stack"), 4, ("t", "stack")] and len(calls) == 5
+    # the compiled stack stamp, called directly: what the stamp gives from the same frame
+    log = _stackstamp.HitLog(4, stacks._c_stamp, stacks._HIT_STAMP)
+    for _ in range(2):  # (the second time from the mark the first left)
+        log.clear()
+        _, expected, here = _allocator_method(log.hit, 7), _allocator_method(stacks._c_stamp), line()
+        free, (t, stack) = list(log)
+        assert free == 7 and t0 <= t <= expected[0]
+        assert stacks.frames_to_dicts(stack) == stacks.frames_to_dicts(expected[1])
+        assert top(stacks.frames_to_dicts(stack)) == (HERE, here, _name())
+
+
+@needs_compiled
+def test_the_stamp_log_checks_its_arguments_and_passes_errors_on():
+    from cudalab.memory_tools import _stackstamp
+
+    for bad in [0, 1, 3, -2, 1 << 62]:
+        with pytest.raises(ValueError, match="maxlen must be even"):
+            _stackstamp.HitLog(bad, time.time_ns, stacks._HIT_CLOCK)
+    with pytest.raises(ValueError, match="unknown kind"):
+        _stackstamp.HitLog(2, time.time_ns, 7)
+    with pytest.raises(TypeError, match="callable"):
+        _stackstamp.HitLog(2, 5, stacks._HIT_CALL)
+
+    def boom():
+        raise KeyError("stamp failed")
+
+    log = _stackstamp.HitLog(2, boom, stacks._HIT_CALL)
+    with pytest.raises(KeyError, match="stamp failed"):
+        log.hit(1)
+    assert list(log) == []  # nothing half logged
+
+
+def test_the_history_hands_the_allocator_the_log_of_its_stamp(monkeypatch):
+    """hit_log picks the compiled log only with the compiled stamp in use, of the kind that
+    matches the hit stamp; the pure-Python stamp gets the deque (nothing compiled)."""
+    from collections import deque
+
+    if stacks._c_stamp is None:
+        assert type(stacks.hit_log(4, time.time_ns)) is deque
+        return
+    from cudalab.memory_tools import _stackstamp
+
+    assert type(stacks.hit_log(4, time.time_ns)) is _stackstamp.HitLog
+    assert type(stacks.hit_log(None, stacks._c_stamp)) is _stackstamp.HitLog
+    assert len(stacks.hit_log(None, time.time_ns)) == 0
+    monkeypatch.setattr(stacks, "_stamp", stacks._py_stamp)
+    assert type(stacks.hit_log(4, time.time_ns)) is deque
