@@ -730,7 +730,8 @@ def asarray(obj: Any, device: Any = None, dtype: Any = None) -> DeviceArray:
     host = np.asarray(obj, dtype=dt)
     if dt is None:
         normalize_dtype(host.dtype)  # reject object, string, datetime... with a clear error
-    host = np.ascontiguousarray(host)
+    if not host.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+        host = np.ascontiguousarray(host)
     out = empty(host.shape, dtype=host.dtype, device=device)
     out.copy_(host)
     return out
