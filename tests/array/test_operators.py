@@ -119,7 +119,7 @@ def test_bool_arithmetic_and_bitwise():
 def test_bool_negation_and_subtraction_refused_like_torch():
     t = up([True, False])
     with pytest.raises(RuntimeError, match="Negation, the `-` operator, on a bool tensor"):
-        -t
+        t.__neg__()
     with pytest.raises(RuntimeError, match="with two bool tensors is not supported"):
         t - t
     with pytest.raises(RuntimeError, match="with a bool tensor is not supported"):
