@@ -107,12 +107,13 @@ class _JittedFunction:
         if len(tensors) > MAX_INPUTS:
             raise AssertionError(f"jiterator only supports up to {MAX_INPUTS} tensor inputs, "
                                  f"got {len(tensors)}")
-        for key, value in kwargs.items():
-            if key not in self.kwargs_dict:
-                raise KeyError(f"{key} is not declared in function definition")
-            self.kwargs_dict[key] = value
-        inputs = [_operand(i, t) for i, t in enumerate(tensors)]
+        if kwargs:
+            for key, value in kwargs.items():
+                if key not in self.kwargs_dict:
+                    raise KeyError(f"{key} is not declared in function definition")
+                self.kwargs_dict[key] = value
         kw = self.kwargs_dict
+        inputs = [t if type(t) is DeviceArray else _operand(i, t) for i, t in enumerate(tensors)]
         outs = run(self._function, inputs, tuple(kw.values()), tuple(kw), empty=DeviceArray,
                    sim=sim)
         return outs[0] if self.num_outputs == 1 else tuple(outs)

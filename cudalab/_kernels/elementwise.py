@@ -237,6 +237,12 @@ def _extra_kind(value: Any) -> tuple[str, str]:
 
 def _host_scalar(value: Any, compute: np.dtype) -> int | float:
     """``value`` converted on the host to the compute type, as a kernel parameter."""
+    kind = compute.kind
+    t = type(value)
+    if kind == "f" and (t is float or t is int):
+        return float(value)  # (the f4 parameter rounds to float32 as a cast would)
+    if kind == "i" and t is int and compute == _INT64 and -(2**63) <= value < 2**63:
+        return value
     with np.errstate(all="ignore"):
         try:
             v = np.asarray(value).astype(compute)
@@ -247,13 +253,18 @@ def _host_scalar(value: Any, compute: np.dtype) -> int | float:
     return int(item) if isinstance(item, (bool, int)) else float(item)
 
 
-def _extra_value(value: Any, kind: tuple[str, str]) -> int | float:
-    if kind == EXTRA_DOUBLE:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"extra argument {value!r} must be a number, bool or int") from None
-    return int(value)
+_INT64 = np.dtype(np.int64)
+
+
+def _extra_value(value: Any) -> int | float:
+    """An extra argument as its kernel parameter (torch's as_scalar: int, bool or double)."""
+    t = type(value)
+    if t is int or t is bool:
+        return int(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"extra argument {value!r} must be a number, bool or int") from None
 
 
 def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tuple,
@@ -395,55 +406,79 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
         raise AssertionError(f"jiterator only supports up to {MAX_INPUTS} tensor inputs, "
                              f"got {len(inputs)}")
     key_parts: list[Any] = []
+    arrays: list[Any] = []
+    scalars: list[Any] = []
     device = -1
     for x in inputs:
-        if _is_scalar(x):
-            key_parts.append(type(x) if type(x) in _PYTHON_SCALARS else x.dtype)
-        else:
-            key_parts.append((x._dtype, x._shape, None if x._contiguous else x.strides))
-            if device != x._device:
-                if device >= 0:
-                    raise RuntimeError(
-                        "Expected all tensors to be on the same device, but found at least "
-                        f"two devices, cuda:{device} and cuda:{x._device}!")
-                device = x._device
-    extra_kinds = tuple(_extra_kind(v) for v in extras)
-    key = (tuple(key_parts), extra_kinds, out_dtype,
+        try:
+            dtype = x._dtype
+        except AttributeError:  # a scalar (checked when the plan is built)
+            scalars.append(x)
+            key_parts.append(type(x) if type(x) in _PYTHON_SCALARS else _scalar_key(x))
+            continue
+        arrays.append(x)
+        key_parts.append((dtype, x._shape, None if x._contiguous else x.strides))
+        if device != x._device:
+            if device >= 0:
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device, but found at least "
+                    f"two devices, cuda:{device} and cuda:{x._device}!")
+            device = x._device
+    key = (tuple(key_parts), tuple(map(type, extras)), out_dtype,
            None if out is None else tuple(_operand_key(o) for o in out))
     plan = fn._plans.get(key)
     if plan is None:
+        if device < 0:
+            raise TypeError("an elementwise kernel needs at least one array input; got only "
+                            "scalars")
         simulated = _internal.backend().simulated
+        extra_kinds = tuple(_extra_kind(v) for v in extras)
         plan = _build_plan(fn, inputs, extra_kinds, extra_names, out, out_dtype, simulated)
         with fn._lock:
             fn._plans[key] = plan
-    if device < 0:
-        raise TypeError("an elementwise kernel needs at least one array input")
     if out is None:
-        assert empty is not None
-        outs = [empty(plan.shape, dt, device) for dt in plan.out_dtypes]
+        outs = [empty(plan.shape, dt, device) for dt in plan.out_dtypes]  # type: ignore[misc]
     else:
         outs = list(out)
     if plan.n == 0:
         return outs
-    ptrs = [o._ptr for o in outs] + [x._ptr for x in inputs if not _is_scalar(x)]
+    ptrs = [o._ptr for o in outs]
+    ptrs += [x._ptr for x in arrays]
     if plan.masks:
         for p, mask in zip(ptrs, plan.masks):
             if p & mask:
                 assert plan.fallback is not None
                 plan = plan.fallback
                 break
-    args: list[Any] = [plan.n, *ptrs, *plan.meta]
-    for x in inputs:
-        if _is_scalar(x):
-            args.append(_host_scalar(x, plan.compute))
-    for v, kind in zip(extras, extra_kinds):
-        args.append(_extra_value(v, kind))
+    ptrs.insert(0, plan.n)
+    if plan.meta:
+        ptrs += plan.meta
+    if scalars:
+        ptrs += [_host_scalar(x, plan.compute) for x in scalars]
+    if extras:
+        ptrs += [_extra_value(v) for v in extras]
     if plan.simulated:
-        args.append(_sim_token(fn, plan, sim))
+        ptrs.append(_sim_token(fn, plan, sim))
+    if _current_stream is None:
+        _bind_streams()
+    plan.kernel.launch(_grid(plan, device), BLOCK, ptrs, stream=_current_stream(device))
+    return outs
+
+
+_current_stream: Any = None  # cudalab.streams.current_stream, bound on first run
+
+
+def _bind_streams() -> None:
+    global _current_stream
     from cudalab import streams
 
-    plan.kernel.launch(_grid(plan, device), BLOCK, args, stream=streams.current_stream(device))
-    return outs
+    _current_stream = streams.current_stream
+
+
+def _scalar_key(x: Any) -> Any:
+    if not (isinstance(x, np.generic) and x.ndim == 0):
+        raise TypeError(f"elementwise operands are arrays and numbers, got {type(x).__name__}")
+    return x.dtype
 
 
 def _sim_token(fn: ElementwiseFunction, plan: _Plan, sim: Callable[..., Any] | None) -> int:
