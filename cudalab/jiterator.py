@@ -39,7 +39,13 @@ from typing import Any
 
 import numpy as np
 
-from cudalab._kernels.elementwise import MAX_INPUTS, ElementwiseFunction, kernels_for, run
+from cudalab._kernels.elementwise import (
+    MAX_INPUTS,
+    ElementwiseFunction,
+    extra_value,
+    kernels_for,
+    run,
+)
 from cudalab.array import DeviceArray, _foreign_cuda_array
 
 __all__: list[str] = []  # torch's jiterator is private API too
@@ -66,9 +72,16 @@ class _JittedFunction:
         self.code_string = code_string
         self.kernel_name = self._function.parsed(np.dtype(np.float32)).name
         self.kwargs_dict = dict(kwargs)
+        self._names = tuple(self.kwargs_dict)
+        self._set_extras()
         self.num_outputs = num_outputs
         self.return_by_ref = return_by_ref
         self.sim = sim
+
+    def _set_extras(self) -> None:
+        """Refresh the extra arguments' values and kernel parameters (when a call changes them)."""
+        self._extras = tuple(self.kwargs_dict.values())
+        self._extra_args = [extra_value(v) for v in self._extras]
 
     def __repr__(self) -> str:
         return (f"<cudalab.jiterator function {self.kernel_name} ({self.num_outputs} "
@@ -112,13 +125,13 @@ class _JittedFunction:
                 if key not in self.kwargs_dict:
                     raise KeyError(f"{key} is not declared in function definition")
                 self.kwargs_dict[key] = value
-        kw = self.kwargs_dict
+            self._set_extras()
         inputs = [t if type(t) is DeviceArray else _operand(i, t) for i, t in enumerate(tensors)]
-        outs = run(self._function, inputs, tuple(kw.values()), tuple(kw), empty=DeviceArray,
-                   sim=sim)
+        outs = run(self._function, inputs, self._extras, self._names, empty=DeviceArray, sim=sim,
+                   extra_args=self._extra_args)
         return outs[0] if self.num_outputs == 1 else tuple(outs)
 
-    def kernels(self, *dtypes: Any, strided: bool = False) -> list[Any]:
+    def kernels(self, *dtypes: Any, strided: bool = False, large: bool = False) -> list[Any]:
         """The CUDA kernels a call with inputs of ``dtypes`` uses (for compiling ahead).
 
         Parameters
@@ -127,13 +140,16 @@ class _JittedFunction:
             One per input: a numpy dtype (an array) or ``int``/``float``/``bool`` (a scalar).
         strided
             The non-contiguous variant instead of the vectorised ones.
+        large
+            The variants for 2**31 elements or more (64-bit indices).
 
         Returns
         -------
         list of cudalab.kernels.Kernel
             Call ``.cubin(arch)`` on each to compile it with NVRTC (no GPU needed).
         """
-        return kernels_for(self._function, dtypes, tuple(self.kwargs_dict.values()), strided)
+        return kernels_for(self._function, dtypes, tuple(self.kwargs_dict.values()), strided,
+                           large=large)
 
 
 def _operand(index: int, value: Any) -> Any:

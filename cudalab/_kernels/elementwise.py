@@ -52,7 +52,7 @@ from cudalab._kernels.elementwise_source import (
 )
 from cudalab._kernels.kernel import Kernel
 
-__all__ = ["ElementwiseFunction", "run", "MAX_INPUTS", "BLOCK", "BLOCKS_PER_SM",
+__all__ = ["ElementwiseFunction", "run", "extra_value", "kernels_for", "MAX_INPUTS", "BLOCK", "BLOCKS_PER_SM",
            "RESULT_COMMON", "RESULT_BOOL", "RESULT_FLOAT"]
 
 #: torch's limit on jiterator inputs.
@@ -63,6 +63,9 @@ BLOCK = 256
 BLOCKS_PER_SM = 16
 #: Bytes a vectorised thread loads per operand and iteration.
 VECTOR_BYTES = 16
+#: From this many elements kernels index with 64-bit integers (32-bit below: faster to
+#: compile and to run; the grid-stride step stays far below 2**32 - 2**31).
+INDEX32_LIMIT = 2**31
 
 # --------------------------------------------------------------------------- functions
 #: What :func:`run` computes the output dtype from the common dtype with.
@@ -160,7 +163,7 @@ class _Plan:
     simulated: bool
 
     def __init__(self) -> None:
-        self.grids: dict[int, int] = {}  # device -> grid
+        self.grids: dict[int, tuple[int, int, int]] = {}  # device -> grid
 
 
 def _operand_key(x: Any) -> Any:
@@ -256,10 +259,12 @@ def _host_scalar(value: Any, compute: np.dtype) -> int | float:
 _INT64 = np.dtype(np.int64)
 
 
-def _extra_value(value: Any) -> int | float:
+def extra_value(value: Any) -> int | float:
     """An extra argument as its kernel parameter (torch's as_scalar: int, bool or double)."""
     t = type(value)
     if t is int or t is bool:
+        if not -(2**63) <= value < 2**63:
+            raise OverflowError(f"extra argument {value} does not fit a long long")
         return int(value)
     try:
         return float(value)
@@ -325,9 +330,12 @@ def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tup
         sim_impl = make_sim(parsed, in_dtypes, common, out_dtypes, extra_kinds, fn.exclude,
                              None if contiguous else len(sizes), extra_names, fn.return_by_ref)
 
+    index64 = math.prod(shape) >= INDEX32_LIMIT
+
     def make(vec: int, ndim: int | None) -> Kernel:
         return build_kernel(parsed, in_dtypes, common, out_dtypes, extra_kinds, fn.exclude,
-                            fn.return_by_ref, vec, ndim, simulated=simulated, sim=sim_impl)
+                            fn.return_by_ref, vec, ndim, index64=index64, simulated=simulated,
+                            sim=sim_impl)
 
     plan.fallback = None
     if contiguous:
@@ -354,20 +362,23 @@ def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tup
     return plan
 
 
-def _grid(plan: _Plan, device: int) -> int:
-    grid = plan.grids.get(device)
-    if grid is None:
-        from cudalab import devices
+_BLOCK3 = (BLOCK, 1, 1)
 
-        sms = devices.get_device_properties(device).multi_processor_count
-        grid = plan.grids[device] = max(1, min(-(-plan.work // BLOCK), sms * BLOCKS_PER_SM))
+
+def _grid(plan: _Plan, device: int) -> tuple[int, int, int]:
+    """The plan's grid on ``device`` (at most BLOCKS_PER_SM blocks per multiprocessor)."""
+    from cudalab import devices
+
+    sms = devices.get_device_properties(device).multi_processor_count
+    grid = plan.grids[device] = (max(1, min(-(-plan.work // BLOCK), sms * BLOCKS_PER_SM)), 1, 1)
     return grid
 
 
 def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = (),
         extra_names: Sequence[str] = (), *, out: Sequence[Any] | None = None,
         out_dtype: np.dtype | None = None, empty: Callable[..., Any] | None = None,
-        sim: Callable[..., Any] | None = None) -> list[Any]:
+        sim: Callable[..., Any] | None = None,
+        extra_args: Sequence[int | float] | None = None) -> list[Any]:
     """Apply ``fn`` elementwise; returns the outputs (``out`` itself when given).
 
     Parameters
@@ -388,6 +399,8 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
         ``empty(shape, dtype, device)``, the output allocator.
     sim
         A numpy twin for this call (simulator only), overriding ``fn.sim``.
+    extra_args
+        ``extras`` already converted by :func:`extra_value` (a caller that keeps them).
 
     Returns
     -------
@@ -456,12 +469,13 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
     if scalars:
         ptrs += [_host_scalar(x, plan.compute) for x in scalars]
     if extras:
-        ptrs += [_extra_value(v) for v in extras]
+        ptrs += [extra_value(v) for v in extras] if extra_args is None else extra_args
     if plan.simulated:
         ptrs.append(_sim_token(fn, plan, sim))
     if _current_stream is None:
         _bind_streams()
-    plan.kernel.launch(_grid(plan, device), BLOCK, ptrs, stream=_current_stream(device))
+    grid = plan.grids.get(device) or _grid(plan, device)
+    plan.kernel.launch_prepared(grid, _BLOCK3, ptrs, _current_stream(device))
     return outs
 
 
@@ -500,11 +514,11 @@ def _sim_token(fn: ElementwiseFunction, plan: _Plan, sim: Callable[..., Any] | N
 class _Spec:
     """A stand-in operand for :func:`kernels_for`: an array's layout without memory."""
 
-    def __init__(self, dtype: np.dtype, strided: bool):
+    def __init__(self, dtype: np.dtype, strided: bool, large: bool):
         self._dtype = dtype
-        self._shape = (64, 32)
+        self._shape = (2**26, 32) if large else (64, 32)
         self._contiguous = not strided
-        self.strides = (dtype.itemsize, 64 * dtype.itemsize) if strided else (
+        self.strides = (dtype.itemsize, self._shape[0] * dtype.itemsize) if strided else (
             32 * dtype.itemsize, dtype.itemsize)
         self._ptr = 0
         self._device = 0
@@ -514,7 +528,8 @@ _SCALAR_EXAMPLES = {int: 1, float: 1.0, bool: True}
 
 
 def kernels_for(fn: ElementwiseFunction, dtypes: Sequence[Any], extras: Sequence[Any] = (),
-                strided: bool = False, out_dtype: np.dtype | None = None) -> list[Kernel]:
+                strided: bool = False, out_dtype: np.dtype | None = None,
+                large: bool = False) -> list[Kernel]:
     """The CUDA kernels (not the simulator's) ``fn`` uses for inputs of ``dtypes``.
 
     Parameters
@@ -529,6 +544,8 @@ def kernels_for(fn: ElementwiseFunction, dtypes: Sequence[Any], extras: Sequence
         The strided kernel instead of the contiguous ones.
     out_dtype
         The output dtype of a conversion.
+    large
+        The 64-bit-indexed variants (2**31 elements and more) instead of the 32-bit ones.
 
     Returns
     -------
@@ -543,7 +560,7 @@ def kernels_for(fn: ElementwiseFunction, dtypes: Sequence[Any], extras: Sequence
         if d in _SCALAR_EXAMPLES:
             inputs.append(_SCALAR_EXAMPLES[d])
         else:
-            inputs.append(_Spec(normalize_dtype(d), strided))
+            inputs.append(_Spec(normalize_dtype(d), strided, large))
     extra_kinds = tuple(_extra_kind(v) for v in extras)
     names = tuple(f"extra{i}" for i in range(len(extras)))
     plan = _build_plan(fn, inputs, extra_kinds, names, None, out_dtype, simulated=False)

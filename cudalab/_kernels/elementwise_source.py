@@ -135,7 +135,8 @@ def _kernel_name(base: str, source: str) -> str:
 def build_kernel(parsed: ParsedCode, in_dtypes: Sequence[np.dtype | None], common: np.dtype,
                  out_dtypes: Sequence[np.dtype], extra_kinds: Sequence[tuple[str, str]],
                  excluded: frozenset[int], return_by_ref: bool, vec: int, ndim: int | None,
-                 *, simulated: bool = False, sim: Callable[..., Any] | None = None) -> Kernel:
+                 *, index64: bool = False, simulated: bool = False,
+                 sim: Callable[..., Any] | None = None) -> Kernel:
     """The :class:`Kernel` for one plan (compiled lazily by the facility).
 
     Parameters
@@ -158,6 +159,8 @@ def build_kernel(parsed: ParsedCode, in_dtypes: Sequence[np.dtype | None], commo
         Vector width of a contiguous kernel (1: no vector loads).
     ndim
         None for a contiguous kernel, else the number of merged dimensions.
+    index64
+        Index with 64-bit integers (needed from 2**31 elements; 32-bit otherwise).
     simulated
         Add the simulator's twin-token parameter (the source is not compiled then).
     sim
@@ -223,14 +226,15 @@ def build_kernel(parsed: ParsedCode, in_dtypes: Sequence[np.dtype | None], commo
         return (f"{{ {ct} {', '.join(temps)}; {parsed.name}<{ct}>({', '.join(args + temps)}); "
                 f"{stores} }}")
 
-    body = ["    const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;\n",
-            "    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;\n",
+    ix = "long long" if index64 else "unsigned int"  # 32-bit indices compile and run faster
+    body = [f"    const {ix} tid = static_cast<{ix}>(blockIdx.x) * blockDim.x + threadIdx.x;\n",
+            f"    const {ix} step = static_cast<{ix}>(gridDim.x) * blockDim.x;\n",
             *scalar_decls]
     if not strided:
         start = "0"
         if vec > 1:
-            body.append(f"    const long long nvec = n / {vec};\n")
-            body.append("    for (long long i = tid; i < nvec; i += step) {\n")
+            body.append(f"    const {ix} nvec = static_cast<{ix}>(n / {vec});\n")
+            body.append(f"    for ({ix} i = tid; i < nvec; i += step) {{\n")
             for k in array_inputs:
                 body.append(f"        const cudalab_vec<{c_type(in_dtypes[k])}, {vec}> a{k} = "  # type: ignore[arg-type]
                             f"reinterpret_cast<const cudalab_vec<{c_type(in_dtypes[k])}, {vec}>*>(in{k})[i];\n")  # type: ignore[arg-type]
@@ -245,19 +249,20 @@ def build_kernel(parsed: ParsedCode, in_dtypes: Sequence[np.dtype | None], commo
                 body.append(f"        reinterpret_cast<cudalab_vec<{c_type(dt)}, {vec}>*>(out{k})[i] = r{k};\n")
             body.append("    }\n")
             start = f"nvec * {vec}"
-        body.append(f"    for (long long i = {start} + tid; i < n; i += step) {{\n        ")
+        body.append(f"    for ({ix} i = {start} + tid; i < n; i += step) {{\n        ")
         body.append(element([f"in{k}[i]" for k in range(len(in_dtypes))],
                             [f"out{k}[i]" for k in range(n_out)]))
         body.append("\n    }\n")
     else:
         assert ndim is not None
         names = [f"out{k}" for k in range(n_out)] + [f"in{k}" for k in array_inputs]
-        body.append("    for (long long i = tid; i < n; i += step) {\n")
-        body.append("        long long r = i;\n")
+        body.append(f"    for ({ix} i = tid; i < n; i += step) {{\n")
+        body.append(f"        {ix} r = i;\n")
         body.append("".join(f"        long long o{o} = 0;\n" for o in range(n_ops)))
         for d in range(ndim - 1, -1, -1):
             if d:
-                body.append(f"        {{ const long long q = r / size{d}; const long long c = r - q * size{d}; r = q;\n")
+                body.append(f"        {{ const {ix} size = static_cast<{ix}>(size{d}); const {ix} q = r / size; "
+                            f"const long long c = r - q * size; r = q;\n")
             else:
                 body.append("        { const long long c = r;\n")
             body.append("".join(f"          o{o} += c * st{o}_{d};\n" for o in range(n_ops)))
@@ -271,7 +276,7 @@ def build_kernel(parsed: ParsedCode, in_dtypes: Sequence[np.dtype | None], commo
                 refs_in.append(f"*reinterpret_cast<const {c_type(maybe)}*>({names[o]} + o{o})")
         refs_out = [f"*reinterpret_cast<{c_type(dt)}*>(out{k} + o{k})" for k, dt in enumerate(out_dtypes)]
         body.append("        " + element(refs_in, refs_out) + "\n    }\n")
-    kind = f"v{vec}" if not strided else f"s{ndim}"
+    kind = (f"v{vec}" if not strided else f"s{ndim}") + ("_i64" if index64 else "")
     head = f'{PREAMBLE}\n#line 1 "jiterator_code"\n{parsed.code}\n#line 1 "cudalab_elementwise"\n'
     kernel_text = (f'extern "C" __global__ void @NAME@({", ".join(params)})\n{{\n'
                    + "".join(body) + "}\n")

@@ -78,6 +78,10 @@ def test_jit_variants_compile(cache):
                            alpha=2.0, flip=False)
     _compiles(f.kernels(np.float32, np.float16))
     _compiles(f.kernels(np.float32, float, strided=True))
+    large = f.kernels(np.float32, np.float16, large=True) + f.kernels(np.int8, float, strided=True,
+                                                                       large=True)
+    assert all("_i64_" in k.name for k in large)  # 64-bit indices from 2**31 elements
+    _compiles(large)
     m = jit._create_multi_output_jit_fn(
         "template <typename T> void split(T x, long long k, T& lo, T& hi) "
         "{ lo = x - T(k); hi = x + T(k); }", 2, k=3)

@@ -215,3 +215,23 @@ def test_mismatched_shapes_and_complex_refused():
         f(_up(np.ones(3, np.float32)), _up(np.ones(4, np.float32)))
     with pytest.raises(TypeError, match="complex"):
         f(_up(np.ones(3, np.complex64)), _up(np.ones(3, np.float32)))
+
+
+def test_contiguous_inputs_get_the_vectorised_kernel_and_a_grid_that_fills_the_gpu():
+    f = jit._create_jit_fn("template <typename T> T neg(T x) { return -x; }")
+    n = 1 << 22
+    x = cudalab.empty(n, dtype=np.float32)
+    launches = []
+    _internal.launch_observers.append(lambda name, dev, s, grid, block: launches.append(
+        (name, grid, block)))
+    try:
+        f(x)
+        f(x[1:])  # a 4-byte offset: the unaligned twin
+    finally:
+        _internal.launch_observers.pop()
+    (name, grid, block), (name_unaligned, _, _) = launches
+    vec = 1 if _internal.backend().simulated else 4  # (the simulator has no vector loads)
+    assert name.startswith(f"neg_v{vec}_") and name_unaligned.startswith("neg_v1_")
+    sms = cudalab.get_device_properties(0).multi_processor_count
+    assert block == (256, 1, 1)
+    assert grid == (min(n // vec // 256, sms * 16), 1, 1)
