@@ -85,7 +85,7 @@ _LAZY: dict[str, str] = {
     **{
         name: "cudalab.array"
         for name in ("DeviceArray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like",
-                     "asarray", "from_dlpack")
+                     "asarray", "from_dlpack", "where")
     },
     **{name: "cudalab.memory" for name in ("record_history", "load_snapshot", "export_memory_viz")},
     **{name: "cudalab.allocator.pinned" for name in (
@@ -108,7 +108,7 @@ _LAZY: dict[str, str] = {
     },
 }
 _SUBMODULES = {"memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
-               "random", "interop"}
+               "random", "interop", "jiterator"}
 
 
 def __getattr__(name: str) -> Any:

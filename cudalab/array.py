@@ -43,6 +43,7 @@ from cudalab._array_memory import (
     wait_stream,
     waits_for_foreign,
 )
+from cudalab._array_operators import OperatorsMixin, converting_copy, where
 from cudalab._dtypes import SUPPORTED_DTYPES, normalize_dtype, normalize_shape, size_args
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "zeros_like",
     "asarray",
     "from_dlpack",
+    "where",
     "SUPPORTED_DTYPES",
 ]
 
@@ -85,7 +87,7 @@ def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
 
 
 # --------------------------------------------------------------------------- the array
-class DeviceArray:
+class DeviceArray(OperatorsMixin):
     """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
 
     ``DeviceArray(shape, dtype=float32, device=None)`` is :func:`cudalab.empty`. Attributes:
@@ -306,7 +308,8 @@ class DeviceArray:
 
     def copy_(self, src: Any, non_blocking: bool = False) -> DeviceArray:
         """Copy ``src`` (numpy array, DeviceArray on any device, or a CUDA array of another
-        library) into this array; same shape and dtype required. Returns self.
+        library) into this array, broadcasting it to this shape and converting it to this
+        dtype as torch does (a converting copy runs an elementwise kernel). Returns self.
 
         Runs on the current stream of this array's device. Host sources: waits for the copy
         unless ``non_blocking`` and the source is pinned memory (see the module notes).
@@ -320,6 +323,8 @@ class DeviceArray:
             if foreign is not None:
                 return self._copy_from_device(foreign)
             src = np.asarray(src)
+        if src.dtype != self._dtype or src.shape != self._shape:
+            src = np.ascontiguousarray(np.broadcast_to(src.astype(self._dtype), self._shape))
         check_host_operand(src, self, "DeviceArray.copy_()", writable=False)
         n = self._nbytes
         if n == 0:
@@ -330,12 +335,11 @@ class DeviceArray:
         return self
 
     def _copy_from_device(self, src: DeviceArray) -> DeviceArray:
-        if src._shape != self._shape or src._dtype != self._dtype:
-            raise ValueError(
-                f"DeviceArray.copy_(): source has shape {src._shape} and dtype {src._dtype}, "
-                f"destination has shape {self._shape} and dtype {self._dtype}; they must match "
-                "exactly (no broadcasting or casting)")
-        src._require_contiguous("DeviceArray.copy_() source")
+        if src._shape != self._shape or src._dtype != self._dtype or not src._contiguous:
+            if src._device != self._device:  # to this device first, then convert there
+                src = src.to(self._device) if src._contiguous else src.astype(src._dtype).to(
+                    self._device)
+            return converting_copy(self, src)  # casts and broadcasts (torch's copy_)
         n = self._nbytes
         if n == 0:
             return self
@@ -354,11 +358,20 @@ class DeviceArray:
         wait_stream(src_stream, stream)
         return self
 
-    def to(self, device: Any, non_blocking: bool = False) -> DeviceArray:
-        """This array on ``device``: itself if already there, else a copy (peer copy)."""
-        dev = _internal.device_index(device)
-        if dev == self._device:
+    def to(self, device: Any = None, dtype: Any = None, non_blocking: bool = False,
+           copy: bool = False) -> DeviceArray:
+        """This array on ``device`` with ``dtype``: itself if nothing changes (unless
+        ``copy``), else a copy (a peer copy, a converting copy on the device, or both).
+        ``to(dtype)`` works as in torch."""
+        if dtype is None and device is not None and _is_dtype_arg(device):
+            device, dtype = None, device
+        dev = self._device if device is None else _internal.device_index(device)
+        dt = self._dtype if dtype is None else normalize_dtype(dtype)
+        if dev == self._device and dt == self._dtype and not copy:
             return self
+        if dt != self._dtype:
+            converted = self.astype(dt)
+            return converted if dev == self._device else converted.to(dev, non_blocking=non_blocking)
         out = empty(self._shape, dtype=self._dtype, device=dev)
         out.copy_(self, non_blocking=non_blocking)
         return out
@@ -543,6 +556,13 @@ class DeviceArray:
                                       _dlpack.kDLCUDA, src._device, versioned, src._read_only)
 
 
+def _is_dtype_arg(value: Any) -> bool:
+    """Whether a positional ``to()`` argument names a dtype rather than a device."""
+    if isinstance(value, str):
+        return not value.startswith(("cuda", "cpu")) and value.strip().lower() != "meta"
+    return isinstance(value, (np.dtype, type))
+
+
 def _is_capsule(obj: Any) -> bool:
     return _dlpack.is_capsule(obj)
 
@@ -704,15 +724,14 @@ def asarray(obj: Any, device: Any = None, dtype: Any = None) -> DeviceArray:
             obj = foreign
     if isinstance(obj, DeviceArray):
         if dtype is not None and normalize_dtype(dtype) != obj._dtype:
-            raise TypeError(f"asarray: cannot convert a {obj._dtype} DeviceArray to "
-                            f"{normalize_dtype(dtype)} on the device (cudalab has no cast "
-                            "kernels); convert on the host: asarray(a.numpy().astype(dtype))")
+            obj = obj.astype(dtype)  # a converting copy on the device
         return obj if device is None else obj.to(device)
     dt = None if dtype is None else normalize_dtype(dtype)
     host = np.asarray(obj, dtype=dt)
     if dt is None:
         normalize_dtype(host.dtype)  # reject object, string, datetime... with a clear error
-    host = np.ascontiguousarray(host)
+    if not host.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+        host = np.ascontiguousarray(host)
     out = empty(host.shape, dtype=host.dtype, device=device)
     out.copy_(host)
     return out

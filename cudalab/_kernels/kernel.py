@@ -506,6 +506,38 @@ class Kernel:
 
     __call__ = launch
 
+    def launch_prepared(self, grid: tuple[int, int, int], block: tuple[int, int, int],
+                        values: Sequence[Any], stream: Any) -> None:
+        """:meth:`launch` for callers that build the arguments themselves (the elementwise
+        machinery): no conversion or check of ``values`` (ints and floats in range, pointers
+        as ints), ``grid`` and ``block`` (valid 3-tuples) or ``stream`` (a cudalab Stream).
+
+        Parameters
+        ----------
+        grid, block
+            Launch dimensions as 3-tuples.
+        values
+            One value per signature entry.
+        stream
+            The cudalab Stream to launch on.
+        """
+        if _Stream is None:
+            _bind_runtime()
+        device = stream.device_index
+        backend = stream._b
+        states = getattr(self._tls, "state", None)
+        state = None if states is None else states.get(device)
+        if state is None or state[0] is not backend:
+            state = self._thread_state(backend, device)
+        _ensure_context(device)
+        state[2].set(*values)
+        backend.launch(state[1], grid, block, 0, stream._handle, state[2])
+        if _launch_blocking:
+            backend.stream_synchronize(stream._handle)
+        if _launch_observers:
+            for observer in tuple(_launch_observers):
+                observer(self.name, device, stream, grid, block)
+
 
 # Bound on first launch, not at import: the facility stays importable on its own. The launch
 # path reads these module globals directly (no _internal wrapper call): it is the

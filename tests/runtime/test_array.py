@@ -100,8 +100,9 @@ def test_asarray_device_and_dtype(two_devices):
     np.testing.assert_array_equal(b.numpy(), np.arange(4))
     assert cudalab.asarray(a, device=0) is a
     assert cudalab.asarray(a, dtype=np.float32) is a
-    with pytest.raises(TypeError, match="cast"):
-        cudalab.asarray(a, dtype=np.float64)
+    converted = cudalab.asarray(a, dtype=np.float64)  # a converting copy on the device
+    assert converted.dtype == np.float64
+    np.testing.assert_array_equal(converted.numpy(), np.arange(4))
     c = cudalab.asarray(np.ones(3), device="cuda:1")
     assert c.device_index == 1
 
@@ -216,12 +217,8 @@ def test_copy_mismatch_errors():
     a = cudalab.empty((2, 3), dtype=np.float32)
     with pytest.raises(ValueError, match="shape"):
         a.copy_(np.zeros((3, 2), np.float32))
-    with pytest.raises(ValueError, match="dtype"):
-        a.copy_(np.zeros((2, 3), np.float64))
-    with pytest.raises(ValueError, match="must match"):
+    with pytest.raises(RuntimeError, match="must match"):  # torch's copy_ broadcasts, or says so
         a.copy_(cudalab.empty((6,), dtype=np.float32))
-    with pytest.raises(ValueError, match="must match"):
-        a.copy_(cudalab.empty((2, 3), dtype=np.int32))
     with pytest.raises(ValueError, match="shape"):
         a.numpy(out=np.empty((2, 2), np.float32))
 
@@ -242,8 +239,8 @@ def test_non_contiguous_rejected():
         strided.numpy()
     with pytest.raises(ValueError, match="C-contiguous"):
         strided.fill_(1)
-    with pytest.raises(ValueError, match="C-contiguous"):
-        cudalab.empty(2).copy_(strided)
+    a.copy_(np.arange(16, dtype=np.float32).reshape(4, 4))  # a strided source is read
+    np.testing.assert_array_equal(cudalab.empty(2).copy_(strided).numpy(), [0, 2])  # (torch)
     with pytest.raises(ValueError, match="C-contiguous"):
         strided.reshape(2, 1)
     assert strided.__cuda_array_interface__["strides"] == (8,)

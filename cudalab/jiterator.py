@@ -1,0 +1,216 @@
+"""``torch.cuda.jiterator``: elementwise kernels written as a C++ string, compiled at run time.
+
+::
+
+    code = "template <typename T> T fma3(T x, T y, T alpha) { return alpha * x + y; }"
+    fma3 = cudalab.jiterator._create_jit_fn(code, alpha=1.0)
+    out = fma3(x, y)              # DeviceArrays, CuPy/torch/Numba arrays or Python scalars
+    out = fma3(x, y, alpha=2.0)   # extra arguments are keywords (the new value is kept)
+
+As in torch (``torch.cuda.jiterator``, private API):
+
+* the string defines one templated function (the last one is the entry point, called as
+  ``name<compute_t>(inputs..., extras...)``); multi-output functions
+  (:func:`_create_multi_output_jit_fn`) return ``void`` and write ``T&`` outputs, last;
+* up to 8 inputs, broadcast together, with torch's type promotion (Python scalars are
+  "wrapped numbers"); the output has the promoted dtype and the broadcast shape;
+* keyword arguments of :func:`_create_jit_fn` are the extra scalar parameters, with their
+  defaults; a call may override them (and the override stays, as in torch); Python ints are
+  passed as ``long long``, bools as ``bool``, anything else as ``double``;
+* non-contiguous and offset inputs (views, transposes) are read through their strides;
+* compiled by NVRTC to CUBIN for the device's architecture on first use of each dtype
+  combination, cached in memory and in the kernel disk cache
+  (:func:`cudalab.kernels.cache_dir`); a compile error is a
+  :class:`cudalab.KernelCompileError` carrying NVRTC's log, whose ``jiterator_code(N)``
+  line numbers count lines of your string;
+* the kernel runs on the current stream of the inputs' device; outputs come from the
+  caching allocator.
+
+On the simulator, a function runs when its body is a list of simple statements cudalab can
+evaluate with numpy (``return <expression>;``, see :mod:`cudalab._kernels.c_expression`), or
+when given a numpy twin: ``sim=`` here or in the call, ``sim(*inputs, **extras)`` receiving the
+inputs as numpy arrays of the compute dtype and returning the output (a tuple for several).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from cudalab._kernels.elementwise import (
+    MAX_INPUTS,
+    ElementwiseFunction,
+    extra_value,
+    kernels_for,
+    run,
+)
+from cudalab.array import DeviceArray, _foreign_cuda_array
+
+__all__: list[str] = []  # torch's jiterator is private API too
+
+
+class _JittedFunction:
+    """The callable :func:`_create_jit_fn` returns (torch's ``_JittedFunction``).
+
+    Attributes: ``code_string``, ``kernel_name`` (the entry function's name), ``kwargs_dict``
+    (the extra arguments' current values, in declaration order), ``num_outputs``,
+    ``return_by_ref``, ``sim`` (the numpy twin or None).
+    """
+
+    def __init__(self, code_string: str, return_by_ref: bool, num_outputs: int,
+                 sim: Callable[..., Any] | None = None, **kwargs: Any):
+        if not (return_by_ref or num_outputs == 1):
+            raise AssertionError("Return by value only works for single output.")
+        if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 1:
+            raise ValueError(f"num_outputs must be a positive int, got {num_outputs!r}")
+        if sim is not None and not callable(sim):
+            raise TypeError(f"sim must be a callable numpy twin, got {type(sim).__name__}")
+        self._function = ElementwiseFunction(code_string, num_outputs=num_outputs,
+                                             return_by_ref=return_by_ref, sim=sim)
+        self.code_string = code_string
+        self.kernel_name = self._function.parsed(np.dtype(np.float32)).name
+        self.kwargs_dict = dict(kwargs)
+        self._names = tuple(self.kwargs_dict)
+        self._set_extras()
+        self.num_outputs = num_outputs
+        self.return_by_ref = return_by_ref
+        self.sim = sim
+
+    def _set_extras(self) -> None:
+        """Refresh the extra arguments' values and kernel parameters (when a call changes them)."""
+        self._extras = tuple(self.kwargs_dict.values())
+        self._extra_args = [extra_value(v) for v in self._extras]
+
+    def __repr__(self) -> str:
+        return (f"<cudalab.jiterator function {self.kernel_name} ({self.num_outputs} "
+                f"output{'s' if self.num_outputs > 1 else ''})>")
+
+    def __call__(self, *tensors: Any, sim: Callable[..., Any] | None = None,
+                 **kwargs: Any) -> Any:
+        """Run the function elementwise over ``tensors``.
+
+        Parameters
+        ----------
+        *tensors
+            Up to 8 inputs: DeviceArrays, CUDA arrays of other libraries (DLPack or
+            ``__cuda_array_interface__``), Python or numpy scalars.
+        sim
+            A numpy twin for this call (used on the simulator only).
+        **kwargs
+            New values of declared extra arguments (kept for later calls, as in torch).
+
+        Returns
+        -------
+        DeviceArray or tuple of DeviceArray
+            One array for a single output, else a tuple.
+
+        Raises
+        ------
+        AssertionError
+            More than 8 inputs (torch's message).
+        KeyError
+            A keyword that the function did not declare.
+        TypeError
+            An input that is neither an array on a CUDA device nor a scalar.
+        cudalab.KernelCompileError
+            The code does not compile (NVRTC's log, lines numbered in the code string).
+        """
+        if len(tensors) > MAX_INPUTS:
+            raise AssertionError(f"jiterator only supports up to {MAX_INPUTS} tensor inputs, "
+                                 f"got {len(tensors)}")
+        if kwargs:
+            for key, value in kwargs.items():
+                if key not in self.kwargs_dict:
+                    raise KeyError(f"{key} is not declared in function definition")
+                self.kwargs_dict[key] = value
+            self._set_extras()
+        inputs = [t if type(t) is DeviceArray else _operand(i, t) for i, t in enumerate(tensors)]
+        outs = run(self._function, inputs, self._extras, self._names, empty=DeviceArray, sim=sim,
+                   extra_args=self._extra_args)
+        return outs[0] if self.num_outputs == 1 else tuple(outs)
+
+    def kernels(self, *dtypes: Any, strided: bool = False, large: bool = False) -> list[Any]:
+        """The CUDA kernels a call with inputs of ``dtypes`` uses (for compiling ahead).
+
+        Parameters
+        ----------
+        *dtypes
+            One per input: a numpy dtype (an array) or ``int``/``float``/``bool`` (a scalar).
+        strided
+            The non-contiguous variant instead of the vectorised ones.
+        large
+            The variants for 2**31 elements or more (64-bit indices).
+
+        Returns
+        -------
+        list of cudalab.kernels.Kernel
+            Call ``.cubin(arch)`` on each to compile it with NVRTC (no GPU needed).
+        """
+        return kernels_for(self._function, dtypes, tuple(self.kwargs_dict.values()), strided,
+                           large=large)
+
+
+def _operand(index: int, value: Any) -> Any:
+    if isinstance(value, DeviceArray) or isinstance(value, (bool, int, float, complex, np.generic)):
+        return value
+    foreign = _foreign_cuda_array(value)
+    if foreign is not None:
+        return foreign
+    where = "cpu" if isinstance(value, np.ndarray) or hasattr(value, "__array__") else \
+        type(value).__name__
+    raise TypeError(f"argument {index}: expected a CUDA device but found {where} (inputs are "
+                    "DeviceArrays, CUDA arrays of CuPy/torch/Numba, or Python scalars)")
+
+
+def _create_jit_fn(code_string: str, sim: Callable[..., Any] | None = None,
+                   **kwargs: Any) -> _JittedFunction:
+    """Create a jiterator function with one output (``torch.cuda.jiterator._create_jit_fn``).
+
+    Parameters
+    ----------
+    code_string
+        CUDA C++ defining one templated function ``template <typename T> T name(T x, ...)``.
+    sim
+        Optional numpy twin for the simulator, ``sim(*inputs, **extras)``.
+    **kwargs
+        The extra scalar arguments the function declares after its inputs, with their
+        default values (in declaration order).
+
+    Returns
+    -------
+    _JittedFunction
+
+    Raises
+    ------
+    Exception
+        The code does not have the form torch parses (torch's message).
+    """
+    return _JittedFunction(code_string, return_by_ref=False, num_outputs=1, sim=sim, **kwargs)
+
+
+def _create_multi_output_jit_fn(code_string: str, num_outputs: int,
+                                sim: Callable[..., Any] | None = None,
+                                **kwargs: Any) -> _JittedFunction:
+    """Create a jiterator function with several outputs
+    (``torch.cuda.jiterator._create_multi_output_jit_fn``).
+
+    Parameters
+    ----------
+    code_string
+        CUDA C++ defining ``template <typename T> void name(T x, ..., T& out0, T& out1)``.
+    num_outputs
+        The number of ``T&`` output parameters (last in the list).
+    sim
+        Optional numpy twin, returning a tuple of ``num_outputs`` arrays.
+    **kwargs
+        The extra scalar arguments with their defaults.
+
+    Returns
+    -------
+    _JittedFunction
+        Calls return a tuple of ``num_outputs`` DeviceArrays.
+    """
+    return _JittedFunction(code_string, return_by_ref=True, num_outputs=num_outputs, sim=sim,
+                           **kwargs)
