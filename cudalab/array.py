@@ -43,6 +43,8 @@ from cudalab._array_memory import (
     wait_stream,
     waits_for_foreign,
 )
+from cudalab._array_reductions import ReductionsMixin
+from cudalab._array_transfers import TransfersMixin
 from cudalab._dtypes import SUPPORTED_DTYPES, normalize_dtype, normalize_shape, size_args
 
 __all__ = [
@@ -85,8 +87,12 @@ def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
 
 
 # --------------------------------------------------------------------------- the array
-class DeviceArray:
+class DeviceArray(TransfersMixin, ReductionsMixin):
     """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
+
+    Transfers (``cpu``, ``tolist``, ``item``, ``to``, ``zero_``) come from
+    :mod:`cudalab._array_transfers`, reductions (``sum``, ``mean``, ``max``, ``min``,
+    ``amax``, ``amin``) from :mod:`cudalab._array_reductions`.
 
     ``DeviceArray(shape, dtype=float32, device=None)`` is :func:`cudalab.empty`. Attributes:
     ``shape``, ``dtype`` (numpy), ``strides`` (bytes), ``device`` (a :class:`cudalab.Device`,
@@ -354,15 +360,6 @@ class DeviceArray:
         wait_stream(src_stream, stream)
         return self
 
-    def to(self, device: Any, non_blocking: bool = False) -> DeviceArray:
-        """This array on ``device``: itself if already there, else a copy (peer copy)."""
-        dev = _internal.device_index(device)
-        if dev == self._device:
-            return self
-        out = empty(self._shape, dtype=self._dtype, device=dev)
-        out.copy_(self, non_blocking=non_blocking)
-        return out
-
     # ------------------------------------------------------------------ device work
     def fill_(self, value: Any) -> DeviceArray:
         """Set every element to ``value`` (converted to the dtype as numpy does). Returns self.
@@ -371,6 +368,11 @@ class DeviceArray:
         patterns cudalab's fill kernels; runs on the current stream.
         """
         self._require_writable("DeviceArray.fill_()")
+        if isinstance(value, DeviceArray):  # torch takes a 0-d tensor (read here: a host sync)
+            if value.ndim:
+                raise ValueError(f"fill_ only supports 0-dimension value tensor but got tensor "
+                                 f"with {value.ndim} dimensions.")
+            value = value.item()
         try:
             pattern = np.array(value, dtype=self._dtype).tobytes()
         except (TypeError, ValueError, OverflowError) as exc:
@@ -657,14 +659,45 @@ def ones(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> Devic
     return DeviceArray(size, dtype, device).fill_(1)
 
 
-def full(shape: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
-    """Array filled with ``fill_value``; dtype defaults to numpy's for the value (int64,
-    float64, complex128, bool)."""
+def full(size: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
+    """Array of ``size`` filled with ``fill_value``, as torch's ``full(size, fill_value)``.
+
+    Parameters
+    ----------
+    size
+        The shape: a tuple or list of ints (``full((2, 3), v)``, ``full([2, 3], v)``), or
+        one int (``full(5, v)``, as numpy).
+    fill_value
+        A Python or numpy scalar.
+    dtype
+        The element type; default numpy's for the value (int64, float64, complex128, bool).
+    device
+        None (the current device), an int, ``"cuda:N"`` or a Device.
+
+    Returns
+    -------
+    DeviceArray
+
+    Raises
+    ------
+    TypeError
+        ``fill_value`` is not a scalar, or the sizes were spread over the arguments
+        (``full(2, 3, 7)``: pass ``full((2, 3), 7)``).
+    ValueError
+        ``fill_value`` cannot be stored in ``dtype``.
+    """
+    if isinstance(dtype, int) and not isinstance(dtype, bool) and type(fill_value) is int \
+            and type(size) is int:
+        raise TypeError(f"full() takes the size as one tuple, then the value: "
+                        f"full(({size}, {fill_value}), {dtype}), not full({size}, {fill_value}, "
+                        f"{dtype})")
+    if not isinstance(fill_value, (int, float, complex, np.generic)) or isinstance(
+            fill_value, np.ndarray):
+        raise TypeError(f"full: fill_value must be a scalar (a Python or numpy number or "
+                        f"bool), got {type(fill_value).__name__}")
     if dtype is None:
-        if isinstance(fill_value, DeviceArray):
-            raise TypeError("full: fill_value must be a scalar")
         dtype = np.asarray(fill_value).dtype
-    return DeviceArray(shape, dtype, device).fill_(fill_value)
+    return DeviceArray(size, dtype, device).fill_(fill_value)
 
 
 def _like(a: Any, dtype: Any, device: Any) -> tuple[tuple[int, ...], Any, Any]:
@@ -712,7 +745,8 @@ def asarray(obj: Any, device: Any = None, dtype: Any = None) -> DeviceArray:
     host = np.asarray(obj, dtype=dt)
     if dt is None:
         normalize_dtype(host.dtype)  # reject object, string, datetime... with a clear error
-    host = np.ascontiguousarray(host)
+    if not host.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+        host = np.ascontiguousarray(host)
     out = empty(host.shape, dtype=host.dtype, device=device)
     out.copy_(host)
     return out
