@@ -278,10 +278,13 @@ class ReductionsMixin(_ArrayBase):
         factor = 1.0 / n_red if n_red else float("inf")
         out_ptr = result.data_ptr()
         idx_ptr = 0 if indices is None else indices.data_ptr()
-        splits = 1 if with_indices else rk.split_count(n_out, n_red)
-        if splits == 1:
+        adjacent = bool(out_dims) and out_dims[-1][1] == 1
+        splits = rk.split_count(n_out, n_red, adjacent)
+        if with_indices and splits > 1:  # indices come from a single pass
+            splits = 1
+        if splits <= 1:
             _launch(rk, (op, code, acc, out_code), self.data_ptr(), 0, out_ptr, idx_ptr,
-                    n_out, n_red, 1, factor, out_dims, red_dims, stream)
+                    n_out, n_red, splits, factor, out_dims, red_dims, stream)
         else:
             first = "sum" if op == "mean" else op
             partial = cls((n_out * splits,), rk.np_dtype(acc), self.device_index)
@@ -303,7 +306,7 @@ def _launch(rk: Any, key: tuple[str, str, str, str], in_ptr: int, in_idx: int, o
         pad = rk.MAX_DIMS - len(dims)
         return ([s for s, _ in dims] + [1] * pad) + ([t for _, t in dims] + [0] * pad)
 
-    blocks = n_out * splits
+    blocks = n_out * splits if splits else -(-n_out // rk.BLOCK)
     grid = min(blocks, 65536)
     args = [in_ptr, in_idx, out_ptr, out_idx, n_out, n_red, splits, factor,
             len(out_dims), *packed(out_dims), len(red_dims), *packed(red_dims)]

@@ -6,7 +6,9 @@ the input element of (output ``o``, reduced ``r``) sits at ``in[offset(o) + offs
 both offsets (in elements, may be negative) decomposed over at most :data:`MAX_DIMS`
 (size, stride) pairs, innermost last. So any strided or transposed input is read in place.
 
-* Each block reduces one (output, part) pair: ``splits`` parts of ``ceil(n_red / splits)``
+* ``splits == 0``: each thread reduces whole outputs by itself (many outputs of few
+  elements, or outputs adjacent in memory, whose reads then coalesce across threads).
+* Otherwise each block reduces one (output, part) pair: ``splits`` parts of ``ceil(n_red / splits)``
   reduced elements each (a grid-stride loop over ``n_out * splits`` blocks). Its threads
   accumulate, then combine through shared memory; thread 0 writes ``out[b]`` (contiguous).
   With ``splits > 1`` the caller runs a second pass over the ``(n_out, splits)`` partials.
@@ -55,6 +57,10 @@ OPS = ("sum", "mean", "max", "min")
 _ELEMENTS_PER_PART = 4096
 #: Upper bound on the blocks of a split first pass.
 _MAX_PARTS = 1024
+#: Elements per output up to which one thread reduces an output by itself.
+_THREAD_ELEMENTS = 16
+#: Adjacent outputs from which one thread per output is used whatever their length.
+_THREAD_OUTPUTS = 8192
 
 # dtype code -> (C++ type struct, numpy storage dtype name)
 _TYPES: dict[str, tuple[str, str]] = {
@@ -165,6 +171,22 @@ __device__ void cl_reduce(const typename In::S* __restrict__ in, const long long
     __shared__ long long s_idx[256];
     __shared__ bool s_has[256];
     const int tid = threadIdx.x;
+    if (splits == 0) {  // one thread per output, reading its n_red elements in turn
+        const long long step = (long long)gridDim.x * blockDim.x;
+        for (long long o = (long long)blockIdx.x * blockDim.x + tid; o < n_out; o += step) {
+            const long long base = cl_offset(o, ond, oshape, ostride);
+            bool has = false;
+            A acc = A(0);
+            long long ia = 0;
+            for (long long r = 0; r < n_red; ++r) {
+                const long long off = base + cl_offset(r, rnd, rshape, rstride);
+                Op::add(has, acc, ia, static_cast<A>(In::load(in[off])), in_idx ? in_idx[off] : r);
+            }
+            out[o] = Out::store(static_cast<typename Out::C>(Op::finish(has ? acc : A(0), factor)));
+            if (out_idx) out_idx[o] = ia;
+        }
+        return;
+    }
     const long long total = n_out * splits;
     const long long chunk = (n_red + splits - 1) / splits;
     for (long long b = blockIdx.x; b < total; b += gridDim.x) {
@@ -303,6 +325,7 @@ def _sim_impl(op: str, triple: tuple[str, str, str]):
         oshape, ostride = rest[:MAX_DIMS], rest[MAX_DIMS:2 * MAX_DIMS]
         rnd = rest[2 * MAX_DIMS]
         rshape, rstride = rest[2 * MAX_DIMS + 1:3 * MAX_DIMS + 1], rest[3 * MAX_DIMS + 1:]
+        splits = max(splits, 1)  # 0: one thread per output, the same results
         total = n_out * splits
         if total == 0:
             return
@@ -376,12 +399,17 @@ def coalesce(dims: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def split_count(n_out: int, n_red: int) -> int:
-    """How many parts each output's reduction is cut into (1: a single pass).
+def split_count(n_out: int, n_red: int, outputs_adjacent: bool = False) -> int:
+    """How each output's reduction is cut: 0 (a thread per output), 1 (a block per output)
+    or more (parts, then a second pass over them).
 
-    Splits only when there are too few outputs to fill a GPU and each has many elements;
-    every part is non-empty.
+    A thread per output when each has few elements, or when the outputs are adjacent in
+    memory (``outputs_adjacent``: the innermost output stride is 1) and fill a GPU. Parts
+    only when there are too few outputs to fill a GPU and each has many elements; every part
+    is non-empty.
     """
+    if n_red <= _THREAD_ELEMENTS or (outputs_adjacent and n_out >= _THREAD_OUTPUTS):
+        return 0
     if n_red < 2 * _ELEMENTS_PER_PART or n_out >= _MAX_PARTS // 2:
         return 1
     parts = min(math.ceil(n_red / _ELEMENTS_PER_PART), max(1, _MAX_PARTS // n_out))

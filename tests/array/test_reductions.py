@@ -234,3 +234,28 @@ def test_results_are_new_arrays_on_the_current_stream():
     before = cudalab.memory_allocated()
     keep = [a.sum(0) for _ in range(3)]
     assert cudalab.memory_allocated() > before and len(keep) == 3
+
+
+@pytest.mark.parametrize(
+    ("shape", "axis", "mode"),
+    [((64, 10_000), 0, 0),  # adjacent outputs: a thread per output
+     ((20_000, 5), 1, 0),  # few elements per output: a thread per output
+     ((100, 5_000), 1, 1),  # a block per output
+     ((3, 50_000), 1, 13),  # few long outputs: parts, then a second pass
+     ((50_000, 3), 0, 13)],  # the same down a strided column
+)
+def test_each_launch_plan_gives_torch_results(shape, axis, mode):
+    from cudalab._kernels import reduce
+
+    n_out = shape[1 - axis]
+    assert reduce.split_count(n_out, shape[axis], axis == 0) == mode
+    host = _values("float32", shape, seed=11)
+    host[1, 2] = 40.0  # a unique maximum
+    a = cudalab.asarray(host)
+    np.testing.assert_allclose(a.sum(axis).cpu(), host.astype(np.float64).sum(axis), atol=1e-2)
+    np.testing.assert_allclose(a.mean(axis).cpu(), host.astype(np.float64).mean(axis), atol=1e-4)
+    values, indices = a.max(axis)
+    np.testing.assert_array_equal(values.cpu(), host.max(axis))
+    np.testing.assert_array_equal(indices.cpu(), host.argmax(axis))
+    np.testing.assert_array_equal(a.amin(axis).cpu(), host.min(axis))
+    assert a.amax().item() == 40.0 and a.max().item() == 40.0
