@@ -317,14 +317,13 @@ def _offsets(n: int, nd: int, shape: tuple[int, ...], stride: tuple[int, ...]) -
 
 
 def _sim_impl(op: str, triple: tuple[str, str, str]):
-    in_dt, acc_dt, out_dt = (np_dtype(c) for c in triple)
-
     def impl(sim: Any, grid: Any, block: Any, shared_mem: int, in_ptr: int, in_idx: int,
              out_ptr: int, out_idx: int, n_out: int, n_red: int, splits: int, factor: float,
              ond: int, *rest: int) -> None:
         oshape, ostride = rest[:MAX_DIMS], rest[MAX_DIMS:2 * MAX_DIMS]
         rnd = rest[2 * MAX_DIMS]
         rshape, rstride = rest[2 * MAX_DIMS + 1:3 * MAX_DIMS + 1], rest[3 * MAX_DIMS + 1:]
+        in_dt, acc_dt, out_dt = (np_dtype(c) for c in triple)  # (bfloat16: ml_dtypes, lazily)
         splits = max(splits, 1)  # 0: one thread per output, the same results
         total = n_out * splits
         if total == 0:
