@@ -7,6 +7,11 @@ the bytes read once. On the simulator only the correctness of the printed values
 anything.
 
     python benchmarks/reductions.py [--mib 256] [--reps 20]
+
+Measured on an H100 80GB HBM3 (torch 2.11.0+cu130, 512 MiB, GB/s cudalab / torch): sum()
+1045 / 2676, max() 919 / 2704, mean() 1033 / 2634, sum(1) of a square matrix 1157 / 2394,
+sum(0) 118 / 2103 (one thread per column: too few threads for 11585 columns). The kernels
+are the simple correct ones issue 20 asks for, not tuned ones (no vector loads or unrolling).
 """
 
 from __future__ import annotations

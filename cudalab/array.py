@@ -665,18 +665,12 @@ def full(size: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> D
     Parameters
     ----------
     size
-        The shape: a tuple or list of ints (``full((2, 3), v)``, ``full([2, 3], v)``), or
-        one int (``full(5, v)``, as numpy).
+        A tuple or list of ints (``full((2, 3), v)``), or one int (``full(5, v)``).
     fill_value
         A Python or numpy scalar.
-    dtype
-        The element type; default numpy's for the value (int64, float64, complex128, bool).
-    device
-        None (the current device), an int, ``"cuda:N"`` or a Device.
-
-    Returns
-    -------
-    DeviceArray
+    dtype, device
+        As for :func:`empty`; the dtype defaults to numpy's for the value (int64, float64,
+        complex128, bool).
 
     Raises
     ------
@@ -686,8 +680,7 @@ def full(size: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> D
     ValueError
         ``fill_value`` cannot be stored in ``dtype``.
     """
-    if isinstance(dtype, int) and not isinstance(dtype, bool) and type(fill_value) is int \
-            and type(size) is int:
+    if type(dtype) is int and type(fill_value) is int and type(size) is int:
         raise TypeError(f"full() takes the size as one tuple, then the value: "
                         f"full(({size}, {fill_value}), {dtype}), not full({size}, {fill_value}, "
                         f"{dtype})")
