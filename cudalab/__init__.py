@@ -38,6 +38,7 @@ from cudalab.devices import (
     use_simulator,
 )
 from cudalab.errors import (
+    CublasError,
     CudaError,
     CudaUnavailableError,
     DriverNotFoundError,
@@ -100,6 +101,7 @@ _LAZY: dict[str, str] = {
                      "Generator", "rand", "randn", "randint", "normal", "uniform_", "normal_",
                      "bernoulli_")
     },
+    "current_blas_handle": "cudalab.blas",
     # NVML (torch units)
     **{
         name: "cudalab.nvml"
@@ -107,7 +109,7 @@ _LAZY: dict[str, str] = {
                      "list_gpu_processes", "device_memory_used")
     },
 }
-_SUBMODULES = {"memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
+_SUBMODULES = {"blas", "memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
                "random", "interop", "jiterator"}
 
 
@@ -140,8 +142,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "CudaError", "CudaUnavailableError", "Device", "DeviceProperties", "DriverNotFoundError",
-    "Event", "ExternalStream", "KernelCompileError", "NvmlError", "OutOfMemoryError", "Stream",
+    "CublasError", "CudaError", "CudaUnavailableError", "Device", "DeviceProperties",
+    "DriverNotFoundError", "Event", "ExternalStream", "KernelCompileError", "NvmlError", "OutOfMemoryError", "Stream",
     "StreamContext", "can_device_access_peer", "check_error", "current_device",
     "current_stream", "default_stream", "device", "device_count", "device_of", "get_arch_list",
     "get_device_capability", "get_device_name", "get_device_properties", "get_gencode_flags",

@@ -44,6 +44,8 @@ from cudalab._array_memory import (
     waits_for_foreign,
 )
 from cudalab._array_operators import OperatorsMixin, converting_copy, where
+from cudalab._array_reductions import ReductionsMixin
+from cudalab._array_transfers import TransfersMixin
 from cudalab._dtypes import SUPPORTED_DTYPES, normalize_dtype, normalize_shape, size_args
 
 __all__ = [
@@ -87,8 +89,12 @@ def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
 
 
 # --------------------------------------------------------------------------- the array
-class DeviceArray(OperatorsMixin):
+class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin):
     """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
+
+    Transfers (``cpu``, ``tolist``, ``item``, ``to``, ``zero_``) come from
+    :mod:`cudalab._array_transfers`, reductions (``sum``, ``mean``, ``max``, ``min``,
+    ``amax``, ``amin``) from :mod:`cudalab._array_reductions`.
 
     ``DeviceArray(shape, dtype=float32, device=None)`` is :func:`cudalab.empty`. Attributes:
     ``shape``, ``dtype`` (numpy), ``strides`` (bytes), ``device`` (a :class:`cudalab.Device`,
@@ -358,24 +364,6 @@ class DeviceArray(OperatorsMixin):
         wait_stream(src_stream, stream)
         return self
 
-    def to(self, device: Any = None, dtype: Any = None, non_blocking: bool = False,
-           copy: bool = False) -> DeviceArray:
-        """This array on ``device`` with ``dtype``: itself if nothing changes (unless
-        ``copy``), else a copy (a peer copy, a converting copy on the device, or both).
-        ``to(dtype)`` works as in torch."""
-        if dtype is None and device is not None and _is_dtype_arg(device):
-            device, dtype = None, device
-        dev = self._device if device is None else _internal.device_index(device)
-        dt = self._dtype if dtype is None else normalize_dtype(dtype)
-        if dev == self._device and dt == self._dtype and not copy:
-            return self
-        if dt != self._dtype:
-            converted = self.astype(dt)
-            return converted if dev == self._device else converted.to(dev, non_blocking=non_blocking)
-        out = empty(self._shape, dtype=self._dtype, device=dev)
-        out.copy_(self, non_blocking=non_blocking)
-        return out
-
     # ------------------------------------------------------------------ device work
     def fill_(self, value: Any) -> DeviceArray:
         """Set every element to ``value`` (converted to the dtype as numpy does). Returns self.
@@ -384,6 +372,11 @@ class DeviceArray(OperatorsMixin):
         patterns cudalab's fill kernels; runs on the current stream.
         """
         self._require_writable("DeviceArray.fill_()")
+        if isinstance(value, DeviceArray):  # torch takes a 0-d tensor (read here: a host sync)
+            if value.ndim:
+                raise ValueError(f"fill_ only supports 0-dimension value tensor but got tensor "
+                                 f"with {value.ndim} dimensions.")
+            value = value.item()
         try:
             pattern = np.array(value, dtype=self._dtype).tobytes()
         except (TypeError, ValueError, OverflowError) as exc:
@@ -556,13 +549,6 @@ class DeviceArray(OperatorsMixin):
                                       _dlpack.kDLCUDA, src._device, versioned, src._read_only)
 
 
-def _is_dtype_arg(value: Any) -> bool:
-    """Whether a positional ``to()`` argument names a dtype rather than a device."""
-    if isinstance(value, str):
-        return not value.startswith(("cuda", "cpu")) and value.strip().lower() != "meta"
-    return isinstance(value, (np.dtype, type))
-
-
 def _is_capsule(obj: Any) -> bool:
     return _dlpack.is_capsule(obj)
 
@@ -677,14 +663,38 @@ def ones(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> Devic
     return DeviceArray(size, dtype, device).fill_(1)
 
 
-def full(shape: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
-    """Array filled with ``fill_value``; dtype defaults to numpy's for the value (int64,
-    float64, complex128, bool)."""
+def full(size: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
+    """Array of ``size`` filled with ``fill_value``, as torch's ``full(size, fill_value)``.
+
+    Parameters
+    ----------
+    size
+        A tuple or list of ints (``full((2, 3), v)``), or one int (``full(5, v)``).
+    fill_value
+        A Python or numpy scalar.
+    dtype, device
+        As for :func:`empty`; the dtype defaults to numpy's for the value (int64, float64,
+        complex128, bool).
+
+    Raises
+    ------
+    TypeError
+        ``fill_value`` is not a scalar, or the sizes were spread over the arguments
+        (``full(2, 3, 7)``: pass ``full((2, 3), 7)``).
+    ValueError
+        ``fill_value`` cannot be stored in ``dtype``.
+    """
+    if type(dtype) is int and type(fill_value) is int and type(size) is int:
+        raise TypeError(f"full() takes the size as one tuple, then the value: "
+                        f"full(({size}, {fill_value}), {dtype}), not full({size}, {fill_value}, "
+                        f"{dtype})")
+    if not isinstance(fill_value, (int, float, complex, np.generic)) or isinstance(
+            fill_value, np.ndarray):
+        raise TypeError(f"full: fill_value must be a scalar (a Python or numpy number or "
+                        f"bool), got {type(fill_value).__name__}")
     if dtype is None:
-        if isinstance(fill_value, DeviceArray):
-            raise TypeError("full: fill_value must be a scalar")
         dtype = np.asarray(fill_value).dtype
-    return DeviceArray(shape, dtype, device).fill_(fill_value)
+    return DeviceArray(size, dtype, device).fill_(fill_value)
 
 
 def _like(a: Any, dtype: Any, device: Any) -> tuple[tuple[int, ...], Any, Any]:

@@ -65,6 +65,18 @@ class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel; the message carries the compiler log."""
 
 
+class CublasError(RuntimeError):
+    """cuBLAS is missing, or a cuBLAS call failed (the message names the call and status).
+
+    ``status`` is the ``cublasStatus_t`` value (None when the library could not be loaded).
+    """
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+
 __all__ = [
     "CudaError",
     "OutOfMemoryError",
@@ -72,4 +84,6 @@ __all__ = [
     "CudaUnavailableError",
     "NvmlError",
     "KernelCompileError",
+    "CublasError",
 ]
+

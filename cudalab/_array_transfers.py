@@ -1,0 +1,194 @@
+"""Transfers of :class:`cudalab.DeviceArray`: ``cpu``, ``tolist``, ``item``, ``to``, ``zero_``.
+
+A mixin that :class:`~cudalab.DeviceArray` inherits. torch's names and rules, with one
+deliberate difference: cudalab has no host tensor type, so ``cpu()`` and ``to("cpu")``
+return a **numpy array** (a copy; torch returns a CPU tensor). Every host copy waits for
+the array's device work queued so far, as torch's do.
+
+* ``cpu()`` reads strided arrays too (DLPack / CUDA-array-interface imports): it copies
+  the span of memory the array covers and lays the elements out in C order on the host.
+* ``to("cuda:1")`` copies between devices with ``cuMemcpyPeerAsync`` on the destination's
+  current stream, ordered after the source device's current stream and before its later
+  work (the driver stages the copy through the host when the devices have no peer access).
+* ``to(dtype)`` converts on the device with :meth:`DeviceArray.astype`, the elementwise
+  machinery of the jiterator issue.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cudalab._array_memory import host_transfer, stream_of
+from cudalab._dtypes import normalize_dtype
+from cudalab._internal import device_index
+from cudalab.devices import Device
+
+if TYPE_CHECKING:
+    from typing import Any as _ArrayBase  # the type checker sees the DeviceArray attributes
+
+    from cudalab.array import DeviceArray
+else:
+    _ArrayBase = object
+
+__all__ = ["TransfersMixin"]
+
+_DEVICE_PREFIXES = ("cpu", "cuda")
+
+
+def _host_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype Python scalars are built from (bfloat16 -> float32: exact, and plain floats)."""
+    return np.dtype(np.float32) if dtype.name == "bfloat16" else dtype
+
+
+class TransfersMixin(_ArrayBase):
+    """Host copies and device moves of a DeviceArray."""
+
+    __slots__ = ()
+
+    def cpu(self) -> np.ndarray:
+        """A numpy copy of the array (C-contiguous), waiting for the device work queued so far.
+
+        torch's ``Tensor.cpu()`` returns a CPU tensor; cudalab has none, so this returns a
+        numpy array (the same as :meth:`numpy` for a contiguous array). Strided arrays are
+        read too.
+
+        Returns
+        -------
+        numpy.ndarray
+            A new array of the same shape and dtype.
+        """
+        if self.is_contiguous():
+            return self.numpy()
+        itemsize = self.itemsize
+        lo = hi = 0
+        for size, stride in zip(self.shape, self.strides):
+            if size == 0:
+                return np.empty(self.shape, self.dtype)
+            step = (size - 1) * stride
+            lo, hi = (lo + step, hi) if step < 0 else (lo, hi + step)
+        span = np.empty(hi - lo + itemsize, np.uint8)
+        stream = self.stream
+        if stream.closed:  # the allocation stream was closed: use the current one
+            stream = stream_of(self.device_index)
+        host = span.__array_interface__["data"][0]
+        host_transfer(self.device_index, host, self.data_ptr() + lo, span.nbytes, stream, host,
+                      False, "DeviceArray.cpu")
+        view = np.ndarray(self.shape, self.dtype, buffer=span, offset=-lo, strides=self.strides)
+        return np.ascontiguousarray(view)
+
+    def tolist(self) -> Any:
+        """The elements as (nested) Python lists of Python scalars, as torch's ``tolist``.
+
+        A 0-d array gives a scalar. bfloat16 elements become floats. Waits for the copy.
+        """
+        host = self.cpu()
+        return host.astype(_host_dtype(self.dtype), copy=False).tolist()
+
+    def item(self) -> Any:
+        """The value of a one-element array as a Python scalar (waits for the copy).
+
+        Raises
+        ------
+        RuntimeError
+            The array does not have exactly one element (torch's message).
+        """
+        if self.size != 1:
+            raise RuntimeError(f"a Tensor with {self.size} elements cannot be converted to "
+                               "Scalar")
+        host = self.cpu().reshape(-1)
+        return host.astype(_host_dtype(self.dtype), copy=False)[0].item()
+
+    def zero_(self) -> DeviceArray:
+        """Set every element to zero (a memset on the current stream). Returns self."""
+        return self.fill_(0)
+
+    def to(self, *args: Any, non_blocking: bool = False, copy: bool = False,
+           **kwargs: Any) -> Any:
+        """This array on another device and/or with another dtype, as torch's ``Tensor.to``.
+
+        Forms: ``to(device)``, ``to(dtype)``, ``to(device, dtype)``, ``to(other)`` (another
+        DeviceArray's device and dtype), and the keywords ``device=`` / ``dtype=``.
+
+        Parameters
+        ----------
+        device
+            ``"cuda:N"``, ``"cuda"``, an int, a :class:`cudalab.Device`, or ``"cpu"``.
+        dtype
+            A dtype (numpy's, its name, or ``"bfloat16"``); converted with :meth:`astype`.
+        non_blocking
+            Passed to the copy (see :meth:`copy_`); ignored for ``"cpu"``.
+        copy
+            Return a new array even when nothing changes.
+
+        Returns
+        -------
+        DeviceArray or numpy.ndarray
+            ``self`` when device and dtype already match (and not ``copy``); a numpy array
+            for ``"cpu"`` (cudalab has no host tensor type: see :meth:`cpu`).
+
+        Raises
+        ------
+        TypeError
+            An argument is neither a device nor a dtype, or one is given twice.
+        """
+        device, dtype = _to_args(self, args, kwargs)
+        if device == "cpu":
+            host = self.cpu()
+            return host if dtype is None else host.astype(normalize_dtype(dtype))
+        out = self
+        if dtype is not None:
+            dt = normalize_dtype(dtype)
+            if dt != self.dtype:
+                out = self.astype(dt)
+        if device is not None:
+            dev = device_index(device)
+            if dev != out.device_index:
+                moved = type(self)(out.shape, out.dtype, dev)
+                out = moved.copy_(out, non_blocking=non_blocking)
+        if copy and out is self:
+            out = type(self)(self.shape, self.dtype, self.device_index).copy_(self)
+        return out
+
+
+def _is_device(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower().startswith(_DEVICE_PREFIXES)
+    return isinstance(value, Device) or (type(value) is int)
+
+
+def _to_args(array: DeviceArray, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """(device, dtype) of a ``to(...)`` call; ``"cpu"`` for the host, None for unchanged."""
+    unknown = set(kwargs) - {"device", "dtype"}
+    if unknown:
+        raise TypeError(f"to() got unexpected keyword arguments {sorted(unknown)}")
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    if len(args) > 2:
+        raise TypeError(f"to() takes at most 2 positional arguments (device, dtype), got "
+                        f"{len(args)}")
+    positional_device = positional_dtype = None
+    for i, value in enumerate(args):
+        if value is None:
+            continue
+        if isinstance(value, type(array)):
+            if len(args) > 1:
+                raise TypeError("to(other): no other positional argument may follow the array")
+            positional_device, positional_dtype = value.device_index, value.dtype
+        elif i == 0 and _is_device(value):
+            positional_device = value
+        elif isinstance(value, (bool, np.bool_)) or (i == 1 and _is_device(value)):
+            raise TypeError(f"to(): {value!r} is neither a device nor a dtype")
+        else:
+            positional_dtype = value
+    if positional_device is not None:
+        if device is not None:
+            raise TypeError("to() got a device twice (positional and device=)")
+        device = positional_device
+    if positional_dtype is not None:
+        if dtype is not None:
+            raise TypeError("to() got a dtype twice (positional and dtype=)")
+        dtype = positional_dtype
+    if isinstance(device, str) and device.strip().lower() == "cpu":
+        device = "cpu"
+    return device, dtype

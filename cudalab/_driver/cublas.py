@@ -1,0 +1,145 @@
+"""cuBLAS through ctypes: the library loaded by ``cuda.pathfinder`` (the driver seam).
+
+Why this dependency: ``cuda.pathfinder`` ships with cuda-bindings 13 (already a cudalab
+dependency) and finds the cuBLAS that the NVIDIA wheels install (``nvidia-cublas`` for CUDA
+13, ``nvidia-cublas-cu12``, which every CUDA build of torch brings) or a CUDA toolkit, so
+no new Python package is needed: the ``cublas`` extra only adds the library wheel.
+nvmath-python's bindings would add a large package for the four calls cudalab makes.
+
+Only what :mod:`cudalab.blas` needs is declared: ``cublasCreate_v2``, ``cublasDestroy_v2``,
+``cublasSetStream_v2``, ``cublasGetStream_v2`` and ``cublasSgemm_v2`` (tests run a GEMM
+through a handle). Handles and stream handles are plain ints. Every failing call raises
+:class:`cudalab.errors.CublasError` naming the call and cuBLAS's status string.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+from cudalab.errors import CublasError
+
+__all__ = ["create", "destroy", "get_stream", "library", "set_stream", "sgemm"]
+
+INSTALL_HINT = ("install cuBLAS with `pip install nvidia-cublas` (CUDA 13) or "
+                "`pip install cudalab[cublas]`; torch's CUDA wheels bring one too")
+#: sonames tried when cuda.pathfinder reports the library as loaded without a path.
+_SONAMES = ("libcublas.so.13", "libcublas.so.12")
+
+_lock = threading.Lock()
+_lib: Any = None  # the ctypes.CDLL once loaded and declared
+
+#: cublasOperation_t values.
+OP_N = 0
+OP_T = 1
+
+
+def library() -> Any:
+    """The loaded cuBLAS library (ctypes), loading it on the first call.
+
+    Raises
+    ------
+    CublasError
+        cuBLAS (or cuda.pathfinder) is not installed.
+    """
+    lib = _lib
+    return lib if lib is not None else _load()
+
+
+def _load() -> Any:
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib
+        except ImportError as exc:
+            raise CublasError(f"cuBLAS cannot be loaded: cuda.pathfinder is not importable "
+                              f"({exc}); install cuda-bindings>=13") from exc
+        try:
+            loaded = load_nvidia_dynamic_lib("cublas")
+        except Exception as exc:  # DynamicLibNotFoundError and its relatives
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CublasError(f"cuBLAS cannot be loaded ({first}); {INSTALL_HINT}") from exc
+        lib = None
+        for name in ((loaded.abs_path,) if loaded.abs_path else _SONAMES):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise CublasError(f"cuBLAS was found by cuda.pathfinder but cannot be opened; "
+                              f"{INSTALL_HINT}")
+        vp, i32 = ctypes.c_void_p, ctypes.c_int
+        for name, args in (
+            ("cublasCreate_v2", (ctypes.POINTER(vp),)),
+            ("cublasDestroy_v2", (vp,)),
+            ("cublasSetStream_v2", (vp, vp)),
+            ("cublasGetStream_v2", (vp, ctypes.POINTER(vp))),
+            ("cublasSgemm_v2", (vp, i32, i32, i32, i32, i32, vp, vp, i32, vp, i32, vp, vp, i32)),
+        ):
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = i32
+        try:
+            lib.cublasGetStatusString.argtypes = (i32,)
+            lib.cublasGetStatusString.restype = ctypes.c_char_p
+        except AttributeError:  # pragma: no cover - cuBLAS < 11.4
+            pass
+        _lib = lib
+        return lib
+
+
+def _check(status: int, call: str) -> None:
+    if status == 0:
+        return
+    text = f"status {status}"
+    try:
+        raw = _lib.cublasGetStatusString(status)
+        if raw:
+            text = f"{raw.decode(errors='replace')} (status {status})"
+    except Exception:  # pragma: no cover - only when the library misbehaves
+        pass
+    raise CublasError(f"{call} failed: {text}", status)
+
+
+def create() -> int:
+    """A new cuBLAS handle for the current CUDA context (cublasCreate_v2)."""
+    lib = library()
+    handle = ctypes.c_void_p()
+    _check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate_v2")
+    return int(handle.value or 0)
+
+
+def destroy(handle: int) -> None:
+    """Release ``handle`` (cublasDestroy_v2)."""
+    _check(library().cublasDestroy_v2(ctypes.c_void_p(handle)), "cublasDestroy_v2")
+
+
+def set_stream(handle: int, stream: int) -> None:
+    """Bind ``handle`` to the CUDA stream ``stream`` (a raw handle; 0 the legacy default)."""
+    _check(library().cublasSetStream_v2(ctypes.c_void_p(handle), ctypes.c_void_p(stream)),
+           "cublasSetStream_v2")
+
+
+def get_stream(handle: int) -> int:
+    """The raw CUDA stream ``handle`` is bound to (cublasGetStream_v2)."""
+    out = ctypes.c_void_p()
+    _check(library().cublasGetStream_v2(ctypes.c_void_p(handle), ctypes.byref(out)),
+           "cublasGetStream_v2")
+    return int(out.value or 0)
+
+
+def sgemm(handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: float,
+          a: int, lda: int, b: int, ldb: int, beta: float, c: int, ldc: int) -> None:
+    """``C = alpha * op(A) @ op(B) + beta * C`` in float32, column-major (cublasSgemm_v2).
+
+    ``a``, ``b``, ``c`` are device addresses; ``alpha`` and ``beta`` are host scalars.
+    """
+    al, be = ctypes.c_float(alpha), ctypes.c_float(beta)
+    _check(library().cublasSgemm_v2(
+        ctypes.c_void_p(handle), transa, transb, m, n, k, ctypes.byref(al), ctypes.c_void_p(a),
+        lda, ctypes.c_void_p(b), ldb, ctypes.byref(be), ctypes.c_void_p(c), ldc),
+        "cublasSgemm_v2")
