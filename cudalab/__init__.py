@@ -108,7 +108,7 @@ _LAZY: dict[str, str] = {
     },
 }
 _SUBMODULES = {"memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
-               "random", "interop"}
+               "random", "interop", "sanitizer"}
 
 
 def __getattr__(name: str) -> Any:
@@ -123,6 +123,11 @@ def __getattr__(name: str) -> Any:
 
 
 _interrupts.guard(__getattr__)
+
+# CUDALAB_SANITIZER=1 (or warn / collect): the stream sanitizer from the start (imported
+# only then: without it `import cudalab` does not load it).
+if _os.environ.get("CUDALAB_SANITIZER", "") not in ("", "0"):
+    importlib.import_module("cudalab.sanitizer").enable_from_env()
 
 
 def load_ipython_extension(ipython: Any) -> None:

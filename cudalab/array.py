@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cudalab import _dlpack, _internal, _interrupts
+from cudalab import _dlpack, _internal, _interrupts, _sanitizer_hook
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab._array_memory import (
@@ -119,6 +119,8 @@ class DeviceArray:
             a = self._alloc = allocator_of(dev)
             self._ptr = a.malloc(nbytes, stream)
             self._owns = True
+            if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+                _sanitizer_hook.tracker.allocated(self._ptr, nbytes, stream)
         else:
             self._ptr = 0
         self._shape = shape
@@ -140,6 +142,8 @@ class DeviceArray:
                 self._owns = False
                 if _streams._exiting:  # the process is ending: the driver reclaims everything
                     return
+                if _sanitizer_hook.on:  # the stream sanitizer: the free request
+                    _sanitizer_hook.tracker.freed(self._ptr, self._stream)
                 try:
                     self._alloc.free(self._ptr)
                 except ValueError:  # not this allocator's any more (a reset): the registry's
@@ -341,6 +345,9 @@ class DeviceArray:
             return self
         stream = stream_of(self._device)
         b = stream._b
+        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+            _sanitizer_hook.tracker.access(stream, ((src._ptr, n),), ((self._ptr, n),),
+                                           "copy (device to device)")
         if src._device == self._device:
             null_context(stream)
             b.memcpy_async(self._device, self._ptr, src._ptr, n, stream._handle)
@@ -641,6 +648,8 @@ def zeros(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> Devi
     a = DeviceArray(size, dtype, device)
     if a._nbytes:
         stream = stream_of(a._device)
+        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+            _sanitizer_hook.tracker.access(stream, (), ((a._ptr, a._nbytes),), "fill (zeros)")
         null_context(stream)
         stream._b.memset_d8_async(a._device, a._ptr, 0, a._nbytes, stream._handle)
     return a

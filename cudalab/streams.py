@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from cudalab import _sanitizer_hook as _hook
 from cudalab import devices as _devices
 from cudalab import sync_debug as _sync
 from cudalab._driver.base import STATUS_NOT_READY, STREAM_NON_BLOCKING, ClosedHandle
@@ -187,6 +188,8 @@ class Stream:
 
             _internal.ensure_context(self.device_index)
         self._b.stream_synchronize(self._handle)
+        if _hook.on:  # the stream sanitizer (one flag read while it is off)
+            _hook.tracker.stream_synchronize(self)
 
     def wait_event(self, event: Any) -> None:
         """Make all future work on this stream wait for ``event`` (no host sync)."""
@@ -199,6 +202,8 @@ class Stream:
 
             _internal.ensure_context(self.device_index)
         self._b.stream_wait_event(self._handle, h)
+        if _hook.on:
+            _hook.tracker.event_wait(event, self)
 
     def wait_stream(self, stream: Stream) -> None:
         """Make all future work on this stream wait for the work queued so far on ``stream``."""
