@@ -22,9 +22,10 @@ protocol:
     any other device work: ``reads`` and ``writes`` are sequences of ``(ptr, nbytes)``
     (jiterator functions and array operators report here, as
     :func:`cudalab.sanitizer.record_launch` does for user code);
-``host_read(stream, ptr, nbytes, name)``
-    a device-to-host copy the host then reads (``DeviceArray.numpy()``);
-``event_record(event, stream)``, ``event_wait(event, stream)``, ``event_synchronize(event)``,
+``transfer(stream, device_ptr, nbytes, to_host, waited)``
+    a host transfer: to the host (a read the host then sees, ``DeviceArray.numpy()``) or
+    from it (a write); ``waited``: the host waited for it;
+``stream_created(stream)``, ``event_record(event, stream)``, ``event_wait(event, stream)``, ``event_synchronize(event)``,
 ``stream_synchronize(stream)``, ``device_synchronize(device)``
     the happens-before edges.
 """

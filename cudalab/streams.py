@@ -97,6 +97,8 @@ class Stream:
         self._owned = True
         self._null = False
         self._ctx_stack = None
+        if _hook.on:  # the stream sanitizer: a new stream starts after what the host waited for
+            _hook.tracker.stream_created(self)
 
     @classmethod
     def _wrap(cls, device: int, handle: Any, owned: bool) -> Stream:

@@ -60,6 +60,12 @@ class StreamSynchronizations:
             clock = self.current[s] = dict(self.host)
         return clock
 
+    def create_stream(self, s: StreamKey) -> None:
+        """A new stream ``s`` (its handle may be a destroyed stream's): its clock starts
+        from what the host waited for."""
+        self.host.setdefault(s, 0)
+        self.current[s] = dict(self.host)
+
     def access(self, s: StreamKey) -> int:
         """A new access on ``s``: its sequence number."""
         clock = self._clock(s)

@@ -269,6 +269,10 @@ class Tracker:
         alloc.writes.append(acc)
 
     # ------------------------------------------------------------------ happens-before
+    def stream_created(self, stream: Any) -> None:
+        with self._lock:
+            self.sync.create_stream(stream_key(stream))
+
     def event_record(self, event: Any, stream: Any) -> None:
         with self._lock:
             self.sync.record(id(event), stream_key(stream))
