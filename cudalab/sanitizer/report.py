@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import html
 import linecache
+import os
+import sys
+import sysconfig
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,7 @@ __all__ = [
     "format_stack",
     "html_table",
     "stream_name",
+    "user_frames",
 ]
 
 #: Access types (torch's AccessType: "reading from" / "writing to").
@@ -57,11 +61,52 @@ def stream_name(key: tuple[int, int]) -> str:
     return f"stream {handle:#x} on cuda:{device}"
 
 
+#: Where library code lives: the standard library, site-packages, cudalab itself.
+_LIBRARY_DIRS = tuple(sorted({os.path.join(os.path.abspath(p), "") for p in (
+    *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+) if p}))
+
+
+def _is_library(filename: str) -> bool:
+    if filename.startswith("<frozen"):
+        return True
+    return os.path.abspath(filename).startswith(_LIBRARY_DIRS) if filename[:1] != "<" else False
+
+
+def user_frames(frames: list[dict]) -> list[dict]:
+    """The user's part of a stack (innermost first): its frames up to the first one of a
+    library (the standard library, site-packages, cudalab; a notebook's kernel and the
+    magic that ran the cell are cut off), at least one frame."""
+    out: list[dict] = []
+    for frame in frames:
+        if out and _is_library(frame["filename"]):
+            break
+        out.append(frame)
+    return out
+
+
+def _where(filename: str) -> str:
+    """``File "f"``, or IPython's ``Cell In[n]`` for a notebook cell's code."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    name_of = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if name_of is not None:
+        try:
+            label = name_of(filename)
+        except Exception:
+            label = None
+        if label:
+            return f"{label[0]} {label[1]}"
+    return f'File "{filename}"'
+
+
 def format_stack(frames: list[dict]) -> str:
-    """torch's frame lines (``  File "f", line n, in name`` and the source), outermost first."""
+    """torch's frame lines (``  File "f", line n, in name`` and the source), outermost first;
+    a notebook cell shows as ``Cell In[n]``."""
     out = []
     for frame in reversed(frames):
-        out.append(f'  File "{frame["filename"]}", line {frame["line"]}, in {frame["name"]}\n')
+        out.append(f'  {_where(frame["filename"])}, line {frame["line"]}, in {frame["name"]}\n')
         source = linecache.getline(frame["filename"], frame["line"]).strip()
         if source:
             out.append(f"    {source}\n")
@@ -104,6 +149,7 @@ class Report:
     current: Access
     previous: Access
     fix: str
+    simulated: bool = False  # found on the simulator (the text says so)
 
     @property
     def title(self) -> str:
@@ -119,7 +165,8 @@ class Report:
         lines = [
             "============================",
             f"cudalab sanitizer detected a {self.title} on allocation "
-            f"{self.allocation_ptr:#x} ({size})",
+            f"{self.allocation_ptr:#x} ({size}) of cuda:{self.current.stream[0]}"
+            f"{' (simulated)' if self.simulated else ''}",
             f"Access by {stream_name(self.current.stream)} during {self.current.describe()}",
             f"Previous access by {stream_name(self.previous.stream)} during "
             f"{self.previous.describe()}",

@@ -41,6 +41,7 @@ from cudalab.sanitizer.report import (
     StreamRaceError,
     StreamRaceWarning,
     stream_name,
+    user_frames,
 )
 from cudalab.sanitizer.state import StreamKey, StreamSynchronizations, stream_key
 
@@ -296,10 +297,14 @@ class Tracker:
     # ------------------------------------------------------------------ findings
     def _report(self, kind: str, alloc: Allocation, current: Access, previous: Access,
                 fix: str) -> Report:
+        from cudalab import _internal  # (CUDA is initialised: an access was queued)
+
         cache: dict = {}
         return Report(kind, alloc.ptr, alloc.size if alloc.stream is not None else 0,
-                      None if alloc.stack is None else frames_to_dicts(alloc.stack, cache),
-                      _with_frames(current, cache), _with_frames(previous, cache), fix)
+                      None if alloc.stack is None
+                      else user_frames(frames_to_dicts(alloc.stack, cache)),
+                      _with_frames(current, cache), _with_frames(previous, cache), fix,
+                      _internal.backend().simulated)
 
     def _warn(self, found: list[Report]) -> None:
         for report in found:
@@ -331,4 +336,4 @@ class Tracker:
 def _with_frames(access: Access, cache: dict) -> Access:
     """A copy of ``access`` whose stack is frame dicts (the record keeps raw frames)."""
     return Access(access.type, access.seq, access.stream, access.operation, access.start,
-                  access.end, frames_to_dicts(access.stack, cache))
+                  access.end, user_frames(frames_to_dicts(access.stack, cache)))

@@ -124,7 +124,8 @@ def test_the_report_text():
     assert lines[0] == "============================"
     assert lines[1].startswith("cudalab sanitizer detected a possible data race (write after "
                                "write) on allocation 0x")
-    assert lines[1].endswith("(256 B)")
+    simulated = " (simulated)" if cudalab.get_device_properties(0).simulated else ""
+    assert lines[1].endswith(f"(256 B) of cuda:0{simulated}")
     assert lines[2].startswith("Access by stream 0x") and lines[2].endswith(" during fill")
     assert lines[3].startswith("writing to bytes [0x")
     assert lines[4] == "With stack trace:"

@@ -66,6 +66,7 @@ def test_a_racy_cell_shows_the_findings_table(ip):
     assert "<table>" in htmls[0] and "possible data race (write after write)" in htmls[0]
     assert texts[0].startswith("1 finding (")
     assert "a.fill_(2)" in texts[0] and "a.fill_(1)" in texts[0]  # the cell's lines
+    assert "  Cell In[" in texts[0] and "File" not in texts[0]  # the cell, not the kernel
     assert not sanitizer.is_enabled()
 
 
