@@ -1,6 +1,6 @@
 """Stream sanitizer benchmark: what the sanitizer costs, on and off.
 
-The issue's loop: 10k iterations, each allocating a small array on one of two streams,
+The loop: 10k iterations, each allocating a small array on one of two streams,
 launching a kernel that writes it (a fill) and one that reads it into another array (a
 device-to-device copy), with an event ordering the second stream after the first. Rows:
 the loop with the sanitizer off, on ("collect" mode), their ratio (the target is <= 3x), and

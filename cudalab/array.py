@@ -345,10 +345,10 @@ class DeviceArray:
             return self
         stream = stream_of(self._device)
         b = stream._b
-        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-            _sanitizer_hook.tracker.access(stream, ((src._ptr, n),), ((self._ptr, n),),
-                                           "copy (device to device)")
         if src._device == self._device:
+            if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+                _sanitizer_hook.tracker.access(stream, ((src._ptr, n),), ((self._ptr, n),),
+                                               "copy (device to device)")
             null_context(stream)
             b.memcpy_async(self._device, self._ptr, src._ptr, n, stream._handle)
             return self
@@ -356,6 +356,9 @@ class DeviceArray:
         # current stream, and that stream ordered after the copy (torch's cross-device rule).
         src_stream = stream_of(src._device)
         wait_stream(stream, src_stream)
+        if _sanitizer_hook.on:
+            _sanitizer_hook.tracker.access(stream, ((src._ptr, n),), ((self._ptr, n),),
+                                           "copy (peer)")
         null_context(stream)
         b.memcpy_peer_async(self._ptr, self._device, src._ptr, src._device, n, stream._handle)
         wait_stream(src_stream, stream)

@@ -29,7 +29,7 @@ from bisect import bisect_right, insort
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from cudalab.memory_tools.stacks import _capture, frames_to_dicts
+from cudalab.memory_tools.stacks import capture_stack, frames_to_dicts
 from cudalab.sanitizer.report import (
     HOST_READ,
     RACE,
@@ -149,7 +149,7 @@ class Tracker:
         """Memory ``[ptr, ptr + nbytes)`` was allocated for ``stream`` (its history starts)."""
         if not ptr:
             return
-        stack = _capture(0)
+        stack = capture_stack(0)
         with self._lock:
             self._drop(ptr)  # a free not seen (torch backfills the same way)
             alloc = Allocation(ptr, nbytes, stream_key(stream), stack)
@@ -183,7 +183,7 @@ class Tracker:
                 if not self.sync.is_ordered_after(owner, access.seq, other):
                     free = Access(WRITE, self.sync.seq, owner,
                                   "free (the allocator may hand the block out again on this stream)",
-                                  alloc.ptr, alloc.end, _capture(0))
+                                  alloc.ptr, alloc.end, capture_stack(0))
                     found.append(self._report(UNSAFE_REUSE, alloc, free, access,
                                               _fix_reuse(other, owner)))
             if found:
@@ -199,7 +199,7 @@ class Tracker:
         """Device work on ``stream`` reading and writing ``(ptr, nbytes)`` ranges (nbytes 0:
         to the end of the allocation)."""
         key = stream_key(stream)
-        stack = _capture(0)
+        stack = capture_stack(0)
         writes = [w for w in writes if w[0]]
         written = {w[0] for w in writes}
         with self._lock:
@@ -223,7 +223,7 @@ class Tracker:
         host (a read that the host then sees) or from it (a write); ``waited``: the host
         waited for the copy (a synchronisation of ``stream``)."""
         key = stream_key(stream)
-        stack = _capture(0)
+        stack = capture_stack(0)
         with self._lock:
             seq = self.sync.access(key)
             found: list[Report] = []

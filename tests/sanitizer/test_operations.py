@@ -1,4 +1,4 @@
-"""The issue's race catalogue with cudalab's real operations as the racing accesses.
+"""The race catalogue with cudalab's real operations as the racing accesses.
 
 Fills, device and host copies, RNG draws, kernel launches (a :class:`cudalab.kernels.Kernel`
 with access annotations), ``numpy()`` reads and frees, each racing on two streams, then the
@@ -223,3 +223,18 @@ def test_memory_allocated_before_the_sanitizer_is_tracked_from_its_first_access(
     assert kinds(session) == [sanitizer.RACE]
     assert session.reports[0].allocation_stack is None
     assert "Trace for the allocation not found" in str(session.reports[0])
+
+
+# ----------------------------------------------------------------- devices
+def test_peer_copy_is_ordered_by_the_cross_device_rule(session, two_devices):
+    src = cudalab.empty(64, device=1)
+    with cudalab.device(1):
+        src.fill_(4.0)  # on device 1's current stream, which the peer copy waits for
+    dst = src.to(0)
+    assert session.reports == []
+    side = cudalab.Stream(device=1)
+    with cudalab.stream(side):
+        src.fill_(6.0)  # not ordered with the copy that read src
+    assert [r.kind for r in session.reports] == [sanitizer.RACE]
+    assert session.reports[0].previous.operation == "copy (peer)"
+    del dst
