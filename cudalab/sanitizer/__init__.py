@@ -142,7 +142,22 @@ def enable_from_env() -> Session | None:
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value in ("", "0"):
         return None
+    import atexit
+
+    atexit.register(_print_pending)
     return enable(value if value in ("warn", "collect") else "raise")
+
+
+def _print_pending() -> None:
+    """At exit: print the findings of frees that no later access raised (raise mode)."""
+    tracker = _hook.tracker
+    if tracker is None or not tracker._pending:
+        return
+    import sys
+
+    pending, tracker._pending = tracker._pending, []
+    print(f"cudalab sanitizer: {len(pending)} finding(s) at frees after the last access:\n"
+          + "\n".join(str(r) for r in pending), file=sys.stderr)
 
 
 def disable() -> None:

@@ -203,6 +203,17 @@ def test_env_var_warn_mode():
     assert "StreamRaceWarning" in r.stderr
 
 
+def test_env_var_prints_a_free_finding_left_at_exit():
+    r = _script("1", "import cudalab\n"
+                     "a, b = cudalab.zeros(64), cudalab.empty(64)\n"
+                     "user = cudalab.Stream()\n"
+                     "user.wait_stream(cudalab.current_stream())\n"
+                     "with cudalab.stream(user): b.copy_(a)\n"
+                     "del a\n")
+    assert "cudalab sanitizer: 1 finding(s) at frees after the last access" in r.stderr
+    assert "unsafe reuse" in r.stderr
+
+
 @pytest.mark.parametrize("value", [None, "", "0"])
 def test_without_the_env_var_the_sanitizer_is_not_imported(value):
     r = _script(value, RACY)
