@@ -110,7 +110,7 @@ _LAZY: dict[str, str] = {
     },
 }
 _SUBMODULES = {"blas", "memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
-               "random", "interop", "jiterator"}
+               "random", "interop", "jiterator", "sanitizer"}
 
 
 def __getattr__(name: str) -> Any:
@@ -125,6 +125,11 @@ def __getattr__(name: str) -> Any:
 
 
 _interrupts.guard(__getattr__)
+
+# CUDALAB_SANITIZER=1 (or warn / collect): the stream sanitizer from the start (imported
+# only then: without it `import cudalab` does not load it).
+if _os.environ.get("CUDALAB_SANITIZER", "") not in ("", "0"):
+    importlib.import_module("cudalab.sanitizer").enable_from_env()
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cudalab import _internal, _interrupts
+from cudalab import _internal, _interrupts, _sanitizer_hook
 from cudalab import streams as _streams
 from cudalab import sync_debug as _sync
 from cudalab.allocator import registry as _registry
@@ -180,6 +180,9 @@ def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stre
         pinned_pool().record_use(host, stream)
     else:
         stream._b.stream_synchronize(stream._handle)
+    if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+        to_host = host == dst
+        _sanitizer_hook.tracker.transfer(stream, src if to_host else dst, n, to_host, not pinned)
 
 
 def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Stream) -> None:
@@ -187,6 +190,8 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
     b = stream._b
     h = stream._handle
     nbytes = count * len(pattern)
+    if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+        _sanitizer_hook.tracker.access(stream, (), ((ptr, nbytes),), "fill")
     null_context(stream)
     if pattern.count(pattern[0]) == len(pattern):
         b.memset_d8_async(device, ptr, pattern[0], nbytes, h)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cudalab import _dlpack, _internal, _interrupts
+from cudalab import _dlpack, _internal, _interrupts, _sanitizer_hook
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab._array_memory import (
@@ -92,9 +92,8 @@ def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
 class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin):
     """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
 
-    Transfers (``cpu``, ``tolist``, ``item``, ``to``, ``zero_``) come from
-    :mod:`cudalab._array_transfers`, reductions (``sum``, ``mean``, ``max``, ``min``,
-    ``amax``, ``amin``) from :mod:`cudalab._array_reductions`.
+    Operators, transfers (``cpu``, ``to``...) and reductions (``sum``...) come from the
+    mixins in ``_array_operators``, ``_array_transfers`` and ``_array_reductions``.
 
     ``DeviceArray(shape, dtype=float32, device=None)`` is :func:`cudalab.empty`. Attributes:
     ``shape``, ``dtype`` (numpy), ``strides`` (bytes), ``device`` (a :class:`cudalab.Device`,
@@ -127,6 +126,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin):
             a = self._alloc = allocator_of(dev)
             self._ptr = a.malloc(nbytes, stream)
             self._owns = True
+            if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+                _sanitizer_hook.tracker.allocated(self._ptr, nbytes, stream)
         else:
             self._ptr = 0
         self._shape = shape
@@ -148,6 +149,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin):
                 self._owns = False
                 if _streams._exiting:  # the process is ending: the driver reclaims everything
                     return
+                if _sanitizer_hook.on:  # the stream sanitizer: the free request
+                    _sanitizer_hook.tracker.freed(self._ptr, self._stream)
                 try:
                     self._alloc.free(self._ptr)
                 except ValueError:  # not this allocator's any more (a reset): the registry's
@@ -341,6 +344,9 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin):
         return self
 
     def _copy_from_device(self, src: DeviceArray) -> DeviceArray:
+        if (src._ptr, src._device, src._dtype, src._shape, src.strides) == (
+                self._ptr, self._device, self._dtype, self._shape, self.strides):
+            return self  # the same memory (a[k] += 1 assigns the view to itself), as torch
         if src._shape != self._shape or src._dtype != self._dtype or not src._contiguous:
             if src._device != self._device:  # to this device first, then convert there
                 src = src.to(self._device) if src._contiguous else src.astype(src._dtype).to(
@@ -352,6 +358,9 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin):
         stream = stream_of(self._device)
         b = stream._b
         if src._device == self._device:
+            if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+                _sanitizer_hook.tracker.access(stream, ((src._ptr, n),), ((self._ptr, n),),
+                                               "copy (device to device)")
             null_context(stream)
             b.memcpy_async(self._device, self._ptr, src._ptr, n, stream._handle)
             return self
@@ -359,6 +368,9 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin):
         # current stream, and that stream ordered after the copy (torch's cross-device rule).
         src_stream = stream_of(src._device)
         wait_stream(stream, src_stream)
+        if _sanitizer_hook.on:
+            _sanitizer_hook.tracker.access(stream, ((src._ptr, n),), ((self._ptr, n),),
+                                           "copy (peer)")
         null_context(stream)
         b.memcpy_peer_async(self._ptr, self._device, src._ptr, src._device, n, stream._handle)
         wait_stream(src_stream, stream)
@@ -647,6 +659,8 @@ def zeros(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> Devi
     a = DeviceArray(size, dtype, device)
     if a._nbytes:
         stream = stream_of(a._device)
+        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+            _sanitizer_hook.tracker.access(stream, (), ((a._ptr, a._nbytes),), "fill (zeros)")
         null_context(stream)
         stream._b.memset_d8_async(a._device, a._ptr, 0, a._nbytes, stream._handle)
     return a

@@ -11,7 +11,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Literal
 
-from cudalab import _driver
+from cudalab import _driver, _sanitizer_hook
 from cudalab._units import echo
 from cudalab.errors import (
     CudaError,
@@ -601,6 +601,8 @@ def synchronize(device: Any = None) -> None:
         sync_debug._report("cudalab.synchronize()")
     idx = _device_index(device)
     _backend().synchronize(idx)
+    if _sanitizer_hook.on:  # the stream sanitizer
+        _sanitizer_hook.tracker.device_synchronize(idx)
 
 
 def get_arch_list() -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from cudalab import _sanitizer_hook as _hook
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab import sync_debug as _sync
@@ -123,6 +124,8 @@ class Event:
                 _devices._ensure_context(stream.device_index)
             if self._rec(h, stream._handle)[0]:
                 self._record_failed(stream)
+            if _hook.on:  # the stream sanitizer (one flag read while it is off)
+                _hook.tracker.event_record(self, stream)
         except AttributeError:
             if not isinstance(stream, _streams.Stream):
                 raise _not_a_stream("Event.record()", stream) from None
@@ -157,6 +160,8 @@ class Event:
         h = self._handle
         if h is not None:
             self._b.event_synchronize(h)
+            if _hook.on:
+                _hook.tracker.event_synchronize(self)
 
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for this event, without blocking the host."""

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from cudalab import _sanitizer_hook as _hook
 from cudalab import devices as _devices
 from cudalab import sync_debug as _sync
 from cudalab._driver.base import STATUS_NOT_READY, STREAM_NON_BLOCKING, ClosedHandle
@@ -96,6 +97,8 @@ class Stream:
         self._owned = True
         self._null = False
         self._ctx_stack = None
+        if _hook.on:  # the stream sanitizer: a new stream starts after what the host waited for
+            _hook.tracker.stream_created(self)
 
     @classmethod
     def _wrap(cls, device: int, handle: Any, owned: bool) -> Stream:
@@ -187,6 +190,8 @@ class Stream:
 
             _internal.ensure_context(self.device_index)
         self._b.stream_synchronize(self._handle)
+        if _hook.on:  # the stream sanitizer (one flag read while it is off)
+            _hook.tracker.stream_synchronize(self)
 
     def wait_event(self, event: Any) -> None:
         """Make all future work on this stream wait for ``event`` (no host sync)."""
@@ -199,6 +204,8 @@ class Stream:
 
             _internal.ensure_context(self.device_index)
         self._b.stream_wait_event(self._handle, h)
+        if _hook.on:
+            _hook.tracker.event_wait(event, self)
 
     def wait_stream(self, stream: Stream) -> None:
         """Make all future work on this stream wait for the work queued so far on ``stream``."""

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from cudalab import _internal
+from cudalab import _internal, _sanitizer_hook
 from cudalab._kernels import type_promotion as tp
 from cudalab._kernels.c_expression import FunctionBody, UnsupportedExpression, parse_body
 from cudalab._kernels.elementwise_sim import make_sim, twin_token
@@ -475,8 +475,29 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
     if _current_stream is None:
         _bind_streams()
     grid = plan.grids.get(device) or _grid(plan, device)
-    plan.kernel.launch_prepared(grid, _BLOCK3, ptrs, _current_stream(device))
+    stream = _current_stream(device)
+    plan.kernel.launch_prepared(grid, _BLOCK3, ptrs, stream)
+    if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+        _sanitizer_hook.tracker.access(stream, [_extent(x) for x in arrays],
+                                       [_extent(o) for o in outs], f"kernel {plan.kernel.name}")
     return outs
+
+
+def _extent(x: Any) -> tuple[int, int]:
+    """``(first byte, bytes)`` that array ``x`` spans (views: from its lowest to its highest
+    element), the range an elementwise kernel reads or writes, for the stream sanitizer."""
+    if x._contiguous:
+        return x._ptr, x._nbytes
+    itemsize = x._dtype.itemsize
+    low = high = 0
+    for n, st in zip(x._shape, x.strides):
+        if n == 0:
+            return x._ptr, 0
+        if st < 0:
+            low += (n - 1) * st
+        else:
+            high += (n - 1) * st
+    return x._ptr + low, high - low + itemsize
 
 
 _current_stream: Any = None  # cudalab.streams.current_stream, bound on first run

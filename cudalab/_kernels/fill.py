@@ -49,7 +49,8 @@ def _sim_impl(dtype):
 #: Kernels by element size in bytes: {1: cudalab_fill_u8, 2: ..., 4: ..., 8: ...}.
 FILL_KERNELS = {
     np.dtype(dtype).itemsize: Kernel(
-        f"cudalab_fill_{suffix}", SOURCE, ("p", code, "u8"), sim=_sim_impl(dtype)
+        f"cudalab_fill_{suffix}", SOURCE, ("p", code, "u8"), sim=_sim_impl(dtype),
+        access=("w", "", ""),
     )
     for suffix, _, _, code, dtype in _TYPES
 }

@@ -72,7 +72,7 @@ def is_launch_blocking() -> bool:
 #: (grid and block as 3-tuples, ``stream`` the cudalab Stream). Empty: no cost. The list
 #: object is owned by :mod:`cudalab._internal` (mutated in place, never rebound), so binding
 #: it here keeps the launch path at one global read.
-from cudalab import _internal  # noqa: E402
+from cudalab import _internal, _sanitizer_hook  # noqa: E402
 from cudalab._internal import launch_observers as _launch_observers  # noqa: E402
 
 # --------------------------------------------------------------------------- CUBIN cache
@@ -296,6 +296,11 @@ class Kernel:
             chosen from the device.
         sim: numpy implementation for the simulator backend, called as
             ``sim(sim_backend, grid, block, shared_mem, *arg_values)``.
+        access: what the kernel does with each pointer parameter, for the stream sanitizer
+            (docs/sanitizer.md): one entry per signature entry, ``"r"`` (reads),
+            ``"w"`` (writes), ``"rw"`` (both) or ``""`` (not memory it touches, and every
+            non-pointer parameter). None (default): every pointer is taken as written.
+            A pointer is taken to reach to the end of the allocation holding it.
     """
 
     def __init__(
@@ -306,6 +311,7 @@ class Kernel:
         *,
         options: Sequence[str] = (),
         sim: Callable[..., Any] | None = None,
+        access: Sequence[str] | None = None,
     ):
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ValueError(f"kernel name must be a C identifier, got {name!r}")
@@ -329,6 +335,9 @@ class Kernel:
         self.signature = sig
         self.options = opts
         self.sim = sim
+        #: Indices of the pointer parameters the kernel reads / writes (the sanitizer's view;
+        #: a parameter in both is in ``writes`` only, as torch's CSAN counts it).
+        self.reads, self.writes = _access_indices(sig, access)
         #: (min, max) per integer/pointer parameter; None for the float ones (never read).
         self._ranges: tuple[tuple[int, int] | None, ...] = tuple(_INT_RANGES.get(t) for t in sig)
         self._args_ok = _fast_args_check(sig)
@@ -503,6 +512,8 @@ class Kernel:
         if _launch_observers:
             for observer in tuple(_launch_observers):
                 observer(self.name, device, stream, grid3, block3)
+        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+            _sanitizer_hook.tracker.kernel_launch(self, stream, values)
 
     __call__ = launch
 
@@ -537,6 +548,33 @@ class Kernel:
         if _launch_observers:
             for observer in tuple(_launch_observers):
                 observer(self.name, device, stream, grid, block)
+
+
+def _access_indices(signature: tuple[str, ...],
+                    access: Sequence[str] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(read indices, written indices) of a kernel's ``access`` annotation (see Kernel)."""
+    pointers = tuple(i for i, t in enumerate(signature) if t == "p")
+    if access is None:
+        return (), pointers
+    if isinstance(access, str):
+        raise TypeError("access must be a tuple with one entry per parameter, such as "
+                        "('w', '', 'r'), not a string")
+    entries = tuple(access)
+    if len(entries) != len(signature):
+        raise ValueError(f"access has {len(entries)} entries, the signature {signature} has "
+                         f"{len(signature)}")
+    reads, writes = [], []
+    for i, entry in enumerate(entries):
+        if entry not in ("", "r", "w", "rw"):
+            raise ValueError(f"access entry {i} must be 'r', 'w', 'rw' or '', got {entry!r}")
+        if entry and signature[i] != "p":
+            raise ValueError(f"access entry {i} is {entry!r} but parameter {i} is not a "
+                             f"pointer ({signature[i]!r})")
+        if "w" in entry:
+            writes.append(i)
+        elif entry == "r":
+            reads.append(i)
+    return tuple(reads), tuple(writes)
 
 
 # Bound on first launch, not at import: the facility stays importable on its own. The launch

@@ -562,6 +562,8 @@ SOURCES: dict[str, str] = {
 }
 
 _COMMON_SIGNATURE = ("p", "u8", "u4", "u4", "u8", "u8", "p")
+#: The sanitizer's view of those: the output is written, the graph-state words are read.
+_COMMON_ACCESS = ("w", "", "", "", "", "", "r")
 #: Torch threads per CUDA thread in :data:`KERNELS` (CL_TPT's default).
 TPT = 4
 
@@ -697,13 +699,13 @@ def _sim_set_state(sim, grid, block, shared_mem, gstate, seed, offset):
 #: Kernels by suffix ("uniform_f32", "normal_bf16", "randint64_u64", ...).
 KERNELS: dict[str, Kernel] = {
     suffix: Kernel(f"cudalab_rng_{suffix}", SOURCES[suffix], _COMMON_SIGNATURE + extra,
-                   sim=_make_sim(suffix))
+                   sim=_make_sim(suffix), access=_COMMON_ACCESS + ("",) * len(extra))
     for suffix, _c, _d, _p, _i, extra in _ENTRIES
 }
 
 #: ``cudalab_philox_set_state(gstate, seed, offset)``: one thread writes the two words.
 SET_STATE = Kernel("cudalab_philox_set_state", SET_STATE_SOURCE, ("p", "u8", "u8"),
-                   sim=_sim_set_state)
+                   sim=_sim_set_state, access=("w", "", ""))
 
 #: Kernel families (suffix prefixes).
 OPS = ("uniform", "normal", "bernoulli", "randint32", "randint64")
@@ -718,6 +720,7 @@ def variant(suffix: str, tpt: int, prefix: str = "cudalab_rngv") -> Kernel:
     name = f"{prefix}_{suffix}_t{tpt}"
     src = SOURCES[suffix].replace(f"cudalab_rng_{suffix}(", f"{name}(")
     k = Kernel(name, src, KERNELS[suffix].signature, options=(f"-DCL_TPT={tpt}",),
-               sim=KERNELS[suffix].sim)
+               sim=KERNELS[suffix].sim,
+               access=_COMMON_ACCESS + ("",) * (len(KERNELS[suffix].signature) - 7))
     unregister_kernel(k)  # not one of the runtime's kernels (CI compiles those)
     return k

@@ -239,6 +239,9 @@ _OP_STRUCT = {"sum": "OpSum", "mean": "OpMean", "max": "OpMax", "min": "OpMin"}
 #: ond + MAX_DIMS sizes + MAX_DIMS strides, rnd + the same.
 SIGNATURE = (("p", "p", "p", "p", "i8", "i8", "i8", "f8")
              + ("i4",) + ("i8",) * (2 * MAX_DIMS) + ("i4",) + ("i8",) * (2 * MAX_DIMS))
+#: What the kernels do with each pointer parameter (the stream sanitizer's annotation):
+#: they read the input and its indices, write the output and its indices.
+ACCESS = ("r", "r", "w", "w") + ("",) * (len(SIGNATURE) - 4)
 
 
 def _acc_c(code: str) -> str:
@@ -366,7 +369,7 @@ KERNELS: dict[tuple[str, str, str, str], Kernel] = {}
 for _op, _triples in _combos().items():
     _src = _source(_op, _triples)
     for _triple in _triples:
-        KERNELS[(_op, *_triple)] = Kernel(_name(_op, _triple), _src, SIGNATURE,
+        KERNELS[(_op, *_triple)] = Kernel(_name(_op, _triple), _src, SIGNATURE, access=ACCESS,
                                           sim=_sim_impl(_op, _triple))
 
 

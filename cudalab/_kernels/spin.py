@@ -74,7 +74,7 @@ spin = Kernel("cudalab_spin", SOURCE, ("u8",), sim=_sim_spin)
 #: ``spin_stamped`` with ``(ns, stamps_ptr, slot)``: the same, writing its own start and end
 #: (``%globaltimer``, ns) to ``stamps[2 * slot]`` and ``stamps[2 * slot + 1]``.
 spin_stamped = Kernel("cudalab_spin_stamped", STAMPED_SOURCE, ("u8", "p", "u8"),
-                      sim=_sim_spin_stamped)
+                      sim=_sim_spin_stamped, access=("", "w", ""))
 
 
 def gpu_sleep(ns: int, stream=None) -> None:

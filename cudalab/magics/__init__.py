@@ -1,4 +1,4 @@
-"""IPython extension: ``%load_ext cudalab``, ``%%cuda_timed`` and ``%cuda_memory``.
+"""IPython extension: ``%load_ext cudalab``, ``%%cuda_timed``, ``%cuda_memory`` and ``%%cuda_sanitize``.
 
 ::
 
@@ -13,6 +13,8 @@
 
     %cuda_memory                      # the allocator's state (HTML in notebooks)
     %cuda_memory watch on --threshold 1MiB
+
+    %%cuda_sanitize                   # unsynchronized cross-stream accesses of the cell
 
 Options of the magics are traitlets of :class:`CudaLabMagics`, settable with
 ``%config CudaLabMagics.repeat = 10`` or in ``ipython_config.py``
@@ -32,6 +34,7 @@ from typing import Any
 
 from IPython.core.magic import (
     Magics,
+    cell_magic,
     line_cell_magic,
     line_magic,
     magics_class,
@@ -172,6 +175,30 @@ class CudaLabMagics(Magics):
         from cudalab.magics.timed import run_cuda_timed
 
         return run_cuda_timed(self, line, cell, local_ns)
+
+    @no_var_expand
+    @needs_local_scope
+    @cell_magic
+    def cuda_sanitize(self, line: str = "", cell: str = "", local_ns: Any = None) -> Any:
+        """Run the cell under the stream sanitizer (:mod:`cudalab.sanitizer`).
+
+        Usage::
+
+          %%cuda_sanitize [-q] [-v VAR]
+
+        Shows every unsynchronized cross-stream access, host read of unfinished work and
+        unsafe reuse the cell made as an HTML table (text in a terminal), or "no
+        unsynchronized access found" with the number of accesses checked. The cell's last
+        expression is its output; its exceptions propagate after the findings are shown.
+
+        Options:
+          -v VAR   store the cudalab.sanitizer.Session in VAR
+          -q       show nothing
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame above the user's
+        from cudalab.magics.sanitize import run_cuda_sanitize
+
+        return run_cuda_sanitize(self, line, cell, local_ns)
 
     @line_magic
     def cuda_memory(self, line: str = "") -> Any:

@@ -42,6 +42,7 @@ from typing import Any
 
 __all__ = [
     "active_stamp",
+    "capture_stack",
     "frames_to_dicts",
     "line_of",
     "stamp_implementation",
@@ -153,6 +154,10 @@ def _capture(d: int) -> tuple:
         t = _miss(f, li, m)
     return t
 
+
+#: The stack of the caller's first frame outside cudalab, outwards (``capture_stack(0)``),
+#: as :func:`_capture` makes it: the public name for other tools (the stream sanitizer).
+capture_stack = _capture
 
 #: The module whose functions are torch.cuda.memory's: torch writes those in Python, so
 #: torch's stacks show their frames (``empty_cache`` on a ``segment_free``, say).
