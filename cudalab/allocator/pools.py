@@ -482,16 +482,22 @@ class PrivatePools(CacheState):
             self._garbage_collect()
         b = self._alloc_block(pool, skey, alloc_size, False, pp)
         if b is None and pp is None:
-            for other in self._pools.values():
-                if other.use_on_oom:
-                    fl = other.lists_of(pool).get(skey)
-                    if fl is not None:
-                        b = self._best_fit_in(fl, rs)
-                        if b is not None:
-                            break
+            b = self._search_use_on_oom(rs, pool, skey)
         if b is None:
             self._raise_oom(rs, alloc_size, skey)
         return b
+
+    def _search_use_on_oom(self, rs: int, pool: BlockPool, skey: int) -> Block | None:
+        """An ordinary allocation found no memory: a free block of a ``use_on_oom`` pool
+        (lock held; the block stays the pool's, and returns to it when freed)."""
+        for pp in self._pools.values():
+            if pp.use_on_oom:
+                fl = pp.lists_of(pool).get(skey)
+                if fl is not None:
+                    b = self._best_fit_in(fl, rs)
+                    if b is not None:
+                        return b
+        return None
 
     def _pool_segment_alloc(self, pp: PrivatePool, size: int, skey: int) -> int | None:
         """A segment from the pool's own allocator (lock dropped by the caller); None when

@@ -32,7 +32,9 @@ __all__ = ["SlowPath"]
 class SlowPath(CacheState):
     """Cache misses: new segments, the release ladder, out-of-memory."""
 
-    _pool_segment_alloc: Callable[[PrivatePool, int, int], int | None]  # (allocator.pools)
+    # (defined in allocator.pools)
+    _pool_segment_alloc: Callable[[PrivatePool, int, int], int | None]
+    _search_use_on_oom: Callable[[int, BlockPool, int], Block | None]
 
     def _malloc_slow(self, rs: int, pool: BlockPool, skey: int) -> Block:
         """Cache miss: torch's ladder from free-memory callbacks to OutOfMemoryError."""
@@ -44,6 +46,8 @@ class SlowPath(CacheState):
         if self._gc_on:
             self._garbage_collect()
         b = self._alloc_block(pool, skey, alloc_size, False)
+        if b is None and self._pools:
+            b = self._search_use_on_oom(rs, pool, skey)
         if b is None and self._release_available_cached_blocks(pool, skey, rs):
             b = self._alloc_block(pool, skey, alloc_size, False)
         if b is None:
