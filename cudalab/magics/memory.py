@@ -27,6 +27,7 @@ from cudalab.magics.memory_report import (
     summary_html,
     summary_text,
 )
+from cudalab.magics.memory_pools import pools_data, pools_html, pools_text
 from cudalab.magics.memory_watch import _Watch
 
 __all__ = ["run_cuda_memory", "MemoryState"]
@@ -313,6 +314,10 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
             return None
         data = summary_data(d)
         _show(summary_text(data), summary_html(data))
+        return None
+    if cmd == "pools":
+        data = pools_data(_resolve(args.device))
+        _show(pools_text(data), pools_html(data))
         return None
     if cmd == "stats":
         import cudalab.memory as cm
