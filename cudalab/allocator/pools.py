@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from cudalab.allocator.blocks import FREE, KEY_SHIFT, Block, BlockPool, FreeList
 from cudalab.allocator.cache_state import CacheState
+from cudalab.allocator.hooks import report_pool_segment
 from cudalab.allocator.policy import allocation_size, round_size
 from cudalab.errors import CudaError, OutOfMemoryError
 
@@ -367,6 +368,8 @@ class PrivatePools(CacheState):
             ``segments``, ``reserved_bytes``, ``allocated_bytes``, ``freeable``, ``routed``
             (allocations are routed to it now).
         """
+        if not self._pools:
+            return []  # (the dashboard's sampler asks every tick)
         with self._lock:
             self._flush_memo()
             if self._pending_frees:
@@ -535,6 +538,8 @@ class PrivatePools(CacheState):
                 if b.prev is None and b.next is None:
                     size = b.size
                     segs.append((self._detach_segment(b), size, fl.stream))
+                    if self._trace is not None:
+                        report_pool_segment(self._trace, segs[-1][0], size, pp.id, False)
             fl.sweep()
         if not segs:
             return

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 from cudalab.allocator.base import oom_text
 from cudalab.allocator.blocks import DETACHED, KEY_SHIFT, Block, BlockPool
 from cudalab.allocator.cache_state import CacheState
+from cudalab.allocator.hooks import report_pool_segment
 from cudalab.allocator.oom_observers import notify_out_of_memory
 from cudalab.allocator.oom_observers import observers as _oom_observers  # never rebound
 from cudalab.allocator.policy import allocation_size
@@ -125,6 +126,8 @@ class SlowPath(CacheState):
             st.increase_oversize_segments()
         st.num_device_alloc += 1
         if self._trace is not None:
+            if pp is not None:
+                report_pool_segment(self._trace, ptr, alloc_size, pp.id, True)
             self._trace("segment_alloc", ptr, alloc_size, skey)
         return b
 

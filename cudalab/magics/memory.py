@@ -18,6 +18,7 @@ from IPython.core.error import UsageError
 
 from cudalab._internal import echo, format_bytes
 from cudalab.magics.memory_args import _Args, _devices, _label, _parse, _resolve, _simulated
+from cudalab.magics.memory_pools import pools_data, pools_html, pools_text
 from cudalab.magics.memory_report import (
     _Mark,
     diff_data,
@@ -27,7 +28,6 @@ from cudalab.magics.memory_report import (
     summary_html,
     summary_text,
 )
-from cudalab.magics.memory_pools import pools_data, pools_html, pools_text
 from cudalab.magics.memory_watch import _Watch
 
 __all__ = ["run_cuda_memory", "MemoryState"]

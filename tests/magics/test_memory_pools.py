@@ -57,7 +57,7 @@ def test_private_pools_lists_graph_and_user_pools(two_pools):
     assert "released" in text and "kept" in text
 
 
-def test_the_magic_and_the_summary_show_the_pools(ip, two_pools):
+def test_the_magic_and_the_summary_show_the_pools(ip, two_pools):  # noqa: F811
     uid, gid = two_pools
     r, _out, texts, htmls = run(ip, "%cuda_memory pools")
     assert r.success, r.error_in_exec
@@ -70,7 +70,7 @@ def test_the_magic_and_the_summary_show_the_pools(ip, two_pools):
     assert "cudalab-memory-pools" in htmls[0]
 
 
-def test_the_summary_has_no_pools_section_without_pools(ip):
+def test_the_summary_has_no_pools_section_without_pools(ip):  # noqa: F811
     cm.empty_cache()
     if cm.private_pools():
         pytest.skip("another test left a pool alive")
