@@ -86,6 +86,7 @@ class CacheState(Allocator):
     _release_freeable_pools: Callable[..., None]
     _route: Callable[[int], Any]
     _malloc_routed: Callable[[int, int], int]
+    _record_use_events: Callable[[Block, set], None]
 
     def __init__(self, backend: Backend, device: int = 0, config: AllocatorConfig | None = None,
                  stream_resolver: Callable[[], int] | None = None):
@@ -126,6 +127,9 @@ class CacheState(Allocator):
         #: turns off event polling, the release ladder and the pair memo (_memo_ok False).
         #: The hot path tests only its truth value.
         self._captures: list[tuple[tuple[int, int], Callable[[int], bool]]] = []
+        #: (block, streams) of blocks freed during a capture while used on other streams:
+        #: PENDING without events until the last capture ends, which records them.
+        self._deferred_uses: list[tuple[Block, set]] = []
         self._apply_settings(config)  # the settings read on the hot path
         # state
         self._lock = lock = TokenLock()

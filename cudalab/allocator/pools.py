@@ -297,6 +297,10 @@ class PrivatePools(CacheState):
             if not caps:
                 self._last = None
                 self._memo_ok = type(self)._memo_class_ok and not self._split_limited
+                deferred = self._deferred_uses
+                while deferred:  # frees that waited for the capture's end: their events now
+                    b, uses = deferred.pop(0)
+                    self._record_use_events(b, uses)
 
     def release_pool(self, pool_id: Any) -> None:
         """torch's ``releasePool``: one use less; at 0 the pool's memory becomes releasable

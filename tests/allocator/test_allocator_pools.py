@@ -448,3 +448,27 @@ def test_use_mem_pool_calls_the_capture_hooks_and_cleans_up_if_one_fails(fresh_d
     from cudalab.allocator.registry import get_allocator
 
     assert get_allocator(0)._captures == []
+
+
+def test_a_record_stream_free_during_a_capture_waits_for_its_end(alloc):
+    """torch defers such frees (no event may be recorded or queried in a capture): the block
+    stays pending, then the end of the last capture records its events."""
+    side = cudalab.Stream()
+    p = alloc.malloc(4 * KiB, CAPTURE)  # allocated before the capture
+    alloc.record_stream(p, side)
+    pid = pools.graph_pool_handle()
+    alloc.begin_allocate_to_pool(pid, on(CAPTURE))
+    alloc.free(p)
+    states = {b["address"]: b["state"] for s in alloc.segments() for b in s["blocks"]}
+    assert states[p] == "active_pending_free" and alloc._n_events == 0
+    alloc.check_invariants()
+    q = alloc.malloc(4 * KiB, OTHER)  # allocations go on; the pending block is not reused
+    assert q != p
+    alloc.end_allocate_to_pool(pid)
+    assert alloc._n_events == 1 and alloc._deferred_uses == []
+    side.synchronize()
+    alloc.process_events()
+    states = {b["address"]: b["state"] for s in alloc.segments() for b in s["blocks"]}
+    assert states[p] == "inactive"
+    alloc.free(q)
+    side.close()
