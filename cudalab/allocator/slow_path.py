@@ -277,9 +277,11 @@ class SlowPath(CacheState):
         if self._trace is not None:
             self._trace("oom", free, rs, skey)
         st.num_ooms += 1
+        in_pools = sum(b.size for pp in self._pools.values() for fl in pp.free_lists()
+                       for b in fl.blocks())  # torch: the free blocks of the graph pools
         exc = OutOfMemoryError(text=oom_text(
             self.device, alloc_size, free, total, st.current("b_alloc"), st.current("b_res"),
-            self._allowed if self._set_fraction else None))
+            self._allowed if self._set_fraction else None, in_pools))
         if _oom_observers:  # torch calls them with the allocator's lock released
             allowed = self._allowed if self._set_fraction else total
             lock = self._lock

@@ -14,6 +14,7 @@ import threading
 import pytest
 
 import cudalab
+from cudalab._driver.sim import SimulatorBackend, SimulatorConfig
 from cudalab.allocator import pools
 from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
@@ -254,7 +255,6 @@ def test_the_pair_memo_is_off_while_routing_and_back_after(alloc):
 
 
 def test_a_capture_oom_does_not_release_cached_blocks():
-    from cudalab._driver.sim import SimulatorBackend, SimulatorConfig
 
     sim = SimulatorBackend(SimulatorConfig(1, 64 * MiB, None))
     sim.init()
@@ -274,7 +274,6 @@ def test_a_capture_oom_does_not_release_cached_blocks():
 
 
 def test_use_on_oom_pool_serves_an_ordinary_allocation_that_failed():
-    from cudalab._driver.sim import SimulatorBackend, SimulatorConfig
 
     sim = SimulatorBackend(SimulatorConfig(1, 64 * MiB, None))
     sim.init()
@@ -472,3 +471,24 @@ def test_a_record_stream_free_during_a_capture_waits_for_its_end(alloc):
     assert states[p] == "inactive"
     alloc.free(q)
     side.close()
+
+
+def test_the_oom_message_counts_free_memory_of_private_pools_as_torch():
+    sim = SimulatorBackend(SimulatorConfig(1, 64 * MiB, None))
+    sim.init()
+    a = make(sim)
+    pid = pools.graph_pool_handle()
+    a.begin_allocate_to_pool(pid, on(CAPTURE))
+    a.free(a.malloc(KiB, CAPTURE))  # a free 2 MiB segment in the pool
+    a.end_allocate_to_pool(pid)
+    keep = a.malloc(40 * MiB)
+    with pytest.raises(OutOfMemoryError) as info:
+        a.malloc(40 * MiB)
+    text = str(info.value)
+    assert ("Of the allocated memory 42.00 MiB is allocated by cudalab, with 2.00 MiB allocated "
+            "in private pools (e.g., CUDA Graphs), and 0 bytes is reserved by cudalab but "
+            "unallocated.") in text
+    a.free(keep)
+    a.release_pool(pid)
+    a.empty_cache()
+    assert a.segments() == []
