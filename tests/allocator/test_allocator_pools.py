@@ -20,7 +20,7 @@ from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
 from cudalab.allocator.mem_pool import on_use_mem_pool
 from cudalab.allocator.pluggable import PluggableAllocator
-from cudalab.allocator.registry import native_allocator
+from cudalab.allocator.registry import get_allocator, native_allocator
 from cudalab.allocator.uncached import UncachedAllocator
 from cudalab.errors import OutOfMemoryError
 
@@ -492,3 +492,61 @@ def test_the_oom_message_counts_free_memory_of_private_pools_as_torch():
     a.release_pool(pid)
     a.empty_cache()
     assert a.segments() == []
+
+
+def test_mem_pools_made_in_many_threads_get_distinct_ids(fresh_device):
+    """torch's test_mempool_multithread: ids from the process-global counter never repeat."""
+    ids: list[tuple[int, int]] = []
+    made: list = []
+    lock = threading.Lock()
+
+    def work():
+        for _ in range(20):
+            p = cudalab.MemPool()
+            with lock:
+                ids.append(p.id)
+                made.append(p)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == len(ids) == 80 and all(i[0] == 0 for i in ids)
+    made.clear()
+    gc.collect()
+
+
+def test_each_thread_allocates_from_its_own_mem_pool(fresh_device):
+    """torch's test_mempool_ctx_multithread: use_mem_pool routes only the thread that
+    entered it, so concurrent blocks of different threads fill different pools."""
+    n = 4
+    barrier = threading.Barrier(n)
+    got: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            pool = cudalab.MemPool()
+            with cudalab.use_mem_pool(pool):
+                barrier.wait()  # every thread routes at the same time
+                ptrs = [cudalab.caching_allocator_alloc((i + 1) * KiB) for _ in range(10)]
+                barrier.wait()
+            owners = {s["segment_pool_id"] for s in cudalab.memory_snapshot()
+                      for b in s["blocks"] if b["address"] in ptrs}
+            got[i] = (pool.id, owners)
+            for p in ptrs:
+                cudalab.caching_allocator_delete(p)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(owners == {pid} for pid, owners in got.values())
+    assert len({pid for pid, _ in got.values()}) == n
+    gc.collect()
+    get_allocator(0).check_invariants()
