@@ -34,8 +34,10 @@ The allocator's side (:class:`PrivatePools`, a mixin of ``DeviceCachingAllocator
 
 Differences from torch: ``begin_allocate_to_pool`` checks "already recording" before it
 adds a use (torch adds the use first, and leaks it when the check fails); the
-``max_split_size`` release step is not run for routed allocations; expandable segments
-(``expandable_segments:True``) do not support private pools yet (NotImplementedError).
+``max_split_size`` release step, the free-memory callbacks and garbage collection are not
+run while pools are allocated to (torch runs the last two, which would free memory inside a
+capture); expandable segments (``expandable_segments:True``) do not support private pools
+yet (NotImplementedError).
 """
 
 from __future__ import annotations
@@ -482,11 +484,10 @@ class PrivatePools(CacheState):
 
     def _malloc_slow_routed(self, rs: int, pool: BlockPool, skey: int,
                             pp: PrivatePool | None) -> Block:
-        """The miss ladder with captures underway: callbacks' memory is not searched, no
-        cached block is released; a default allocation may fall back on use_on_oom pools."""
+        """The miss ladder with captures underway: no free-memory callback, no garbage
+        collection and no release of cached blocks (each would free memory, which a capture
+        forbids); a default allocation may fall back on use_on_oom pools."""
         alloc_size = allocation_size(rs, self._large_segment)
-        if self._gc_on:
-            self._garbage_collect()
         b = self._alloc_block(pool, skey, alloc_size, False, pp)
         if b is None and pp is None:
             b = self._search_use_on_oom(rs, pool, skey)
@@ -525,8 +526,8 @@ class PrivatePools(CacheState):
         unsplit free segments of every freeable pool (or of ``only``) go back; a pool with
         no segment left is forgotten."""
         for pid, pp in list(self._freeable.items()):
-            if only is not None and pid != only:
-                continue
+            if only is not None and pid != only or any(p == pid for p, _ in self._captures):
+                continue  # (a pool still routed to stays, even at use count 0)
             self._release_pool_segments(pp)
             if pp.segment_count == 0 and pp.use_count == 0:
                 self._freeable.pop(pid, None)

@@ -550,3 +550,18 @@ def test_each_thread_allocates_from_its_own_mem_pool(fresh_device):
     assert len({pid for pid, _ in got.values()}) == n
     gc.collect()
     get_allocator(0).check_invariants()
+
+
+def test_a_pool_still_routed_to_is_not_forgotten_at_use_count_zero(alloc):
+    pid = pools.graph_pool_handle()
+    alloc.begin_allocate_to_pool(pid, on(CAPTURE))
+    alloc.free(alloc.malloc(KiB, CAPTURE))
+    alloc.release_pool(pid)  # e.g. its MemPool dropped while a capture still routes to it
+    alloc.empty_cache()
+    assert alloc.pools()[0]["routed"] and alloc.pools()[0]["freeable"]
+    p = alloc.malloc(KiB, CAPTURE)  # routing still finds it
+    assert pool_of(alloc, p) == pid
+    alloc.free(p)
+    alloc.end_allocate_to_pool(pid)
+    alloc.empty_cache()
+    assert alloc.pools() == [] and alloc.segments() == []
