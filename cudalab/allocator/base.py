@@ -133,6 +133,10 @@ class Allocator(abc.ABC):
         """torch's ``setUseOnOOM`` / ``setNoSplit`` (see :mod:`cudalab.allocator.pools`)."""
         raise self._no_private_pools()
 
+    def drop_pool(self, pool_id: Any) -> None:
+        """torch's ``~MemPool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
     def empty_pool_cache(self, pool_id: Any) -> None:
         """torch's ``emptyCache(mempool_id)`` (see :mod:`cudalab.allocator.pools`)."""
         raise self._no_private_pools()

@@ -460,6 +460,8 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
     def empty_cache(self) -> None:
         """torch's ``emptyCache``: sync pending events, release every unsplit cached block."""
         with self._lock:
+            if self._pending_releases:
+                self._settle_releases()
             self._flush_memo()
             self._last = None
             if self._pending_frees:

@@ -308,6 +308,11 @@ class PrivatePools(CacheState):
         """torch's ``releasePool``: one use less; at 0 the pool's memory becomes releasable
         by :meth:`empty_cache` (its segments once all their blocks are free).
 
+        Never waits for the allocator's lock: a graph's or a MemPool's finalizer may call it
+        inside an allocator call of its own thread (garbage collection runs anywhere), so
+        when the lock is busy the release is queued and made by the next holder, as
+        ``free`` queues its frees (:meth:`get_pool_use_count` already counts it).
+
         Raises
         ------
         TypeError, ValueError
@@ -315,25 +320,28 @@ class PrivatePools(CacheState):
         RuntimeError
             The pool was released already (use count 0).
         """
-        pid = check_pool_id(pool_id)
-        with self._lock:
-            pp = self._pools.get(pid)
-            if pp is None:
-                raise ValueError(f"release_pool: device {self.device} has no private pool "
-                                 f"{pid}")
-            if pp.use_count <= 0:
-                raise RuntimeError(f"release_pool: pool {pid} of device {self.device} was "
-                                   "released already (use count 0)")
-            pp.use_count -= 1
-            if pp.use_count == 0:
-                pp.use_on_oom = False
-                self._freeable[pid] = pp
+        self._release(check_pool_id(pool_id), False)
+
+    def drop_pool(self, pool_id: Any) -> None:
+        """torch's ``~MemPool``: no ``use_on_oom`` any more, :meth:`release_pool`, then
+        :meth:`empty_pool_cache` (the last only when the lock was free: a queued drop
+        leaves the pool's memory to the next ``empty_cache()``). Never waits for the lock.
+
+        Raises
+        ------
+        TypeError, ValueError, RuntimeError
+            As :meth:`release_pool`.
+        """
+        self._release(check_pool_id(pool_id), True)
 
     def get_pool_use_count(self, pool_id: Any) -> int:
         """torch's ``getPoolUseCount``: the pool's use count (0 if there is no such pool)."""
         pid = check_pool_id(pool_id)
         pp = self._pools.get(pid)
-        return 0 if pp is None else pp.use_count
+        if pp is None:
+            return 0
+        queued = sum(1 for p, _ in list(self._pending_releases) if p == pid)
+        return max(pp.use_count - queued, 0)
 
     def set_pool_options(self, pool_id: Any, use_on_oom: bool | None = None,
                          no_split: bool | None = None) -> None:
@@ -346,6 +354,7 @@ class PrivatePools(CacheState):
         """
         pid = check_pool_id(pool_id)
         with self._lock:
+            self._settle_releases()
             pp = self._pools.get(pid)
             if pp is None:
                 raise ValueError(f"device {self.device} has no private pool {pid}")
@@ -359,6 +368,7 @@ class PrivatePools(CacheState):
         if it is freeable (use count 0); forget it once it holds no segment."""
         pid = check_pool_id(pool_id)
         with self._lock:
+            self._settle_releases()
             self._flush_memo()
             if self._pending_frees:
                 self._drain_pending_frees()
@@ -377,6 +387,7 @@ class PrivatePools(CacheState):
         if not self._pools:
             return []  # (the dashboard's sampler asks every tick)
         with self._lock:
+            self._settle_releases()
             self._flush_memo()
             if self._pending_frees:
                 self._drain_pending_frees()
@@ -400,8 +411,59 @@ class PrivatePools(CacheState):
             return [out[k] for k in sorted(out)]
 
     # ------------------------------------------------------------------ internals
+    def _release(self, pid: tuple[int, int], drop: bool) -> None:
+        """release_pool / drop_pool: checked first (without the lock), then made now, or
+        queued when the lock is busy (see release_pool)."""
+        pp = self._pools.get(pid)
+        if pp is None:
+            raise ValueError(f"release_pool: device {self.device} has no private pool {pid}")
+        if self.get_pool_use_count(pid) <= 0:
+            raise RuntimeError(f"release_pool: pool {pid} of device {self.device} was "
+                               "released already (use count 0)")
+        lock = self._lock
+        if not lock.acquire(False):
+            # Busy: another thread, or a finalizer inside this thread's own allocator call.
+            self._pending_releases.append((pid, drop))
+            if lock.acquire(False):  # the holder left meanwhile: make it now
+                try:
+                    self._settle_releases()
+                finally:
+                    lock.release()
+            return
+        try:
+            self._settle_releases()
+            self._release_locked(pid, drop)
+            if drop:
+                self._flush_memo()
+                if self._pending_frees:
+                    self._drain_pending_frees()
+                self._release_freeable_pools(pid)
+        finally:
+            lock.release()
+
+    def _release_locked(self, pid: tuple[int, int], drop: bool) -> None:
+        """One use of ``pid`` less (lock held); a pool gone or at 0 is left alone (a queued
+        release that a race made stale)."""
+        pp = self._pools.get(pid)
+        if pp is None or pp.use_count <= 0:
+            return
+        if drop:
+            pp.use_on_oom = False
+        pp.use_count -= 1
+        if pp.use_count == 0:
+            pp.use_on_oom = False
+            self._freeable[pid] = pp
+
+    def _settle_releases(self) -> None:
+        """Make the releases queued while the lock was busy (lock held)."""
+        dq = self._pending_releases
+        while dq:
+            pid, drop = dq.popleft()
+            self._release_locked(pid, drop)
+
     def _incref(self, pid: tuple[int, int], allocator: PluggableAllocator | None) -> None:
         """create_or_incref_pool with the lock held."""
+        self._settle_releases()
         pp = self._pools.get(pid)
         if pp is None:
             self._pools[pid] = PrivatePool(pid, allocator)

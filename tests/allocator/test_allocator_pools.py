@@ -565,3 +565,52 @@ def test_a_pool_still_routed_to_is_not_forgotten_at_use_count_zero(alloc):
     alloc.end_allocate_to_pool(pid)
     alloc.empty_cache()
     assert alloc.pools() == [] and alloc.segments() == []
+
+
+def _finishes(fn, timeout: float = 5.0) -> bool:
+    """Whether fn() returns within ``timeout`` in a thread (a wedged lock would not)."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive()
+
+
+def test_a_release_from_a_finalizer_inside_an_allocator_call_never_waits(alloc):
+    """A graph's or a MemPool's finalizer may run (garbage collection) while its own thread
+    holds the allocator's lock: release_pool / drop_pool then queue, as free does."""
+    pid = pools.graph_pool_handle()
+    alloc.begin_allocate_to_pool(pid, on(CAPTURE))
+    alloc.free(alloc.malloc(KiB, CAPTURE))
+    alloc.end_allocate_to_pool(pid)
+    alloc.create_or_incref_pool(pid)  # two uses
+
+    def inside_an_allocator_call():
+        with alloc._lock:  # this thread is inside the allocator
+            alloc.release_pool(pid)
+            alloc.drop_pool(pid)
+            assert alloc.get_pool_use_count(pid) == 0  # counted at once
+
+    assert _finishes(inside_an_allocator_call), "release_pool waited for its own thread's lock"
+    assert len(alloc._pending_releases) == 2
+    assert alloc.pools()[0]["freeable"] and not alloc._pending_releases  # made by the next holder
+    alloc.empty_cache()
+    assert alloc.pools() == [] and alloc.segments() == []
+    with pytest.raises(ValueError, match="no private pool"):
+        alloc.release_pool(pid)
+
+
+def test_a_mem_pool_collected_inside_an_allocator_call_does_not_deadlock(fresh_device):
+    a = get_allocator(0)
+    pool = cudalab.MemPool()
+    pid = pool.id
+
+    def collect_inside():
+        nonlocal pool
+        with a._lock:
+            del pool
+            gc.collect()  # ~MemPool runs here, with this thread holding the lock
+
+    assert _finishes(collect_inside), "~MemPool waited for its own thread's lock"
+    assert a.get_pool_use_count(pid) == 0
+    cudalab.empty_cache()
+    assert all(p["id"] != pid for p in a.pools())
