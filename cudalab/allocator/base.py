@@ -105,6 +105,50 @@ class Allocator(abc.ABC):
         """
         return
 
+    # ---- private pools (CUDA graphs, MemPool): the native caching allocator implements
+    # them (cudalab.allocator.pools.PrivatePools); the others refuse, naming themselves.
+    def _no_private_pools(self) -> NotImplementedError:
+        return NotImplementedError(
+            f"private memory pools (CUDA graphs, MemPool) need the native caching allocator; "
+            f"device {self.device} uses {type(self).__name__} (backend {self.name!r})")
+
+    def create_or_incref_pool(self, pool_id: Any, allocator: Any = None) -> None:
+        """torch's ``createOrIncrefPool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def begin_allocate_to_pool(self, pool_id: Any, filter: Any = None) -> None:  # noqa: A002
+        """torch's ``beginAllocateToPool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def end_allocate_to_pool(self, pool_id: Any) -> None:
+        """torch's ``endAllocateToPool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def release_pool(self, pool_id: Any) -> None:
+        """torch's ``releasePool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def set_pool_options(self, pool_id: Any, use_on_oom: bool | None = None,
+                         no_split: bool | None = None) -> None:
+        """torch's ``setUseOnOOM`` / ``setNoSplit`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def drop_pool(self, pool_id: Any) -> None:
+        """torch's ``~MemPool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def empty_pool_cache(self, pool_id: Any) -> None:
+        """torch's ``emptyCache(mempool_id)`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def get_pool_use_count(self, pool_id: Any) -> int:
+        """torch's ``getPoolUseCount``: 0 here (this allocator has no private pools)."""
+        return 0
+
+    def pools(self) -> list[dict]:
+        """The private pools of this device (none here); see ``PrivatePools.pools``."""
+        return []
+
     @abc.abstractmethod
     def empty_cache(self) -> None:
         """Return every cached block that can be returned to the driver."""
@@ -234,15 +278,22 @@ def current_stream_key(device: int) -> int:
 
 
 def oom_text(device: int, alloc_size: int, free: int, total: int, allocated: int,
-             reserved: int, allowed: int | None) -> str:
-    """torch's OOM message (cudalab's names; "this process" = total - free)."""
+             reserved: int, allowed: int | None, in_private_pools: int = 0) -> str:
+    """torch's OOM message (cudalab's names; "this process" = total - free).
+
+    ``in_private_pools``: the free bytes cached in private pools (CUDA graphs, MemPools),
+    which torch counts as allocated ("with ... allocated in private pools")."""
     allowed_info = f"{format_size(allowed)} allowed; " if allowed is not None else ""
+    pools_info = (f"with {format_size(in_private_pools)} allocated in private pools (e.g., "
+                  "CUDA Graphs), " if in_private_pools > 0 else "")
     return (
         f"CUDA out of memory. Tried to allocate {format_size(alloc_size)}. "
         f"GPU {device} has a total capacity of {format_size(total)} of which "
         f"{format_size(free)} is free. Including non-cudalab memory, this process has "
         f"{format_size(total - free)} memory in use. {allowed_info}"
-        f"Of the allocated memory {format_size(allocated)} is allocated by cudalab, and "
-        f"{format_size(reserved - allocated)} is reserved by cudalab but unallocated."
+        f"Of the allocated memory {format_size(allocated + in_private_pools)} is allocated by "
+        f"cudalab, {pools_info}and "
+        f"{format_size(reserved - allocated - in_private_pools)} is reserved by cudalab but "
+        "unallocated."
         + _OOM_HINT
     )

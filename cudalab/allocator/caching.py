@@ -75,6 +75,7 @@ from cudalab.allocator.events import EventPool
 from cudalab.allocator.inspection import Inspection
 from cudalab.allocator.memo import PairMemo
 from cudalab.allocator.policy import MAX_ALLOCATION_SIZE, check_size, round_size
+from cudalab.allocator.pools import PrivatePools
 from cudalab.allocator.slow_path import SlowPath
 from cudalab.errors import CudaError
 
@@ -85,12 +86,13 @@ _tls = _streams._tls  # per thread: .device and .streams (the current stream of 
 _custom = _streams._custom  # empty: stream=None is the default stream in every thread
 
 
-class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
+class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
     """torch's DeviceCachingAllocator for one device, over a driver :class:`Backend`.
 
     The state and its constructor are :class:`~cudalab.allocator.cache_state.CacheState`'s
     (parameters there); the concerns are mixins: the pair memo
-    (:class:`~cudalab.allocator.memo.PairMemo`), the slow path
+    (:class:`~cudalab.allocator.memo.PairMemo`), the private pools
+    (:class:`~cudalab.allocator.pools.PrivatePools`), the slow path
     (:class:`~cudalab.allocator.slow_path.SlowPath`) and the readers
     (:class:`~cudalab.allocator.inspection.Inspection`). The hot paths are here.
     """
@@ -101,7 +103,7 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
     __slots__ = ("_take", "_give", "_hit_size", "_hit_stream", "_hit_none",
                  "_ready", "_pending_frees", "_live", "_memo_hits", "_trace", "_memo",
                  "_tls_streams", "device", "_hit_log", "_hit_ap", "_hit_rec", "_hit_now", "_hit_fnow",
-                 "_memo_req0")
+                 "_memo_req0", "_captures")
 
     # ------------------------------------------------------------------ public API
     def malloc(self, size: Any, stream: Any = None) -> int:
@@ -187,6 +189,8 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
                     return m.ptr
                 self._flush_memo()
             self._last = None
+            if self._captures:  # some private pool is allocated to (see allocator/pools.py)
+                return self._malloc_routed(size, skey)
             if self._n_events or self._pending_frees:
                 self._process_pending()
             # ---- round, pick the pool, best fit (torch's round_size / get_free_block)
@@ -458,6 +462,8 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
     def empty_cache(self) -> None:
         """torch's ``emptyCache``: sync pending events, release every unsplit cached block."""
         with self._lock:
+            if self._pending_releases:
+                self._settle_releases()
             self._flush_memo()
             self._last = None
             if self._pending_frees:
@@ -620,14 +626,26 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
         pool.b_req -= b.requested
 
     def _insert_events(self, b: Block) -> None:
-        """torch's ``insert_events``: one pooled event per stream the block was used on."""
-        uses = b.uses or ()  # (called only when it is a non-empty set)
+        """torch's ``insert_events``: one pooled event per stream the block was used on.
+
+        While a private pool is allocated to (a capture), no event is recorded: the block
+        waits, pending, until the last capture ends (torch's deferred frees; see
+        ``end_allocate_to_pool``)."""
+        uses = b.uses or set()  # (called only when it is a non-empty set)
         b.uses = None
         b.state = PENDING
         pool = b.fl.pool
         pool.n_pend += 1
         pool.b_pend += b.size
         self._n_pending += 1
+        if self._captures:
+            self._deferred_uses.append((b, uses))
+            return
+        self._record_use_events(b, uses)
+
+    def _record_use_events(self, b: Block, uses: set) -> None:
+        """The events of a PENDING block's uses (its free completes when they have; at once
+        if none could be recorded)."""
         backend = self.backend
         for s in uses:
             dev = s.device_index
