@@ -81,6 +81,9 @@ _LAZY: dict[str, str] = {
             "change_current_allocator",
         )
     },
+    # private memory pools (torch.cuda.MemPool / use_mem_pool / graph_pool_handle)
+    **{name: "cudalab.memory" for name in ("MemPool", "use_mem_pool")},
+    "graph_pool_handle": "cudalab.allocator.pools",
     # device arrays and pinned memory
     **{
         name: "cudalab.array"

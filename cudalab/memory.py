@@ -25,6 +25,7 @@ from cudalab.allocator.async_allocator import AsyncPoolAllocator
 from cudalab.allocator.base import Allocator, bad_pointer
 from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.mem_pool import MemPoolBase, use_mem_pool
 from cudalab.allocator.oom_observers import attach_out_of_memory_observer
 from cudalab.allocator.pluggable import (
     CUDAPluggableAllocator,
@@ -88,6 +89,7 @@ __all__ = [
     "AsyncPoolAllocator",
     "DeviceCachingAllocator",
     "HistoryRecording",
+    "MemPool",
     "CUDAPluggableAllocator",
     "PluggableAllocator",
     "UncachedAllocator",
@@ -126,6 +128,7 @@ __all__ = [
     "reset_peak_host_memory_stats",
     "reset_peak_memory_stats",
     "set_per_process_memory_fraction",
+    "use_mem_pool",
 ]
 
 
@@ -348,11 +351,18 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
     return render_memory_summary(stats, d, abbreviated, simulated=_internal.backend().simulated)
 
 
-def memory_snapshot() -> list[dict]:
+def memory_snapshot(mempool_id: Any = None) -> list[dict]:
     """torch's ``memory_snapshot()``: every device's segments, as plain dicts and lists.
 
     Blocks and segments carry the stack of their allocation (``frames``) while the history
     is recorded with a context (:func:`record_history`); see also :func:`_snapshot`.
+
+    Parameters
+    ----------
+    mempool_id : tuple of (int, int), optional
+        Only the segments of this private pool (a ``MemPool``'s ``id``, a graph's
+        ``pool()``; ``(0, 0)``: the default pool). Each segment's ``segment_pool_id`` says
+        which pool it belongs to.
 
     Returns
     -------
@@ -364,7 +374,38 @@ def memory_snapshot() -> list[dict]:
 
     if not _active and _internal.is_initialized():
         allocator_config()  # a malformed setting raises, as in every reader (see _reader)
-    return snapshot_all_devices()
+    return snapshot_all_devices(mempool_id)
+
+
+class MemPool(MemPoolBase):
+    """torch's ``MemPool``: a user-created private pool of the current device.
+
+    Allocations made inside ``with use_mem_pool(pool):`` (by the calling thread) come from
+    the pool's own segments, which no other allocation uses; a CUDA graph can share it
+    (``pool=pool.id``). The pool lives while this object, an open ``use_mem_pool`` block or
+    a graph uses it; after that ``empty_cache()`` gives its free segments back.
+
+    Parameters
+    ----------
+    allocator : PluggableAllocator, optional
+        Where its segments come from (default: the driver).
+    use_on_oom : bool, optional
+        Search its free blocks when an ordinary allocation runs out of memory.
+    no_split : bool, optional
+        Never split its blocks.
+
+    Raises
+    ------
+    TypeError
+        A bad argument.
+    NotImplementedError
+        The device's allocator has no private pools (see ``get_allocator_backend()``).
+    """
+
+    def snapshot(self, include_traces: bool = True) -> list[dict]:
+        """``memory_snapshot(self.id)``: the pool's segments (``include_traces`` is accepted
+        for torch's signature; frames are filled in while history is recorded)."""
+        return memory_snapshot(self.id)
 
 
 # --------------------------------------------------------------------------- resets

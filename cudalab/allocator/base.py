@@ -105,6 +105,46 @@ class Allocator(abc.ABC):
         """
         return
 
+    # ---- private pools (CUDA graphs, MemPool): the native caching allocator implements
+    # them (cudalab.allocator.pools.PrivatePools); the others refuse, naming themselves.
+    def _no_private_pools(self) -> NotImplementedError:
+        return NotImplementedError(
+            f"private memory pools (CUDA graphs, MemPool) need the native caching allocator; "
+            f"device {self.device} uses {type(self).__name__} (backend {self.name!r})")
+
+    def create_or_incref_pool(self, pool_id: Any, allocator: Any = None) -> None:
+        """torch's ``createOrIncrefPool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def begin_allocate_to_pool(self, pool_id: Any, filter: Any = None) -> None:  # noqa: A002
+        """torch's ``beginAllocateToPool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def end_allocate_to_pool(self, pool_id: Any) -> None:
+        """torch's ``endAllocateToPool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def release_pool(self, pool_id: Any) -> None:
+        """torch's ``releasePool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def set_pool_options(self, pool_id: Any, use_on_oom: bool | None = None,
+                         no_split: bool | None = None) -> None:
+        """torch's ``setUseOnOOM`` / ``setNoSplit`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def empty_pool_cache(self, pool_id: Any) -> None:
+        """torch's ``emptyCache(mempool_id)`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
+    def get_pool_use_count(self, pool_id: Any) -> int:
+        """torch's ``getPoolUseCount``: 0 here (this allocator has no private pools)."""
+        return 0
+
+    def pools(self) -> list[dict]:
+        """The private pools of this device (none here); see ``PrivatePools.pools``."""
+        return []
+
     @abc.abstractmethod
     def empty_cache(self) -> None:
         """Return every cached block that can be returned to the driver."""

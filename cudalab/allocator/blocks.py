@@ -14,6 +14,7 @@ device: one free list per stream, and its own statistics counters.
 from __future__ import annotations
 
 from bisect import insort
+from typing import Any
 
 from cudalab.allocator.stats import Counters
 
@@ -70,14 +71,19 @@ class Block:
 class FreeList:
     """The free blocks of one pool on one stream, ordered by (size, address)."""
 
-    __slots__ = ("keys", "entries", "limit", "stream", "pool")
+    __slots__ = ("keys", "entries", "limit", "stream", "pool", "owner")
 
     def __init__(self, pool: BlockPool, stream: int):
         self.keys: list[int] = []  # sorted packed keys, some possibly stale
         self.entries: dict[int, Block | None] = {}  # key -> block (None: stale key)
         self.limit = LIST_MIN
         self.stream = stream
+        #: The small or large pool of the device: its statistics count these blocks.
         self.pool = pool
+        #: The private pool (allocator.pools.PrivatePool) whose list this is; None for the
+        #: default pool's lists (those in ``pool.lists``).
+        self.owner: Any = None
+
     def add(self, key: int, b: Block) -> None:
         """Insert a key the list does not hold yet (callers first try ``entries[key] = b``
         when the key is already there, stale)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from cudalab.allocator.base import Allocator, current_stream_key
 from cudalab.allocator.blocks import Block, BlockPool
@@ -27,6 +27,7 @@ from cudalab.allocator.token_lock import TokenLock
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
     from cudalab.allocator.hooks import AllocatorTrace
+    from cudalab.allocator.pools import PrivatePool
 
 __all__ = ["CacheState", "NO_STREAM"]
 
@@ -76,6 +77,15 @@ class CacheState(Allocator):
     _oversize_reject: Callable[[int, int], bool]
     _flush_memo: Callable[[], None]
     _all_blocks: Callable[[], list[Block]]
+    _carve: Callable[[Block, int, BlockPool], Block]
+    _account_alloc: Callable[[BlockPool, Block, int, int, int, int], int]
+    _alloc_block: Callable[..., Block | None]
+    _detach_segment: Callable[[Block], int]
+    _garbage_collect: Callable[[], None]
+    _raise_oom: Callable[[int, int, int], NoReturn]
+    _release_freeable_pools: Callable[..., None]
+    _route: Callable[[int], Any]
+    _malloc_routed: Callable[[int, int], int]
 
     def __init__(self, backend: Backend, device: int = 0, config: AllocatorConfig | None = None,
                  stream_resolver: Callable[[], int] | None = None):
@@ -103,6 +113,19 @@ class CacheState(Allocator):
         self._fraction = 1.0
         self._allowed = 0
         self._total = 0
+        # ---- private pools (allocator.pools; torch's graph_pools, graph_pools_freeable,
+        # captures_underway)
+        #: id -> PrivatePool, every pool that exists on this device (use count > 0, or
+        #: freeable and still holding segments).
+        self._pools: dict[tuple[int, int], PrivatePool] = {}
+        #: id -> PrivatePool, the pools whose use count is 0 (a subset of _pools):
+        #: empty_cache releases their free segments and forgets them once they hold none.
+        self._freeable: dict[tuple[int, int], PrivatePool] = {}
+        #: (id, filter) of the pools allocations are routed to now, oldest first (routing
+        #: tries the newest first); each id is in _pools, at most once here. Non-empty
+        #: turns off event polling, the release ladder and the pair memo (_memo_ok False).
+        #: The hot path tests only its truth value.
+        self._captures: list[tuple[tuple[int, int], Callable[[int], bool]]] = []
         self._apply_settings(config)  # the settings read on the hot path
         # state
         self._lock = lock = TokenLock()
@@ -176,4 +199,5 @@ class CacheState(Allocator):
         self._rounding = any(d > 1 for d in config.roundup_power2_divisions)
         self._gc_threshold = config.garbage_collection_threshold
         self._gc_on = self._set_fraction and self._gc_threshold > 0.0
-        self._memo_ok = type(self)._memo_class_ok and not self._split_limited
+        self._memo_ok = (type(self)._memo_class_ok and not self._split_limited
+                         and not self._captures)

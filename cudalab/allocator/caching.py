@@ -75,6 +75,7 @@ from cudalab.allocator.events import EventPool
 from cudalab.allocator.inspection import Inspection
 from cudalab.allocator.memo import PairMemo
 from cudalab.allocator.policy import MAX_ALLOCATION_SIZE, check_size, round_size
+from cudalab.allocator.pools import PrivatePools
 from cudalab.allocator.slow_path import SlowPath
 from cudalab.errors import CudaError
 
@@ -85,12 +86,13 @@ _tls = _streams._tls  # per thread: .device and .streams (the current stream of 
 _custom = _streams._custom  # empty: stream=None is the default stream in every thread
 
 
-class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
+class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
     """torch's DeviceCachingAllocator for one device, over a driver :class:`Backend`.
 
     The state and its constructor are :class:`~cudalab.allocator.cache_state.CacheState`'s
     (parameters there); the concerns are mixins: the pair memo
-    (:class:`~cudalab.allocator.memo.PairMemo`), the slow path
+    (:class:`~cudalab.allocator.memo.PairMemo`), the private pools
+    (:class:`~cudalab.allocator.pools.PrivatePools`), the slow path
     (:class:`~cudalab.allocator.slow_path.SlowPath`) and the readers
     (:class:`~cudalab.allocator.inspection.Inspection`). The hot paths are here.
     """
@@ -101,7 +103,7 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
     __slots__ = ("_take", "_give", "_hit_size", "_hit_stream", "_hit_none",
                  "_ready", "_pending_frees", "_live", "_memo_hits", "_trace", "_memo",
                  "_tls_streams", "device", "_hit_log", "_hit_ap", "_hit_now", "_hit_fnow",
-                 "_memo_req0")
+                 "_memo_req0", "_captures")
 
     # ------------------------------------------------------------------ public API
     def malloc(self, size: Any, stream: Any = None) -> int:
@@ -185,6 +187,8 @@ class DeviceCachingAllocator(PairMemo, SlowPath, Inspection):
                     return m.ptr
                 self._flush_memo()
             self._last = None
+            if self._captures:  # some private pool is allocated to (see allocator/pools.py)
+                return self._malloc_routed(size, skey)
             if self._n_events or self._pending_frees:
                 self._process_pending()
             # ---- round, pick the pool, best fit (torch's round_size / get_free_block)

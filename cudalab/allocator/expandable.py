@@ -390,7 +390,8 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
     def _release_available_cached_blocks(self, pool: BlockPool, skey: int, rs: int) -> bool:
         return False  # oversize freeing skips expandable blocks (PR #134338)
 
-    def _alloc_block(self, pool: BlockPool, skey: int, alloc_size: int, is_retry: bool) -> Block | None:
+    def _alloc_block(self, pool: BlockPool, skey: int, alloc_size: int, is_retry: bool,
+                     pp: Any = None) -> Block | None:
         raise AssertionError("expandable segments grow by mapping pages, never by mem_alloc")
 
     def _vm_idle(self) -> None:

@@ -6,7 +6,15 @@ on a hot path; each reader flushes the pair memo first, under the lock.
 
 from __future__ import annotations
 
-from cudalab.allocator.blocks import ALLOCATED, FREE, KEY_SHIFT, PENDING, SNAPSHOT_STATES, Block
+from cudalab.allocator.blocks import (
+    ALLOCATED,
+    FREE,
+    KEY_SHIFT,
+    PENDING,
+    SNAPSHOT_STATES,
+    Block,
+    FreeList,
+)
 from cudalab.allocator.cache_state import CacheState
 
 __all__ = ["Inspection"]
@@ -73,7 +81,7 @@ class Inspection(CacheState):
                     "requested_size": req,
                     "stream": head.fl.stream,
                     "segment_type": "small" if pool.is_small else "large",
-                    "segment_pool_id": (0, 0),
+                    "segment_pool_id": (0, 0) if head.fl.owner is None else head.fl.owner.id,
                     "is_expandable": False,
                     "frames": [],
                     "blocks": blocks,
@@ -141,14 +149,15 @@ class Inspection(CacheState):
                             rc["n_split"] += 1
                             rc["b_split"] += b.size
                         b = b.next
+            for fl in self._all_free_lists():
+                assert fl.keys == sorted(fl.keys), "free list keys out of order"
+                assert set(fl.keys) == set(fl.entries), "free list keys and entries differ"
+                for k, b in fl.entries.items():
+                    if b is not None:
+                        assert b.state == FREE and id(b) in ids, f"stale cached {b!r}"
+                        assert k == (b.size << KEY_SHIFT) | b.ptr, f"wrong key for {b!r}"
+            self._check_pools(blocks)
             for pool in (self.small, self.large):
-                for fl in pool.lists.values():
-                    assert fl.keys == sorted(fl.keys), "free list keys out of order"
-                    assert set(fl.keys) == set(fl.entries), "free list keys and entries differ"
-                    for k, b in fl.entries.items():
-                        if b is not None:
-                            assert b.state == FREE and id(b) in ids, f"stale cached {b!r}"
-                            assert k == (b.size << KEY_SHIFT) | b.ptr, f"wrong key for {b!r}"
                 rc = recount[pool.name]
                 for code, value in rc.items():
                     assert getattr(pool, code) == value, (
@@ -157,11 +166,17 @@ class Inspection(CacheState):
                 recount["small"]["n_alloc"] + recount["large"]["n_alloc"])
             assert self._n_events == sum(len(dq) for dq in self._events.values())
 
+    def _all_free_lists(self) -> list[FreeList]:
+        """The free lists of the default pools, then those of every private pool."""
+        lists = [*self.small.lists.values(), *self.large.lists.values()]
+        for pp in self._pools.values():
+            lists.extend(pp.free_lists())
+        return lists
+
     def _all_blocks(self) -> list[Block]:
         blocks: list[Block] = list(self._live.values())
-        for pool in (self.small, self.large):
-            for fl in pool.lists.values():
-                blocks.extend(b for b in fl.entries.values() if b is not None)
+        for fl in self._all_free_lists():
+            blocks.extend(b for b in fl.entries.values() if b is not None)
         seen = set()
         for dq in [*self._events.values(), *self._in_sync]:
             for _, b, _ in dq:
@@ -170,3 +185,21 @@ class Inspection(CacheState):
                     blocks.append(b)
         blocks.extend(self._pending_frees)  # freed while the lock was busy: still allocated
         return blocks
+
+    def _check_pools(self, blocks: list[Block]) -> None:
+        """Invariants of the private pools: each pool's segment count is the number of its
+        segments, the freeable ones have use count 0, every capture names a known pool."""
+        heads: dict[tuple[int, int], int] = {}
+        for b in blocks:
+            owner = b.fl.owner
+            if owner is not None:
+                oid = owner.id
+                assert self._pools.get(oid) is owner, f"{b!r} belongs to a forgotten pool"
+                if b.prev is None:
+                    heads[oid] = heads.get(oid, 0) + 1
+        for pid, pp in self._pools.items():
+            assert pp.segment_count == heads.get(pid, 0), (
+                f"pool {pid} counts {pp.segment_count} segments, holds {heads.get(pid, 0)}")
+            assert (pp.use_count == 0) == (pid in self._freeable), f"pool {pid} freeable state"
+        for pid, _ in self._captures:
+            assert pid in self._pools, f"capture routes to unknown pool {pid}"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from typing import NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 from cudalab.allocator.base import oom_text
 from cudalab.allocator.blocks import DETACHED, KEY_SHIFT, Block, BlockPool
@@ -22,11 +23,16 @@ from cudalab.allocator.oom_observers import observers as _oom_observers  # never
 from cudalab.allocator.policy import allocation_size
 from cudalab.errors import CudaError, OutOfMemoryError
 
+if TYPE_CHECKING:
+    from cudalab.allocator.pools import PrivatePool
+
 __all__ = ["SlowPath"]
 
 
 class SlowPath(CacheState):
     """Cache misses: new segments, the release ladder, out-of-memory."""
+
+    _pool_segment_alloc: Callable[[PrivatePool, int, int], int | None]  # (allocator.pools)
 
     def _malloc_slow(self, rs: int, pool: BlockPool, skey: int) -> Block:
         """Cache miss: torch's ladder from free-memory callbacks to OutOfMemoryError."""
@@ -80,8 +86,12 @@ class SlowPath(CacheState):
             self._process_pending()
         return self._search(rs, pool, skey)
 
-    def _alloc_block(self, pool: BlockPool, skey: int, alloc_size: int, is_retry: bool) -> Block | None:
-        """torch's ``alloc_block``: a new segment, or None on a (soft) out-of-memory."""
+    def _alloc_block(self, pool: BlockPool, skey: int, alloc_size: int, is_retry: bool,
+                     pp: PrivatePool | None = None) -> Block | None:
+        """torch's ``alloc_block``: a new segment, or None on a (soft) out-of-memory.
+
+        ``pp``: the private pool the segment is for (its free lists; its allocator, if it
+        has one, instead of the driver; its segment count)."""
         st = self.stats
         if is_retry:
             st.num_alloc_retries += 1
@@ -90,14 +100,21 @@ class SlowPath(CacheState):
         lock = self._lock
         lock.release()
         try:
-            ptr = self.backend.mem_alloc(self.device, alloc_size)
+            if pp is not None and pp.allocator is not None:
+                ptr = self._pool_segment_alloc(pp, alloc_size, skey)
+            else:
+                ptr = self.backend.mem_alloc(self.device, alloc_size)
         except OutOfMemoryError:
             ptr = None
         finally:
             lock.acquire()
         if ptr is None:
             return None
-        b = Block(ptr, alloc_size, pool.free_list(skey))
+        if pp is None:
+            b = Block(ptr, alloc_size, pool.free_list(skey))
+        else:
+            b = Block(ptr, alloc_size, pp.free_list(pool, skey))
+            pp.segment_count += 1
         st.increase(pool, "n_seg", 1)
         st.increase(pool, "b_res", alloc_size)
         if alloc_size >= self._max_split:
@@ -166,17 +183,22 @@ class SlowPath(CacheState):
         return released >= target
 
     def _release_cached_blocks(self) -> None:
-        """torch's ``release_cached_blocks``: sync all events, release unsplit cached blocks."""
-        self._synchronize_and_free_events()
-        ptrs = []
-        for pool in (self.large, self.small):
-            for b in pool.free_blocks():
-                if b.prev is None and b.next is None:
-                    ptrs.append(self._detach_segment(b))
-        for pool in (self.large, self.small):
-            for fl in pool.lists.values():
-                fl.sweep()
-        self._free_segments(ptrs)
+        """torch's ``release_cached_blocks``: sync all events, release unsplit cached blocks
+        (only while no pool is allocated to), then the free segments of freeable private
+        pools (see :mod:`cudalab.allocator.pools`)."""
+        if not self._captures:
+            self._synchronize_and_free_events()
+            ptrs = []
+            for pool in (self.large, self.small):
+                for b in pool.free_blocks():
+                    if b.prev is None and b.next is None:
+                        ptrs.append(self._detach_segment(b))
+            for pool in (self.large, self.small):
+                for fl in pool.lists.values():
+                    fl.sweep()
+            self._free_segments(ptrs)
+        if self._freeable:
+            self._release_freeable_pools()
 
     def _synchronize_and_free_events(self) -> None:
         self.stats.num_sync_all_streams += 1

@@ -26,6 +26,7 @@ from typing import Any
 from cudalab import _internal
 from cudalab.allocator import registry as _registry
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig
+from cudalab.allocator.pools import check_pool_id
 from cudalab.devices import device_count
 from cudalab.memory_tools import history as _history
 from cudalab.memory_tools import stacks as _stacks
@@ -89,12 +90,20 @@ def _segments_of(allocators: list, cache: dict) -> tuple[list[dict], dict[int, i
     return out, active
 
 
-def memory_snapshot() -> list[dict]:
-    """torch's ``memory_snapshot()``: every device's segments, as plain dicts and lists."""
+def memory_snapshot(mempool_id: Any = None) -> list[dict]:
+    """torch's ``memory_snapshot(mempool_id=None)``: every device's segments, as plain dicts
+    and lists; with ``mempool_id``, only the segments of that private pool (each segment's
+    ``segment_pool_id``; ``(0, 0)`` is the default pool)."""
+    if mempool_id is not None:
+        mempool_id = tuple(mempool_id) if isinstance(mempool_id, (tuple, list)) else mempool_id
+        if mempool_id != (0, 0):
+            mempool_id = check_pool_id(mempool_id, "mempool_id")
     segs, active = _segments_of(_registry_allocators(), {})
     if _history.is_recording():
         for dev, total in sorted(active.items()):
             _history._record_snapshot(dev, total)
+    if mempool_id is not None:
+        segs = [s for s in segs if s.get("segment_pool_id", (0, 0)) == mempool_id]
     return segs
 
 
