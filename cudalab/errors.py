@@ -89,6 +89,16 @@ class StreamCaptureError(CudaError):
         return StreamCaptureError(self.code, self.name, self.message, self.call, operation)
 
 
+def name_operation(exc: BaseException, operation: str) -> BaseException:
+    """``exc`` with its message naming the cudalab ``operation`` when it is a
+    :class:`StreamCaptureError` (raised ``from`` the driver's error), else ``exc`` itself."""
+    if isinstance(exc, StreamCaptureError) and exc.operation is None:
+        named = exc.for_operation(operation)
+        named.__cause__ = exc
+        return named
+    return exc
+
+
 class DriverNotFoundError(RuntimeError):
     """No CUDA driver library could be loaded (the normal state of a machine without a GPU)."""
 

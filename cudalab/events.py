@@ -22,6 +22,7 @@ from cudalab._driver.base import (
     STATUS_NOT_READY,
 )
 from cudalab._units import echo
+from cudalab.errors import StreamCaptureError, name_operation
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
@@ -148,7 +149,7 @@ class Event:
             return True
         if err == STATUS_NOT_READY:
             return False
-        raise self._b.status_error(err, "cuEventQuery")
+        raise name_operation(self._b.status_error(err, "cuEventQuery"), "Event.query()")
 
     def synchronize(self) -> None:
         """Block the host until the event completes."""
@@ -156,7 +157,10 @@ class Event:
             _sync._report("Event.synchronize()")
         h = self._handle
         if h is not None:
-            self._b.event_synchronize(h)
+            try:
+                self._b.event_synchronize(h)
+            except StreamCaptureError as exc:
+                raise name_operation(exc, "Event.synchronize()") from exc
 
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for this event, without blocking the host."""

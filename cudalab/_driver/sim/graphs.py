@@ -238,7 +238,7 @@ class SimGraphs(SimulatorCore):
         lines = [f'digraph "cudalab simulated graph 0x{g.handle:x}" {{',
                  f'  label="cudalab simulated CUDA graph (capture {g.capture_id}, device '
                  f'{g.device}, {len(g.ops)} nodes)";']
-        for i, (kind, fn, args) in enumerate(g.ops):
+        for i, (kind, _fn, args) in enumerate(g.ops):
             what = kind
             if kind == "kernel":
                 what = f"kernel {args[0].name} grid={args[1]} block={args[2]}"

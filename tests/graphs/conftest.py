@@ -1,0 +1,48 @@
+"""Fixtures of the CUDA graph tests: an elementwise kernel to capture (with its numpy twin),
+and a clean capture state around every test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cudalab
+from cudalab.kernels import Kernel, launch_config_1d
+
+ADD_SOURCE = r"""
+extern "C" __global__ void cudalab_test_graph_add(float* out, const float* in, float value,
+                                                  unsigned long long n) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = in[i] + value;
+}
+"""
+
+
+def _add_twin(sim, grid, block, smem, out, src, value, n):
+    o = sim.array(out, np.float32, n)
+    o[:] = sim.array(src, np.float32, n) + np.float32(value)
+
+
+ADD = Kernel("cudalab_test_graph_add", ADD_SOURCE, ("p", "p", "f4", "u8"), sim=_add_twin)
+
+
+def add(out, src, value):
+    """out = src + value on the current stream (float32 arrays of one size)."""
+    n = src.size
+    grid, block = launch_config_1d(n)
+    ADD.launch(grid, block, (out, src, float(value), n))
+    return out
+
+
+def add_new(src, value):
+    """A new array src + value (allocated on the current stream, like torch's b + 1)."""
+    return add(cudalab.array.empty(src.shape, np.float32), src, value)
+
+
+@pytest.fixture(autouse=True)
+def _no_capture_left():
+    cudalab.init()
+    yield
+    # a test must never leave a stream capturing (the next test's allocations would route)
+    assert not cudalab.is_current_stream_capturing()
+    cudalab.synchronize()
