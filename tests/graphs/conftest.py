@@ -25,6 +25,21 @@ def _add_twin(sim, grid, block, smem, out, src, value, n):
 
 ADD = Kernel("cudalab_test_graph_add", ADD_SOURCE, ("p", "p", "f4", "u8"), sim=_add_twin)
 
+SUM_SOURCE = r"""
+extern "C" __global__ void cudalab_test_graph_sum2(float* out, const float* a, const float* b,
+                                                   unsigned long long n) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] + b[i];
+}
+"""
+
+
+def _sum2_twin(sim, grid, block, smem, out, a, b, n):
+    sim.array(out, np.float32, n)[:] = sim.array(a, np.float32, n) + sim.array(b, np.float32, n)
+
+
+SUM2 = Kernel("cudalab_test_graph_sum2", SUM_SOURCE, ("p", "p", "p", "u8"), sim=_sum2_twin)
+
 
 def add(out, src, value):
     """out = src + value on the current stream (float32 arrays of one size)."""
@@ -37,6 +52,21 @@ def add(out, src, value):
 def add_new(src, value):
     """A new array src + value (allocated on the current stream, like torch's b + 1)."""
     return add(cudalab.array.empty(src.shape, np.float32), src, value)
+
+
+def sum2(a, b):
+    """A new array a + b (torch's ``a + b``)."""
+    out = cudalab.array.empty(a.shape, np.float32)
+    grid, block = launch_config_1d(a.size)
+    SUM2.launch(grid, block, (out, a, b, a.size))
+    return out
+
+
+def clone(x):
+    """A copy of ``x`` in new memory (torch's ``clone()``)."""
+    y = cudalab.array.empty(x.shape, x.dtype)
+    y.copy_(x)
+    return y
 
 
 @pytest.fixture(autouse=True)
