@@ -35,6 +35,9 @@ How a measurement is built (the pitfalls it avoids are in ``docs/magics.md``):
 * **Context**: NVML SM clock, temperature and power before and after; warnings for a wide
   IQR or a slow outlier; hints for moving clocks and throttling.
 
+``--graph`` is its own mode (:mod:`~cudalab.magics.timed_graph`: the cell eagerly, then
+captured once and replayed as a CUDA graph).
+
 The pieces, one concept each: :mod:`~cudalab.magics.timed_options` (the option line),
 :mod:`~cudalab.magics.timed_compile` (compiling the cell once),
 :mod:`~cudalab.magics.event_timer` (the event pool and the timer loop),
@@ -373,6 +376,14 @@ def run_cuda_timed(magics: Any, line: str, cell: str | None, local_ns: Any) -> A
     opts = parse_options(line or "")
     if cell is None and not opts.stmt:
         raise UsageError("%cuda_timed needs a statement to time (or use %%cuda_timed)")
+    if opts.graph:
+        from cudalab.magics.timed_graph import run_graph_mode
+
+        if cell is None:
+            raise UsageError("%cuda_timed --graph times a cell: use %%cuda_timed --graph")
+        out = run_graph_mode(magics, opts, cell, opts.stmt, local_ns)
+        _internal.deliver_owed_interrupt()
+        return out
     ctx = _Context(magics, opts)
     try:
         if cell is None:

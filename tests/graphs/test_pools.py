@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab.allocator.registry import get_allocator
 from cudalab import random as crandom
+from cudalab.allocator.registry import get_allocator
 from tests.graphs.conftest import add_new, clone, sum2
 
 MiB = 1 << 20
