@@ -158,7 +158,8 @@ class CUDAGraph:
     def __repr__(self) -> str:
         parts = [f"state={self._state}"]
         if self._state != STATE_EMPTY:
-            parts.append(f"device=cuda:{self._device}")
+            sim = " (simulated)" if self._backend is not None and self._backend.simulated else ""
+            parts.append(f"device=cuda:{self._device}{sim}")
             parts.append(f"pool={self._pool}")
         if self._state in (STATE_CAPTURED, STATE_READY):
             kernels = self._node_kinds.count("kernel")
