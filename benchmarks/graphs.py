@@ -125,7 +125,7 @@ def bench_cudalab(table: Table, results: dict, quick: bool) -> None:
                   f"{eager / replay:.1f}x faster (goal >= 5x)")
         results["cudalab_fills_eager_us"] = eager * 1e6
         results["cudalab_fills_replay_us"] = replay * 1e6
-        del g, g1
+        del g
 
         # private pool: the same allocations inside a capture
         cudalab.synchronize()
@@ -202,7 +202,7 @@ def bench_torch(torch, table: Table, results: dict, quick: bool) -> None:
                   f"{eager / replay:.1f}x faster")
         results["torch_fills_eager_us"] = eager * 1e6
         results["torch_fills_replay_us"] = replay * 1e6
-        del g, g1
+        del g
 
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
