@@ -153,7 +153,7 @@ class CUDAGraph:
         #: generator state -> whole-graph offset increment (0 until capture_end)
         self._states: dict[PhiloxState, int] = {}
         self._replay_states: tuple[tuple[PhiloxState, int], ...] = ()
-        self._node_kinds: list[str] = []
+        self._node_count = 0  # nodes of the captured graph (0 before capture_end)
 
     def __repr__(self) -> str:
         parts = [f"state={self._state}"]
@@ -162,8 +162,7 @@ class CUDAGraph:
             parts.append(f"device=cuda:{self._device}{sim}")
             parts.append(f"pool={self._pool}")
         if self._state in (STATE_CAPTURED, STATE_READY):
-            kernels = self._node_kinds.count("kernel")
-            parts.append(f"nodes={len(self._node_kinds)} (kernels={kernels})")
+            parts.append(f"nodes={self._node_count}")
         if self._states:
             parts.append(f"generators={len(self._states)}")
         if self._keep_graph:
@@ -273,8 +272,8 @@ class CUDAGraph:
             self._states[st] = st.capture_epilogue()
         self._replay_states = tuple(self._states.items())
         self._graph = g
-        self._node_kinds = b.graph_node_kinds(g)
-        if not self._node_kinds:
+        self._node_count = b.graph_node_count(g)
+        if not self._node_count:
             warnings.warn(_EMPTY_GRAPH_WARNING, UserWarning, stacklevel=2)
         self._state = STATE_CAPTURED
         if not self._keep_graph:
@@ -377,7 +376,7 @@ class CUDAGraph:
                 st.unregister_graph(self)
             self._states.clear()
             self._replay_states = ()
-            self._node_kinds = []
+            self._node_count = 0
             if self._holds_pool:
                 self._holds_pool = False
                 get_allocator(self._device).release_pool(self._pool)
@@ -478,9 +477,22 @@ class CUDAGraph:
         return int(self._backend.handle_int(self._exec))
 
     def node_kinds(self) -> list[str]:
-        """The kind of each node of the captured graph ("kernel", "memcpy", "memset", ...);
-        [] before capture_end(). Not in torch: what %%cuda_timed --graph counts."""
-        return list(self._node_kinds)
+        """The kind of each node of the captured graph ("kernel", "memcpy", "memset", ...).
+
+        Not in torch (what ``%%cuda_timed --graph`` counts). It reads the graph, which is
+        kept only with ``keep_graph=True`` or :meth:`enable_debug_mode` (capture_end
+        destroys it otherwise, as torch).
+
+        Raises
+        ------
+        RuntimeError
+            No graph is kept.
+        """
+        if self._graph is None:
+            raise RuntimeError("CUDAGraph.node_kinds() reads the captured graph: create the "
+                               "CUDAGraph with keep_graph=True (or call enable_debug_mode() "
+                               "before the capture)")
+        return self._backend.graph_node_kinds(self._graph)
 
     @staticmethod
     def get_currently_capturing_graph() -> CUDAGraph:

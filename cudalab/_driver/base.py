@@ -557,6 +557,10 @@ class Backend(abc.ABC):
         """Destroy an executable graph (freed when a launch in flight completes)."""
         raise NotImplementedError(f"{self.name} backend has no graphs")
 
+    def graph_node_count(self, graph: Any) -> int:
+        """How many nodes ``graph`` has (cuGraphGetNodes with no array: one call)."""
+        raise NotImplementedError(f"{self.name} backend has no graphs")
+
     def graph_node_kinds(self, graph: Any) -> list[str]:
         """The kind of each node of ``graph`` (names from :data:`GRAPH_NODE_KINDS`)."""
         raise NotImplementedError(f"{self.name} backend has no graphs")

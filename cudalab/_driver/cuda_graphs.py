@@ -85,6 +85,9 @@ class CudaGraphs(CudaMemory):
     def graph_exec_destroy(self, graph_exec: Any) -> None:
         _check(_drv.cuGraphExecDestroy(graph_exec), "cuGraphExecDestroy")
 
+    def graph_node_count(self, graph: Any) -> int:
+        return int(_check(_drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")[1])
+
     def graph_node_kinds(self, graph: Any) -> list[str]:
         _nodes, count = _check(_drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
         if not count:

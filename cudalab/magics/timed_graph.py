@@ -182,7 +182,7 @@ def run_graph_mode(magics: Any, opts: Any, cell: str, setup: str, local_ns: Any)
         for _ in range(warmup):
             body()
         eager_time, eager_host = _time(body, repeats)
-        g = cudalab.CUDAGraph()
+        g = cudalab.CUDAGraph(keep_graph=True)  # kept: node_kinds() reads it
         try:
             with cudalab.graph(g, stream=side):
                 body()
@@ -191,6 +191,7 @@ def run_graph_mode(magics: Any, opts: Any, cell: str, setup: str, local_ns: Any)
         if error is None:
             kinds = g.node_kinds()
             launches, nodes = kinds.count("kernel"), len(kinds)
+            g.instantiate()
             g.replay()  # first replay: uploads the graph
             graph_time, graph_host = _time(g.replay, repeats)
         g.reset()

@@ -225,8 +225,8 @@ def test_keep_graph_replay_instantiates_on_first_replay():
 
 
 def test_repr_shows_the_state_and_nodes():
-    g = cudalab.CUDAGraph()
-    assert repr(g) == "<cudalab.CUDAGraph state=empty>"
+    g = cudalab.CUDAGraph(keep_graph=True)
+    assert repr(g) == "<cudalab.CUDAGraph state=empty keep_graph=True>"
     a = _ones()
     s = _side_stream()
     with cudalab.stream(s):
@@ -236,8 +236,15 @@ def test_repr_shows_the_state_and_nodes():
         a.fill_(3.0)
         g.capture_end()
     r = repr(g)
-    assert "state=ready" in r and "nodes=2 (kernels=1)" in r and f"pool={g.pool()}" in r
-    assert g.node_kinds()[0] == "kernel"
+    assert "state=captured" in r and "nodes=2" in r and f"pool={g.pool()}" in r
+    assert sorted(g.node_kinds()) == ["kernel", "memset"]
+    g.instantiate()
+    assert "state=ready" in repr(g)
+    plain = cudalab.CUDAGraph()
+    with cudalab.graph(plain):
+        add(a, a, 1)
+    with pytest.raises(RuntimeError, match="keep_graph=True"):
+        plain.node_kinds()
 
 
 def test_graph_context_ends_the_capture_when_the_body_raises():
@@ -288,7 +295,7 @@ def test_get_currently_capturing_graph():
 
 def test_multi_stream_capture_fork_and_join():
     a, b = _ones(), _ones()
-    g = cudalab.CUDAGraph()
+    g = cudalab.CUDAGraph(keep_graph=True)
     side = cudalab.Stream()
     with cudalab.graph(g):
         main = cudalab.current_stream()

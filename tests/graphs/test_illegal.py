@@ -42,9 +42,9 @@ def _numpy(a, ev):
 
 
 def _copy_to_pageable(a, ev):
-    with cudalab.stream(cudalab.current_stream()):
-        out = np.empty(a.shape, a.dtype)
-        a.numpy(out=out)
+    b = cudalab.array.empty(a.shape, a.dtype)  # allocated on the capturing stream
+    b.copy_(a)
+    b.numpy(out=np.empty(a.shape, a.dtype))
 
 
 ILLEGAL = [
@@ -167,7 +167,7 @@ def test_empty_graph_capture_on_a_stream_used_before():
     s = cudalab.Stream()
     with cudalab.stream(s):
         add(a, a, 1)
-    g = cudalab.CUDAGraph()
+    g = cudalab.CUDAGraph(keep_graph=True)
     with cudalab.graph(g, stream=s):
         add(a, a, 1)
     assert g.node_kinds() == ["kernel"]

@@ -230,6 +230,9 @@ class SimGraphs(SimulatorCore):
                                  f"{graph_exec!r} is not a live executable graph")
         graph_exec.destroyed = True  # a launch already queued still runs (it holds the ops)
 
+    def graph_node_count(self, graph: Any) -> int:
+        return len(self._graph(graph, "cuGraphGetNodes").ops)
+
     def graph_node_kinds(self, graph: Any) -> list[str]:
         return [kind for kind, _fn, _args in self._graph(graph, "cuGraphGetNodes").ops]
 
