@@ -80,6 +80,28 @@ _EMPTY_GRAPH_WARNING = ("The CUDA Graph is empty. This usually means that the gr
                         "attempted to be captured on wrong device or stream.")
 _DEBUG_WARNING = "CUDA Graphs debug not enabled, set with [graph].enable_debug_mode()"
 
+#: (device, pool id) of private pools whose graph was collected while that device's
+#: allocator lock was held (the garbage collector can run a finalizer inside the allocator,
+#: and the lock is not re-entrant): released at the next capture_begin() or reset().
+_deferred_releases: list[tuple[int, tuple[int, int]]] = []
+
+
+def _release_pool(device: int, pool_id: tuple[int, int], finalizing: bool) -> None:
+    """Give back a graph's use of its pool; from a finalizer only when the allocator's lock
+    is free (else deferred, see ``_deferred_releases``)."""
+    alloc = get_allocator(device)
+    if finalizing and alloc._lock.locked():
+        _deferred_releases.append((device, pool_id))
+        return
+    alloc.release_pool(pool_id)
+
+
+def _release_deferred() -> None:
+    while _deferred_releases:
+        device, pool_id = _deferred_releases.pop()
+        get_allocator(device).release_pool(pool_id)
+
+
 #: Graphs being captured, by capture id (torch's capture-id map; guarded by ``_map_lock``).
 _capturing: dict[int, CUDAGraph] = {}
 _map_lock = threading.Lock()
@@ -196,6 +218,8 @@ class CUDAGraph:
             raise RuntimeError("This CUDAGraph instance already owns a captured graph. To "
                                "capture a new graph, create a new instance.")
         mode = _capture_mode(capture_error_mode)
+        if _deferred_releases:
+            _release_deferred()
         pid = None if pool is None else _pool_id(pool)
         b = _internal.backend()
         dev = _devices.current_device()
@@ -225,13 +249,12 @@ class CUDAGraph:
                 return False
             return info[1] == capture_id[0]
 
-        alloc = get_allocator(dev)
         try:
-            alloc.begin_allocate_to_pool(self._pool, in_this_capture)
-            self._routed = self._holds_pool = True
-        except NotImplementedError:
-            pass  # an allocator without private pools (cudaMallocAsync, pluggable, uncached)
-        try:
+            try:
+                get_allocator(dev).begin_allocate_to_pool(self._pool, in_this_capture)
+                self._routed = self._holds_pool = True
+            except NotImplementedError:
+                pass  # an allocator without private pools (cudaMallocAsync, pluggable, ...)
             b.stream_begin_capture(handle, mode)
         except BaseException:
             self._abandon()
@@ -363,6 +386,10 @@ class CUDAGraph:
         if self._state == STATE_CAPTURING and self._capture_id:
             raise RuntimeError("CUDAGraph.reset() cannot be called during a capture; call "
                                "capture_end() first")
+        _release_deferred()
+        self._teardown(finalizing=False)
+
+    def _teardown(self, finalizing: bool) -> None:
         b = self._backend
         try:
             if self._exec is not None:
@@ -379,7 +406,8 @@ class CUDAGraph:
             self._node_count = 0
             if self._holds_pool:
                 self._holds_pool = False
-                get_allocator(self._device).release_pool(self._pool)
+                assert self._pool is not None
+                _release_pool(self._device, self._pool, finalizing)
             self._state = STATE_EMPTY
 
     def __del__(self) -> None:
@@ -388,7 +416,7 @@ class CUDAGraph:
         if self._state == STATE_CAPTURING:
             return  # a capture still running keeps its stream; nothing safe to do here
         try:
-            self.reset()
+            self._teardown(finalizing=True)
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 

@@ -220,3 +220,29 @@ def test_graph_capture_oom():
     assert not cudalab.is_current_stream_capturing()
     a = cudalab.array.full((10,), 1.0, np.float32)  # the allocator works again
     assert a.numpy()[0] == 1.0
+
+
+def test_a_graph_collected_inside_the_allocator_defers_its_pool_release():
+    """The garbage collector may run a graph's finalizer while this thread holds the
+    allocator's (non-re-entrant) lock: the finalizer must not wait for it."""
+    a = cudalab.array.full((1000,), 1.0, np.float32)
+    add_new(a, 0)
+    g = cudalab.CUDAGraph()
+    with cudalab.graph(g):
+        add_new(a, 1)
+    pid = g.pool()
+    g.cycle = g  # only the garbage collector frees it
+    del g
+    alloc = get_allocator(cudalab.current_device())
+    assert alloc._lock.acquire(blocking=False)
+    try:
+        gc.collect()  # would deadlock if the finalizer waited for the lock
+    finally:
+        alloc._lock.release()
+    assert _use_count(pid) == 1  # deferred
+    g2 = cudalab.CUDAGraph()
+    with cudalab.graph(g2):  # the next capture releases it
+        add_new(a, 2)
+    assert _use_count(pid) == 0
+    cudalab.empty_cache()
+    assert not _pool_segments(pid)
