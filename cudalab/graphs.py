@@ -293,7 +293,9 @@ class CUDAGraph:
         self._end_routing()
         for st in self._states:
             self._states[st] = st.capture_epilogue()
-        self._replay_states = tuple(self._states.items())
+        # A state the graph draws nothing from needs no refresh before a replay (its words
+        # are not read, its offset does not move; newer torch skips it too).
+        self._replay_states = tuple((st, inc) for st, inc in self._states.items() if inc)
         self._graph = g
         self._node_count = b.graph_node_count(g)
         if not self._node_count:

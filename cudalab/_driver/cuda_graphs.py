@@ -23,13 +23,21 @@ from cudalab._driver.base import (
     GRAPH_INSTANTIATE_USE_NODE_PRIORITY,
     GRAPH_NODE_KINDS,
 )
-from cudalab._driver.cuda_api import _CaptureMode, _check, _cuThreadExchangeStreamCaptureMode, _drv
+from cudalab._driver.cuda_api import (
+    _CaptureMode,
+    _check,
+    _cuThreadExchangeStreamCaptureMode,
+    _drv,
+    _error,
+)
 from cudalab._driver.cuda_memory import CudaMemory
 
 #: cuGraphDebugDotPrint's CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE (torch's cudaGraphDebugDotFlagsVerbose).
 _DOT_FLAGS_VERBOSE = 1
 
 _count_lock = threading.Lock()
+#: Bound once: CUDAGraph.replay's one driver call (benchmarks/graphs.py, the replay row).
+_cuGraphLaunch = _drv.cuGraphLaunch if _drv is not None else None
 
 
 def _mode(mode: int) -> Any:
@@ -77,7 +85,9 @@ class CudaGraphs(CudaMemory):
         return _check(_drv.cuGraphInstantiate(graph, int(flags)), "cuGraphInstantiate")
 
     def graph_launch(self, graph_exec: Any, stream: Any) -> None:
-        _check(_drv.cuGraphLaunch(graph_exec, stream), "cuGraphLaunch")
+        err = _cuGraphLaunch(graph_exec, stream)[0]
+        if err:
+            raise _error(err, "cuGraphLaunch")
 
     def graph_destroy(self, graph: Any) -> None:
         _check(_drv.cuGraphDestroy(graph), "cuGraphDestroy")

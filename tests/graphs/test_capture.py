@@ -351,19 +351,25 @@ def test_graph_module_names():
 
 
 def test_capture_in_two_threads_thread_local():
-    """Two threads capture at once in thread_local mode: each capture gets its own work."""
+    """Two threads capture at the same time in thread_local mode: each graph gets its own
+    thread's work only."""
     arrays = [_ones(), _ones()]
-    results = [None, None]
+    graphs_ = [cudalab.CUDAGraph(), cudalab.CUDAGraph()]
+    both_capturing = threading.Barrier(2, timeout=30)
     errors = []
 
     def run(i):
         try:
-            g = cudalab.CUDAGraph()
-            with cudalab.graph(g, stream=cudalab.Stream(), capture_error_mode="thread_local"):
+            s = cudalab.Stream()
+            with cudalab.stream(s):
+                graphs_[i].capture_begin(capture_error_mode="thread_local")
+                both_capturing.wait()
                 add(arrays[i], arrays[i], i + 1)
-            results[i] = g
+                both_capturing.wait()
+                graphs_[i].capture_end()
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
+            both_capturing.abort()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
@@ -371,6 +377,8 @@ def test_capture_in_two_threads_thread_local():
     for t in threads:
         t.join()
     assert errors == []
-    for g in results:
-        g.replay()
-    assert arrays[0].numpy()[0] == 2.0 and arrays[1].numpy()[0] == 3.0
+    assert arrays[0].numpy()[0] == 1.0 and arrays[1].numpy()[0] == 1.0  # captured, not run
+    graphs_[1].replay()
+    assert arrays[0].numpy()[0] == 1.0 and arrays[1].numpy()[0] == 3.0
+    graphs_[0].replay()
+    assert arrays[0].numpy()[0] == 2.0

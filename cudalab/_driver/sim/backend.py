@@ -110,7 +110,8 @@ class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels, Sim
     def synchronize(self, device: int) -> None:
         d = self._device(device, "cuCtxSynchronize")
         if self._captures:
-            self._refuse_in_capture("cuCtxSynchronize")
+            # it would wait for the device's capturing streams too: refused in every mode
+            self._refuse_in_capture("cuCtxSynchronize", device=d)
         dev = self._devs[d]
         for s in [dev.null, *list(dev.streams)]:
             self._sync_stream(s)

@@ -216,7 +216,7 @@ class SimulatorCore(Backend):
 
     @abc.abstractmethod
     def _refuse_in_capture(self, call: str, s: _Stream | None = None,
-                           ev: _Event | None = None) -> None:
+                           ev: _Event | None = None, device: int | None = None) -> None:
         """Raise when a running capture forbids ``call`` (:mod:`.graphs`)."""
 
     @abc.abstractmethod

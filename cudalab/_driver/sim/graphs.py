@@ -11,8 +11,10 @@ them in capture order, in the launch stream's order.
 
 The driver's rules (``CUDA_ERROR_STREAM_CAPTURE_*``) hold: the null stream cannot capture;
 synchronising or querying a capturing stream, or an event last recorded in a capture, is
-refused whatever the mode; the "potentially unsafe" calls (device, stream and event
-synchronize and query, synchronous copies and fills, cuMemFree) are refused as
+refused whatever the mode, and so is synchronising the whole device while one of its
+streams captures (from any thread, as the driver does); the other "potentially unsafe" calls
+(stream and event synchronize and query, synchronous copies and fills, cuMemFree) are
+refused as
 ``cuStreamBeginCapture``'s mode and the thread's interaction mode
 (:meth:`thread_exchange_capture_mode`) define: GLOBAL captures forbid them in every thread
 whose mode is GLOBAL, THREAD_LOCAL captures only in the capturing thread, RELAXED captures
@@ -312,10 +314,10 @@ class SimGraphs(SimulatorCore):
         raise capture_error(905, call)
 
     def _refuse_in_capture(self, call: str, s: _Stream | None = None,
-                           ev: _Event | None = None) -> None:
-        """Raise StreamCaptureError when a capture forbids ``call`` now (about stream ``s``
-        or event ``ev``), invalidating the captures that forbid it. Called only while some
-        capture runs (``self._captures`` is not empty)."""
+                           ev: _Event | None = None, device: int | None = None) -> None:
+        """Raise StreamCaptureError when a capture forbids ``call`` now (about stream ``s``,
+        event ``ev``, or every stream of ``device``), invalidating the captures that forbid
+        it. Called only while some capture runs (``self._captures`` is not empty)."""
         if ev is not None:
             c = self._live_capture_of(ev)
             if c is not None:
@@ -325,7 +327,7 @@ class SimGraphs(SimulatorCore):
         tmode = getattr(self._tls, "capture_mode", CAPTURE_MODE_GLOBAL)
         blockers = []
         for cap in list(self._captures.values()):
-            if s is not None and s.capture is cap:
+            if (s is not None and s.capture is cap) or device == cap.origin.device:
                 blockers.append(cap)
             elif tmode != CAPTURE_MODE_RELAXED and cap.mode != CAPTURE_MODE_RELAXED and (
                     cap.thread == me or (tmode == CAPTURE_MODE_GLOBAL
