@@ -37,7 +37,7 @@ _DOT_FLAGS_VERBOSE = 1
 
 _count_lock = threading.Lock()
 #: Bound once: CUDAGraph.replay's one driver call (benchmarks/graphs.py, the replay row).
-_cuGraphLaunch = _drv.cuGraphLaunch if _drv is not None else None
+_cuGraphLaunch: Any = _drv.cuGraphLaunch if _drv is not None else None
 
 
 def _mode(mode: int) -> Any:
