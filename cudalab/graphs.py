@@ -47,6 +47,7 @@ from cudalab._driver.base import (
     CAPTURE_MODE_RELAXED,
     CAPTURE_MODE_THREAD_LOCAL,
     CAPTURE_STATUS_NONE,
+    EVENT_DISABLE_TIMING,
     GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH,
     GRAPH_INSTANTIATE_USE_NODE_PRIORITY,
 )
@@ -176,6 +177,11 @@ class CUDAGraph:
         self._states: dict[PhiloxState, int] = {}
         self._replay_states: tuple[tuple[PhiloxState, int], ...] = ()
         self._node_count = 0  # nodes of the captured graph (0 before capture_end)
+        self._alloc_streams: set[int] = set()  # during capture: streams routed to the pool
+        #: (stream key, handle) of the streams that allocated in the capture, and the event
+        #: each replay on another stream records for them to wait on (None: no allocation)
+        self._join_streams: tuple[tuple[int, Any], ...] = ()
+        self._join_event: Any = None
 
     def __repr__(self) -> str:
         parts = [f"state={self._state}"]
@@ -239,6 +245,7 @@ class CUDAGraph:
         self._backend, self._device, self._stream, self._mode = b, dev, stream, mode
         self._pool = new_graph_pool_id() if pid is None else pid
         capture_id = [0]  # read by the filter: set once the capture has begun
+        alloc_streams = self._alloc_streams = set()  # streams whose allocations it routed
 
         def in_this_capture(stream_key: int) -> bool:
             if not stream_key or not capture_id[0]:
@@ -247,7 +254,10 @@ class CUDAGraph:
                 info = b.stream_capture_info(b.stream_from_int(dev, stream_key))
             except Exception:  # noqa: BLE001 - a stream the driver cannot tell about
                 return False
-            return info[1] == capture_id[0]
+            if info[1] == capture_id[0]:
+                alloc_streams.add(stream_key)
+                return True
+            return False
 
         try:
             try:
@@ -296,6 +306,14 @@ class CUDAGraph:
         # A state the graph draws nothing from needs no refresh before a replay (its words
         # are not read, its offset does not move; newer torch skips it too).
         self._replay_states = tuple((st, inc) for st, inc in self._states.items() if inc)
+        if self._alloc_streams:
+            # Arrays allocated in the capture belong to the capture's streams, where their
+            # reads (numpy(), copies) are ordered: each replay on another stream makes them
+            # wait for it (one event), so a read never sees a replay half done.
+            self._join_event = b.event_create(self._device, EVENT_DISABLE_TIMING)
+            self._join_streams = tuple((key, b.stream_from_int(self._device, key))
+                                       for key in sorted(self._alloc_streams))
+        self._alloc_streams = set()
         self._graph = g
         self._node_count = b.graph_node_count(g)
         if not self._node_count:
@@ -374,7 +392,18 @@ class CUDAGraph:
             _internal.ensure_context(self._device)
         # (the handle read directly, not through _internal.stream_handle: the replay row of
         # benchmarks/graphs.py counts every frame)
-        self._backend.graph_launch(ex, stream._handle)
+        b = self._backend
+        b.graph_launch(ex, stream._handle)
+        if self._join_streams:
+            key = stream.cuda_stream
+            ev = self._join_event
+            recorded = False
+            for skey, handle in self._join_streams:
+                if skey != key:
+                    if not recorded:
+                        b.event_record(ev, stream._handle)
+                        recorded = True
+                    b.stream_wait_event(handle, ev)
 
     def reset(self) -> None:
         """Destroy the graph and its executable, unregister the generator states and release
@@ -406,6 +435,10 @@ class CUDAGraph:
             self._states.clear()
             self._replay_states = ()
             self._node_count = 0
+            self._join_streams = ()
+            if self._join_event is not None:
+                ev, self._join_event = self._join_event, None
+                b.event_destroy(ev)
             if self._holds_pool:
                 self._holds_pool = False
                 assert self._pool is not None

@@ -382,3 +382,52 @@ def test_capture_in_two_threads_thread_local():
     assert arrays[0].numpy()[0] == 1.0 and arrays[1].numpy()[0] == 3.0
     graphs_[0].replay()
     assert arrays[0].numpy()[0] == 2.0
+
+
+def test_reads_of_captured_arrays_wait_for_a_replay_on_another_stream():
+    """An array allocated in the capture is read on the capture stream (its allocation
+    stream): a replay on another stream must be ordered before such reads."""
+    from cudalab import _internal
+    from tests.helpers.gpu import HAS_GPU
+
+    if HAS_GPU:
+        pytest.skip("holds a stream back with the simulator's pause_stream hook")
+    a = _ones()
+    g = cudalab.CUDAGraph()
+    with cudalab.graph(g):
+        b = add_new(a, 1)
+    replay_stream = cudalab.Stream()
+    b_backend = _internal.backend()
+    b_backend.pause_stream(_internal.stream_handle(replay_stream))
+    try:
+        with cudalab.stream(replay_stream):
+            g.replay()  # queued behind the pause
+        host = np.zeros(b.shape, b.dtype)  # kept alive: the copy stays queued
+        with pytest.raises(RuntimeError, match="would wait forever"):
+            b.numpy(out=host)  # ordered after the replay: it cannot run yet
+        assert host[0] == 0.0
+    finally:
+        b_backend.resume_stream(_internal.stream_handle(replay_stream))
+    cudalab.synchronize()
+    assert host[0] == 2.0  # the queued copy ran after the replay
+
+
+def test_graphs_without_allocations_add_nothing_to_a_replay():
+    """A replay is one graph launch, plus the join event only when the capture allocated
+    (and the generator refresh only when it drew random numbers)."""
+    from cudalab.testing import count_calls
+
+    names = ("graph_launch", "event_record", "stream_wait_event", "launch")
+    a = _ones()
+    g = cudalab.CUDAGraph()
+    with cudalab.graph(g):
+        add(a, a, 1)
+    with count_calls(names) as calls:
+        g.replay()
+    assert dict(calls) == {"graph_launch": 1}
+    g2 = cudalab.CUDAGraph()
+    with cudalab.graph(g2):
+        add_new(a, 1)
+    with count_calls(names) as calls:
+        g2.replay()
+    assert dict(calls) == {"graph_launch": 1, "event_record": 1, "stream_wait_event": 1}
