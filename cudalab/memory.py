@@ -72,6 +72,7 @@ if TYPE_CHECKING:  # the tooling's names, loaded on first use by __getattr__ (se
 __all__ = [
     "PeakScope",
     "peak_scope",
+    "private_pools",
     "plot_segments",
     "plot_timeline",
     "ReplayResult",
@@ -375,6 +376,22 @@ def memory_snapshot(mempool_id: Any = None) -> list[dict]:
     if not _active and _internal.is_initialized():
         allocator_config()  # a malformed setting raises, as in every reader (see _reader)
     return snapshot_all_devices(mempool_id)
+
+
+def private_pools(device: Any = None) -> list[dict]:
+    """The private memory pools of ``device`` (a cudalab extension: torch lists none).
+
+    Returns
+    -------
+    list of dict
+        One per pool, by id: ``id``, ``kind`` (``"graph"``: made by a graph capture;
+        ``"user"``: graph_pool_handle() or MemPool), ``use_count``, ``segments``,
+        ``reserved_bytes``, ``allocated_bytes``, ``freeable`` (use count 0: the next
+        ``empty_cache()`` releases its free segments) and ``routed`` (allocations go to it
+        now). Empty when CUDA is not initialised.
+    """
+    a = _reader(device)
+    return [] if a is None else a.pools()
 
 
 class MemPool(MemPoolBase):

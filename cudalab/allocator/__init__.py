@@ -18,6 +18,8 @@ module                      concept
 ``inspection``              segments, invariants and the largest free block, for readers
 ``expandable`` (+ ``expandable_segment``)  ``expandable_segments:True`` over the driver's VMM
 ``async_allocator``         ``backend:cudaMallocAsync`` over the driver's memory pools
+``pools``                   private pools (CUDA graphs, MemPool): ids, routing, lifetime
+``mem_pool``                ``MemPool``'s runtime half and ``use_mem_pool``
 ``pluggable``               ``PluggableAllocator`` (torch's CUDAPluggableAllocator)
 ``uncached``                ``UncachedAllocator`` (every malloc is a driver call)
 ``caching_switch``          ``caching_allocator_enable``: caching turned off at run time

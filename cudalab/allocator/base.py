@@ -133,6 +133,10 @@ class Allocator(abc.ABC):
         """torch's ``setUseOnOOM`` / ``setNoSplit`` (see :mod:`cudalab.allocator.pools`)."""
         raise self._no_private_pools()
 
+    def drop_pool(self, pool_id: Any) -> None:
+        """torch's ``~MemPool`` (see :mod:`cudalab.allocator.pools`)."""
+        raise self._no_private_pools()
+
     def empty_pool_cache(self, pool_id: Any) -> None:
         """torch's ``emptyCache(mempool_id)`` (see :mod:`cudalab.allocator.pools`)."""
         raise self._no_private_pools()
@@ -274,15 +278,22 @@ def current_stream_key(device: int) -> int:
 
 
 def oom_text(device: int, alloc_size: int, free: int, total: int, allocated: int,
-             reserved: int, allowed: int | None) -> str:
-    """torch's OOM message (cudalab's names; "this process" = total - free)."""
+             reserved: int, allowed: int | None, in_private_pools: int = 0) -> str:
+    """torch's OOM message (cudalab's names; "this process" = total - free).
+
+    ``in_private_pools``: the free bytes cached in private pools (CUDA graphs, MemPools),
+    which torch counts as allocated ("with ... allocated in private pools")."""
     allowed_info = f"{format_size(allowed)} allowed; " if allowed is not None else ""
+    pools_info = (f"with {format_size(in_private_pools)} allocated in private pools (e.g., "
+                  "CUDA Graphs), " if in_private_pools > 0 else "")
     return (
         f"CUDA out of memory. Tried to allocate {format_size(alloc_size)}. "
         f"GPU {device} has a total capacity of {format_size(total)} of which "
         f"{format_size(free)} is free. Including non-cudalab memory, this process has "
         f"{format_size(total - free)} memory in use. {allowed_info}"
-        f"Of the allocated memory {format_size(allocated)} is allocated by cudalab, and "
-        f"{format_size(reserved - allocated)} is reserved by cudalab but unallocated."
+        f"Of the allocated memory {format_size(allocated + in_private_pools)} is allocated by "
+        f"cudalab, {pools_info}and "
+        f"{format_size(reserved - allocated - in_private_pools)} is reserved by cudalab but "
+        "unallocated."
         + _OOM_HINT
     )

@@ -84,8 +84,10 @@ class CacheState(Allocator):
     _garbage_collect: Callable[[], None]
     _raise_oom: Callable[[int, int, int], NoReturn]
     _release_freeable_pools: Callable[..., None]
+    _settle_releases: Callable[[], None]
     _route: Callable[[int], Any]
     _malloc_routed: Callable[[int, int], int]
+    _record_use_events: Callable[[Block, set], None]
 
     def __init__(self, backend: Backend, device: int = 0, config: AllocatorConfig | None = None,
                  stream_resolver: Callable[[], int] | None = None):
@@ -126,6 +128,13 @@ class CacheState(Allocator):
         #: turns off event polling, the release ladder and the pair memo (_memo_ok False).
         #: The hot path tests only its truth value.
         self._captures: list[tuple[tuple[int, int], Callable[[int], bool]]] = []
+        #: (pool id, drop) of release_pool / drop_pool calls made while the lock was busy
+        #: (appended without the lock, e.g. by a graph's finalizer inside this thread's
+        #: allocator call); every pool operation and empty_cache makes them first.
+        self._pending_releases: deque[tuple[tuple[int, int], bool]] = deque()
+        #: (block, streams) of blocks freed during a capture while used on other streams:
+        #: PENDING without events until the last capture ends, which records them.
+        self._deferred_uses: list[tuple[Block, set]] = []
         self._apply_settings(config)  # the settings read on the hot path
         # state
         self._lock = lock = TokenLock()

@@ -460,6 +460,8 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
     def empty_cache(self) -> None:
         """torch's ``emptyCache``: sync pending events, release every unsplit cached block."""
         with self._lock:
+            if self._pending_releases:
+                self._settle_releases()
             self._flush_memo()
             self._last = None
             if self._pending_frees:
@@ -622,14 +624,26 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
         pool.b_req -= b.requested
 
     def _insert_events(self, b: Block) -> None:
-        """torch's ``insert_events``: one pooled event per stream the block was used on."""
-        uses = b.uses or ()  # (called only when it is a non-empty set)
+        """torch's ``insert_events``: one pooled event per stream the block was used on.
+
+        While a private pool is allocated to (a capture), no event is recorded: the block
+        waits, pending, until the last capture ends (torch's deferred frees; see
+        ``end_allocate_to_pool``)."""
+        uses = b.uses or set()  # (called only when it is a non-empty set)
         b.uses = None
         b.state = PENDING
         pool = b.fl.pool
         pool.n_pend += 1
         pool.b_pend += b.size
         self._n_pending += 1
+        if self._captures:
+            self._deferred_uses.append((b, uses))
+            return
+        self._record_use_events(b, uses)
+
+    def _record_use_events(self, b: Block, uses: set) -> None:
+        """The events of a PENDING block's uses (its free completes when they have; at once
+        if none could be recorded)."""
         backend = self.backend
         for s in uses:
             dev = s.device_index

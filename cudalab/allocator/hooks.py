@@ -35,9 +35,11 @@ __all__ = [
     "TraceAction",
     "AllocatorTrace",
     "CompactTrace",
+    "PoolTrace",
     "Traceable",
     "attach_trace",
     "detach_trace",
+    "report_pool_segment",
 ]
 
 #: The actions an allocator reports, at torch's points (``TraceEntry::Action``).
@@ -118,6 +120,28 @@ class CompactTrace(AllocatorTrace, Protocol):
     #: ``2 * capacity`` stamps in its log (older ones would be dropped by the listener
     #: anyway); read when a memo is set up.
     capacity: int | None
+
+
+class PoolTrace(AllocatorTrace, Protocol):
+    """An :class:`AllocatorTrace` that also hears which segments belong to private pools
+    (optional; the history uses it to tag the trace entries of graph and user pools).
+
+    The caching allocator calls ``pool_segment(addr, size, pool_id, live)`` for a segment of
+    a private pool (:mod:`cudalab.allocator.pools`): with ``live=True`` just before its
+    ``"segment_alloc"`` entry, with ``live=False`` just after its ``"segment_free"`` entry.
+    Same rules as ``__call__`` (lock held, must not raise, must not call back).
+    """
+
+    pool_segment: Callable[[int, int, tuple[int, int], bool], None]
+
+
+def report_pool_segment(trace: AllocatorTrace, addr: int, size: int,
+                        pool_id: tuple[int, int], live: bool) -> None:
+    """Tell ``trace`` that the segment at ``addr`` of a private pool starts (``live``) or
+    ends, if it listens for that (:class:`PoolTrace`); nothing otherwise."""
+    note = getattr(trace, "pool_segment", None)
+    if note is not None:
+        note(addr, size, pool_id, live)
 
 
 class Traceable(Protocol):

@@ -99,7 +99,8 @@ class Inspection(CacheState):
             assert self._live.get(b.ptr) is b or b in self._pending_frees, \
                 f"{b!r} is allocated but not live"
         elif b.state == PENDING:
-            assert b.event_count > 0, f"{b!r} is pending without events"
+            assert b.event_count > 0 or any(b is d for d, _ in self._deferred_uses), \
+                f"{b!r} is pending without events"
             rc["n_pend"] += 1
             rc["b_pend"] += b.size
             rc["b_req"] += b.requested
@@ -184,6 +185,7 @@ class Inspection(CacheState):
                     seen.add(id(b))
                     blocks.append(b)
         blocks.extend(self._pending_frees)  # freed while the lock was busy: still allocated
+        blocks.extend(b for b, _ in self._deferred_uses)  # freed during a capture: pending
         return blocks
 
     def _check_pools(self, blocks: list[Block]) -> None:

@@ -33,10 +33,9 @@ on_use_mem_pool: list[Callable[[tuple[int, int], int], None]] = []
 
 
 def _drop_pool(allocator: Any, pool_id: tuple[int, int]) -> None:
-    """torch's ``~MemPool``: no use_on_oom, one use less, release the pool's free memory."""
-    allocator.set_pool_options(pool_id, use_on_oom=False)
-    allocator.release_pool(pool_id)
-    allocator.empty_pool_cache(pool_id)
+    """torch's ``~MemPool``: no use_on_oom, one use less, release the pool's free memory
+    (``drop_pool`` never waits for the allocator's lock: this runs from a finalizer)."""
+    allocator.drop_pool(pool_id)
 
 
 class MemPoolBase:

@@ -34,8 +34,10 @@ The allocator's side (:class:`PrivatePools`, a mixin of ``DeviceCachingAllocator
 
 Differences from torch: ``begin_allocate_to_pool`` checks "already recording" before it
 adds a use (torch adds the use first, and leaks it when the check fails); the
-``max_split_size`` release step is not run for routed allocations; expandable segments
-(``expandable_segments:True``) do not support private pools yet (NotImplementedError).
+``max_split_size`` release step, the free-memory callbacks and garbage collection are not
+run while pools are allocated to (torch runs the last two, which would free memory inside a
+capture); expandable segments (``expandable_segments:True``) do not support private pools
+yet (NotImplementedError).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from cudalab.allocator.blocks import FREE, KEY_SHIFT, Block, BlockPool, FreeList
 from cudalab.allocator.cache_state import CacheState
+from cudalab.allocator.hooks import report_pool_segment
 from cudalab.allocator.policy import allocation_size, round_size
 from cudalab.errors import CudaError, OutOfMemoryError
 
@@ -296,10 +299,19 @@ class PrivatePools(CacheState):
             if not caps:
                 self._last = None
                 self._memo_ok = type(self)._memo_class_ok and not self._split_limited
+                deferred = self._deferred_uses
+                while deferred:  # frees that waited for the capture's end: their events now
+                    b, uses = deferred.pop(0)
+                    self._record_use_events(b, uses)
 
     def release_pool(self, pool_id: Any) -> None:
         """torch's ``releasePool``: one use less; at 0 the pool's memory becomes releasable
         by :meth:`empty_cache` (its segments once all their blocks are free).
+
+        Never waits for the allocator's lock: a graph's or a MemPool's finalizer may call it
+        inside an allocator call of its own thread (garbage collection runs anywhere), so
+        when the lock is busy the release is queued and made by the next holder, as
+        ``free`` queues its frees (:meth:`get_pool_use_count` already counts it).
 
         Raises
         ------
@@ -308,25 +320,28 @@ class PrivatePools(CacheState):
         RuntimeError
             The pool was released already (use count 0).
         """
-        pid = check_pool_id(pool_id)
-        with self._lock:
-            pp = self._pools.get(pid)
-            if pp is None:
-                raise ValueError(f"release_pool: device {self.device} has no private pool "
-                                 f"{pid}")
-            if pp.use_count <= 0:
-                raise RuntimeError(f"release_pool: pool {pid} of device {self.device} was "
-                                   "released already (use count 0)")
-            pp.use_count -= 1
-            if pp.use_count == 0:
-                pp.use_on_oom = False
-                self._freeable[pid] = pp
+        self._release(check_pool_id(pool_id), False)
+
+    def drop_pool(self, pool_id: Any) -> None:
+        """torch's ``~MemPool``: no ``use_on_oom`` any more, :meth:`release_pool`, then
+        :meth:`empty_pool_cache` (the last only when the lock was free: a queued drop
+        leaves the pool's memory to the next ``empty_cache()``). Never waits for the lock.
+
+        Raises
+        ------
+        TypeError, ValueError, RuntimeError
+            As :meth:`release_pool`.
+        """
+        self._release(check_pool_id(pool_id), True)
 
     def get_pool_use_count(self, pool_id: Any) -> int:
         """torch's ``getPoolUseCount``: the pool's use count (0 if there is no such pool)."""
         pid = check_pool_id(pool_id)
         pp = self._pools.get(pid)
-        return 0 if pp is None else pp.use_count
+        if pp is None:
+            return 0
+        queued = sum(1 for p, _ in list(self._pending_releases) if p == pid)
+        return max(pp.use_count - queued, 0)
 
     def set_pool_options(self, pool_id: Any, use_on_oom: bool | None = None,
                          no_split: bool | None = None) -> None:
@@ -339,6 +354,7 @@ class PrivatePools(CacheState):
         """
         pid = check_pool_id(pool_id)
         with self._lock:
+            self._settle_releases()
             pp = self._pools.get(pid)
             if pp is None:
                 raise ValueError(f"device {self.device} has no private pool {pid}")
@@ -352,6 +368,7 @@ class PrivatePools(CacheState):
         if it is freeable (use count 0); forget it once it holds no segment."""
         pid = check_pool_id(pool_id)
         with self._lock:
+            self._settle_releases()
             self._flush_memo()
             if self._pending_frees:
                 self._drain_pending_frees()
@@ -367,7 +384,10 @@ class PrivatePools(CacheState):
             ``segments``, ``reserved_bytes``, ``allocated_bytes``, ``freeable``, ``routed``
             (allocations are routed to it now).
         """
+        if not self._pools:
+            return []  # (the dashboard's sampler asks every tick)
         with self._lock:
+            self._settle_releases()
             self._flush_memo()
             if self._pending_frees:
                 self._drain_pending_frees()
@@ -391,8 +411,59 @@ class PrivatePools(CacheState):
             return [out[k] for k in sorted(out)]
 
     # ------------------------------------------------------------------ internals
+    def _release(self, pid: tuple[int, int], drop: bool) -> None:
+        """release_pool / drop_pool: checked first (without the lock), then made now, or
+        queued when the lock is busy (see release_pool)."""
+        pp = self._pools.get(pid)
+        if pp is None:
+            raise ValueError(f"release_pool: device {self.device} has no private pool {pid}")
+        if self.get_pool_use_count(pid) <= 0:
+            raise RuntimeError(f"release_pool: pool {pid} of device {self.device} was "
+                               "released already (use count 0)")
+        lock = self._lock
+        if not lock.acquire(False):
+            # Busy: another thread, or a finalizer inside this thread's own allocator call.
+            self._pending_releases.append((pid, drop))
+            if lock.acquire(False):  # the holder left meanwhile: make it now
+                try:
+                    self._settle_releases()
+                finally:
+                    lock.release()
+            return
+        try:
+            self._settle_releases()
+            self._release_locked(pid, drop)
+            if drop:
+                self._flush_memo()
+                if self._pending_frees:
+                    self._drain_pending_frees()
+                self._release_freeable_pools(pid)
+        finally:
+            lock.release()
+
+    def _release_locked(self, pid: tuple[int, int], drop: bool) -> None:
+        """One use of ``pid`` less (lock held); a pool gone or at 0 is left alone (a queued
+        release that a race made stale)."""
+        pp = self._pools.get(pid)
+        if pp is None or pp.use_count <= 0:
+            return
+        if drop:
+            pp.use_on_oom = False
+        pp.use_count -= 1
+        if pp.use_count == 0:
+            pp.use_on_oom = False
+            self._freeable[pid] = pp
+
+    def _settle_releases(self) -> None:
+        """Make the releases queued while the lock was busy (lock held)."""
+        dq = self._pending_releases
+        while dq:
+            pid, drop = dq.popleft()
+            self._release_locked(pid, drop)
+
     def _incref(self, pid: tuple[int, int], allocator: PluggableAllocator | None) -> None:
         """create_or_incref_pool with the lock held."""
+        self._settle_releases()
         pp = self._pools.get(pid)
         if pp is None:
             self._pools[pid] = PrivatePool(pid, allocator)
@@ -475,23 +546,28 @@ class PrivatePools(CacheState):
 
     def _malloc_slow_routed(self, rs: int, pool: BlockPool, skey: int,
                             pp: PrivatePool | None) -> Block:
-        """The miss ladder with captures underway: callbacks' memory is not searched, no
-        cached block is released; a default allocation may fall back on use_on_oom pools."""
+        """The miss ladder with captures underway: no free-memory callback, no garbage
+        collection and no release of cached blocks (each would free memory, which a capture
+        forbids); a default allocation may fall back on use_on_oom pools."""
         alloc_size = allocation_size(rs, self._large_segment)
-        if self._gc_on:
-            self._garbage_collect()
         b = self._alloc_block(pool, skey, alloc_size, False, pp)
         if b is None and pp is None:
-            for other in self._pools.values():
-                if other.use_on_oom:
-                    fl = other.lists_of(pool).get(skey)
-                    if fl is not None:
-                        b = self._best_fit_in(fl, rs)
-                        if b is not None:
-                            break
+            b = self._search_use_on_oom(rs, pool, skey)
         if b is None:
             self._raise_oom(rs, alloc_size, skey)
         return b
+
+    def _search_use_on_oom(self, rs: int, pool: BlockPool, skey: int) -> Block | None:
+        """An ordinary allocation found no memory: a free block of a ``use_on_oom`` pool
+        (lock held; the block stays the pool's, and returns to it when freed)."""
+        for pp in self._pools.values():
+            if pp.use_on_oom:
+                fl = pp.lists_of(pool).get(skey)
+                if fl is not None:
+                    b = self._best_fit_in(fl, rs)
+                    if b is not None:
+                        return b
+        return None
 
     def _pool_segment_alloc(self, pp: PrivatePool, size: int, skey: int) -> int | None:
         """A segment from the pool's own allocator (lock dropped by the caller); None when
@@ -512,8 +588,8 @@ class PrivatePools(CacheState):
         unsplit free segments of every freeable pool (or of ``only``) go back; a pool with
         no segment left is forgotten."""
         for pid, pp in list(self._freeable.items()):
-            if only is not None and pid != only:
-                continue
+            if only is not None and pid != only or any(p == pid for p, _ in self._captures):
+                continue  # (a pool still routed to stays, even at use count 0)
             self._release_pool_segments(pp)
             if pp.segment_count == 0 and pp.use_count == 0:
                 self._freeable.pop(pid, None)
@@ -529,6 +605,8 @@ class PrivatePools(CacheState):
                 if b.prev is None and b.next is None:
                     size = b.size
                     segs.append((self._detach_segment(b), size, fl.stream))
+                    if self._trace is not None:
+                        report_pool_segment(self._trace, segs[-1][0], size, pp.id, False)
             fl.sweep()
         if not segs:
             return

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 from cudalab.allocator.base import oom_text
 from cudalab.allocator.blocks import DETACHED, KEY_SHIFT, Block, BlockPool
 from cudalab.allocator.cache_state import CacheState
+from cudalab.allocator.hooks import report_pool_segment
 from cudalab.allocator.oom_observers import notify_out_of_memory
 from cudalab.allocator.oom_observers import observers as _oom_observers  # never rebound
 from cudalab.allocator.policy import allocation_size
@@ -32,7 +33,9 @@ __all__ = ["SlowPath"]
 class SlowPath(CacheState):
     """Cache misses: new segments, the release ladder, out-of-memory."""
 
-    _pool_segment_alloc: Callable[[PrivatePool, int, int], int | None]  # (allocator.pools)
+    # (defined in allocator.pools)
+    _pool_segment_alloc: Callable[[PrivatePool, int, int], int | None]
+    _search_use_on_oom: Callable[[int, BlockPool, int], Block | None]
 
     def _malloc_slow(self, rs: int, pool: BlockPool, skey: int) -> Block:
         """Cache miss: torch's ladder from free-memory callbacks to OutOfMemoryError."""
@@ -44,6 +47,8 @@ class SlowPath(CacheState):
         if self._gc_on:
             self._garbage_collect()
         b = self._alloc_block(pool, skey, alloc_size, False)
+        if b is None and self._pools:
+            b = self._search_use_on_oom(rs, pool, skey)
         if b is None and self._release_available_cached_blocks(pool, skey, rs):
             b = self._alloc_block(pool, skey, alloc_size, False)
         if b is None:
@@ -121,6 +126,8 @@ class SlowPath(CacheState):
             st.increase_oversize_segments()
         st.num_device_alloc += 1
         if self._trace is not None:
+            if pp is not None:
+                report_pool_segment(self._trace, ptr, alloc_size, pp.id, True)
             self._trace("segment_alloc", ptr, alloc_size, skey)
         return b
 
@@ -270,9 +277,11 @@ class SlowPath(CacheState):
         if self._trace is not None:
             self._trace("oom", free, rs, skey)
         st.num_ooms += 1
+        in_pools = sum(b.size for pp in self._pools.values() for fl in pp.free_lists()
+                       for b in fl.blocks())  # torch: the free blocks of the graph pools
         exc = OutOfMemoryError(text=oom_text(
             self.device, alloc_size, free, total, st.current("b_alloc"), st.current("b_res"),
-            self._allowed if self._set_fraction else None))
+            self._allowed if self._set_fraction else None, in_pools))
         if _oom_observers:  # torch calls them with the allocator's lock released
             allowed = self._allowed if self._set_fraction else total
             lock = self._lock

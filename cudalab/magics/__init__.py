@@ -186,6 +186,8 @@ class CudaLabMagics(Magics):
 
           %cuda_memory [summary] [-d DEV]   the allocator state (HTML table in notebooks)
           %cuda_memory stats [-d DEV]       torch's memory_stats() as a DataFrame, one row per device
+          %cuda_memory pools [-d DEV]       private pools (CUDA graphs, MemPool): id, kind, use
+                                            count, reserved, allocated (also in the summary)
           %cuda_memory mark [-d DEV]        remember the state (and start a scoped peak)
           %cuda_memory diff [-d DEV]        what changed since the mark, with the peak since it
           %cuda_memory reset-peaks [-d DEV] reset the allocator's peak statistics (global!)

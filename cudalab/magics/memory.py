@@ -18,6 +18,7 @@ from IPython.core.error import UsageError
 
 from cudalab._internal import echo, format_bytes
 from cudalab.magics.memory_args import _Args, _devices, _label, _parse, _resolve, _simulated
+from cudalab.magics.memory_pools import pools_data, pools_html, pools_text
 from cudalab.magics.memory_report import (
     _Mark,
     diff_data,
@@ -313,6 +314,10 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
             return None
         data = summary_data(d)
         _show(summary_text(data), summary_html(data))
+        return None
+    if cmd == "pools":
+        data = pools_data(_resolve(args.device))
+        _show(pools_text(data), pools_html(data))
         return None
     if cmd == "stats":
         import cudalab.memory as cm

@@ -30,7 +30,7 @@ class _Args:
         self.stacks: str | None = None
 
 
-_COMMANDS = ("summary", "stats", "diff", "mark", "reset-peaks", "empty-cache", "watch",
+_COMMANDS = ("summary", "stats", "pools", "diff", "mark", "reset-peaks", "empty-cache", "watch",
              "history", "snapshot", "dashboard")
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from cudalab._internal import format_bytes, format_time
 from cudalab.magics.memory_args import _devices, _label, _simulated
+from cudalab.magics.memory_pools import pools_data, pools_html, pools_text
 
 __all__ = ["_Mark", "diff_data", "diff_html", "diff_text", "summary_data", "summary_html",
            "summary_text"]
@@ -51,6 +52,7 @@ def summary_data(device: int) -> dict[str, Any]:
         "device_total": total,
         "backend": cm.get_allocator_backend(),
         "simulated": _simulated(),
+        "pools": pools_data(device),  # private pools: a section of their own when any
     }
 
 
@@ -77,6 +79,8 @@ def summary_text(data: dict) -> str:
     warn = "   <- less than 10% free" if total and free < 0.1 * total else ""
     lines.append(f"device free / total (driver, all processes): {format_bytes(free)} / "
                  f"{format_bytes(total)}{warn}")
+    if data["pools"]["pools"]:
+        lines.append(pools_text(data["pools"]))
     return "\n".join(lines)
 
 
@@ -119,7 +123,10 @@ def summary_html(data: dict) -> str:
     out.append(f"<div>reserved − allocated (cached, fragmentation): {e(format_bytes(gap))}{pct}</div>")
     color = " style='color:#b91c1c;font-weight:bold'" if total and free < 0.1 * total else ""
     out.append(f"<div{color}>device free / total (driver, all processes): "
-               f"{e(format_bytes(free))} / {e(format_bytes(total))}</div></div>")
+               f"{e(format_bytes(free))} / {e(format_bytes(total))}</div>")
+    if data["pools"]["pools"]:
+        out.append(pools_html(data["pools"]))
+    out.append("</div>")
     return "\n".join(out)
 
 

@@ -78,6 +78,7 @@ from cudalab.allocator import hooks as _hooks
 from cudalab.allocator import registry as _registry
 from cudalab.allocator.async_allocator import HISTORY_UNSUPPORTED
 from cudalab.allocator.hooks import CompactTrace
+from cudalab.memory_tools import history_pools as _history_pools
 from cudalab.memory_tools import stacks as _stacks
 from cudalab.memory_tools.history_ring import ACTIONS, CHUNK, HistoryRing
 from cudalab.nvtx import thread_ranges as _nvtx_ranges  # never rebound: bound once (hot)
@@ -438,6 +439,8 @@ def _attach(a: Any, st: _Settings) -> None:
     ring = _ring(a.device, st.max_entries)
     trace = _make_trace(rec, st.level, _appender(ring, st), ring)
     trace.capacity = st.max_entries
+    trace.pool_segment = _history_pools.hook(a.device)  # type: ignore[attr-defined]  # PoolTrace
+    _history_pools.seed(a)
     # deferred frees happened before recording starts: attach_trace applies them first; the
     # cudaMallocAsync allocator raises RuntimeError here
     _hooks.attach_trace(a, trace)
@@ -501,6 +504,7 @@ def _apply(st: _Settings, clear: bool) -> None:
         prev = _settings
         if prev is None or clear:
             _rings.clear()  # off (or retained after a with-block) -> a fresh history
+            _history_pools.clear()
         done = []
         try:
             for a in _targets():
@@ -536,6 +540,7 @@ def stop_recording(clear: bool = True) -> None:
             _detach(a)
         if clear:
             _rings.clear()
+            _history_pools.clear()
 
 
 def _validate(enabled: Any, context: Any, stacks: Any, max_entries: Any,
@@ -763,4 +768,7 @@ def trace_entries(device: int, cache: dict | None = None) -> list[dict]:
     """The trace of ``device`` as torch-schema dicts, oldest to newest."""
     if cache is None:
         cache = {}
-    return [entry_to_dict(e, device, cache) for e in raw_entries(device)]
+    raw = raw_entries(device)
+    out = [entry_to_dict(e, device, cache) for e in raw]
+    _history_pools.tag(device, raw, out)  # segment_pool_id of private-pool entries
+    return out

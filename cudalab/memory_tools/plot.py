@@ -115,11 +115,13 @@ def load(snapshot: Any = None) -> dict:
 
 
 def segment_pool(seg: dict) -> str:
-    """The pool of a snapshot segment as people read it: ``"small"``, ``"large"`` or
-    ``"private (id, id)"`` (a graph or MemPool's private pool)."""
+    """The pool of a snapshot segment as people read it: ``"small"``, ``"large"``, or a
+    private pool's kind and id: ``"graph (n, 0)"`` (made by a graph capture) or
+    ``"user (0, n)"`` (``graph_pool_handle()``, ``MemPool``)."""
     pool = seg.get("segment_pool_id")
     if pool and tuple(pool) != (0, 0):
-        return f"private {tuple(pool)}"
+        a, b = pool
+        return f"{'graph' if a != 0 else 'user'} ({a}, {b})"
     t = seg.get("segment_type")
     if t in ("small", "large"):
         return t

@@ -485,7 +485,8 @@ class MemoryDashboard(W.VBox):
                 f'data-allocations="{s["allocations"]}">allocations <b>{s["allocations"]:,}</b> '
                 f'live / {s["allocations_total"]:,} total &middot; segments {s["segments"]:,} '
                 f'&middot; <span{red if ooms else ""}>OOMs <b>{ooms}</b></span> &middot; '
-                f'<span{red if retries else ""}>retries <b>{retries}</b></span></div>')
+                f'<span{red if retries else ""}>retries <b>{retries}</b></span>'
+                f'{_pools_html(s.get("pools") or [])}</div>')
 
     def _procs_html(self, dev: _Device, s: dict) -> str:
         if dev.nvml is None or s["processes"] is None:
@@ -653,6 +654,19 @@ class MemoryDashboard(W.VBox):
             except Exception:  # a broken matplotlib must not break the live display
                 data["text/html"] = self.to_html()
         return data
+
+
+def _pools_html(pools: list[dict]) -> str:
+    """The private pools of a device, for its counts line ("" without any): each as its
+    kind (graph or user), id, reserved and allocated bytes, use count."""
+    if not pools:
+        return ""
+    items = [f'<span class="cudalab-dash-pool" data-kind="{p["kind"]}" '
+             f'title="use count {p["use_count"]}{", released" if p["freeable"] else ""}">'
+             f'{p["kind"]} pool ({p["id"][0]}, {p["id"][1]}) <b>{format_bytes(p["reserved_bytes"])}</b>'
+             f' ({format_bytes(p["allocated_bytes"])} allocated)</span>' for p in pools]
+    return (f' &middot; <span class="cudalab-dash-pools" data-pools="{len(pools)}">'
+            + " &middot; ".join(items) + "</span>")
 
 
 def _descendants(w: W.Widget) -> list[W.Widget]:

@@ -57,6 +57,8 @@ class _Device:
             "segments": st.get("segment.all.current", 0),
             "num_ooms": st.get("num_ooms", 0),
             "num_alloc_retries": st.get("num_alloc_retries", 0),
+            # private pools (graph captures, MemPool): [] without any, at no cost
+            "pools": cm.private_pools(self.index),
             "utilization": None, "memory_utilization": None, "temperature": None,
             "power_draw": None, "clock_rate": None, "nvml_used": None,
             "nvml_total": None, "process_used": None, "all_processes_used": None,

@@ -9,7 +9,7 @@ import bisect
 
 import numpy as np
 
-from cudalab.memory_tools.plot import filter_segments
+from cudalab.memory_tools.plot import filter_segments, segment_pool
 from cudalab.memory_tools.snapshot_check import check_trace_entries
 
 __all__ = ["_History"]
@@ -65,12 +65,16 @@ class _History:
             mask &= self.dev == device
         if stream is not None:
             mask &= self.stream == float(stream)
+        # the private pool of each entry (the history tags them: segment_pool_id)
+        private = [segment_pool({"segment_pool_id": e["segment_pool_id"]})
+                   if e.get("segment_pool_id") else None for e in self.entries]
         if pool in ("small", "large"):
             seg_entry = r_delta != 0
             small = np.where(seg_entry, size == _SMALL_SEGMENT, size <= _SMALL_REQUEST)
             mask &= small if pool == "small" else ~small
-        elif pool is not None:  # private pools are not visible in trace entries
-            mask &= False
+            mask &= np.array([p is None for p in private], bool)
+        elif pool is not None:  # a graph or user pool: the entries tagged with it
+            mask &= np.array([p == pool for p in private], bool)
         alloc = np.cumsum(np.where(mask, a_delta, 0))
         res = np.cumsum(np.where(mask, r_delta, 0))
         segs = filter_segments({"segments": self.segments}, device, stream, pool)
@@ -119,6 +123,7 @@ class _History:
             segs[key] = {"device": d, "address": addr, "total_size": size,
                          "stream": e.get("stream", 0),
                          "segment_type": "small" if size == _SMALL_SEGMENT else "large",
+                         "segment_pool_id": tuple(e.get("segment_pool_id") or (0, 0)),
                          "frames": e.get("frames") or []}
         elif act in ("segment_map", "segment_unmap"):  # expandable segments grow/shrink at the end
             size = e.get("size", 0)

@@ -14,7 +14,8 @@
   segment's summary, hovering a wide block its size, requested size, stream and top frame.
 * **Block details**: pick a segment and a block (or type an address) for the block's full
   record and stack.
-* **Filters**: device, stream and pool (small, large, private pools).
+* **Filters**: device, stream and pool (small, large, and the graph pools "graph (n, 0)" and
+  user pools "user (0, n)" of CUDA graphs and MemPools; the history tags their entries).
 * **History** (when the snapshot has ``device_traces``): the active-memory timeline
   (allocated area, reserved line, entries in recorded order across devices) and a scrubber:
   the segment map then shows the allocator state after that entry, rebuilt by undoing the
@@ -93,7 +94,10 @@ class SnapshotViewer(W.VBox):
         devices = sorted({s.get("device", 0) for s in segs} |
                          {d for d, tr in enumerate(traces) if tr})
         streams = sorted({s.get("stream", 0) for s in segs})
-        pools = sorted({segment_pool(s) for s in segs})
+        # pools of the segments, and the graph and user pools the history saw (gone since)
+        pools = sorted({segment_pool(s) for s in segs} | {
+            segment_pool({"segment_pool_id": e["segment_pool_id"]})
+            for e in (self.history.entries if self.history else ()) if e.get("segment_pool_id")})
         lay = W.Layout(width="auto")
         self._device = W.Dropdown(options=[("all", _ALL)] + [(f"cuda:{d}", d) for d in devices],
                                   value=_ALL, description="device", layout=W.Layout(width="170px"))

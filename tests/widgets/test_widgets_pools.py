@@ -1,0 +1,103 @@
+"""The dashboard and the snapshot viewer show graph and user pools as such."""
+
+from __future__ import annotations
+
+import gc
+import re
+
+import pytest
+
+import cudalab
+import cudalab.memory as cm
+from cudalab.allocator import pools
+from cudalab.allocator.registry import get_allocator
+
+W = pytest.importorskip("ipywidgets")
+
+from cudalab.widgets import close_all  # noqa: E402
+from cudalab.widgets.dashboard import MemoryDashboard  # noqa: E402
+from cudalab.widgets.snapshot_viewer import SnapshotViewer  # noqa: E402
+
+KiB = 1024
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def graph_and_user_pool():
+    """A MemPool holding 4 KiB and a graph pool (kept) holding 1 KiB, both on device 0,
+    recorded from the start; yields (user id, graph id)."""
+    cudalab.init()
+    cm._record_memory_history(None)
+    a = get_allocator(0)
+    rec = cm.record_history()
+    user = cm.MemPool()
+    with cm.use_mem_pool(user):
+        u = cm.caching_allocator_alloc(4 * KiB)
+    gid = pools.new_graph_pool_id()
+    key = cudalab.current_stream().cuda_stream
+    a.begin_allocate_to_pool(gid, lambda s: s == key)
+    g = cm.caching_allocator_alloc(KiB)
+    cm.caching_allocator_delete(cm.caching_allocator_alloc(3 * MiB))  # a 20 MiB segment
+    a.end_allocate_to_pool(gid)
+    yield user.id, gid
+    close_all()
+    rec.restore()
+    cm.caching_allocator_delete(u)
+    cm.caching_allocator_delete(g)
+    if a.get_pool_use_count(gid):
+        a.release_pool(gid)
+    del user
+    gc.collect()
+    cm.empty_cache()
+
+
+def test_the_dashboard_lists_the_pools_of_each_device(graph_and_user_pool):
+    uid, gid = graph_and_user_pool
+    d = MemoryDashboard(start=False)
+    d.refresh()
+    counts = d._panels[0]["counts"].value
+    m = re.search(r'class="cudalab-dash-pools" data-pools="(\d+)"', counts)
+    assert m and int(m.group(1)) == 2
+    assert f"graph pool ({gid[0]}, 0) <b>22.0 MiB</b>" in counts
+    assert f"user pool (0, {uid[1]}) <b>2.0 MiB</b>" in counts
+    assert d.latest[0]["pools"] == cm.private_pools(0)
+    d.close()
+
+
+def test_the_viewer_filters_graph_and_user_pools_and_their_history(graph_and_user_pool):
+    uid, gid = graph_and_user_pool
+    snap = cm._snapshot()
+    v = SnapshotViewer(snap)
+    labels = [label for label, _v in v._pool.options]
+    g_label, u_label = f"graph ({gid[0]}, 0)", f"user (0, {uid[1]})"
+    assert g_label in labels and u_label in labels
+    v._pool.value = g_label
+    shown = v.segments()
+    assert shown and all(tuple(s["segment_pool_id"]) == gid for s in shown)
+    assert f"{g_label} pool" in v._map.value
+    alloc, res = v.history.totals(None, None, g_label)
+    assert int(res[-1]) == 22 * MiB and int(alloc[-1]) == KiB  # the graph pool alone
+    v._pool.value = u_label
+    assert [tuple(s["segment_pool_id"]) for s in v.segments()] == [uid]
+    _alloc, res = v.history.totals(None, None, "small")  # the default pool only
+    assert int(res[-1]) == sum(s["total_size"] for s in snap["segments"]
+                               if s["segment_type"] == "small" and s["segment_pool_id"] == (0, 0))
+    v.close()
+
+
+def test_the_viewer_rebuilds_a_freed_pool_segment_with_its_pool(graph_and_user_pool):
+    uid, gid = graph_and_user_pool
+    a = get_allocator(0)
+    a.release_pool(gid)  # the graph is reset: its free 20 MiB segment goes back
+    cm.empty_cache()
+    snap = cm._snapshot()
+    assert not any(s["total_size"] == 20 * MiB and tuple(s["segment_pool_id"]) == gid
+                   for s in snap["segments"])
+    v = SnapshotViewer(snap)
+    h = v.history
+    i = max(k for k, e in enumerate(h.entries)
+            if e["action"] == "segment_free" and e.get("segment_pool_id") == gid)
+    before = h.state_at(i)  # the state just before that segment_free
+    assert any(s["total_size"] == 20 * MiB and tuple(s["segment_pool_id"]) == gid
+               for s in before)
+    v.close()
