@@ -3,6 +3,8 @@ and a clean capture state around every test."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -91,4 +93,5 @@ def _no_capture_left(_warm_kernels):
     yield
     # a test must never leave a stream capturing (the next test's allocations would route)
     assert not cudalab.is_current_stream_capturing()
+    gc.collect()  # graphs kept by a traceback: their pools and RNG words go now
     cudalab.synchronize()

@@ -215,11 +215,16 @@ def test_graph_memory_stats_and_use_result_after_destroy_graph(numel, pool, capt
 def test_graph_capture_oom():
     g = cudalab.CUDAGraph()
     huge = cudalab.get_device_properties(0).total_memory * 2
-    with pytest.raises(RuntimeError, match="out of memory"), cudalab.graph(g):
-        cudalab.array.empty((huge,), np.uint8)
-    assert not cudalab.is_current_stream_capturing()
-    a = cudalab.array.full((10,), 1.0, np.float32)  # the allocator works again
-    assert a.numpy()[0] == 1.0
+    ooms = cudalab.memory_stats()["num_ooms"]
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"), cudalab.graph(g):
+            cudalab.array.empty((huge,), np.uint8)
+        assert cudalab.memory_stats()["num_ooms"] == ooms + 1
+        assert not cudalab.is_current_stream_capturing()
+        a = cudalab.array.full((10,), 1.0, np.float32)  # the allocator works again
+        assert a.numpy()[0] == 1.0
+    finally:
+        cudalab.reset_accumulated_memory_stats()  # later tests read num_ooms
 
 
 def test_a_graph_collected_inside_the_allocator_defers_its_pool_release():
