@@ -45,6 +45,7 @@ from cudalab.errors import (
     KernelCompileError,
     NvmlError,
     OutOfMemoryError,
+    StreamCaptureError,
 )
 from cudalab.events import Event
 from cudalab.streams import (
@@ -82,6 +83,9 @@ _LAZY: dict[str, str] = {
             "change_current_allocator",
         )
     },
+    # CUDA graphs (torch.cuda.graphs)
+    **{name: "cudalab.graphs" for name in ("CUDAGraph", "graph", "is_current_stream_capturing",
+                                           "make_graphed_callables")},
     # private memory pools (torch.cuda.MemPool / use_mem_pool / graph_pool_handle)
     **{name: "cudalab.memory" for name in ("MemPool", "use_mem_pool")},
     "graph_pool_handle": "cudalab.allocator.pools",
@@ -113,7 +117,7 @@ _LAZY: dict[str, str] = {
     },
 }
 _SUBMODULES = {"blas", "memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
-               "random", "interop", "jiterator", "sanitizer"}
+               "random", "interop", "jiterator", "sanitizer", "graphs"}
 
 
 def __getattr__(name: str) -> Any:
@@ -152,6 +156,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CublasError", "CudaError", "CudaUnavailableError", "Device", "DeviceProperties",
     "DriverNotFoundError", "Event", "ExternalStream", "KernelCompileError", "NvmlError", "OutOfMemoryError", "Stream",
+    "StreamCaptureError",
     "StreamContext", "can_device_access_peer", "check_error", "current_device",
     "current_stream", "default_stream", "device", "device_count", "device_of", "get_arch_list",
     "get_device_capability", "get_device_name", "get_device_properties", "get_gencode_flags",

@@ -18,6 +18,7 @@ from cudalab import _internal, _interrupts, _sanitizer_hook
 from cudalab import streams as _streams
 from cudalab import sync_debug as _sync
 from cudalab.allocator import registry as _registry
+from cudalab.errors import StreamCaptureError, name_operation
 
 if TYPE_CHECKING:
     from cudalab.array import DeviceArray
@@ -175,11 +176,14 @@ def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stre
     if not pinned:
         _sync._note_sync(what)  # before queuing: in "error" mode nothing is left in flight
     null_context(stream)
-    stream._b.memcpy_async(device, dst, src, n, stream._handle)
-    if pinned:
-        pinned_pool().record_use(host, stream)
-    else:
-        stream._b.stream_synchronize(stream._handle)
+    try:
+        stream._b.memcpy_async(device, dst, src, n, stream._handle)
+        if pinned:
+            pinned_pool().record_use(host, stream)
+        else:
+            stream._b.stream_synchronize(stream._handle)
+    except StreamCaptureError as exc:
+        raise name_operation(exc, f"{what} (a copy to pageable host memory)") from exc
     if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
         to_host = host == dst
         _sanitizer_hook.tracker.transfer(stream, src if to_host else dst, n, to_host, not pinned)

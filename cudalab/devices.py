@@ -18,6 +18,8 @@ from cudalab.errors import (
     CudaUnavailableError,
     DriverNotFoundError,
     OutOfMemoryError,
+    StreamCaptureError,
+    name_operation,
 )
 
 if TYPE_CHECKING:
@@ -600,7 +602,10 @@ def synchronize(device: Any = None) -> None:
     if sync_debug._mode:
         sync_debug._report("cudalab.synchronize()")
     idx = _device_index(device)
-    _backend().synchronize(idx)
+    try:
+        _backend().synchronize(idx)
+    except StreamCaptureError as exc:
+        raise name_operation(exc, "cudalab.synchronize()") from exc
     if _sanitizer_hook.on:  # the stream sanitizer
         _sanitizer_hook.tracker.device_synchronize(idx)
 

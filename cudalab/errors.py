@@ -49,6 +49,56 @@ class OutOfMemoryError(CudaError):
         return (type(self), (self.code, self.name, self.message, self.call, self.text))
 
 
+class StreamCaptureError(CudaError):
+    """An operation that a CUDA graph capture does not permit (``CUDA_ERROR_STREAM_CAPTURE_*``,
+    codes 900-908), or the capture it broke.
+
+    The driver refuses host-synchronising calls (a device, stream or event synchronize or
+    query, a copy to pageable host memory) while a stream is being captured, and invalidates
+    the capture; the capture must then be ended (``CUDAGraph.capture_end()``, which a
+    ``with cudalab.graph(...)`` block always calls) before the next one can begin.
+
+    Parameters
+    ----------
+    code, name, message, call
+        As :class:`CudaError` (the driver's code, name and text, and the driver call).
+    operation : str or None, optional
+        The cudalab operation that was refused (e.g. ``"cudalab.synchronize()"``); the
+        message then names it first.
+    """
+
+    def __init__(self, code: int = 900, name: str = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+                 message: str = "operation not permitted when stream is capturing",
+                 call: str | None = None, operation: str | None = None):
+        super().__init__(code, name, message, call)
+        self.operation = operation
+        if operation is not None:
+            self.args = (f"{operation} is not allowed while a CUDA graph is being captured "
+                         f"({super().__str__()}). The capture is invalidated: end it "
+                         "(capture_end(), or leave the `with cudalab.graph(...)` block) and "
+                         "capture again without this operation.",)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
+
+    def __reduce__(self):
+        return (type(self), (self.code, self.name, self.message, self.call, self.operation))
+
+    def for_operation(self, operation: str) -> StreamCaptureError:
+        """The same driver error, its message naming the cudalab ``operation`` refused."""
+        return StreamCaptureError(self.code, self.name, self.message, self.call, operation)
+
+
+def name_operation(exc: BaseException, operation: str) -> BaseException:
+    """``exc`` with its message naming the cudalab ``operation`` when it is a
+    :class:`StreamCaptureError` (raised ``from`` the driver's error), else ``exc`` itself."""
+    if isinstance(exc, StreamCaptureError) and exc.operation is None:
+        named = exc.for_operation(operation)
+        named.__cause__ = exc
+        return named
+    return exc
+
+
 class DriverNotFoundError(RuntimeError):
     """No CUDA driver library could be loaded (the normal state of a machine without a GPU)."""
 
@@ -80,6 +130,7 @@ class CublasError(RuntimeError):
 __all__ = [
     "CudaError",
     "OutOfMemoryError",
+    "StreamCaptureError",
     "DriverNotFoundError",
     "CudaUnavailableError",
     "NvmlError",

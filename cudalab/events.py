@@ -23,6 +23,7 @@ from cudalab._driver.base import (
     STATUS_NOT_READY,
 )
 from cudalab._units import echo
+from cudalab.errors import StreamCaptureError, name_operation
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
@@ -151,7 +152,7 @@ class Event:
             return True
         if err == STATUS_NOT_READY:
             return False
-        raise self._b.status_error(err, "cuEventQuery")
+        raise name_operation(self._b.status_error(err, "cuEventQuery"), "Event.query()")
 
     def synchronize(self) -> None:
         """Block the host until the event completes."""
@@ -159,7 +160,10 @@ class Event:
             _sync._report("Event.synchronize()")
         h = self._handle
         if h is not None:
-            self._b.event_synchronize(h)
+            try:
+                self._b.event_synchronize(h)
+            except StreamCaptureError as exc:
+                raise name_operation(exc, "Event.synchronize()") from exc
             if _hook.on:
                 _hook.tracker.event_synchronize(self)
 

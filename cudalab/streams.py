@@ -18,6 +18,7 @@ from cudalab import _sanitizer_hook as _hook
 from cudalab import devices as _devices
 from cudalab import sync_debug as _sync
 from cudalab._driver.base import STATUS_NOT_READY, STREAM_NON_BLOCKING, ClosedHandle
+from cudalab.errors import StreamCaptureError, name_operation
 
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
@@ -179,7 +180,7 @@ class Stream:
             return True
         if err == STATUS_NOT_READY:
             return False
-        raise self._b.status_error(err, "cuStreamQuery")
+        raise name_operation(self._b.status_error(err, "cuStreamQuery"), "Stream.query()")
 
     def synchronize(self) -> None:
         """Block the host until all work on the stream has completed."""
@@ -189,7 +190,10 @@ class Stream:
             from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
 
             _internal.ensure_context(self.device_index)
-        self._b.stream_synchronize(self._handle)
+        try:
+            self._b.stream_synchronize(self._handle)
+        except StreamCaptureError as exc:
+            raise name_operation(exc, "Stream.synchronize()") from exc
         if _hook.on:  # the stream sanitizer (one flag read while it is off)
             _hook.tracker.stream_synchronize(self)
 

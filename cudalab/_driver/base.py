@@ -44,6 +44,37 @@ EVENT_INTERPROCESS = 4
 #: Size in bytes of an IPC event or memory handle (CUipcEventHandle, CUipcMemHandle).
 IPC_HANDLE_SIZE = 64
 
+# Stream capture modes (CUstreamCaptureMode), torch's capture_error_mode "global",
+# "thread_local" and "relaxed".
+CAPTURE_MODE_GLOBAL = 0
+CAPTURE_MODE_THREAD_LOCAL = 1
+CAPTURE_MODE_RELAXED = 2
+
+# Stream capture status (CUstreamCaptureStatus).
+CAPTURE_STATUS_NONE = 0
+CAPTURE_STATUS_ACTIVE = 1
+CAPTURE_STATUS_INVALIDATED = 2
+
+# Graph instantiation flags (CUgraphInstantiate_flags); torch instantiates with both.
+GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH = 1
+GRAPH_INSTANTIATE_USE_NODE_PRIORITY = 8
+
+# Graph node kinds, as :meth:`Backend.graph_node_kinds` names them (CUgraphNodeType order).
+GRAPH_NODE_KINDS = ("kernel", "memcpy", "memset", "host", "graph", "empty", "wait_event",
+                    "event_record", "semaphore_signal", "semaphore_wait", "mem_alloc",
+                    "mem_free", "batch_mem_op", "conditional")
+
+# Stream capture errors (CUDA_ERROR_STREAM_CAPTURE_*; the runtime API uses the same numbers).
+CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900  # not permitted while capturing (sync, query...)
+CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901  # the capture was broken by an earlier error
+CUDA_ERROR_STREAM_CAPTURE_MERGE = 902  # would merge two independent captures
+CUDA_ERROR_STREAM_CAPTURE_UNMATCHED = 903  # the capture was not begun on this stream
+CUDA_ERROR_STREAM_CAPTURE_UNJOINED = 904  # a forked stream was not joined back
+CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905  # a dependency crosses the capture boundary
+CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906  # the legacy stream would synchronise with it
+CUDA_ERROR_CAPTURED_EVENT = 907  # query/sync of an event recorded in a capture
+CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD = 908  # ended from another thread (not relaxed)
+
 #: Status values returned by :class:`FastPaths` callables (CUresult numbering).
 STATUS_SUCCESS = 0
 STATUS_NOT_READY = 600
@@ -468,6 +499,75 @@ class Backend(abc.ABC):
     def pool_trim(self, pool: Any, keep: int = 0) -> None:
         """Release cached memory above ``keep`` bytes back to the device."""
         raise NotImplementedError(f"{self.name} backend has no memory pools")
+
+    # ---------------------------------------------------------------- stream capture, graphs
+    # CUDA graphs (cudalab.graphs): a stream in capture mode records the work queued on it
+    # (and on streams that join the capture by waiting on its events) instead of running it;
+    # the graph it returns is instantiated once and launched any number of times. Failures
+    # of the capture rules raise StreamCaptureError (CUDA_ERROR_STREAM_CAPTURE_*).
+    def stream_begin_capture(self, stream: Any, mode: int = CAPTURE_MODE_GLOBAL) -> None:
+        """Put ``stream`` in capture mode (cuStreamBeginCapture).
+
+        Parameters
+        ----------
+        stream
+            A stream from :meth:`stream_create` (never the null stream).
+        mode : int
+            ``CAPTURE_MODE_GLOBAL``, ``CAPTURE_MODE_THREAD_LOCAL`` or ``CAPTURE_MODE_RELAXED``:
+            which threads' unsafe calls (synchronize, query, cuMemAlloc...) the capture
+            forbids while it runs.
+        """
+        raise NotImplementedError(f"{self.name} backend has no stream capture")
+
+    def stream_end_capture(self, stream: Any) -> Any:
+        """End the capture begun on ``stream`` and return its graph (cuStreamEndCapture).
+
+        Every stream that joined the capture leaves capture mode. Raises StreamCaptureError
+        when the capture was invalidated (901), a forked stream was not joined back (904),
+        ``stream`` did not begin a capture (903) or another thread ends a non-relaxed
+        capture (908); the streams have left capture mode in every case but the last two.
+        """
+        raise NotImplementedError(f"{self.name} backend has no stream capture")
+
+    def stream_capture_info(self, stream: Any) -> tuple[int, int]:
+        """``(status, capture id)`` of ``stream`` (cuStreamGetCaptureInfo): status is a
+        ``CAPTURE_STATUS_*``; the id is unique in the process, 0 when not capturing."""
+        raise NotImplementedError(f"{self.name} backend has no stream capture")
+
+    def thread_exchange_capture_mode(self, mode: int) -> int:
+        """Set the calling thread's capture interaction mode and return the previous one
+        (cuThreadExchangeStreamCaptureMode; use it push/pop, as torch's RELAXED guard)."""
+        raise NotImplementedError(f"{self.name} backend has no stream capture")
+
+    def graph_instantiate(self, graph: Any,
+                          flags: int = GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH
+                          | GRAPH_INSTANTIATE_USE_NODE_PRIORITY) -> Any:
+        """An executable graph of ``graph`` (cuGraphInstantiate with ``flags``)."""
+        raise NotImplementedError(f"{self.name} backend has no graphs")
+
+    def graph_launch(self, graph_exec: Any, stream: Any) -> None:
+        """Run an executable graph on ``stream``, ordered after the work queued on it."""
+        raise NotImplementedError(f"{self.name} backend has no graphs")
+
+    def graph_destroy(self, graph: Any) -> None:
+        """Destroy a graph from :meth:`stream_end_capture` (its executables stay valid)."""
+        raise NotImplementedError(f"{self.name} backend has no graphs")
+
+    def graph_exec_destroy(self, graph_exec: Any) -> None:
+        """Destroy an executable graph (freed when a launch in flight completes)."""
+        raise NotImplementedError(f"{self.name} backend has no graphs")
+
+    def graph_node_count(self, graph: Any) -> int:
+        """How many nodes ``graph`` has (cuGraphGetNodes with no array: one call)."""
+        raise NotImplementedError(f"{self.name} backend has no graphs")
+
+    def graph_node_kinds(self, graph: Any) -> list[str]:
+        """The kind of each node of ``graph`` (names from :data:`GRAPH_NODE_KINDS`)."""
+        raise NotImplementedError(f"{self.name} backend has no graphs")
+
+    def graph_debug_dot_print(self, graph: Any, path: str) -> None:
+        """Write ``graph`` as a verbose DOT file at ``path`` (cuGraphDebugDotPrint)."""
+        raise NotImplementedError(f"{self.name} backend has no graphs")
 
     # ---------------------------------------------------------------- NVML
     @abc.abstractmethod

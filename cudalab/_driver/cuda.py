@@ -11,8 +11,10 @@ The real backend is three modules, one concern each:
   CUresult codes, and error decoding (:func:`_check` / :func:`_error`);
 * :mod:`cudalab._driver.cuda_memory`: :class:`CudaMemory`, the memory concern (allocations,
   copies, fills, IPC memory handles, VMM, stream-ordered pools);
+* :mod:`cudalab._driver.cuda_graphs`: :class:`CudaGraphs`, stream capture and CUDA graphs
+  (over :class:`CudaMemory`);
 * this module: :class:`CudaBackend` (lifecycle, device identity, contexts, streams, events,
-  kernels, NVML) over :class:`CudaMemory`, and :class:`CudaKernelArgs`.
+  kernels, NVML) over :class:`CudaGraphs`, and :class:`CudaKernelArgs`.
 
 Conventions (see :mod:`cudalab._driver.base`):
 
@@ -103,7 +105,7 @@ from cudalab._driver.cuda_api import (
     _drv,
     _error,
 )
-from cudalab._driver.cuda_memory import CudaMemory
+from cudalab._driver.cuda_graphs import CudaGraphs
 from cudalab.errors import CudaError, DriverNotFoundError
 
 # ------------------------------------------------------------------------- kernel args
@@ -235,7 +237,7 @@ def _fmt_uuid(raw: bytes) -> str:
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-class CudaBackend(CudaMemory):
+class CudaBackend(CudaGraphs):
     """The CUDA driver through ``cuda.bindings.driver`` (one instance per process)."""
 
     name = "cuda"

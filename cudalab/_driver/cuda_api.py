@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cudalab.errors import CudaError, DriverNotFoundError, OutOfMemoryError
+from cudalab.errors import CudaError, DriverNotFoundError, OutOfMemoryError, StreamCaptureError
 
 try:  # the bindings are a hard dependency, but a missing wheel must not break `import`.
     from cuda.bindings import driver as _drv
@@ -123,6 +123,7 @@ if _drv is not None:
     _cuMemPoolGetAttribute = _drv.cuMemPoolGetAttribute
     _cuMemPoolSetAttribute = _drv.cuMemPoolSetAttribute
     _cuMemPoolTrimTo = _drv.cuMemPoolTrimTo
+    _cuThreadExchangeStreamCaptureMode = _drv.cuThreadExchangeStreamCaptureMode
     _cuGetErrorName = _drv.cuGetErrorName
     _cuGetErrorString = _drv.cuGetErrorString
     _CUstream = _drv.CUstream
@@ -132,6 +133,7 @@ if _drv is not None:
     _PA_DEVICE_ORDINAL = _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
     _DA = _drv.CUdevice_attribute
     _MPA = _drv.CUmemPool_attribute
+    _CaptureMode = _drv.CUstreamCaptureMode
 else:  # pragma: no cover - only without cuda-bindings
     _cuInit = _cuDriverGetVersion = _cuDeviceGetCount = _cuDeviceGet = _no_bindings
     _cuDeviceGetAttribute = _cuDeviceGetName = _cuDeviceTotalMem = _no_bindings
@@ -154,6 +156,7 @@ else:  # pragma: no cover - only without cuda-bindings
     _cuMemPoolCreate = _cuMemPoolDestroy = _cuMemAllocFromPoolAsync = _no_bindings
     _cuMemPoolGetAttribute = _cuMemPoolSetAttribute = _cuMemPoolTrimTo = _no_bindings
     _cuGetErrorName = _cuGetErrorString = _CUstream = _CUipcEventHandle = _no_bindings
+    _cuThreadExchangeStreamCaptureMode = _CaptureMode = _no_bindings
     _PA_MEMORY_TYPE = _PA_DEVICE_ORDINAL = _DA = _MPA = None
 
 
@@ -216,6 +219,8 @@ def _error(code: Any, call: str) -> CudaError:
     if code == CUDA_ERROR_OUT_OF_MEMORY:
         return OutOfMemoryError(code, name or "CUDA_ERROR_OUT_OF_MEMORY", text or "out of memory",
                                 call=call)
+    if 900 <= code <= 908:  # CUDA_ERROR_STREAM_CAPTURE_* and CUDA_ERROR_CAPTURED_EVENT
+        return StreamCaptureError(code, name, text, call=call)
     return CudaError(code, name, text, call=call)
 
 

@@ -13,7 +13,7 @@ import ctypes
 import threading
 from typing import Any
 
-from cudalab._driver.base import IPC_HANDLE_SIZE, Backend
+from cudalab._driver.base import CAPTURE_MODE_RELAXED, IPC_HANDLE_SIZE, Backend
 from cudalab._driver.cuda_api import (
     _MEMORYTYPE_DEVICE,
     _MEMORYTYPE_UNIFIED,
@@ -22,6 +22,7 @@ from cudalab._driver.cuda_api import (
     _PA_MEMORY_TYPE,
     CU_MEMHOSTALLOC_PORTABLE,
     CUDA_ERROR_INVALID_VALUE,
+    _CaptureMode,
     _check,
     _cuIpcGetMemHandle,
     _cuMemAddressFree,
@@ -52,6 +53,7 @@ from cudalab._driver.cuda_api import (
     _cuMemsetD32Async,
     _cuMemUnmap,
     _cuPointerGetAttribute,
+    _cuThreadExchangeStreamCaptureMode,
     _drv,
     _error,
 )
@@ -101,6 +103,9 @@ class CudaMemory(Backend):
     _lock: threading.Lock
     _contexts: dict[int, Any]  # ordinal -> retained primary CUcontext
     _granularity: dict[int, int]  # ordinal -> VMM granularity
+    #: Captures begun through this backend and not yet ended (CudaGraphs keeps the count):
+    #: while non-zero, cuMemAlloc and cuMemHostAlloc run under a RELAXED capture-mode guard.
+    _captures_active: int = 0
 
     # ... and its context machinery.
     @abc.abstractmethod
@@ -124,10 +129,21 @@ class CudaMemory(Backend):
         if nbytes == 0:
             return 0  # like torch: empty allocations are the null pointer
         self._ctx(device)
-        res = _cuMemAlloc(nbytes)
+        res = _cuMemAlloc(nbytes) if not self._captures_active else self._alloc_relaxed(nbytes)
         if res[0]:
             raise _error(res[0], "cuMemAlloc")
         return int(res[1])
+
+    def _alloc_relaxed(self, nbytes: int) -> tuple:
+        """cuMemAlloc under a RELAXED capture-mode guard, while some capture runs (torch's
+        ``cudaMallocMaybeCapturing``): the allocation is not captured, gets fresh memory,
+        and is not repeated by replays. In GLOBAL mode the driver would refuse it."""
+        old = _check(_cuThreadExchangeStreamCaptureMode(_CaptureMode(CAPTURE_MODE_RELAXED)),
+                     "cuThreadExchangeStreamCaptureMode")
+        try:
+            return _cuMemAlloc(nbytes)
+        finally:
+            _cuThreadExchangeStreamCaptureMode(old)
 
     def mem_free(self, device: int, ptr: int) -> None:
         if not ptr:
@@ -161,6 +177,14 @@ class CudaMemory(Backend):
 
     def host_alloc(self, nbytes: int) -> int:
         self._any_ctx()
+        if self._captures_active:  # pinned memory for a copy captured into a graph
+            old = _check(_cuThreadExchangeStreamCaptureMode(_CaptureMode(CAPTURE_MODE_RELAXED)),
+                         "cuThreadExchangeStreamCaptureMode")
+            try:
+                return int(_check(_cuMemHostAlloc(nbytes, CU_MEMHOSTALLOC_PORTABLE),
+                                  "cuMemHostAlloc"))
+            finally:
+                _cuThreadExchangeStreamCaptureMode(old)
         return int(_check(_cuMemHostAlloc(nbytes, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
 
     def host_free(self, ptr: int) -> None:

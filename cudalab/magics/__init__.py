@@ -166,6 +166,11 @@ class CudaLabMagics(Magics):
           -q               quiet: print nothing
           -p P             significant digits (default 3)
           --no-raise-error  single mode: report an exception instead of re-raising it
+          --graph          run the cell eagerly, then capture it once into a CUDA graph and
+                           replay it (-r iterations each, default 50; -w warm-up runs,
+                           default 3): both times, the launches per replay, the host time
+                           saved per iteration and whether the graph pays off; a cell that
+                           cannot be captured names the operation that broke the capture
 
         Statistics: median, IQR, min, max and count of the GPU time per loop, with warnings
         when IQR/median > 10 % or max > 4x min, and the SM clock, temperature and power

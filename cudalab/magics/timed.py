@@ -35,6 +35,9 @@ How a measurement is built (the pitfalls it avoids are in ``docs/magics.md``):
 * **Context**: NVML SM clock, temperature and power before and after; warnings for a wide
   IQR or a slow outlier; hints for moving clocks and throttling.
 
+``--graph`` is its own mode (:mod:`~cudalab.magics.timed_graph`: the cell eagerly, then
+captured once and replayed as a CUDA graph).
+
 The pieces, one concept each: :mod:`~cudalab.magics.timed_options` (the option line),
 :mod:`~cudalab.magics.timed_compile` (compiling the cell once),
 :mod:`~cudalab.magics.event_timer` (the event pool and the timer loop),
@@ -373,19 +376,26 @@ def run_cuda_timed(magics: Any, line: str, cell: str | None, local_ns: Any) -> A
     opts = parse_options(line or "")
     if cell is None and not opts.stmt:
         raise UsageError("%cuda_timed needs a statement to time (or use %%cuda_timed)")
-    ctx = _Context(magics, opts)
-    try:
+    if opts.graph:  # its own mode: the cell eagerly next to graph replays
+        from cudalab.magics.timed_graph import run_graph_mode
+
         if cell is None:
-            if opts.repeat_mode:
-                out = _run_repeat(ctx, "", opts.stmt, local_ns, line_mode=True)
+            raise UsageError("%cuda_timed --graph times a cell: use %%cuda_timed --graph")
+        out = run_graph_mode(magics, opts, cell, opts.stmt, local_ns)
+    else:
+        ctx = _Context(magics, opts)
+        try:
+            if cell is None:
+                if opts.repeat_mode:
+                    out = _run_repeat(ctx, "", opts.stmt, local_ns, line_mode=True)
+                else:
+                    out = _run_single(ctx, opts.stmt, "", local_ns)
+            elif opts.repeat_mode:
+                out = _run_repeat(ctx, opts.stmt, cell, local_ns, line_mode=False)
             else:
-                out = _run_single(ctx, opts.stmt, "", local_ns)
-        elif opts.repeat_mode:
-            out = _run_repeat(ctx, opts.stmt, cell, local_ns, line_mode=False)
-        else:
-            out = _run_single(ctx, cell, opts.stmt, local_ns)
-    finally:
-        ctx.close()
+                out = _run_single(ctx, cell, opts.stmt, local_ns)
+        finally:
+            ctx.close()
     # a Ctrl-C that came while the magic kept its books (deferred there) ends the cell as
     # interrupted, however short its body was
     _internal.deliver_owed_interrupt()

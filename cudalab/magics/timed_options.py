@@ -18,7 +18,7 @@ class TimedOptions:
     """Parsed ``%%cuda_timed`` options; ``stmt`` is the rest of the line (setup or statement)."""
 
     __slots__ = ("number", "repeat", "warmup", "max_time", "cold", "device", "kernels",
-                 "output", "quiet", "precision", "var", "no_raise", "stmt")
+                 "output", "quiet", "precision", "var", "no_raise", "graph", "stmt")
 
     def __init__(self) -> None:
         self.number: int | None = None
@@ -33,6 +33,7 @@ class TimedOptions:
         self.precision: int | None = None
         self.var: str | None = None
         self.no_raise = False
+        self.graph = False  # --graph: eager next to CUDA graph replays (timed_graph)
         self.stmt = ""
 
     @property
@@ -50,7 +51,7 @@ _VALUED = {"-n": "number", "--number": "number", "-r": "repeat", "--repeat": "re
            "-d": "device", "--device": "device", "-p": "precision", "--precision": "precision",
            "-v": "var"}
 _FLAGS = {"--cold": "cold", "--kernels": "kernels", "-o": "output", "-q": "quiet",
-          "--quiet": "quiet", "--no-raise-error": "no_raise"}
+          "--quiet": "quiet", "--no-raise-error": "no_raise", "--graph": "graph"}
 _SHORT_FLAGS = {"o": "output", "q": "quiet"}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -163,7 +164,7 @@ class PhiloxState:
         self.capturing = False
         self.offset_intragraph = 0
         self._graph_buf: Any = None  # DeviceArray of 2 uint64: seed, base offset
-        self._graphs: dict[int, Any] = {}
+        self._graphs: dict[int, Any] = {}  # id(graph) -> a weak reference to it
 
     def __repr__(self) -> str:
         cap = f", capturing (+{self.offset_intragraph})" if self.capturing else ""
@@ -181,7 +182,10 @@ class PhiloxState:
         _assert_not_capturing("PhiloxState.register_graph()", self.device)
         if self._graph_buf is None:
             self._graph_buf = _array.zeros((2,), np.uint64, device=self.device)
-        self._graphs[id(graph)] = graph
+        try:  # weakly: the graph holds this state, and its reset()/finalizer unregisters it
+            self._graphs[id(graph)] = weakref.ref(graph)
+        except TypeError:  # an object without weak references
+            self._graphs[id(graph)] = graph
 
     def unregister_graph(self, graph: Any) -> None:
         """Forget ``graph``; the device words are released with the last graph."""

@@ -25,6 +25,7 @@ Modules, one concept each:
 ``streams``     stream FIFOs, the pump that runs them, pause/resume test hooks
 ``events``      events, timing and IPC event handles
 ``kernels``     :func:`register_kernel` registry, argument packs, module load and launch
+``graphs``      stream capture (recording instead of running), graphs and their replay
 ``nvml``        :class:`SimulatedNvml`, values derived from the simulator's state
 ``backend``     :class:`SimulatorBackend`, assembled from the concern mixins above
 ==============  ============================================================================

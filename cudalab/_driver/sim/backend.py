@@ -1,8 +1,8 @@
 """The simulator backend: :class:`SimulatorBackend`, assembled from its concern mixins.
 
 Each concern lives in its own module (:mod:`.memory`, :mod:`.vmm`, :mod:`.streams`,
-:mod:`.events`, :mod:`.kernels`) as a mixin over :class:`~.core.SimulatorCore`; this module
-adds device identity, contexts, peer access and NVML, and is the class users construct.
+:mod:`.events`, :mod:`.kernels`, :mod:`.graphs`) as a mixin over
+:class:`~.core.SimulatorCore`; this module adds device identity, contexts, peer access and NVML, and is the class users construct.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from cudalab._driver.base import DeviceInfo
 from cudalab._driver.sim.config import SimulatorConfig
 from cudalab._driver.sim.core import invalid_device
 from cudalab._driver.sim.events import SimEvents
+from cudalab._driver.sim.graphs import SimGraphs
 from cudalab._driver.sim.handles import _Event, _Function, _Module, _Stream
 from cudalab._driver.sim.kernels import SimKernels
 from cudalab._driver.sim.memory import SimMemory
@@ -23,7 +24,7 @@ from cudalab._driver.sim.vmm import SimVmm
 __all__ = ["SimulatorBackend"]
 
 
-class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels):
+class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels, SimGraphs):
     """A simulated CUDA driver (see :mod:`cudalab._driver.sim` for the model).
 
     Parameters
@@ -108,6 +109,9 @@ class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels):
 
     def synchronize(self, device: int) -> None:
         d = self._device(device, "cuCtxSynchronize")
+        if self._captures:
+            # it would wait for the device's capturing streams too: refused in every mode
+            self._refuse_in_capture("cuCtxSynchronize", device=d)
         dev = self._devs[d]
         for s in [dev.null, *list(dev.streams)]:
             self._sync_stream(s)

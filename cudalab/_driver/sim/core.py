@@ -105,6 +105,9 @@ class SimulatorCore(Backend):
             weakref.WeakValueDictionary()
         self._record_seq = 0
         self._ipc_events: dict[int, _Event] = {}
+        # Stream captures running now, by capture id (empty: nothing captures, and the calls
+        # a capture may refuse check nothing else).
+        self._captures: dict[int, Any] = {}
         self._peers: set[tuple[int, int]] = set()
         # (start ns, end ns, ACTIVITY_*) of recent work per physical device, for NVML.
         self._activity: list[collections.deque[tuple[int, int, int]]] = [
@@ -202,6 +205,23 @@ class SimulatorCore(Backend):
     @abc.abstractmethod
     def _record_op(self, ev: _Event, epoch: int) -> None:
         """The stream operation completing an event record (:mod:`.streams`)."""
+
+    @abc.abstractmethod
+    def _capture_op(self, cap: Any, s: _Stream, fn: Callable[..., Any], args: tuple) -> None:
+        """Record an operation submitted to a capturing stream (:mod:`.graphs`)."""
+
+    @abc.abstractmethod
+    def _capture_wait(self, s: _Stream, ev: _Event, call: str) -> bool:
+        """A stream wait that involves a capture; True when handled (:mod:`.graphs`)."""
+
+    @abc.abstractmethod
+    def _refuse_in_capture(self, call: str, s: _Stream | None = None,
+                           ev: _Event | None = None, device: int | None = None) -> None:
+        """Raise when a running capture forbids ``call`` (:mod:`.graphs`)."""
+
+    @abc.abstractmethod
+    def _refuse_pageable_copy(self, s: _Stream, dst: int, src: int, call: str) -> None:
+        """Refuse a captured copy touching pageable host memory (:mod:`.graphs`)."""
 
     @abc.abstractmethod
     def _mem_update(self, call: str) -> contextlib.AbstractContextManager[None]:

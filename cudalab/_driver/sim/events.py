@@ -72,6 +72,8 @@ class SimEvents(SimulatorCore):
 
     def event_query(self, event: Any) -> bool:
         ev = self._event(event, "cuEventQuery")
+        if self._captures:
+            self._refuse_in_capture("cuEventQuery", ev=ev)
         if ev.done >= ev.epoch:
             return True
         if self._pending:
@@ -81,6 +83,8 @@ class SimEvents(SimulatorCore):
     def event_synchronize(self, event: Any) -> None:
         """Wait until the event completes; RuntimeError if it is pending on a paused stream."""
         ev = self._event(event, "cuEventSynchronize")
+        if self._captures:
+            self._refuse_in_capture("cuEventSynchronize", ev=ev)
         delay = 1e-4
         while ev.done < ev.epoch:
             self._pump()

@@ -12,6 +12,7 @@ import collections
 import itertools
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from cudalab._driver.base import STREAM_NON_BLOCKING, Backend
 
@@ -30,11 +31,14 @@ class _Stream:
 
     Invariants (under ``lock``): ``draining`` is the ident of the one thread running the
     queue, or 0; a stream with a non-empty ``queue`` is in the backend's ``_pending`` set;
-    ``paused`` (a test hook) keeps the queue from running.
+    ``paused`` (a test hook) keeps the queue from running. ``capture`` is the stream capture
+    (:class:`cudalab._driver.sim.graphs._Capture`) the stream belongs to, or None: while set,
+    work submitted to the stream is recorded into it instead of run.
     """
 
     __slots__ = ("backend", "device", "handle", "flags", "priority", "is_null", "is_per_thread",
-                 "legacy", "queue", "lock", "paused", "draining", "destroyed", "__weakref__")
+                 "legacy", "queue", "lock", "paused", "draining", "destroyed", "capture",
+                 "__weakref__")
 
     def __init__(self, backend: Backend, device: int, handle: int, flags: int,
                  priority: int, null: bool):
@@ -52,6 +56,7 @@ class _Stream:
         self.paused = False
         self.draining = 0  # ident of the thread running this stream's operations, or 0
         self.destroyed = False
+        self.capture: Any = None  # the capture recording this stream's work, or None
 
     def __int__(self) -> int:
         return self.handle
@@ -64,10 +69,12 @@ class _Stream:
 
 class _Event:
     """A simulated event: ``epoch`` counts records requested, ``done`` is the latest record
-    that completed (``done <= epoch``; complete when equal), ``ts`` its time in ns."""
+    that completed (``done <= epoch``; complete when equal), ``ts`` its time in ns.
+    ``captured`` is ``(capture, stream, position)`` while its latest record was captured into
+    a stream capture (a dependency inside the graph, not a record that runs), else None."""
 
     __slots__ = ("backend", "device", "handle", "flags", "epoch", "done", "ts", "rec_stream",
-                 "destroyed", "ipc_key", "target", "__weakref__")
+                 "destroyed", "ipc_key", "target", "captured", "__weakref__")
 
     def __init__(self, backend: Backend | None, device: int, handle: int, flags: int):
         self.backend = backend
@@ -81,6 +88,7 @@ class _Event:
         self.destroyed = False
         self.ipc_key: tuple[int, int] | None = None
         self.target: _Event | None = None  # an IPC handle opened in its own process
+        self.captured: tuple | None = None  # (capture, stream, position) of a captured record
 
     def __int__(self) -> int:
         return self.handle

@@ -69,6 +69,8 @@ class SimMemory(SimulatorCore):
         self._device(device, "cuMemFree")
         if not ptr:
             return
+        if self._captures:
+            self._refuse_in_capture("cuMemFree")
         if self._pending:
             self._pump()
         self._free(ptr, "cuMemFree")
@@ -148,6 +150,8 @@ class SimMemory(SimulatorCore):
             return
         hd = self._addr(self._ptr(dst, call), n, call)
         hs = self._addr(self._ptr(src, call), n, call)
+        if self._captures:
+            self._refuse_in_capture(call)
         self._sync_op(d, self._copy_op, (hd, hs, n, self._devs[d].physical))
 
     def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: Any) -> None:
@@ -159,6 +163,8 @@ class SimMemory(SimulatorCore):
             return
         hd = self._addr(self._ptr(dst, call), n, call)
         hs = self._addr(self._ptr(src, call), n, call)
+        if s.capture is not None:
+            self._refuse_pageable_copy(s, dst, src, call)
         self._submit(s, self._copy_op, (hd, hs, n, self._devs[s.device].physical))
 
     def memcpy_peer_async(
@@ -188,6 +194,8 @@ class SimMemory(SimulatorCore):
         if n == 0:
             return
         h = self._addr(self._ptr(ptr, call), n, call)
+        if self._captures:
+            self._refuse_in_capture(call)
         self._sync_op(d, self._memset8_op, (h, v, n, self._devs[d].physical))
 
     def memset_d8_async(self, device: int, ptr: int, value: int, nbytes: int, stream: Any) -> None:

@@ -87,6 +87,8 @@ class SimStreams(SimulatorCore):
 
     def stream_query(self, stream: Any) -> bool:
         s = self._stream(stream, "cuStreamQuery")
+        if self._captures:
+            self._refuse_in_capture("cuStreamQuery", s)
         if s.queue:
             self._pump()
         return not s.queue and not s.draining
@@ -97,12 +99,17 @@ class SimStreams(SimulatorCore):
         Raises RuntimeError (instead of hanging) when the stream can never become idle: it
         is paused with :meth:`pause_stream`, or waits for an event pending on such a stream.
         """
-        self._sync_stream(self._stream(stream, "cuStreamSynchronize"))
+        s = self._stream(stream, "cuStreamSynchronize")
+        if self._captures:
+            self._refuse_in_capture("cuStreamSynchronize", s)
+        self._sync_stream(s)
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         call = "cuStreamWaitEvent"
         s = self._stream(stream, call)
         ev = self._event(event, call)
+        if (ev.captured is not None or s.capture is not None) and self._capture_wait(s, ev, call):
+            return
         epoch = ev.epoch
         if ev.done >= epoch:
             return
@@ -118,10 +125,6 @@ class SimStreams(SimulatorCore):
     def stream_priority_range(self, device: int) -> tuple[int, int]:
         self._device(device, "cuCtxGetStreamPriorityRange")
         return PRIORITY_LEAST, PRIORITY_GREATEST
-
-    def stream_is_capturing(self, stream: Any) -> bool:
-        self._stream(stream, "cuStreamIsCapturing")
-        return False
 
     # -- simulator-only test hooks
     def pause_stream(self, stream: Any) -> None:
@@ -147,7 +150,11 @@ class SimStreams(SimulatorCore):
     # ================================================================ internals
     # -- stream machinery
     def _submit(self, s: _Stream, fn: Callable[..., Any], args: tuple) -> None:
-        """Run ``fn(*args)`` in ``s``'s order: now if the stream is idle, else queued."""
+        """Run ``fn(*args)`` in ``s``'s order: now if the stream is idle, else queued (or
+        recorded into the stream's capture while it captures)."""
+        if s.capture is not None:
+            self._capture_op(s.capture, s, fn, args)
+            return
         waits = self._legacy_waits(s) if (self._pending and s.legacy) else None
         first: Callable[..., Any] | None = fn  # None once queued: _run then drains the queue
         with s.lock:

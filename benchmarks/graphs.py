@@ -1,0 +1,252 @@
+"""CUDA graph benchmark: replay and capture host costs, 1,000 tiny kernels eager vs replayed,
+and the private pool's memory, next to torch in the same run.
+
+Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
+
+* host cost of ``CUDAGraph.replay()`` of a one-kernel graph (a loop of replays, then one
+  synchronize; each replay also refreshes the default generator's graph words, as torch's);
+* host time per captured kernel launch (capturing 1,000 launches of the fill kernel, from
+  capture_begin to capture_end, divided by 1,000);
+* 1,000 tiny fill kernels (the runtime's own fill kernel on 4 KiB; torch's ``fill_`` on a 4 KiB
+  tensor) launched eagerly vs replayed as one graph: time per 1,000 from events on the
+  stream (goal: replay >= 5x faster);
+* peak reserved bytes in the private pool for the same sequence of allocations and frees
+  inside a capture (goal: equal to torch's).
+
+On the simulator every number is labelled simulated and torch is skipped.
+
+    python benchmarks/graphs.py [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout works uninstalled
+from _harness import Table, environment, optional_import, parse_args, write_json  # noqa: E402
+
+KERNELS = 1000
+FILL_BYTES = 4096
+#: (size in bytes, free after) of the allocation sequence captured for the memory row.
+ALLOCATIONS = [(512, False), (4096, True), (1 << 20, False), ((1 << 20) + 512, True),
+               (3 << 20, False), (100, True), (10 << 20, False), (700 << 10, True),
+               (12 << 20, True), (2048, False)]
+
+
+def _median_seconds(fn, repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _event_seconds(make_events, run, repeat: int) -> float:
+    """Median seconds of ``run()`` on the current stream, measured with events."""
+    start, end = make_events()
+    times = []
+    for _ in range(repeat):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------- cudalab
+def bench_cudalab(table: Table, results: dict, quick: bool) -> None:
+    import numpy as np
+
+    import cudalab
+    from cudalab._kernels.fill import fill_kernel
+    from cudalab._kernels.kernel import launch_config_1d
+
+    tag = " (simulated)" if cudalab.get_device_properties(0).simulated else ""
+    repeat = 3 if quick else 7
+    buf = cudalab.array.zeros((FILL_BYTES // 8,), np.uint64)
+    kernel = fill_kernel(8)
+    count = FILL_BYTES // 8
+    grid, block = launch_config_1d(count, 256, max_blocks=8192)
+
+    def fills(n=KERNELS):
+        for i in range(n):
+            kernel.launch(grid, block, (buf, i, count))
+
+    s = cudalab.Stream()
+    s.wait_stream(cudalab.current_stream())
+    with cudalab.stream(s):
+        fills(10)  # loads the kernel
+        s.synchronize()
+        # replay host cost: a one-kernel graph
+        g1 = cudalab.CUDAGraph()
+        g1.capture_begin()
+        fills(1)
+        g1.capture_end()
+        n = 200 if quick else 5000
+
+        def replays():
+            for _ in range(n):
+                g1.replay()
+            s.synchronize()
+
+        replays()
+        t = _median_seconds(replays, repeat) / n
+        table.add(f"cudalab CUDAGraph.replay() host cost{tag}", t * 1e6, "µs")
+        results["cudalab_replay_us"] = t * 1e6
+
+        # host time per captured launch
+        def capture():
+            g = cudalab.CUDAGraph()
+            g.capture_begin()
+            fills()
+            g.capture_end()
+            return g
+
+        t = _median_seconds(capture, repeat) / KERNELS
+        table.add(f"cudalab capture, host time per launch{tag}", t * 1e6, "µs")
+        results["cudalab_capture_per_launch_us"] = t * 1e6
+
+        # 1,000 fill kernels: eager vs replay
+        g = capture()
+
+        def events():
+            return cudalab.Event(enable_timing=True), cudalab.Event(enable_timing=True)
+
+        eager = _event_seconds(events, fills, repeat)
+        replay = _event_seconds(events, g.replay, repeat)
+        table.add(f"cudalab {KERNELS} fills eager{tag}", eager * 1e6, "µs")
+        table.add(f"cudalab {KERNELS} fills replay{tag}", replay * 1e6, "µs",
+                  f"{eager / replay:.1f}x faster (goal >= 5x)")
+        results["cudalab_fills_eager_us"] = eager * 1e6
+        results["cudalab_fills_replay_us"] = replay * 1e6
+        del g
+
+        # private pool: the same allocations inside a capture
+        cudalab.synchronize()
+        cudalab.empty_cache()
+        gm = cudalab.CUDAGraph()
+        gm.capture_begin()
+        fills(1)
+        keep = []
+        for size, free in ALLOCATIONS:
+            a = cudalab.array.empty((size,), np.uint8)
+            if not free:
+                keep.append(a)
+            del a
+        gm.capture_end()
+        pool = gm.pool()
+        reserved = sum(seg["total_size"] for seg in cudalab.memory_snapshot()
+                       if tuple(seg["segment_pool_id"]) == tuple(pool))
+        table.add(f"cudalab private pool reserved after the capture{tag}", reserved, "B")
+        results["cudalab_pool_reserved_bytes"] = reserved
+        del keep, gm
+    cudalab.current_stream().wait_stream(s)
+    cudalab.synchronize()
+
+
+# ------------------------------------------------------------------------------------- torch
+def bench_torch(torch, table: Table, results: dict, quick: bool) -> None:
+    repeat = 3 if quick else 7
+    buf = torch.zeros(FILL_BYTES // 8, dtype=torch.int64, device="cuda")
+
+    def fills(n=KERNELS):
+        for i in range(n):
+            buf.fill_(i)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fills(10)
+        s.synchronize()
+        g1 = torch.cuda.CUDAGraph()
+        g1.capture_begin()
+        fills(1)
+        g1.capture_end()
+        n = 200 if quick else 5000
+
+        def replays():
+            for _ in range(n):
+                g1.replay()
+            s.synchronize()
+
+        replays()
+        t = _median_seconds(replays, repeat) / n
+        table.add("torch CUDAGraph.replay() host cost", t * 1e6, "µs")
+        results["torch_replay_us"] = t * 1e6
+
+        def capture():
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin()
+            fills()
+            g.capture_end()
+            return g
+
+        t = _median_seconds(capture, repeat) / KERNELS
+        table.add("torch capture, host time per launch", t * 1e6, "µs")
+        results["torch_capture_per_launch_us"] = t * 1e6
+        g = capture()
+
+        def events():
+            return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        eager = _event_seconds(events, fills, repeat)
+        replay = _event_seconds(events, g.replay, repeat)
+        table.add(f"torch {KERNELS} fills eager", eager * 1e6, "µs")
+        table.add(f"torch {KERNELS} fills replay", replay * 1e6, "µs",
+                  f"{eager / replay:.1f}x faster")
+        results["torch_fills_eager_us"] = eager * 1e6
+        results["torch_fills_replay_us"] = replay * 1e6
+        del g
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        gm = torch.cuda.CUDAGraph()
+        gm.capture_begin()
+        fills(1)
+        keep = []
+        for size, free in ALLOCATIONS:
+            a = torch.empty(size, dtype=torch.uint8, device="cuda")
+            if not free:
+                keep.append(a)
+            del a
+        gm.capture_end()
+        pool = gm.pool()
+        reserved = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                       if tuple(seg.get("segment_pool_id", (0, 0))) == tuple(pool))
+        table.add("torch private pool reserved after the capture", reserved, "B")
+        results["torch_pool_reserved_bytes"] = reserved
+        del keep, gm
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    import cudalab
+
+    cudalab.init()
+    props = cudalab.get_device_properties(0)
+    table = Table(f"CUDA graphs on {props.name}")
+    results: dict = {}
+    bench_cudalab(table, results, args.quick)
+    torch = None if props.simulated else optional_import("torch")
+    if torch is not None and torch.cuda.is_available():
+        bench_torch(torch, table, results, args.quick)
+        if "torch_pool_reserved_bytes" in results:
+            diff = results["cudalab_pool_reserved_bytes"] - results["torch_pool_reserved_bytes"]
+            table.add("private pool reserved, cudalab - torch", diff, "B", "(goal: 0)")
+    print(table.render())
+    from cudalab import _internal
+
+    write_json(args.json, {"env": environment(_internal.backend().name, props.name),
+                           "results": results})
+
+
+if __name__ == "__main__":
+    main()

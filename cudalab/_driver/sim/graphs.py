@@ -1,0 +1,362 @@
+"""Simulated stream capture and CUDA graphs: :class:`SimGraphs`.
+
+The graph concern of the simulator backend. While a stream is capturing (its ``capture`` is
+a :class:`_Capture`), every operation submitted to it (kernels, copies, fills; see
+:meth:`SimStreams._submit`) is recorded into the capture instead of run. An event recorded
+on a capturing stream becomes a dependency inside the capture; a stream that waits on such
+an event joins the capture (a fork), and must be joined back (the origin, or another stream
+of the capture, waits on an event recorded after its last operation) before the capture
+ends. :meth:`graph_instantiate` copies the recorded operations; :meth:`graph_launch` runs
+them in capture order, in the launch stream's order.
+
+The driver's rules (``CUDA_ERROR_STREAM_CAPTURE_*``) hold: the null stream cannot capture;
+synchronising or querying a capturing stream, or an event last recorded in a capture, is
+refused whatever the mode, and so is synchronising the whole device while one of its
+streams captures (from any thread, as the driver does); the other "potentially unsafe" calls
+(stream and event synchronize and query, synchronous copies and fills, cuMemFree) are
+refused as
+``cuStreamBeginCapture``'s mode and the thread's interaction mode
+(:meth:`thread_exchange_capture_mode`) define: GLOBAL captures forbid them in every thread
+whose mode is GLOBAL, THREAD_LOCAL captures only in the capturing thread, RELAXED captures
+nowhere; a thread in RELAXED mode is never refused. A refused call invalidates the captures
+that forbade it: their later operations and their end raise 901 (INVALIDATED), and ending
+them still takes their streams out of capture mode. An asynchronous copy to or from
+pageable host memory cannot be captured. cuMemAlloc is allowed, as under torch's RELAXED
+guard (the allocation is not captured). Not modelled: the legacy stream's implicit
+synchronisation with a capturing blocking stream (906).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import operator
+import threading
+from typing import Any
+
+from cudalab._driver.base import (
+    CAPTURE_MODE_GLOBAL,
+    CAPTURE_MODE_RELAXED,
+    CAPTURE_MODE_THREAD_LOCAL,
+    CAPTURE_STATUS_ACTIVE,
+    CAPTURE_STATUS_INVALIDATED,
+    CAPTURE_STATUS_NONE,
+    GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH,
+    GRAPH_INSTANTIATE_USE_NODE_PRIORITY,
+)
+from cudalab._driver.sim.core import SimulatorCore, invalid_handle, invalid_value
+from cudalab._driver.sim.handles import _Event, _Stream, next_handle
+from cudalab._driver.sim.heap import FAKE_BASE
+from cudalab.errors import CudaError, StreamCaptureError
+
+_capture_ids = itertools.count(1)
+
+#: code -> (name, text) of the stream capture errors, as the driver spells them.
+_CAPTURE_ERRORS = {
+    900: ("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+          "operation not permitted when stream is capturing"),
+    901: ("CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+          "operation failed due to a previous error during capture"),
+    902: ("CUDA_ERROR_STREAM_CAPTURE_MERGE",
+          "operation would result in a merge of separate capture sequences"),
+    903: ("CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", "capture was not ended in the same stream "
+          "as it began"),
+    904: ("CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+          "capturing stream has unjoined work"),
+    905: ("CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+          "dependency created on uncaptured work in another stream"),
+    907: ("CUDA_ERROR_CAPTURED_EVENT",
+          "operation not permitted on an event last recorded in a capturing stream"),
+    908: ("CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD", "attempt to terminate a thread-local "
+          "capture sequence from another thread"),
+}
+
+#: Stream operations (by the backend method that runs them) -> the graph node they become.
+_NODE_KINDS = {"_kernel_op": "kernel", "_copy_op": "memcpy", "_memset8_op": "memset",
+               "_memset32_op": "memset", "_graph_op": "graph"}
+_ALL_FLAGS = 1 | 2 | 4 | 8  # CUgraphInstantiate_flags
+_MODES = (CAPTURE_MODE_GLOBAL, CAPTURE_MODE_THREAD_LOCAL, CAPTURE_MODE_RELAXED)
+
+
+def capture_error(code: int, call: str | None, detail: str | None = None) -> StreamCaptureError:
+    """The simulator's StreamCaptureError ``code`` for ``call``."""
+    name, text = _CAPTURE_ERRORS[code]
+    return StreamCaptureError(code, name, f"{text} ({detail})" if detail else text, call=call)
+
+
+class _Capture:
+    """One stream capture sequence.
+
+    Invariants: ``ops`` are ``(node kind, fn, args)`` in submission order; ``streams`` are
+    the streams whose ``capture`` is this one (``origin`` first joined); ``tails[s]`` counts
+    the operations recorded up to ``s``'s latest one, ``joined[s]`` up to the latest record
+    of ``s`` another stream of the capture waited for (joined back when ``joined >= tails``);
+    ``ended`` once :meth:`SimGraphs.stream_end_capture` took its streams out of capture.
+    """
+
+    __slots__ = ("id", "mode", "origin", "thread", "ops", "streams", "status", "tails",
+                 "joined", "ended", "reason")
+
+    def __init__(self, origin: _Stream, mode: int):
+        self.id = next(_capture_ids)
+        self.mode = mode
+        self.origin = origin
+        self.thread = threading.get_ident()
+        self.ops: list[tuple[str, Any, tuple]] = []
+        self.streams: list[_Stream] = [origin]
+        self.status = CAPTURE_STATUS_ACTIVE
+        self.tails: dict[_Stream, int] = {}
+        self.joined: dict[_Stream, int] = {}
+        self.ended = False
+        self.reason = ""  # what invalidated it
+
+    def invalidate(self, reason: str) -> None:
+        if self.status == CAPTURE_STATUS_ACTIVE:
+            self.status = CAPTURE_STATUS_INVALIDATED
+            self.reason = reason
+
+
+class _Graph:
+    """A captured graph: its operations, in capture order."""
+
+    __slots__ = ("handle", "device", "ops", "capture_id", "destroyed")
+
+    def __init__(self, device: int, ops: list, capture_id: int):
+        self.handle = next_handle()
+        self.device = device
+        self.ops = ops
+        self.capture_id = capture_id
+        self.destroyed = False
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def __repr__(self) -> str:
+        return (f"<simulated graph 0x{self.handle:x} on device {self.device}, "
+                f"{len(self.ops)} nodes>")
+
+
+class _GraphExec:
+    """An executable graph: a copy of its graph's operations."""
+
+    __slots__ = ("handle", "device", "ops", "destroyed")
+
+    def __init__(self, graph: _Graph):
+        self.handle = next_handle()
+        self.device = graph.device
+        self.ops = tuple(graph.ops)
+        self.destroyed = False
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def __repr__(self) -> str:
+        return f"<simulated graph exec 0x{self.handle:x} on device {self.device}>"
+
+
+class SimGraphs(SimulatorCore):
+    """Stream capture and graphs of the simulator (see the module docstring)."""
+
+    # ------------------------------------------------------------ capture
+    def stream_begin_capture(self, stream: Any, mode: int = CAPTURE_MODE_GLOBAL) -> None:
+        call = "cuStreamBeginCapture"
+        s = self._stream(stream, call)
+        m = self._capture_mode(mode, call)
+        if s.is_null:
+            raise capture_error(900, call, "the legacy default stream cannot be captured")
+        if s.capture is not None:
+            raise CudaError(401, "CUDA_ERROR_ILLEGAL_STATE", "the stream is already capturing",
+                            call=call)
+        cap = _Capture(s, m)
+        s.capture = cap
+        self._captures[cap.id] = cap
+
+    def stream_end_capture(self, stream: Any) -> Any:
+        call = "cuStreamEndCapture"
+        s = self._stream(stream, call)
+        cap = s.capture
+        if cap is None or cap.origin is not s:
+            raise capture_error(903, call)
+        if cap.mode != CAPTURE_MODE_RELAXED and cap.thread != threading.get_ident():
+            raise capture_error(908, call)
+        for t in cap.streams:
+            t.capture = None
+        cap.ended = True
+        self._captures.pop(cap.id, None)
+        if cap.status != CAPTURE_STATUS_ACTIVE:
+            raise capture_error(901, call, cap.reason)
+        unjoined = [t for t in cap.streams[1:] if cap.tails.get(t, 0) > cap.joined.get(t, 0)]
+        if unjoined:
+            raise capture_error(904, call, f"{unjoined[0]!r} was not joined back")
+        return _Graph(s.device, list(cap.ops), cap.id)
+
+    def stream_capture_info(self, stream: Any) -> tuple[int, int]:
+        cap = self._stream(stream, "cuStreamGetCaptureInfo").capture
+        return (CAPTURE_STATUS_NONE, 0) if cap is None else (cap.status, cap.id)
+
+    def stream_is_capturing(self, stream: Any) -> bool:
+        return self._stream(stream, "cuStreamIsCapturing").capture is not None
+
+    def thread_exchange_capture_mode(self, mode: int) -> int:
+        m = self._capture_mode(mode, "cuThreadExchangeStreamCaptureMode")
+        old = getattr(self._tls, "capture_mode", CAPTURE_MODE_GLOBAL)
+        self._tls.capture_mode = m
+        return old
+
+    # ------------------------------------------------------------ graphs
+    def graph_instantiate(self, graph: Any,
+                          flags: int = GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH
+                          | GRAPH_INSTANTIATE_USE_NODE_PRIORITY) -> Any:
+        call = "cuGraphInstantiate"
+        g = self._graph(graph, call)
+        f = operator.index(flags)
+        if f < 0 or f & ~_ALL_FLAGS:
+            raise invalid_value(call, f"unknown instantiate flags {f}")
+        return _GraphExec(g)
+
+    def graph_launch(self, graph_exec: Any, stream: Any) -> None:
+        call = "cuGraphLaunch"
+        if type(graph_exec) is not _GraphExec or graph_exec.destroyed:
+            raise invalid_handle(call, f"{graph_exec!r} is not a live executable graph")
+        s = self._stream(stream, call)
+        if s.device != graph_exec.device:
+            raise invalid_value(call, "the graph was captured on another device")
+        self._submit(s, self._graph_op, (graph_exec,))
+
+    def graph_destroy(self, graph: Any) -> None:
+        self._graph(graph, "cuGraphDestroy").destroyed = True
+
+    def graph_exec_destroy(self, graph_exec: Any) -> None:
+        if type(graph_exec) is not _GraphExec or graph_exec.destroyed:
+            raise invalid_handle("cuGraphExecDestroy",
+                                 f"{graph_exec!r} is not a live executable graph")
+        graph_exec.destroyed = True  # a launch already queued still runs (it holds the ops)
+
+    def graph_node_count(self, graph: Any) -> int:
+        return len(self._graph(graph, "cuGraphGetNodes").ops)
+
+    def graph_node_kinds(self, graph: Any) -> list[str]:
+        return [kind for kind, _fn, _args in self._graph(graph, "cuGraphGetNodes").ops]
+
+    def graph_debug_dot_print(self, graph: Any, path: str) -> None:
+        g = self._graph(graph, "cuGraphDebugDotPrint")
+        lines = [f'digraph "cudalab simulated graph 0x{g.handle:x}" {{',
+                 f'  label="cudalab simulated CUDA graph (capture {g.capture_id}, device '
+                 f'{g.device}, {len(g.ops)} nodes)";']
+        for i, (kind, _fn, args) in enumerate(g.ops):
+            what = kind
+            if kind == "kernel":
+                what = f"kernel {args[0].name} grid={args[1]} block={args[2]}"
+            elif kind in ("memcpy", "memset"):
+                what = f"{kind} {args[2]} {'bytes' if kind == 'memcpy' else 'items'}"
+            lines.append(f'  n{i} [shape=box label="{i}: {what}"];')
+        lines.extend(f"  n{i} -> n{i + 1};" for i in range(len(g.ops) - 1))
+        lines.append("}")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+    # ================================================================ internals
+    @staticmethod
+    def _capture_mode(mode: Any, call: str) -> int:
+        m = operator.index(mode)
+        if m not in _MODES:
+            raise invalid_value(call, f"unknown stream capture mode {m}")
+        return m
+
+    def _graph(self, graph: Any, call: str) -> _Graph:
+        if type(graph) is _Graph and not graph.destroyed:
+            return graph
+        raise invalid_handle(call, f"{graph!r} is not a live graph of this simulator")
+
+    def _capture_op(self, cap: _Capture, s: _Stream, fn: Any, args: tuple) -> None:
+        """Record ``fn(*args)``, submitted to capturing ``s``, into ``cap``."""
+        if cap.status != CAPTURE_STATUS_ACTIVE:
+            raise capture_error(901, None, cap.reason)
+        name = fn.__name__
+        if name == "_record_op":  # a dependency inside the capture, not a record that runs
+            ev, epoch = args
+            ev.epoch = epoch - 1
+            ev.captured = (cap, s, cap.tails.get(s, 0), ev.epoch)
+            return
+        kind = _NODE_KINDS.get(name)
+        if kind is None:
+            cap.invalidate(f"{name} cannot be captured by the simulator")
+            raise capture_error(900, None, f"{name} cannot be captured by the simulator")
+        cap.ops.append((kind, fn, args))
+        cap.tails[s] = len(cap.ops)
+
+    def _live_capture_of(self, ev: _Event) -> tuple | None:
+        """``ev.captured`` when its capture still runs and no later record replaced it."""
+        c = ev.captured
+        if c is None or c[0].ended or c[3] != ev.epoch:
+            return None
+        return c
+
+    def _capture_wait(self, s: _Stream, ev: _Event, call: str) -> bool:
+        """A wait involving a capture: join, fork or refuse. True when it is fully handled."""
+        c = self._live_capture_of(ev)
+        if c is not None:
+            cap, src, pos = c[0], c[1], c[2]
+            if s.capture is None:  # a fork: s joins the capture
+                s.capture = cap
+                cap.streams.append(s)
+                return True
+            if s.capture is cap:  # a join
+                if pos > cap.joined.get(src, 0):
+                    cap.joined[src] = pos
+                return True
+            s.capture.invalidate("merge of two captures")
+            cap.invalidate("merge of two captures")
+            raise capture_error(902, call)
+        if s.capture is None or ev.done >= ev.epoch:
+            return s.capture is not None  # an event completed before: nothing to wait for
+        s.capture.invalidate(f"{call} on uncaptured work")
+        raise capture_error(905, call)
+
+    def _refuse_in_capture(self, call: str, s: _Stream | None = None,
+                           ev: _Event | None = None, device: int | None = None) -> None:
+        """Raise StreamCaptureError when a capture forbids ``call`` now (about stream ``s``,
+        event ``ev``, or every stream of ``device``), invalidating the captures that forbid
+        it. Called only while some capture runs (``self._captures`` is not empty)."""
+        if ev is not None:
+            c = self._live_capture_of(ev)
+            if c is not None:
+                c[0].invalidate(f"{call} of an event recorded in the capture")
+                raise capture_error(907, call)
+        me = threading.get_ident()
+        tmode = getattr(self._tls, "capture_mode", CAPTURE_MODE_GLOBAL)
+        blockers = []
+        for cap in list(self._captures.values()):
+            if (s is not None and s.capture is cap) or device == cap.origin.device:
+                blockers.append(cap)
+            elif tmode != CAPTURE_MODE_RELAXED and cap.mode != CAPTURE_MODE_RELAXED and (
+                    cap.thread == me or (tmode == CAPTURE_MODE_GLOBAL
+                                         and cap.mode == CAPTURE_MODE_GLOBAL)):
+                blockers.append(cap)
+        if blockers:
+            for cap in blockers:
+                cap.invalidate(f"{call} during the capture")
+            raise capture_error(900, call)
+
+    def _pageable(self, p: int) -> bool:
+        """Whether ``p`` is host memory that is not a pinned buffer of this simulator."""
+        if p >= FAKE_BASE:
+            return False
+        starts = self._host_starts
+        i = bisect.bisect_right(starts, p) - 1
+        if i < 0:
+            return True
+        entry = self._host.get(starts[i])
+        return entry is None or p >= starts[i] + entry[1]
+
+    def _refuse_pageable_copy(self, s: _Stream, dst: int, src: int, call: str) -> None:
+        """An asynchronous copy on capturing ``s`` must not touch pageable host memory."""
+        if self._pageable(dst) or self._pageable(src):
+            s.capture.invalidate(f"{call} with pageable host memory")
+            raise capture_error(900, call, "a copy to or from pageable host memory cannot be "
+                                "captured")
+
+    # -- operations (run in stream order)
+    def _graph_op(self, graph_exec: _GraphExec) -> None:
+        for _kind, fn, args in graph_exec.ops:
+            fn(*args)

@@ -1,0 +1,755 @@
+"""CUDA graphs with torch's names and semantics (``torch.cuda.graphs``).
+
+:class:`CUDAGraph` captures the work queued on a stream into a driver graph and replays it
+with one launch; :class:`graph` is the context manager around a capture;
+:func:`is_current_stream_capturing`; :func:`make_graphed_callables` for plain callables over
+:class:`~cudalab.array.DeviceArray`\\ s. Pool ids come from :mod:`cudalab.allocator.pools`
+(:func:`graph_pool_handle`).
+
+The lifecycle is torch 2.11's (``aten/src/ATen/cuda/CUDAGraph.cpp``):
+
+* ``capture_begin``: registers the current device's default generator state, runs every
+  registered state's ``capture_prologue`` (outside the capture), refuses the null stream,
+  routes the capture's allocations to the graph's private pool
+  (``begin_allocate_to_pool`` with a filter on the allocating stream's capture id, before the
+  capture begins), then begins the capture on the current stream;
+* ``capture_end``: ends the capture on the stream it began on, stops the routing, stores each
+  generator state's whole-graph offset increment, warns on an empty graph, and (unless
+  ``keep_graph``) instantiates the graph (flags ``AUTO_FREE_ON_LAUNCH | USE_NODE_PRIORITY``)
+  and destroys it (kept in debug mode for :meth:`CUDAGraph.debug_dump`);
+* ``replay``: each registered generator state's ``replay_prologue`` on the current stream,
+  then one graph launch;
+* ``reset`` (and garbage collection): destroys the graph and its executable, unregisters the
+  generator states and releases the private pool (its memory becomes releasable by
+  ``empty_cache()`` once no other graph shares it).
+
+An operation that the capture does not permit (a synchronize, an event or stream query, a
+copy to pageable host memory) raises :class:`cudalab.StreamCaptureError` naming it; the
+capture is then invalidated, and ending it (``capture_end()``, or leaving the ``with
+cudalab.graph(...)`` block, which always ends it) leaves everything ready for the next one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cudalab import _internal
+from cudalab import devices as _devices
+from cudalab import streams as _streams
+from cudalab._driver.base import (
+    CAPTURE_MODE_GLOBAL,
+    CAPTURE_MODE_RELAXED,
+    CAPTURE_MODE_THREAD_LOCAL,
+    CAPTURE_STATUS_NONE,
+    EVENT_DISABLE_TIMING,
+    GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH,
+    GRAPH_INSTANTIATE_USE_NODE_PRIORITY,
+)
+from cudalab.allocator.pools import check_pool_id, graph_pool_handle, new_graph_pool_id
+from cudalab.allocator.registry import get_allocator
+from cudalab.array import DeviceArray
+from cudalab.random import Generator, PhiloxState
+from cudalab.random.generator import all_default_generators
+
+__all__ = ["CUDAGraph", "graph", "graph_pool_handle", "is_current_stream_capturing",
+           "make_graphed_callables"]
+
+#: torch's ``capture_error_mode`` strings -> the driver's capture modes.
+CAPTURE_ERROR_MODES = {"global": CAPTURE_MODE_GLOBAL, "thread_local": CAPTURE_MODE_THREAD_LOCAL,
+                       "relaxed": CAPTURE_MODE_RELAXED}
+
+#: Instantiation flags, torch's: cudaGraphInstantiateFlagAutoFreeOnLaunch | UseNodePriority.
+INSTANTIATE_FLAGS = GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH | GRAPH_INSTANTIATE_USE_NODE_PRIORITY
+
+# CUDAGraph states (its repr shows them).
+#: Nothing captured (new, or after reset()).
+STATE_EMPTY = "empty"
+#: Between capture_begin() and capture_end().
+STATE_CAPTURING = "capturing"
+#: Captured, kept (keep_graph=True) and not instantiated yet.
+STATE_CAPTURED = "captured"
+#: Instantiated: replay() launches it.
+STATE_READY = "ready"
+
+_EMPTY_GRAPH_WARNING = ("The CUDA Graph is empty. This usually means that the graph was "
+                        "attempted to be captured on wrong device or stream.")
+_DEBUG_WARNING = "CUDA Graphs debug not enabled, set with [graph].enable_debug_mode()"
+
+#: (device, pool id) of private pools whose graph was collected while that device's
+#: allocator lock was held (the garbage collector can run a finalizer inside the allocator,
+#: and the lock is not re-entrant): released at the next capture_begin() or reset().
+_deferred_releases: list[tuple[int, tuple[int, int]]] = []
+
+
+def _release_pool(device: int, pool_id: tuple[int, int], finalizing: bool) -> None:
+    """Give back a graph's use of its pool; from a finalizer only when the allocator's lock
+    is free (else deferred, see ``_deferred_releases``)."""
+    alloc = get_allocator(device)
+    if finalizing and alloc._lock.locked():
+        _deferred_releases.append((device, pool_id))
+        return
+    alloc.release_pool(pool_id)
+
+
+def _release_deferred() -> None:
+    while _deferred_releases:
+        device, pool_id = _deferred_releases.pop()
+        get_allocator(device).release_pool(pool_id)
+
+
+#: Graphs being captured, by capture id (torch's capture-id map; guarded by ``_map_lock``).
+_capturing: dict[int, CUDAGraph] = {}
+_map_lock = threading.Lock()
+
+
+def is_current_stream_capturing() -> bool:
+    """Whether the current stream of the current device is being captured into a graph.
+
+    Returns False without initialising CUDA when it is not initialised (as torch).
+
+    Returns
+    -------
+    bool
+    """
+    if not _devices.is_initialized():
+        return False
+    s = _streams.current_stream()
+    return bool(_internal.backend().stream_is_capturing(_internal.stream_handle(s)))
+
+
+def _capture_mode(capture_error_mode: Any) -> int:
+    if not isinstance(capture_error_mode, str):
+        raise TypeError(f"capture_error_mode must be a str, got "
+                        f"{type(capture_error_mode).__name__}")
+    mode = CAPTURE_ERROR_MODES.get(capture_error_mode)
+    if mode is None:
+        raise RuntimeError("Unknown capture error mode. Expected `global`, `thread_local`, or "
+                           f"`relaxed`, got {capture_error_mode}")
+    return mode
+
+
+def _pool_id(pool: Any) -> tuple[int, int]:
+    """A pool id from ``pool=``: a ``(int, int)`` handle or a MemPool (its ``.id``)."""
+    pid = getattr(pool, "id", pool)
+    return check_pool_id(pid, "pool")
+
+
+class CUDAGraph:
+    """A CUDA graph: capture once, replay many times (``torch.cuda.CUDAGraph``).
+
+    Parameters
+    ----------
+    keep_graph : bool, optional
+        Keep the captured graph after :meth:`capture_end` instead of instantiating and
+        destroying it at once (torch's ``keep_graph``): :meth:`instantiate` (or the first
+        :meth:`replay`) then builds the executable, and :meth:`raw_cuda_graph` returns it.
+
+    Notes
+    -----
+    Capture on a non-default stream (:class:`graph` does it for you). Warm up first: the first
+    call of a kernel compiles and loads it, which a capture cannot contain. Replays run the
+    captured kernels on the same memory: copy new inputs into the tensors the capture read.
+    """
+
+    def __init__(self, keep_graph: bool = False):
+        if not isinstance(keep_graph, bool):
+            raise TypeError(f"keep_graph must be a bool, got {type(keep_graph).__name__}")
+        self._keep_graph = keep_graph
+        self._state = STATE_EMPTY
+        self._backend: Any = None
+        self._graph: Any = None  # the driver graph: kept with keep_graph or in debug mode
+        self._exec: Any = None  # the executable graph, once instantiated
+        self._device = -1  # the capture's device
+        self._stream: _streams.Stream | None = None  # the capture stream
+        self._capture_id = 0  # the driver's id of the capture (0 outside)
+        self._mode = CAPTURE_MODE_GLOBAL
+        self._pool: tuple[int, int] | None = None  # the private pool's id, once captured
+        self._routed = False  # allocations are routed to the pool (begin..end_allocate)
+        self._holds_pool = False  # this graph counts as a use of the pool (until reset)
+        self._debug = False
+        #: generator state -> whole-graph offset increment (0 until capture_end)
+        self._states: dict[PhiloxState, int] = {}
+        self._replay_states: tuple[tuple[PhiloxState, int], ...] = ()
+        self._node_count = 0  # nodes of the captured graph (0 before capture_end)
+        self._alloc_streams: set[int] = set()  # during capture: streams routed to the pool
+        #: (stream key, handle) of the streams that allocated in the capture, and the event
+        #: each replay on another stream records for them to wait on (None: no allocation)
+        self._join_streams: tuple[tuple[int, Any], ...] = ()
+        self._join_event: Any = None
+
+    def __repr__(self) -> str:
+        parts = [f"state={self._state}"]
+        if self._state != STATE_EMPTY:
+            sim = " (simulated)" if self._backend is not None and self._backend.simulated else ""
+            parts.append(f"device=cuda:{self._device}{sim}")
+            parts.append(f"pool={self._pool}")
+        if self._state in (STATE_CAPTURED, STATE_READY):
+            parts.append(f"nodes={self._node_count}")
+        if self._states:
+            parts.append(f"generators={len(self._states)}")
+        if self._keep_graph:
+            parts.append("keep_graph=True")
+        if self._debug:
+            parts.append("debug")
+        return f"<cudalab.CUDAGraph {' '.join(parts)}>"
+
+    # ------------------------------------------------------------------ capture
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        """Begin capturing the work queued on the current stream.
+
+        Parameters
+        ----------
+        pool : tuple of (int, int), MemPool or None, optional
+            Share the private memory pool of this id (``other_graph.pool()``,
+            :func:`graph_pool_handle`, a ``MemPool``) instead of a new one.
+        capture_error_mode : {"global", "thread_local", "relaxed"}, optional
+            Which threads' unsafe calls (synchronize, query, ...) the capture refuses while
+            it runs, as the driver's ``cudaStreamCaptureMode`` defines.
+
+        Raises
+        ------
+        RuntimeError
+            This graph already owns a captured graph; the current stream is the default
+            stream; unknown ``capture_error_mode``.
+        TypeError, ValueError
+            A ``pool`` that is not a pool id.
+        """
+        if self._state != STATE_EMPTY:
+            raise RuntimeError("This CUDAGraph instance already owns a captured graph. To "
+                               "capture a new graph, create a new instance.")
+        mode = _capture_mode(capture_error_mode)
+        if _deferred_releases:
+            _release_deferred()
+        pid = None if pool is None else _pool_id(pool)
+        b = _internal.backend()
+        dev = _devices.current_device()
+        stream = _streams.current_stream(dev)
+        if stream._null:
+            raise RuntimeError("CUDA graphs must be captured on a non-default stream. (However, "
+                               "after capture, it's ok to replay them on the default stream.)")
+        handle = _internal.stream_handle(stream)
+        # RNG: the default generator joins the registered states; prologues run before the
+        # capture (their fills are not captured).
+        default_state = all_default_generators()[dev].graph_state
+        if default_state not in self._states:
+            default_state.register_graph(self)
+            self._states[default_state] = 0
+        for st in self._states:
+            st.capture_prologue(stream)
+        self._backend, self._device, self._stream, self._mode = b, dev, stream, mode
+        self._pool = new_graph_pool_id() if pid is None else pid
+        capture_id = [0]  # read by the filter: set once the capture has begun
+        alloc_streams = self._alloc_streams = set()  # streams whose allocations it routed
+
+        def in_this_capture(stream_key: int) -> bool:
+            if not stream_key or not capture_id[0]:
+                return False
+            try:
+                info = b.stream_capture_info(b.stream_from_int(dev, stream_key))
+            except Exception:  # noqa: BLE001 - a stream the driver cannot tell about
+                return False
+            if info[1] == capture_id[0]:
+                alloc_streams.add(stream_key)
+                return True
+            return False
+
+        try:
+            try:
+                get_allocator(dev).begin_allocate_to_pool(self._pool, in_this_capture)
+                self._routed = self._holds_pool = True
+            except NotImplementedError:
+                pass  # an allocator without private pools (cudaMallocAsync, pluggable, ...)
+            b.stream_begin_capture(handle, mode)
+        except BaseException:
+            self._abandon()
+            raise
+        capture_id[0] = self._capture_id = b.stream_capture_info(handle)[1]
+        with _map_lock:
+            _capturing[self._capture_id] = self
+        self._state = STATE_CAPTURING
+
+    def capture_end(self) -> None:
+        """End the capture (on the stream it began on) and, unless ``keep_graph``,
+        instantiate the graph.
+
+        Raises
+        ------
+        RuntimeError
+            Not capturing, or the current stream is not the capture stream.
+        StreamCaptureError
+            The capture was invalidated by an operation it does not permit (the graph is
+            left empty, ready for a new capture).
+        """
+        if self._state != STATE_CAPTURING:
+            raise RuntimeError("capture_end() called before capture_begin().")
+        stream = _streams.current_stream(self._device)
+        if stream != self._stream:
+            raise RuntimeError("Capture must end on the same stream it began on.")
+        b = self._backend
+        try:
+            g = b.stream_end_capture(_internal.stream_handle(stream))
+        except BaseException:
+            self._abandon()
+            raise
+        with _map_lock:
+            _capturing.pop(self._capture_id, None)
+        self._capture_id = 0
+        self._end_routing()
+        for st in self._states:
+            self._states[st] = st.capture_epilogue()
+        # A state the graph draws nothing from needs no refresh before a replay (its words
+        # are not read, its offset does not move; newer torch skips it too).
+        self._replay_states = tuple((st, inc) for st, inc in self._states.items() if inc)
+        if self._alloc_streams:
+            # Arrays allocated in the capture belong to the capture's streams, where their
+            # reads (numpy(), copies) are ordered: each replay on another stream makes them
+            # wait for it (one event), so a read never sees a replay half done.
+            self._join_event = b.event_create(self._device, EVENT_DISABLE_TIMING)
+            self._join_streams = tuple((key, b.stream_from_int(self._device, key))
+                                       for key in sorted(self._alloc_streams))
+        self._alloc_streams = set()
+        self._graph = g
+        self._node_count = b.graph_node_count(g)
+        if not self._node_count:
+            warnings.warn(_EMPTY_GRAPH_WARNING, UserWarning, stacklevel=2)
+        self._state = STATE_CAPTURED
+        if not self._keep_graph:
+            self._instantiate()
+            if not self._debug:
+                b.graph_destroy(g)
+                self._graph = None
+
+    def _end_routing(self) -> None:
+        if self._routed:
+            self._routed = False
+            get_allocator(self._device).end_allocate_to_pool(self._pool)
+
+    def _abandon(self) -> None:
+        """Undo a capture that failed: stop routing, release the pool, leave capture mode
+        on the generator states, forget the capture; the graph is empty again."""
+        with _map_lock:
+            _capturing.pop(self._capture_id, None)
+        self._capture_id = 0
+        try:
+            self._end_routing()
+        finally:
+            for st in self._states:
+                st.capture_epilogue()
+            self.reset()
+
+    # ------------------------------------------------------------------ executable
+    def instantiate(self) -> None:
+        """Build the executable graph of a graph kept with ``keep_graph=True`` (again, if it
+        was already built).
+
+        Raises
+        ------
+        RuntimeError
+            Before capture_end(), or without ``keep_graph`` (capture_end() instantiates).
+        """
+        if self._state not in (STATE_CAPTURED, STATE_READY):
+            raise RuntimeError("capture_end() must have been called before calling instantiate")
+        if not self._keep_graph:
+            raise RuntimeError("instantiate() is intended to be called by the user only when "
+                               "keep_graph=true")
+        self._instantiate()
+
+    def _instantiate(self) -> None:
+        b = self._backend
+        if self._exec is not None:
+            b.graph_exec_destroy(self._exec)
+            self._exec = None
+        self._exec = b.graph_instantiate(self._graph, INSTANTIATE_FLAGS)
+        self._state = STATE_READY
+
+    def replay(self) -> None:
+        """Launch the graph on the current stream (each generator state first advances, so
+        every replay draws fresh random numbers).
+
+        Raises
+        ------
+        RuntimeError
+            Nothing was captured.
+        """
+        ex = self._exec
+        if ex is None:
+            if self._state == STATE_CAPTURED:  # keep_graph: instantiate on first replay
+                self._instantiate()
+                ex = self._exec
+            else:
+                raise RuntimeError("Called CUDAGraph::replay without a preceding successful "
+                                   "capture.")
+        stream = _streams.current_stream(self._device)
+        for st, inc in self._replay_states:
+            st.replay_prologue(inc, stream)
+        if stream._null:
+            _internal.ensure_context(self._device)
+        # (the handle read directly, not through _internal.stream_handle: the replay row of
+        # benchmarks/graphs.py counts every frame)
+        b = self._backend
+        b.graph_launch(ex, stream._handle)
+        if self._join_streams:
+            key = stream.cuda_stream
+            ev = self._join_event
+            recorded = False
+            for skey, handle in self._join_streams:
+                if skey != key:
+                    if not recorded:
+                        b.event_record(ev, stream._handle)
+                        recorded = True
+                    b.stream_wait_event(handle, ev)
+
+    def reset(self) -> None:
+        """Destroy the graph and its executable, unregister the generator states and release
+        the private pool; the object can capture again.
+
+        Raises
+        ------
+        RuntimeError
+            During a capture (end it first).
+        """
+        if self._state == STATE_CAPTURING and self._capture_id:
+            raise RuntimeError("CUDAGraph.reset() cannot be called during a capture; call "
+                               "capture_end() first")
+        _release_deferred()
+        self._teardown(finalizing=False)
+
+    def _teardown(self, finalizing: bool) -> None:
+        b = self._backend
+        try:
+            if self._exec is not None:
+                ex, self._exec = self._exec, None
+                b.graph_exec_destroy(ex)
+            if self._graph is not None:
+                g, self._graph = self._graph, None
+                b.graph_destroy(g)
+        finally:
+            for st in list(self._states):
+                st.unregister_graph(self)
+            self._states.clear()
+            self._replay_states = ()
+            self._node_count = 0
+            self._join_streams = ()
+            if self._join_event is not None:
+                ev, self._join_event = self._join_event, None
+                b.event_destroy(ev)
+            if self._holds_pool:
+                self._holds_pool = False
+                assert self._pool is not None
+                _release_pool(self._device, self._pool, finalizing)
+            self._state = STATE_EMPTY
+
+    def __del__(self) -> None:
+        if sys.is_finalizing() or getattr(self, "_state", STATE_EMPTY) == STATE_EMPTY:
+            return
+        if self._state == STATE_CAPTURING:
+            return  # a capture still running keeps its stream; nothing safe to do here
+        try:
+            self._teardown(finalizing=True)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    # ------------------------------------------------------------------ accessors
+    def pool(self) -> tuple[int, int]:
+        """The id of this graph's private memory pool, to share it with a later capture.
+
+        Raises
+        ------
+        RuntimeError
+            Before a successful capture.
+        """
+        if self._state not in (STATE_CAPTURED, STATE_READY):
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful "
+                               "capture.")
+        assert self._pool is not None
+        return self._pool
+
+    def register_generator_state(self, state: Any) -> None:
+        """Register a generator (or its ``graph_state``) so that replays advance it too.
+
+        Parameters
+        ----------
+        state : cudalab.random.Generator or cudalab.random.PhiloxState
+
+        Raises
+        ------
+        TypeError
+            Neither a Generator nor a PhiloxState.
+        """
+        if isinstance(state, Generator):
+            state = state.graph_state
+        if not isinstance(state, PhiloxState):
+            raise TypeError(f"register_generator_state expects a cudalab.random.Generator or "
+                            f"PhiloxState, got {type(state).__name__}")
+        if state not in self._states:
+            state.register_graph(self)
+            self._states[state] = 0
+
+    def enable_debug_mode(self) -> None:
+        """Keep the captured graph after instantiation, for :meth:`debug_dump`."""
+        self._debug = True
+
+    def debug_dump(self, path: str | os.PathLike) -> None:
+        """Write the graph as the driver's verbose DOT file at ``path`` (atomically).
+
+        Needs :meth:`enable_debug_mode` before capture (else warns and writes nothing).
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+        """
+        target = os.fspath(path)
+        if not isinstance(target, str):
+            raise TypeError(f"debug_dump: path must be a str or os.PathLike of str, got "
+                            f"{type(target).__name__}")
+        if not self._debug or self._graph is None:
+            warnings.warn(_DEBUG_WARNING, UserWarning, stacklevel=2)
+            return
+        directory = os.path.dirname(os.path.abspath(target))
+        fd, tmp = tempfile.mkstemp(prefix=".cudalab-graph-", suffix=".dot", dir=directory)
+        os.close(fd)
+        try:
+            self._backend.graph_debug_dot_print(self._graph, tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def raw_cuda_graph(self) -> int:
+        """The driver's ``CUgraph`` handle as an int (needs ``keep_graph=True``)."""
+        if not self._keep_graph:
+            raise RuntimeError("You cannot access the raw cudaGraph_t instance unless CUDAGraph "
+                               "was initialized with keep_graph=true")
+        if self._graph is None:
+            raise RuntimeError("You cannot access the raw cudaGraph_t instance until "
+                               "capture_end() has been called")
+        return int(self._backend.handle_int(self._graph))
+
+    def raw_cuda_graph_exec(self) -> int:
+        """The driver's ``CUgraphExec`` handle as an int (after instantiation)."""
+        if self._exec is None:
+            raise RuntimeError("You cannot access the raw cudaGraphExec_t instance until "
+                               "instantiate() has been called")
+        return int(self._backend.handle_int(self._exec))
+
+    def node_kinds(self) -> list[str]:
+        """The kind of each node of the captured graph ("kernel", "memcpy", "memset", ...).
+
+        Not in torch (what ``%%cuda_timed --graph`` counts). It reads the graph, which is
+        kept only with ``keep_graph=True`` or :meth:`enable_debug_mode` (capture_end
+        destroys it otherwise, as torch).
+
+        Raises
+        ------
+        RuntimeError
+            No graph is kept.
+        """
+        if self._graph is None:
+            raise RuntimeError("CUDAGraph.node_kinds() reads the captured graph: create the "
+                               "CUDAGraph with keep_graph=True (or call enable_debug_mode() "
+                               "before the capture)")
+        return self._backend.graph_node_kinds(self._graph)
+
+    @staticmethod
+    def get_currently_capturing_graph() -> CUDAGraph:
+        """The graph whose capture the current stream belongs to.
+
+        Raises
+        ------
+        RuntimeError
+            The current stream is not capturing, or not into a CUDAGraph.
+        """
+        b = _internal.backend()
+        status, cid = b.stream_capture_info(_internal.stream_handle(_streams.current_stream()))
+        if status == CAPTURE_STATUS_NONE:
+            raise RuntimeError("The current stream is not currently capturing.")
+        with _map_lock:
+            g = _capturing.get(cid)
+        if g is None:
+            raise RuntimeError(
+                "get_currently_capturing_graph() can be used only between capture_begin() and "
+                "capture_end(). Did you use a stream without making it depend upon the "
+                "original stream used for capture?")
+        return g
+
+
+class graph:  # noqa: N801 - torch's name
+    """Context manager capturing the block into ``cuda_graph`` (``torch.cuda.graph``).
+
+    On entry: synchronize, ``empty_cache()``, make the capture stream current and begin the
+    capture; on exit (also when the block raises) end the capture and restore the stream.
+    When the block raised, its exception propagates (the failed capture_end is noted on it).
+
+    Parameters
+    ----------
+    cuda_graph : CUDAGraph
+    pool : tuple of (int, int), MemPool or None, optional
+        Share this private memory pool (see :meth:`CUDAGraph.capture_begin`).
+    stream : Stream or None, optional
+        The capture stream; default: one side stream shared by every ``graph`` of the
+        process (:attr:`default_capture_stream`, as torch).
+    capture_error_mode : {"global", "thread_local", "relaxed"}, optional
+
+    Raises
+    ------
+    TypeError
+        ``cuda_graph`` is not a CUDAGraph, or ``stream`` not a Stream.
+    """
+
+    #: The side stream captures use when no stream is given (created on first use).
+    default_capture_stream: _streams.Stream | None = None
+
+    def __init__(self, cuda_graph: CUDAGraph, pool: Any = None,
+                 stream: _streams.Stream | None = None, capture_error_mode: str = "global"):
+        if not isinstance(cuda_graph, CUDAGraph):
+            raise TypeError(f"graph(): cuda_graph must be a cudalab.CUDAGraph, got "
+                            f"{type(cuda_graph).__name__}")
+        if stream is not None and not isinstance(stream, _streams.Stream):
+            raise TypeError(f"graph(): stream must be a cudalab.Stream, got "
+                            f"{type(stream).__name__}")
+        _capture_mode(capture_error_mode)
+        if stream is None:
+            if graph.default_capture_stream is None:
+                graph.default_capture_stream = _streams.Stream()
+            stream = graph.default_capture_stream
+        self.cuda_graph = cuda_graph
+        self.pool: tuple[Any, ...] = () if pool is None else (pool,)
+        self.capture_stream = stream
+        self.capture_error_mode = capture_error_mode
+        self._stream_ctx = _streams.stream(stream)
+
+    def __enter__(self) -> None:
+        from cudalab.memory import empty_cache
+
+        _devices.synchronize()
+        empty_cache()
+        self._stream_ctx.__enter__()
+        try:
+            self.cuda_graph.capture_begin(self.pool[0] if self.pool else None,
+                                          capture_error_mode=self.capture_error_mode)
+        except BaseException:
+            self._stream_ctx.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            self.cuda_graph.capture_end()
+        except BaseException as end_error:
+            if exc is None:
+                raise
+            exc.add_note(f"(the capture was abandoned: capture_end() raised {end_error})")
+        finally:
+            self._stream_ctx.__exit__(None, None, None)
+
+
+def _arrays(value: Any, what: str) -> tuple[DeviceArray, ...]:
+    items = value if isinstance(value, tuple) else (value,)
+    for i, item in enumerate(items):
+        if not isinstance(item, DeviceArray):
+            raise TypeError(f"make_graphed_callables: {what} {i} must be a cudalab DeviceArray, "
+                            f"got {type(item).__name__}")
+    return items
+
+
+def make_graphed_callables(callables: Any, sample_args: Any, num_warmup_iters: int = 3,
+                           pool: Any = None) -> Any:
+    """Graphed versions of plain callables over DeviceArrays (``torch.cuda.make_graphed_callables``
+    without autograd).
+
+    Each callable is warmed up ``num_warmup_iters`` times on a side stream, then captured once
+    with its sample arguments as the static input buffers, all captures sharing one private
+    pool. The returned callable copies its arguments into the static inputs (an argument
+    that *is* the static input is not copied), replays the graph and returns the static
+    outputs (the same arrays every call: copy them to keep a result past the next call).
+
+    Differences from torch: there is no autograd here, so only the forward pass is captured
+    (torch also captures the backward pass and returns ``torch.autograd.Function``\\ s or
+    modules); the callables must take and return DeviceArrays (one, or a tuple), with no
+    keyword arguments; ``allow_unused_input`` and ``capture_error_mode`` are not offered.
+    As in torch, graphs sharing the pool must be replayed in the order they were captured.
+
+    Parameters
+    ----------
+    callables : callable or tuple of callables
+    sample_args : tuple of DeviceArray, or a tuple of such tuples (one per callable)
+    num_warmup_iters : int, optional
+        Eager calls before the capture (kernels compile and load there), default 3.
+    pool : tuple of (int, int), MemPool or None, optional
+        The private pool to share (default: a new :func:`graph_pool_handle`).
+
+    Returns
+    -------
+    callable or tuple of callables
+        In the shape of ``callables``.
+
+    Raises
+    ------
+    TypeError
+        A callable that is not callable, an argument or output that is not a DeviceArray.
+    ValueError
+        ``num_warmup_iters`` negative, or as many argument tuples as callables missing; a
+        call of a graphed callable with arguments of other shapes or dtypes.
+    """
+    single = not isinstance(callables, tuple)
+    fns: Sequence[Callable[..., Any]] = (callables,) if single else callables
+    args_list = (sample_args,) if single else sample_args
+    if not isinstance(args_list, tuple) or len(args_list) != len(fns):
+        raise ValueError(f"make_graphed_callables: sample_args must hold one tuple of arguments "
+                         f"per callable ({len(fns)})")
+    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):
+        raise TypeError(f"num_warmup_iters must be an int, got {type(num_warmup_iters).__name__}")
+    if num_warmup_iters < 0:
+        raise ValueError(f"num_warmup_iters must be >= 0, got {num_warmup_iters}")
+    statics = []
+    for i, (fn, args) in enumerate(zip(fns, args_list, strict=True)):
+        if not callable(fn):
+            raise TypeError(f"make_graphed_callables: callables[{i}] is not callable")
+        statics.append(_arrays(args, f"sample_args[{i}] item"))
+    mempool = graph_pool_handle() if pool is None else pool
+    _devices.synchronize()
+    side = _streams.Stream()
+    side.wait_stream(_streams.current_stream())
+    with _streams.stream(side):
+        for _ in range(num_warmup_iters):
+            for fn, args in zip(fns, statics, strict=True):
+                fn(*args)
+    _streams.current_stream().wait_stream(side)
+    graphed = []
+    for fn, args in zip(fns, statics, strict=True):
+        g = CUDAGraph()
+        with graph(g, pool=mempool, stream=side):
+            out = fn(*args)
+        outputs = _arrays(out, "output")
+        graphed.append(_graphed(g, args, out, outputs))
+    return graphed[0] if single else tuple(graphed)
+
+
+def _graphed(g: CUDAGraph, static_inputs: tuple[DeviceArray, ...], result: Any,
+             outputs: tuple[DeviceArray, ...]) -> Callable[..., Any]:
+    shapes = [(a.shape, a.dtype) for a in static_inputs]
+
+    def replay(*args: DeviceArray) -> Any:
+        if len(args) != len(static_inputs):
+            raise ValueError(f"graphed callable takes {len(static_inputs)} arguments, got "
+                             f"{len(args)}")
+        for i, (a, static) in enumerate(zip(args, static_inputs, strict=True)):
+            if a is static:
+                continue
+            if not isinstance(a, DeviceArray) or (a.shape, a.dtype) != shapes[i]:
+                raise ValueError(f"graphed callable: argument {i} must be a DeviceArray of "
+                                 f"shape {shapes[i][0]} and dtype {shapes[i][1]}")
+            static.copy_(a)
+        g.replay()
+        return result
+
+    replay.graph = g  # type: ignore[attr-defined]
+    replay.outputs = outputs  # type: ignore[attr-defined]
+    return replay
+
