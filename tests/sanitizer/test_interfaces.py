@@ -155,9 +155,12 @@ def test_the_html_table():
 def test_record_launch_arguments():
     cudalab.init()
     a = cudalab.empty(16)
+    # (both streams stay alive: a destroyed stream's handle may be reused by the next one,
+    # which the sanitizer then takes for the same stream, as the docs say)
+    s1, s2 = cudalab.Stream(), cudalab.Stream()
     with sanitizer.sanitize("collect") as session:
-        sanitizer.record_launch(writes=a, stream=cudalab.Stream())
-        sanitizer.record_launch(writes=[(a.data_ptr(), 4)], stream=cudalab.Stream())
+        sanitizer.record_launch(writes=a, stream=s1)
+        sanitizer.record_launch(writes=[(a.data_ptr(), 4)], stream=s2)
         sanitizer.record_launch(reads=[a.data_ptr() + 8])  # an int: to the allocation's end
         with pytest.raises(TypeError, match="reads must hold arrays"):
             sanitizer.record_launch(reads=["a"])
