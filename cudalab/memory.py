@@ -45,7 +45,6 @@ from cudalab.allocator.registry import (
 )
 from cudalab.allocator.registry import allocators as _allocators  # (likewise)
 from cudalab.allocator.scope import PeakScope, peak_scope
-from cudalab.errors import StreamCaptureError, name_operation
 from cudalab.allocator.stats import STAT_KEYS, nested_from_flat, render_memory_summary, zero_stats
 from cudalab.allocator.uncached import UncachedAllocator
 
@@ -377,26 +376,9 @@ def memory_snapshot(mempool_id: Any = None) -> list[dict]:
     if not _active and _internal.is_initialized():
         allocator_config()  # a malformed setting raises, as in every reader (see _reader)
     if _internal.is_initialized():
-        _refuse_during_capture("cudalab.memory.memory_snapshot()")
+        _streams.refuse_during_capture("cudalab.memory.memory_snapshot()")
     return snapshot_all_devices(mempool_id)
 
-
-def _refuse_during_capture(operation: str) -> None:
-    """Raise :class:`~cudalab.StreamCaptureError` naming ``operation`` when the current
-    stream is being captured into a CUDA graph (issue 18: the allocator's cache and its
-    snapshot are not touched mid-capture). The capture is invalidated the way the driver
-    invalidates it for any refused call (a stream query on the capturing stream), so the
-    error reads as for ``synchronize()``, and ending the capture reports it broken."""
-    stream = _streams.current_stream()
-    handle = _internal.stream_handle(stream)
-    backend = _internal.backend()
-    if not backend.stream_is_capturing(handle):
-        return
-    try:
-        backend.stream_query(handle)  # refused while capturing: the driver invalidates it
-    except StreamCaptureError as exc:
-        raise name_operation(exc, operation) from exc
-    raise StreamCaptureError(operation=operation)
 
 
 def private_pools(device: Any = None) -> list[dict]:
@@ -502,7 +484,7 @@ def empty_cache() -> None:
     """
     if not _internal.is_initialized():
         return
-    _refuse_during_capture("cudalab.memory.empty_cache()")
+    _streams.refuse_during_capture("cudalab.memory.empty_cache()")
     for a in list(_active):
         a.empty_cache()
     # torch's emptyCache runs on every device's allocator, so its num_sync_all_streams moves

@@ -485,3 +485,23 @@ class StreamContext:
 def stream(stream: Stream | None) -> StreamContext:
     """Context manager selecting ``stream`` (``torch.cuda.stream``)."""
     return StreamContext(stream)
+
+
+def refuse_during_capture(operation: str) -> None:
+    """Raise :class:`~cudalab.StreamCaptureError` naming ``operation`` when the current
+    stream is being captured into a CUDA graph (``empty_cache()``, ``memory_snapshot()``:
+    the allocator's cache and its snapshot are not touched mid-capture).
+
+    The capture is invalidated the way the driver invalidates it for any refused call (a
+    stream query on the capturing stream), so the error reads as for ``synchronize()``, and
+    ending the capture reports it broken."""
+    stream = current_stream()
+    handle = stream._handle
+    backend = stream._b
+    if not backend.stream_is_capturing(handle):
+        return
+    try:
+        backend.stream_query(handle)  # refused while capturing: the driver invalidates it
+    except StreamCaptureError as exc:
+        raise name_operation(exc, operation) from exc
+    raise StreamCaptureError(operation=operation)
