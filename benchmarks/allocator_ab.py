@@ -1,4 +1,4 @@
-"""Allocator rows of two checkouts side by side: before/after tables for a change.
+"""Allocator benchmark of two checkouts side by side: before/after tables for a change.
 
 Runs ``allocator.latency`` (benchmarks/allocator.py: the cache-hit pairs and the stats
 getters) in fresh processes that alternate between a BEFORE checkout and this one (the
