@@ -86,6 +86,7 @@ class CacheState(Allocator):
     _release_freeable_pools: Callable[..., None]
     _settle_releases: Callable[[], None]
     _route: Callable[[int], Any]
+    _best_fit_in: Callable[[Any, int], Block | None]
     _malloc_routed: Callable[[int, int], int]
     _record_use_events: Callable[[Block, set], None]
 

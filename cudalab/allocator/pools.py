@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from cudalab.allocator.blocks import FREE, KEY_SHIFT, Block, BlockPool, FreeList
+from cudalab.allocator.blocks import FREE, Block, BlockPool, FreeList
 from cudalab.allocator.cache_state import CacheState
+from cudalab.allocator.config import SMALL_SIZE
 from cudalab.allocator.hooks import report_pool_segment
 from cudalab.allocator.policy import allocation_size, round_size
 from cudalab.errors import CudaError, OutOfMemoryError
@@ -495,13 +495,8 @@ class PrivatePools(CacheState):
         miss, torch's split rule unless the pool is ``no_split``."""
         if self._pending_frees:
             self._drain_pending_frees()
-        if size <= 512:
-            rs = 512
-        elif self._rounding:
-            rs = round_size(size, self.config)
-        else:
-            rs = (size + 511) & -512
-        small = rs <= 1048576
+        rs = round_size(size, self.config)  # (malloc's hit path inlines it)
+        small = rs <= SMALL_SIZE
         pool = self.small if small else self.large
         pp = self._route(skey)
         if self._gc_on:
@@ -529,20 +524,6 @@ class PrivatePools(CacheState):
             st.decrease(pool, "n_split", 1)
             st.decrease(pool, "b_split", bsize)
         return self._account_alloc(pool, b, b.ptr, bsize, size, skey)
-
-    def _best_fit_in(self, fl: FreeList, rs: int) -> Block | None:
-        """torch's get_free_block in one free list; takes the block out of it."""
-        keys, entries = fl.keys, fl.entries
-        i = bisect_left(keys, rs << KEY_SHIFT)
-        while i < len(keys):
-            b = entries[keys[i]]
-            if b is not None:
-                if self._split_limited and self._oversize_reject(rs, b.size):
-                    return None
-                entries[keys[i]] = None
-                return b
-            i += 1
-        return None
 
     def _malloc_slow_routed(self, rs: int, pool: BlockPool, skey: int,
                             pp: PrivatePool | None) -> Block:

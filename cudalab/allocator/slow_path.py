@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from cudalab.allocator.base import oom_text
-from cudalab.allocator.blocks import DETACHED, KEY_SHIFT, Block, BlockPool
+from cudalab.allocator.blocks import DETACHED, KEY_SHIFT, Block, BlockPool, FreeList
 from cudalab.allocator.cache_state import CacheState
 from cudalab.allocator.hooks import report_pool_segment
 from cudalab.allocator.oom_observers import notify_out_of_memory
@@ -63,8 +63,11 @@ class SlowPath(CacheState):
         if self._gc_on:
             pool.gc_calls += 1
         fl = pool.lists.get(skey)
-        if fl is None:
-            return None
+        return None if fl is None else self._best_fit_in(fl, rs)
+
+    def _best_fit_in(self, fl: FreeList, rs: int) -> Block | None:
+        """torch's get_free_block in one free list (the default pools' or a private
+        pool's); takes the block out of it. (malloc's hit path inlines the same search.)"""
         keys, entries = fl.keys, fl.entries
         i = bisect_left(keys, rs << KEY_SHIFT)
         while i < len(keys):
