@@ -13,6 +13,7 @@ import pytest
 from tests.helpers.gpu import BACKEND as _BACKEND  # noqa: E402 - decides the backend first
 from tests.helpers.gpu import HAS_GPU  # noqa: E402
 from tests.helpers.gpu import REASON as _REASON  # noqa: E402
+from tests.helpers.interrupts import deferring  # noqa: E402,F401 - the fixture, for every test
 
 
 def pytest_configure(config):

@@ -28,17 +28,6 @@ def in_allocator(frame) -> bool:
     return os.path.dirname(frame.f_code.co_filename) == ALLOCATOR_DIR
 
 
-@pytest.fixture
-def deferring():
-    """cudalab's SIGINT wrapper installed over Python's default handler (then restored)."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        assert _interrupts.install()
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-
-
 def make(backend) -> DeviceCachingAllocator:
     return DeviceCachingAllocator(backend, 0, AllocatorConfig(), stream_resolver=lambda: 0)
 

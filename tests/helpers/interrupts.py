@@ -18,6 +18,10 @@ from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
+import pytest
+
+from cudalab import _interrupts
+
 #: How long to wait for a deferred interrupt before calling it lost.
 DELIVERY_TIMEOUT = 2.0
 
@@ -121,3 +125,15 @@ def frames_of(tb: TracebackType | None) -> list[FrameType]:
         out.append(tb.tb_frame)
         tb = tb.tb_next
     return out
+
+
+@pytest.fixture
+def deferring() -> Iterator[None]:
+    """cudalab's SIGINT wrapper installed over Python's default handler (then restored).
+    tests/conftest.py makes it available to every test."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert _interrupts.install()
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -11,24 +11,11 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 import cudalab
-from cudalab import _interrupts
 from tests.helpers.interrupts import count_events, frames_of, interrupt_at
 
 CUDALAB_DIR = os.path.dirname(os.path.abspath(cudalab.__file__))
 ROOT = os.path.dirname(CUDALAB_DIR)
-
-
-@pytest.fixture
-def deferring():
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        assert _interrupts.install()
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 def _del_frames(frame) -> bool:
