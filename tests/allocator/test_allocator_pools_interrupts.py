@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 
 from cudalab.allocator import pools
-from tests.allocator.test_allocator_interrupts import (  # noqa: F401 - deferring: a fixture
+from tests.allocator.test_allocator_interrupts import (
     KiB,
     MiB,
     check_after,
-    deferring,
     in_allocator,
     make,
 )
