@@ -43,6 +43,7 @@ from cudalab.errors import (
     CudaUnavailableError,
     DriverNotFoundError,
     KernelCompileError,
+    NcclError,
     NvmlError,
     OutOfMemoryError,
     StreamCaptureError,
@@ -117,7 +118,7 @@ _LAZY: dict[str, str] = {
     },
 }
 _SUBMODULES = {"blas", "memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
-               "random", "interop", "jiterator", "sanitizer", "graphs"}
+               "random", "interop", "jiterator", "sanitizer", "graphs", "comm", "nccl"}
 
 
 def __getattr__(name: str) -> Any:
@@ -155,7 +156,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CublasError", "CudaError", "CudaUnavailableError", "Device", "DeviceProperties",
-    "DriverNotFoundError", "Event", "ExternalStream", "KernelCompileError", "NvmlError", "OutOfMemoryError", "Stream",
+    "DriverNotFoundError", "Event", "ExternalStream", "KernelCompileError", "NcclError", "NvmlError", "OutOfMemoryError", "Stream",
     "StreamCaptureError",
     "StreamContext", "can_device_access_peer", "check_error", "current_device",
     "current_stream", "default_stream", "device", "device_count", "device_of", "get_arch_list",

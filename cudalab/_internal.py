@@ -16,6 +16,8 @@ What it offers
 * **Raw handles**: :func:`stream_handle` and :func:`event_handle`, the opaque seam handles
   owned by a :class:`cudalab.Stream` / :class:`cudalab.Event`.
 * **Launch observers**: :data:`launch_observers`, called by every runtime kernel launch.
+* **Collective observers**: :data:`collective_observers`, told of every collective as a
+  :class:`CollectiveRecord` (:func:`notify_collective` tells them).
 * **Files**: :func:`atomic_write` and :func:`write_bytes_atomic` (see
   :mod:`cudalab._atomic_write`): every file cudalab writes replaces its target atomically, so
   a failed export leaves the previous file intact.
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cudalab import _interrupts
 from cudalab import devices as _devices
@@ -78,6 +80,9 @@ __all__ = [
     "format_time",
     "is_initialized",
     "launch_observers",
+    "collective_observers",
+    "CollectiveRecord",
+    "notify_collective",
     "parse_size",
     "stop_delivering_interrupts_in",
     "stream_handle",
@@ -144,6 +149,39 @@ event_handle: Callable[[Any], Any] = attrgetter("_handle")
 #: one check per launch. The kernel facility and the RNG bind this list object at import,
 #: so it is mutated in place, never rebound.
 launch_observers: list[Callable[..., Any]] = []
+
+
+class CollectiveRecord(NamedTuple):
+    """One collective call, as :data:`collective_observers` are told of it.
+
+    ``algorithm_bytes`` and ``bus_factor`` follow NVIDIA's nccl-tests (``doc/PERFORMANCE.md``),
+    so that algorithm bandwidth = ``algorithm_bytes / time`` and bus bandwidth = algorithm
+    bandwidth x ``bus_factor``: for all_reduce S = count x element size and factor 2(n-1)/n;
+    all_gather and reduce_scatter S = the whole gathered array, factor (n-1)/n; broadcast and
+    reduce S = count x element size, factor 1; send/recv S = the message, factor 1.
+    """
+
+    name: str  # the operation, e.g. "all_reduce", "comm.broadcast"
+    algorithm_bytes: int  # S of nccl-tests (bytes, >= 0)
+    nranks: int  # ranks (devices) taking part, >= 1
+    bus_factor: float  # busbw / algbw: 2(n-1)/n, (n-1)/n or 1
+    devices: tuple[int, ...]  # the devices of this process that take part, in rank order
+
+
+#: Callables told about every collective the runtime issues (cudalab.nccl, cudalab.comm,
+#: Communicator), as ``observer(record)`` with a :class:`CollectiveRecord` after the
+#: collective is queued. ``%%cuda_timed`` appends one while it times a cell. Mutated in place,
+#: never rebound; issuers test its truth first, so an empty list costs one check.
+collective_observers: list[Callable[[CollectiveRecord], Any]] = []
+
+
+def notify_collective(name: str, algorithm_bytes: int, nranks: int, bus_factor: float,
+                      devices: tuple[int, ...]) -> None:
+    """Tell :data:`collective_observers` about one collective (a no-op when none listens)."""
+    if collective_observers:
+        record = CollectiveRecord(name, algorithm_bytes, nranks, bus_factor, devices)
+        for observer in tuple(collective_observers):
+            observer(record)
 
 
 # ----------------------------------------------------------------------------- events

@@ -111,6 +111,24 @@ class NvmlError(RuntimeError):
     """NVML (the management library) is missing or a query failed."""
 
 
+class NcclError(RuntimeError):
+    """NCCL is missing, a communicator cannot be used, or an NCCL call failed.
+
+    ``code`` is the ``ncclResult_t`` value (None when the failure is not NCCL's own, e.g.
+    the library could not be loaded), ``name`` its name (``"ncclInvalidArgument"``) and the
+    message carries NCCL's own text, so it reads like ``ncclAllReduce: ncclInvalidArgument
+    (4): invalid argument (run with NCCL_DEBUG=WARN for details) - <ncclGetLastError>``.
+    """
+
+    def __init__(self, message: str, code: int | None = None, name: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.name = name
+
+    def __reduce__(self):
+        return (type(self), (self.args[0] if self.args else "", self.code, self.name))
+
+
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel; the message carries the compiler log."""
 
@@ -135,6 +153,7 @@ __all__ = [
     "CudaUnavailableError",
     "NvmlError",
     "KernelCompileError",
+    "NcclError",
     "CublasError",
 ]
 

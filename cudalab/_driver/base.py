@@ -574,6 +574,13 @@ class Backend(abc.ABC):
     def nvml(self) -> Nvml:
         """The management library beside this driver (may raise NvmlError on use)."""
 
+    # ---------------------------------------------------------------- NCCL
+    @abc.abstractmethod
+    def nccl(self) -> Nccl:
+        """The collective library beside this driver (NCCL over ``nccl4py``'s raw bindings,
+        or the simulator's numpy cliques). Raises :class:`cudalab.NcclError` with a readable
+        message when NCCL cannot be loaded (e.g. ``nccl4py`` is not installed)."""
+
 
 class KernelArgs(abc.ABC):
     """A packed kernel parameter list: set values, then pass to :meth:`Backend.launch`.
@@ -640,6 +647,125 @@ class Nvml(abc.ABC):
         what limits the device's clocks now, e.g. 0x4 SW power cap, 0x40 HW thermal
         slowdown), or None where there is no such mask to read (the simulator has no clock
         limits; a ``pynvml`` without the call)."""
+
+
+# NCCL data types (ncclDataType_t) and reduction operators (ncclRedOp_t), as NCCL numbers them.
+NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64 = 0, 1, 2, 3, 4, 5
+NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
+NCCL_FLOAT8E4M3, NCCL_FLOAT8E5M2 = 10, 11
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
+
+#: Size in bytes of an NCCL unique id (ncclUniqueId).
+NCCL_UNIQUE_ID_SIZE = 128
+
+
+class Nccl(abc.ABC):
+    """NCCL, the collective library, at the level of its C API (pointers, counts, handles).
+
+    Conventions:
+
+    * Communicators are opaque handles owned by the caller, who ends them with
+      :meth:`comm_finalize` and :meth:`comm_destroy` (or :meth:`comm_abort` after an error).
+    * Buffers are device pointers (``int``); counts are in elements of ``dtype`` (an
+      ``NCCL_*`` type above); ``stream`` is a :class:`Backend` stream handle on the
+      communicator's device. In-place operations pass the same pointer twice.
+    * Several ranks driven by one thread (a single-process clique from
+      :meth:`comm_init_all`) must issue their calls between :meth:`group_start` and
+      :meth:`group_end`, or NCCL waits forever for the peers; callers always group them.
+    * Failures raise :class:`cudalab.NcclError` carrying NCCL's result code, its name and
+      NCCL's own message (``ncclGetLastError`` where it says more).
+    """
+
+    simulated: bool = False
+
+    @abc.abstractmethod
+    def version(self) -> int:
+        """NCCL's version as NCCL packs it: ``major * 10000 + minor * 100 + patch``."""
+
+    @abc.abstractmethod
+    def unique_id(self) -> bytes:
+        """A fresh ``ncclUniqueId`` (:data:`NCCL_UNIQUE_ID_SIZE` bytes) for :meth:`comm_init_rank`."""
+
+    @abc.abstractmethod
+    def comm_init_all(self, devices: Sequence[int]) -> list[Any]:
+        """One communicator per device of a single-process clique; rank ``i`` is ``devices[i]``
+        (pairwise distinct). Leaves the calling thread's current context as it was."""
+
+    @abc.abstractmethod
+    def comm_init_rank(self, device: int, nranks: int, unique_id: bytes, rank: int) -> Any:
+        """This process's rank of an ``nranks`` communicator bootstrapped by ``unique_id``,
+        bound to ``device``. Blocks until every rank has joined (a collective call)."""
+
+    @abc.abstractmethod
+    def comm_finalize(self, comm: Any) -> None:
+        """Flush the communicator's pending work (collective over its ranks; group it)."""
+
+    @abc.abstractmethod
+    def comm_destroy(self, comm: Any) -> None:
+        """Free the communicator's resources (after :meth:`comm_finalize`)."""
+
+    @abc.abstractmethod
+    def comm_abort(self, comm: Any) -> None:
+        """Abandon the communicator's pending work and free it (after an error)."""
+
+    @abc.abstractmethod
+    def comm_async_error(self, comm: Any) -> int:
+        """The communicator's asynchronous error code (0: none), never raising."""
+
+    @abc.abstractmethod
+    def comm_rank(self, comm: Any) -> int:
+        """The communicator's rank."""
+
+    @abc.abstractmethod
+    def comm_count(self, comm: Any) -> int:
+        """The communicator's number of ranks."""
+
+    @abc.abstractmethod
+    def comm_device(self, comm: Any) -> int:
+        """The device ordinal the communicator is bound to."""
+
+    @abc.abstractmethod
+    def group_start(self) -> None:
+        """Open a group: the calls until :meth:`group_end` are launched together."""
+
+    @abc.abstractmethod
+    def group_end(self) -> None:
+        """Close the group opened by :meth:`group_start` and launch its calls."""
+
+    @abc.abstractmethod
+    def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: Any,
+                   stream: Any) -> None:
+        """``recv = op(send of every rank)`` on every rank."""
+
+    @abc.abstractmethod
+    def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int, comm: Any,
+                  stream: Any) -> None:
+        """``recv = send of root`` on every rank (``send`` is read on the root only)."""
+
+    @abc.abstractmethod
+    def reduce(self, send: int, recv: int, count: int, dtype: int, op: int, root: int,
+               comm: Any, stream: Any) -> None:
+        """``recv = op(send of every rank)`` on the root (``recv`` is ignored elsewhere)."""
+
+    @abc.abstractmethod
+    def all_gather(self, send: int, recv: int, send_count: int, dtype: int, comm: Any,
+                   stream: Any) -> None:
+        """``recv[r * send_count:(r + 1) * send_count] = send of rank r`` on every rank."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, send: int, recv: int, recv_count: int, dtype: int, op: int,
+                       comm: Any, stream: Any) -> None:
+        """``recv = op(send[rank * recv_count:(rank + 1) * recv_count] of every rank)``."""
+
+    @abc.abstractmethod
+    def send(self, buffer: int, count: int, dtype: int, peer: int, comm: Any,
+             stream: Any) -> None:
+        """Send ``count`` elements to rank ``peer`` (which posts the matching :meth:`recv`)."""
+
+    @abc.abstractmethod
+    def recv(self, buffer: int, count: int, dtype: int, peer: int, comm: Any,
+             stream: Any) -> None:
+        """Receive ``count`` elements from rank ``peer``."""
 
 
 #: Signature of a simulator kernel: impl(sim_backend, grid, block, shared_mem, *arg_values).

@@ -53,6 +53,7 @@ from cudalab._driver.base import (
     DeviceInfo,
     FastPaths,
     KernelArgs,
+    Nccl,
     Nvml,
 )
 from cudalab._driver.cuda_api import (
@@ -259,6 +260,7 @@ class CudaBackend(CudaGraphs):
         self._module_devices: dict[int, int] = {}
         self._granularity: dict[int, int] = {}
         self._nvml: Nvml | None = None  # created on first use
+        self._nccl: Nccl | None = None  # created on first use (imports nccl4py)
 
     # ------------------------------------------------------------ lifecycle and identity
     def init(self) -> None:
@@ -673,6 +675,18 @@ class CudaBackend(CudaGraphs):
                 if self._nvml is None:
                     self._nvml = RealNvml()
                 inst = self._nvml
+        return inst
+
+    # ----------------------------------------------------------------------------- NCCL
+    def nccl(self) -> Nccl:
+        inst = self._nccl
+        if inst is None:
+            from cudalab._driver.nccl import RealNccl
+
+            with self._lock:
+                if self._nccl is None:
+                    self._nccl = RealNccl(self)
+                inst = self._nccl
         return inst
 
     def handle_int(self, handle: Any) -> int:

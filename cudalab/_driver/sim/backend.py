@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cudalab._driver.base import DeviceInfo
+from cudalab._driver.base import DeviceInfo, Nccl
 from cudalab._driver.sim.config import SimulatorConfig
 from cudalab._driver.sim.core import invalid_device
 from cudalab._driver.sim.events import SimEvents
@@ -49,6 +49,7 @@ class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels, Sim
     def __init__(self, config: SimulatorConfig | None = None) -> None:
         super().__init__(config)
         self._nvml: SimulatedNvml | None = None  # created on first use
+        self._nccl: Nccl | None = None  # created on first use
 
     # ------------------------------------------------------------ lifecycle and identity
     def init(self) -> None:
@@ -134,4 +135,12 @@ class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels, Sim
         if self._nvml is None:
             self._nvml = SimulatedNvml(self)
         return self._nvml
+
+    # ------------------------------------------------------------ NCCL
+    def nccl(self) -> Nccl:
+        if self._nccl is None:
+            from cudalab._driver.sim.nccl import SimulatedNccl
+
+            self._nccl = SimulatedNccl(self)
+        return self._nccl
 

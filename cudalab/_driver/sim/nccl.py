@@ -1,0 +1,1 @@
+"""The simulator's NCCL (being written: issue 19)."""
