@@ -247,7 +247,8 @@ class CudaLabMagics(Magics):
 
     # ----------------------------------------------------------------- teardown
     def close(self) -> None:
-        """Remove hooks, stop scopes and recordings the magics started, free buffers (idempotent)."""
+        """Remove hooks, stop scopes and recordings the magics started, free buffers and the
+        cached NCCL cliques of :mod:`cudalab.nccl` (idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -278,6 +279,12 @@ class CudaLabMagics(Magics):
         hist = sys.modules.get("cudalab.memory_tools.history")
         if hist is not None:
             hist.set_current_cell(None)
+        nccl = sys.modules.get("cudalab.nccl")  # only if the session used collectives
+        if nccl is not None and hasattr(nccl, "destroy_communicators"):
+            try:
+                nccl.destroy_communicators()  # the cached single-process cliques
+            except Exception:
+                pass
 
 
 _instances: dict[int, CudaLabMagics] = {}

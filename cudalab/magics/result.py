@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from cudalab._internal import format_bytes, format_time
+from cudalab.magics.timed_bandwidth import bandwidth_line
 
 # format_time stays importable from here (it was public API of this module); the one
 # implementation is cudalab._units.format_time, so the two cannot drift.
@@ -82,6 +83,9 @@ class CudaTimedResult:
         simulated: measured on cudalab's simulator (times are host times).
         value: single mode: the value of the cell's last expression.
         compile_time: seconds spent compiling the cell.
+        collective: when the timed code ran collectives (``cudalab.nccl``, ``cudalab.comm``):
+            their algorithm and bus bandwidth (see :mod:`cudalab.magics.timed_bandwidth`), or
+            ``{"note": ...}`` saying why none is given; None when no collective ran.
     """
 
     def __init__(
@@ -137,6 +141,7 @@ class CudaTimedResult:
         self.precision = int(precision)
         self.iqr_warning = float(iqr_warning)
         self.spread_warning = float(spread_warning)
+        self.collective: dict | None = None  # set by the magic after timing
 
     # ------------------------------------------------------------------ series and stats
     @property
@@ -212,6 +217,7 @@ class CudaTimedResult:
             "nvml_before": {str(k): v for k, v in self.nvml_before.items()},
             "nvml_after": {str(k): v for k, v in self.nvml_after.items()},
             "warnings": self.warnings, "hints": self.hints, "simulated": self.simulated,
+            "collective": self.collective,
         }
 
     # ------------------------------------------------------------------ text
@@ -291,6 +297,8 @@ class CudaTimedResult:
         if self.cold and self.flush_bytes:
             sizes = ", ".join(f"cuda:{d} {format_bytes(b)}" for d, b in self.flush_bytes.items())
             lines.append(f"  L2 flushed before each repeat, outside the timed events ({sizes})")
+        if self.collective:
+            lines.append("  " + bandwidth_line(self.collective, self._t))
         lines += ["  " + x for x in self._nvml_lines()]
         if self.kernels or self.kernels_note:
             lines.append(f"  kernels: {self.kernels_note}" if self.kernels_note else "  kernels:")
@@ -338,6 +346,8 @@ class CudaTimedResult:
             out.append(f"<tr><td>wall</td><td colspan=5>{e(self._t(self.wall_time))} "
                        "(until the GPU finished)</td></tr>")
         out.append("</table>")
+        if self.collective:
+            out.append(f"<div>{e(bandwidth_line(self.collective, self._t))}</div>")
         nv = self._nvml_lines()
         if nv:
             out.append("<div>" + "<br>".join(e(x) for x in nv) + "</div>")

@@ -57,7 +57,7 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from cudalab import _internal
-from cudalab.magics import event_timer, kernel_listing, timed_compile, timed_context
+from cudalab.magics import event_timer, kernel_listing, timed_bandwidth, timed_compile, timed_context
 from cudalab.magics.kernel_listing import (
     _add_observer,
     _cupti_for,
@@ -65,6 +65,7 @@ from cudalab.magics.kernel_listing import (
     _LaunchTracker,
     _remove_observer,
 )
+from cudalab.magics.timed_bandwidth import CollectiveWatch
 from cudalab.magics.timed_compile import REPEAT_COUNTER, compile_repeat, compile_single
 from cudalab.magics.timed_context import _clock_hints, _Context, _stat_warnings, nvml_context
 from cudalab.magics.timed_options import TimedOptions, parse_devices, parse_options
@@ -78,7 +79,8 @@ _perf = time.perf_counter
 # pool, the observers or the timer half-updated; the cell's code takes it at once
 # (_Context.deliver_interrupts_in), so the cell stops where it is.
 _internal.defer_interrupts_in([__file__, event_timer.__file__, kernel_listing.__file__,
-                               timed_compile.__file__, timed_context.__file__])
+                               timed_bandwidth.__file__, timed_compile.__file__,
+                               timed_context.__file__])
 
 
 # ------------------------------------------------------------------------------- single
@@ -105,7 +107,9 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
     error: BaseException | None = None
     gpu_err: BaseException | None = None
     side_ends: list[tuple[int, Any]] = []
+    watch = CollectiveWatch()
     _add_observer(tracker)
+    watch.__enter__()
     try:
         if cupti is not None and cupti.start():
             tracker.record = False  # CUPTI times every launch: no per-launch events
@@ -134,6 +138,7 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
             gpu_err = exc
         t_wall1 = _perf()
     finally:
+        watch.__exit__()
         _remove_observer(tracker)
         if cupti is not None:
             cupti.stop(ctx.devs)
@@ -167,6 +172,7 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
         warnings=ctx.warnings, hints=ctx.hints, simulated=ctx.simulated,
         device_names=ctx.device_names(), value=out, compile_time=tc, precision=ctx.precision,
         iqr_warning=magics.iqr_warning, spread_warning=magics.spread_warning)
+    result.collective = watch.summary(result.median, 1)
     if error is not None:
         result.warnings.append(f"the cell raised {type(error).__name__}: {error}")
     _publish(magics, opts, result)
@@ -194,12 +200,14 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
         conflict = {k: glob[k] for k in local_ns if k in glob}
         glob.update(local_ns)
     tracker = _LaunchTracker(ctx.streams)
+    watch = CollectiveWatch()
     rep = itertools.repeat
     gc_was = gc.isenabled()
     try:
         inner, tc, has_setup = compile_repeat(shell, setup, stmt, glob)
         ctx.deliver_interrupts_in(inner.__code__, inner.once.__code__)
         _add_observer(tracker)
+        watch.__enter__()
         _internal.deliver_owed_interrupt()  # a Ctrl-C that came while setting up
         if warmup:
             inner.once(1, 0, _perf, _count_to(warmup), rep)
@@ -217,6 +225,7 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
         timing_fn = inner.once if number == 1 else inner
         try:
             begin, end = timer.loop_hooks(repeat, max_time)
+            watch.mark()  # warm-up and auto-ranging calls are not counted
             done = timing_fn(number, 0, begin, end, rep)
         except KeyboardInterrupt as exc:
             timer.abort()
@@ -232,6 +241,7 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
         finally:
             if gc_was:
                 gc.enable()
+        watch.__exit__()  # the --kernels run below is not counted
         timer.finish(done)
         gpu, cpu = timer.read(done)
         nv_after = nvml_context(ctx.devs) if magics.nvml else {}
@@ -240,6 +250,7 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
         if opts.kernels and interrupted is None:
             kernels, note = _instrumented_run(magics, ctx, opts, inner, tracker, rep)
     finally:
+        watch.__exit__()
         _remove_observer(tracker)
         if gc_was and not gc.isenabled():
             gc.enable()
@@ -266,6 +277,7 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
         simulated=ctx.simulated, device_names=ctx.device_names(), compile_time=tc,
         precision=ctx.precision, iqr_warning=magics.iqr_warning,
         spread_warning=magics.spread_warning)
+    result.collective = watch.summary(result.median, done * number)
     _stat_warnings(result, magics, ctx)
     _clock_hints(nv_before, nv_after, magics, ctx)
     result.warnings, result.hints = list(ctx.warnings), list(ctx.hints)
