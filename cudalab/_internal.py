@@ -17,7 +17,8 @@ What it offers
   owned by a :class:`cudalab.Stream` / :class:`cudalab.Event`.
 * **Launch observers**: :data:`launch_observers`, called by every runtime kernel launch.
 * **Collective observers**: :data:`collective_observers`, told of every collective as a
-  :class:`CollectiveRecord` (:func:`notify_collective` tells them).
+  :class:`CollectiveRecord` (:func:`notify_collective` tells them; :func:`collective_muted`
+  silences the inner collectives of one built on others).
 * **Files**: :func:`atomic_write` and :func:`write_bytes_atomic` (see
   :mod:`cudalab._atomic_write`): every file cudalab writes replaces its target atomically, so
   a failed export leaves the previous file intact.
@@ -44,7 +45,9 @@ Nothing here creates a CUDA context on import, and importing it is cheap.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -83,6 +86,7 @@ __all__ = [
     "collective_observers",
     "CollectiveRecord",
     "notify_collective",
+    "collective_muted",
     "parse_size",
     "stop_delivering_interrupts_in",
     "stream_handle",
@@ -175,13 +179,30 @@ class CollectiveRecord(NamedTuple):
 collective_observers: list[Callable[[CollectiveRecord], Any]] = []
 
 
+_muted = threading.local()  # .on: this thread is inside a collective that speaks for itself
+
+
 def notify_collective(name: str, algorithm_bytes: int, nranks: int, bus_factor: float,
                       devices: tuple[int, ...]) -> None:
-    """Tell :data:`collective_observers` about one collective (a no-op when none listens)."""
-    if collective_observers:
+    """Tell :data:`collective_observers` about one collective (a no-op when none listens, and
+    inside :func:`collective_muted`)."""
+    if collective_observers and not getattr(_muted, "on", False):
         record = CollectiveRecord(name, algorithm_bytes, nranks, bus_factor, devices)
         for observer in tuple(collective_observers):
             observer(record)
+
+
+@contextlib.contextmanager
+def collective_muted() -> Iterator[None]:
+    """Within the block, this thread's :func:`notify_collective` calls are silent: a
+    collective built on another one (``cudalab.comm.broadcast`` over
+    ``cudalab.nccl.broadcast``) reports itself once, under its own name."""
+    previous = getattr(_muted, "on", False)  # nothing changed yet if Ctrl-C comes here
+    try:
+        _muted.on = True
+        yield
+    finally:
+        _muted.on = previous
 
 
 # ----------------------------------------------------------------------------- events

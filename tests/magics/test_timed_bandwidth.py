@@ -136,3 +136,15 @@ def test_a_cell_without_collectives_has_no_bandwidth_line(ip):
     assert r.success
     assert r.result.collective is None
     assert "collective:" not in texts[0]
+
+
+def test_an_inner_collective_is_muted_so_the_outer_one_reports_once():
+    watch = CollectiveWatch()
+    with watch:
+        with _internal.collective_muted():
+            _internal.notify_collective("nccl.broadcast", 100, 2, 1.0, (0, 1))  # silent
+            with _internal.collective_muted():  # nested: still silent, then still muted
+                pass
+            _internal.notify_collective("nccl.broadcast", 100, 2, 1.0, (0, 1))
+        _internal.notify_collective("comm.broadcast", 100, 2, 1.0, (0, 1))
+    assert watch.counts == {("comm.broadcast", 100, 2, 1.0): 1}
