@@ -1,0 +1,236 @@
+"""``torch.cuda.comm.broadcast`` and ``reduce_add`` over cudalab's arrays.
+
+Both use NCCL (:mod:`cudalab.nccl`) exactly where torch does (``nccl.is_available`` of the
+arrays: all on the device, contiguous, on pairwise distinct devices) and copies otherwise:
+``out.copy_(source)`` per destination for broadcast; for reduce_add the other inputs copied
+to the destination and summed there by DeviceArray's ``+`` and ``+=`` in torch's order (the
+destination's input, then the others in input order), so floating-point sums match torch's
+copy path bit for bit. Results come from the caching allocator; all work is queued on the
+current streams of the devices involved.
+
+:func:`broadcast_to_devices` and :func:`sum_to_device` are the same operations without the
+NVTX range and the collective record, for :mod:`cudalab.comm.coalesced` (one record per
+public call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from cudalab import _internal, nvtx
+from cudalab.array import DeviceArray, empty, empty_like
+from cudalab.comm import _common
+
+__all__ = ["broadcast", "reduce_add"]
+
+#: nccl-tests' bus bandwidth factor of broadcast and reduce (the root's link carries it all).
+ROOTED_BUS_FACTOR = 1.0
+
+
+class Operand(NamedTuple):
+    """What reduce_add checks of one input: its device (:data:`_common.HOST` for a host
+    array) and shape."""
+
+    device: int
+    shape: tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- broadcast
+def broadcast(array: Any, devices: Iterable[Any] | None = None, *,
+              out: Sequence[Any] | None = None) -> list[Any]:
+    """Copy ``array`` to several devices (``torch.cuda.comm.broadcast``).
+
+    Parameters
+    ----------
+    array : DeviceArray or numpy.ndarray
+        The source, on a device or on the host.
+    devices : iterable of int, str or Device, optional
+        The devices to copy to (``0``, ``"cuda:1"``, a :class:`cudalab.Device`). Where one
+        is the source's own device, the result there is ``array`` itself (no copy).
+    out : sequence of DeviceArray, optional, keyword-only
+        Existing arrays to copy into (each with ``array``'s shape; dtypes are converted).
+        Exactly one of ``devices`` and ``out`` is given.
+
+    Returns
+    -------
+    list of DeviceArray
+        One array per device (new ones from the caching allocator, or ``array`` itself on
+        its own device), or the ``out`` arrays themselves.
+
+    Raises
+    ------
+    RuntimeError
+        Both or neither of ``devices`` and ``out``; a negative device index; an ``out``
+        array on the host or of another shape (torch's messages).
+    TypeError
+        ``array`` is neither a DeviceArray nor a numpy array.
+
+    Notes
+    -----
+    NCCL (one ``ncclBroadcast`` per array, root = the source, in one group) when
+    ``cudalab.nccl.is_available([array, *destinations])``; otherwise peer copies on the
+    destinations' current streams. Reported to the collective observers as
+    ``"comm.broadcast"`` with S = ``array.nbytes`` and bus factor 1.
+    """
+    if (devices is None) == (out is None):
+        raise RuntimeError(f"Exactly one of 'devices' and 'out' must be specified, but got "
+                           f"devices={devices} and out={out}")
+    _check_source(array, "broadcast")
+    with nvtx.range("comm.broadcast"):
+        if devices is not None:
+            results = broadcast_to_devices(array, _common.parse_devices(devices))
+        else:
+            results = list(out)  # type: ignore[arg-type]
+            _check_outputs(array, results)
+            broadcast_into(array, results)
+        ranks = _common.distinct([_common.device_of(array)]
+                                 + [r.device_index for r in results])
+        _internal.notify_collective("comm.broadcast", array.nbytes, len(ranks),
+                                    ROOTED_BUS_FACTOR, ranks)
+    return results
+
+
+def _check_source(array: Any, operation: str) -> None:
+    if not isinstance(array, (DeviceArray, np.ndarray)):
+        raise TypeError(f"{operation}(): the source must be a cudalab.DeviceArray or a numpy "
+                        f"array, not {type(array).__name__}")
+
+
+def _check_outputs(array: Any, outs: list[Any]) -> None:
+    """torch's ``broadcast_out`` checks: every output on a device, with the source's shape."""
+    for i, o in enumerate(outs):
+        if not isinstance(o, DeviceArray):
+            raise RuntimeError(f"Expected all output tensors to be CUDA tensors, but output "
+                               f"tensor at index {i} has device '{_common.describe_device(o)}'")
+        if o.shape != tuple(array.shape):
+            raise RuntimeError(f"Expected all output tensors to have same shape as the source "
+                               f"tensor {_common.shape_text(array.shape)}, but output tensor "
+                               f"at index {i} has shape {_common.shape_text(o.shape)}")
+
+
+def broadcast_to_devices(array: Any, devices: Sequence[int]) -> list[Any]:
+    """:func:`broadcast`'s ``devices`` form on parsed indices, without range or record.
+
+    ``array`` itself stands for every device it is on; the other devices get new arrays.
+    """
+    source = _common.device_of(array)
+    outs = [empty(tuple(array.shape), dtype=array.dtype, device=d)
+            for d in devices if d != source]
+    broadcast_into(array, outs)
+    fresh = iter(outs)
+    return [array if d == source else next(fresh) for d in devices]
+
+
+def broadcast_into(array: Any, outs: Sequence[DeviceArray]) -> None:
+    """torch's ``_broadcast_out_impl``: NCCL when available for ``[array, *outs]``, else
+    ``out.copy_(array)`` for each (no checks)."""
+    if not outs:
+        return
+    nccl = _common.nccl_for([array, *outs])
+    if nccl is not None:
+        nccl.broadcast([array, *outs])
+        return
+    for o in outs:
+        _common.copy_into(o, array)
+
+
+# --------------------------------------------------------------------------- reduce_add
+def reduce_add(inputs: Iterable[Any], destination: Any = None) -> DeviceArray:
+    """Sum arrays of several devices into one on ``destination`` (``torch.cuda.comm.reduce_add``).
+
+    Parameters
+    ----------
+    inputs : iterable of DeviceArray
+        Arrays of one shape; one of them must be on ``destination``.
+    destination : int, str or Device, optional
+        Where the sum goes (default: the current device).
+
+    Returns
+    -------
+    DeviceArray
+        A new array from the caching allocator on ``destination`` (the dtype follows torch's
+        promotion of ``+`` on the copy path), or ``inputs[0]`` itself when there is one input.
+
+    Raises
+    ------
+    AssertionError
+        An input is not a DeviceArray (``reduce_add expects all inputs to be on GPUs``).
+    ValueError
+        Shapes differ (``input 1 has invalid size: got 2x3, but expected 3x2``).
+    RuntimeError
+        No input is on ``destination``.
+
+    Notes
+    -----
+    NCCL's reduce (root = the destination's input) when ``cudalab.nccl.is_available(inputs)``;
+    otherwise ``result = root + others[0].to(destination)`` then ``result += other.to(...)``
+    for the rest, on the destination's current stream. When several inputs are on the
+    destination the last of them is the root, as in torch. Reported to the collective
+    observers as ``"comm.reduce_add"`` with S = the bytes of one input and bus factor 1.
+    """
+    with nvtx.range("comm.reduce_add"):
+        inputs = list(inputs)
+        result = sum_to_device(inputs, destination)
+        ranks = _common.distinct(a.device_index for a in inputs)
+        _internal.notify_collective("comm.reduce_add", inputs[0].nbytes, len(ranks),
+                                    ROOTED_BUS_FACTOR, ranks)
+    return result
+
+
+def reduce_root(operands: Sequence[Operand], destination: int) -> int:
+    """torch's reduce_add checks: the index of the input on ``destination`` (the last one).
+
+    Raises the errors documented in :func:`reduce_add` (``IndexError`` for no input).
+    """
+    if not operands:
+        raise IndexError("reduce_add expects at least one input (got an empty list)")
+    expected_shape = operands[0].shape
+    root = None
+    for i, operand in enumerate(operands):
+        if operand.device == _common.HOST:
+            raise AssertionError("reduce_add expects all inputs to be on GPUs")
+        if operand.device == destination:
+            root = i
+        if operand.shape != expected_shape:
+            got = "x".join(str(d) for d in operand.shape)
+            expected = "x".join(str(d) for d in expected_shape)
+            raise ValueError(f"input {i} has invalid size: got {got}, but expected {expected}")
+    if root is None:
+        raise RuntimeError("reduce_add expects destination to be on the same GPU with one of "
+                           "the tensors")
+    return root
+
+
+def operand(array: Any) -> Operand:
+    """The :class:`Operand` of an input (a host or foreign object counts as the host)."""
+    return Operand(_common.device_of(array), tuple(getattr(array, "shape", ())))
+
+
+def sum_to_device(inputs: Sequence[Any], destination: Any) -> DeviceArray:
+    """:func:`reduce_add` without range or record (``destination`` unparsed: None is the
+    current device)."""
+    dest = _internal.device_index(destination)
+    root = reduce_root([operand(a) for a in inputs], dest)
+    if len(inputs) == 1:
+        return inputs[0]
+    nccl = _common.nccl_for(inputs)
+    if nccl is not None:
+        result = empty_like(inputs[root])
+        nccl.reduce(list(inputs), output=result, root=root)
+        return result
+    others = [a for i, a in enumerate(inputs) if i != root]
+    result = inputs[root] + _moved(others[0], dest)
+    for other in others[1:]:
+        result += _moved(other, dest)
+    return result
+
+
+def _moved(array: DeviceArray, device: int) -> DeviceArray:
+    """``array.to(device, non_blocking=True)`` (itself when already there), peer access
+    enabled first."""
+    if array.device_index != device:
+        _common.ensure_peer_access(device, array.device_index)
+    return array.to(device, non_blocking=True)
