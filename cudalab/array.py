@@ -46,6 +46,7 @@ from cudalab._array_memory import (
 from cudalab._array_operators import OperatorsMixin, converting_copy, where
 from cudalab._array_reductions import ReductionsMixin
 from cudalab._array_transfers import TransfersMixin
+from cudalab._array_views import ViewsMixin
 from cudalab._dtypes import SUPPORTED_DTYPES, normalize_dtype, normalize_shape, size_args
 
 __all__ = [
@@ -89,7 +90,7 @@ def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
 
 
 # --------------------------------------------------------------------------- the array
-class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin):
+class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
 
     Operators, transfers (``cpu``, ``to``...) and reductions (``sum``...) come from the

@@ -176,17 +176,7 @@ def narrow(array: Any, dim: int, start: int, length: int) -> Any:
         index = [slice(None)] * array.ndim
         index[dim] = slice(start, start + length)
         return array[tuple(index)]
-    if dim == 0 and array.is_contiguous():
-        return array[start:start + length]
-    shape = list(array.shape)
-    shape[dim] = length
-    strides = array.strides
-    ptr = array.ptr + start * strides[dim] if length else array.ptr
-    base = array if array.base is None else array.base
-    # DeviceArray keeps strided views private: _wrap is the one constructor of a view with
-    # strides (a public narrow/as_strided on DeviceArray would replace this call).
-    return DeviceArray._wrap(ptr, tuple(shape), array.dtype, tuple(strides),
-                             array.device_index, array.stream, base)
+    return array.narrow(dim, start, length)
 
 
 def copy_into(dst: DeviceArray, src: Any) -> DeviceArray:

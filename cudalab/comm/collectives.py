@@ -131,7 +131,8 @@ def broadcast_into(array: Any, outs: Sequence[DeviceArray]) -> None:
         return
     nccl = _common.nccl_for([array, *outs])
     if nccl is not None:
-        nccl.broadcast([array, *outs])
+        with _internal.collective_muted():  # the comm.* call reports itself, once
+            nccl.broadcast([array, *outs])
         return
     for o in outs:
         _common.copy_into(o, array)
@@ -219,7 +220,8 @@ def sum_to_device(inputs: Sequence[Any], destination: Any) -> DeviceArray:
     nccl = _common.nccl_for(inputs)
     if nccl is not None:
         result = empty_like(inputs[root])
-        nccl.reduce(list(inputs), output=result, root=root)
+        with _internal.collective_muted():  # the comm.* call reports itself, once
+            nccl.reduce(list(inputs), output=result, root=root)
         return result
     others = [a for i, a in enumerate(inputs) if i != root]
     result = inputs[root] + _moved(others[0], dest)

@@ -11,8 +11,8 @@ from IPython.utils.capture import capture_output
 
 import cudalab
 from cudalab import _internal
-from cudalab.magics.timed_bandwidth import CollectiveWatch, bandwidth_line
 from cudalab.magics.result import CudaTimedResult
+from cudalab.magics.timed_bandwidth import CollectiveWatch, bandwidth_line
 
 MiB = 1 << 20
 
