@@ -28,7 +28,7 @@ _OWNERS = {
     "scatter": "cudalab.comm.scatter_gather",
     "gather": "cudalab.comm.scatter_gather",
     "Communicator": "cudalab.comm.communicator",
-    "group": "cudalab.comm.group",
+    "group": "cudalab.comm.group_calls",
     "unique_id_from_mpi": "cudalab.comm.rendezvous",
     "unique_id_from_file": "cudalab.comm.rendezvous",
     "unique_id_from_env": "cudalab.comm.rendezvous",

@@ -69,6 +69,7 @@ from cudalab._driver.base import (
     ClosedHandle,
 )
 from cudalab.comm import rendezvous as _rendezvous
+from cudalab.comm.group_calls import group_depth
 from cudalab.errors import NcclError
 
 __all__ = ["Communicator", "REDUCTION_OPS", "live_communicators"]
@@ -117,17 +118,6 @@ def live_communicators() -> list[Communicator]:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _group_depth() -> int:
-    """How many cudalab.comm.group() blocks this thread is inside.
-
-    Read from the module if it was imported (it is, by the first ``cudalab.comm.group``),
-    never imported from here: importing the submodule ``cudalab.comm.group`` by its path
-    would bind the package's attribute ``group`` to the module instead of the context
-    manager the lazy table gives."""
-    module = sys.modules.get("cudalab.comm.group")
-    return 0 if module is None else module.group_depth()
-
-
 def _reduction(op: Any, what: str) -> int:
     if isinstance(op, str):
         code = REDUCTION_OPS.get(op.strip().lower())
@@ -642,7 +632,7 @@ class Communicator:
     # ------------------------------------------------------------------ point to point
     def _peer(self, peer: Any, what: str) -> int:
         peer = self._root(peer, "peer", what)
-        if peer == self._rank and _group_depth() == 0:
+        if peer == self._rank and group_depth() == 0:
             raise ValueError(f"{what}: peer {peer} is this rank; a send to oneself completes "
                              f"only with its recv in the same cudalab.comm.group() block")
         return peer

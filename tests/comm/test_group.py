@@ -41,7 +41,7 @@ def nccl(backend, monkeypatch):
 
 
 def _depth():
-    return sys.modules["cudalab.comm.group"].group_depth()
+    return sys.modules["cudalab.comm.group_calls"].group_depth()
 
 
 def test_the_lazy_name_is_the_context_manager():
