@@ -326,3 +326,23 @@ def test_bfloat16_and_integer_avg(b):
         n.all_reduce(y[d], y[d], 2, NCCL_INT32, NCCL_AVG, comms[d], b.null_stream(d))
     n.group_end()
     assert _get(b, y[0], 2, np.int32).tolist() == [-1, 2]  # truncated toward zero
+
+
+def test_a_failed_call_poisons_its_group(b):
+    n = b.nccl()
+    comms = n.comm_init_all([0, 1])
+    x = [_put(b, d, [1.0]) for d in (0, 1)]
+    n.group_start()
+    n.all_reduce(x[0], x[0], 1, NCCL_FLOAT32, NCCL_SUM, comms[0], b.null_stream(0))
+    with pytest.raises(NcclError, match="unknown datatype"):
+        n.all_reduce(x[1], x[1], 1, 99, NCCL_SUM, comms[1], b.null_stream(1))
+    with pytest.raises(NcclError, match="a call of this group failed.*nothing of the group "
+                                        "was launched") as info:
+        n.group_end()
+    assert info.value.name == "ncclInvalidArgument"
+    assert _get(b, x[0], 1).tolist() == [1.0]
+    n.group_start()  # the next group starts clean
+    for d in (0, 1):
+        n.all_reduce(x[d], x[d], 1, NCCL_FLOAT32, NCCL_SUM, comms[d], b.null_stream(d))
+    n.group_end()
+    assert _get(b, x[1], 1).tolist() == [2.0]

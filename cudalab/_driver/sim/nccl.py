@@ -48,6 +48,7 @@ overflow wraps); avg multiplies each input by ``1/n`` in the element type then s
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import threading
@@ -203,6 +204,23 @@ class _Once:
                 self.done = True
 
 
+def _poisons_group(method: Callable[..., None]) -> Callable[..., None]:
+    """A call whose failure inside a group poisons the group, as in NCCL: the outermost
+    ``group_end`` then launches nothing and reports the failure."""
+
+    @functools.wraps(method)
+    def call(self: SimulatedNccl, *args: Any) -> None:
+        try:
+            method(self, *args)
+        except NcclError as exc:
+            t = self._tls
+            if getattr(t, "depth", 0) and getattr(t, "failed", None) is None:
+                t.failed = exc
+            raise
+
+    return call
+
+
 class SimulatedNccl(Nccl):
     """NCCL for the simulator backend (see the module docstring for the model).
 
@@ -216,7 +234,9 @@ class SimulatedNccl(Nccl):
 
     def __init__(self, backend: Any):
         self._b = backend
-        self._tls = threading.local()  # .depth (open groups) and .posts (collected calls)
+        # per thread: .depth (open groups), .posts (collected calls), .failed (the first
+        # NcclError of a call in the open group, or None)
+        self._tls = threading.local()
 
     # ------------------------------------------------------------------ identity
     def version(self) -> int:
@@ -286,6 +306,7 @@ class SimulatedNccl(Nccl):
         depth = getattr(t, "depth", 0)
         if depth == 0:
             t.posts = []
+            t.failed = None
         t.depth = depth + 1
 
     def group_end(self) -> None:
@@ -297,9 +318,16 @@ class SimulatedNccl(Nccl):
         t.depth = depth - 1
         if depth == 1:
             posts, t.posts = t.posts, []
+            failed, t.failed = getattr(t, "failed", None), None
+            if failed is not None:
+                code = failed.code if failed.code in _RESULT_TEXT else NCCL_INVALID_USAGE
+                raise nccl_error("ncclGroupEnd", code,
+                                 f"a call of this group failed ({failed}); nothing of the "
+                                 "group was launched")
             self._launch(posts)
 
     # ------------------------------------------------------------------ collectives
+    @_poisons_group
     def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: Any,
                    stream: Any) -> None:
         call = "ncclAllReduce"
@@ -308,6 +336,7 @@ class SimulatedNccl(Nccl):
         self._post(_Post("all_reduce", c, s, self._buffer(call, send, n, dt, c, "sendbuff"),
                          self._buffer(call, recv, n, dt, c, "recvbuff"), n, dt, op=op))
 
+    @_poisons_group
     def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int, comm: Any,
                   stream: Any) -> None:
         call = "ncclBroadcast"
@@ -317,6 +346,7 @@ class SimulatedNccl(Nccl):
         self._post(_Post("broadcast", c, s, src, self._buffer(call, recv, n, dt, c, "recvbuff"),
                          n, dt, root=r))
 
+    @_poisons_group
     def reduce(self, send: int, recv: int, count: int, dtype: int, op: int, root: int,
                comm: Any, stream: Any) -> None:
         call = "ncclReduce"
@@ -327,6 +357,7 @@ class SimulatedNccl(Nccl):
         self._post(_Post("reduce", c, s, self._buffer(call, send, n, dt, c, "sendbuff"), dst,
                          n, dt, op=op, root=r))
 
+    @_poisons_group
     def all_gather(self, send: int, recv: int, send_count: int, dtype: int, comm: Any,
                    stream: Any) -> None:
         call = "ncclAllGather"
@@ -335,6 +366,7 @@ class SimulatedNccl(Nccl):
         self._post(_Post("all_gather", c, s, self._buffer(call, send, n, dt, c, "sendbuff"),
                          self._buffer(call, recv, total, dt, c, "recvbuff"), n, dt))
 
+    @_poisons_group
     def reduce_scatter(self, send: int, recv: int, recv_count: int, dtype: int, op: int,
                        comm: Any, stream: Any) -> None:
         call = "ncclReduceScatter"
@@ -345,6 +377,7 @@ class SimulatedNccl(Nccl):
                          self._buffer(call, send, total, dt, c, "sendbuff"),
                          self._buffer(call, recv, n, dt, c, "recvbuff"), n, dt, op=op))
 
+    @_poisons_group
     def send(self, buffer: int, count: int, dtype: int, peer: int, comm: Any,
              stream: Any) -> None:
         call = "ncclSend"
@@ -353,6 +386,7 @@ class SimulatedNccl(Nccl):
         self._post(_Post("send", c, s, self._buffer(call, buffer, n, dt, c, "sendbuff"), 0,
                          n, dt, peer=p))
 
+    @_poisons_group
     def recv(self, buffer: int, count: int, dtype: int, peer: int, comm: Any,
              stream: Any) -> None:
         call = "ncclRecv"
