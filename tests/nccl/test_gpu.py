@@ -43,6 +43,7 @@ def test_real_comm_init_all_keeps_the_context_and_names_ranks(gpus):
     x = cudalab.zeros(1)  # device 1's context is current now
     comms = n.comm_init_all([1, 0])
     try:
+        assert gpus.resync_context() == 1  # the driver's current context is device 1's again
         assert [n.comm_rank(c) for c in comms] == [0, 1]
         assert [n.comm_device(c) for c in comms] == [1, 0]
         assert [n.comm_count(c) for c in comms] == [2, 2]
