@@ -81,8 +81,9 @@ SUM, PROD, MAX, MIN, AVG = NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG
 #: NCCL's largest count (``size_t``), torch's ``count_max`` of ``ncclBcast``.
 MAX_COUNT = (1 << 64) - 1
 
-#: numpy dtype name -> NCCL data type (torch's map; bool is bytes, so SUM of bools is > 1).
-_NCCL_TYPES = {
+#: numpy dtype name -> NCCL data type (torch's map, plus uint32 and uint64; bool is bytes, so
+#: SUM of bools is > 1). The one table: ``cudalab.comm.Communicator`` reads it too.
+DATA_TYPES = {
     "float32": NCCL_FLOAT32, "float16": NCCL_FLOAT16, "float64": NCCL_FLOAT64,
     "int64": NCCL_INT64, "int32": NCCL_INT32, "int8": NCCL_INT8, "uint8": NCCL_UINT8,
     "bool": NCCL_UINT8, "bfloat16": NCCL_BFLOAT16, "uint32": NCCL_UINT32,
@@ -620,7 +621,7 @@ def _check_inputs_rooted(ins: list[Any], out: Any, root: int) -> None:
 
 
 def _nccl_type(a: Any) -> int:
-    code = _NCCL_TYPES.get(a.dtype.name)
+    code = DATA_TYPES.get(a.dtype.name)
     if code is None:
         raise RuntimeError(f"Unconvertible NCCL type {a.dtype.name}")
     return code

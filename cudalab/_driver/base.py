@@ -658,6 +658,18 @@ NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 #: Size in bytes of an NCCL unique id (ncclUniqueId).
 NCCL_UNIQUE_ID_SIZE = 128
 
+#: ncclResult_t: code -> (name, ncclGetErrorString's text), as nccl.h and NCCL spell them.
+NCCL_RESULTS = {
+    0: ("ncclSuccess", "no error"),
+    1: ("ncclUnhandledCudaError", "unhandled cuda error (run with NCCL_DEBUG=INFO for details)"),
+    2: ("ncclSystemError", "unhandled system error (run with NCCL_DEBUG=INFO for details)"),
+    3: ("ncclInternalError", "internal error - please report this issue to the NCCL developers"),
+    4: ("ncclInvalidArgument", "invalid argument (run with NCCL_DEBUG=WARN for details)"),
+    5: ("ncclInvalidUsage", "invalid usage (run with NCCL_DEBUG=WARN for details)"),
+    6: ("ncclRemoteError", "remote process exited or there was a network error"),
+    7: ("ncclInProgress", "NCCL operation in progress"),
+}
+
 
 class Nccl(abc.ABC):
     """NCCL, the collective library, at the level of its C API (pointers, counts, handles).
@@ -711,6 +723,11 @@ class Nccl(abc.ABC):
     @abc.abstractmethod
     def comm_async_error(self, comm: Any) -> int:
         """The communicator's asynchronous error code (0: none), never raising."""
+
+    @abc.abstractmethod
+    def error_text(self, code: int, comm: Any = None) -> str:
+        """NCCL's description of result ``code`` (``ncclGetErrorString``), followed by
+        ``comm``'s last error message (``ncclGetLastError``) when NCCL keeps one. Never raises."""
 
     @abc.abstractmethod
     def comm_rank(self, comm: Any) -> int:

@@ -41,6 +41,7 @@ from cudalab._driver.base import (
     NCCL_AVG,
     NCCL_FLOAT8E5M2,
     NCCL_INT8,
+    NCCL_RESULTS,
     NCCL_SUM,
     NCCL_UNIQUE_ID_SIZE,
     Nccl,
@@ -54,11 +55,7 @@ NOT_INSTALLED = ("NCCL is not available: the 'nccl4py' package is not installed 
                  "(pip install 'cudalab[nccl]')")
 
 #: ncclResult_t names, as nccl.h spells them.
-RESULT_NAMES = {
-    0: "ncclSuccess", 1: "ncclUnhandledCudaError", 2: "ncclSystemError",
-    3: "ncclInternalError", 4: "ncclInvalidArgument", 5: "ncclInvalidUsage",
-    6: "ncclRemoteError", 7: "ncclInProgress",
-}
+RESULT_NAMES = {code: name for code, (name, _text) in NCCL_RESULTS.items()}  # from the one table
 NCCL_INVALID_ARGUMENT = 4
 
 
@@ -297,18 +294,19 @@ class RealNccl(Nccl):
 
     def _error(self, call: str, comm: Any, code: int) -> NcclError:
         name = RESULT_NAMES.get(code, f"ncclResult({code})")
+        return NcclError(f"{call}: {name} ({code}): {self.error_text(code, comm)}", code, name)
+
+    def error_text(self, code: int, comm: Any = None) -> str:
         try:
             text = self._nccl.get_error_string(code)
         except Exception:
-            text = "unknown error"
+            text = NCCL_RESULTS.get(code, ("", "unknown error"))[1]
         try:
-            last = self._nccl.get_last_error(comm if comm is not None else self._nccl.Comm())
+            inner = getattr(comm, "comm", comm)  # a RealComm's nccl4py Comm (None once ended)
+            last = self._nccl.get_last_error(inner if inner is not None else self._nccl.Comm())
         except Exception:
             last = ""
-        message = f"{call}: {name} ({code}): {text}"
-        if last:
-            message += f" - {last}"
-        return NcclError(message, code, name)
+        return f"{text} - {last}" if last else text
 
     def _wrap(self, comm: Any) -> Any:
         """nccl4py's ``Comm`` (an older binding's plain handle int is wrapped in one)."""

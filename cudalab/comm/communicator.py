@@ -48,24 +48,19 @@ import numpy as np
 from cudalab import _internal, _interrupts, _sanitizer_hook
 from cudalab import array as _array
 from cudalab import devices as _devices
+from cudalab import nccl as _nccl
 from cudalab import nvtx as _nvtx
 from cudalab import streams as _streams
 from cudalab._driver.base import (
     NCCL_AVG,
-    NCCL_BFLOAT16,
-    NCCL_FLOAT16,
     NCCL_FLOAT32,
     NCCL_FLOAT64,
-    NCCL_INT8,
-    NCCL_INT32,
-    NCCL_INT64,
     NCCL_MAX,
     NCCL_MIN,
     NCCL_PROD,
+    NCCL_RESULTS,
     NCCL_SUM,
     NCCL_UINT8,
-    NCCL_UINT32,
-    NCCL_UINT64,
     ClosedHandle,
 )
 from cudalab.comm import rendezvous as _rendezvous
@@ -79,31 +74,13 @@ REDUCTION_OPS = {"sum": NCCL_SUM, "prod": NCCL_PROD, "max": NCCL_MAX, "min": NCC
                  "avg": NCCL_AVG}
 _OP_NAMES = {code: name for name, code in REDUCTION_OPS.items()}
 
-#: numpy dtype -> NCCL type, for the types NCCL computes on (bool travels as bytes).
-_NCCL_TYPES = {
-    np.dtype(np.int8): NCCL_INT8, np.dtype(np.uint8): NCCL_UINT8,
-    np.dtype(np.int32): NCCL_INT32, np.dtype(np.uint32): NCCL_UINT32,
-    np.dtype(np.int64): NCCL_INT64, np.dtype(np.uint64): NCCL_UINT64,
-    np.dtype(np.float16): NCCL_FLOAT16, np.dtype(np.float32): NCCL_FLOAT32,
-    np.dtype(np.float64): NCCL_FLOAT64, np.dtype(np.bool_): NCCL_UINT8,
-}
 #: Complex numbers travel as pairs of their real type (sum and avg work on the pairs).
 _COMPLEX_PARTS = {np.dtype(np.complex64): NCCL_FLOAT32, np.dtype(np.complex128): NCCL_FLOAT64}
 #: Reductions that are still right on bool's 0/1 bytes (a sum could make 2: not a bool).
 _BOOL_OPS = frozenset({NCCL_PROD, NCCL_MAX, NCCL_MIN})
 _COMPLEX_OPS = frozenset({NCCL_SUM, NCCL_AVG})
 
-# ncclResult_t: names and ncclGetErrorString's text (the seam gives only the code of an
-# asynchronous error).
-NCCL_SUCCESS, NCCL_IN_PROGRESS = 0, 7
-_RESULTS = {
-    1: ("ncclUnhandledCudaError", "unhandled cuda error (run with NCCL_DEBUG=INFO for details)"),
-    2: ("ncclSystemError", "unhandled system error (run with NCCL_DEBUG=INFO for details)"),
-    3: ("ncclInternalError", "internal error - please report this issue to the NCCL developers"),
-    4: ("ncclInvalidArgument", "invalid argument (run with NCCL_DEBUG=WARN for details)"),
-    5: ("ncclInvalidUsage", "invalid usage (run with NCCL_DEBUG=WARN for details)"),
-    6: ("ncclRemoteError", "remote process exited or there was a network error"),
-}
+NCCL_SUCCESS, NCCL_IN_PROGRESS = 0, 7  # ncclResult_t values that are not errors
 
 # Every open communicator of this process, for the exit handler (and for a forked child,
 # which must never touch its parent's). Invariant: holds exactly the Communicators whose
@@ -131,9 +108,7 @@ def _reduction(op: Any, what: str) -> int:
 
 def _wire_type(dtype: np.dtype, op: int | None, what: str) -> tuple[int, int]:
     """(NCCL type, NCCL elements per array element) for moving (``op`` None) or reducing."""
-    native = _NCCL_TYPES.get(dtype)
-    if dtype.name == "bfloat16":
-        native = NCCL_BFLOAT16
+    native = _nccl.DATA_TYPES.get(dtype.name)  # the one dtype table (bool travels as bytes)
     if op is None:  # data movement: any dtype, as its own type, its parts or its bytes
         if native is not None:
             return native, 1
@@ -172,10 +147,6 @@ def _abort_quietly(nccl: Any, comm: Any) -> None:
         nccl.comm_abort(comm)
     except Exception:
         pass
-
-
-def _result_text(code: int) -> tuple[str, str]:
-    return _RESULTS.get(code, (f"ncclResult {code}", "unknown NCCL error"))
 
 
 # ----------------------------------------------------------------------------- the class
@@ -392,7 +363,8 @@ class Communicator:
             raise self._async_failure(code, "async_error()")
 
     def _async_failure(self, code: int, what: str) -> NcclError:
-        name, text = _result_text(code)
+        name = NCCL_RESULTS.get(code, (f"ncclResult({code})", ""))[0]
+        text = self._nccl.error_text(code, self._comm)
         return NcclError(f"{self!r}.{what}: NCCL reports an asynchronous error: {name} "
                          f"({code}): {text}. The communicator cannot be used any more: abort "
                          f"it on every rank", code, name)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from cudalab import nvtx
-from cudalab._driver.base import Nccl
+from cudalab._driver.base import NCCL_RESULTS, Nccl
 
 WAIT_SECONDS = 20.0  # no test may hang: a rank that waits longer fails
 NUMPY_TYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
@@ -143,6 +143,9 @@ class FakeNccl(Nccl):
 
     def comm_async_error(self, comm: Any) -> int:
         return comm.error
+
+    def error_text(self, code: int, comm: Any = None) -> str:
+        return NCCL_RESULTS[code][1]
 
     def comm_rank(self, comm: Any) -> int:
         return comm.rank

@@ -70,6 +70,7 @@ from cudalab._driver.base import (
     NCCL_MAX,
     NCCL_MIN,
     NCCL_PROD,
+    NCCL_RESULTS,
     NCCL_SUM,
     NCCL_UINT8,
     NCCL_UINT32,
@@ -87,12 +88,7 @@ SIMULATED_VERSION = 2 * 10000 + 28 * 100 + 5
 #: ncclResult_t values the simulator raises.
 NCCL_INVALID_ARGUMENT = 4
 NCCL_INVALID_USAGE = 5
-_RESULT_TEXT = {
-    NCCL_INVALID_ARGUMENT: ("ncclInvalidArgument",
-                            "invalid argument (run with NCCL_DEBUG=WARN for details)"),
-    NCCL_INVALID_USAGE: ("ncclInvalidUsage",
-                         "invalid usage (run with NCCL_DEBUG=WARN for details)"),
-}
+_RESULT_TEXT = NCCL_RESULTS  # (name, text) per code: the seam's one table
 
 #: numpy type names of the NCCL types (ml_dtypes' names for the last three).
 _NUMPY_NAMES = {
@@ -290,6 +286,9 @@ class SimulatedNccl(Nccl):
 
     def comm_async_error(self, comm: Any) -> int:
         return 0
+
+    def error_text(self, code: int, comm: Any = None) -> str:
+        return NCCL_RESULTS.get(code, ("", "unknown error"))[1]
 
     def comm_rank(self, comm: Any) -> int:
         return self._comm(comm, "ncclCommUserRank").rank
