@@ -61,7 +61,7 @@ def main() -> int:
     ours = comm.Communicator(rank, world, uid, device=rank)
     raw_uid = _exchange(os.path.join(folder, "raw.uid"), rank,
                         lambda: bytes(raw.get_unique_id()))
-    theirs = raw.comm_init_rank_scalable(world, rank, 1, raw_uid, 0)
+    theirs = raw.comm_init_rank_scalable(world, rank, 1, bytearray(raw_uid), 0)
     stream = cudalab.Stream()
     handle = stream.cuda_stream
     factor = 2 * (world - 1) / world

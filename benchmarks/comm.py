@@ -125,6 +125,7 @@ def _one_size(size: int, quick: bool, rounds: int, sync_cudalab, sync_torch) -> 
     """The four operations at one size, cudalab and torch alternating."""
     import numpy as np
     import torch
+    import torch.cuda.comm
 
     import cudalab
     from cudalab import comm as ccomm

@@ -9,6 +9,7 @@ array type and the creation functions and calls these.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +129,26 @@ def same_stream(a: int, b: int) -> bool:
     return a == b or (a in (0, 1) and b in (0, 1))
 
 
+# One event per (thread, device) for the ordering waits of copies: recorded on the producer,
+# waited on at once by the waiter. A wait holds the record it saw, so re-recording the event
+# later never disturbs an earlier wait; per thread, so no other thread records between the
+# two. Reusing it spares a cuEventCreate and cuEventDestroy per cross-device copy (the
+# small-size rows of benchmarks/comm.py: scatter, gather and the copy path of broadcast).
+_order_events = threading.local()  # .by_device: device -> cudalab.Event
+
+
+def _order_event(device: int) -> Any:
+    by_device = getattr(_order_events, "by_device", None)
+    if by_device is None:
+        by_device = _order_events.by_device = {}
+    event = by_device.get(device)
+    if event is None:
+        from cudalab.events import Event
+
+        event = by_device[device] = Event()
+    return event
+
+
 def wait_stream(waiter: _streams.Stream, producer: _streams.Stream) -> None:
     """Make ``waiter`` wait for the work queued so far on ``producer`` (no host sync)."""
     if (waiter.device_index == producer.device_index
@@ -135,7 +156,8 @@ def wait_stream(waiter: _streams.Stream, producer: _streams.Stream) -> None:
         return
     # The legacy/per-thread pseudo handles act on the current context: make it the right one.
     _internal.ensure_context(producer.device_index)
-    ev = producer.record_event()
+    ev = _order_event(producer.device_index)
+    ev.record(producer)
     _internal.ensure_context(waiter.device_index)
     waiter.wait_event(ev)
 

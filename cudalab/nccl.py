@@ -497,11 +497,18 @@ def _check_sequence_type(inputs: Any) -> None:
         raise TypeError("Inputs should be a collection of tensors")
 
 
+_DeviceArray: Any = None  # cudalab.array.DeviceArray, bound on first use (a cheap check below)
+
+
 def _device_array(obj: Any) -> Any:
     """``obj`` as a DeviceArray when it is device memory (wrapped without copying), else
     None (host arrays, other objects)."""
+    global _DeviceArray
+    if type(obj) is _DeviceArray:  # the common case first (host time of small collectives)
+        return obj
     from cudalab.array import DeviceArray, asarray
 
+    _DeviceArray = DeviceArray
     if isinstance(obj, DeviceArray):
         return obj
     if obj is None or isinstance(obj, (str, bytes)) or type(obj).__module__ == "numpy":
@@ -620,10 +627,17 @@ def _check_inputs_rooted(ins: list[Any], out: Any, root: int) -> None:
         devices.add(a.device_index)
 
 
+_TYPE_OF_DTYPE: dict[Any, int] = {}  # numpy dtype -> DATA_TYPES[dtype.name], filled on use
+
+
 def _nccl_type(a: Any) -> int:
-    code = DATA_TYPES.get(a.dtype.name)
+    dtype = a.dtype
+    code = _TYPE_OF_DTYPE.get(dtype)  # dtype.name is slow Python in numpy: looked up once
     if code is None:
-        raise RuntimeError(f"Unconvertible NCCL type {a.dtype.name}")
+        code = DATA_TYPES.get(dtype.name)
+        if code is None:
+            raise RuntimeError(f"Unconvertible NCCL type {dtype.name}")
+        _TYPE_OF_DTYPE[dtype] = code
     return code
 
 

@@ -150,19 +150,27 @@ def total_bytes(arrays: Iterable[Any]) -> int:
 
 
 # --------------------------------------------------------------------------- peer access
-def ensure_peer_access(device: int, peer: int) -> None:
+def ensure_peer_access(device: int, peer: int) -> bool:
     """Let ``device`` read ``peer``'s memory directly, once per pair, where the hardware
-    allows it (torch's ``get_p2p_access``); otherwise the driver stages peer copies."""
+    allows it (torch's ``get_p2p_access``); otherwise the driver stages peer copies.
+
+    Returns
+    -------
+    bool
+        Whether ``device`` has direct access to ``peer`` (False for the host or one device).
+    """
     if device == peer or device < 0 or peer < 0:
-        return
+        return False
     pair = (device, peer)
-    if pair in _peer_pairs:
-        return
+    able = _peer_pairs.get(pair)
+    if able is not None:
+        return able
     backend = _internal.backend()
     able = backend.can_access_peer(device, peer)
     if able:
         backend.enable_peer_access(device, peer)
     _peer_pairs[pair] = able
+    return able
 
 
 # --------------------------------------------------------------------------- views and copies

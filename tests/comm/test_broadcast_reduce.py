@@ -83,7 +83,25 @@ def test_broadcast_out_into_itself_is_a_no_op(two, path):
     np.testing.assert_array_equal(src.numpy(), np.arange(4.0))
 
 
-def test_broadcast_nccl_branch_gets_torchs_list(two, fake_nccl):
+@pytest.fixture
+def no_peer_access(backend, monkeypatch):
+    """Devices that cannot read each other's memory (then a broadcast to one goes to NCCL)."""
+    monkeypatch.setattr(backend, "can_access_peer", lambda device, peer: False)
+    monkeypatch.setattr(_common, "_peer_pairs", {})
+
+
+def test_broadcast_to_one_peer_is_one_peer_copy(two, fake_nccl, backend, monkeypatch):
+    monkeypatch.setattr(_common, "_peer_pairs", {})
+    if not backend.can_access_peer(0, 1):
+        pytest.skip("these devices have no peer access")
+    src = on(1, np.arange(4.0))
+    results = comm.broadcast(src, [0, 1])
+    assert fake_nccl.calls == []  # faster than NCCL's broadcast for a single destination
+    assert results[1] is src
+    np.testing.assert_array_equal(results[0].numpy(), np.arange(4.0))
+
+
+def test_broadcast_nccl_branch_gets_torchs_list(two, fake_nccl, no_peer_access):
     src = on(1, np.arange(4.0))
     comm.broadcast(src, [0, 1])
     comm.broadcast(src, [0, 0])  # duplicate devices: copies, as torch

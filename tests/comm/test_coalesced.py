@@ -8,7 +8,7 @@ import pytest
 
 import cudalab
 from cudalab import comm
-from cudalab.comm import coalesced
+from cudalab.comm import _common, coalesced
 from tests.comm.helpers import host_array, on
 
 
@@ -109,7 +109,9 @@ def test_broadcast_coalesced_of_nothing(two, path, records):
     assert records[0][0].algorithm_bytes == 0
 
 
-def test_broadcast_coalesced_nccl_branch_once_per_chunk(two, fake_nccl):
+def test_broadcast_coalesced_nccl_branch_once_per_chunk(two, fake_nccl, backend, monkeypatch):
+    monkeypatch.setattr(backend, "can_access_peer", lambda device, peer: False)
+    monkeypatch.setattr(_common, "_peer_pairs", {})  # no peer access: NCCL, as torch
     arrays = [on(0, np.arange(4, dtype=np.float32)), on(0, np.arange(2, dtype=np.int64)),
               on(0, np.arange(4, dtype=np.float32))]
     comm.broadcast_coalesced(arrays, [0, 1], buffer_size=16)

@@ -13,6 +13,8 @@ from tests.helpers.gpu import HAS_GPU
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
 torch = pytest.importorskip("torch") if HAS_GPU else None
+if torch is not None:
+    import torch.cuda.comm  # noqa: F401 - a submodule torch.cuda does not import itself
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +25,8 @@ def _two_gpus():
 
 def _ours(t):
     """The torch tensor as a DeviceArray (no copy; keep ``t`` alive)."""
-    return cudalab.from_dlpack(t)
+    with torch.cuda.device(t.device):  # torch exports only from its current device
+        return cudalab.from_dlpack(t)
 
 
 def _host(x):
