@@ -21,7 +21,6 @@ from collections import defaultdict, deque
 from typing import Any
 
 import numpy as np
-import pytest
 
 from cudalab import nvtx
 from cudalab._driver.base import NCCL_RESULTS, Nccl
@@ -102,11 +101,24 @@ class FakeNccl(Nccl):
         return [c for c in self.calls if c[0] in COLLECTIVES]
 
     def _array(self, ptr: int, dtype: int, count: int, stream: Any) -> np.ndarray:
-        if not self.b.simulated:  # it reads and writes simulated memory in place
-            pytest.skip("the thread fake of NCCL moves data on the simulator only; the real "
-                        "NCCL runs in test_communicator_gpu.py")
+        """The ``count`` elements at ``ptr`` after ``stream``'s work: on the simulator a view
+        of its memory, on a GPU a host copy."""
         self.b.stream_synchronize(stream)
-        return self.b.array(ptr, NUMPY_TYPES[dtype], count)
+        if self.b.simulated:
+            return self.b.array(ptr, NUMPY_TYPES[dtype], count)
+        host = np.empty(count, NUMPY_TYPES[dtype])
+        if count:
+            self.b.memcpy(self.b.pointer_device(ptr), host.ctypes.data, ptr, host.nbytes)
+        return host
+
+    def _store(self, ptr: int, dtype: int, count: int, stream: Any, values: Any) -> None:
+        """Write ``values`` (``count`` elements) at ``ptr`` after ``stream``'s work."""
+        host = np.ascontiguousarray(np.broadcast_to(values, (count,)), dtype=NUMPY_TYPES[dtype])
+        self.b.stream_synchronize(stream)
+        if self.b.simulated:
+            self.b.array(ptr, NUMPY_TYPES[dtype], count)[:] = host
+        elif count:
+            self.b.memcpy(self.b.pointer_device(ptr), ptr, host.ctypes.data, host.nbytes)
 
     # ---------------------------------------------------------------- the interface
     def version(self) -> int:
@@ -185,27 +197,26 @@ class FakeNccl(Nccl):
         self._record("all_reduce", send, recv, count, dtype, op, comm, stream)
         mine = self._array(send, dtype, count, stream).copy()
         values = comm.clique.exchange(comm.rank, mine)
-        self._array(recv, dtype, count, stream)[:] = _reduce(values, op)
+        self._store(recv, dtype, count, stream, _reduce(values, op))
 
     def broadcast(self, send, recv, count, dtype, root, comm, stream) -> None:
         self._record("broadcast", send, recv, count, dtype, root, comm, stream)
         mine = self._array(send, dtype, count, stream).copy() if comm.rank == root else None
         values = comm.clique.exchange(comm.rank, mine)
-        self._array(recv, dtype, count, stream)[:] = values[root]
+        self._store(recv, dtype, count, stream, values[root])
 
     def reduce(self, send, recv, count, dtype, op, root, comm, stream) -> None:
         self._record("reduce", send, recv, count, dtype, op, root, comm, stream)
         mine = self._array(send, dtype, count, stream).copy()
         values = comm.clique.exchange(comm.rank, mine)
         if comm.rank == root:
-            self._array(recv, dtype, count, stream)[:] = _reduce(values, op)
+            self._store(recv, dtype, count, stream, _reduce(values, op))
 
     def all_gather(self, send, recv, send_count, dtype, comm, stream) -> None:
         self._record("all_gather", send, recv, send_count, dtype, comm, stream)
         mine = self._array(send, dtype, send_count, stream).copy()
         values = comm.clique.exchange(comm.rank, mine)
-        out = self._array(recv, dtype, send_count * comm.clique.nranks, stream)
-        out[:] = np.concatenate(values)
+        self._store(recv, dtype, send_count * comm.clique.nranks, stream, np.concatenate(values))
 
     def reduce_scatter(self, send, recv, recv_count, dtype, op, comm, stream) -> None:
         self._record("reduce_scatter", send, recv, recv_count, dtype, op, comm, stream)
@@ -213,7 +224,7 @@ class FakeNccl(Nccl):
         values = comm.clique.exchange(comm.rank, mine)
         total = _reduce(values, op)
         start = comm.rank * recv_count
-        self._array(recv, dtype, recv_count, stream)[:] = total[start:start + recv_count]
+        self._store(recv, dtype, recv_count, stream, total[start:start + recv_count])
 
     def send(self, buffer, count, dtype, peer, comm, stream) -> None:
         self._record("send", buffer, count, dtype, peer, comm, stream)
@@ -234,7 +245,7 @@ class FakeNccl(Nccl):
                     raise TimeoutError(f"fake recv: rank {comm.rank} got nothing from {peer}")
                 message = box.popleft()
             assert message.size == count and message.dtype == NUMPY_TYPES[dtype]
-            self._array(buffer, dtype, count, stream)[:] = message
+            self._store(buffer, dtype, count, stream, message)
 
         if getattr(self._thread, "depth", 0):
             self._thread.pending.append(work)

@@ -21,9 +21,6 @@ N = 7  # elements per rank (odd: no accidental alignment)
 
 @pytest.fixture
 def fake(backend, monkeypatch, two_devices):
-    if not backend.simulated:  # its ranks read and write simulated memory in place
-        pytest.skip("the thread fake of NCCL runs on the simulator; the real NCCL runs in "
-                    "test_communicator_gpu.py")
     nccl = FakeNccl(backend)
     monkeypatch.setattr(backend, "nccl", lambda: nccl)
     return nccl
