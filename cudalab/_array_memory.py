@@ -154,11 +154,10 @@ def wait_stream(waiter: _streams.Stream, producer: _streams.Stream) -> None:
     if (waiter.device_index == producer.device_index
             and same_stream(waiter.cuda_stream, producer.cuda_stream)):
         return
-    # The legacy/per-thread pseudo handles act on the current context: make it the right one.
-    _internal.ensure_context(producer.device_index)
+    # (Event.record and Stream.wait_event make the right context current themselves where a
+    # legacy/per-thread pseudo handle needs it.)
     ev = _order_event(producer.device_index)
     ev.record(producer)
-    _internal.ensure_context(waiter.device_index)
     waiter.wait_event(ev)
 
 

@@ -77,6 +77,7 @@ __all__ = [
     "device_index",
     "echo",
     "ensure_context",
+    "enable_peer_access",
     "event_handle",
     "fast_paths",
     "format_bytes",
@@ -124,6 +125,13 @@ def ensure_context(device: int) -> None:
     """Make ``device``'s primary context current on this thread (one thread-local check
     when it already is)."""
     _devices._ensure_context(device)
+
+
+def enable_peer_access(device: int, peer: int) -> bool:
+    """Let ``device`` access ``peer``'s memory directly, once per pair, where the hardware
+    can (torch's lazy ``get_p2p_access``); returns whether it can. Cross-device copies and
+    collectives ask before they choose how to move bytes."""
+    return _devices._enable_peer_access(device, peer)
 
 
 def thread_state() -> Any:

@@ -589,6 +589,30 @@ def can_device_access_peer(device: Any, peer_device: Any) -> bool:
     return _backend().can_access_peer(a, b)
 
 
+# Direct access between device pairs, decided once per (device, peer) pair: True once
+# enabled, False where the hardware has none. Filled only after the driver call succeeded,
+# so a call cut short (Ctrl-C, an error) is simply retried next time.
+_peer_access: dict[tuple[int, int], bool] = {}
+
+
+def _enable_peer_access(device: int, peer: int) -> bool:
+    """Let ``device`` read and write ``peer``'s memory directly (torch's ``get_p2p_access``:
+    enabled lazily, once per pair); whether it can (False for one device or no peer link).
+
+    Cross-device copies ask first, as torch's do: with access on, a copy is a plain
+    ``cuMemcpyAsync`` through unified addressing (a third of ``cuMemcpyPeerAsync``'s host
+    time: the small rows of benchmarks/comm.py), and kernels may read the peer's memory.
+    """
+    pair = (device, peer)
+    able = _peer_access.get(pair)
+    if able is None:
+        able = device != peer and _backend().can_access_peer(device, peer)
+        if able:
+            _backend().enable_peer_access(device, peer)  # "already enabled" is not an error
+        _peer_access[pair] = able
+    return able
+
+
 def mem_get_info(device: Any = None) -> tuple[int, int]:
     """(free, total) device memory in bytes, as the driver reports them."""
     idx = _device_index(device)

@@ -50,10 +50,6 @@ __all__ = [
 #: The device index torch uses for the host (``_get_device_index("cpu", allow_cpu=True)``).
 HOST = -1
 
-#: (copying device, source device) pairs already looked at: True where peer access was
-#: enabled, False where the hardware refuses it. Only grows; a pair is added after the
-#: driver call succeeded, so an interrupted call is simply retried next time.
-_peer_pairs: dict[tuple[int, int], bool] = {}
 
 
 # --------------------------------------------------------------------------- NCCL
@@ -159,18 +155,9 @@ def ensure_peer_access(device: int, peer: int) -> bool:
     bool
         Whether ``device`` has direct access to ``peer`` (False for the host or one device).
     """
-    if device == peer or device < 0 or peer < 0:
+    if device < 0 or peer < 0:
         return False
-    pair = (device, peer)
-    able = _peer_pairs.get(pair)
-    if able is not None:
-        return able
-    backend = _internal.backend()
-    able = backend.can_access_peer(device, peer)
-    if able:
-        backend.enable_peer_access(device, peer)
-    _peer_pairs[pair] = able
-    return able
+    return _internal.enable_peer_access(device, peer)
 
 
 # --------------------------------------------------------------------------- views and copies

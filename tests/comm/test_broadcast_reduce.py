@@ -87,11 +87,11 @@ def test_broadcast_out_into_itself_is_a_no_op(two, path):
 def no_peer_access(backend, monkeypatch):
     """Devices that cannot read each other's memory (then a broadcast to one goes to NCCL)."""
     monkeypatch.setattr(backend, "can_access_peer", lambda device, peer: False)
-    monkeypatch.setattr(_common, "_peer_pairs", {})
+    monkeypatch.setattr(cudalab.devices, "_peer_access", {})
 
 
 def test_broadcast_to_one_peer_is_one_peer_copy(two, fake_nccl, backend, monkeypatch):
-    monkeypatch.setattr(_common, "_peer_pairs", {})
+    monkeypatch.setattr(cudalab.devices, "_peer_access", {})
     if not backend.can_access_peer(0, 1):
         pytest.skip("these devices have no peer access")
     src = on(1, np.arange(4.0))
@@ -213,7 +213,21 @@ def test_reduce_add_copy_path_order_is_torchs(two, copies):
     np.testing.assert_array_equal(result.numpy(), torch_order)
 
 
-def test_reduce_add_root_is_the_last_input_on_the_destination(two, fake_nccl):
+def test_reduce_add_of_two_small_arrays_copies_and_adds(two, fake_nccl, backend, monkeypatch):
+    monkeypatch.setattr(cudalab.devices, "_peer_access", {})
+    if not backend.can_access_peer(0, 1):
+        pytest.skip("these devices have no peer access")
+    a, b = on(0, np.arange(4.0)), on(1, np.full(4, 0.5))
+    result = comm.reduce_add([a, b], destination=1)
+    assert fake_nccl.calls == []  # below COPY_AND_ADD_BELOW: a peer copy and an add
+    assert result.device_index == 1
+    np.testing.assert_array_equal(result.numpy(), np.arange(4.0) + 0.5)
+    half = [on(0, np.ones(4, np.float16)), on(1, np.ones(4, np.float16))]
+    comm.reduce_add(half, destination=0)
+    assert fake_nccl.calls == [("reduce", (0, 1), 0)]  # half types: left to NCCL
+
+
+def test_reduce_add_root_is_the_last_input_on_the_destination(two, fake_nccl, no_peer_access):
     a, b = on(0, np.ones(2)), on(1, np.ones(2))
     comm.reduce_add([a, b], destination=0)
     assert fake_nccl.calls == [("reduce", (0, 1), 0)]
@@ -303,7 +317,7 @@ def test_copies_wait_for_the_source_devices_current_stream(two, copies, sim):
 
 
 def test_peer_access_is_enabled_once_per_pair(two, copies, sim, monkeypatch):
-    monkeypatch.setattr(_common, "_peer_pairs", {})
+    monkeypatch.setattr(cudalab.devices, "_peer_access", {})
     calls = []
     original = type(sim).enable_peer_access
     monkeypatch.setattr(type(sim), "enable_peer_access",

@@ -8,7 +8,7 @@ import pytest
 
 import cudalab
 from cudalab import comm
-from cudalab.comm import _common, coalesced
+from cudalab.comm import coalesced
 from tests.comm.helpers import host_array, on
 
 
@@ -111,7 +111,7 @@ def test_broadcast_coalesced_of_nothing(two, path, records):
 
 def test_broadcast_coalesced_nccl_branch_once_per_chunk(two, fake_nccl, backend, monkeypatch):
     monkeypatch.setattr(backend, "can_access_peer", lambda device, peer: False)
-    monkeypatch.setattr(_common, "_peer_pairs", {})  # no peer access: NCCL, as torch
+    monkeypatch.setattr(cudalab.devices, "_peer_access", {})  # no peer access: NCCL, as torch
     arrays = [on(0, np.arange(4, dtype=np.float32)), on(0, np.arange(2, dtype=np.int64)),
               on(0, np.arange(4, dtype=np.float32))]
     comm.broadcast_coalesced(arrays, [0, 1], buffer_size=16)
@@ -185,7 +185,9 @@ def test_reduce_add_coalesced_default_destination(two, path):
     np.testing.assert_array_equal(result[0].numpy(), [2.0, 2.0, 2.0])
 
 
-def test_reduce_add_coalesced_nccl_branch_once_per_chunk(two, fake_nccl):
+def test_reduce_add_coalesced_nccl_branch_once_per_chunk(two, fake_nccl, backend, monkeypatch):
+    monkeypatch.setattr(backend, "can_access_peer", lambda device, peer: False)
+    monkeypatch.setattr(cudalab.devices, "_peer_access", {})  # no peer access: NCCL, as torch
     lists = [[on(d, np.ones(4, np.float32)), on(d, np.ones(2))] for d in (0, 1)]
     comm.reduce_add_coalesced(lists, destination=1, buffer_size=1)
     assert fake_nccl.calls == [("reduce", (0, 1), 1)] * 2

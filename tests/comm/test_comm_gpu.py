@@ -25,8 +25,9 @@ def _two_gpus():
 
 def _ours(t):
     """The torch tensor as a DeviceArray (no copy; keep ``t`` alive)."""
-    with torch.cuda.device(t.device):  # torch exports only from its current device
-        return cudalab.from_dlpack(t)
+    # through __cuda_array_interface__: DLPack would need torch.cuda.device(t.device), which
+    # switches the thread's CUDA context behind cudalab's back
+    return cudalab.asarray(t)
 
 
 def _host(x):
