@@ -236,7 +236,7 @@ def sum_to_device(inputs: Sequence[Any], destination: Any) -> DeviceArray:
     root = reduce_root([operand(a) for a in inputs], dest)
     if len(inputs) == 1:
         return inputs[0]
-    nccl = None if _copy_and_add_is_faster(inputs, root) else _common.nccl_for(inputs)
+    nccl = _common.nccl_for(inputs)
     if nccl is not None:
         result = empty_like(inputs[root])
         with _internal.collective_muted():  # the comm.* call reports itself, once
@@ -247,27 +247,6 @@ def sum_to_device(inputs: Sequence[Any], destination: Any) -> DeviceArray:
     for other in others[1:]:
         result += _moved(other, dest)
     return result
-
-
-#: Below this many bytes per input, two arrays are summed by a peer copy and an add kernel
-#: rather than NCCL's reduce: at small sizes the host's time decides, and the copy and the
-#: add cost less of it (benchmarks/comm.py, the reduce_add rows: NCCL's group of two ranks
-#: is the slowest part of a 1 KiB reduce_add); from tens of MiB NCCL's fused reduce wins.
-COPY_AND_ADD_BELOW = 16 << 20
-#: Element types whose two-operand sum is the same bits either way (IEEE additions in the
-#: type itself, or integers); half types are left to NCCL.
-_EXACT_ADD_TYPES = frozenset("fdbBhHiIlLqQ")
-
-
-def _copy_and_add_is_faster(inputs: Sequence[Any], root: int) -> bool:
-    """Whether a two-input reduce_add should copy and add instead of calling NCCL."""
-    if len(inputs) != 2:
-        return False
-    a, b = inputs
-    return (a.nbytes < COPY_AND_ADD_BELOW and a.dtype == b.dtype
-            and a.dtype.char in _EXACT_ADD_TYPES
-            and _common.ensure_peer_access(inputs[root].device_index,
-                                           inputs[1 - root].device_index))
 
 
 def _moved(array: DeviceArray, device: int) -> DeviceArray:

@@ -213,21 +213,7 @@ def test_reduce_add_copy_path_order_is_torchs(two, copies):
     np.testing.assert_array_equal(result.numpy(), torch_order)
 
 
-def test_reduce_add_of_two_small_arrays_copies_and_adds(two, fake_nccl, backend, monkeypatch):
-    monkeypatch.setattr(cudalab.devices, "_peer_access", {})
-    if not backend.can_access_peer(0, 1):
-        pytest.skip("these devices have no peer access")
-    a, b = on(0, np.arange(4.0)), on(1, np.full(4, 0.5))
-    result = comm.reduce_add([a, b], destination=1)
-    assert fake_nccl.calls == []  # below COPY_AND_ADD_BELOW: a peer copy and an add
-    assert result.device_index == 1
-    np.testing.assert_array_equal(result.numpy(), np.arange(4.0) + 0.5)
-    half = [on(0, np.ones(4, np.float16)), on(1, np.ones(4, np.float16))]
-    comm.reduce_add(half, destination=0)
-    assert fake_nccl.calls == [("reduce", (0, 1), 0)]  # half types: left to NCCL
-
-
-def test_reduce_add_root_is_the_last_input_on_the_destination(two, fake_nccl, no_peer_access):
+def test_reduce_add_root_is_the_last_input_on_the_destination(two, fake_nccl):
     a, b = on(0, np.ones(2)), on(1, np.ones(2))
     comm.reduce_add([a, b], destination=0)
     assert fake_nccl.calls == [("reduce", (0, 1), 0)]

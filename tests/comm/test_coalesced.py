@@ -185,9 +185,7 @@ def test_reduce_add_coalesced_default_destination(two, path):
     np.testing.assert_array_equal(result[0].numpy(), [2.0, 2.0, 2.0])
 
 
-def test_reduce_add_coalesced_nccl_branch_once_per_chunk(two, fake_nccl, backend, monkeypatch):
-    monkeypatch.setattr(backend, "can_access_peer", lambda device, peer: False)
-    monkeypatch.setattr(cudalab.devices, "_peer_access", {})  # no peer access: NCCL, as torch
+def test_reduce_add_coalesced_nccl_branch_once_per_chunk(two, fake_nccl):
     lists = [[on(d, np.ones(4, np.float32)), on(d, np.ones(2))] for d in (0, 1)]
     comm.reduce_add_coalesced(lists, destination=1, buffer_size=1)
     assert fake_nccl.calls == [("reduce", (0, 1), 1)] * 2

@@ -25,9 +25,18 @@ def _two_gpus():
 
 def _ours(t):
     """The torch tensor as a DeviceArray (no copy; keep ``t`` alive)."""
-    # through __cuda_array_interface__: DLPack would need torch.cuda.device(t.device), which
-    # switches the thread's CUDA context behind cudalab's back
-    return cudalab.asarray(t)
+    # through __cuda_array_interface__ only: torch's DLPack export refuses a tensor of another
+    # device than its current one, and torch.cuda.device(...) would switch the thread's CUDA
+    # context behind cudalab's back
+    return cudalab.asarray(_InterfaceOnly(t))
+
+
+class _InterfaceOnly:
+    """A torch tensor seen only through ``__cuda_array_interface__`` (keeps it alive)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.__cuda_array_interface__ = tensor.__cuda_array_interface__
 
 
 def _host(x):
