@@ -366,9 +366,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             b.memcpy_async(self._device, self._ptr, src._ptr, n, stream._handle)
             return self
         # Peer copy on the destination's current stream, ordered after the source device's
-        # current stream, and that stream ordered after the copy (torch's cross-device rule).
-        # With direct access (enabled lazily, as torch does) it is a plain unified-address
-        # copy; without, cuMemcpyPeerAsync, which the driver stages through the host.
+        # current stream, and that stream ordered after the copy (torch's cross-device rule):
+        # with direct access (enabled lazily, as torch does) a plain unified-address copy.
         src_stream = stream_of(src._device)
         wait_stream(stream, src_stream)
         if _sanitizer_hook.on:
@@ -377,9 +376,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         null_context(stream)
         if _internal.enable_peer_access(self._device, src._device):
             b.memcpy_async(self._device, self._ptr, src._ptr, n, stream._handle)
-        else:
-            b.memcpy_peer_async(self._ptr, self._device, src._ptr, src._device, n,
-                                stream._handle)
+        else:  # the driver stages it through the host
+            b.memcpy_peer_async(self._ptr, self._device, src._ptr, src._device, n, stream._handle)
         wait_stream(src_stream, stream)
         return self
 
