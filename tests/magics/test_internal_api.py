@@ -83,3 +83,19 @@ def test_nvml_and_clock_reasons():
 def test_threshold_uses_the_one_size_parser(text, expected):
     assert _parse(text).threshold == expected == _internal.parse_size(
         text.split("--threshold ", 1)[1].replace(" ", ""))
+
+
+def test_enable_peer_access_asks_the_driver_once_per_pair(monkeypatch, two_devices):
+    import cudalab.devices as devices
+
+    backend = _internal.backend()
+    monkeypatch.setattr(devices, "_peer_access", {})
+    asked = []
+    real = backend.can_access_peer
+    monkeypatch.setattr(backend, "can_access_peer",
+                        lambda d, p: (asked.append((d, p)), real(d, p))[1])
+    assert _internal.enable_peer_access(0, 0) is False  # one device: nothing to enable
+    able = _internal.enable_peer_access(1, 0)
+    assert able == real(1, 0)
+    assert _internal.enable_peer_access(1, 0) == able  # the second time from the cache
+    assert asked == [(1, 0)]
