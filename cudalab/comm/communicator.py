@@ -448,11 +448,19 @@ class Communicator:
         return s, handle
 
     # ------------------------------------------------------------------ the launch
-    def _begin(self, name: str, s: _streams.Stream, reads: tuple, writes: tuple) -> None:
+    def _issue(self, name: str, s: _streams.Stream, reads: tuple, writes: tuple,
+               call: Any, *args: Any) -> None:
+        """``call(*args)`` (one NCCL call) on this communicator's device, inside its NVTX
+        range; the arrays it ``reads`` and ``writes`` are told to the stream sanitizer."""
         _internal.ensure_context(self._device)
         if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-            _sanitizer_hook.tracker.access(s, reads, writes, f"nccl {name}")
+            _sanitizer_hook.tracker.access(s, [(a.ptr, a.nbytes) for a in reads],
+                                           [(a.ptr, a.nbytes) for a in writes], f"nccl {name}")
         _nvtx.range_push(f"cudalab.comm.{name}")
+        try:
+            call(*args)
+        finally:
+            _nvtx.range_pop()
 
     def _end(self, name: str, s: _streams.Stream, arrays: tuple, algorithm_bytes: int,
              bus_factor: float) -> None:
@@ -486,11 +494,8 @@ class Communicator:
             raise ValueError(f"{what}: send and recv overlap without being the same buffer")
         dtype, per = _wire_type(src.dtype, code, what)
         s, handle = self._stream(stream, what)
-        self._begin("all_reduce", s, ((src.ptr, src.nbytes),), ((dst.ptr, dst.nbytes),))
-        try:
-            self._nccl.all_reduce(src.ptr, dst.ptr, src.size * per, dtype, code, comm, handle)
-        finally:
-            _nvtx.range_pop()
+        self._issue("all_reduce", s, (src,), (dst,), self._nccl.all_reduce,
+                    src.ptr, dst.ptr, src.size * per, dtype, code, comm, handle)
         n = self._world_size
         self._end("all_reduce", s, (src, dst), src.nbytes, 2 * (n - 1) / n)
         return send if recv is None else recv
@@ -511,11 +516,8 @@ class Communicator:
                              f"(in place needs send = recv[rank * n:(rank + 1) * n])")
         dtype, per = _wire_type(src.dtype, None, what)
         s, handle = self._stream(stream, what)
-        self._begin("all_gather", s, ((src.ptr, src.nbytes),), ((dst.ptr, dst.nbytes),))
-        try:
-            self._nccl.all_gather(src.ptr, dst.ptr, src.size * per, dtype, comm, handle)
-        finally:
-            _nvtx.range_pop()
+        self._issue("all_gather", s, (src,), (dst,), self._nccl.all_gather,
+                    src.ptr, dst.ptr, src.size * per, dtype, comm, handle)
         self._end("all_gather", s, (src, dst), dst.nbytes, self._ring_factor())
         return recv
 
@@ -537,11 +539,8 @@ class Communicator:
                              f"(in place needs recv = send[rank * n:(rank + 1) * n])")
         dtype, per = _wire_type(src.dtype, code, what)
         s, handle = self._stream(stream, what)
-        self._begin("reduce_scatter", s, ((src.ptr, src.nbytes),), ((dst.ptr, dst.nbytes),))
-        try:
-            self._nccl.reduce_scatter(src.ptr, dst.ptr, dst.size * per, dtype, code, comm, handle)
-        finally:
-            _nvtx.range_pop()
+        self._issue("reduce_scatter", s, (src,), (dst,), self._nccl.reduce_scatter,
+                    src.ptr, dst.ptr, dst.size * per, dtype, code, comm, handle)
         self._end("reduce_scatter", s, (src, dst), src.nbytes, self._ring_factor())
         return recv
 
@@ -564,12 +563,9 @@ class Communicator:
             raise ValueError(f"{what}: send and recv overlap without being the same buffer")
         dtype, per = _wire_type(src.dtype, None, what)
         s, handle = self._stream(stream, what)
-        reads = ((src.ptr, src.nbytes),) if self._rank == root else ()
-        self._begin("broadcast", s, reads, ((dst.ptr, dst.nbytes),))
-        try:
-            self._nccl.broadcast(src.ptr, dst.ptr, src.size * per, dtype, root, comm, handle)
-        finally:
-            _nvtx.range_pop()
+        reads = (src,) if self._rank == root else ()
+        self._issue("broadcast", s, reads, (dst,), self._nccl.broadcast,
+                    src.ptr, dst.ptr, src.size * per, dtype, root, comm, handle)
         self._end("broadcast", s, (src, dst), src.nbytes, 1.0)
         return send if recv is None else recv
 
@@ -592,12 +588,9 @@ class Communicator:
             raise ValueError(f"{what}: send and recv overlap without being the same buffer")
         dtype, per = _wire_type(src.dtype, code, what)
         s, handle = self._stream(stream, what)
-        writes = ((dst.ptr, dst.nbytes),) if at_root else ()
-        self._begin("reduce", s, ((src.ptr, src.nbytes),), writes)
-        try:
-            self._nccl.reduce(src.ptr, dst.ptr, src.size * per, dtype, code, root, comm, handle)
-        finally:
-            _nvtx.range_pop()
+        writes = (dst,) if at_root else ()
+        self._issue("reduce", s, (src,), writes, self._nccl.reduce,
+                    src.ptr, dst.ptr, src.size * per, dtype, code, root, comm, handle)
         self._end("reduce", s, (src, dst), src.nbytes, 1.0)
         return send if recv is None else recv
 
@@ -619,11 +612,8 @@ class Communicator:
         buf = self._buffer(array, "array", what, writable=False)
         dtype, per = _wire_type(buf.dtype, None, what)
         s, handle = self._stream(stream, what)
-        self._begin("send", s, ((buf.ptr, buf.nbytes),), ())
-        try:
-            self._nccl.send(buf.ptr, buf.size * per, dtype, peer, comm, handle)
-        finally:
-            _nvtx.range_pop()
+        self._issue("send", s, (buf,), (), self._nccl.send,
+                    buf.ptr, buf.size * per, dtype, peer, comm, handle)
         self._end("send", s, (buf,), buf.nbytes, 1.0)
 
     def recv(self, array: Any, peer: int, *, stream: Any = None) -> Any:
@@ -635,11 +625,8 @@ class Communicator:
         buf = self._buffer(array, "array", what, writable=True)
         dtype, per = _wire_type(buf.dtype, None, what)
         s, handle = self._stream(stream, what)
-        self._begin("recv", s, (), ((buf.ptr, buf.nbytes),))
-        try:
-            self._nccl.recv(buf.ptr, buf.size * per, dtype, peer, comm, handle)
-        finally:
-            _nvtx.range_pop()
+        self._issue("recv", s, (), (buf,), self._nccl.recv,
+                    buf.ptr, buf.size * per, dtype, peer, comm, handle)
         self._end("recv", s, (buf,), buf.nbytes, 1.0)
         return array
 
