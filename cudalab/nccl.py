@@ -168,13 +168,8 @@ def all_reduce(inputs: Any, outputs: Any = None, op: int = SUM, streams: Any = N
     cudalab.NcclError
         When NCCL fails.
     """
-    _check_sequence_type(inputs)
-    if outputs is None:
-        outputs = inputs
-    _check_sequence_type(outputs)
-    ins, outs = _arrays(inputs), _arrays(outputs)
-    stream_list = _unpack_streams(streams, len(ins))
-    comm_list = _unpack_comms(comms, len(ins))
+    ins, outs, stream_list, comm_list = _unpack(inputs, inputs if outputs is None else outputs,
+                                                streams, comms)
     _check_inputs(ins, outs, 1, 1)
     dtype = _nccl_type(ins[0])
     count = ins[0].size
@@ -266,11 +261,7 @@ def all_gather(inputs: Any, outputs: Any, streams: Any = None, comms: Any = None
 
     Each output has ``n`` times the input's elements. Other parameters as :func:`all_reduce`.
     """
-    _check_sequence_type(inputs)
-    _check_sequence_type(outputs)
-    ins, outs = _arrays(inputs), _arrays(outputs)
-    stream_list = _unpack_streams(streams, len(ins))
-    comm_list = _unpack_comms(comms, len(ins))
+    ins, outs, stream_list, comm_list = _unpack(inputs, outputs, streams, comms)
     n = len(ins)
     _check_inputs(ins, outs, n, 1)
     dtype = _nccl_type(ins[0])
@@ -290,11 +281,7 @@ def reduce_scatter(inputs: Any, outputs: Any, op: int = SUM, streams: Any = None
 
     Each input has ``n`` times the output's elements. Other parameters as :func:`all_reduce`.
     """
-    _check_sequence_type(inputs)
-    _check_sequence_type(outputs)
-    ins, outs = _arrays(inputs), _arrays(outputs)
-    stream_list = _unpack_streams(streams, len(ins))
-    comm_list = _unpack_comms(comms, len(ins))
+    ins, outs, stream_list, comm_list = _unpack(inputs, outputs, streams, comms)
     n = len(ins)
     _check_inputs(ins, outs, 1, n)
     dtype = _nccl_type(ins[0])
@@ -544,6 +531,16 @@ def _arrays(seq: Any) -> list[Any]:
     if not isinstance(seq, collections.abc.Iterable):
         raise TypeError("expected a sequence")
     return [_array(obj, i) for i, obj in enumerate(seq)]
+
+
+def _unpack(inputs: Any, outputs: Any, streams: Any,
+            comms: Any) -> tuple[list[Any], list[Any], list[Any], list[Any] | None]:
+    """torch's unpacking of a collective with inputs and outputs, in its order: the two
+    sequences, then the streams and communicators (one per input)."""
+    _check_sequence_type(inputs)
+    _check_sequence_type(outputs)
+    ins, outs = _arrays(inputs), _arrays(outputs)
+    return ins, outs, _unpack_streams(streams, len(ins)), _unpack_comms(comms, len(ins))
 
 
 def _unpack_streams(streams: Any, size: int) -> list[Any]:
