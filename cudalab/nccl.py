@@ -51,20 +51,14 @@ from cudalab import nvtx as _nvtx
 from cudalab import streams as _streams
 from cudalab._driver.base import (
     NCCL_AVG,
-    NCCL_BFLOAT16,
-    NCCL_FLOAT16,
-    NCCL_FLOAT32,
-    NCCL_FLOAT64,
-    NCCL_INT8,
-    NCCL_INT32,
-    NCCL_INT64,
+    NCCL_FLOAT8E4M3,
+    NCCL_FLOAT8E5M2,
     NCCL_MAX,
     NCCL_MIN,
+    NCCL_NUMPY_NAMES,
     NCCL_PROD,
     NCCL_SUM,
     NCCL_UINT8,
-    NCCL_UINT32,
-    NCCL_UINT64,
 )
 from cudalab.errors import NcclError
 
@@ -83,12 +77,9 @@ MAX_COUNT = (1 << 64) - 1
 
 #: numpy dtype name -> NCCL data type (torch's map, plus uint32 and uint64; bool is bytes, so
 #: SUM of bools is > 1). The one table: ``cudalab.comm.Communicator`` reads it too.
-DATA_TYPES = {
-    "float32": NCCL_FLOAT32, "float16": NCCL_FLOAT16, "float64": NCCL_FLOAT64,
-    "int64": NCCL_INT64, "int32": NCCL_INT32, "int8": NCCL_INT8, "uint8": NCCL_UINT8,
-    "bool": NCCL_UINT8, "bfloat16": NCCL_BFLOAT16, "uint32": NCCL_UINT32,
-    "uint64": NCCL_UINT64,
-}
+DATA_TYPES = {name: code for code, name in NCCL_NUMPY_NAMES.items()
+              if code not in (NCCL_FLOAT8E4M3, NCCL_FLOAT8E5M2)}  # (DeviceArray has no float8)
+DATA_TYPES["bool"] = NCCL_UINT8
 
 #: DLPack device types of CUDA memory (kDLCUDA, kDLCUDAManaged).
 _DLPACK_CUDA = (2, 13)

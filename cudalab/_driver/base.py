@@ -655,6 +655,14 @@ NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
 NCCL_FLOAT8E4M3, NCCL_FLOAT8E5M2 = 10, 11
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 
+#: numpy's name of each NCCL data type (ml_dtypes' names for bfloat16 and the float8 types).
+NCCL_NUMPY_NAMES = {
+    NCCL_INT8: "int8", NCCL_UINT8: "uint8", NCCL_INT32: "int32", NCCL_UINT32: "uint32",
+    NCCL_INT64: "int64", NCCL_UINT64: "uint64", NCCL_FLOAT16: "float16",
+    NCCL_FLOAT32: "float32", NCCL_FLOAT64: "float64", NCCL_BFLOAT16: "bfloat16",
+    NCCL_FLOAT8E4M3: "float8_e4m3fn", NCCL_FLOAT8E5M2: "float8_e5m2",
+}
+
 #: Size in bytes of an NCCL unique id (ncclUniqueId).
 NCCL_UNIQUE_ID_SIZE = 128
 

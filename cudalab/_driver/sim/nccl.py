@@ -63,18 +63,16 @@ from cudalab._driver.base import (
     NCCL_FLOAT8E5M2,
     NCCL_FLOAT16,
     NCCL_FLOAT32,
-    NCCL_FLOAT64,
     NCCL_INT8,
     NCCL_INT32,
-    NCCL_INT64,
     NCCL_MAX,
     NCCL_MIN,
+    NCCL_NUMPY_NAMES,
     NCCL_PROD,
     NCCL_RESULTS,
     NCCL_SUM,
     NCCL_UINT8,
     NCCL_UINT32,
-    NCCL_UINT64,
     NCCL_UNIQUE_ID_SIZE,
     Nccl,
 )
@@ -88,15 +86,7 @@ SIMULATED_VERSION = 2 * 10000 + 28 * 100 + 5
 #: ncclResult_t values the simulator raises.
 NCCL_INVALID_ARGUMENT = 4
 NCCL_INVALID_USAGE = 5
-_RESULT_TEXT = NCCL_RESULTS  # (name, text) per code: the seam's one table
 
-#: numpy type names of the NCCL types (ml_dtypes' names for the last three).
-_NUMPY_NAMES = {
-    NCCL_INT8: "int8", NCCL_UINT8: "uint8", NCCL_INT32: "int32", NCCL_UINT32: "uint32",
-    NCCL_INT64: "int64", NCCL_UINT64: "uint64", NCCL_FLOAT16: "float16",
-    NCCL_FLOAT32: "float32", NCCL_FLOAT64: "float64", NCCL_BFLOAT16: "bfloat16",
-    NCCL_FLOAT8E4M3: "float8_e4m3fn", NCCL_FLOAT8E5M2: "float8_e5m2",
-}
 _ML_DTYPES = (NCCL_BFLOAT16, NCCL_FLOAT8E4M3, NCCL_FLOAT8E5M2)
 _OPS = (NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG)
 _ROOTED = ("broadcast", "reduce")
@@ -112,7 +102,7 @@ LIVE, FINALIZED, DESTROYED = 0, 1, 2
 
 def nccl_error(call: str, code: int, detail: str) -> NcclError:
     """An :class:`NcclError` worded like the real one: ``call: name (code): text - detail``."""
-    name, text = _RESULT_TEXT[code]
+    name, text = NCCL_RESULTS[code]
     return NcclError(f"{call}: {name} ({code}): {text} - {detail}", code, name)
 
 
@@ -174,7 +164,7 @@ class _Post:
 
     def describe(self) -> str:
         kind, count, dtype, op, root = self.signature()
-        text = f"{kind}(count={count}, dtype={_NUMPY_NAMES.get(dtype, dtype)}"
+        text = f"{kind}(count={count}, dtype={NCCL_NUMPY_NAMES.get(dtype, dtype)}"
         if op is not None:
             text += f", op={('sum', 'prod', 'max', 'min', 'avg')[op]}"
         if root is not None:
@@ -319,7 +309,7 @@ class SimulatedNccl(Nccl):
             posts, t.posts = t.posts, []
             failed, t.failed = getattr(t, "failed", None), None
             if failed is not None:
-                code = failed.code if failed.code in _RESULT_TEXT else NCCL_INVALID_USAGE
+                code = failed.code if failed.code in NCCL_RESULTS else NCCL_INVALID_USAGE
                 raise nccl_error("ncclGroupEnd", code,
                                  f"a call of this group failed ({failed}); nothing of the "
                                  "group was launched")
@@ -418,14 +408,14 @@ class SimulatedNccl(Nccl):
                              f"{dtype!r}") from None
         if n < 0:
             raise nccl_error(call, NCCL_INVALID_ARGUMENT, f"negative count {n}")
-        if dt not in _NUMPY_NAMES:
+        if dt not in NCCL_NUMPY_NAMES:
             raise nccl_error(call, NCCL_INVALID_ARGUMENT, f"unknown datatype {dt}")
         if dt in _ML_DTYPES:
             try:
                 import ml_dtypes  # noqa: F401
             except ImportError:
                 raise nccl_error(call, NCCL_INVALID_ARGUMENT,
-                                 f"the simulator computes {_NUMPY_NAMES[dt]} with the optional "
+                                 f"the simulator computes {NCCL_NUMPY_NAMES[dt]} with the optional "
                                  "'ml_dtypes' package, which is not installed") from None
         try:
             s = self._b._stream(stream, call)
@@ -576,8 +566,8 @@ class SimulatedNccl(Nccl):
                 if (s.count, s.dtype) != (r.count, r.dtype):
                     raise nccl_error(
                         "ncclGroupEnd", NCCL_INVALID_USAGE,
-                        f"rank {s.comm.rank} sends {s.count} x {_NUMPY_NAMES[s.dtype]} to rank "
-                        f"{r.comm.rank}, which receives {r.count} x {_NUMPY_NAMES[r.dtype]}: "
+                        f"rank {s.comm.rank} sends {s.count} x {NCCL_NUMPY_NAMES[s.dtype]} to rank "
+                        f"{r.comm.rank}, which receives {r.count} x {NCCL_NUMPY_NAMES[r.dtype]}: "
                         "count and type must match")
                 units.append((min(i, k), [s, r]))
         return units
@@ -612,8 +602,8 @@ def _numpy_dtype(dtype: int) -> Any:
     if dtype in _ML_DTYPES:
         import ml_dtypes
 
-        return np.dtype(getattr(ml_dtypes, _NUMPY_NAMES[dtype]))
-    return np.dtype(_NUMPY_NAMES[dtype])
+        return np.dtype(getattr(ml_dtypes, NCCL_NUMPY_NAMES[dtype]))
+    return np.dtype(NCCL_NUMPY_NAMES[dtype])
 
 
 def _itemsize(dtype: int) -> int:
