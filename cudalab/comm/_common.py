@@ -1,5 +1,5 @@
 """What :mod:`cudalab.comm`'s single-process collectives share: argument parsing in torch's
-words, the NCCL switch, peer access, copies between any two arrays, and views.
+words, the NCCL switch, copies between any two arrays, and views.
 
 * :func:`nccl_for` answers torch's question "use NCCL for these arrays?": ``cudalab.nccl``
   is imported on first use (it may be absent, or a stub without ``is_available``: then the
@@ -10,8 +10,8 @@ words, the NCCL switch, peer access, copies between any two arrays, and views.
   (a slice of a gather's result along a dimension other than 0). Work goes to the current
   streams (the destination's; a peer copy is ordered after the source device's current
   stream and that stream after the copy, see :meth:`cudalab.DeviceArray.copy_`).
-* Peer access is enabled lazily, once per (copying device, source device) pair where the
-  hardware allows it, as torch's ``at::cuda::get_p2p_access`` does before a peer copy.
+* Peer access is enabled lazily by the copies themselves (``DeviceArray.copy_``, through
+  ``cudalab._internal.enable_peer_access``), as torch's ``get_p2p_access`` does.
 * Messages quote shapes as torch prints ``IntArrayRef`` (``[2, 3]``) and devices as torch
   prints them (``cuda:1``, ``cpu``).
 """
@@ -34,7 +34,6 @@ __all__ = [
     "describe_device",
     "device_of",
     "distinct",
-    "ensure_peer_access",
     "flat_buffer",
     "is_device_array",
     "narrow",
@@ -145,21 +144,6 @@ def total_bytes(arrays: Iterable[Any]) -> int:
     return sum(a.nbytes for a in arrays)
 
 
-# --------------------------------------------------------------------------- peer access
-def ensure_peer_access(device: int, peer: int) -> bool:
-    """Let ``device`` read ``peer``'s memory directly, once per pair, where the hardware
-    allows it (torch's ``get_p2p_access``); otherwise the driver stages peer copies.
-
-    Returns
-    -------
-    bool
-        Whether ``device`` has direct access to ``peer`` (False for the host or one device).
-    """
-    if device < 0 or peer < 0:
-        return False
-    return _internal.enable_peer_access(device, peer)
-
-
 # --------------------------------------------------------------------------- views and copies
 def narrow(array: Any, dim: int, start: int, length: int) -> Any:
     """``array.narrow(dim, start, length)``: a view (numpy for a host array).
@@ -179,11 +163,9 @@ def copy_into(dst: DeviceArray, src: Any) -> DeviceArray:
     or strided ``dst`` (dtypes converted as torch's ``copy_``). Returns ``dst``.
 
     Runs on the current stream of ``dst``'s device; a source on another device is copied
-    peer to peer (enabling peer access first, once per pair) and, for a strided ``dst``,
+    peer to peer (``copy_`` enables peer access, once per pair) and, for a strided ``dst``,
     converted there by an elementwise kernel.
     """
-    if isinstance(src, DeviceArray) and src.device_index != dst.device_index:
-        ensure_peer_access(dst.device_index, src.device_index)
     if not isinstance(src, DeviceArray):
         src = np.ascontiguousarray(src)  # (copy_ takes C-contiguous host arrays only)
         if not dst.is_contiguous():

@@ -154,7 +154,7 @@ def _one_peer_copy(array: Any, out: DeviceArray) -> bool:
     arrays of one dtype on two devices with peer access (enabled here, once per pair)."""
     return (isinstance(array, DeviceArray) and array.is_contiguous() and out.is_contiguous()
             and array.dtype == out.dtype and array.device_index != out.device_index
-            and _common.ensure_peer_access(out.device_index, array.device_index))
+            and _internal.enable_peer_access(out.device_index, array.device_index))
 
 
 # --------------------------------------------------------------------------- reduce_add
@@ -250,8 +250,6 @@ def sum_to_device(inputs: Sequence[Any], destination: Any) -> DeviceArray:
 
 
 def _moved(array: DeviceArray, device: int) -> DeviceArray:
-    """``array.to(device, non_blocking=True)`` (itself when already there), peer access
-    enabled first."""
-    if array.device_index != device:
-        _common.ensure_peer_access(device, array.device_index)
+    """``array.to(device, non_blocking=True)`` (itself when already there; the copy enables
+    peer access, once per pair)."""
     return array.to(device, non_blocking=True)
