@@ -4,8 +4,8 @@ Launched once per GPU by ``comm.py`` with ``RANK``, ``WORLD_SIZE`` and ``COMM_BE
 the environment (device = rank). The rank joins two communicators over the same GPUs:
 
 * cudalab's :class:`cudalab.comm.Communicator` (unique id through a file in the directory);
-* NCCL's own, created and driven from ``nccl4py``'s raw bindings directly (its unique id
-  through a second file), on the same buffer and the same stream;
+* NCCL's own, created and driven from ``nccl4py``'s raw bindings directly (its own unique
+  id, through a second file), on the same buffer and the same stream;
 
 then times ``all_reduce`` in place for each size, alternating the two in rounds (nccl-tests'
 method: ``iters`` launches, one synchronize, time / iters; bus bandwidth = size / time x
@@ -23,28 +23,6 @@ import time
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout works uninstalled
 
 
-def _exchange(path: str, rank: int, make: object, timeout: float = 120.0) -> bytes:
-    """Rank 0 writes ``make()``'s bytes to ``path`` atomically; the others wait and read."""
-    if rank == 0:
-        data = make()  # type: ignore[operator]
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-        return data
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-            if len(data) == 128:
-                return data
-        except FileNotFoundError:
-            pass
-        time.sleep(0.01)
-    raise TimeoutError(f"no unique id at {path} after {timeout} s")
-
-
 def main() -> int:
     import numpy as np
     from nccl.bindings import nccl as raw
@@ -59,8 +37,9 @@ def main() -> int:
     cudalab.set_device(rank)
     uid = comm.unique_id_from_file(os.path.join(folder, "cudalab.uid"), rank)
     ours = comm.Communicator(rank, world, uid, device=rank)
-    raw_uid = _exchange(os.path.join(folder, "raw.uid"), rank,
-                        lambda: bytes(raw.get_unique_id()))
+    # NCCL's own communicator gets its own id (an ncclUniqueId is the same bytes whoever
+    # asked NCCL for it), carried the same way
+    raw_uid = comm.unique_id_from_file(os.path.join(folder, "raw.uid"), rank)
     theirs = raw.comm_init_rank_scalable(world, rank, 1, bytearray(raw_uid), 0)
     stream = cudalab.Stream()
     handle = stream.cuda_stream
