@@ -7,12 +7,12 @@ import math
 
 import pytest
 from IPython.testing import globalipapp
-from IPython.utils.capture import capture_output
 
 import cudalab
 from cudalab import _internal
 from cudalab.magics.result import CudaTimedResult
 from cudalab.magics.timed_bandwidth import CollectiveWatch, bandwidth_line
+from tests.helpers.shell import run_cell as run
 
 MiB = 1 << 20
 
@@ -30,13 +30,6 @@ def ip(shell):
     shell.run_line_magic("load_ext", "cudalab")
     yield shell
     shell.run_line_magic("unload_ext", "cudalab")
-
-
-def run(sh, src):
-    with capture_output() as cap:
-        r = sh.run_cell(src, store_history=False)
-    texts = [o.data.get("text/plain", "") for o in cap.outputs]
-    return r, texts
 
 
 def record(name="all_reduce", nbytes=64 * MiB, nranks=2, factor=1.0):

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from IPython.core.error import UsageError
 from IPython.testing import globalipapp
-from IPython.utils.capture import capture_output
 
 import cudalab
 from cudalab.magics.timed_graph import GraphTimedResult, check_options
 from cudalab.magics.timed_options import parse_options
+from tests.helpers.shell import run_cell as run
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +28,6 @@ def ip(shell):
     shell.user_ns["buf"] = cudalab.array.zeros((1024,), np.uint8)
     yield shell
     shell.run_line_magic("unload_ext", "cudalab")
-
-
-def run(sh, src):
-    with capture_output() as cap:
-        r = sh.run_cell(src, store_history=False)
-    texts = [o.data.get("text/plain", "") for o in cap.outputs]
-    return r, texts
 
 
 def test_graph_option_is_parsed_and_checked():
