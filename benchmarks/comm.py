@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout works uninstalled
 from _harness import Table, environment, optional_import, parse_args, write_json  # noqa: E402
 
+from cudalab._units import format_bytes as _size  # noqa: E402 - the one size formatter
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [KiB, 16 * KiB, 256 * KiB, 4 * MiB, 64 * MiB, 256 * MiB, GiB]
 QUICK_SIZES = [KiB, 256 * KiB, 64 * MiB]
@@ -209,13 +211,6 @@ def _multi_process(table: Table, results: dict, quick: bool) -> None:
               big["cudalab_busbw"], "GB/s")
     table.add(f"multi-process all_reduce busbw {_size(big['bytes'])}, nccl4py",
               big["nccl4py_busbw"], "GB/s", f"ratio {big['ratio']:.3f} (goal >= 0.95)")
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n} B"
 
 
 def main() -> None:
