@@ -177,9 +177,17 @@ class CudaLabMagics(Magics):
         before and after (NVML), with a hint when the clock moved.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython hides this frame above the user's
+        from cudalab import _internal
         from cudalab.magics.timed import run_cuda_timed
 
-        return run_cuda_timed(self, line, cell, local_ns)
+        out = run_cuda_timed(self, line, cell, local_ns)
+        # The last safe point, outside the magic's deferring code: a Ctrl-C that came while
+        # run_cuda_timed returned (after its own safe point) ends the cell here, inside it,
+        # rather than whenever the helper thread next trips SIGINT, which may be in IPython's
+        # post-execute callbacks, where IPython catches it ("Error in callback") and the press
+        # is lost.
+        _internal.deliver_owed_interrupt()
+        return out
 
     @no_var_expand
     @needs_local_scope
