@@ -1,9 +1,16 @@
-"""The one compiled part of cudalab: an optional accelerator for history's stack stamps.
+"""The compiled parts of cudalab: two optional accelerators, each with a pure-Python twin.
 
-Everything else is in pyproject.toml. ``cudalab.memory_tools._stackstamp`` reads CPython's
-private interpreter frames, so it is built only for CPython 3.11-3.13 with the GIL, and
-only optionally: without a compiler or headers the install still succeeds and
-``cudalab.memory_tools.stacks`` uses its pure-Python stamp (same stacks, slower).
+Everything else is in pyproject.toml. Both extensions are optional: without a compiler or
+headers the install still succeeds and cudalab uses the Python twin (same results, slower).
+
+* ``cudalab.memory_tools._stackstamp``, history's stack stamps, reads CPython's private
+  interpreter frames, so it is built only for CPython 3.11-3.13 with the GIL;
+  ``cudalab.memory_tools.stacks`` falls back to its pure-Python stamp.
+* ``cudalab._driver._fastcall`` calls cuLaunchKernel, cuEventRecord and cuStreamWaitEvent
+  from C (public C API only), for CPython with the GIL; ``cudalab._driver.cuda`` falls back
+  to cuda.bindings' wrappers.
+
+``CUDALAB_PURE_PYTHON=1`` builds neither.
 """
 
 import os
@@ -17,12 +24,17 @@ from setuptools import Extension, setup
 def _extensions() -> list:
     pure = os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0")
     if (pure or platform.python_implementation() != "CPython"
-            or not (3, 11) <= sys.version_info[:2] <= (3, 13)
             or sysconfig.get_config_var("Py_GIL_DISABLED")):
         return []
-    include = sysconfig.get_paths()["include"]
-    return [Extension("cudalab.memory_tools._stackstamp", ["cudalab/memory_tools/_stackstamp.c"],
-                      include_dirs=[os.path.join(include, "internal")], optional=True)]
+    extensions = [Extension("cudalab._driver._fastcall", ["cudalab/_driver/_fastcall.c"],
+                            optional=True)]
+    if (3, 11) <= sys.version_info[:2] <= (3, 13):
+        include = sysconfig.get_paths()["include"]
+        extensions.append(Extension("cudalab.memory_tools._stackstamp",
+                                    ["cudalab/memory_tools/_stackstamp.c"],
+                                    include_dirs=[os.path.join(include, "internal")],
+                                    optional=True))
+    return extensions
 
 
 setup(ext_modules=_extensions())

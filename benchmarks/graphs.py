@@ -5,11 +5,13 @@ Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
 
 * host cost of ``CUDAGraph.replay()`` of a one-kernel graph (a loop of replays, then one
   synchronize; each replay also refreshes the default generator's graph words, as torch's);
-* host time per captured kernel launch (capturing 1,000 launches of the fill kernel, from
-  capture_begin to capture_end, divided by 1,000);
-* 1,000 tiny fill kernels (the runtime's own fill kernel on 4 KiB; torch's ``fill_`` on a 4 KiB
-  tensor) launched eagerly vs replayed as one graph: time per 1,000 from events on the
-  stream (goal: replay >= 5x faster);
+* host time per captured kernel launch: capturing 1,000 ``fill_(i + 1)`` of a 4 KiB int64
+  array (cudalab's ``DeviceArray.fill_``, which launches the runtime's own fill kernel;
+  torch's ``Tensor.fill_``), from capture_begin to capture_end, divided by 1,000 (goal:
+  cudalab <= torch); and the same through ``Kernel.launch`` directly (the kernel API, for
+  reference);
+* those 1,000 tiny fill kernels launched eagerly vs replayed as one graph: time per 1,000
+  from events on the stream (goal: replay >= 5x faster);
 * peak reserved bytes in the private pool for the same sequence of allocations and frees
   inside a capture (goal: equal to torch's).
 
@@ -69,14 +71,18 @@ def bench_cudalab(table: Table, results: dict, quick: bool) -> None:
 
     tag = " (simulated)" if cudalab.get_device_properties(0).simulated else ""
     repeat = 3 if quick else 7
-    buf = cudalab.array.zeros((FILL_BYTES // 8,), np.uint64)
+    buf = cudalab.array.zeros((FILL_BYTES // 8,), np.int64)
     kernel = fill_kernel(8)
     count = FILL_BYTES // 8
     grid, block = launch_config_1d(count, 256, max_blocks=8192)
 
-    def fills(n=KERNELS):
+    def fills(n=KERNELS):  # (i + 1: never 0, which would be a memset instead of a kernel)
         for i in range(n):
-            kernel.launch(grid, block, (buf, i, count))
+            buf.fill_(i + 1)
+
+    def kernel_fills(n=KERNELS):
+        for i in range(n):
+            kernel.launch(grid, block, (buf, i + 1, count))
 
     s = cudalab.Stream()
     s.wait_stream(cudalab.current_stream())
@@ -101,16 +107,19 @@ def bench_cudalab(table: Table, results: dict, quick: bool) -> None:
         results["cudalab_replay_us"] = t * 1e6
 
         # host time per captured launch
-        def capture():
+        def capture(body=fills):
             g = cudalab.CUDAGraph()
             g.capture_begin()
-            fills()
+            body()
             g.capture_end()
             return g
 
         t = _median_seconds(capture, repeat) / KERNELS
-        table.add(f"cudalab capture, host time per launch{tag}", t * 1e6, "µs")
+        table.add(f"cudalab capture, host time per launch (fill_){tag}", t * 1e6, "µs")
         results["cudalab_capture_per_launch_us"] = t * 1e6
+        t = _median_seconds(lambda: capture(kernel_fills), repeat) / KERNELS
+        table.add(f"cudalab capture, host time per launch (Kernel.launch){tag}", t * 1e6, "µs")
+        results["cudalab_capture_per_kernel_launch_us"] = t * 1e6
 
         # 1,000 fill kernels: eager vs replay
         g = capture()
@@ -157,7 +166,7 @@ def bench_torch(torch, table: Table, results: dict, quick: bool) -> None:
 
     def fills(n=KERNELS):
         for i in range(n):
-            buf.fill_(i)
+            buf.fill_(i + 1)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -188,7 +197,7 @@ def bench_torch(torch, table: Table, results: dict, quick: bool) -> None:
             return g
 
         t = _median_seconds(capture, repeat) / KERNELS
-        table.add("torch capture, host time per launch", t * 1e6, "µs")
+        table.add("torch capture, host time per launch (fill_)", t * 1e6, "µs")
         results["torch_capture_per_launch_us"] = t * 1e6
         g = capture()
 
@@ -241,6 +250,12 @@ def main() -> None:
         if "torch_pool_reserved_bytes" in results:
             diff = results["cudalab_pool_reserved_bytes"] - results["torch_pool_reserved_bytes"]
             table.add("private pool reserved, cudalab - torch", diff, "B", "(goal: 0)")
+        for key, what in (("replay_us", "replay() host cost"),
+                          ("capture_per_launch_us", "capture, host time per launch")):
+            if f"torch_{key}" in results:
+                ratio = results[f"cudalab_{key}"] / results[f"torch_{key}"]
+                results[f"ratio_{key}"] = ratio
+                table.add(f"{what}, cudalab / torch", ratio, "x", "(goal: <= 1)")
     print(table.render())
     from cudalab import _internal
 

@@ -18,6 +18,7 @@ import numpy as np
 from cudalab import _internal, _interrupts, _sanitizer_hook
 from cudalab import streams as _streams
 from cudalab import sync_debug as _sync
+from cudalab._kernels.fill import FILL_KERNELS
 from cudalab.allocator import registry as _registry
 from cudalab.errors import StreamCaptureError, name_operation
 
@@ -42,6 +43,11 @@ __all__ = [
 
 #: The registry's per-device allocators (the list object itself: never replaced).
 _allocators = _registry.allocators
+
+#: The fill kernel's launch shape: 256 threads per block, at most 8192 blocks (grid-stride).
+_FILL_BLOCK = 256
+_FILL_BLOCK3 = (_FILL_BLOCK, 1, 1)
+_FILL_MAX_BLOCKS = 8192
 
 # --------------------------------------------------------------------------- lazy imports
 _mem: Any = None  # cudalab.memory, bound on first use (it imports the allocator)
@@ -243,10 +249,13 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
 
 
 def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stream) -> None:
-    """Fill with cudalab's grid-stride fill kernel for ``len(pattern)``-byte items."""
-    from cudalab._kernels.fill import fill_kernel
-    from cudalab._kernels.kernel import launch_config_1d
+    """Fill with cudalab's grid-stride fill kernel for ``len(pattern)``-byte items (1, 2, 4
+    or 8), ``count`` >= 1 of them.
 
-    kernel = fill_kernel(len(pattern))
-    grid, block = launch_config_1d(count, 256, max_blocks=8192)
-    kernel.launch(grid, block, (ptr, int.from_bytes(pattern, "little"), count), stream=stream)
+    Launched with ``Kernel.launch_prepared``: the values are built here, in range (the
+    item's own bytes for a u4/u8 parameter), and :func:`fill` has told the sanitizer
+    (the "fills eager" and "capture, host time per launch" rows of benchmarks/graphs.py).
+    """
+    grid = min(-(-count // _FILL_BLOCK), _FILL_MAX_BLOCKS)
+    FILL_KERNELS[len(pattern)].launch_prepared(
+        (grid, 1, 1), _FILL_BLOCK3, (ptr, int.from_bytes(pattern, "little"), count), stream)

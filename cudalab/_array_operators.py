@@ -189,7 +189,7 @@ def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
 def _empty_for(inputs: list[Any]) -> Any:
     for x in inputs:
         if hasattr(x, "_ptr"):
-            return type(x)
+            return type(x)._output
     raise TypeError("an operation needs at least one DeviceArray")
 
 
@@ -345,4 +345,4 @@ class OperatorsMixin:
         dt = normalize_dtype(dtype, default=None)
         if dt == self._dtype and not copy:  # type: ignore[attr-defined]
             return self
-        return run(OPERATIONS["copy"], [self], out_dtype=dt, empty=type(self))[0]
+        return run(OPERATIONS["copy"], [self], out_dtype=dt, empty=type(self)._output)[0]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import operator
+import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,7 @@ from cudalab._array_reductions import ReductionsMixin
 from cudalab._array_transfers import TransfersMixin
 from cudalab._array_views import ViewsMixin
 from cudalab._dtypes import SUPPORTED_DTYPES, normalize_dtype, normalize_shape, size_args
+from cudalab._kernels.kernel import register_pointer_type
 
 __all__ = [
     "DeviceArray",
@@ -89,6 +92,55 @@ def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
     return True
 
 
+# --------------------------------------------------------------------------- fill values
+#: Integer dtypes -> (itemsize, min, max, signed), and float32/float64 -> a struct packer:
+#: _scalar_bytes converts a Python int or float without numpy for these (the "fills eager" and
+#: "capture, host time per launch" rows of benchmarks/graphs.py). Native byte order, as
+#: numpy's tobytes(), so the two paths cannot drift (tests/runtime/test_array.py compares them).
+_INT_BYTES = {np.dtype(t): (np.dtype(t).itemsize, int(np.iinfo(t).min), int(np.iinfo(t).max),
+                            np.issubdtype(t, np.signedinteger))
+              for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+                        np.uint64)}
+_FLOAT_PACK = {np.dtype(np.float32): struct.Struct("=f").pack,
+               np.dtype(np.float64): struct.Struct("=d").pack}
+_EXACT_INT_FLOAT = 2**53  # ints up to this convert to float64 exactly, then round once
+
+
+def _scalar_bytes(value: Any, dtype: np.dtype) -> bytes:
+    """One element of ``dtype`` holding ``value``, converted as numpy converts it.
+
+    Raises
+    ------
+    ValueError
+        A value that numpy cannot store as ``dtype`` (out of range, not a number) or that is
+        not a scalar.
+    """
+    kind = type(value)
+    if kind is int:
+        spec = _INT_BYTES.get(dtype)
+        if spec is not None:
+            if spec[1] <= value <= spec[2]:
+                return value.to_bytes(spec[0], sys.byteorder, signed=spec[3])
+        elif -_EXACT_INT_FLOAT <= value <= _EXACT_INT_FLOAT:
+            pack = _FLOAT_PACK.get(dtype)
+            if pack is not None:
+                return pack(value)
+    elif kind is float:
+        pack = _FLOAT_PACK.get(dtype)
+        if pack is not None:
+            try:
+                return pack(value)
+            except OverflowError:  # beyond float32: numpy's inf, below
+                pass
+    try:
+        pattern = np.array(value, dtype=dtype).tobytes()
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"fill_: {value!r} cannot be stored as {dtype}: {exc}") from None
+    if len(pattern) != dtype.itemsize:
+        raise ValueError(f"fill_: expected a scalar, got {value!r}")
+    return pattern
+
+
 # --------------------------------------------------------------------------- the array
 class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
@@ -121,10 +173,15 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             # (benchmarks/rng.py, rand(1000) host cost).
             dev = _devices._device_index(device)
             stream = _streams.current_stream(dev)
+        self._init_owned(shape, dt, dev, stream)
+
+    def _init_owned(self, shape: tuple[int, ...], dtype: np.dtype, device: int,
+                    stream: Any) -> None:
+        """Allocate a new C-contiguous array (the checked arguments of ``__init__``)."""
         size = math.prod(shape)
-        nbytes = size * dt.itemsize
+        nbytes = size * dtype.itemsize
         if nbytes:
-            a = self._alloc = allocator_of(dev)
+            a = self._alloc = allocator_of(device)
             self._ptr = a.malloc(nbytes, stream)
             self._owns = True
             if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
@@ -132,15 +189,27 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         else:
             self._ptr = 0
         self._shape = shape
-        self._dtype = dt
+        self._dtype = dtype
         self._strides = None  # C-contiguous: computed on demand
-        self._device = dev
+        self._device = device
         self._stream = stream
         self._base = None
         self._nbytes = nbytes
         self._size = size
         self._contiguous = True
         self._read_only = False
+
+    @classmethod
+    def _output(cls, shape: tuple[int, ...], dtype: np.dtype, device: int,
+                stream: Any) -> DeviceArray:
+        """A new array for a kernel's result, allocated on ``stream`` (the elementwise
+        machinery's ``empty``): ``shape`` a tuple of ints, ``dtype`` a supported numpy dtype,
+        ``device`` a valid index and ``stream`` its current stream, none of them checked
+        again (the "host/call" rows of benchmarks/jiterator.py)."""
+        self = object.__new__(cls)
+        self._owns = False
+        self._init_owned(shape, dtype, device, stream)
+        return self
 
     def __del__(self) -> None:
         # The last reference to an owning array (views hold it in ``_base``) is gone: hand
@@ -394,12 +463,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                 raise ValueError(f"fill_ only supports 0-dimension value tensor but got tensor "
                                  f"with {value.ndim} dimensions.")
             value = value.item()
-        try:
-            pattern = np.array(value, dtype=self._dtype).tobytes()
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise ValueError(f"fill_: {value!r} cannot be stored as {self._dtype}: {exc}") from None
-        if len(pattern) != self._dtype.itemsize:
-            raise ValueError(f"fill_: expected a scalar, got {value!r}")
+        pattern = _scalar_bytes(value, self._dtype)
         if self._nbytes:
             fill(self._ptr, pattern, self._size, self._device, stream_of(self._device))
         return self
@@ -619,11 +683,17 @@ def _from_cuda_array_interface(obj: Any) -> DeviceArray:
 
 # Ctrl-C is deferred while an array takes its memory and while its finalizer gives it back
 # (cudalab._interrupts): raised in a finalizer, it would be printed as "Exception ignored" and
-# lost; raised between malloc and ``_owns = True``, the block would never be freed.
-_interrupts.guard(DeviceArray.__init__, DeviceArray.__del__)
+# lost; raised between malloc and ``_owns = True`` (in _init_owned, which __init__ and
+# _output call), the block would never be freed.
+_interrupts.guard(DeviceArray.__init__, DeviceArray._init_owned, DeviceArray.__del__)
 
 
 # --------------------------------------------------------------------------- creation
+# Kernel.launch reads a DeviceArray argument's address directly (its _ptr, the first byte of
+# the array or view), instead of through __cuda_array_interface__.
+register_pointer_type(DeviceArray, operator.attrgetter("_ptr"))
+
+
 def empty(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
     """Uninitialised array (memory from the caching allocator, current stream).
 

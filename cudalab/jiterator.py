@@ -82,6 +82,7 @@ class _JittedFunction:
         """Refresh the extra arguments' values and kernel parameters (when a call changes them)."""
         self._extras = tuple(self.kwargs_dict.values())
         self._extra_args = [extra_value(v) for v in self._extras]
+        self._extra_types = tuple(map(type, self._extras))
 
     def __repr__(self) -> str:
         return (f"<cudalab.jiterator function {self.kernel_name} ({self.num_outputs} "
@@ -127,8 +128,8 @@ class _JittedFunction:
                 self.kwargs_dict[key] = value
             self._set_extras()
         inputs = [t if type(t) is DeviceArray else _operand(i, t) for i, t in enumerate(tensors)]
-        outs = run(self._function, inputs, self._extras, self._names, empty=DeviceArray, sim=sim,
-                   extra_args=self._extra_args)
+        outs = run(self._function, inputs, self._extras, self._names, empty=DeviceArray._output, sim=sim,
+                   extra_args=self._extra_args, extra_types=self._extra_types)
         return outs[0] if self.num_outputs == 1 else tuple(outs)
 
     def kernels(self, *dtypes: Any, strided: bool = False, large: bool = False) -> list[Any]:

@@ -414,7 +414,12 @@ def current_stream(device: Any = None) -> Stream:
         cur = _thread_streams()
     # Direct module read, not _internal.device_index(): the "current_stream()" row of
     # benchmarks/runtime.py.
-    d = t.device if device is None else _devices._device_index(device)
+    if device is None:
+        d = t.device
+    elif type(device) is int and 0 <= device < len(cur):  # (the elementwise "host/call" rows)
+        d = device
+    else:
+        d = _devices._device_index(device)
     s = cur[d]
     if s is None:
         s = cur[d] = default_stream(d)

@@ -8,8 +8,8 @@ The notebooks are what a user copies from, so an AST scan of their code cells (n
 in one cell count in the later ones) fails on any ``_``-prefixed cudalab module or name:
 ``import cudalab._x``, ``from cudalab._x import y``, ``from cudalab.x import _y``, and
 ``X._y`` where ``X`` names something imported from cudalab (``cudalab.devices._backend()``).
-The only exceptions are the names torch itself spells with an underscore and cudalab.memory
-mirrors (:data:`TORCH_SPELLED`).
+The only exceptions are the names torch itself spells with an underscore and cudalab mirrors
+as public API (:data:`TORCH_SPELLED`).
 
 The notebooks are committed executed on the simulator, so a reader on a code host sees
 their outputs: each has outputs, its code cells ran in order, and every text output that
@@ -61,9 +61,13 @@ def test_notebook_runs(path):
     assert "notebook ok" in r.stdout
 
 
-#: cudalab.memory's names in torch's own underscore spelling (torch.cuda.memory's documented
-#: ``_record_memory_history``, ``_snapshot``, ``_dump_snapshot``): public API here too.
-TORCH_SPELLED = frozenset({"_record_memory_history", "_snapshot", "_dump_snapshot"})
+#: torch's own public names that it spells with an underscore, which cudalab mirrors as public
+#: API under the same names: torch.cuda.memory's documented ``_record_memory_history``,
+#: ``_snapshot`` and ``_dump_snapshot`` (cudalab.memory), and torch.cuda.jiterator's
+#: ``_create_jit_fn`` and ``_create_multi_output_jit_fn`` (cudalab.jiterator). Any other
+#: underscore name stays private (``cudalab.jiterator._JittedFunction`` included).
+TORCH_SPELLED = frozenset({"_record_memory_history", "_snapshot", "_dump_snapshot",
+                           "_create_jit_fn", "_create_multi_output_jit_fn"})
 
 
 def _private(name: str) -> bool:
@@ -183,6 +187,10 @@ def test_the_notebooks_are_found():
     ["%load_ext cudalab\nimport cudalab", "%%cuda_timed -n 1\ncudalab.devices._backend()"],
     ["import cudalab", "%%cuda_timed -n 1 x = cudalab._driver\npass"],
     ["import cudalab", "r = %cuda_timed -o -q -n 2 cudalab.devices._tls"],
+    ["import cudalab\ncudalab.jiterator._JittedFunction"],
+    ["from cudalab.jiterator import _JittedFunction"],
+    ["from cudalab import jiterator\njiterator._create_jit_fn('...')._function"],
+    ["import cudalab._kernels.elementwise as e\ne._create_jit_fn"],
 ])
 def test_the_scan_catches_planted_private_uses(cells):
     assert len(private_uses(cells)) == 1
@@ -195,6 +203,9 @@ def test_the_scan_catches_planted_private_uses(cells):
     ["import cudalab\ncudalab.memory._record_memory_history(context=None)"],
     ["import numpy as np\nnp.random._bit_generator"],  # not cudalab's
     ["import cudalab\nx = cudalab.zeros((4,))\nx.__cuda_array_interface__"],
+    ["import cudalab\nf = cudalab.jiterator._create_jit_fn('...', a=2.0)\nf(1.0, a=3.0)"],
+    ["import cudalab.jiterator\ncudalab.jiterator._create_multi_output_jit_fn('...', 2)"],
+    ["from cudalab.jiterator import _create_jit_fn, _create_multi_output_jit_fn"],
 ])
 def test_the_scan_allows_public_api(cells):
     assert private_uses(cells) == []

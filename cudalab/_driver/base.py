@@ -439,6 +439,20 @@ class Backend(abc.ABC):
     ) -> None:
         """Launch ``function`` on ``stream`` with a packed argument list."""
 
+    def launch_values(
+        self,
+        function: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        stream: Any,
+        args: KernelArgs,
+        values: Sequence[Any],
+    ) -> None:
+        """``launch(function, grid, block, shared_mem, stream, args.set(*values))``: the
+        kernel launch path's one seam call (the real backend does both in C)."""
+        self.launch(function, grid, block, shared_mem, stream, args.set(*values))
+
     # ---------------------------------------------------------------- virtual memory (VMM)
     # Used by expandable segments: reserve a large address range once, then map physical
     # pages into it on demand (cuMemAddressReserve / cuMemCreate / cuMemMap).

@@ -39,6 +39,7 @@ Conventions (see :mod:`cudalab._driver.base`):
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
 from collections.abc import Sequence
@@ -109,6 +110,51 @@ from cudalab._driver.cuda_api import (
 from cudalab._driver.cuda_graphs import CudaGraphs
 from cudalab.errors import CudaError, DriverNotFoundError
 
+try:  # optional C twin of three hot calls (setup.py builds it; see _bind_fastcall)
+    from cudalab._driver import _fastcall  # type: ignore[attr-defined]  # C, no stub
+except ImportError:  # pragma: no cover - a pure-Python install
+    _fastcall = None
+
+# ------------------------------------------------------------------------- C fast calls
+#: cuLaunchKernel / cuEventRecord / cuStreamWaitEvent called from C (_fastcall.c), or None
+#: where the extension is not built or the driver did not give the entry points: then the
+#: cuda.bindings wrappers are used. Bound by _bind_fastcall() in CudaBackend.init(). They
+#: exist for the "capture, host time per launch" row of benchmarks/graphs.py, the "host/call"
+#: rows of benchmarks/jiterator.py and the launch and event rows of benchmarks/timing.py.
+_fast_launch: Any = None
+_fast_event_record: Any = None
+_fast_stream_wait_event: Any = None
+#: Env switch that turns the C calls off (CUDALAB_FASTCALL=0): the bindings are used, as
+#: without the extension (tests/driver/test_fastcall.py compares the two).
+_FASTCALL_ENV = "CUDALAB_FASTCALL"
+
+
+def _bind_fastcall(driver_version: int) -> None:
+    """Give _fastcall the driver's entry points (cuGetProcAddress, with the default-stream
+    semantics cuda.bindings itself uses), and publish its functions; on any failure leave the
+    bindings in use."""
+    global _fast_launch, _fast_event_record, _fast_stream_wait_event
+    if _fastcall is None or os.environ.get(_FASTCALL_ENV, "1").strip() == "0":
+        return
+    # cuda.bindings takes the per-thread default stream variants when this is set.
+    ptds = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
+    addresses = []
+    try:
+        flags = _drv.CUdriverProcAddress_flags
+        flag = (flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if ptds
+                else flags.CU_GET_PROC_ADDRESS_DEFAULT)
+        for symbol in (b"cuLaunchKernel", b"cuEventRecord", b"cuStreamWaitEvent"):
+            err, address, _status = _drv.cuGetProcAddress(symbol, driver_version, flag)
+            if err or not address:
+                return
+            addresses.append(int(address))
+    except Exception:  # noqa: BLE001 - any binding trouble (or a test's fake): the bindings' path
+        return
+    _fastcall.setup(*addresses, _error)
+    _fast_launch = _fastcall.launch_kernel
+    _fast_event_record = _fastcall.event_record
+    _fast_stream_wait_event = _fastcall.stream_wait_event
+
 # ------------------------------------------------------------------------- kernel args
 #: signature code -> (struct format of the 8-byte slot, min, max) (min/max None for floats).
 _ARG_KINDS: dict[str, tuple[str, int | None, int | None]] = {
@@ -138,7 +184,7 @@ class CudaKernelArgs(KernelArgs):
     re-set right after a launch.
     """
 
-    __slots__ = ("signature", "views", "address_int", "_buf", "_mv", "_ptrs", "_struct")
+    __slots__ = ("signature", "views", "address_int", "native", "_buf", "_mv", "_ptrs", "_struct")
 
     def __init__(self, signature: Sequence[str]):
         sig = tuple(signature)
@@ -158,6 +204,11 @@ class CudaKernelArgs(KernelArgs):
         self._ptrs = np.array([base + 8 * i for i in range(n)], dtype=np.intp)
         # NULL kernelParams for a kernel without parameters.
         self.address_int = int(self._ptrs.ctypes.data) if n else 0
+        #: What _fastcall.launch_packed reads (fixed for the pack's life): the kernelParams
+        #: address, the first slot's address, and one struct code per slot (the first
+        #: character of its _ARG_KINDS format, so the two cannot drift).
+        self.native = (self.address_int, int(base),
+                       "".join(_ARG_KINDS[k][0][0] for k in sig).encode())
 
     def set(self, *values: Any) -> CudaKernelArgs:
         try:
@@ -306,6 +357,12 @@ class CudaBackend(CudaGraphs):
             count = int(_check(_cuDeviceGetCount(), "cuDeviceGetCount"))
             self._devices = [_check(_cuDeviceGet(i), "cuDeviceGet") for i in range(count)]
             self._count = count
+            if self._version:
+                _bind_fastcall(self._version)
+            if _fast_launch is not None:
+                # One C call, no Python frame: packs the values and launches (the
+                # "host/call" rows of benchmarks/jiterator.py).
+                self.launch_values = _fastcall.launch_packed  # type: ignore[method-assign]
             self._initialized = True
 
     def driver_version(self) -> int:
@@ -525,8 +582,10 @@ class CudaBackend(CudaGraphs):
             raise _error(err, "cuStreamDestroy")
 
     def fast_paths(self) -> FastPaths:
-        # The bindings themselves: each returns (CUresult, ...) and never raises.
-        return FastPaths(_cuEventRecord, _cuEventQuery, _cuStreamQuery, _cuEventElapsedTime)
+        # The bindings themselves (or _fastcall's event_record, which returns the same
+        # (CUresult,) tuple): each returns (CUresult, ...) and never raises.
+        return FastPaths(_fast_event_record or _cuEventRecord, _cuEventQuery, _cuStreamQuery,
+                         _cuEventElapsedTime)
 
     def status_error(self, status: int, call: str) -> Exception:
         return _error(status, call)
@@ -545,7 +604,8 @@ class CudaBackend(CudaGraphs):
             raise _error(err, "cuStreamSynchronize")
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
-        err = _cuStreamWaitEvent(stream, event, 0)[0]
+        fast = _fast_stream_wait_event
+        err = fast(stream, event, 0) if fast is not None else _cuStreamWaitEvent(stream, event, 0)[0]
         if err:
             raise _error(err, "cuStreamWaitEvent")
 
@@ -578,7 +638,8 @@ class CudaBackend(CudaGraphs):
             raise _error(err, "cuEventDestroy")
 
     def event_record(self, event: Any, stream: Any) -> None:
-        err = _cuEventRecord(event, stream)[0]
+        fast = _fast_event_record
+        err = fast(event, stream)[0] if fast is not None else _cuEventRecord(event, stream)[0]
         if err:
             raise _error(err, "cuEventRecord")
 
@@ -647,6 +708,13 @@ class CudaBackend(CudaGraphs):
     def make_args(self, signature: Sequence[str]) -> CudaKernelArgs:
         return CudaKernelArgs(signature)
 
+    def launch_values(self, function: Any, grid: tuple[int, int, int],
+                      block: tuple[int, int, int], shared_mem: int, stream: Any,
+                      args: KernelArgs, values: Sequence[Any]) -> None:
+        # (init() replaces this method on the instance with _fastcall.launch_packed, which
+        # does the same in one C call, when the extension is built)
+        self.launch(function, grid, block, shared_mem, stream, args.set(*values))
+
     def launch(
         self,
         function: Any,
@@ -659,9 +727,14 @@ class CudaBackend(CudaGraphs):
         # The function's context must be current (set_context/_ctx of its device) unless
         # `stream` is a created stream of that device. `args` comes from this backend's
         # make_args (the seam's contract): a CudaKernelArgs, not checked on this hot path.
-        err = _cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                              shared_mem, stream,
-                              args.address_int, 0)[0]  # type: ignore[attr-defined]
+        fast = _fast_launch
+        if fast is not None:
+            err = fast(function, grid, block, shared_mem, stream,
+                       args.address_int)  # type: ignore[attr-defined]
+        else:
+            err = _cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1],
+                                  block[2], shared_mem, stream,
+                                  args.address_int, 0)[0]  # type: ignore[attr-defined]
         if err:
             raise _error(err, "cuLaunchKernel")
 

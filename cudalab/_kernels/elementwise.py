@@ -167,8 +167,7 @@ class _Plan:
 
 
 def _operand_key(x: Any) -> Any:
-    shape = x._shape
-    return (x._dtype, shape, None if x._contiguous else x.strides)
+    return (x._dtype, x._shape, x._strides)  # (_strides: None when C-contiguous)
 
 
 def _broadcast_shapes(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -378,7 +377,8 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
         extra_names: Sequence[str] = (), *, out: Sequence[Any] | None = None,
         out_dtype: np.dtype | None = None, empty: Callable[..., Any] | None = None,
         sim: Callable[..., Any] | None = None,
-        extra_args: Sequence[int | float] | None = None) -> list[Any]:
+        extra_args: Sequence[int | float] | None = None,
+        extra_types: tuple[type, ...] | None = None) -> list[Any]:
     """Apply ``fn`` elementwise; returns the outputs (``out`` itself when given).
 
     Parameters
@@ -396,11 +396,14 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
     out_dtype
         The output dtype when it is not the promoted one (conversions).
     empty
-        ``empty(shape, dtype, device)``, the output allocator.
+        ``empty(shape, dtype, device, stream)``, the output allocator (``stream`` is the
+        device's current stream, where the kernel runs): ``DeviceArray._output``.
     sim
         A numpy twin for this call (simulator only), overriding ``fn.sim``.
     extra_args
         ``extras`` already converted by :func:`extra_value` (a caller that keeps them).
+    extra_types
+        ``tuple(map(type, extras))``, likewise kept by the caller.
 
     Returns
     -------
@@ -430,14 +433,16 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
             key_parts.append(type(x) if type(x) in _PYTHON_SCALARS else _scalar_key(x))
             continue
         arrays.append(x)
-        key_parts.append((dtype, x._shape, None if x._contiguous else x.strides))
+        key_parts.append((dtype, x._shape, x._strides))  # (_strides: None when contiguous)
         if device != x._device:
             if device >= 0:
                 raise RuntimeError(
                     "Expected all tensors to be on the same device, but found at least "
                     f"two devices, cuda:{device} and cuda:{x._device}!")
             device = x._device
-    key = (tuple(key_parts), tuple(map(type, extras)), out_dtype,
+    if extra_types is None:
+        extra_types = tuple(map(type, extras))
+    key = (tuple(key_parts), extra_types, out_dtype,
            None if out is None else tuple(_operand_key(o) for o in out))
     plan = fn._plans.get(key)
     if plan is None:
@@ -449,21 +454,27 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
         plan = _build_plan(fn, inputs, extra_kinds, extra_names, out, out_dtype, simulated)
         with fn._lock:
             fn._plans[key] = plan
+    if _current_stream is None:
+        _bind_streams()
+    stream = _current_stream(device)
     if out is None:
-        outs = [empty(plan.shape, dt, device) for dt in plan.out_dtypes]  # type: ignore[misc]
+        outs = [empty(plan.shape, dt, device, stream)  # type: ignore[misc]
+                for dt in plan.out_dtypes]
     else:
         outs = list(out)
     if plan.n == 0:
         return outs
-    ptrs = [o._ptr for o in outs]
-    ptrs += [x._ptr for x in arrays]
+    ptrs = [plan.n]
+    for o in outs:
+        ptrs.append(o._ptr)
+    for x in arrays:
+        ptrs.append(x._ptr)
     if plan.masks:
-        for p, mask in zip(ptrs, plan.masks):
+        for p, mask in zip(ptrs[1:], plan.masks):
             if p & mask:
                 assert plan.fallback is not None
                 plan = plan.fallback
                 break
-    ptrs.insert(0, plan.n)
     if plan.meta:
         ptrs += plan.meta
     if scalars:
@@ -472,10 +483,7 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
         ptrs += [extra_value(v) for v in extras] if extra_args is None else extra_args
     if plan.simulated:
         ptrs.append(_sim_token(fn, plan, sim))
-    if _current_stream is None:
-        _bind_streams()
     grid = plan.grids.get(device) or _grid(plan, device)
-    stream = _current_stream(device)
     plan.kernel.launch_prepared(grid, _BLOCK3, ptrs, stream)
     if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
         _sanitizer_hook.tracker.access(stream, [_extent(x) for x in arrays],

@@ -13,7 +13,8 @@ import :class:`Kernel` from here, so the facility never depends on the kernels i
 * On the simulator backend nothing is compiled (NVRTC may be absent): the kernel's numpy
   ``sim`` implementation is registered with the simulator under the kernel's name.
 * Each (kernel, device, thread) keeps one pre-packed argument list, so a launch is: check
-  and convert the arguments, ``KernelArgs.set``, ``Backend.launch``.
+  and convert the arguments, then ``Backend.launch_values`` (``KernelArgs.set`` and
+  ``Backend.launch``; one C call on the real backend).
 * ``CUDA_LAUNCH_BLOCKING=1`` (read when this module is imported) or
   :func:`set_launch_blocking` synchronises the stream after every launch.
 """
@@ -44,6 +45,7 @@ __all__ = [
     "registered_kernels",
     "unregister_kernel",
     "launch_config_1d",
+    "register_pointer_type",
     "set_launch_blocking",
     "is_launch_blocking",
     "cache_dir",
@@ -201,43 +203,72 @@ def _pointer_of(value: Any) -> int:
     return operator.index(value)  # numpy integers and other int-likes
 
 
-_fast_checks: dict[tuple[str, ...], Callable[[Sequence[Any]], bool]] = {}
+#: Array types whose device address the launch fast path reads itself: type -> getter
+#: (``cudalab.DeviceArray`` registers its ``_ptr``; any other object goes through
+#: ``Kernel._convert_args``, which reads ``__cuda_array_interface__``, ``data_ptr()`` or
+#: ``ptr``). Exact types only, so a subclass that overrides its address is never misread.
+_pointer_getters: dict[type, Callable[[Any], int]] = {}
 
 
-def _fast_args_check(signature: tuple[str, ...]) -> Callable[[Sequence[Any]], bool]:
-    """A function telling, in one expression, whether ``args`` are plain in-range values.
+def register_pointer_type(cls: type, address: Callable[[Any], int]) -> None:
+    """Let :meth:`Kernel.launch` read the device address of ``cls`` objects with ``address``
+    (a fast path: ``cudalab.array`` registers DeviceArray). The address must be the object's
+    first byte on the device, as ``__cuda_array_interface__["data"][0]`` gives it."""
+    _pointer_getters[cls] = address
 
-    Generated per signature (like namedtuple's methods) because a generic loop costs about a
-    microsecond per launch; anything it rejects goes through ``Kernel._convert_args``, which
-    converts or raises the detailed error.
+
+_fast_converters: dict[tuple[str, ...], Callable[[Sequence[Any]], tuple | None]] = {}
+
+
+def _fast_args_converter(signature: tuple[str, ...]) -> Callable[[Sequence[Any]], tuple | None]:
+    """A function returning ``args`` as a tuple of plain in-range values, or None.
+
+    It takes ints and floats as they are and the addresses of registered array types
+    (:func:`register_pointer_type`). Generated per signature (like namedtuple's methods)
+    because a generic loop costs about a microsecond per launch ("capture, host time per
+    launch" of benchmarks/graphs.py); anything it returns None for goes through
+    ``Kernel._convert_args``, which converts or raises the detailed error.
     """
-    check = _fast_checks.get(signature)
-    if check is not None:
-        return check
+    convert = _fast_converters.get(signature)
+    if convert is not None:
+        return convert
     n = len(signature)
     if n == 0:
-        src = "def check(args):\n    return len(args) == 0\n"
+        src = "def convert(args):\n    return () if len(args) == 0 else None\n"
     else:
         names = ", ".join(f"a{i}" for i in range(n)) + ","
-        conds = []
+        lines = [
+            "def convert(args):",
+            "    try:",
+            f"        {names} = args",
+            "    except (TypeError, ValueError):",
+            "        return None",
+        ]
         for i, kind in enumerate(signature):
             if kind in ("f4", "f8"):
-                conds.append(f"type(a{i}) is float")
+                lines.append(f"    if type(a{i}) is not float:")
+                lines.append("        return None")
+                continue
+            lo, hi = _INT_RANGES[kind]
+            if kind == "p":
+                lines += [
+                    f"    if type(a{i}) is not int:",
+                    f"        get = getters.get(type(a{i}))",
+                    "        if get is None:",
+                    "            return None",
+                    f"        a{i} = get(a{i})",
+                    f"    elif not {lo} <= a{i} <= {hi}:",
+                    "        return None",
+                ]
             else:
-                lo, hi = _INT_RANGES[kind]
-                conds.append(f"type(a{i}) is int and {lo} <= a{i} <= {hi}")
-        src = (
-            "def check(args):\n"
-            "    try:\n"
-            f"        {names} = args\n"
-            "    except (TypeError, ValueError):\n"
-            "        return False\n"
-            f"    return {' and '.join(conds)}\n"
-        )
-    namespace: dict[str, Any] = {}
+                lines.append(f"    if type(a{i}) is not int or not {lo} <= a{i} <= {hi}:")
+                lines.append("        return None")
+        lines.append(f"    return ({names})")
+        src = "\n".join(lines) + "\n"
+    namespace: dict[str, Any] = {"getters": _pointer_getters}
     exec(src, namespace)  # noqa: S102 - source built above from the fixed type table
-    check = _fast_checks[signature] = namespace["check"]
-    return check
+    convert = _fast_converters[signature] = namespace["convert"]
+    return convert
 
 
 def _dims(value: Any, what: str, limits: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -340,7 +371,7 @@ class Kernel:
         self.reads, self.writes = _access_indices(sig, access)
         #: (min, max) per integer/pointer parameter; None for the float ones (never read).
         self._ranges: tuple[tuple[int, int] | None, ...] = tuple(_INT_RANGES.get(t) for t in sig)
-        self._args_ok = _fast_args_check(sig)
+        self._fast_args = _fast_args_converter(sig)
         self._lock = threading.Lock()
         self._backend: Backend | None = None  # the backend the entries below belong to
         self._functions: dict[int, Any] = {}  # device -> function handle
@@ -495,7 +526,9 @@ class Kernel:
                 raise ValueError(f"block {block!r} has more than {_MAX_THREADS_PER_BLOCK} threads")
         if type(shared_mem) is not int or shared_mem < 0:
             raise ValueError(f"shared_mem must be a non-negative int, got {shared_mem!r}")
-        values = args if self._args_ok(args) else self._convert_args(args)
+        values = self._fast_args(args)
+        if values is None:
+            values = self._convert_args(args)
 
         # cudalab.random.launch._launch is a near-copy of the steps below, kept for the RNG's
         # launch cost (benchmarks/rng.py); tests/random/test_launch_copy.py pins the two.
@@ -505,8 +538,8 @@ class Kernel:
         if state is None or state[0] is not backend:
             state = self._thread_state(backend, device)
         _ensure_context(device)
-        state[2].set(*values)
-        backend.launch(state[1], grid3, block3, shared_mem, stream._handle, state[2])
+        backend.launch_values(state[1], grid3, block3, shared_mem, stream._handle, state[2],
+                              values)
         if _launch_blocking:
             backend.stream_synchronize(stream._handle)
         if _launch_observers:
@@ -541,8 +574,7 @@ class Kernel:
         if state is None or state[0] is not backend:
             state = self._thread_state(backend, device)
         _ensure_context(device)
-        state[2].set(*values)
-        backend.launch(state[1], grid, block, 0, stream._handle, state[2])
+        backend.launch_values(state[1], grid, block, 0, stream._handle, state[2], values)
         if _launch_blocking:
             backend.stream_synchronize(stream._handle)
         if _launch_observers:

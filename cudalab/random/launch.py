@@ -136,8 +136,7 @@ def _launch(kernel: Any, device: int, stream: _streams.Stream, grid: tuple, bloc
     if type(handle) is ClosedHandle:  # (the seam would refuse it too, after the argument set)
         raise handle.error()
     _ensure_context(device)
-    entry[2].set(*args)
-    backend.launch(entry[1], grid, block, 0, handle, entry[2])
+    backend.launch_values(entry[1], grid, block, 0, handle, entry[2], args)
     if _facility._launch_blocking:
         backend.stream_synchronize(handle)
     if _launch_observers:

@@ -417,7 +417,7 @@ def test_graphs_without_allocations_add_nothing_to_a_replay():
     (and the generator refresh only when it drew random numbers)."""
     from cudalab.testing import count_calls
 
-    names = ("graph_launch", "event_record", "stream_wait_event", "launch")
+    names = ("graph_launch", "event_record", "stream_wait_event", "launch", "launch_values")
     a = _ones()
     g = cudalab.CUDAGraph()
     with cudalab.graph(g):

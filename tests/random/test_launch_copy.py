@@ -2,8 +2,8 @@
 :meth:`cudalab._kernels.kernel.Kernel.launch`, kept for the launch-overhead rows of
 benchmarks/rng.py ("cudalab rand(1000)", "cudalab uniform_(1000)"). These tests pin the two
 together, so the two cannot drift: launched the same way, both paths must make the same
-calls in the same order (context switch, argument pack, driver launch, the launch-blocking
-synchronise, the launch observers) and reject a closed stream the same way. Dropping or
+calls in the same order (context switch, the seam's pack-and-launch ``launch_values``, the
+launch-blocking synchronise, the launch observers) and reject a closed stream the same way. Dropping or
 reordering a step in either copy fails them.
 """
 
@@ -27,14 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 GRID, BLOCK, ARGS = (1, 1, 1), (1, 1, 1), (0,)
 
 
-def _packed(args) -> tuple:
-    """The values in a backend's argument pack (spin's are integers)."""
-    values = getattr(args, "_values", None)  # the simulator's pack
-    if values is None:  # the CUDA backend's: one 1-element array per slot
-        values = [int(v[0]) for v in args.views]
-    return tuple(values)
-
-
 def trace_both(patch) -> dict[str, list[tuple]]:
     """Launch ``spin`` through Kernel.launch and through the RNG's ``_launch`` on a fresh
     stream, recording every step each makes; ``patch(obj, name, value)`` installs the
@@ -45,13 +37,13 @@ def trace_both(patch) -> dict[str, list[tuple]]:
     s.synchronize()
     backend = s._b
     log: list[tuple] = []
-    real_launch, real_sync = backend.launch, backend.stream_synchronize
+    real_launch, real_sync = backend.launch_values, backend.stream_synchronize
     real_ctx = facility._ensure_context
 
-    def launch(function, grid, block, shared_mem, stream, args):
+    def launch(function, grid, block, shared_mem, stream, args, values):
         log.append(("launch", function, tuple(grid), tuple(block), shared_mem, stream,
-                    _packed(args)))
-        return real_launch(function, grid, block, shared_mem, stream, args)
+                    tuple(values)))
+        return real_launch(function, grid, block, shared_mem, stream, args, values)
 
     def sync(stream):
         log.append(("synchronize", stream))
@@ -61,7 +53,7 @@ def trace_both(patch) -> dict[str, list[tuple]]:
         log.append(("ensure_context", device))
         return real_ctx(device)
 
-    patch(backend, "launch", launch)
+    patch(backend, "launch_values", launch)
     patch(backend, "stream_synchronize", sync)
     patch(facility, "_ensure_context", ctx)
     patch(rng_launch, "_ensure_context", ctx)
@@ -126,7 +118,7 @@ def test_both_launch_paths_reject_a_closed_stream(backend, monkeypatch):
     s.synchronize()
     s.close()
     launched = []
-    monkeypatch.setattr(s._b, "launch", lambda *a: launched.append(a))
+    monkeypatch.setattr(s._b, "launch_values", lambda *a: launched.append(a))
     errors = []
     for go in (lambda: spin.launch(GRID, BLOCK, ARGS, stream=s),
                lambda: rng_launch._launch(spin, dev, s, GRID, BLOCK, ARGS)):

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -298,6 +299,35 @@ def test_fill_every_item_size(dtype, value):
         a = cudalab.empty(n, dtype=dtype)
         assert a.fill_(value) is a
         np.testing.assert_array_equal(a.numpy(), np.full(n, value, dtype=dtype))
+
+
+_FILL_VALUES = [0, 1, -1, 7, 255, 256, -129, 2**31 - 1, -(2**31), 2**32 - 1, 2**53, 2**53 + 1,
+                -(2**53) - 1, 2**63 - 1, 2**64 - 1, 2**64, -(2**63), 16777217, 0.0, -0.0, 1.5, -2.25,
+                0.1, 1e-45, 1e-320, 3.4028235677973366e38, 3.5e38, 1e300, float("inf"),
+                float("-inf"), float("nan"), -float("nan"), True, False, np.float32(0.1),
+                np.int64(-5)]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int32", "uint32",
+                                   "int64", "uint64", "float32", "float64", "float16", "bool"])
+def test_fill_values_convert_as_numpy_does(dtype):
+    """The fast conversion of fill_ values (no numpy for Python ints and floats into the
+    integer dtypes, float32 and float64) gives numpy's bytes, or numpy's error."""
+    from cudalab.array import _scalar_bytes
+
+    dt = np.dtype(dtype)
+    for value in _FILL_VALUES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # numpy's cast warnings (overflow, nan to int)
+            try:
+                expect = np.array(value, dtype=dt).tobytes()
+            except (OverflowError, ValueError, TypeError):
+                expect = None
+            if expect is None:
+                with pytest.raises(ValueError, match="cannot be stored"):
+                    _scalar_bytes(value, dt)
+            else:
+                assert _scalar_bytes(value, dt) == expect, (dtype, value)
 
 
 def test_fill_slice_only_touches_slice():

@@ -306,14 +306,37 @@ class _Cupyish:
     ptr = 0x8000
 
 
+def test_registered_array_types_take_the_fast_path():
+    import cudalab
+
+    k = Kernel("cudalab_test_fast_ptr", SET_SOURCE, ("p", "u8"))
+    x = cudalab.array.zeros((4,), np.uint32)
+    view = x[1:]
+    assert k._fast_args((x, 3)) == (x.data_ptr(), 3)
+    assert k._fast_args((view, 3)) == (x.data_ptr() + 4, 3)  # a view's own first byte
+
+    class Sub(cudalab.DeviceArray):
+        pass
+
+    sub = Sub((2,), np.uint32)  # exact types only: a subclass goes the generic way
+    assert k._fast_args((sub, 1)) is None
+    assert k._convert_args((sub, 1)) == [sub.data_ptr(), 1]
+
+
 def test_argument_conversion_and_errors():
     k = Kernel("cudalab_test_args", SET_SOURCE, ("p", "i4", "u4", "i8", "u8", "f4", "f8"))
     args = (0x1000, -5, 7, -(2**63), 2**64 - 1, 1.5, 2.0)
-    assert k._args_ok(args)  # the launch fast path takes them as they are
+    assert k._fast_args(args) == args  # the launch fast path takes them as they are
     assert k._convert_args(args) == list(args)
-    assert not k._args_ok(args[:-1]) and not k._args_ok(list(args[:-1]) + [2])
-    assert Kernel("cudalab_test_noargs", "", ())._args_ok(())
-    assert Kernel("cudalab_test_one", "", ("u8",))._args_ok([5])
+    assert k._fast_args(args[:-1]) is None and k._fast_args(list(args[:-1]) + [2]) is None
+    assert Kernel("cudalab_test_noargs", "", ())._fast_args(()) == ()
+    assert Kernel("cudalab_test_noargs", "", ())._fast_args((1,)) is None
+    assert Kernel("cudalab_test_one", "", ("u8",))._fast_args([5]) == (5,)
+    # out of range or of another type: left to _convert_args (which raises or converts)
+    assert k._fast_args((-1,) + args[1:]) is None
+    assert k._fast_args((0, 2**31) + args[2:]) is None
+    assert k._fast_args(args[:5] + (1, 2.0)) is None  # an int for f4
+    assert k._fast_args((_CAI(0x2000),) + args[1:]) is None  # not a registered type
     out = k._convert_args((_CAI(0x2000), np.int32(-1), np.uint32(3), True, np.uint64(9), 1, np.float32(0.5)))
     assert list(out) == [0x2000, -1, 3, 1, 9, 1.0, 0.5]
     assert type(out[5]) is float

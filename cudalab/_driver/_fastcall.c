@@ -1,0 +1,481 @@
+/* cudalab._driver._fastcall: three driver calls of the real backend's hot paths, made from C.
+ *
+ * Why: cuda.bindings' Python wrappers cost about 1.5 us per call on top of the driver (argument
+ * conversion, a CUresult enum object, a result tuple). A kernel launch captured into a CUDA
+ * graph costs the driver itself well under that, so the wrapper was most of a captured launch.
+ * These functions call the driver's own entry points, whose addresses the real backend takes
+ * from cuGetProcAddress (cudalab/_driver/cuda.py, _bind_fastcall), and return the plain
+ * CUresult as an int. Rows they exist for: "capture, host time per launch" of
+ * benchmarks/graphs.py, "host/call" of benchmarks/jiterator.py and the kernel-launch and
+ * event-record rows of benchmarks/timing.py.
+ *
+ * What: launch_kernel (cuLaunchKernel), event_record (cuEventRecord) and stream_wait_event
+ * (cuStreamWaitEvent), with the prototypes of cuda.h, and nothing else. launch_kernel and
+ * stream_wait_event return the CUresult as an int; event_record returns (CUresult,), the
+ * tuple of the bindings' cuEventRecord, because it stands in for that in FastPaths.
+ * launch_packed is Backend.launch_values in one C call: it writes the values into a
+ * CudaKernelArgs' slots (what its set() does with struct.pack, for plain ints and floats in
+ * range; anything else goes through set() itself, which converts or raises its precise
+ * error), launches, and raises the backend's CudaError for a failed launch. Handles are anything
+ * int() accepts (cuda.bindings' CUfunction / CUstream / CUevent, or ints); None is NULL.
+ *
+ * The GIL is released around each driver call, as cuda.bindings does: a launch can block
+ * while the stream's queue is full, and a host function queued on that stream (a Python
+ * callback) may need the GIL to drain it.
+ *
+ * Optional: setup.py builds it where a compiler is found; without it cuda.py calls the same
+ * functions through cuda.bindings (tests/driver/test_fastcall.py runs both).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int CUresult_t; /* CUresult is a C enum: an int */
+
+typedef CUresult_t (*launch_kernel_fn)(void *function, unsigned int grid_x, unsigned int grid_y,
+                                       unsigned int grid_z, unsigned int block_x,
+                                       unsigned int block_y, unsigned int block_z,
+                                       unsigned int shared_mem, void *stream, void **params,
+                                       void **extra);
+typedef CUresult_t (*event_record_fn)(void *event, void *stream);
+typedef CUresult_t (*stream_wait_event_fn)(void *stream, void *event, unsigned int flags);
+
+/* Set once by setup(); NULL until then (the calls then raise RuntimeError). */
+static launch_kernel_fn launch_kernel_ptr = NULL;
+static event_record_fn event_record_ptr = NULL;
+static stream_wait_event_fn stream_wait_event_ptr = NULL;
+/* error_for(code, call) -> the exception to raise for a failed call (cuda_api._error); set by
+ * setup(), owned here. */
+static PyObject *error_for = NULL;
+/* Interned attribute names of a CudaKernelArgs (created at import). */
+static PyObject *str_native = NULL;
+static PyObject *str_set = NULL;
+
+/* The address held by a handle: None is NULL, an int is itself, anything else goes
+ * through int() (cuda.bindings' handle types define __int__). -1 and an exception on
+ * failure (TypeError for an object without __int__, such as a str). */
+static int
+handle_address(PyObject *handle, void **out)
+{
+    if (handle == Py_None) {
+        *out = NULL;
+        return 0;
+    }
+    if (PyLong_CheckExact(handle)) {
+        *out = PyLong_AsVoidPtr(handle);
+        return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
+    }
+    PyNumberMethods *as_number = Py_TYPE(handle)->tp_as_number;
+    if (as_number == NULL || as_number->nb_int == NULL) { /* (not int("0x10") on a str) */
+        PyErr_Format(PyExc_TypeError, "a driver handle must be an int, None or a handle "
+                     "object with __int__, got %.100s", Py_TYPE(handle)->tp_name);
+        return -1;
+    }
+    PyObject *number = PyNumber_Long(handle);
+    if (number == NULL) {
+        return -1;
+    }
+    *out = PyLong_AsVoidPtr(number);
+    Py_DECREF(number);
+    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+unsigned_of(PyObject *value, unsigned int *out, const char *what)
+{
+    unsigned long v = PyLong_AsUnsignedLong(value);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (v > 0xFFFFFFFFul) {
+        PyErr_Format(PyExc_OverflowError, "%s does not fit in 32 bits", what);
+        return -1;
+    }
+    *out = (unsigned int)v;
+    return 0;
+}
+
+/* A 3-tuple of unsigned ints (a grid or a block). */
+static int
+dims_of(PyObject *dims, unsigned int out[3], const char *what)
+{
+    if (!PyTuple_CheckExact(dims) || PyTuple_GET_SIZE(dims) != 3) {
+        PyErr_Format(PyExc_TypeError, "%s must be a tuple of 3 ints", what);
+        return -1;
+    }
+    for (int i = 0; i < 3; i++) {
+        if (unsigned_of(PyTuple_GET_ITEM(dims, i), &out[i], what) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int
+check_arity(Py_ssize_t nargs, Py_ssize_t expected, const char *name)
+{
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, expected, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+not_set_up(const char *name)
+{
+    PyErr_Format(PyExc_RuntimeError, "cudalab._driver._fastcall.%s: setup() has not given its "
+                 "driver entry point", name);
+    return NULL;
+}
+
+PyDoc_STRVAR(launch_kernel_doc,
+"launch_kernel(function, grid, block, shared_mem, stream, params) -> int\n\n"
+"cuLaunchKernel(function, *grid, *block, shared_mem, stream, params, NULL); grid and block are\n"
+"3-tuples, params the address of the kernel's void*[] (0 for none). Returns the CUresult.");
+
+static PyObject *
+launch_kernel(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *function, *stream, *params;
+    unsigned int grid[3], block[3], shared_mem;
+    launch_kernel_fn call = launch_kernel_ptr;
+    if (check_arity(nargs, 6, "launch_kernel") < 0) {
+        return NULL;
+    }
+    if (handle_address(args[0], &function) < 0 || dims_of(args[1], grid, "grid") < 0 ||
+        dims_of(args[2], block, "block") < 0 ||
+        unsigned_of(args[3], &shared_mem, "shared_mem") < 0 ||
+        handle_address(args[4], &stream) < 0 || handle_address(args[5], &params) < 0) {
+        return NULL;
+    }
+    if (call == NULL) {
+        return not_set_up("launch_kernel");
+    }
+    CUresult_t result;
+    Py_BEGIN_ALLOW_THREADS
+    result = call(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
+                  stream, (void **)params, NULL);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
+PyDoc_STRVAR(event_record_doc,
+"event_record(event, stream) -> (int,)\n\n"
+"cuEventRecord(event, stream). Returns (CUresult,), the tuple cuda.bindings' cuEventRecord\n"
+"returns, so it can stand in for it as the seam's FastPaths.event_record.");
+
+static PyObject *
+event_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *event, *stream;
+    event_record_fn call = event_record_ptr;
+    if (check_arity(nargs, 2, "event_record") < 0) {
+        return NULL;
+    }
+    if (handle_address(args[0], &event) < 0 || handle_address(args[1], &stream) < 0) {
+        return NULL;
+    }
+    if (call == NULL) {
+        return not_set_up("event_record");
+    }
+    CUresult_t result;
+    Py_BEGIN_ALLOW_THREADS
+    result = call(event, stream);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(i)", result);
+}
+
+PyDoc_STRVAR(stream_wait_event_doc,
+"stream_wait_event(stream, event, flags) -> int\n\n"
+"cuStreamWaitEvent(stream, event, flags). Returns the CUresult.");
+
+static PyObject *
+stream_wait_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *stream, *event;
+    unsigned int flags;
+    stream_wait_event_fn call = stream_wait_event_ptr;
+    if (check_arity(nargs, 3, "stream_wait_event") < 0) {
+        return NULL;
+    }
+    if (handle_address(args[0], &stream) < 0 || handle_address(args[1], &event) < 0 ||
+        unsigned_of(args[2], &flags, "flags") < 0) {
+        return NULL;
+    }
+    if (call == NULL) {
+        return not_set_up("stream_wait_event");
+    }
+    CUresult_t result;
+    Py_BEGIN_ALLOW_THREADS
+    result = call(stream, event, flags);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
+
+/* Write `values` into the 8-byte slots at `slots`, one per kind in `kinds` ('Q' pointer or
+ * u8, 'q' i8, 'i' i4, 'I' u4, 'f' f4, 'd' f8: CudaKernelArgs' struct codes), as
+ * struct.pack("=" + ...) would, for exact ints and floats in range only. Returns 0 when
+ * written, 1 when some value needs CudaKernelArgs.set (no Python error set either way;
+ * the slots may then be half written, which set() rewrites). Calls no Python code, so
+ * `values` cannot change under it. */
+static int
+pack_values(char *slots, const char *kinds, Py_ssize_t n, PyObject *values)
+{
+    PyObject **items;
+    Py_ssize_t count;
+    if (PyTuple_CheckExact(values)) {
+        items = &PyTuple_GET_ITEM(values, 0);
+        count = PyTuple_GET_SIZE(values);
+    }
+    else if (PyList_CheckExact(values)) {
+        items = PySequence_Fast_ITEMS(values);
+        count = PyList_GET_SIZE(values);
+    }
+    else {
+        return 1;
+    }
+    if (count != n) {
+        return 1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = items[i];
+        char *slot = slots + 8 * i;
+        switch (kinds[i]) {
+        case 'Q': {
+            if (!PyLong_CheckExact(v)) {
+                return 1;
+            }
+            unsigned long long u = PyLong_AsUnsignedLongLong(v);
+            if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return 1;
+            }
+            memcpy(slot, &u, 8);
+            break;
+        }
+        case 'q': {
+            if (!PyLong_CheckExact(v)) {
+                return 1;
+            }
+            long long q = PyLong_AsLongLong(v);
+            if (q == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return 1;
+            }
+            memcpy(slot, &q, 8);
+            break;
+        }
+        case 'i': {
+            if (!PyLong_CheckExact(v)) {
+                return 1;
+            }
+            long long q = PyLong_AsLongLong(v);
+            if ((q == -1 && PyErr_Occurred()) || q < INT32_MIN || q > INT32_MAX) {
+                PyErr_Clear();
+                return 1;
+            }
+            int32_t x = (int32_t)q;
+            memcpy(slot, &x, 4);
+            break;
+        }
+        case 'I': {
+            if (!PyLong_CheckExact(v)) {
+                return 1;
+            }
+            long long q = PyLong_AsLongLong(v);
+            if ((q == -1 && PyErr_Occurred()) || q < 0 || q > (long long)UINT32_MAX) {
+                PyErr_Clear();
+                return 1;
+            }
+            uint32_t x = (uint32_t)q;
+            memcpy(slot, &x, 4);
+            break;
+        }
+        case 'f': {
+            if (!PyFloat_CheckExact(v)) {
+                return 1;
+            }
+            double d = PyFloat_AS_DOUBLE(v);
+            float f = (float)d;
+            if (isinf(f) && !isinf(d)) { /* struct.pack's OverflowError: set() explains it */
+                return 1;
+            }
+            memcpy(slot, &f, 4);
+            break;
+        }
+        case 'd': {
+            if (!PyFloat_CheckExact(v)) {
+                return 1;
+            }
+            double d = PyFloat_AS_DOUBLE(v);
+            memcpy(slot, &d, 8);
+            break;
+        }
+        default:
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Raise error_for(code, call)'s exception; NULL. */
+static PyObject *
+raise_driver_error(int code, const char *call)
+{
+    if (error_for == NULL) {
+        return not_set_up("launch_packed");
+    }
+    PyObject *exc = PyObject_CallFunction(error_for, "is", code, call);
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+PyDoc_STRVAR(launch_packed_doc,
+"launch_packed(function, grid, block, shared_mem, stream, args, values) -> None\n\n"
+"Store `values` in the CudaKernelArgs `args` (as args.set(*values)) and launch with it, as\n"
+"CudaBackend.launch(function, grid, block, shared_mem, stream, args.set(*values)); raises\n"
+"set()'s error for a bad value and the backend's CudaError for a failed launch.");
+
+static PyObject *
+launch_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *function, *stream;
+    unsigned int grid[3], block[3], shared_mem;
+    launch_kernel_fn call = launch_kernel_ptr;
+    if (check_arity(nargs, 7, "launch_packed") < 0) {
+        return NULL;
+    }
+    if (handle_address(args[0], &function) < 0 || dims_of(args[1], grid, "grid") < 0 ||
+        dims_of(args[2], block, "block") < 0 ||
+        unsigned_of(args[3], &shared_mem, "shared_mem") < 0 ||
+        handle_address(args[4], &stream) < 0) {
+        return NULL;
+    }
+    /* args.native: (address of the void*[] of slot addresses, address of the first slot,
+     * kinds as bytes), fixed for the pack's life. */
+    PyObject *native = PyObject_GetAttr(args[5], str_native);
+    if (native == NULL) {
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(native) || PyTuple_GET_SIZE(native) != 3 ||
+        !PyBytes_CheckExact(PyTuple_GET_ITEM(native, 2))) {
+        Py_DECREF(native);
+        PyErr_SetString(PyExc_TypeError, "launch_packed: args.native must be "
+                        "(params address, slots address, kinds bytes)");
+        return NULL;
+    }
+    void *params = PyLong_AsVoidPtr(PyTuple_GET_ITEM(native, 0));
+    char *slots = (char *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(native, 1));
+    PyObject *kinds = PyTuple_GET_ITEM(native, 2);
+    if (PyErr_Occurred()) {
+        Py_DECREF(native);
+        return NULL;
+    }
+    if (pack_values(slots, PyBytes_AS_STRING(kinds), PyBytes_GET_SIZE(kinds), args[6])) {
+        /* Not plain values: set() converts them (numpy numbers, bools...) or raises its
+         * precise error (a wrong count, a value out of range). */
+        PyObject *values = PySequence_Tuple(args[6]);
+        PyObject *set = values ? PyObject_GetAttr(args[5], str_set) : NULL;
+        PyObject *done = set ? PyObject_Call(set, values, NULL) : NULL;
+        Py_XDECREF(values);
+        Py_XDECREF(set);
+        if (done == NULL) {
+            Py_DECREF(native);
+            return NULL;
+        }
+        Py_DECREF(done);
+    }
+    if (call == NULL) {
+        Py_DECREF(native);
+        return not_set_up("launch_packed");
+    }
+    CUresult_t result;
+    Py_BEGIN_ALLOW_THREADS
+    result = call(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
+                  stream, (void **)params, NULL);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(native); /* (kept until here: it holds the pack's addresses alive) */
+    if (result != 0) {
+        return raise_driver_error(result, "cuLaunchKernel");
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(setup_doc,
+"setup(launch_kernel, event_record, stream_wait_event, error_for)\n\n"
+"The driver's entry points (addresses from cuGetProcAddress, nonzero), and error_for(code,\n"
+"call), which returns the exception for a failed call (launch_packed raises it). Called once\n"
+"by cudalab._driver.cuda; a later call replaces them.");
+
+static PyObject *
+setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *addresses[3];
+    if (check_arity(nargs, 4, "setup") < 0) {
+        return NULL;
+    }
+    for (int i = 0; i < 3; i++) {
+        if (!PyLong_Check(args[i])) {
+            PyErr_SetString(PyExc_TypeError, "setup() takes the entry points' addresses as ints");
+            return NULL;
+        }
+        addresses[i] = PyLong_AsVoidPtr(args[i]);
+        if (addresses[i] == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "setup(): an entry point's address is 0");
+            }
+            return NULL;
+        }
+    }
+    if (!PyCallable_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "setup(): error_for must be callable");
+        return NULL;
+    }
+    launch_kernel_ptr = (launch_kernel_fn)addresses[0];
+    event_record_ptr = (event_record_fn)addresses[1];
+    stream_wait_event_ptr = (stream_wait_event_fn)addresses[2];
+    Py_INCREF(args[3]);
+    Py_XSETREF(error_for, args[3]);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"launch_kernel", (PyCFunction)(void (*)(void))launch_kernel, METH_FASTCALL, launch_kernel_doc},
+    {"event_record", (PyCFunction)(void (*)(void))event_record, METH_FASTCALL, event_record_doc},
+    {"stream_wait_event", (PyCFunction)(void (*)(void))stream_wait_event, METH_FASTCALL,
+     stream_wait_event_doc},
+    {"launch_packed", (PyCFunction)(void (*)(void))launch_packed, METH_FASTCALL, launch_packed_doc},
+    {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL, setup_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    "cudalab._driver._fastcall",
+    "cuLaunchKernel, cuEventRecord and cuStreamWaitEvent called from C (see cudalab/_driver/cuda.py).",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__fastcall(void)
+{
+    if (str_native == NULL && (str_native = PyUnicode_InternFromString("native")) == NULL) {
+        return NULL;
+    }
+    if (str_set == NULL && (str_set = PyUnicode_InternFromString("set")) == NULL) {
+        return NULL;
+    }
+    return PyModule_Create(&module_def);
+}

@@ -1,0 +1,228 @@
+"""The C twin of three hot driver calls (:mod:`cudalab._driver._fastcall`, setup.py builds it).
+
+Part (a) runs everywhere: the module's argument checks, which come before any driver call, and
+its refusal to run before ``setup()``. Part (b) (``@pytest.mark.gpu``) checks on the real
+driver that the real backend binds it, that a launch, an event record and a stream wait give
+the same results and the same errors through it as through cuda.bindings
+(``CUDALAB_FASTCALL=0``), and that a closed stream is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cudalab._driver.base import ClosedHandle
+
+fastcall = pytest.importorskip("cudalab._driver._fastcall",
+                               reason="the optional C extension is not built here")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ============================================================================ (a) everywhere
+def test_argument_errors_come_before_the_driver():
+    launch = fastcall.launch_kernel
+    with pytest.raises(TypeError, match="takes 6 arguments"):
+        launch(0, (1, 1, 1), (1, 1, 1), 0, None)
+    with pytest.raises(TypeError, match="grid must be a tuple of 3"):
+        launch(0, [1, 1, 1], (1, 1, 1), 0, None, 0)
+    with pytest.raises(TypeError, match="block must be a tuple of 3"):
+        launch(0, (1, 1, 1), (1, 1), 0, None, 0)
+    with pytest.raises(OverflowError):
+        launch(0, (-1, 1, 1), (1, 1, 1), 0, None, 0)
+    with pytest.raises(OverflowError, match="grid does not fit in 32 bits"):
+        launch(0, (2**32, 1, 1), (1, 1, 1), 0, None, 0)
+    with pytest.raises(OverflowError, match="shared_mem"):
+        launch(0, (1, 1, 1), (1, 1, 1), 2**32, None, 0)
+    with pytest.raises(TypeError):
+        launch("f", (1, 1, 1), (1, 1, 1), 0, None, 0)  # a str is not a handle
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        fastcall.event_record(0)
+    with pytest.raises(TypeError):
+        fastcall.event_record(0, "stream")
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        fastcall.stream_wait_event(0, 0)
+    with pytest.raises(OverflowError):
+        fastcall.stream_wait_event(0, 0, -1)
+
+
+def test_a_closed_handle_raises_its_own_error():
+    closed = ClosedHandle("<cudalab.Stream closed>")
+    with pytest.raises(RuntimeError, match="closed"):
+        fastcall.launch_kernel(0, (1, 1, 1), (1, 1, 1), 0, closed, 0)
+    with pytest.raises(RuntimeError, match="closed"):
+        fastcall.event_record(0, closed)
+    with pytest.raises(RuntimeError, match="closed"):
+        fastcall.stream_wait_event(closed, 0, 0)
+
+
+def test_setup_refuses_bad_addresses_without_changing_anything():
+    with pytest.raises(TypeError, match="addresses as ints"):
+        fastcall.setup("a", 1, 2, print)
+    with pytest.raises(ValueError, match="address is 0"):
+        fastcall.setup(1, 0, 2, print)
+    with pytest.raises(TypeError, match="error_for must be callable"):
+        fastcall.setup(1, 2, 3, None)
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        fastcall.setup(1, 2, 3)
+
+
+SIGNATURE = ("p", "i4", "u4", "i8", "u8", "f4", "f8")
+VALUE_SETS = [
+    (0x7F0000001000, -7, 0xFFFFFFFE, -(2**40), 2**64 - 3, 1.5, -0.1),  # plain: packed in C
+    (0, -(2**31), 0, -(2**63), 0, -0.0, float("inf")),
+    (2**64 - 1, 2**31 - 1, 2**32 - 1, 2**63 - 1, 2**64 - 1, 3.4e38, float("nan")),
+    [1, 2, 3, 4, 5, 6.0, 7.0],  # a list
+    (np.uint64(9), np.int32(-1), True, np.int64(3), np.uint8(4), 1, np.float32(0.5)),  # set()
+]
+BAD_VALUE_SETS = [
+    (0, 2**31, 0, 0, 0, 0.0, 0.0),  # i4 out of range
+    (-1, 0, 0, 0, 0, 0.0, 0.0),  # negative pointer
+    (0, 0, 0, 0, 0, 1e300, 0.0),  # beyond float32
+    (0, 0, 0, 0, 0, "x", 0.0),  # not a number
+    (0, 0, 0, 0, 0, 0.0),  # one missing
+]
+
+
+def _slots(args) -> bytes:
+    return bytes(args._buf.tobytes())
+
+
+def _launch_packed(args, values):
+    """launch_packed on a NULL function: the values are packed, then the call fails (not set
+    up in this process, or the driver refuses the NULL function)."""
+    with pytest.raises(RuntimeError):  # (CudaError is a RuntimeError)
+        fastcall.launch_packed(0, (1, 1, 1), (1, 1, 1), 0, None, args, values)
+
+
+def test_launch_packed_writes_what_set_writes():
+    from cudalab._driver.cuda import CudaKernelArgs
+
+    for values in VALUE_SETS:
+        ours, theirs = CudaKernelArgs(SIGNATURE), CudaKernelArgs(SIGNATURE)
+        _launch_packed(ours, values)
+        theirs.set(*values)
+        assert _slots(ours) == _slots(theirs), values
+    empty = CudaKernelArgs(())
+    _launch_packed(empty, ())
+    assert empty.native == (0, empty.native[1], b"")
+
+
+def test_launch_packed_raises_what_set_raises():
+    from cudalab._driver.cuda import CudaKernelArgs
+
+    for values in BAD_VALUE_SETS:
+        args = CudaKernelArgs(SIGNATURE)
+        with pytest.raises(Exception) as expected:
+            args.set(*values)
+        with pytest.raises(type(expected.value)) as got:
+            fastcall.launch_packed(0, (1, 1, 1), (1, 1, 1), 0, None, args, values)
+        assert str(got.value) == str(expected.value)
+    with pytest.raises(ValueError, match="takes 0 argument"):
+        fastcall.launch_packed(0, (1, 1, 1), (1, 1, 1), 0, None, CudaKernelArgs(()), (1,))
+    with pytest.raises(AttributeError):  # not a CudaKernelArgs
+        fastcall.launch_packed(0, (1, 1, 1), (1, 1, 1), 0, None, object(), ())
+
+
+def test_calls_before_setup_raise_instead_of_calling_null():
+    # In a fresh process nothing has called setup() (cudalab binds it when CUDA initialises).
+    code = textwrap.dedent("""
+        from cudalab._driver import _fastcall
+        from cudalab._driver.cuda import CudaKernelArgs
+        for call, args in ((_fastcall.launch_kernel, (0, (1, 1, 1), (1, 1, 1), 0, None, 0)),
+                           (_fastcall.event_record, (0, None)),
+                           (_fastcall.stream_wait_event, (None, 0, 0)),
+                           (_fastcall.launch_packed, (0, (1, 1, 1), (1, 1, 1), 0, None,
+                                                      CudaKernelArgs(("u8",)), (1,)))):
+            try:
+                call(*args)
+            except RuntimeError as exc:
+                print("refused:", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 4 and all("setup() has not given" in line for line in lines), lines
+
+
+# ============================================================================ (b) real GPU
+@pytest.mark.gpu
+def test_the_real_backend_binds_it():
+    import cudalab
+    from cudalab._driver import cuda as C
+
+    cudalab.init()
+    if os.environ.get("CUDALAB_FASTCALL", "1") == "0":
+        pytest.skip("CUDALAB_FASTCALL=0 in this environment")
+    assert C._fast_launch is fastcall.launch_kernel
+    assert C._fast_event_record is fastcall.event_record
+    assert C._fast_stream_wait_event is fastcall.stream_wait_event
+    from cudalab import _internal
+
+    assert _internal.backend().launch_values is fastcall.launch_packed
+
+
+_SAME_RESULTS = textwrap.dedent("""
+    import json, os
+    import numpy as np
+    import cudalab
+    from cudalab import _internal
+    from cudalab._driver import cuda as C
+    from cudalab._kernels.fill import fill_kernel
+    from cudalab.errors import CudaError
+
+    x = cudalab.zeros(1000, dtype="uint32")
+    s1, s2 = cudalab.Stream(), cudalab.Stream()
+    ev = cudalab.Event()
+    with cudalab.stream(s1):
+        x.fill_(0x1234)                       # the u16 fill kernel (a launch)
+        x[10:20].fill_(7)                     # a view's address
+        ev.record()                           # cuEventRecord
+    s2.wait_event(ev)                         # cuStreamWaitEvent
+    with cudalab.stream(s2):
+        y = x + 1                             # an elementwise launch, ordered after s1
+    kernel = fill_kernel(4)
+    kernel.launch(1, 32, (x, 5, 3))           # a DeviceArray argument
+    error = None
+    try:                                      # too many threads: the driver refuses
+        state_backend = _internal.backend()
+        function = kernel.get_function(0)
+        args = state_backend.make_args(kernel.signature).set(x.data_ptr(), 1, 1)
+        state_backend.launch(function, (1, 1, 1), (2048, 1, 1), 0,
+                             cudalab.current_stream()._handle, args)
+    except CudaError as exc:
+        error = [exc.name, exc.call]
+    cudalab.synchronize()
+    print(json.dumps({"fast": C._fast_launch is not None, "x": x.tolist(), "y": y.tolist(),
+                      "error": error}))
+""")
+
+
+@pytest.mark.gpu
+def test_same_results_and_errors_with_and_without_it():
+    runs = {}
+    for flag in ("1", "0"):
+        env = dict(os.environ, CUDALAB_FASTCALL=flag)
+        env.pop("CUDALAB_SIMULATOR", None)
+        out = subprocess.run([sys.executable, "-c", _SAME_RESULTS], capture_output=True,
+                             text=True, timeout=300, cwd=ROOT, env=env)
+        assert out.returncode == 0, out.stderr
+        import json
+
+        runs[flag] = json.loads(out.stdout.splitlines()[-1])
+    assert runs["1"]["fast"] is True and runs["0"]["fast"] is False
+    expect = np.full(1000, 0x1234, np.uint32)
+    expect[10:20] = 7
+    expect[:3] = 5
+    for run in runs.values():
+        np.testing.assert_array_equal(run["x"], expect)
+        np.testing.assert_array_equal(run["y"][20:], expect[20:] + 1)
+        assert run["error"] == ["CUDA_ERROR_INVALID_VALUE", "cuLaunchKernel"]
+    assert runs["1"] == dict(runs["0"], fast=True)
