@@ -30,6 +30,30 @@ def time_per_call(fn: Callable[[], object], number: int = 20000, repeat: int = 7
     return statistics.median(samples)
 
 
+def interleaved_time_per_call(fns: dict[str, Callable[[], object]], number: int = 5000,
+                              repeat: int = 7, warmup: int = 500,
+                              between: Callable[[], object] | None = None) -> dict[str, float]:
+    """Median seconds per call of each of ``fns``, timed in ``repeat`` rounds that take the
+    functions in turn (one loop of ``number`` calls each), so a drift in the host's speed
+    during the run falls on all of them alike. ``between()`` runs after each loop (a
+    device synchronisation, so one library's queued work does not slow the next)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+        if between is not None:
+            between()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / number)
+            if between is not None:
+                between()
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def time_loop(loop: Callable[[int], object], number: int = 20000, repeat: int = 7) -> float:
     """Median seconds per iteration of ``loop(number)``, a function running its own loop.
 

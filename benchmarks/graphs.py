@@ -7,9 +7,10 @@ Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
   synchronize; each replay also refreshes the default generator's graph words, as torch's);
 * host time per captured kernel launch: capturing 1,000 ``fill_(i + 1)`` of a 4 KiB int64
   array (cudalab's ``DeviceArray.fill_``, which launches the runtime's own fill kernel;
-  torch's ``Tensor.fill_``), from capture_begin to capture_end, divided by 1,000 (goal:
-  cudalab <= torch); and the same through ``Kernel.launch`` directly (the kernel API, for
-  reference);
+  torch's ``Tensor.fill_``), from capture_begin to capture_end (instantiation included,
+  the graph's destruction not), divided by 1,000, the median of 9 rounds interleaved with
+  torch's (goal: cudalab <= torch); and the same through ``Kernel.launch`` directly (the
+  kernel API, for reference);
 * those 1,000 tiny fill kernels launched eagerly vs replayed as one graph: time per 1,000
   from events on the stream (goal: replay >= 5x faster);
 * peak reserved bytes in the private pool for the same sequence of allocations and frees
@@ -62,7 +63,7 @@ def _event_seconds(make_events, run, repeat: int) -> float:
 
 
 # ----------------------------------------------------------------------------------- cudalab
-def bench_cudalab(table: Table, results: dict, quick: bool) -> None:
+def bench_cudalab(table: Table, results: dict, rounds: dict, quick: bool) -> None:
     import numpy as np
 
     import cudalab
@@ -106,7 +107,7 @@ def bench_cudalab(table: Table, results: dict, quick: bool) -> None:
         table.add(f"cudalab CUDAGraph.replay() host cost{tag}", t * 1e6, "µs")
         results["cudalab_replay_us"] = t * 1e6
 
-        # host time per captured launch
+        # host time per captured launch: timed in main(), rounds interleaved with torch's
         def capture(body=fills):
             g = cudalab.CUDAGraph()
             g.capture_begin()
@@ -114,12 +115,21 @@ def bench_cudalab(table: Table, results: dict, quick: bool) -> None:
             g.capture_end()
             return g
 
-        t = _median_seconds(capture, repeat) / KERNELS
-        table.add(f"cudalab capture, host time per launch (fill_){tag}", t * 1e6, "µs")
-        results["cudalab_capture_per_launch_us"] = t * 1e6
-        t = _median_seconds(lambda: capture(kernel_fills), repeat) / KERNELS
-        table.add(f"cudalab capture, host time per launch (Kernel.launch){tag}", t * 1e6, "µs")
-        results["cudalab_capture_per_kernel_launch_us"] = t * 1e6
+        def capture_seconds(body=fills):
+            with cudalab.stream(s):
+                g = cudalab.CUDAGraph()
+                t0 = time.perf_counter()
+                g.capture_begin()
+                body()
+                g.capture_end()
+                t = time.perf_counter() - t0
+            del g  # (destroyed outside the timed window)
+            return t
+
+        capture_seconds()  # warm-up
+        rounds["cudalab capture, host time per launch (fill_)"] = capture_seconds
+        rounds["cudalab capture, host time per launch (Kernel.launch)"] = \
+            lambda: capture_seconds(kernel_fills)
 
         # 1,000 fill kernels: eager vs replay
         g = capture()
@@ -160,7 +170,7 @@ def bench_cudalab(table: Table, results: dict, quick: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------- torch
-def bench_torch(torch, table: Table, results: dict, quick: bool) -> None:
+def bench_torch(torch, table: Table, results: dict, rounds: dict, quick: bool) -> None:
     repeat = 3 if quick else 7
     buf = torch.zeros(FILL_BYTES // 8, dtype=torch.int64, device="cuda")
 
@@ -196,9 +206,19 @@ def bench_torch(torch, table: Table, results: dict, quick: bool) -> None:
             g.capture_end()
             return g
 
-        t = _median_seconds(capture, repeat) / KERNELS
-        table.add("torch capture, host time per launch (fill_)", t * 1e6, "µs")
-        results["torch_capture_per_launch_us"] = t * 1e6
+        def capture_seconds():
+            with torch.cuda.stream(s):
+                g = torch.cuda.CUDAGraph()
+                t0 = time.perf_counter()
+                g.capture_begin()
+                fills()
+                g.capture_end()
+                t = time.perf_counter() - t0
+            del g  # (destroyed outside the timed window)
+            return t
+
+        capture_seconds()  # warm-up
+        rounds["torch capture, host time per launch (fill_)"] = capture_seconds
         g = capture()
 
         def events():
@@ -243,10 +263,27 @@ def main() -> None:
     props = cudalab.get_device_properties(0)
     table = Table(f"CUDA graphs on {props.name}")
     results: dict = {}
-    bench_cudalab(table, results, args.quick)
+    rounds: dict = {}  # row -> a function timing one round (capture rows)
+    bench_cudalab(table, results, rounds, args.quick)
     torch = None if props.simulated else optional_import("torch")
     if torch is not None and torch.cuda.is_available():
-        bench_torch(torch, table, results, args.quick)
+        bench_torch(torch, table, results, rounds, args.quick)
+    # The capture rows, cudalab's and torch's rounds interleaved (the host's speed drifts
+    # between runs by tens of percent: interleaving keeps the comparison fair).
+    samples: dict = {name: [] for name in rounds}
+    for _ in range(3 if args.quick else 9):
+        for name, one_round in rounds.items():
+            samples[name].append(one_round())
+    tag = " (simulated)" if props.simulated else ""
+    for name, values in samples.items():
+        us = statistics.median(values) / KERNELS * 1e6
+        table.add(name + tag, us, "µs")
+        key = {"cudalab capture, host time per launch (fill_)": "cudalab_capture_per_launch_us",
+               "cudalab capture, host time per launch (Kernel.launch)":
+                   "cudalab_capture_per_kernel_launch_us",
+               "torch capture, host time per launch (fill_)": "torch_capture_per_launch_us"}[name]
+        results[key] = us
+    if torch is not None and torch.cuda.is_available():
         if "torch_pool_reserved_bytes" in results:
             diff = results["cudalab_pool_reserved_bytes"] - results["torch_pool_reserved_bytes"]
             table.add("private pool reserved, cudalab - torch", diff, "B", "(goal: 0)")

@@ -31,7 +31,14 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout works uninstalled
-from _harness import Table, environment, optional_import, parse_args, time_per_call, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    Table,
+    environment,
+    interleaved_time_per_call,
+    optional_import,
+    parse_args,
+    write_json,
+)
 
 CODE = "template <typename T> T axpb(T x, T a, T b) { return a * x + b; }"
 CUPY_AXPB = ("float32 x, float32 a, float32 b", "float32 y", "y = a * x + b", "cupy_axpb")
@@ -133,31 +140,35 @@ def main() -> None:
 
     # ------------------------------------------------------------------ host time per call
     number, repeat = (200, 3) if sim or args.quick else (5000, 7)
-
-    def host(key: str, fn, note: str = "") -> float:
-        us = time_per_call(fn, number=number, repeat=repeat, warmup=min(number, 500)) * 1e6
-        results["host_us"][key] = us
-        t.add(key, us, "µs", note + label)
-        return us
-
     small = cudalab.asarray(np.arange(1000, dtype=np.float32))
     small2 = cudalab.asarray(np.ones(1000, dtype=np.float32))
-    h_ours = host("host/call a*x+b  cudalab jiterator (1000 el.)", lambda: axpb(small))
-    h_add = host("host/call x+y  cudalab DeviceArray", lambda: small + small2)
-    sync()
+    calls = {"host/call a*x+b  cudalab jiterator (1000 el.)": lambda: axpb(small),
+             "host/call x+y  cudalab DeviceArray": lambda: small + small2}
+    ts = None
     if torch is not None:
         ts, ts2 = torch.arange(1000, dtype=torch.float32, device="cuda"), torch.ones(1000, device="cuda")
-        h_t = host("host/call a*x+b  torch jiterator", lambda: tjit(ts))
-        h_tadd = host("host/call x+y  torch", lambda: ts + ts2)
-        t.add("ratio host cudalab / torch jiterator", h_ours / h_t, "x", "goal <= 1")
-        t.add("ratio host x+y cudalab / torch", h_add / h_tadd, "x", "")
-        torch.cuda.synchronize()
+        calls["host/call a*x+b  torch jiterator"] = lambda: tjit(ts)
+        calls["host/call x+y  torch"] = lambda: ts + ts2
     if cupy is not None:
         cs, cs2 = cupy.arange(1000, dtype=cupy.float32), cupy.ones(1000, dtype=cupy.float32)
-        h_c = host("host/call a*x+b  CuPy ElementwiseKernel", lambda: ek(cs, two, one))
-        host("host/call x+y  CuPy", lambda: cs + cs2)
-        t.add("ratio host cudalab / CuPy ElementwiseKernel", h_ours / h_c, "x", "goal <= 1")
-        sync()
+        calls["host/call a*x+b  CuPy ElementwiseKernel"] = lambda: ek(cs, two, one)
+        calls["host/call x+y  CuPy"] = lambda: cs + cs2
+    # Rounds interleaved across the libraries (the host's speed drifts during a run).
+    per_call = interleaved_time_per_call(calls, number=number, repeat=repeat,
+                                         warmup=min(number, 500), between=sync)
+    host_us = {name: seconds * 1e6 for name, seconds in per_call.items()}
+    for name, us in host_us.items():
+        results["host_us"][name] = us
+        t.add(name, us, "µs", label if "cudalab" in name else "")
+    h_ours = host_us["host/call a*x+b  cudalab jiterator (1000 el.)"]
+    h_add = host_us["host/call x+y  cudalab DeviceArray"]
+    if torch is not None:
+        t.add("ratio host cudalab / torch jiterator",
+              h_ours / host_us["host/call a*x+b  torch jiterator"], "x", "goal <= 1")
+        t.add("ratio host x+y cudalab / torch", h_add / host_us["host/call x+y  torch"], "x", "")
+    if cupy is not None:
+        t.add("ratio host cudalab / CuPy ElementwiseKernel",
+              h_ours / host_us["host/call a*x+b  CuPy ElementwiseKernel"], "x", "goal <= 1")
 
     # ------------------------------------------------------------------ first call, cold cache
     def first_call(make, arg, synchronize) -> float:

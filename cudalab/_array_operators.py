@@ -345,4 +345,5 @@ class OperatorsMixin:
         dt = normalize_dtype(dtype, default=None)
         if dt == self._dtype and not copy:  # type: ignore[attr-defined]
             return self
-        return run(OPERATIONS["copy"], [self], out_dtype=dt, empty=type(self)._output)[0]
+        return run(OPERATIONS["copy"], [self], out_dtype=dt,
+                   empty=type(self)._output)[0]  # type: ignore[attr-defined]

@@ -83,6 +83,10 @@ def _gather_info() -> dict[str, Any]:
         return info
     info["driver_version_int"] = driver
     info["driver_version"] = _cuda_version(driver)
+    if not simulated:  # which path kernel launches take (the C fast calls or the bindings)
+        from cudalab._driver import cuda as real
+
+        info["launch_calls"] = "compiled" if real._fast_launch is not None else "cuda.bindings"
     if count == 0:
         info["error"] = "the CUDA driver reports no devices"
         return info
@@ -162,6 +166,10 @@ def _format_info(info: dict[str, Any]) -> str:
         stamp = info["history_stamp"]
         lines.append("stacks   " + ("compiled stamp (cudalab.memory_tools._stackstamp)" if stamp == "compiled"
                                   else "pure-Python stamp"))
+    if info.get("launch_calls"):
+        lines.append("launches " + ("compiled fast calls (cudalab._driver._fastcall)"
+                                    if info["launch_calls"] == "compiled"
+                                    else "cuda.bindings wrappers"))
     if info["error"] is not None:
         lines.append("")
         lines.append(f"No CUDA devices: {info['error']}")

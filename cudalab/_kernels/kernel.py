@@ -526,7 +526,7 @@ class Kernel:
                 raise ValueError(f"block {block!r} has more than {_MAX_THREADS_PER_BLOCK} threads")
         if type(shared_mem) is not int or shared_mem < 0:
             raise ValueError(f"shared_mem must be a non-negative int, got {shared_mem!r}")
-        values = self._fast_args(args)
+        values: Sequence[Any] | None = self._fast_args(args)
         if values is None:
             values = self._convert_args(args)
 

@@ -229,9 +229,9 @@ def test_contiguous_inputs_get_the_vectorised_kernel_and_a_grid_that_fills_the_g
         f(x[1:])  # a 4-byte offset: the unaligned twin
     finally:
         _internal.launch_observers.pop()
-    (name, grid, block), (name_unaligned, _, _) = launches
+    (name, grid, block), (name_unaligned, grid_unaligned, _) = launches
     vec = 1 if _internal.backend().simulated else 4  # (the simulator has no vector loads)
     assert name.startswith(f"neg_v{vec}_") and name_unaligned.startswith("neg_v1_")
-    sms = cudalab.get_device_properties(0).multi_processor_count
     assert block == (256, 1, 1)
-    assert grid == (min(n // vec // 256, sms * 16), 1, 1)
+    assert grid == (n // vec // 256, 1, 1)  # one thread per vector: one pass over the data
+    assert grid_unaligned == (-(-(n - 1) // 256), 1, 1)  # one per element

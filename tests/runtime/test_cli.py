@@ -115,6 +115,13 @@ def test_info_in_process(capsys):
     assert info["devices"], info["error"]
     assert info["simulated"] is (info["backend"] == "simulator")
     assert info["history_stamp"] == cudalab.memory_tools.stacks.stamp_implementation()
+    if info["simulated"]:
+        assert "launch_calls" not in info
+    else:  # the real backend says which path its launches take
+        from cudalab._driver import cuda as real
+
+        expect = "compiled" if real._fast_launch is not None else "cuda.bindings"
+        assert info["launch_calls"] == expect
 
 
 # ------------------------------------------------------------------------ formatting
@@ -160,6 +167,15 @@ def test_format_table(monkeypatch):
 def test_format_says_which_stamp_records_stacks(stamp, shown):
     lines = cli._format_info(sample_info(history_stamp=stamp)).splitlines()
     assert lines[4] == f"stacks   {shown}"
+
+
+@pytest.mark.parametrize("calls, shown", [
+    ("compiled", "compiled fast calls (cudalab._driver._fastcall)"),
+    ("cuda.bindings", "cuda.bindings wrappers")])
+def test_format_says_which_path_launches_take(calls, shown):
+    lines = cli._format_info(sample_info(history_stamp="python", launch_calls=calls)).splitlines()
+    assert lines[5] == f"launches {shown}"
+    assert "launches" not in cli._format_info(sample_info())
 
 
 def test_format_simulated_and_errors():
