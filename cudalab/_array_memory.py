@@ -223,11 +223,15 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
     nbytes = count * len(pattern)
     if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
         _sanitizer_hook.tracker.access(stream, (), ((ptr, nbytes),), "fill")
+    itemsize = len(pattern)
+    if itemsize == 8 or itemsize == 2:  # (the fill kernels make the context current)
+        if pattern.count(pattern[0]) != itemsize:
+            fill_with_kernel(ptr, pattern, count, stream)
+            return
     null_context(stream)
-    if pattern.count(pattern[0]) == len(pattern):
+    if pattern.count(pattern[0]) == itemsize:
         b.memset_d8_async(device, ptr, pattern[0], nbytes, h)
         return
-    itemsize = len(pattern)
     if itemsize == 4 and ptr % 4 == 0:
         b.memset_d32_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
         return
