@@ -4,7 +4,8 @@ and the private pool's memory, next to torch in the same run.
 Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
 
 * host cost of ``CUDAGraph.replay()`` of a one-kernel graph (a loop of replays, then one
-  synchronize; each replay also refreshes the default generator's graph words, as torch's);
+  synchronize; each replay also refreshes the default generator's graph words, as torch's),
+  the median of rounds interleaved with torch's (goal: cudalab <= torch);
 * host time per captured kernel launch: capturing 1,000 ``fill_(i + 1)`` of a 4 KiB int64
   array (cudalab's ``DeviceArray.fill_``, which launches the runtime's own fill kernel;
   torch's ``Tensor.fill_``), from capture_begin to capture_end (instantiation included,
@@ -38,15 +39,6 @@ FILL_BYTES = 4096
 ALLOCATIONS = [(512, False), (4096, True), (1 << 20, False), ((1 << 20) + 512, True),
                (3 << 20, False), (100, True), (10 << 20, False), (700 << 10, True),
                (12 << 20, True), (2048, False)]
-
-
-def _median_seconds(fn, repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def _event_seconds(make_events, run, repeat: int) -> float:
@@ -98,14 +90,15 @@ def bench_cudalab(table: Table, results: dict, rounds: dict, quick: bool) -> Non
         n = 200 if quick else 5000
 
         def replays():
-            for _ in range(n):
-                g1.replay()
-            s.synchronize()
+            with cudalab.stream(s):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    g1.replay()
+                s.synchronize()
+                return time.perf_counter() - t0
 
         replays()
-        t = _median_seconds(replays, repeat) / n
-        table.add(f"cudalab CUDAGraph.replay() host cost{tag}", t * 1e6, "µs")
-        results["cudalab_replay_us"] = t * 1e6
+        rounds["cudalab CUDAGraph.replay() host cost"] = (replays, n, "cudalab_replay_us")
 
         # host time per captured launch: timed in main(), rounds interleaved with torch's
         def capture(body=fills):
@@ -127,9 +120,10 @@ def bench_cudalab(table: Table, results: dict, rounds: dict, quick: bool) -> Non
             return t
 
         capture_seconds()  # warm-up
-        rounds["cudalab capture, host time per launch (fill_)"] = capture_seconds
-        rounds["cudalab capture, host time per launch (Kernel.launch)"] = \
-            lambda: capture_seconds(kernel_fills)
+        rounds["cudalab capture, host time per launch (fill_)"] = (
+            capture_seconds, KERNELS, "cudalab_capture_per_launch_us")
+        rounds["cudalab capture, host time per launch (Kernel.launch)"] = (
+            lambda: capture_seconds(kernel_fills), KERNELS, "cudalab_capture_per_kernel_launch_us")
 
         # 1,000 fill kernels: eager vs replay
         g = capture()
@@ -190,14 +184,15 @@ def bench_torch(torch, table: Table, results: dict, rounds: dict, quick: bool) -
         n = 200 if quick else 5000
 
         def replays():
-            for _ in range(n):
-                g1.replay()
-            s.synchronize()
+            with torch.cuda.stream(s):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    g1.replay()
+                s.synchronize()
+                return time.perf_counter() - t0
 
         replays()
-        t = _median_seconds(replays, repeat) / n
-        table.add("torch CUDAGraph.replay() host cost", t * 1e6, "µs")
-        results["torch_replay_us"] = t * 1e6
+        rounds["torch CUDAGraph.replay() host cost"] = (replays, n, "torch_replay_us")
 
         def capture():
             g = torch.cuda.CUDAGraph()
@@ -218,7 +213,8 @@ def bench_torch(torch, table: Table, results: dict, rounds: dict, quick: bool) -
             return t
 
         capture_seconds()  # warm-up
-        rounds["torch capture, host time per launch (fill_)"] = capture_seconds
+        rounds["torch capture, host time per launch (fill_)"] = (
+            capture_seconds, KERNELS, "torch_capture_per_launch_us")
         g = capture()
 
         def events():
@@ -263,25 +259,22 @@ def main() -> None:
     props = cudalab.get_device_properties(0)
     table = Table(f"CUDA graphs on {props.name}")
     results: dict = {}
-    rounds: dict = {}  # row -> a function timing one round (capture rows)
+    rounds: dict = {}  # row -> (a function timing one round, calls per round, results key)
     bench_cudalab(table, results, rounds, args.quick)
     torch = None if props.simulated else optional_import("torch")
     if torch is not None and torch.cuda.is_available():
         bench_torch(torch, table, results, rounds, args.quick)
-    # The capture rows, cudalab's and torch's rounds interleaved (the host's speed drifts
-    # between runs by tens of percent: interleaving keeps the comparison fair).
+    # The replay and capture rows: cudalab's and torch's rounds interleaved (the host's speed
+    # drifts, within a run too, by tens of percent: interleaving keeps the comparison fair).
     samples: dict = {name: [] for name in rounds}
     for _ in range(3 if args.quick else 9):
-        for name, one_round in rounds.items():
+        for name, (one_round, _per, _key) in rounds.items():
             samples[name].append(one_round())
     tag = " (simulated)" if props.simulated else ""
     for name, values in samples.items():
-        us = statistics.median(values) / KERNELS * 1e6
-        table.add(name + tag, us, "µs")
-        key = {"cudalab capture, host time per launch (fill_)": "cudalab_capture_per_launch_us",
-               "cudalab capture, host time per launch (Kernel.launch)":
-                   "cudalab_capture_per_kernel_launch_us",
-               "torch capture, host time per launch (fill_)": "torch_capture_per_launch_us"}[name]
+        _fn, per, key = rounds[name]
+        us = statistics.median(values) / per * 1e6
+        table.add(name + (tag if name.startswith("cudalab") else ""), us, "µs")
         results[key] = us
     if torch is not None and torch.cuda.is_available():
         if "torch_pool_reserved_bytes" in results:

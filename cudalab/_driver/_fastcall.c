@@ -1,4 +1,4 @@
-/* cudalab._driver._fastcall: three driver calls of the real backend's hot paths, made from C.
+/* cudalab._driver._fastcall: four driver calls of the real backend's hot paths, made from C.
  *
  * Why: cuda.bindings' Python wrappers cost about 1.5 us per call on top of the driver (argument
  * conversion, a CUresult enum object, a result tuple). A kernel launch captured into a CUDA
@@ -9,8 +9,10 @@
  * benchmarks/graphs.py, "host/call" of benchmarks/jiterator.py and the kernel-launch and
  * event-record rows of benchmarks/timing.py.
  *
- * What: launch_kernel (cuLaunchKernel), event_record (cuEventRecord) and stream_wait_event
- * (cuStreamWaitEvent), with the prototypes of cuda.h, and nothing else. launch_kernel and
+ * What: launch_kernel (cuLaunchKernel), event_record (cuEventRecord), stream_wait_event
+ * (cuStreamWaitEvent) and graph_launch (cuGraphLaunch, raising like launch_packed; the
+ * "replay() host cost" row of benchmarks/graphs.py), with the prototypes of cuda.h, and
+ * nothing else. launch_kernel and
  * stream_wait_event return the CUresult as an int; event_record returns (CUresult,), the
  * tuple of the bindings' cuEventRecord, because it stands in for that in FastPaths.
  * launch_packed is Backend.launch_values in one C call: it writes the values into a
@@ -41,11 +43,13 @@ typedef CUresult_t (*launch_kernel_fn)(void *function, unsigned int grid_x, unsi
                                        void **extra);
 typedef CUresult_t (*event_record_fn)(void *event, void *stream);
 typedef CUresult_t (*stream_wait_event_fn)(void *stream, void *event, unsigned int flags);
+typedef CUresult_t (*graph_launch_fn)(void *graph_exec, void *stream);
 
 /* Set once by setup(); NULL until then (the calls then raise RuntimeError). */
 static launch_kernel_fn launch_kernel_ptr = NULL;
 static event_record_fn event_record_ptr = NULL;
 static stream_wait_event_fn stream_wait_event_ptr = NULL;
+static graph_launch_fn graph_launch_ptr = NULL;
 /* error_for(code, call) -> the exception to raise for a failed call (cuda_api._error); set by
  * setup(), owned here. */
 static PyObject *error_for = NULL;
@@ -408,8 +412,37 @@ launch_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(graph_launch_doc,
+"graph_launch(graph_exec, stream) -> None\n\n"
+"cuGraphLaunch(graph_exec, stream); raises the backend's CudaError when it fails (it stands in\n"
+"for CudaBackend.graph_launch).");
+
+static PyObject *
+graph_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *graph_exec, *stream;
+    graph_launch_fn call = graph_launch_ptr;
+    if (check_arity(nargs, 2, "graph_launch") < 0) {
+        return NULL;
+    }
+    if (handle_address(args[0], &graph_exec) < 0 || handle_address(args[1], &stream) < 0) {
+        return NULL;
+    }
+    if (call == NULL) {
+        return not_set_up("graph_launch");
+    }
+    CUresult_t result;
+    Py_BEGIN_ALLOW_THREADS
+    result = call(graph_exec, stream);
+    Py_END_ALLOW_THREADS
+    if (result != 0) {
+        return raise_driver_error(result, "cuGraphLaunch");
+    }
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(setup_doc,
-"setup(launch_kernel, event_record, stream_wait_event, error_for)\n\n"
+"setup(launch_kernel, event_record, stream_wait_event, graph_launch, error_for)\n\n"
 "The driver's entry points (addresses from cuGetProcAddress, nonzero), and error_for(code,\n"
 "call), which returns the exception for a failed call (launch_packed raises it). Called once\n"
 "by cudalab._driver.cuda; a later call replaces them.");
@@ -417,11 +450,11 @@ PyDoc_STRVAR(setup_doc,
 static PyObject *
 setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *addresses[3];
-    if (check_arity(nargs, 4, "setup") < 0) {
+    void *addresses[4];
+    if (check_arity(nargs, 5, "setup") < 0) {
         return NULL;
     }
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         if (!PyLong_Check(args[i])) {
             PyErr_SetString(PyExc_TypeError, "setup() takes the entry points' addresses as ints");
             return NULL;
@@ -434,15 +467,16 @@ setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     }
-    if (!PyCallable_Check(args[3])) {
+    if (!PyCallable_Check(args[4])) {
         PyErr_SetString(PyExc_TypeError, "setup(): error_for must be callable");
         return NULL;
     }
     launch_kernel_ptr = (launch_kernel_fn)addresses[0];
     event_record_ptr = (event_record_fn)addresses[1];
     stream_wait_event_ptr = (stream_wait_event_fn)addresses[2];
-    Py_INCREF(args[3]);
-    Py_XSETREF(error_for, args[3]);
+    graph_launch_ptr = (graph_launch_fn)addresses[3];
+    Py_INCREF(args[4]);
+    Py_XSETREF(error_for, args[4]);
     Py_RETURN_NONE;
 }
 
@@ -452,6 +486,7 @@ static PyMethodDef methods[] = {
     {"stream_wait_event", (PyCFunction)(void (*)(void))stream_wait_event, METH_FASTCALL,
      stream_wait_event_doc},
     {"launch_packed", (PyCFunction)(void (*)(void))launch_packed, METH_FASTCALL, launch_packed_doc},
+    {"graph_launch", (PyCFunction)(void (*)(void))graph_launch, METH_FASTCALL, graph_launch_doc},
     {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL, setup_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -459,7 +494,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     "cudalab._driver._fastcall",
-    "cuLaunchKernel, cuEventRecord and cuStreamWaitEvent called from C (see cudalab/_driver/cuda.py).",
+    "cuLaunchKernel, cuEventRecord, cuStreamWaitEvent and cuGraphLaunch called from C (see "
+    "cudalab/_driver/cuda.py).",
     -1,
     methods,
     NULL,

@@ -143,7 +143,8 @@ def _bind_fastcall(driver_version: int) -> None:
         flags = _drv.CUdriverProcAddress_flags
         flag = (flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if ptds
                 else flags.CU_GET_PROC_ADDRESS_DEFAULT)
-        for symbol in (b"cuLaunchKernel", b"cuEventRecord", b"cuStreamWaitEvent"):
+        for symbol in (b"cuLaunchKernel", b"cuEventRecord", b"cuStreamWaitEvent",
+                       b"cuGraphLaunch"):
             err, address, _status = _drv.cuGetProcAddress(symbol, driver_version, flag)
             if err or not address:
                 return
@@ -361,8 +362,11 @@ class CudaBackend(CudaGraphs):
                 _bind_fastcall(self._version)
             if _fast_launch is not None:
                 # One C call, no Python frame: packs the values and launches (the
-                # "host/call" rows of benchmarks/jiterator.py).
+                # "host/call" rows of benchmarks/jiterator.py), and launches a graph (the
+                # "replay() host cost" row of benchmarks/graphs.py). Both raise _error's
+                # exception, as the methods they stand in for.
                 self.launch_values = _fastcall.launch_packed  # type: ignore[method-assign]
+                self.graph_launch = _fastcall.graph_launch  # type: ignore[method-assign]
             self._initialized = True
 
     def driver_version(self) -> int:

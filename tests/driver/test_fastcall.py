@@ -48,6 +48,10 @@ def test_argument_errors_come_before_the_driver():
         fastcall.event_record(0, "stream")
     with pytest.raises(TypeError, match="takes 3 arguments"):
         fastcall.stream_wait_event(0, 0)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        fastcall.graph_launch(0)
+    with pytest.raises(TypeError):
+        fastcall.graph_launch("exec", None)
     with pytest.raises(OverflowError):
         fastcall.stream_wait_event(0, 0, -1)
 
@@ -64,13 +68,13 @@ def test_a_closed_handle_raises_its_own_error():
 
 def test_setup_refuses_bad_addresses_without_changing_anything():
     with pytest.raises(TypeError, match="addresses as ints"):
-        fastcall.setup("a", 1, 2, print)
+        fastcall.setup("a", 1, 2, 3, print)
     with pytest.raises(ValueError, match="address is 0"):
-        fastcall.setup(1, 0, 2, print)
+        fastcall.setup(1, 0, 2, 3, print)
     with pytest.raises(TypeError, match="error_for must be callable"):
-        fastcall.setup(1, 2, 3, None)
-    with pytest.raises(TypeError, match="takes 4 arguments"):
-        fastcall.setup(1, 2, 3)
+        fastcall.setup(1, 2, 3, 4, None)
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        fastcall.setup(1, 2, 3, 4)
 
 
 SIGNATURE = ("p", "i4", "u4", "i8", "u8", "f4", "f8")
@@ -139,7 +143,8 @@ def test_calls_before_setup_raise_instead_of_calling_null():
                            (_fastcall.event_record, (0, None)),
                            (_fastcall.stream_wait_event, (None, 0, 0)),
                            (_fastcall.launch_packed, (0, (1, 1, 1), (1, 1, 1), 0, None,
-                                                      CudaKernelArgs(("u8",)), (1,)))):
+                                                      CudaKernelArgs(("u8",)), (1,))),
+                           (_fastcall.graph_launch, (0, None))):
             try:
                 call(*args)
             except RuntimeError as exc:
@@ -149,7 +154,7 @@ def test_calls_before_setup_raise_instead_of_calling_null():
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert len(lines) == 4 and all("setup() has not given" in line for line in lines), lines
+    assert len(lines) == 5 and all("setup() has not given" in line for line in lines), lines
 
 
 # ============================================================================ (b) real GPU
@@ -167,6 +172,7 @@ def test_the_real_backend_binds_it():
     from cudalab import _internal
 
     assert _internal.backend().launch_values is fastcall.launch_packed
+    assert _internal.backend().graph_launch is fastcall.graph_launch
 
 
 _SAME_RESULTS = textwrap.dedent("""
@@ -190,6 +196,12 @@ _SAME_RESULTS = textwrap.dedent("""
         y = x + 1                             # an elementwise launch, ordered after s1
     kernel = fill_kernel(4)
     kernel.launch(1, 32, (x, 5, 3))           # a DeviceArray argument
+    z = cudalab.zeros(4, dtype="int64")
+    g = cudalab.CUDAGraph()
+    with cudalab.graph(g):
+        z.fill_(11)
+    z.fill_(0)
+    g.replay()                                # cuGraphLaunch
     error = None
     try:                                      # too many threads: the driver refuses
         state_backend = _internal.backend()
@@ -201,7 +213,7 @@ _SAME_RESULTS = textwrap.dedent("""
         error = [exc.name, exc.call]
     cudalab.synchronize()
     print(json.dumps({"fast": C._fast_launch is not None, "x": x.tolist(), "y": y.tolist(),
-                      "error": error}))
+                      "z": z.tolist(), "error": error}))
 """)
 
 
@@ -225,4 +237,5 @@ def test_same_results_and_errors_with_and_without_it():
         np.testing.assert_array_equal(run["x"], expect)
         np.testing.assert_array_equal(run["y"][20:], expect[20:] + 1)
         assert run["error"] == ["CUDA_ERROR_INVALID_VALUE", "cuLaunchKernel"]
+        assert run["z"] == [11] * 4
     assert runs["1"] == dict(runs["0"], fast=True)
