@@ -9,9 +9,9 @@ Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
 * host time per captured kernel launch: capturing 1,000 ``fill_(i + 1)`` of a 4 KiB int64
   array (cudalab's ``DeviceArray.fill_``, which launches the runtime's own fill kernel;
   torch's ``Tensor.fill_``), from capture_begin to capture_end (instantiation included,
-  the graph's destruction not), divided by 1,000, the median of 9 rounds interleaved with
-  torch's (goal: cudalab <= torch); and the same through ``Kernel.launch`` directly (the
-  kernel API, for reference);
+  the graph's destruction not), divided by 1,000, the median of 25 rounds interleaved with
+  torch's, the garbage collector off during each (goal: cudalab <= torch); and the same
+  through ``Kernel.launch`` directly (the kernel API, for reference);
 * those 1,000 tiny fill kernels launched eagerly vs replayed as one graph: time per 1,000
   from events on the stream (goal: replay >= 5x faster);
 * peak reserved bytes in the private pool for the same sequence of allocations and frees
@@ -24,6 +24,7 @@ On the simulator every number is labelled simulated and torch is skipped.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
@@ -265,17 +266,27 @@ def main() -> None:
     if torch is not None and torch.cuda.is_available():
         bench_torch(torch, table, results, rounds, args.quick)
     # The replay and capture rows: cudalab's and torch's rounds interleaved (the host's speed
-    # drifts, within a run too, by tens of percent: interleaving keeps the comparison fair).
+    # drifts, within a run too, by tens of percent: interleaving keeps the comparison fair),
+    # with the cyclic garbage collector off during each round, as timeit does (a collection
+    # of the interpreter's heap, torch's objects included, costs milliseconds wherever it
+    # lands). The median of the rounds is reported, their minimum beside it.
     samples: dict = {name: [] for name in rounds}
-    for _ in range(3 if args.quick else 9):
+    for _ in range(3 if args.quick else 25):
         for name, (one_round, _per, _key) in rounds.items():
-            samples[name].append(one_round())
+            gc.collect()
+            gc.disable()
+            try:
+                samples[name].append(one_round())
+            finally:
+                gc.enable()
     tag = " (simulated)" if props.simulated else ""
     for name, values in samples.items():
         _fn, per, key = rounds[name]
         us = statistics.median(values) / per * 1e6
-        table.add(name + (tag if name.startswith("cudalab") else ""), us, "µs")
+        table.add(name + (tag if name.startswith("cudalab") else ""), us, "µs",
+                  f"min {min(values) / per * 1e6:.3f} µs")
         results[key] = us
+        results[key.replace("_us", "_min_us")] = min(values) / per * 1e6
     if torch is not None and torch.cuda.is_available():
         if "torch_pool_reserved_bytes" in results:
             diff = results["cudalab_pool_reserved_bytes"] - results["torch_pool_reserved_bytes"]
