@@ -131,10 +131,13 @@ _FASTCALL_ENV = "CUDALAB_FASTCALL"
 
 def _bind_fastcall(driver_version: int) -> None:
     """Give _fastcall the driver's entry points (cuGetProcAddress, with the default-stream
-    semantics cuda.bindings itself uses), and publish its functions; on any failure leave the
-    bindings in use."""
+    semantics cuda.bindings itself uses), and publish its functions; on any failure keep what
+    is in use (the bindings, or an earlier backend's binding to the same driver)."""
     global _fast_launch, _fast_event_record, _fast_stream_wait_event
-    if _fastcall is None or os.environ.get(_FASTCALL_ENV, "1").strip() == "0":
+    if _fastcall is None:
+        return
+    if os.environ.get(_FASTCALL_ENV, "1").strip() == "0":  # turned off: the bindings from now
+        _fast_launch = _fast_event_record = _fast_stream_wait_event = None
         return
     # cuda.bindings takes the per-thread default stream variants when this is set.
     ptds = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
