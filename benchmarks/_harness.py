@@ -8,6 +8,7 @@ Per-call costs use the median of several repeats of a tight loop.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -30,27 +31,53 @@ def time_per_call(fn: Callable[[], object], number: int = 20000, repeat: int = 7
     return statistics.median(samples)
 
 
+def interleaved_rounds(rounds: dict[str, Callable[[], float]], repeat: int,
+                       between: Callable[[], object] | None = None,
+                       gc_off: bool = False) -> dict[str, list[float]]:
+    """The seconds each of ``rounds`` returns, called in ``repeat`` passes that take them in
+    turn, so a drift in the host's speed during the run falls on all of them alike.
+
+    ``between()`` runs after each call (a device synchronisation, so one library's queued
+    work does not slow the next). ``gc_off`` turns the cyclic garbage collector off during
+    each call, as timeit does (a collection costs milliseconds wherever it lands).
+    """
+    samples: dict[str, list[float]] = {name: [] for name in rounds}
+    for _ in range(repeat):
+        for name, one_round in rounds.items():
+            if gc_off:
+                gc.collect()
+            try:
+                if gc_off:
+                    gc.disable()
+                samples[name].append(one_round())
+            finally:
+                if gc_off:
+                    gc.enable()
+            if between is not None:
+                between()
+    return samples
+
+
 def interleaved_time_per_call(fns: dict[str, Callable[[], object]], number: int = 5000,
                               repeat: int = 7, warmup: int = 500,
                               between: Callable[[], object] | None = None) -> dict[str, float]:
-    """Median seconds per call of each of ``fns``, timed in ``repeat`` rounds that take the
-    functions in turn (one loop of ``number`` calls each), so a drift in the host's speed
-    during the run falls on all of them alike. ``between()`` runs after each loop (a
-    device synchronisation, so one library's queued work does not slow the next)."""
+    """Median seconds per call of each of ``fns``: :func:`interleaved_rounds` of one loop of
+    ``number`` calls each, after ``warmup`` calls of each."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
         if between is not None:
             between()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
+
+    def loop(fn: Callable[[], object]) -> Callable[[], float]:
+        def one_round() -> float:
             t0 = time.perf_counter()
             for _ in range(number):
                 fn()
-            samples[name].append((time.perf_counter() - t0) / number)
-            if between is not None:
-                between()
+            return (time.perf_counter() - t0) / number
+        return one_round
+
+    samples = interleaved_rounds({name: loop(fn) for name, fn in fns.items()}, repeat, between)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

@@ -24,7 +24,7 @@ On the simulator every number is labelled simulated and torch is skipped.
 
 from __future__ import annotations
 
-import gc
+import functools
 import os
 import statistics
 import sys
@@ -32,7 +32,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout works uninstalled
-from _harness import Table, environment, optional_import, parse_args, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    Table,
+    environment,
+    interleaved_rounds,
+    optional_import,
+    parse_args,
+    write_json,
+)
 
 KERNELS = 1000
 FILL_BYTES = 4096
@@ -53,6 +60,39 @@ def _event_seconds(make_events, run, repeat: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+def _capture(new_graph, body):
+    """A graph (``new_graph()``: cudalab's or torch's CUDAGraph) holding what ``body`` queues."""
+    g = new_graph()
+    g.capture_begin()
+    body()
+    g.capture_end()
+    return g
+
+
+def _capture_seconds(stream_context, stream, new_graph, body) -> float:
+    """Seconds from capture_begin to capture_end of ``body`` on ``stream`` (entered with the
+    library's ``stream_context``); the graph is destroyed after the timed window."""
+    with stream_context(stream):
+        g = new_graph()
+        t0 = time.perf_counter()
+        g.capture_begin()
+        body()
+        g.capture_end()
+        t = time.perf_counter() - t0
+    del g
+    return t
+
+
+def _replay_seconds(stream_context, stream, graph, n: int) -> float:
+    """Seconds for ``n`` replays of ``graph`` on ``stream``, then one synchronize."""
+    with stream_context(stream):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            graph.replay()
+        stream.synchronize()
+        return time.perf_counter() - t0
 
 
 # ----------------------------------------------------------------------------------- cudalab
@@ -83,51 +123,24 @@ def bench_cudalab(table: Table, results: dict, rounds: dict, quick: bool) -> Non
     with cudalab.stream(s):
         fills(10)  # loads the kernel
         s.synchronize()
-        # replay host cost: a one-kernel graph
-        g1 = cudalab.CUDAGraph()
-        g1.capture_begin()
-        fills(1)
-        g1.capture_end()
+        # replay host cost: a one-kernel graph; host time per captured launch (both timed in
+        # main(), rounds interleaved with torch's)
+        g1 = _capture(cudalab.CUDAGraph, lambda: fills(1))
         n = 200 if quick else 5000
-
-        def replays():
-            with cudalab.stream(s):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    g1.replay()
-                s.synchronize()
-                return time.perf_counter() - t0
-
+        replays = functools.partial(_replay_seconds, cudalab.stream, s, g1, n)
         replays()
         rounds["cudalab CUDAGraph.replay() host cost"] = (replays, n, "cudalab_replay_us")
-
-        # host time per captured launch: timed in main(), rounds interleaved with torch's
-        def capture(body=fills):
-            g = cudalab.CUDAGraph()
-            g.capture_begin()
-            body()
-            g.capture_end()
-            return g
-
-        def capture_seconds(body=fills):
-            with cudalab.stream(s):
-                g = cudalab.CUDAGraph()
-                t0 = time.perf_counter()
-                g.capture_begin()
-                body()
-                g.capture_end()
-                t = time.perf_counter() - t0
-            del g  # (destroyed outside the timed window)
-            return t
-
-        capture_seconds()  # warm-up
-        rounds["cudalab capture, host time per launch (fill_)"] = (
-            capture_seconds, KERNELS, "cudalab_capture_per_launch_us")
-        rounds["cudalab capture, host time per launch (Kernel.launch)"] = (
-            lambda: capture_seconds(kernel_fills), KERNELS, "cudalab_capture_per_kernel_launch_us")
+        for body, row, key in ((fills, "fill_", "cudalab_capture_per_launch_us"),
+                               (kernel_fills, "Kernel.launch",
+                                "cudalab_capture_per_kernel_launch_us")):
+            capture_seconds = functools.partial(_capture_seconds, cudalab.stream, s,
+                                                cudalab.CUDAGraph, body)
+            capture_seconds()  # warm-up
+            rounds[f"cudalab capture, host time per launch ({row})"] = (
+                capture_seconds, KERNELS, key)
 
         # 1,000 fill kernels: eager vs replay
-        g = capture()
+        g = _capture(cudalab.CUDAGraph, fills)
 
         def events():
             return cudalab.Event(enable_timing=True), cudalab.Event(enable_timing=True)
@@ -178,45 +191,17 @@ def bench_torch(torch, table: Table, results: dict, rounds: dict, quick: bool) -
     with torch.cuda.stream(s):
         fills(10)
         s.synchronize()
-        g1 = torch.cuda.CUDAGraph()
-        g1.capture_begin()
-        fills(1)
-        g1.capture_end()
+        g1 = _capture(torch.cuda.CUDAGraph, lambda: fills(1))
         n = 200 if quick else 5000
-
-        def replays():
-            with torch.cuda.stream(s):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    g1.replay()
-                s.synchronize()
-                return time.perf_counter() - t0
-
+        replays = functools.partial(_replay_seconds, torch.cuda.stream, s, g1, n)
         replays()
         rounds["torch CUDAGraph.replay() host cost"] = (replays, n, "torch_replay_us")
-
-        def capture():
-            g = torch.cuda.CUDAGraph()
-            g.capture_begin()
-            fills()
-            g.capture_end()
-            return g
-
-        def capture_seconds():
-            with torch.cuda.stream(s):
-                g = torch.cuda.CUDAGraph()
-                t0 = time.perf_counter()
-                g.capture_begin()
-                fills()
-                g.capture_end()
-                t = time.perf_counter() - t0
-            del g  # (destroyed outside the timed window)
-            return t
-
+        capture_seconds = functools.partial(_capture_seconds, torch.cuda.stream, s,
+                                            torch.cuda.CUDAGraph, fills)
         capture_seconds()  # warm-up
         rounds["torch capture, host time per launch (fill_)"] = (
             capture_seconds, KERNELS, "torch_capture_per_launch_us")
-        g = capture()
+        g = _capture(torch.cuda.CUDAGraph, fills)
 
         def events():
             return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -270,15 +255,8 @@ def main() -> None:
     # with the cyclic garbage collector off during each round, as timeit does (a collection
     # of the interpreter's heap, torch's objects included, costs milliseconds wherever it
     # lands). The median of the rounds is reported, their minimum beside it.
-    samples: dict = {name: [] for name in rounds}
-    for _ in range(3 if args.quick else 25):
-        for name, (one_round, _per, _key) in rounds.items():
-            gc.collect()
-            gc.disable()
-            try:
-                samples[name].append(one_round())
-            finally:
-                gc.enable()
+    samples = interleaved_rounds({name: entry[0] for name, entry in rounds.items()},
+                                 3 if args.quick else 25, gc_off=True)
     tag = " (simulated)" if props.simulated else ""
     for name, values in samples.items():
         _fn, per, key = rounds[name]

@@ -224,12 +224,12 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
     if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
         _sanitizer_hook.tracker.access(stream, (), ((ptr, nbytes),), "fill")
     itemsize = len(pattern)
-    if itemsize == 8 or itemsize == 2:  # (the fill kernels make the context current)
-        if pattern.count(pattern[0]) != itemsize:
-            fill_with_kernel(ptr, pattern, count, stream)
-            return
+    byte_uniform = pattern.count(pattern[0]) == itemsize
+    if not byte_uniform and (itemsize == 8 or itemsize == 2):
+        fill_with_kernel(ptr, pattern, count, stream)  # (it makes the context current)
+        return
     null_context(stream)
-    if pattern.count(pattern[0]) == itemsize:
+    if byte_uniform:
         b.memset_d8_async(device, ptr, pattern[0], nbytes, h)
         return
     if itemsize == 4 and ptr % 4 == 0:

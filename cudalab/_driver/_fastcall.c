@@ -135,6 +135,41 @@ not_set_up(const char *name)
     return NULL;
 }
 
+/* What both launch calls take first: function, grid, block, shared_mem, stream. */
+typedef struct {
+    void *function;
+    unsigned int grid[3];
+    unsigned int block[3];
+    unsigned int shared_mem;
+    void *stream;
+} launch_shape;
+
+/* Read args[0..4] into `shape`; -1 and an exception for a bad one. */
+static int
+parse_launch(PyObject *const *args, launch_shape *shape)
+{
+    if (handle_address(args[0], &shape->function) < 0 ||
+        dims_of(args[1], shape->grid, "grid") < 0 || dims_of(args[2], shape->block, "block") < 0 ||
+        unsigned_of(args[3], &shape->shared_mem, "shared_mem") < 0 ||
+        handle_address(args[4], &shape->stream) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+/* cuLaunchKernel through `call` with the GIL released; the CUresult. */
+static CUresult_t
+call_launch(launch_kernel_fn call, const launch_shape *shape, void *params)
+{
+    CUresult_t result;
+    Py_BEGIN_ALLOW_THREADS
+    result = call(shape->function, shape->grid[0], shape->grid[1], shape->grid[2],
+                  shape->block[0], shape->block[1], shape->block[2], shape->shared_mem,
+                  shape->stream, (void **)params, NULL);
+    Py_END_ALLOW_THREADS
+    return result;
+}
+
 PyDoc_STRVAR(launch_kernel_doc,
 "launch_kernel(function, grid, block, shared_mem, stream, params) -> int\n\n"
 "cuLaunchKernel(function, *grid, *block, shared_mem, stream, params, NULL); grid and block are\n"
@@ -143,27 +178,19 @@ PyDoc_STRVAR(launch_kernel_doc,
 static PyObject *
 launch_kernel(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *function, *stream, *params;
-    unsigned int grid[3], block[3], shared_mem;
+    launch_shape shape;
+    void *params;
     launch_kernel_fn call = launch_kernel_ptr;
     if (check_arity(nargs, 6, "launch_kernel") < 0) {
         return NULL;
     }
-    if (handle_address(args[0], &function) < 0 || dims_of(args[1], grid, "grid") < 0 ||
-        dims_of(args[2], block, "block") < 0 ||
-        unsigned_of(args[3], &shared_mem, "shared_mem") < 0 ||
-        handle_address(args[4], &stream) < 0 || handle_address(args[5], &params) < 0) {
+    if (parse_launch(args, &shape) < 0 || handle_address(args[5], &params) < 0) {
         return NULL;
     }
     if (call == NULL) {
         return not_set_up("launch_kernel");
     }
-    CUresult_t result;
-    Py_BEGIN_ALLOW_THREADS
-    result = call(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
-                  stream, (void **)params, NULL);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(result);
+    return PyLong_FromLong(call_launch(call, &shape, params));
 }
 
 PyDoc_STRVAR(event_record_doc,
@@ -350,16 +377,12 @@ PyDoc_STRVAR(launch_packed_doc,
 static PyObject *
 launch_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *function, *stream;
-    unsigned int grid[3], block[3], shared_mem;
+    launch_shape shape;
     launch_kernel_fn call = launch_kernel_ptr;
     if (check_arity(nargs, 7, "launch_packed") < 0) {
         return NULL;
     }
-    if (handle_address(args[0], &function) < 0 || dims_of(args[1], grid, "grid") < 0 ||
-        dims_of(args[2], block, "block") < 0 ||
-        unsigned_of(args[3], &shared_mem, "shared_mem") < 0 ||
-        handle_address(args[4], &stream) < 0) {
+    if (parse_launch(args, &shape) < 0) {
         return NULL;
     }
     /* args.native: (address of the void*[] of slot addresses, address of the first slot,
@@ -400,11 +423,7 @@ launch_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(native);
         return not_set_up("launch_packed");
     }
-    CUresult_t result;
-    Py_BEGIN_ALLOW_THREADS
-    result = call(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
-                  stream, (void **)params, NULL);
-    Py_END_ALLOW_THREADS
+    CUresult_t result = call_launch(call, &shape, params);
     Py_DECREF(native); /* (kept until here: it holds the pack's addresses alive) */
     if (result != 0) {
         return raise_driver_error(result, "cuLaunchKernel");

@@ -364,7 +364,8 @@ class CudaBackend(CudaGraphs):
             if self._version:
                 _bind_fastcall(self._version)
             if _fast_launch is not None:
-                # One C call, no Python frame: packs the values and launches (the
+                # One C call, no Python frame, in place of Backend.launch_values (which is
+                # launch(..., args.set(*values))): packs the values and launches (the
                 # "host/call" rows of benchmarks/jiterator.py), and launches a graph (the
                 # "replay() host cost" row of benchmarks/graphs.py). Both raise _error's
                 # exception, as the methods they stand in for.
@@ -714,13 +715,6 @@ class CudaBackend(CudaGraphs):
 
     def make_args(self, signature: Sequence[str]) -> CudaKernelArgs:
         return CudaKernelArgs(signature)
-
-    def launch_values(self, function: Any, grid: tuple[int, int, int],
-                      block: tuple[int, int, int], shared_mem: int, stream: Any,
-                      args: KernelArgs, values: Sequence[Any]) -> None:
-        # (init() replaces this method on the instance with _fastcall.launch_packed, which
-        # does the same in one C call, when the extension is built)
-        self.launch(function, grid, block, shared_mem, stream, args.set(*values))
 
     def launch(
         self,

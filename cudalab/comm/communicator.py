@@ -136,6 +136,15 @@ def _overlaps(a: _array.DeviceArray, b: _array.DeviceArray) -> bool:
             and b.ptr < a.ptr + a.nbytes)
 
 
+def _check_own_slice(part: _array.DeviceArray, whole: _array.DeviceArray, rank: int,
+                     names: tuple[str, str], what: str) -> None:
+    """In place, ``part`` (named ``names[0]``) must be this rank's slice of ``whole``
+    (``names[1]``): any other overlap is refused (all_gather's send, reduce_scatter's recv)."""
+    if _overlaps(part, whole) and part.ptr != whole.ptr + rank * part.nbytes:
+        raise ValueError(f"{what}: {names[0]} overlaps {names[1]} but is not this rank's slice "
+                         f"of it (in place needs {names[0]} = {names[1]}[rank * n:(rank + 1) * n])")
+
+
 def _check_int(value: Any, name: str, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what}: {name} must be an int, got {_internal.echo(value)}")
@@ -511,9 +520,7 @@ class Communicator:
         src = self._buffer(send, "send", what, writable=False)
         dst = self._buffer(recv, "recv", what, writable=True)
         self._same_elements(src, dst, ("send", "recv"), what, self._world_size)
-        if _overlaps(src, dst) and src.ptr != dst.ptr + self._rank * src.nbytes:
-            raise ValueError(f"{what}: send overlaps recv but is not this rank's slice of it "
-                             f"(in place needs send = recv[rank * n:(rank + 1) * n])")
+        _check_own_slice(src, dst, self._rank, ("send", "recv"), what)
         dtype, per = _wire_type(src.dtype, None, what)
         s, handle = self._stream(stream, what)
         self._issue("all_gather", s, (src,), (dst,), self._nccl.all_gather,
@@ -534,9 +541,7 @@ class Communicator:
         src = self._buffer(send, "send", what, writable=False)
         dst = self._buffer(recv, "recv", what, writable=True)
         self._same_elements(dst, src, ("recv", "send"), what, self._world_size)
-        if _overlaps(src, dst) and dst.ptr != src.ptr + self._rank * dst.nbytes:
-            raise ValueError(f"{what}: recv overlaps send but is not this rank's slice of it "
-                             f"(in place needs recv = send[rank * n:(rank + 1) * n])")
+        _check_own_slice(dst, src, self._rank, ("recv", "send"), what)
         dtype, per = _wire_type(src.dtype, code, what)
         s, handle = self._stream(stream, what)
         self._issue("reduce_scatter", s, (src,), (dst,), self._nccl.reduce_scatter,

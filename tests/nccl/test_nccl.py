@@ -318,12 +318,7 @@ def test_user_communicators(two):
                                                "but input 0 is on device 1"):
             nccl.all_reduce(arrays[::-1], comms=comms)
     finally:
-        n.group_start()
-        for c in comms:
-            n.comm_finalize(c)
-        n.group_end()
-        for c in comms:
-            n.comm_destroy(c)
+        nccl._destroy_clique(n, comms)  # (finalize in one group, then destroy each)
 
 
 # ------------------------------------------------------------------------------ streams
