@@ -12,7 +12,14 @@ dtypes follow ``torch.result_type`` (:mod:`cudalab._kernels.type_promotion`): ``
 stays int8, ``int / int`` is float32, comparisons give bool, ``//`` and ``%`` floor like
 torch (and Python) for negative operands, bool arithmetic stays bool (``+`` is or, ``*`` is
 and). Arithmetic is done in float for float16/bfloat16 and rounded once when stored; Python
-scalars are converted to that compute type on the host. In-place forms keep the array's
+scalars are converted to that compute type on the host. Complex arrays (and Python complex
+scalars: ``x * 1j`` is complex64 for a float32 ``x``) take ``+ - * / **``, unary ``-``,
+``==``/``!=``, ``where`` and conversions, with c10::complex's arithmetic; ``abs`` gives the
+real dtype; ordering comparisons, ``//``, ``%`` and the bitwise operators refuse them with
+torch's "not implemented for 'ComplexFloat'" message; converting complex to a real dtype
+keeps the real part and warns as torch does. As torch does, a complex ``** 2`` is
+``base * base`` and a complex array divided by a scalar is multiplied by its reciprocal
+(computed on the host). In-place forms keep the array's
 dtype and refuse results it cannot hold (``result type Float can't be cast to the desired
 output type Long``). Operands are DeviceArrays and Python/numpy scalars; anything else gets
 ``NotImplemented`` (Python then raises its TypeError).
@@ -20,6 +27,7 @@ output type Long``). Operands are DeviceArrays and Python/numpy scalars; anythin
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -29,20 +37,24 @@ from cudalab._kernels.elementwise import (
     RESULT_BOOL,
     RESULT_COMMON,
     RESULT_FLOAT,
+    RESULT_REAL,
     ElementwiseFunction,
     run,
 )
 
-__all__ = ["OperatorsMixin", "where", "OPERATIONS"]
+__all__ = ["OperatorsMixin", "where", "OPERATIONS", "DISCARD_IMAGINARY"]
 
 
 def _code(name: str, params: str, body: str, returns: str = "T") -> str:
     return f"template <typename T> {returns} cudalab_{name}({params}) {{ {body} }}"
 
 
-def _by_category(float_code: str, int_code: str) -> Any:
+def _by_category(float_code: str, int_code: str, complex_code: str | None = None) -> Any:
     def code(common: np.dtype) -> str:
-        return float_code if tp.category(common) >= tp.FLOATING else int_code
+        cat = tp.category(common)
+        if cat == tp.COMPLEX and complex_code is not None:
+            return complex_code
+        return float_code if cat >= tp.FLOATING else int_code
     return code
 
 
@@ -109,7 +121,8 @@ _POW_INT = _code("pow", "T base, T exp", """
     return result;""")
 
 _INTEGRAL = (tp.BOOL, tp.INTEGRAL)
-_ARITHMETIC_KINDS = (tp.BOOL, tp.INTEGRAL, tp.FLOATING)
+_REAL_KINDS = (tp.BOOL, tp.INTEGRAL, tp.FLOATING)
+_NUMBER_KINDS = (tp.BOOL, tp.INTEGRAL, tp.FLOATING, tp.COMPLEX)
 
 
 def _binary(name: str, expression: str | Any, sim: Any, result: str = RESULT_COMMON,
@@ -130,20 +143,21 @@ OPERATIONS: dict[str, ElementwiseFunction] = {
     "remainder": _binary("remainder", _by_category(_REMAINDER_FLOAT, _REMAINDER_INT),
                          np.remainder, check=_refuse("remainder", (tp.INTEGRAL, tp.FLOATING))),
     "pow": _binary("pow", _by_category(_code("pow", "T a, T b", "return pow(a, b);"), _POW_INT),
-                   _np_pow, check=_refuse("pow", (tp.INTEGRAL, tp.FLOATING))),
-    "lt": _binary("lt", "a < b", np.less, RESULT_BOOL, returns="bool"),
-    "le": _binary("le", "a <= b", np.less_equal, RESULT_BOOL, returns="bool"),
-    "gt": _binary("gt", "a > b", np.greater, RESULT_BOOL, returns="bool"),
-    "ge": _binary("ge", "a >= b", np.greater_equal, RESULT_BOOL, returns="bool"),
+                   _np_pow, check=_refuse("pow", (tp.INTEGRAL, tp.FLOATING, tp.COMPLEX))),
+    "lt": _binary("lt", "a < b", np.less, RESULT_BOOL, _refuse("lt", _REAL_KINDS), "bool"),
+    "le": _binary("le", "a <= b", np.less_equal, RESULT_BOOL, _refuse("le", _REAL_KINDS), "bool"),
+    "gt": _binary("gt", "a > b", np.greater, RESULT_BOOL, _refuse("gt", _REAL_KINDS), "bool"),
+    "ge": _binary("ge", "a >= b", np.greater_equal, RESULT_BOOL, _refuse("ge", _REAL_KINDS), "bool"),
     "eq": _binary("eq", "a == b", np.equal, RESULT_BOOL, returns="bool"),
     "ne": _binary("ne", "a != b", np.not_equal, RESULT_BOOL, returns="bool"),
     "bitwise_and": _binary("bitwise_and", "a & b", np.bitwise_and, check=_refuse("bitwise_and", _INTEGRAL)),
     "bitwise_or": _binary("bitwise_or", "a | b", np.bitwise_or, check=_refuse("bitwise_or", _INTEGRAL)),
     "bitwise_xor": _binary("bitwise_xor", "a ^ b", np.bitwise_xor, check=_refuse("bitwise_xor", _INTEGRAL)),
     "neg": ElementwiseFunction(_code("neg", "T a", "return -a;"), sim=np.negative),
-    "abs": ElementwiseFunction(_by_category(_code("abs", "T a", "return fabs(a);"), _code(
-        "abs", "T a", "return a < T(0) ? T(-a) : a;")), sim=_np_abs,
-        check=_refuse("abs", _ARITHMETIC_KINDS)),
+    "abs": ElementwiseFunction(_by_category(
+        _code("abs", "T a", "return fabs(a);"), _code("abs", "T a", "return a < T(0) ? T(-a) : a;"),
+        _code("abs", "T a", "return T(abs(a));")),  # complex: |a| as T, its real part stored
+        sim=_np_abs, result=RESULT_REAL, check=_refuse("abs", _NUMBER_KINDS)),
     "bitwise_not": ElementwiseFunction(
         lambda common: _code("bitwise_not", "T a", "return !a;" if common == np.bool_ else "return ~a;"),
         sim=_np_invert, check=_refuse("bitwise_not", _INTEGRAL)),
@@ -158,7 +172,7 @@ _SUB_TWO_BOOLS = ("Subtraction, the `-` operator, with two bool tensors is not s
                   "the `^` or `logical_xor()` operator instead.")
 _SUB_ONE_BOOL = ("Subtraction, the `-` operator, with a bool tensor is not supported. If you are "
                  "trying to invert a mask, use the `~` or `logical_not()` operator instead.")
-_SCALARS = (bool, int, float, np.generic)
+_SCALARS = (bool, int, float, complex, np.generic)
 
 
 def _dtype_of(x: Any) -> np.dtype:
@@ -178,12 +192,34 @@ def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
             raise RuntimeError(_SUB_ONE_BOOL)
     elif op == "neg" and inputs[0]._dtype == np.bool_:
         raise RuntimeError(_NEG_BOOL)
+    elif op == "pow" and _is_complex_square(inputs):
+        op, inputs = "mul", [inputs[0], inputs[0]]  # torch: a complex ** 2.0 is base * base
+    elif op == "div" and isinstance(inputs[1], _SCALARS) and hasattr(inputs[0], "_ptr"):
+        reciprocal = _complex_reciprocal(inputs[0]._dtype, inputs[1])
+        if reciprocal is not None:  # torch: a complex divided by a scalar is a * (1 / b)
+            op, inputs = "mul", [inputs[0], reciprocal]
     if out is not None:
         if out._read_only:
             raise ValueError("in-place operation: this DeviceArray was imported read-only "
                              "(DLPack read-only flag) and cannot be written")
         return run(OPERATIONS[op], inputs, out=[out])[0]
     return run(OPERATIONS[op], inputs, empty=_empty_for(inputs))[0]
+
+
+def _is_complex_square(inputs: list[Any]) -> bool:
+    base, exponent = inputs
+    return (hasattr(base, "_ptr") and base._dtype.kind == "c" and isinstance(exponent, _SCALARS)
+            and not isinstance(exponent, bool) and exponent == 2)
+
+
+def _complex_reciprocal(dtype: np.dtype, divisor: Any) -> Any:
+    """``1 / divisor`` in the complex compute type of ``array / divisor`` (None when that
+    is not complex), divided on the host as c10::complex divides (numpy's algorithm)."""
+    common = tp.result_type([(dtype, tp.DIMENSIONED), (tp.scalar_dtype(divisor), tp.WRAPPED)])
+    if common.kind != "c":
+        return None
+    with np.errstate(all="ignore"):
+        return common.type(1) / common.type(divisor)
 
 
 def _empty_for(inputs: list[Any]) -> Any:
@@ -225,11 +261,22 @@ def where(condition: Any, input: Any, other: Any) -> Any:
     return _apply("where", [condition, input, other])
 
 
+#: torch's warning (copy_) when a conversion drops imaginary parts.
+DISCARD_IMAGINARY = "Casting complex values to real discards the imaginary part"
+
+
+def _warn_if_discarding(source: np.dtype, target: np.dtype) -> None:
+    if source.kind == "c" and target.kind != "c":
+        warnings.warn(DISCARD_IMAGINARY, UserWarning, stacklevel=3)
+
+
 def converting_copy(dst: Any, src: Any) -> Any:
     """Copy ``src`` into ``dst`` converting the dtype and broadcasting (``copy_``'s kernel).
 
-    Both are DeviceArrays on the same device; returns ``dst``.
+    Both are DeviceArrays on the same device; returns ``dst``. Complex to real keeps the
+    real part, with torch's UserWarning.
     """
+    _warn_if_discarding(src._dtype, dst._dtype)
     run(OPERATIONS["copy"], [src], out=[dst], out_dtype=dst._dtype)
     return dst
 
@@ -345,5 +392,6 @@ class OperatorsMixin:
         dt = normalize_dtype(dtype, default=None)
         if dt == self._dtype and not copy:  # type: ignore[attr-defined]
             return self
+        _warn_if_discarding(self._dtype, dt)  # type: ignore[attr-defined]
         return run(OPERATIONS["copy"], [self], out_dtype=dt,
                    empty=type(self)._output)[0]  # type: ignore[attr-defined]

@@ -78,11 +78,14 @@ class _JittedFunction:
         self.return_by_ref = return_by_ref
         self.sim = sim
 
-    def _set_extras(self) -> None:
-        """Refresh the extra arguments' values and kernel parameters (when a call changes them)."""
-        self._extras = tuple(self.kwargs_dict.values())
-        self._extra_args = [extra_value(v) for v in self._extras]
-        self._extra_types = tuple(map(type, self._extras))
+    def _set_extras(self, values: dict[str, Any] | None = None) -> None:
+        """Take new extra argument values (all converted first: a bad one changes nothing)."""
+        values = self.kwargs_dict if values is None else values
+        extras = tuple(values.values())
+        self._extra_args = [extra_value(v) for v in extras]  # raises before anything is kept
+        self.kwargs_dict = values
+        self._extras = extras
+        self._extra_types = tuple(map(type, extras))
 
     def __repr__(self) -> str:
         return (f"<cudalab.jiterator function {self.kernel_name} ({self.num_outputs} "
@@ -122,11 +125,10 @@ class _JittedFunction:
             raise AssertionError(f"jiterator only supports up to {MAX_INPUTS} tensor inputs, "
                                  f"got {len(tensors)}")
         if kwargs:
-            for key, value in kwargs.items():
+            for key in kwargs:
                 if key not in self.kwargs_dict:
                     raise KeyError(f"{key} is not declared in function definition")
-                self.kwargs_dict[key] = value
-            self._set_extras()
+            self._set_extras({**self.kwargs_dict, **kwargs})
         inputs = [t if type(t) is DeviceArray else _operand(i, t) for i, t in enumerate(tensors)]
         outs = run(self._function, inputs, self._extras, self._names, empty=DeviceArray._output, sim=sim,
                    extra_args=self._extra_args, extra_types=self._extra_types)

@@ -11,7 +11,9 @@ statements this module understands:
 Expressions are C's: literals (``1``, ``2.5f``, ``1e-3``, ``true``), names, ``( )``, calls of
 the math functions in :data:`FUNCTIONS`, ``static_cast<T>(e)``, ``T(e)``, unary ``- + ! ~``,
 binary ``* / % + - << >> < <= > >= == != & ^ | && ||`` and ``?:``, with C's precedence and
-C's usual arithmetic conversions (``float * int`` is float, ``int / int`` truncates). The text
+C's usual arithmetic conversions (``float * int`` is float, ``int / int`` truncates). With a
+complex compute type, ``T`` is complex: arithmetic, ``==``/``!=`` and the functions work on
+it (``abs``, ``arg``, ``norm``, ``real`` and ``imag`` give reals), ordering and ``%`` refuse. The text
 is tokenized and parsed here; nothing is passed to Python's ``eval``. Anything else raises
 :class:`UnsupportedExpression`, whose message says what was not understood.
 """
@@ -56,6 +58,10 @@ def _np_rsqrt(x: Any) -> Any:
     return 1 / np.sqrt(x)
 
 
+def _np_norm(z: Any) -> Any:
+    return np.real(z) ** 2 + np.imag(z) ** 2
+
+
 #: Math functions a body may call (C names, their ``f`` forms and ``std::``/``::`` prefixes).
 FUNCTIONS: dict[str, Callable[..., Any]] = {
     "sin": np.sin, "cos": np.cos, "tan": np.tan, "asin": np.arcsin, "acos": np.arccos,
@@ -66,9 +72,12 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "round": np.round, "rint": np.rint, "pow": np.power, "fmod": np.fmod, "fmin": np.fmin,
     "fmax": np.fmax, "min": np.minimum, "max": np.maximum, "hypot": np.hypot,
     "copysign": np.copysign, "isnan": np.isnan, "isinf": np.isinf, "isfinite": np.isfinite,
+    # complex (cudalab_complex's functions):
+    "real": np.real, "imag": np.imag, "conj": np.conj, "arg": np.angle, "norm": _np_norm,
 }
 for _name in list(FUNCTIONS):
-    if _name not in ("abs", "min", "max", "isnan", "isinf", "isfinite"):
+    if _name not in ("abs", "min", "max", "isnan", "isinf", "isfinite", "real", "imag",
+                     "conj", "arg", "norm"):
         FUNCTIONS[_name + "f"] = FUNCTIONS[_name]
 
 _BINARY_PRECEDENCE = {
@@ -106,7 +115,12 @@ def _integer_promote(dt: np.dtype) -> np.dtype:
 
 
 def c_common_type(a: np.dtype, b: np.dtype) -> np.dtype:
-    """C's usual arithmetic conversions for two operand types."""
+    """C's usual arithmetic conversions for two operand types (a complex operand wins with
+    its own precision, as cudalab_complex's mixed operators do; two complexes: the wider)."""
+    if a.kind == "c" or b.kind == "c":
+        if a.kind == b.kind:
+            return a if a.itemsize >= b.itemsize else b
+        return a if a.kind == "c" else b
     for wide in (np.dtype(np.float64), np.dtype(np.float32)):
         if a == wide or b == wide:
             return wide
@@ -129,7 +143,7 @@ def _as(value: Any, dt: np.dtype) -> Any:
 
 
 def _divide(a: Any, b: Any) -> Any:
-    if a.dtype.kind == "f":
+    if a.dtype.kind in "fc":
         return np.true_divide(a, b)
     safe_b = np.where(b == 0, 1, b)
     q = np.abs(a) // np.abs(safe_b)
@@ -309,8 +323,11 @@ def _binary(op: str, left: Node, right: Node) -> Node:
         fn = _COMPARISON.get(op)
         if fn is not None:
             return fn(a, b)
-        if op in "%&|^<<>>" and dt.kind == "f":
+        if op in "%&|^<<>>" and dt.kind in "fc":
             raise UnsupportedExpression(f"operator {op} on floating-point values (use fmod)")
+        if dt.kind == "c" and op in ("<", "<=", ">", ">="):
+            raise UnsupportedExpression(f"operator {op} on complex values (C++ has no order "
+                                        "for complex numbers)")
         return _ARITHMETIC[op](a, b)
     return run
 

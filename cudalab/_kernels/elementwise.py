@@ -24,7 +24,9 @@ take ``T&`` outputs last). :func:`run` applies it to arrays and Python scalars:
 Values follow torch's jiterator: each input is loaded as its own dtype, cast to the common
 dtype and then to the compute type (float for float16/bfloat16, else the common dtype); the
 result is cast to the output dtype. Python scalars are converted on the host to the compute
-type and passed as kernel parameters. Extra arguments are ``long long`` (Python int),
+type and passed as kernel parameters (a complex one as two: real, imaginary). Complex dtypes
+compute with c10::complex's arithmetic (see
+:data:`~cudalab._kernels.elementwise_source.COMPLEX_PREAMBLE`). Extra arguments are ``long long`` (Python int),
 ``bool`` or ``double`` (anything else), as in torch.
 
 On the simulator nothing is compiled: the kernel's twin is numpy, either a callable given as
@@ -56,7 +58,7 @@ from cudalab._kernels.elementwise_source import (
 from cudalab._kernels.kernel import Kernel
 
 __all__ = ["ElementwiseFunction", "run", "extra_value", "kernels_for", "MAX_INPUTS", "BLOCK", "MAX_GRID",
-           "RESULT_COMMON", "RESULT_BOOL", "RESULT_FLOAT"]
+           "RESULT_COMMON", "RESULT_BOOL", "RESULT_FLOAT", "RESULT_REAL"]
 
 #: torch's limit on jiterator inputs.
 MAX_INPUTS = 8
@@ -72,7 +74,7 @@ INDEX32_LIMIT = 2**31
 
 # --------------------------------------------------------------------------- functions
 #: What :func:`run` computes the output dtype from the common dtype with.
-RESULT_COMMON, RESULT_BOOL, RESULT_FLOAT = "common", "bool", "float"
+RESULT_COMMON, RESULT_BOOL, RESULT_FLOAT, RESULT_REAL = "common", "bool", "float", "real"
 
 
 class ElementwiseFunction:
@@ -88,8 +90,10 @@ class ElementwiseFunction:
     return_by_ref
         The function returns ``void`` and writes ``T&`` outputs (its last parameters).
     result
-        :data:`RESULT_COMMON` (the promoted dtype), :data:`RESULT_BOOL` (comparisons) or
-        :data:`RESULT_FLOAT` (true division: integral and bool promote to float32).
+        :data:`RESULT_COMMON` (the promoted dtype), :data:`RESULT_BOOL` (comparisons),
+        :data:`RESULT_FLOAT` (true division: integral and bool promote to float32) or
+        :data:`RESULT_REAL` (``abs``: a complex dtype gives its part's dtype; the function
+        returns ``T``, whose real part is stored).
     exclude_from_promotion
         Input positions that keep their own dtype and are not promoted (``where``'s mask).
     check
@@ -234,12 +238,18 @@ def _extra_kind(value: Any) -> tuple[str, str]:
     if isinstance(value, int):
         return EXTRA_INT
     if isinstance(value, (complex, np.complexfloating)):
-        raise TypeError("complex extra arguments are not supported by cudalab's jiterator yet")
+        raise TypeError(_COMPLEX_EXTRA)
     return EXTRA_DOUBLE
 
 
-def _host_scalar(value: Any, compute: np.dtype) -> int | float:
-    """``value`` converted on the host to the compute type, as a kernel parameter."""
+_COMPLEX_EXTRA = ("complex extra arguments are not supported by cudalab's jiterator: pass "
+                  "the value as an input (a Python complex scalar is one), or its real and "
+                  "imaginary parts as two extra arguments")
+
+
+def _host_scalar(value: Any, compute: np.dtype) -> int | float | complex:
+    """``value`` converted on the host to the compute type, as a kernel parameter (a complex
+    one is two parameters: see :func:`_complex_parts`)."""
     kind = compute.kind
     t = type(value)
     if kind == "f" and (t is float or t is int):
@@ -253,7 +263,18 @@ def _host_scalar(value: Any, compute: np.dtype) -> int | float:
             raise OverflowError(f"value {value!r} cannot be converted to {compute} without "
                                 "overflow") from None
     item = v.item()
+    if isinstance(item, complex):
+        return item
     return int(item) if isinstance(item, (bool, int)) else float(item)
+
+
+def _complex_parts(scalars: Sequence[Any], compute: np.dtype) -> list[float]:
+    """Kernel parameters of host scalars for a complex compute type: real, imaginary each."""
+    parts: list[float] = []
+    for x in scalars:
+        value = complex(_host_scalar(x, compute))
+        parts += [value.real, value.imag]
+    return parts
 
 
 _INT64 = np.dtype(np.int64)
@@ -266,6 +287,8 @@ def extra_value(value: Any) -> int | float:
         if not -(2**63) <= value < 2**63:
             raise OverflowError(f"extra argument {value} does not fit a long long")
         return int(value)
+    if isinstance(value, (complex, np.complexfloating)):
+        raise TypeError(_COMPLEX_EXTRA)
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -290,12 +313,14 @@ def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tup
     common = tp.result_type(operands)
     in_dtypes: list[np.dtype | None] = [None if _is_scalar(x) else x._dtype for x in inputs]
     for dt in [common, *(d for d in in_dtypes if d is not None)]:
-        c_type(dt)  # complex: a clear TypeError now
+        c_type(dt)  # a dtype without a C++ type: a clear TypeError now
     if fn.check is not None:
         fn.check(common, [d for d in in_dtypes if d is not None])
     if fn.result == RESULT_FLOAT and tp.category(common) < tp.FLOATING:
         common = np.dtype(np.float32)
     result = np.dtype(np.bool_) if fn.result == RESULT_BOOL else common
+    if fn.result == RESULT_REAL and common.kind == "c":
+        result = np.dtype(f"float{common.itemsize * 4}")
     shape = _broadcast_shapes([x._shape for x in arrays] + [o._shape for o in outs or ()])
     if outs is not None:
         out_dtypes = [o._dtype for o in outs]
@@ -477,7 +502,10 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
     if plan.meta:
         ptrs += plan.meta
     if scalars:
-        ptrs += [_host_scalar(x, plan.compute) for x in scalars]
+        if plan.compute.kind == "c":
+            ptrs += _complex_parts(scalars, plan.compute)
+        else:
+            ptrs += [_host_scalar(x, plan.compute) for x in scalars]  # type: ignore[misc]
     if extras:
         ptrs += [extra_value(v) for v in extras] if extra_args is None else extra_args
     if plan.simulated:
@@ -551,7 +579,7 @@ class _Spec:
         self._device = 0
 
 
-_SCALAR_EXAMPLES = {int: 1, float: 1.0, bool: True}
+_SCALAR_EXAMPLES = {int: 1, float: 1.0, bool: True, complex: 1j}
 
 
 def kernels_for(fn: ElementwiseFunction, dtypes: Sequence[Any], extras: Sequence[Any] = (),
@@ -564,7 +592,8 @@ def kernels_for(fn: ElementwiseFunction, dtypes: Sequence[Any], extras: Sequence
     fn
         The computation.
     dtypes
-        Per input: a dtype (an array) or ``int``/``float``/``bool`` (a Python scalar).
+        Per input: a dtype (an array) or ``int``/``float``/``bool``/``complex`` (a Python
+        scalar).
     extras
         Example values of the extra arguments (their Python types select the C types).
     strided

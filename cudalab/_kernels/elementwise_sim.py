@@ -90,6 +90,10 @@ def make_sim(parsed: ParsedCode, in_dtypes: Sequence[np.dtype | None], common: n
         with np.errstate(all="ignore"):
             for k, dt in enumerate(in_dtypes):
                 if dt is None:
+                    if compute.kind == "c":  # two parameters: real, imaginary
+                        inputs.append(_cast(complex(values[pos], values[pos + 1]), compute))
+                        pos += 2
+                        continue
                     inputs.append(_cast(values[pos], compute))
                     pos += 1
                     continue
@@ -116,6 +120,9 @@ def make_sim(parsed: ParsedCode, in_dtypes: Sequence[np.dtype | None], common: n
                 raise ValueError(f"the simulator twin of {parsed.name} gave {len(results)} "
                                  f"results, expected {n_out}")
             for view, dt, r in zip(views, out_dtypes, results):
+                r = np.asarray(r)
+                if r.dtype.kind == "c" and dt.kind not in "cb":  # torch keeps the real part
+                    r = r.real
                 np.copyto(view, np.broadcast_to(_cast(r, dt), view.shape), casting="unsafe")
 
     return impl

@@ -21,7 +21,7 @@ from cudalab._kernels import type_promotion as tp
 from cudalab._kernels.kernel import Kernel, unregister_kernel
 
 __all__ = ["c_type", "ParsedCode", "parse_code", "build_kernel", "OPTIONS", "PREAMBLE",
-           "EXTRA_INT", "EXTRA_BOOL", "EXTRA_DOUBLE"]
+           "COMPLEX_PREAMBLE", "EXTRA_INT", "EXTRA_BOOL", "EXTRA_DOUBLE"]
 
 #: NVRTC options of every elementwise kernel (the rest is NVRTC's default, as in torch:
 #: --fmad=true, IEEE division and square root, no flush to zero).
@@ -33,14 +33,16 @@ _C_TYPES = {
     "int64": "long long", "uint8": "unsigned char", "uint16": "unsigned short",
     "uint32": "unsigned int", "uint64": "unsigned long long", "float16": "cudalab_half",
     "bfloat16": "cudalab_bfloat16", "float32": "float", "float64": "double",
+    "complex64": "cudalab_complex<float>", "complex128": "cudalab_complex<double>",
 }
-#: compute dtype -> (kernel parameter type code, C parameter type) for host scalars.
+#: compute dtype -> (kernel parameter type code, C parameter type) for host scalars (a
+#: complex scalar is two parameters of its part's type, real then imaginary).
 _SCALAR_PARAMS = {
     "bool": ("u4", "unsigned int"), "int8": ("i4", "int"), "int16": ("i4", "int"),
     "int32": ("i4", "int"), "int64": ("i8", "long long"), "uint8": ("u4", "unsigned int"),
     "uint16": ("u4", "unsigned int"), "uint32": ("u4", "unsigned int"),
     "uint64": ("u8", "unsigned long long"), "float32": ("f4", "float"),
-    "float64": ("f8", "double"),
+    "float64": ("f8", "double"), "complex64": ("f4", "float"), "complex128": ("f8", "double"),
 }
 #: Python type of an extra argument -> (type code, C type), torch's as_scalar.
 EXTRA_INT = ("i8", "long long")
@@ -70,6 +72,149 @@ template <typename T, int N> struct alignas(sizeof(T) * N) cudalab_vec { T v[N];
 template <typename To, typename From> __device__ __forceinline__ To cudalab_cvt(From v) { return static_cast<To>(v); }
 """
 
+#: C++ of complex64/complex128 elements (``cudalab_complex<float>``/``<double>``), added to a
+#: kernel's source only when one of its dtypes is complex, so real kernels' sources (and their
+#: disk-cache keys) stay as they were. The arithmetic is c10::complex's (c10/util/complex.h):
+#: the same formulas in the same order, so results follow torch's kernels: ``+ - ==`` exactly,
+#: ``*`` and ``/`` up to how the compiler contracts multiply-adds (tested against torch on
+#: the GPU). Python scalars and mixed real operands behave as in c10: ``z * r`` scales both
+#: parts. Conversions follow torch: complex to real keeps the real part, to bool tests both
+#: parts. The math functions (``abs arg norm conj real imag exp log log10 sqrt pow sin cos
+#: tan sinh cosh tanh``) are textbook formulas, within a few ulp of torch's (thrust's), and
+#: are also in ``std::`` so ``std::exp(z)`` in a jiterator string works.
+COMPLEX_PREAMBLE = r"""
+template <typename U> struct cudalab_is_real { static constexpr bool value = false; };
+#define CUDALAB_REAL(U) template <> struct cudalab_is_real<U> { static constexpr bool value = true; };
+CUDALAB_REAL(bool) CUDALAB_REAL(char) CUDALAB_REAL(signed char) CUDALAB_REAL(unsigned char)
+CUDALAB_REAL(short) CUDALAB_REAL(unsigned short) CUDALAB_REAL(int) CUDALAB_REAL(unsigned int)
+CUDALAB_REAL(long) CUDALAB_REAL(unsigned long) CUDALAB_REAL(long long) CUDALAB_REAL(unsigned long long)
+CUDALAB_REAL(float) CUDALAB_REAL(double) CUDALAB_REAL(cudalab_half) CUDALAB_REAL(cudalab_bfloat16)
+#undef CUDALAB_REAL
+template <bool B, typename R> struct cudalab_enable_if {};
+template <typename R> struct cudalab_enable_if<true, R> { typedef R type; };
+#define CUDALAB_IF_REAL(U, R) typename cudalab_enable_if<cudalab_is_real<U>::value, R>::type
+
+template <typename T> struct alignas(2 * sizeof(T)) cudalab_complex {
+    typedef T value_type;
+    T real_, imag_;
+    cudalab_complex() = default;
+    __device__ cudalab_complex(T re, T im = T(0)) : real_(re), imag_(im) {}
+    template <typename U> __device__ explicit cudalab_complex(const cudalab_complex<U>& other)
+        : real_(static_cast<T>(other.real_)), imag_(static_cast<T>(other.imag_)) {}
+    __device__ T real() const { return real_; }
+    __device__ T imag() const { return imag_; }
+    __device__ void real(T value) { real_ = value; }
+    __device__ void imag(T value) { imag_ = value; }
+    __device__ explicit operator bool() const { return real_ != T(0) || imag_ != T(0); }
+    __device__ cudalab_complex& operator+=(const cudalab_complex& rhs) { real_ += rhs.real_; imag_ += rhs.imag_; return *this; }
+    __device__ cudalab_complex& operator-=(const cudalab_complex& rhs) { real_ -= rhs.real_; imag_ -= rhs.imag_; return *this; }
+    __device__ cudalab_complex& operator*=(const cudalab_complex& rhs) {
+        // (a + bi) * (c + di) = (ac - bd) + (ad + bc)i
+        T a = real_, b = imag_, c = rhs.real_, d = rhs.imag_;
+        real_ = a * c - b * d;
+        imag_ = a * d + b * c;
+        return *this;
+    }
+    __device__ cudalab_complex& operator/=(const cudalab_complex& rhs) {
+        // Smith's scaling, as numpy and c10 divide
+        T a = real_, b = imag_, c = rhs.real_, d = rhs.imag_;
+        T abs_c = c < T(0) ? -c : c, abs_d = d < T(0) ? -d : d;
+        if (abs_c >= abs_d) {
+            if (abs_c == T(0) && abs_d == T(0)) { real_ = a / abs_c; imag_ = b / abs_d; }
+            else { T rat = d / c; T scl = T(1.0) / (c + d * rat);
+                   real_ = (a + b * rat) * scl; imag_ = (b - a * rat) * scl; }
+        } else {
+            T rat = c / d; T scl = T(1.0) / (d + c * rat);
+            real_ = (a * rat + b) * scl; imag_ = (b * rat - a) * scl;
+        }
+        return *this;
+    }
+    template <typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex&) operator+=(const U& rhs) { real_ += static_cast<T>(rhs); return *this; }
+    template <typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex&) operator-=(const U& rhs) { real_ -= static_cast<T>(rhs); return *this; }
+    template <typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex&) operator*=(const U& rhs) { real_ *= static_cast<T>(rhs); imag_ *= static_cast<T>(rhs); return *this; }
+    template <typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex&) operator/=(const U& rhs) { real_ /= static_cast<T>(rhs); imag_ /= static_cast<T>(rhs); return *this; }
+};
+template <typename T> __device__ cudalab_complex<T> operator+(const cudalab_complex<T>& z) { return z; }
+template <typename T> __device__ cudalab_complex<T> operator-(const cudalab_complex<T>& z) { return cudalab_complex<T>(-z.real_, -z.imag_); }
+#define CUDALAB_COMPLEX_OP(OP)                                                                               \
+template <typename T> __device__ cudalab_complex<T> operator OP(cudalab_complex<T> lhs, const cudalab_complex<T>& rhs) { return lhs OP##= rhs; } \
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex<T>) operator OP(cudalab_complex<T> lhs, const U& rhs) { return lhs OP##= rhs; }
+CUDALAB_COMPLEX_OP(+) CUDALAB_COMPLEX_OP(-) CUDALAB_COMPLEX_OP(*) CUDALAB_COMPLEX_OP(/)
+#undef CUDALAB_COMPLEX_OP
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex<T>) operator+(const U& lhs, const cudalab_complex<T>& rhs) { return cudalab_complex<T>(static_cast<T>(lhs) + rhs.real_, rhs.imag_); }
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex<T>) operator-(const U& lhs, const cudalab_complex<T>& rhs) { return cudalab_complex<T>(static_cast<T>(lhs) - rhs.real_, -rhs.imag_); }
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex<T>) operator*(const U& lhs, const cudalab_complex<T>& rhs) { return cudalab_complex<T>(static_cast<T>(lhs) * rhs.real_, static_cast<T>(lhs) * rhs.imag_); }
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex<T>) operator/(const U& lhs, const cudalab_complex<T>& rhs) { return cudalab_complex<T>(static_cast<T>(lhs)) / rhs; }
+template <typename T> __device__ bool operator==(const cudalab_complex<T>& lhs, const cudalab_complex<T>& rhs) { return lhs.real_ == rhs.real_ && lhs.imag_ == rhs.imag_; }
+template <typename T> __device__ bool operator!=(const cudalab_complex<T>& lhs, const cudalab_complex<T>& rhs) { return !(lhs == rhs); }
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, bool) operator==(const cudalab_complex<T>& lhs, const U& rhs) { return lhs.real_ == static_cast<T>(rhs) && lhs.imag_ == T(0); }
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, bool) operator==(const U& lhs, const cudalab_complex<T>& rhs) { return rhs == lhs; }
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, bool) operator!=(const cudalab_complex<T>& lhs, const U& rhs) { return !(lhs == rhs); }
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, bool) operator!=(const U& lhs, const cudalab_complex<T>& rhs) { return !(rhs == lhs); }
+
+template <typename T> __device__ T cudalab_c_abs(const cudalab_complex<T>& z) { return hypot(z.real_, z.imag_); }
+template <typename T> __device__ T cudalab_c_arg(const cudalab_complex<T>& z) { return atan2(z.imag_, z.real_); }
+template <typename T> __device__ T cudalab_c_norm(const cudalab_complex<T>& z) { return z.real_ * z.real_ + z.imag_ * z.imag_; }
+template <typename T> __device__ T cudalab_c_real(const cudalab_complex<T>& z) { return z.real_; }
+template <typename T> __device__ T cudalab_c_imag(const cudalab_complex<T>& z) { return z.imag_; }
+template <typename T> __device__ cudalab_complex<T> cudalab_c_conj(const cudalab_complex<T>& z) { return cudalab_complex<T>(z.real_, -z.imag_); }
+template <typename T> __device__ cudalab_complex<T> cudalab_c_exp(const cudalab_complex<T>& z) {
+    if (z.imag_ == T(0)) { return cudalab_complex<T>(exp(z.real_), z.imag_); }
+    if (isinf(z.real_) && z.real_ < T(0) && !isfinite(z.imag_)) { return cudalab_complex<T>(T(0), T(0)); }  // C99 cexp(-inf + i nan)
+    T e = exp(z.real_);
+    return cudalab_complex<T>(e * cos(z.imag_), e * sin(z.imag_));
+}
+template <typename T> __device__ cudalab_complex<T> cudalab_c_log(const cudalab_complex<T>& z) { return cudalab_complex<T>(log(cudalab_c_abs(z)), cudalab_c_arg(z)); }
+template <typename T> __device__ cudalab_complex<T> cudalab_c_log10(const cudalab_complex<T>& z) { return cudalab_c_log(z) / log(T(10)); }
+template <typename T> __device__ cudalab_complex<T> cudalab_c_sqrt(const cudalab_complex<T>& z) {
+    T re = z.real_, im = z.imag_;
+    if (re == T(0) && im == T(0)) { return cudalab_complex<T>(T(0), im); }
+    T t = sqrt((fabs(re) + cudalab_c_abs(z)) / T(2));
+    if (re >= T(0)) { return cudalab_complex<T>(t, im / (T(2) * t)); }
+    return cudalab_complex<T>(fabs(im) / (T(2) * t), copysign(t, im));
+}
+template <typename T> __device__ cudalab_complex<T> cudalab_c_pow(const cudalab_complex<T>& base, const cudalab_complex<T>& exponent) { return cudalab_c_exp(cudalab_c_log(base) * exponent); }
+template <typename T> __device__ cudalab_complex<T> cudalab_c_sinh(const cudalab_complex<T>& z) { return cudalab_complex<T>(sinh(z.real_) * cos(z.imag_), cosh(z.real_) * sin(z.imag_)); }
+template <typename T> __device__ cudalab_complex<T> cudalab_c_cosh(const cudalab_complex<T>& z) { return cudalab_complex<T>(cosh(z.real_) * cos(z.imag_), sinh(z.real_) * sin(z.imag_)); }
+template <typename T> __device__ cudalab_complex<T> cudalab_c_tanh(const cudalab_complex<T>& z) {
+    if (fabs(z.real_) > T(20)) { return cudalab_complex<T>(copysign(T(1), z.real_), copysign(T(0), sin(T(2) * z.imag_))); }
+    T d = cosh(T(2) * z.real_) + cos(T(2) * z.imag_);
+    return cudalab_complex<T>(sinh(T(2) * z.real_) / d, sin(T(2) * z.imag_) / d);
+}
+template <typename T> __device__ cudalab_complex<T> cudalab_c_sin(const cudalab_complex<T>& z) { cudalab_complex<T> s = cudalab_c_sinh(cudalab_complex<T>(-z.imag_, z.real_)); return cudalab_complex<T>(s.imag_, -s.real_); }
+template <typename T> __device__ cudalab_complex<T> cudalab_c_cos(const cudalab_complex<T>& z) { return cudalab_c_cosh(cudalab_complex<T>(-z.imag_, z.real_)); }
+template <typename T> __device__ cudalab_complex<T> cudalab_c_tan(const cudalab_complex<T>& z) { cudalab_complex<T> t = cudalab_c_tanh(cudalab_complex<T>(-z.imag_, z.real_)); return cudalab_complex<T>(t.imag_, -t.real_); }
+#define CUDALAB_COMPLEX_FN(R, NAME)                                                        \
+template <typename T> __device__ R NAME(const cudalab_complex<T>& z) { return cudalab_c_##NAME(z); } \
+namespace std { template <typename T> __device__ R NAME(const cudalab_complex<T>& z) { return cudalab_c_##NAME(z); } }
+CUDALAB_COMPLEX_FN(T, abs) CUDALAB_COMPLEX_FN(T, arg) CUDALAB_COMPLEX_FN(T, norm) CUDALAB_COMPLEX_FN(T, real)
+CUDALAB_COMPLEX_FN(T, imag) CUDALAB_COMPLEX_FN(cudalab_complex<T>, conj) CUDALAB_COMPLEX_FN(cudalab_complex<T>, exp)
+CUDALAB_COMPLEX_FN(cudalab_complex<T>, log) CUDALAB_COMPLEX_FN(cudalab_complex<T>, log10)
+CUDALAB_COMPLEX_FN(cudalab_complex<T>, sqrt) CUDALAB_COMPLEX_FN(cudalab_complex<T>, sin)
+CUDALAB_COMPLEX_FN(cudalab_complex<T>, cos) CUDALAB_COMPLEX_FN(cudalab_complex<T>, tan)
+CUDALAB_COMPLEX_FN(cudalab_complex<T>, sinh) CUDALAB_COMPLEX_FN(cudalab_complex<T>, cosh)
+CUDALAB_COMPLEX_FN(cudalab_complex<T>, tanh)
+#undef CUDALAB_COMPLEX_FN
+template <typename T> __device__ cudalab_complex<T> pow(const cudalab_complex<T>& base, const cudalab_complex<T>& exponent) { return cudalab_c_pow(base, exponent); }
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex<T>) pow(const cudalab_complex<T>& base, const U& exponent) { return cudalab_c_pow(base, cudalab_complex<T>(static_cast<T>(exponent))); }
+template <typename T, typename U> __device__ CUDALAB_IF_REAL(U, cudalab_complex<T>) pow(const U& base, const cudalab_complex<T>& exponent) { return cudalab_c_pow(cudalab_complex<T>(static_cast<T>(base)), exponent); }
+namespace std {
+template <typename T> __device__ cudalab_complex<T> pow(const cudalab_complex<T>& base, const cudalab_complex<T>& exponent) { return cudalab_c_pow(base, exponent); }
+}
+
+// Conversions from complex: torch keeps the real part (to bool: either part nonzero).
+template <typename To> struct cudalab_from_complex {
+    template <typename U> __device__ static To apply(const cudalab_complex<U>& v) { return static_cast<To>(v.real_); }
+};
+template <> struct cudalab_from_complex<bool> {
+    template <typename U> __device__ static bool apply(const cudalab_complex<U>& v) { return v.real_ != U(0) || v.imag_ != U(0); }
+};
+template <typename T> struct cudalab_from_complex<cudalab_complex<T> > {
+    template <typename U> __device__ static cudalab_complex<T> apply(const cudalab_complex<U>& v) { return cudalab_complex<T>(v); }
+};
+template <typename To, typename U> __device__ __forceinline__ To cudalab_cvt(cudalab_complex<U> v) { return cudalab_from_complex<To>::template apply<U>(v); }
+"""
+
 
 def c_type(dtype: np.dtype) -> str:
     """The C++ type holding one element of ``dtype`` in an elementwise kernel.
@@ -77,13 +222,12 @@ def c_type(dtype: np.dtype) -> str:
     Raises
     ------
     TypeError
-        Complex dtypes (not supported by cudalab's elementwise kernels yet).
+        A dtype the elementwise kernels have no C++ type for.
     """
     try:
         return _C_TYPES[dtype.name]
     except KeyError:
-        raise TypeError(f"cudalab's elementwise kernels do not support dtype {dtype} yet "
-                        "(complex arrays cannot be computed on)") from None
+        raise TypeError(f"cudalab's elementwise kernels do not support dtype {dtype}") from None
 
 
 # --------------------------------------------------------------------------- code strings
@@ -195,6 +339,11 @@ def build_kernel(parsed: ParsedCode, in_dtypes: Sequence[np.dtype | None], commo
     for k, maybe in enumerate(in_dtypes):
         if maybe is None:
             code, ctype = _SCALAR_PARAMS[compute.name]
+            if compute.kind == "c":  # two parameters: real, imaginary
+                params += [f"{ctype} scalar{k}_re", f"{ctype} scalar{k}_im"]
+                sig += [code, code]
+                scalar_decls.append(f"    const {ct} s{k}(scalar{k}_re, scalar{k}_im);\n")
+                continue
             params.append(f"{ctype} scalar{k}")
             sig.append(code)
             scalar_decls.append(f"    const {ct} s{k} = static_cast<{ct}>(scalar{k});\n")
@@ -277,7 +426,9 @@ def build_kernel(parsed: ParsedCode, in_dtypes: Sequence[np.dtype | None], commo
         refs_out = [f"*reinterpret_cast<{c_type(dt)}*>(out{k} + o{k})" for k, dt in enumerate(out_dtypes)]
         body.append("        " + element(refs_in, refs_out) + "\n    }\n")
     kind = (f"v{vec}" if not strided else f"s{ndim}") + ("_i64" if index64 else "")
-    head = f'{PREAMBLE}\n#line 1 "jiterator_code"\n{parsed.code}\n#line 1 "cudalab_elementwise"\n'
+    complex_types = any(dt is not None and dt.kind == "c" for dt in (*in_dtypes, common, *out_dtypes))
+    preamble = PREAMBLE + COMPLEX_PREAMBLE if complex_types else PREAMBLE
+    head = f'{preamble}\n#line 1 "jiterator_code"\n{parsed.code}\n#line 1 "cudalab_elementwise"\n'
     kernel_text = (f'extern "C" __global__ void @NAME@({", ".join(params)})\n{{\n'
                    + "".join(body) + "}\n")
     name = _kernel_name(f"{parsed.name}_{kind}", head + kernel_text)

@@ -112,3 +112,36 @@ def test_kernels_are_cached_by_code_dtypes_and_vector_width(cache):
     kernel_facility._reset_caches_for_tests()  # memory gone: the disk cache answers
     jit._create_jit_fn(code).kernels(np.float64)[0].cubin(ARCH)
     assert len(calls) == 3
+
+
+COMPLEX_OPS = ("abs", "add", "copy", "div", "eq", "mul", "ne", "neg", "pow", "sub", "where")
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "complex128"])
+def test_complex_kernels_compile(dtype, cache):
+    """Every operator that takes complex arrays, with complex scalars, mixed real operands,
+    strided views, and conversions to and from every dtype."""
+    for op in COMPLEX_OPS:
+        fn = OPERATIONS[op]
+        if op == "where":
+            _compiles(kernels_for(fn, ["bool", dtype, complex]))
+        elif op in ("neg", "abs", "copy"):
+            _compiles(kernels_for(fn, [dtype], strided=True))
+        else:
+            _compiles(kernels_for(fn, [dtype, complex]))
+            _compiles(kernels_for(fn, [dtype, "float16"], strided=True))
+    for other in ALL_DTYPES:
+        if other != "bfloat16":
+            _compiles(kernels_for(OPERATIONS["copy"], [dtype], out_dtype=np.dtype(other)))
+        _compiles(kernels_for(OPERATIONS["copy"], [other], out_dtype=np.dtype(dtype)))
+
+
+def test_complex_jit_functions_compile(cache):
+    f = jit._create_jit_fn(
+        "template <typename T> T f(T x, T y, T alpha) { return std::exp(x) * sqrt(y) "
+        "+ pow(x, y) / norm(x) - conj(x) * T(2) + 3 * x + x.real() + sin(x) + tanh(y) "
+        "+ log10(x) + std::abs(x) + arg(y) + (x == y ? x : y) + (x != 1 ? alpha : x); }",
+        alpha=2)  # an int extra argument converts to the complex T parameter
+    _compiles(f.kernels(np.complex64, np.complex64))
+    _compiles(f.kernels(np.complex128, float, strided=True))
+    _compiles(f.kernels(np.float32, complex))

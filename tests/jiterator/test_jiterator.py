@@ -209,12 +209,13 @@ def test_empty_inputs_launch_nothing():
     assert out.shape == (0, 3) and launches == []
 
 
-def test_mismatched_shapes_and_complex_refused():
+def test_mismatched_shapes_refused_and_complex_promoted():
     f = jit._create_jit_fn(FUSED, alpha=1, beta=1)
     with pytest.raises(RuntimeError, match="must match the size"):
         f(_up(np.ones(3, np.float32)), _up(np.ones(4, np.float32)))
-    with pytest.raises(TypeError, match="complex"):
-        f(_up(np.ones(3, np.complex64)), _up(np.ones(3, np.float32)))
+    z = f(_up(np.full(3, 1j, np.complex64)), _up(np.ones(3, np.float32)))
+    assert z.dtype == np.complex64
+    np.testing.assert_array_equal(z.numpy(), np.full(3, 1 + 1j, np.complex64))
 
 
 def test_contiguous_inputs_get_the_vectorised_kernel_and_a_grid_that_fills_the_gpu():
