@@ -18,8 +18,8 @@ scalars: ``x * 1j`` is complex64 for a float32 ``x``) take ``+ - * / **``, unary
 real dtype; ordering comparisons, ``//``, ``%`` and the bitwise operators refuse them with
 torch's "not implemented for 'ComplexFloat'" message; converting complex to a real dtype
 keeps the real part and warns as torch does. As torch does, a complex ``** 2`` is
-``base * base`` and a complex array divided by a scalar is multiplied by its reciprocal
-(computed on the host). In-place forms keep the array's
+``base * base``, a complex array times a scalar is computed as scalar times array, and a
+complex array divided by a scalar is multiplied by its reciprocal (computed on the host). In-place forms keep the array's
 dtype and refuse results it cannot hold (``result type Float can't be cast to the desired
 output type Long``). Operands are DeviceArrays and Python/numpy scalars; anything else gets
 ``NotImplemented`` (Python then raises its TypeError).
@@ -194,6 +194,11 @@ def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
         raise RuntimeError(_NEG_BOOL)
     elif op == "pow" and _is_complex_square(inputs):
         op, inputs = "mul", [inputs[0], inputs[0]]  # torch: a complex ** 2.0 is base * base
+    elif op == "mul" and isinstance(inputs[1], _SCALARS) and hasattr(inputs[0], "_ptr") and (
+            inputs[0]._dtype.kind == "c" or isinstance(inputs[1], (complex, np.complexfloating))):
+        # torch multiplies by a scalar as scalar * array (opmath_symmetric_gpu_kernel_with_
+        # scalars); complex products differ in the last bits with the operand order
+        inputs = [inputs[1], inputs[0]]
     elif op == "div" and isinstance(inputs[1], _SCALARS) and hasattr(inputs[0], "_ptr"):
         reciprocal = _complex_reciprocal(inputs[0]._dtype, inputs[1])
         if reciprocal is not None:  # torch: a complex divided by a scalar is a * (1 / b)

@@ -253,8 +253,13 @@ def test_complex_jiterator_matches_torch_jiterator(torch):
         expected = theirs(ta, tb)
     except RuntimeError as exc:  # a torch build without complex jiterator support
         pytest.skip(f"torch's jiterator refuses complex inputs here: {exc}")
-    got = ours(cudalab.asarray(host_a), cudalab.asarray(host_b))
-    assert max_ulps(got.numpy(), expected.cpu().numpy()) <= 1
+    got = ours(cudalab.asarray(host_a), cudalab.asarray(host_b)).numpy()
+    # The same c10::complex formulas; the compiler fuses multiply-adds of the inlined
+    # expression its own way, so the parts agree to float32 rounding of the products.
+    scale = 2 * np.abs(host_a) + np.abs(host_b) ** 2
+    eps = np.finfo(np.float32).eps
+    assert np.all(np.abs(got.real - expected.cpu().numpy().real) <= 4 * eps * scale)
+    assert np.all(np.abs(got.imag - expected.cpu().numpy().imag) <= 4 * eps * scale)
     # a torch tensor straight in, with a float32 tensor promoted to complex64
     got = ours(ta, torch.ones(4099, device="cuda"))
     np.testing.assert_array_equal(got.numpy(), theirs(ta, torch.ones(4099, device="cuda")
