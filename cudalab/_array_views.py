@@ -71,9 +71,14 @@ class ViewsMixin(_ArrayBase):
         if start > size - length:
             raise RuntimeError(f"start ({start}) + length ({length}) exceeds dimension size "
                                f"({size}).")
-        strides = self.strides
         shape = self._shape[:dim] + (length,) + self._shape[dim + 1:]
-        ptr = self._ptr + start * strides[dim] if length else self._ptr
         base = self if self._base is None else self._base
+        if dim == 0 and self._strides is None:  # a contiguous slice: no strides to compute
+            # (the 1 KiB scatter and gather rows of benchmarks/comm.py)
+            ptr = self._ptr + start * (self._nbytes // size) if length else self._ptr
+            return self._wrap(ptr, shape, self._dtype, None, self._device, self._stream, base,
+                              self._read_only)
+        strides = self.strides
+        ptr = self._ptr + start * strides[dim] if length else self._ptr
         return self._wrap(ptr, shape, self._dtype, strides, self._device, self._stream,
                           base, self._read_only)

@@ -21,6 +21,7 @@ Memory and streams (torch's rules):
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import struct
@@ -72,6 +73,9 @@ _LEGACY_STREAM = 1
 _CUDA_DEVICE_TYPES = (_dlpack.kDLCUDA, _dlpack.kDLCUDAManaged)
 
 
+# Cached: DeviceArray.strides of a contiguous array is read on every view and copy (the
+# 1 KiB scatter and gather rows of benchmarks/comm.py); the LRU bounds the memory.
+@functools.lru_cache(maxsize=1024)
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     strides = []
     acc = itemsize
@@ -414,9 +418,11 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         return self
 
     def _copy_from_device(self, src: DeviceArray) -> DeviceArray:
-        if (src._ptr, src._device, src._dtype, src._shape, src.strides) == (
-                self._ptr, self._device, self._dtype, self._shape, self.strides):
-            return self  # the same memory (a[k] += 1 assigns the view to itself), as torch
+        if (src._ptr == self._ptr and src._device == self._device and src._dtype == self._dtype
+                and src._shape == self._shape and src._strides == self._strides):
+            # the same memory (a[k] += 1 assigns the view to itself), as torch. (_strides is
+            # None exactly for C-contiguous layouts, so equal layouts compare equal.)
+            return self
         if src._shape != self._shape or src._dtype != self._dtype or not src._contiguous:
             if src._device != self._device:  # to this device first, then convert there
                 src = src.to(self._device) if src._contiguous else src.astype(src._dtype).to(

@@ -471,6 +471,8 @@ def _nccl_loadable() -> bool:
 
 
 def _check_sequence_type(inputs: Any) -> None:
+    if type(inputs) is list or type(inputs) is tuple:  # (an ABC check costs a microsecond)
+        return
     if not isinstance(inputs, collections.abc.Container) or _device_array(inputs) is not None:
         raise TypeError("Inputs should be a collection of tensors")
 
@@ -519,9 +521,11 @@ def _array(obj: Any, index: int | None) -> Any:
 
 
 def _arrays(seq: Any) -> list[Any]:
-    if not isinstance(seq, collections.abc.Iterable):
+    if type(seq) is not list and type(seq) is not tuple and not isinstance(
+            seq, collections.abc.Iterable):
         raise TypeError("expected a sequence")
-    return [_array(obj, i) for i, obj in enumerate(seq)]
+    device_array = _DeviceArray
+    return [obj if type(obj) is device_array else _array(obj, i) for i, obj in enumerate(seq)]
 
 
 def _unpack(inputs: Any, outputs: Any, streams: Any,
@@ -567,6 +571,11 @@ def _check_one(a: Any, dtype: Any) -> None:
 
 def _check_tensor(a: Any, out: Any, input_multiplier: int, output_multiplier: int,
                   numel: int, dtype: Any) -> None:
+    if (type(a) is _DeviceArray and a._dtype == dtype and a._contiguous and a._size == numel
+            and (out is None or type(out) is _DeviceArray and out._dtype == dtype
+                 and out._contiguous and out._device == a._device
+                 and out._size * output_multiplier == numel * input_multiplier)):
+        return  # every check passed in one expression (the 1 KiB rows of benchmarks/comm.py)
     _check_one(a, dtype)
     if a.size != numel:
         raise RuntimeError("all inputs must have the same number of elements")

@@ -259,6 +259,15 @@ class RealNccl(Nccl):
     def _ready(self, comm: Any, call: str, count: Any, dtype: Any, op: Any,
                root: Any = None, peer: Any = None) -> RealComm:
         """Check the cheap arguments, then make the communicator's device current."""
+        if (type(comm) is RealComm and comm.comm is not None and type(count) is int
+                and count >= 0 and type(dtype) is int and NCCL_INT8 <= dtype <= NCCL_FLOAT8E5M2
+                and type(op) is int and NCCL_SUM <= op <= NCCL_AVG
+                and (root is None or type(root) is int and 0 <= root < comm.nranks)
+                and (peer is None or type(peer) is int and 0 <= peer < comm.nranks)):
+            # plain ints, all in range: the common case in one expression (the 1 KiB rows of
+            # benchmarks/comm.py); anything else takes the checks below, which name the fault
+            self._b.set_context(comm.device)
+            return comm
         c = self._comm(comm, call)
         n = _int(count)
         if n is None or n < 0:
@@ -313,19 +322,28 @@ class RealNccl(Nccl):
         return self._nccl.Comm(comm) if isinstance(comm, int) else comm
 
     def _current_context(self) -> Any:
-        from cuda.bindings import driver
-
-        err, ctx = driver.cuCtxGetCurrent()
+        err, ctx = _driver_module().cuCtxGetCurrent()
         return ctx if not int(err) else None
 
     def _restore_context(self, ctx: Any) -> None:
         if ctx is None:
             return
-        from cuda.bindings import driver
-
+        driver = _driver_module()
         err, now = driver.cuCtxGetCurrent()
         if not int(err) and int(now) != int(ctx):
             driver.cuCtxSetCurrent(ctx)
+
+
+_driver: Any = None  # cuda.bindings.driver, imported on first use (not at import)
+
+
+def _driver_module() -> Any:
+    global _driver
+    if _driver is None:
+        from cuda.bindings import driver
+
+        _driver = driver
+    return _driver
 
 
 def _invalid(call: str, detail: str) -> NcclError:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cudalab import _internal, nvtx
-from cudalab.array import DeviceArray, empty, empty_like
+from cudalab.array import DeviceArray
 from cudalab.comm import _common
 
 __all__ = ["broadcast", "reduce_add"]
@@ -117,8 +117,7 @@ def broadcast_to_devices(array: Any, devices: Sequence[int]) -> list[Any]:
     ``array`` itself stands for every device it is on; the other devices get new arrays.
     """
     source = _common.device_of(array)
-    outs = [empty(tuple(array.shape), dtype=array.dtype, device=d)
-            for d in devices if d != source]
+    outs = [_common.new_like(array, d) for d in devices if d != source]
     broadcast_into(array, outs)
     fresh = iter(outs)
     return [array if d == source else next(fresh) for d in devices]
@@ -238,7 +237,7 @@ def sum_to_device(inputs: Sequence[Any], destination: Any) -> DeviceArray:
         return inputs[0]
     nccl = _common.nccl_for(inputs)
     if nccl is not None:
-        result = empty_like(inputs[root])
+        result = _common.new_like(inputs[root], dest)
         with _internal.collective_muted():  # the comm.* call reports itself, once
             nccl.reduce(list(inputs), output=result, root=root)
         return result

@@ -19,7 +19,7 @@ import numpy as np
 
 from cudalab import _internal, nvtx
 from cudalab import streams as _streams
-from cudalab.array import DeviceArray, empty
+from cudalab.array import DeviceArray
 from cudalab.comm import _common
 
 __all__ = ["scatter", "gather"]
@@ -49,14 +49,13 @@ def split_with_sizes(array: Any, sizes: Sequence[int], dim: int) -> list[Any]:
     """torch's ``split_with_sizes`` (views, with its checks and messages)."""
     if array.ndim == 0:
         raise RuntimeError("split expects at least a 1-dimensional tensor")
-    text = _common.shape_text(sizes)
-    if any(s < 0 for s in sizes):
+    if min(sizes, default=0) < 0:
         raise RuntimeError(f"split_with_sizes expects split_sizes have only non-negative "
-                           f"entries, but got split_sizes={text}")
+                           f"entries, but got split_sizes={_common.shape_text(sizes)}")
     if sum(sizes) != array.shape[dim]:
         raise RuntimeError(f"split_with_sizes expects split_sizes to sum exactly to "
                            f"{array.shape[dim]} (input tensor's size at dimension {dim}), but "
-                           f"got split_sizes={text}")
+                           f"got split_sizes={_common.shape_text(sizes)}")
     pieces = []
     start = 0
     for s in sizes:
@@ -173,10 +172,11 @@ def _scatter_to_devices(array: Any, devices: list[int], chunk_sizes: Iterable[in
     for piece, device, stream in zip(pieces, devices, chosen):
         if device == source:
             results.append(piece)
-            continue
-        with _streams.stream(stream):
-            moved = empty(tuple(piece.shape), dtype=piece.dtype, device=device)
-            results.append(_common.copy_into(moved, piece))
+        elif stream is None:  # (no stream guard to enter: the 1 KiB scatter row)
+            results.append(_common.copy_into(_common.new_like(piece, device), piece))
+        else:
+            with _streams.stream(stream):
+                results.append(_common.copy_into(_common.new_like(piece, device), piece))
     return tuple(results)
 
 
@@ -212,8 +212,11 @@ def _scatter_into(array: Any, outs: list[Any], dim: int,
     pieces = split_with_sizes(array, sizes, dim)
     chosen = [_stream_for(streams, i, o.device_index) for i, o in enumerate(outs)]
     for piece, o, stream in zip(pieces, outs, chosen):
-        with _streams.stream(stream):
+        if stream is None:
             _common.copy_into(o, piece)
+        else:
+            with _streams.stream(stream):
+                _common.copy_into(o, piece)
     return tuple(outs)
 
 
@@ -265,7 +268,9 @@ def gather(arrays: Iterable[Any], dim: int = 0, destination: Any = None, *,
             if host:
                 result: Any = np.empty(shape, first.dtype)
             else:
-                result = empty(shape, dtype=first.dtype, device=_internal.device_index(destination))
+                device = _internal.device_index(destination)
+                result = DeviceArray._output(shape, first.dtype, device,
+                                             _streams.current_stream(device))
         else:
             if destination is not None:
                 raise RuntimeError(f"'destination' must not be specified when 'out' is "
