@@ -45,9 +45,8 @@ Nothing here creates a CUDA context on import, and importing it is cheap.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -200,17 +199,29 @@ def notify_collective(name: str, algorithm_bytes: int, nranks: int, bus_factor: 
             observer(record)
 
 
-@contextlib.contextmanager
-def collective_muted() -> Iterator[None]:
+class _Muted:
+    """:func:`collective_muted`'s context manager: a class, not a generator (a third of the
+    cost, for the 1 KiB reduce_add and broadcast rows of benchmarks/comm.py). Ctrl-C is
+    deferred in ``__enter__`` and ``__exit__`` (guarded below), so a mute is never left on."""
+
+    __slots__ = ("previous",)
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_muted, "on", False)
+        _muted.on = True
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _muted.on = self.previous
+
+
+_interrupts.guard(_Muted.__enter__, _Muted.__exit__)
+
+
+def collective_muted() -> _Muted:
     """Within the block, this thread's :func:`notify_collective` calls are silent: a
     collective built on another one (``cudalab.comm.broadcast`` over
     ``cudalab.nccl.broadcast``) reports itself once, under its own name."""
-    previous = getattr(_muted, "on", False)  # nothing changed yet if Ctrl-C comes here
-    try:
-        _muted.on = True
-        yield
-    finally:
-        _muted.on = previous
+    return _Muted()
 
 
 # ----------------------------------------------------------------------------- events

@@ -170,7 +170,7 @@ def all_reduce(inputs: Any, outputs: Any = None, op: int = SUM, streams: Any = N
 
     n = len(ins)
     _execute("all_reduce", ins, stream_list, comm_list, issue,
-             [((ins[i],), (outs[i],)) for i in range(n)],
+             lambda: [((ins[i],), (outs[i],)) for i in range(n)],
              count * ins[0].itemsize, 2 * (n - 1) / n)
 
 
@@ -216,7 +216,7 @@ def reduce(inputs: Any, output: Any = None, root: int = 0, op: int = SUM, stream
                     stream)
 
     _execute("reduce", ins, stream_list, comm_list, issue,
-             [((ins[i],), (out,) if i == root else ()) for i in range(len(ins))],
+             lambda: [((ins[i],), (out,) if i == root else ()) for i in range(len(ins))],
              count * ins[0].itemsize, 1.0)
 
 
@@ -242,8 +242,8 @@ def broadcast(inputs: Any, root: int = 0, streams: Any = None, comms: Any = None
         nccl.broadcast(ins[i].ptr, ins[i].ptr, count, dtype, root, comm, stream)
 
     _execute("broadcast", ins, stream_list, comm_list, issue,
-             [((ins[i],) if i == root else (), (ins[i],) if i != root else ())
-              for i in range(len(ins))],
+             lambda: [((ins[i],) if i == root else (), (ins[i],) if i != root else ())
+                      for i in range(len(ins))],
              count * ins[0].itemsize, 1.0)
 
 
@@ -262,7 +262,7 @@ def all_gather(inputs: Any, outputs: Any, streams: Any = None, comms: Any = None
         nccl.all_gather(ins[i].ptr, outs[i].ptr, count, dtype, comm, stream)
 
     _execute("all_gather", ins, stream_list, comm_list, issue,
-             [((ins[i],), (outs[i],)) for i in range(n)],
+             lambda: [((ins[i],), (outs[i],)) for i in range(n)],
              count * n * ins[0].itemsize, (n - 1) / n)
 
 
@@ -282,7 +282,7 @@ def reduce_scatter(inputs: Any, outputs: Any, op: int = SUM, streams: Any = None
         nccl.reduce_scatter(ins[i].ptr, outs[i].ptr, count, dtype, op, comm, stream)
 
     _execute("reduce_scatter", ins, stream_list, comm_list, issue,
-             [((ins[i],), (outs[i],)) for i in range(n)],
+             lambda: [((ins[i],), (outs[i],)) for i in range(n)],
              ins[0].size * ins[0].itemsize, (n - 1) / n)
 
 
@@ -390,7 +390,7 @@ if hasattr(os, "register_at_fork"):
 # ------------------------------------------------------------------------------ execution
 def _execute(name: str, ins: list[Any], streams: list[Any], comms: list[Any] | None,
              issue: Callable[[Any, int, Any, Any], None],
-             accesses: list[tuple[tuple[Any, ...], tuple[Any, ...]]],
+             accesses: Callable[[], list[tuple[tuple[Any, ...], tuple[Any, ...]]]],
              algorithm_bytes: int, bus_factor: float) -> None:
     """Resolve communicators and streams, issue one call per device in one NCCL group, then
     tell the sanitizer and the collective observers."""
@@ -414,7 +414,7 @@ def _execute(name: str, ins: list[Any], streams: list[Any], comms: list[Any] | N
             resolved.append(stream)
         _issue_group(nccl, issue, comms, [_internal.stream_handle(s) for s in resolved])
         if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-            for stream, (reads, writes) in zip(resolved, accesses):
+            for stream, (reads, writes) in zip(resolved, accesses()):
                 _sanitizer_hook.tracker.access(
                     stream, [(a.ptr, a.nbytes) for a in reads],
                     [(a.ptr, a.nbytes) for a in writes], f"nccl.{name}")

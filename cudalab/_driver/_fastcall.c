@@ -1,4 +1,4 @@
-/* cudalab._driver._fastcall: four driver calls of the real backend's hot paths, made from C.
+/* cudalab._driver._fastcall: seven driver calls of the real backend's hot paths, made from C.
  *
  * Why: cuda.bindings' Python wrappers cost about 1.5 us per call on top of the driver (argument
  * conversion, a CUresult enum object, a result tuple). A kernel launch captured into a CUDA
@@ -10,10 +10,12 @@
  * event-record rows of benchmarks/timing.py.
  *
  * What: launch_kernel (cuLaunchKernel), event_record (cuEventRecord), stream_wait_event
- * (cuStreamWaitEvent) and graph_launch (cuGraphLaunch, raising like launch_packed; the
- * "replay() host cost" row of benchmarks/graphs.py), with the prototypes of cuda.h, and
- * nothing else. launch_kernel and
- * stream_wait_event return the CUresult as an int; event_record returns (CUresult,), the
+ * (cuStreamWaitEvent), graph_launch (cuGraphLaunch, raising like launch_packed; the
+ * "replay() host cost" row of benchmarks/graphs.py), and ctx_get_current, ctx_set_current
+ * and memcpy_async (cuCtxGetCurrent, cuCtxSetCurrent, cuMemcpyAsync: every peer copy and
+ * context check; the 1 KiB rows of benchmarks/comm.py), with the prototypes of cuda.h,
+ * and nothing else. launch_kernel, stream_wait_event, ctx_set_current and memcpy_async
+ * return the CUresult as an int; ctx_get_current the context's address (None on failure); event_record returns (CUresult,), the
  * tuple of the bindings' cuEventRecord, because it stands in for that in FastPaths.
  * launch_packed is Backend.launch_values in one C call: it writes the values into a
  * CudaKernelArgs' slots (what its set() does with struct.pack, for plain ints and floats in
@@ -44,12 +46,19 @@ typedef CUresult_t (*launch_kernel_fn)(void *function, unsigned int grid_x, unsi
 typedef CUresult_t (*event_record_fn)(void *event, void *stream);
 typedef CUresult_t (*stream_wait_event_fn)(void *stream, void *event, unsigned int flags);
 typedef CUresult_t (*graph_launch_fn)(void *graph_exec, void *stream);
+typedef CUresult_t (*ctx_get_current_fn)(void **context);
+typedef CUresult_t (*ctx_set_current_fn)(void *context);
+typedef CUresult_t (*memcpy_async_fn)(unsigned long long dst, unsigned long long src,
+                                      size_t nbytes, void *stream);
 
 /* Set once by setup(); NULL until then (the calls then raise RuntimeError). */
 static launch_kernel_fn launch_kernel_ptr = NULL;
 static event_record_fn event_record_ptr = NULL;
 static stream_wait_event_fn stream_wait_event_ptr = NULL;
 static graph_launch_fn graph_launch_ptr = NULL;
+static ctx_get_current_fn ctx_get_current_ptr = NULL;
+static ctx_set_current_fn ctx_set_current_ptr = NULL;
+static memcpy_async_fn memcpy_async_ptr = NULL;
 /* error_for(code, call) -> the exception to raise for a failed call (cuda_api._error); set by
  * setup(), owned here. */
 static PyObject *error_for = NULL;
@@ -460,20 +469,102 @@ graph_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(ctx_get_current_doc,
+"ctx_get_current() -> int or None\n\n"
+"cuCtxGetCurrent(): the current context's address (0 when none), or None when the call\n"
+"fails. (A context switch is checked on every call that names a device: the 1 KiB rows\n"
+"of benchmarks/comm.py.)");
+
+static PyObject *
+ctx_get_current(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *context = NULL;
+    ctx_get_current_fn call = ctx_get_current_ptr;
+    if (check_arity(nargs, 0, "ctx_get_current") < 0) {
+        return NULL;
+    }
+    if (call == NULL) {
+        return not_set_up("ctx_get_current");
+    }
+    if (call(&context) != 0) { /* (a plain query: no GIL release needed) */
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromVoidPtr(context);
+}
+
+PyDoc_STRVAR(ctx_set_current_doc,
+"ctx_set_current(context) -> int\n\n"
+"cuCtxSetCurrent(context). Returns the CUresult.");
+
+static PyObject *
+ctx_set_current(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *context;
+    ctx_set_current_fn call = ctx_set_current_ptr;
+    if (check_arity(nargs, 1, "ctx_set_current") < 0 || handle_address(args[0], &context) < 0) {
+        return NULL;
+    }
+    if (call == NULL) {
+        return not_set_up("ctx_set_current");
+    }
+    return PyLong_FromLong(call(context));
+}
+
+PyDoc_STRVAR(memcpy_async_doc,
+"memcpy_async(dst, src, nbytes, stream) -> int\n\n"
+"cuMemcpyAsync(dst, src, nbytes, stream) (unified addresses, ints). Returns the CUresult.");
+
+static PyObject *
+memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *stream;
+    memcpy_async_fn call = memcpy_async_ptr;
+    if (check_arity(nargs, 4, "memcpy_async") < 0) {
+        return NULL;
+    }
+    unsigned long long dst = PyLong_AsUnsignedLongLong(args[0]);
+    if (dst == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    unsigned long long src = PyLong_AsUnsignedLongLong(args[1]);
+    if (src == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    size_t nbytes = PyLong_AsSize_t(args[2]);
+    if (nbytes == (size_t)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (handle_address(args[3], &stream) < 0) {
+        return NULL;
+    }
+    if (call == NULL) {
+        return not_set_up("memcpy_async");
+    }
+    CUresult_t result;
+    Py_BEGIN_ALLOW_THREADS
+    result = call(dst, src, nbytes, stream);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
 PyDoc_STRVAR(setup_doc,
-"setup(launch_kernel, event_record, stream_wait_event, graph_launch, error_for)\n\n"
+"setup(launch_kernel, event_record, stream_wait_event, graph_launch, ctx_get_current,\n"
+"      ctx_set_current, memcpy_async, error_for)\n\n"
 "The driver's entry points (addresses from cuGetProcAddress, nonzero), and error_for(code,\n"
 "call), which returns the exception for a failed call (launch_packed raises it). Called once\n"
 "by cudalab._driver.cuda; a later call replaces them.");
 
+/* The entry points setup() takes, in its order (error_for follows them). */
+#define SETUP_ENTRY_POINTS 7
+
 static PyObject *
 setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *addresses[4];
-    if (check_arity(nargs, 5, "setup") < 0) {
+    void *addresses[SETUP_ENTRY_POINTS];
+    if (check_arity(nargs, SETUP_ENTRY_POINTS + 1, "setup") < 0) {
         return NULL;
     }
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < SETUP_ENTRY_POINTS; i++) {
         if (!PyLong_Check(args[i])) {
             PyErr_SetString(PyExc_TypeError, "setup() takes the entry points' addresses as ints");
             return NULL;
@@ -486,7 +577,7 @@ setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     }
-    if (!PyCallable_Check(args[4])) {
+    if (!PyCallable_Check(args[SETUP_ENTRY_POINTS])) {
         PyErr_SetString(PyExc_TypeError, "setup(): error_for must be callable");
         return NULL;
     }
@@ -494,8 +585,11 @@ setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     event_record_ptr = (event_record_fn)addresses[1];
     stream_wait_event_ptr = (stream_wait_event_fn)addresses[2];
     graph_launch_ptr = (graph_launch_fn)addresses[3];
-    Py_INCREF(args[4]);
-    Py_XSETREF(error_for, args[4]);
+    ctx_get_current_ptr = (ctx_get_current_fn)addresses[4];
+    ctx_set_current_ptr = (ctx_set_current_fn)addresses[5];
+    memcpy_async_ptr = (memcpy_async_fn)addresses[6];
+    Py_INCREF(args[SETUP_ENTRY_POINTS]);
+    Py_XSETREF(error_for, args[SETUP_ENTRY_POINTS]);
     Py_RETURN_NONE;
 }
 
@@ -506,6 +600,11 @@ static PyMethodDef methods[] = {
      stream_wait_event_doc},
     {"launch_packed", (PyCFunction)(void (*)(void))launch_packed, METH_FASTCALL, launch_packed_doc},
     {"graph_launch", (PyCFunction)(void (*)(void))graph_launch, METH_FASTCALL, graph_launch_doc},
+    {"ctx_get_current", (PyCFunction)(void (*)(void))ctx_get_current, METH_FASTCALL,
+     ctx_get_current_doc},
+    {"ctx_set_current", (PyCFunction)(void (*)(void))ctx_set_current, METH_FASTCALL,
+     ctx_set_current_doc},
+    {"memcpy_async", (PyCFunction)(void (*)(void))memcpy_async, METH_FASTCALL, memcpy_async_doc},
     {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL, setup_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -513,8 +612,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     "cudalab._driver._fastcall",
-    "cuLaunchKernel, cuEventRecord, cuStreamWaitEvent and cuGraphLaunch called from C (see "
-    "cudalab/_driver/cuda.py).",
+    "cuLaunchKernel, cuEventRecord, cuStreamWaitEvent, cuGraphLaunch, cuCtxGetCurrent, "
+    "cuCtxSetCurrent and cuMemcpyAsync called from C (see cudalab/_driver/cuda.py).",
     -1,
     methods,
     NULL,

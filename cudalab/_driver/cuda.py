@@ -65,6 +65,7 @@ from cudalab._driver.cuda_api import (
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
     CUDA_ERROR_STUB_LIBRARY,
+    FAST,
     _check,
     _cuCtxEnablePeerAccess,
     _cuCtxGetCurrent,
@@ -110,7 +111,7 @@ from cudalab._driver.cuda_api import (
 from cudalab._driver.cuda_graphs import CudaGraphs
 from cudalab.errors import CudaError, DriverNotFoundError
 
-try:  # optional C twin of three hot calls (setup.py builds it; see _bind_fastcall)
+try:  # optional C twin of the hot driver calls (setup.py builds it; see _bind_fastcall)
     from cudalab._driver import _fastcall  # type: ignore[attr-defined]  # C, no stub
 except ImportError:  # pragma: no cover - a pure-Python install
     _fastcall = None
@@ -138,6 +139,7 @@ def _bind_fastcall(driver_version: int) -> None:
         return
     if os.environ.get(_FASTCALL_ENV, "1").strip() == "0":  # turned off: the bindings from now
         _fast_launch = _fast_event_record = _fast_stream_wait_event = None
+        FAST.ctx_get = FAST.ctx_set = FAST.memcpy_async = None
         return
     # cuda.bindings takes the per-thread default stream variants when this is set.
     ptds = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
@@ -147,7 +149,8 @@ def _bind_fastcall(driver_version: int) -> None:
         flag = (flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if ptds
                 else flags.CU_GET_PROC_ADDRESS_DEFAULT)
         for symbol in (b"cuLaunchKernel", b"cuEventRecord", b"cuStreamWaitEvent",
-                       b"cuGraphLaunch"):
+                       b"cuGraphLaunch", b"cuCtxGetCurrent", b"cuCtxSetCurrent",
+                       b"cuMemcpyAsync"):  # (setup's order)
             err, address, _status = _drv.cuGetProcAddress(symbol, driver_version, flag)
             if err or not address:
                 return
@@ -158,6 +161,9 @@ def _bind_fastcall(driver_version: int) -> None:
     _fast_launch = _fastcall.launch_kernel
     _fast_event_record = _fastcall.event_record
     _fast_stream_wait_event = _fastcall.stream_wait_event
+    FAST.ctx_get = _fastcall.ctx_get_current
+    FAST.ctx_set = _fastcall.ctx_set_current
+    FAST.memcpy_async = _fastcall.memcpy_async
 
 # ------------------------------------------------------------------------- kernel args
 #: signature code -> (struct format of the 8-byte slot, min, max) (min/max None for floats).
@@ -502,17 +508,25 @@ class CudaBackend(CudaGraphs):
         """
         want = self._context_ints.get(device)
         if want is not None:
-            cur = _cuCtxGetCurrent()[1]
-            if cur is not None and int(cur) == want:
-                _THREAD.device = device
-                return
+            get = FAST.ctx_get
+            if get is not None:  # from C: an int address (the 1 KiB rows of benchmarks/comm.py)
+                if get() == want:
+                    _THREAD.device = device
+                    return
+            else:
+                cur = _cuCtxGetCurrent()[1]
+                if cur is not None and int(cur) == want:
+                    _THREAD.device = device
+                    return
         self._switch(device)
 
     def _switch(self, device: int) -> None:
         ctx = self._contexts.get(device)
         if ctx is None:
             ctx = self._primary(device)
-        err = _cuCtxSetCurrent(ctx)[0]
+        set_current = FAST.ctx_set
+        err = set_current(self._context_ints[device]) if set_current is not None else \
+            _cuCtxSetCurrent(ctx)[0]
         if err:
             raise _error(err, "cuCtxSetCurrent")
         _THREAD.device = device

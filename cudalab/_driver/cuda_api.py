@@ -53,6 +53,27 @@ def _no_bindings(*_args, **_kwargs):  # pragma: no cover - only without cuda-bin
     )
 
 
+# ------------------------------------------------------------------ C twins
+class FastCalls:
+    """C twins (_fastcall.c) of the context and copy calls, bound by
+    :func:`cudalab._driver.cuda._bind_fastcall`; None: use the bindings' wrappers. One object
+    read by cuda.py and cuda_memory.py, so the two cannot drift. They exist for the 1 KiB
+    rows of benchmarks/comm.py (every peer copy checks the context and copies).
+
+    ``ctx_get()`` returns the current context's address (None on failure),
+    ``ctx_set(context)`` and ``memcpy_async(dst, src, nbytes, stream)`` the CUresult.
+    """
+
+    __slots__ = ("ctx_get", "ctx_set", "memcpy_async")
+
+    def __init__(self) -> None:
+        self.ctx_get: Any = None
+        self.ctx_set: Any = None
+        self.memcpy_async: Any = None
+
+
+FAST = FastCalls()
+
 # ------------------------------------------------------------------ binding aliases
 # Module-level names so hot paths do one global lookup and one call.
 if _drv is not None:

@@ -22,6 +22,7 @@ from cudalab._driver.cuda_api import (
     _PA_MEMORY_TYPE,
     CU_MEMHOSTALLOC_PORTABLE,
     CUDA_ERROR_INVALID_VALUE,
+    FAST,
     _CaptureMode,
     _check,
     _cuIpcGetMemHandle,
@@ -207,7 +208,9 @@ class CudaMemory(Backend):
         if not nbytes:
             return
         self._ctx(device)
-        err = _cuMemcpyAsync(dst, src, nbytes, stream)[0]
+        fast = FAST.memcpy_async
+        err = fast(dst, src, nbytes, stream) if fast is not None else \
+            _cuMemcpyAsync(dst, src, nbytes, stream)[0]
         if err:
             raise _error(err, "cuMemcpyAsync")
 

@@ -46,6 +46,7 @@ from cudalab._driver.base import (
     NCCL_UNIQUE_ID_SIZE,
     Nccl,
 )
+from cudalab._driver.cuda_api import FAST
 from cudalab.errors import NcclError
 
 __all__ = ["RealComm", "RealNccl", "NOT_INSTALLED"]
@@ -322,11 +323,19 @@ class RealNccl(Nccl):
         return self._nccl.Comm(comm) if isinstance(comm, int) else comm
 
     def _current_context(self) -> Any:
+        get = FAST.ctx_get
+        if get is not None:  # from C: an int address (group_end's check, every collective)
+            return get()
         err, ctx = _driver_module().cuCtxGetCurrent()
         return ctx if not int(err) else None
 
     def _restore_context(self, ctx: Any) -> None:
         if ctx is None:
+            return
+        get, set_current = FAST.ctx_get, FAST.ctx_set
+        if type(ctx) is int and get is not None and set_current is not None:
+            if get() != ctx:
+                set_current(ctx)
             return
         driver = _driver_module()
         err, now = driver.cuCtxGetCurrent()

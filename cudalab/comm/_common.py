@@ -54,20 +54,32 @@ HOST = -1
 
 
 # --------------------------------------------------------------------------- NCCL
+_NOT_LOOKED_UP = object()
+_nccl_module: Any = _NOT_LOOKED_UP  # nccl_module()'s answer, once it has one
+
+
 def nccl_module() -> Any:
-    """:mod:`cudalab.nccl` when it offers ``is_available`` (torch.cuda.nccl's API), else None."""
-    try:
-        from cudalab import nccl
-    except ImportError:
-        return None
-    return nccl if callable(getattr(nccl, "is_available", None)) else None
+    """:mod:`cudalab.nccl` when it offers ``is_available`` (torch.cuda.nccl's API), else None.
+    (Looked up once: every small collective asks, the 1 KiB rows of benchmarks/comm.py.)"""
+    global _nccl_module
+    found = _nccl_module
+    if found is _NOT_LOOKED_UP:
+        try:
+            from cudalab import nccl
+        except ImportError:
+            found = None
+        else:
+            found = nccl if callable(getattr(nccl, "is_available", None)) else None
+        _nccl_module = found
+    return found
 
 
 def nccl_for(arrays: Sequence[Any]) -> Any:
     """The NCCL module when torch would use NCCL for ``arrays`` (``nccl.is_available``),
     else None (then the caller copies). Host arrays never go to NCCL."""
-    if not all(isinstance(a, DeviceArray) for a in arrays):
-        return None
+    for a in arrays:
+        if not isinstance(a, DeviceArray):
+            return None
     nccl = nccl_module()
     if nccl is None or not nccl.is_available(list(arrays)):
         return None

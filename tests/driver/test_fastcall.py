@@ -1,9 +1,9 @@
-"""The C twin of three hot driver calls (:mod:`cudalab._driver._fastcall`, setup.py builds it).
+"""The C twin of the hot driver calls (:mod:`cudalab._driver._fastcall`, setup.py builds it).
 
 Part (a) runs everywhere: the module's argument checks, which come before any driver call, and
 its refusal to run before ``setup()``. Part (b) (``@pytest.mark.gpu``) checks on the real
-driver that the real backend binds it, that a launch, an event record and a stream wait give
-the same results and the same errors through it as through cuda.bindings
+driver that the real backend binds it, that a launch, an event record, a stream wait and a
+copy (with its context check) give the same results and the same errors through it as through cuda.bindings
 (``CUDALAB_FASTCALL=0``), and that a closed stream is refused.
 """
 
@@ -68,13 +68,28 @@ def test_a_closed_handle_raises_its_own_error():
 
 def test_setup_refuses_bad_addresses_without_changing_anything():
     with pytest.raises(TypeError, match="addresses as ints"):
-        fastcall.setup("a", 1, 2, 3, print)
+        fastcall.setup("a", 1, 2, 3, 4, 5, 6, print)
     with pytest.raises(ValueError, match="address is 0"):
-        fastcall.setup(1, 0, 2, 3, print)
+        fastcall.setup(1, 2, 3, 4, 5, 0, 6, print)
     with pytest.raises(TypeError, match="error_for must be callable"):
-        fastcall.setup(1, 2, 3, 4, None)
-    with pytest.raises(TypeError, match="takes 5 arguments"):
-        fastcall.setup(1, 2, 3, 4)
+        fastcall.setup(1, 2, 3, 4, 5, 6, 7, None)
+    with pytest.raises(TypeError, match="takes 8 arguments"):
+        fastcall.setup(1, 2, 3, 4, 5, 6, 7)
+
+
+def test_context_and_copy_calls_check_their_arguments_first():
+    with pytest.raises(TypeError, match="takes 0 arguments"):
+        fastcall.ctx_get_current(1)
+    with pytest.raises(TypeError, match="a driver handle must be"):
+        fastcall.ctx_set_current("ctx")
+    with pytest.raises(OverflowError):
+        fastcall.memcpy_async(-1, 0, 4, None)
+    with pytest.raises(TypeError):
+        fastcall.memcpy_async(0, "src", 4, None)
+    with pytest.raises(OverflowError):
+        fastcall.memcpy_async(0, 0, -4, None)
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        fastcall.memcpy_async(0, 0, 4)
 
 
 SIGNATURE = ("p", "i4", "u4", "i8", "u8", "f4", "f8")
@@ -144,7 +159,10 @@ def test_calls_before_setup_raise_instead_of_calling_null():
                            (_fastcall.stream_wait_event, (None, 0, 0)),
                            (_fastcall.launch_packed, (0, (1, 1, 1), (1, 1, 1), 0, None,
                                                       CudaKernelArgs(("u8",)), (1,))),
-                           (_fastcall.graph_launch, (0, None))):
+                           (_fastcall.graph_launch, (0, None)),
+                           (_fastcall.ctx_get_current, ()),
+                           (_fastcall.ctx_set_current, (0,)),
+                           (_fastcall.memcpy_async, (0, 0, 4, None))):
             try:
                 call(*args)
             except RuntimeError as exc:
@@ -154,7 +172,7 @@ def test_calls_before_setup_raise_instead_of_calling_null():
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert len(lines) == 5 and all("setup() has not given" in line for line in lines), lines
+    assert len(lines) == 8 and all("setup() has not given" in line for line in lines), lines
 
 
 # ============================================================================ (b) real GPU
@@ -173,6 +191,13 @@ def test_the_real_backend_binds_it():
 
     assert _internal.backend().launch_values is fastcall.launch_packed
     assert _internal.backend().graph_launch is fastcall.graph_launch
+    from cudalab._driver.cuda_api import FAST
+
+    assert FAST.ctx_get is fastcall.ctx_get_current
+    assert FAST.ctx_set is fastcall.ctx_set_current
+    assert FAST.memcpy_async is fastcall.memcpy_async
+    ctx = _internal.backend()._context_ints[0]
+    assert fastcall.ctx_set_current(ctx) == 0 and fastcall.ctx_get_current() == ctx
 
 
 _SAME_RESULTS = textwrap.dedent("""
@@ -202,6 +227,8 @@ _SAME_RESULTS = textwrap.dedent("""
         z.fill_(11)
     z.fill_(0)
     g.replay()                                # cuGraphLaunch
+    w = cudalab.empty(1000, dtype="uint32")
+    w.copy_(x)                                # cuMemcpyAsync (after a context check)
     error = None
     try:                                      # too many threads: the driver refuses
         state_backend = _internal.backend()
@@ -213,7 +240,8 @@ _SAME_RESULTS = textwrap.dedent("""
         error = [exc.name, exc.call]
     cudalab.synchronize()
     print(json.dumps({"fast": C._fast_launch is not None, "x": x.tolist(), "y": y.tolist(),
-                      "z": z.tolist(), "error": error}))
+                      "z": z.tolist(), "w": w.tolist(), "error": error,
+                      "copy_fast": C.FAST.memcpy_async is not None}))
 """)
 
 
@@ -238,4 +266,6 @@ def test_same_results_and_errors_with_and_without_it():
         np.testing.assert_array_equal(run["y"][20:], expect[20:] + 1)
         assert run["error"] == ["CUDA_ERROR_INVALID_VALUE", "cuLaunchKernel"]
         assert run["z"] == [11] * 4
-    assert runs["1"] == dict(runs["0"], fast=True)
+        np.testing.assert_array_equal(run["w"], expect)
+    assert runs["1"]["copy_fast"] is True and runs["0"]["copy_fast"] is False
+    assert runs["1"] == dict(runs["0"], fast=True, copy_fast=True)
