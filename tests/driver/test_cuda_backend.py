@@ -210,6 +210,11 @@ class FakeDriver:
         monkeypatch.setattr(C, "_cuDevicePrimaryCtxRetain", retain)
         monkeypatch.setattr(C, "_cuCtxSetCurrent", set_current)
         monkeypatch.setattr(C, "_cuCtxGetCurrent", get_current)
+        # the C twins (bound when a real backend initialised earlier in this process) would
+        # call the real driver with these fake contexts: the bindings' names only
+        for name in C.FAST.__slots__:
+            monkeypatch.setattr(C.FAST, name, None)
+        monkeypatch.setattr(C, "_bind_fastcall", lambda driver_version: None)
         monkeypatch.setattr(CM, "_cuMemAlloc", lambda n: (ok, drv.CUdeviceptr(0x7000_0000 + n)))
         monkeypatch.setattr(CM, "_cuMemHostAlloc", lambda n, f: (ok, 0x5000))
         monkeypatch.setattr(C, "_THREAD", C._ThreadState())
