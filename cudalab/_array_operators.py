@@ -19,9 +19,9 @@ real dtype; ordering comparisons, ``//``, ``%`` and the bitwise operators refuse
 torch's "not implemented for 'ComplexFloat'" message; converting complex to a real dtype
 keeps the real part and warns as torch does. As torch does, a complex ``** 2`` is
 ``base * base``, a complex array times a scalar is computed as scalar times array, and a
-complex array divided by a scalar is multiplied by its reciprocal (computed on the host). In-place forms keep the array's
-dtype and refuse results it cannot hold (``result type Float can't be cast to the desired
-output type Long``). Operands are DeviceArrays and Python/numpy scalars; anything else gets
+complex array divided by a scalar is multiplied by its reciprocal (computed on the host).
+In-place forms keep the array's dtype and refuse results it cannot hold (``result type
+Float can't be cast to the desired output type Long``). Operands are DeviceArrays and Python/numpy scalars; anything else gets
 ``NotImplemented`` (Python then raises its TypeError).
 """
 

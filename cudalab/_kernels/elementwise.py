@@ -26,8 +26,8 @@ dtype and then to the compute type (float for float16/bfloat16, else the common 
 result is cast to the output dtype. Python scalars are converted on the host to the compute
 type and passed as kernel parameters (a complex one as two: real, imaginary). Complex dtypes
 compute with c10::complex's arithmetic (see
-:data:`~cudalab._kernels.elementwise_source.COMPLEX_PREAMBLE`). Extra arguments are ``long long`` (Python int),
-``bool`` or ``double`` (anything else), as in torch.
+:data:`~cudalab._kernels.elementwise_source.COMPLEX_PREAMBLE`). Extra arguments are
+``long long`` (Python int), ``bool`` or ``double`` (anything else), as in torch.
 
 On the simulator nothing is compiled: the kernel's twin is numpy, either a callable given as
 ``sim=`` or the function body evaluated by :mod:`cudalab._kernels.c_expression`.
