@@ -84,9 +84,9 @@ def _gather_info() -> dict[str, Any]:
     info["driver_version_int"] = driver
     info["driver_version"] = _cuda_version(driver)
     if not simulated:  # which path kernel launches take (the C fast calls or the bindings)
-        from cudalab._driver import cuda as real
+        from cudalab._driver.cuda_api import FAST
 
-        info["launch_calls"] = "compiled" if real._fast_launch is not None else "cuda.bindings"
+        info["launch_calls"] = "compiled" if FAST.launch_kernel is not None else "cuda.bindings"
     if count == 0:
         info["error"] = "the CUDA driver reports no devices"
         return info

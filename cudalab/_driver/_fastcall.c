@@ -43,9 +43,9 @@ typedef CUresult_t (*launch_kernel_fn)(void *function, unsigned int grid_x, unsi
                                        unsigned int block_y, unsigned int block_z,
                                        unsigned int shared_mem, void *stream, void **params,
                                        void **extra);
-typedef CUresult_t (*event_record_fn)(void *event, void *stream);
+/* cuEventRecord(event, stream) and cuGraphLaunch(graph_exec, stream): two handles each. */
+typedef CUresult_t (*two_handles_fn)(void *first, void *second);
 typedef CUresult_t (*stream_wait_event_fn)(void *stream, void *event, unsigned int flags);
-typedef CUresult_t (*graph_launch_fn)(void *graph_exec, void *stream);
 typedef CUresult_t (*ctx_get_current_fn)(void **context);
 typedef CUresult_t (*ctx_set_current_fn)(void *context);
 typedef CUresult_t (*memcpy_async_fn)(unsigned long long dst, unsigned long long src,
@@ -53,9 +53,9 @@ typedef CUresult_t (*memcpy_async_fn)(unsigned long long dst, unsigned long long
 
 /* Set once by setup(); NULL until then (the calls then raise RuntimeError). */
 static launch_kernel_fn launch_kernel_ptr = NULL;
-static event_record_fn event_record_ptr = NULL;
+static two_handles_fn event_record_ptr = NULL; /* (event, stream) */
 static stream_wait_event_fn stream_wait_event_ptr = NULL;
-static graph_launch_fn graph_launch_ptr = NULL;
+static two_handles_fn graph_launch_ptr = NULL; /* (graph_exec, stream) */
 static ctx_get_current_fn ctx_get_current_ptr = NULL;
 static ctx_set_current_fn ctx_set_current_ptr = NULL;
 static memcpy_async_fn memcpy_async_ptr = NULL;
@@ -202,6 +202,30 @@ launch_kernel(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(call_launch(call, &shape, params));
 }
 
+/* A call taking two handles (cuEventRecord, cuGraphLaunch): parses (handle, handle) for
+ * `name`, calls `call` with the GIL released and stores its CUresult in `result`. -1 and an
+ * exception on a bad argument or before setup(). */
+static int
+call_two_handles(PyObject *const *args, Py_ssize_t nargs, const char *name,
+                 two_handles_fn call, CUresult_t *result)
+{
+    void *first, *second;
+    if (check_arity(nargs, 2, name) < 0) {
+        return -1;
+    }
+    if (handle_address(args[0], &first) < 0 || handle_address(args[1], &second) < 0) {
+        return -1;
+    }
+    if (call == NULL) {
+        not_set_up(name);
+        return -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    *result = call(first, second);
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
 PyDoc_STRVAR(event_record_doc,
 "event_record(event, stream) -> (int,)\n\n"
 "cuEventRecord(event, stream). Returns (CUresult,), the tuple cuda.bindings' cuEventRecord\n"
@@ -210,21 +234,10 @@ PyDoc_STRVAR(event_record_doc,
 static PyObject *
 event_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *event, *stream;
-    event_record_fn call = event_record_ptr;
-    if (check_arity(nargs, 2, "event_record") < 0) {
-        return NULL;
-    }
-    if (handle_address(args[0], &event) < 0 || handle_address(args[1], &stream) < 0) {
-        return NULL;
-    }
-    if (call == NULL) {
-        return not_set_up("event_record");
-    }
     CUresult_t result;
-    Py_BEGIN_ALLOW_THREADS
-    result = call(event, stream);
-    Py_END_ALLOW_THREADS
+    if (call_two_handles(args, nargs, "event_record", event_record_ptr, &result) < 0) {
+        return NULL;
+    }
     return Py_BuildValue("(i)", result);
 }
 
@@ -448,21 +461,10 @@ PyDoc_STRVAR(graph_launch_doc,
 static PyObject *
 graph_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *graph_exec, *stream;
-    graph_launch_fn call = graph_launch_ptr;
-    if (check_arity(nargs, 2, "graph_launch") < 0) {
-        return NULL;
-    }
-    if (handle_address(args[0], &graph_exec) < 0 || handle_address(args[1], &stream) < 0) {
-        return NULL;
-    }
-    if (call == NULL) {
-        return not_set_up("graph_launch");
-    }
     CUresult_t result;
-    Py_BEGIN_ALLOW_THREADS
-    result = call(graph_exec, stream);
-    Py_END_ALLOW_THREADS
+    if (call_two_handles(args, nargs, "graph_launch", graph_launch_ptr, &result) < 0) {
+        return NULL;
+    }
     if (result != 0) {
         return raise_driver_error(result, "cuGraphLaunch");
     }
@@ -514,6 +516,14 @@ PyDoc_STRVAR(memcpy_async_doc,
 "memcpy_async(dst, src, nbytes, stream) -> int\n\n"
 "cuMemcpyAsync(dst, src, nbytes, stream) (unified addresses, ints). Returns the CUresult.");
 
+/* A device address (an int: CUdeviceptr). -1 and an exception when it is not one. */
+static int
+device_address(PyObject *value, unsigned long long *out)
+{
+    *out = PyLong_AsUnsignedLongLong(value);
+    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
 static PyObject *
 memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -522,12 +532,8 @@ memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (check_arity(nargs, 4, "memcpy_async") < 0) {
         return NULL;
     }
-    unsigned long long dst = PyLong_AsUnsignedLongLong(args[0]);
-    if (dst == (unsigned long long)-1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    unsigned long long src = PyLong_AsUnsignedLongLong(args[1]);
-    if (src == (unsigned long long)-1 && PyErr_Occurred()) {
+    unsigned long long dst, src;
+    if (device_address(args[0], &dst) < 0 || device_address(args[1], &src) < 0) {
         return NULL;
     }
     size_t nbytes = PyLong_AsSize_t(args[2]);
@@ -582,9 +588,9 @@ setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     launch_kernel_ptr = (launch_kernel_fn)addresses[0];
-    event_record_ptr = (event_record_fn)addresses[1];
+    event_record_ptr = (two_handles_fn)addresses[1];
     stream_wait_event_ptr = (stream_wait_event_fn)addresses[2];
-    graph_launch_ptr = (graph_launch_fn)addresses[3];
+    graph_launch_ptr = (two_handles_fn)addresses[3];
     ctx_get_current_ptr = (ctx_get_current_fn)addresses[4];
     ctx_set_current_ptr = (ctx_set_current_fn)addresses[5];
     memcpy_async_ptr = (memcpy_async_fn)addresses[6];

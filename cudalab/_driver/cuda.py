@@ -66,6 +66,7 @@ from cudalab._driver.cuda_api import (
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
     CUDA_ERROR_STUB_LIBRARY,
     FAST,
+    FastCalls,
     _check,
     _cuCtxEnablePeerAccess,
     _cuCtxGetCurrent,
@@ -117,14 +118,12 @@ except ImportError:  # pragma: no cover - a pure-Python install
     _fastcall = None
 
 # ------------------------------------------------------------------------- C fast calls
-#: cuLaunchKernel / cuEventRecord / cuStreamWaitEvent called from C (_fastcall.c), or None
-#: where the extension is not built or the driver did not give the entry points: then the
-#: cuda.bindings wrappers are used. Bound by _bind_fastcall() in CudaBackend.init(). They
-#: exist for the "capture, host time per launch" row of benchmarks/graphs.py, the "host/call"
-#: rows of benchmarks/jiterator.py and the launch and event rows of benchmarks/timing.py.
-_fast_launch: Any = None
-_fast_event_record: Any = None
-_fast_stream_wait_event: Any = None
+# The C twins live in cuda_api.FAST (None where the extension is not built or the driver did
+# not give the entry points: then the cuda.bindings wrappers are used), bound by
+# _bind_fastcall() in CudaBackend.init().
+#: The driver symbols _fastcall.setup() takes, in its order.
+_FAST_SYMBOLS = (b"cuLaunchKernel", b"cuEventRecord", b"cuStreamWaitEvent", b"cuGraphLaunch",
+                 b"cuCtxGetCurrent", b"cuCtxSetCurrent", b"cuMemcpyAsync")
 #: Env switch that turns the C calls off (CUDALAB_FASTCALL=0): the bindings are used, as
 #: without the extension (tests/driver/test_fastcall.py compares the two).
 _FASTCALL_ENV = "CUDALAB_FASTCALL"
@@ -134,12 +133,11 @@ def _bind_fastcall(driver_version: int) -> None:
     """Give _fastcall the driver's entry points (cuGetProcAddress, with the default-stream
     semantics cuda.bindings itself uses), and publish its functions; on any failure keep what
     is in use (the bindings, or an earlier backend's binding to the same driver)."""
-    global _fast_launch, _fast_event_record, _fast_stream_wait_event
     if _fastcall is None:
         return
     if os.environ.get(_FASTCALL_ENV, "1").strip() == "0":  # turned off: the bindings from now
-        _fast_launch = _fast_event_record = _fast_stream_wait_event = None
-        FAST.ctx_get = FAST.ctx_set = FAST.memcpy_async = None
+        for name in FastCalls.__slots__:
+            setattr(FAST, name, None)
         return
     # cuda.bindings takes the per-thread default stream variants when this is set.
     ptds = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
@@ -148,9 +146,7 @@ def _bind_fastcall(driver_version: int) -> None:
         flags = _drv.CUdriverProcAddress_flags
         flag = (flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if ptds
                 else flags.CU_GET_PROC_ADDRESS_DEFAULT)
-        for symbol in (b"cuLaunchKernel", b"cuEventRecord", b"cuStreamWaitEvent",
-                       b"cuGraphLaunch", b"cuCtxGetCurrent", b"cuCtxSetCurrent",
-                       b"cuMemcpyAsync"):  # (setup's order)
+        for symbol in _FAST_SYMBOLS:
             err, address, _status = _drv.cuGetProcAddress(symbol, driver_version, flag)
             if err or not address:
                 return
@@ -158,12 +154,8 @@ def _bind_fastcall(driver_version: int) -> None:
     except Exception:  # noqa: BLE001 - any binding trouble (or a test's fake): the bindings' path
         return
     _fastcall.setup(*addresses, _error)
-    _fast_launch = _fastcall.launch_kernel
-    _fast_event_record = _fastcall.event_record
-    _fast_stream_wait_event = _fastcall.stream_wait_event
-    FAST.ctx_get = _fastcall.ctx_get_current
-    FAST.ctx_set = _fastcall.ctx_set_current
-    FAST.memcpy_async = _fastcall.memcpy_async
+    for name in FastCalls.__slots__:
+        setattr(FAST, name, getattr(_fastcall, name))
 
 # ------------------------------------------------------------------------- kernel args
 #: signature code -> (struct format of the 8-byte slot, min, max) (min/max None for floats).
@@ -369,7 +361,7 @@ class CudaBackend(CudaGraphs):
             self._count = count
             if self._version:
                 _bind_fastcall(self._version)
-            if _fast_launch is not None:
+            if FAST.launch_kernel is not None:
                 # One C call, no Python frame, in place of Backend.launch_values (which is
                 # launch(..., args.set(*values))): packs the values and launches (the
                 # "host/call" rows of benchmarks/jiterator.py), and launches a graph (the
@@ -508,7 +500,7 @@ class CudaBackend(CudaGraphs):
         """
         want = self._context_ints.get(device)
         if want is not None:
-            get = FAST.ctx_get
+            get = FAST.ctx_get_current
             if get is not None:  # from C: an int address (the 1 KiB rows of benchmarks/comm.py)
                 if get() == want:
                     _THREAD.device = device
@@ -524,7 +516,7 @@ class CudaBackend(CudaGraphs):
         ctx = self._contexts.get(device)
         if ctx is None:
             ctx = self._primary(device)
-        set_current = FAST.ctx_set
+        set_current = FAST.ctx_set_current
         err = set_current(self._context_ints[device]) if set_current is not None else \
             _cuCtxSetCurrent(ctx)[0]
         if err:
@@ -606,7 +598,7 @@ class CudaBackend(CudaGraphs):
     def fast_paths(self) -> FastPaths:
         # The bindings themselves (or _fastcall's event_record, which returns the same
         # (CUresult,) tuple): each returns (CUresult, ...) and never raises.
-        return FastPaths(_fast_event_record or _cuEventRecord, _cuEventQuery, _cuStreamQuery,
+        return FastPaths(FAST.event_record or _cuEventRecord, _cuEventQuery, _cuStreamQuery,
                          _cuEventElapsedTime)
 
     def status_error(self, status: int, call: str) -> Exception:
@@ -626,7 +618,7 @@ class CudaBackend(CudaGraphs):
             raise _error(err, "cuStreamSynchronize")
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
-        fast = _fast_stream_wait_event
+        fast = FAST.stream_wait_event
         err = fast(stream, event, 0) if fast is not None else _cuStreamWaitEvent(stream, event, 0)[0]
         if err:
             raise _error(err, "cuStreamWaitEvent")
@@ -660,7 +652,7 @@ class CudaBackend(CudaGraphs):
             raise _error(err, "cuEventDestroy")
 
     def event_record(self, event: Any, stream: Any) -> None:
-        fast = _fast_event_record
+        fast = FAST.event_record
         err = fast(event, stream)[0] if fast is not None else _cuEventRecord(event, stream)[0]
         if err:
             raise _error(err, "cuEventRecord")
@@ -742,7 +734,7 @@ class CudaBackend(CudaGraphs):
         # The function's context must be current (set_context/_ctx of its device) unless
         # `stream` is a created stream of that device. `args` comes from this backend's
         # make_args (the seam's contract): a CudaKernelArgs, not checked on this hot path.
-        fast = _fast_launch
+        fast = FAST.launch_kernel
         if fast is not None:
             err = fast(function, grid, block, shared_mem, stream,
                        args.address_int)  # type: ignore[attr-defined]

@@ -55,20 +55,29 @@ def _no_bindings(*_args, **_kwargs):  # pragma: no cover - only without cuda-bin
 
 # ------------------------------------------------------------------ C twins
 class FastCalls:
-    """C twins (_fastcall.c) of the context and copy calls, bound by
-    :func:`cudalab._driver.cuda._bind_fastcall`; None: use the bindings' wrappers. One object
-    read by cuda.py and cuda_memory.py, so the two cannot drift. They exist for the 1 KiB
-    rows of benchmarks/comm.py (every peer copy checks the context and copies).
+    """The C twins (_fastcall.c) of hot driver calls, each named as _fastcall names it, bound
+    together by :func:`cudalab._driver.cuda._bind_fastcall`; None: use the bindings'
+    wrappers. The one registry that cuda.py, cuda_memory.py and the NCCL seam read.
 
-    ``ctx_get()`` returns the current context's address (None on failure),
-    ``ctx_set(context)`` and ``memcpy_async(dst, src, nbytes, stream)`` the CUresult.
+    ``launch_kernel(function, grid, block, shared_mem, stream, params)``,
+    ``stream_wait_event(stream, event, flags)``, ``ctx_set_current(context)`` and
+    ``memcpy_async(dst, src, nbytes, stream)`` return the CUresult; ``event_record(event,
+    stream)`` returns ``(CUresult,)`` as the bindings' does; ``ctx_get_current()`` the
+    current context's address (None on failure). Rows they exist for: "capture, host time
+    per launch" of benchmarks/graphs.py, "host/call" of benchmarks/jiterator.py, the launch
+    and event rows of benchmarks/timing.py, and the 1 KiB rows of benchmarks/comm.py (every
+    peer copy checks the context and copies).
     """
 
-    __slots__ = ("ctx_get", "ctx_set", "memcpy_async")
+    __slots__ = ("launch_kernel", "event_record", "stream_wait_event", "ctx_get_current",
+                 "ctx_set_current", "memcpy_async")
 
     def __init__(self) -> None:
-        self.ctx_get: Any = None
-        self.ctx_set: Any = None
+        self.launch_kernel: Any = None
+        self.event_record: Any = None
+        self.stream_wait_event: Any = None
+        self.ctx_get_current: Any = None
+        self.ctx_set_current: Any = None
         self.memcpy_async: Any = None
 
 

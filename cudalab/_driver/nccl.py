@@ -46,7 +46,7 @@ from cudalab._driver.base import (
     NCCL_UNIQUE_ID_SIZE,
     Nccl,
 )
-from cudalab._driver.cuda_api import FAST
+from cudalab._driver.cuda_api import FAST, _cuCtxGetCurrent, _cuCtxSetCurrent
 from cudalab.errors import NcclError
 
 __all__ = ["RealComm", "RealNccl", "NOT_INSTALLED"]
@@ -323,36 +323,23 @@ class RealNccl(Nccl):
         return self._nccl.Comm(comm) if isinstance(comm, int) else comm
 
     def _current_context(self) -> Any:
-        get = FAST.ctx_get
+        get = FAST.ctx_get_current
         if get is not None:  # from C: an int address (group_end's check, every collective)
             return get()
-        err, ctx = _driver_module().cuCtxGetCurrent()
+        err, ctx = _cuCtxGetCurrent()
         return ctx if not int(err) else None
 
     def _restore_context(self, ctx: Any) -> None:
         if ctx is None:
             return
-        get, set_current = FAST.ctx_get, FAST.ctx_set
+        get, set_current = FAST.ctx_get_current, FAST.ctx_set_current
         if type(ctx) is int and get is not None and set_current is not None:
             if get() != ctx:
                 set_current(ctx)
             return
-        driver = _driver_module()
-        err, now = driver.cuCtxGetCurrent()
+        err, now = _cuCtxGetCurrent()
         if not int(err) and int(now) != int(ctx):
-            driver.cuCtxSetCurrent(ctx)
-
-
-_driver: Any = None  # cuda.bindings.driver, imported on first use (not at import)
-
-
-def _driver_module() -> Any:
-    global _driver
-    if _driver is None:
-        from cuda.bindings import driver
-
-        _driver = driver
-    return _driver
+            _cuCtxSetCurrent(ctx)
 
 
 def _invalid(call: str, detail: str) -> NcclError:

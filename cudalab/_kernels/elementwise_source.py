@@ -207,7 +207,7 @@ template <typename To> struct cudalab_from_complex {
     template <typename U> __device__ static To apply(const cudalab_complex<U>& v) { return static_cast<To>(v.real_); }
 };
 template <> struct cudalab_from_complex<bool> {
-    template <typename U> __device__ static bool apply(const cudalab_complex<U>& v) { return v.real_ != U(0) || v.imag_ != U(0); }
+    template <typename U> __device__ static bool apply(const cudalab_complex<U>& v) { return static_cast<bool>(v); }
 };
 template <typename T> struct cudalab_from_complex<cudalab_complex<T> > {
     template <typename U> __device__ static cudalab_complex<T> apply(const cudalab_complex<U>& v) { return cudalab_complex<T>(v); }

@@ -35,6 +35,7 @@ __all__ = [
     "describe_device",
     "device_of",
     "distinct",
+    "empty_on",
     "flat_buffer",
     "is_device_array",
     "narrow",
@@ -191,14 +192,18 @@ def copy_into(dst: DeviceArray, src: Any) -> DeviceArray:
     return converting_copy(dst, src)
 
 
+def empty_on(shape: tuple[int, ...], dtype: np.dtype, device: int) -> DeviceArray:
+    """``empty(shape, dtype=dtype, device=device)`` on the device's current stream, for
+    arguments known to be valid (a tuple of ints, a supported dtype, a device index): not
+    re-checked (the 1 KiB rows of benchmarks/comm.py)."""
+    return DeviceArray._output(shape, dtype, device, _streams.current_stream(device))
+
+
 def new_like(array: Any, device: int) -> DeviceArray:
-    """A new C-contiguous array of ``array``'s shape and dtype on ``device`` (a valid index),
-    allocated on its current stream: for a DeviceArray, ``empty`` without re-checking what
-    is known to be valid (the 1 KiB rows of benchmarks/comm.py); a host array's dtype is
-    checked by ``empty``."""
+    """A new C-contiguous array of ``array``'s shape and dtype on ``device`` (a valid index):
+    :func:`empty_on` for a DeviceArray; a host array's dtype is checked by ``empty``."""
     if isinstance(array, DeviceArray):
-        return DeviceArray._output(array._shape, array._dtype, device,
-                                   _streams.current_stream(device))
+        return empty_on(array._shape, array._dtype, device)
     return empty(tuple(array.shape), dtype=array.dtype, device=device)
 
 

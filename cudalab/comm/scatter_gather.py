@@ -268,9 +268,8 @@ def gather(arrays: Iterable[Any], dim: int = 0, destination: Any = None, *,
             if host:
                 result: Any = np.empty(shape, first.dtype)
             else:
-                device = _internal.device_index(destination)
-                result = DeviceArray._output(shape, first.dtype, device,
-                                             _streams.current_stream(device))
+                result = _common.empty_on(shape, first.dtype,
+                                          _internal.device_index(destination))
         else:
             if destination is not None:
                 raise RuntimeError(f"'destination' must not be specified when 'out' is "

@@ -184,18 +184,16 @@ def test_the_real_backend_binds_it():
     cudalab.init()
     if os.environ.get("CUDALAB_FASTCALL", "1") == "0":
         pytest.skip("CUDALAB_FASTCALL=0 in this environment")
-    assert C._fast_launch is fastcall.launch_kernel
-    assert C._fast_event_record is fastcall.event_record
-    assert C._fast_stream_wait_event is fastcall.stream_wait_event
+    assert C.FAST.launch_kernel is fastcall.launch_kernel
+    assert C.FAST.event_record is fastcall.event_record
+    assert C.FAST.stream_wait_event is fastcall.stream_wait_event
     from cudalab import _internal
 
     assert _internal.backend().launch_values is fastcall.launch_packed
     assert _internal.backend().graph_launch is fastcall.graph_launch
-    from cudalab._driver.cuda_api import FAST
-
-    assert FAST.ctx_get is fastcall.ctx_get_current
-    assert FAST.ctx_set is fastcall.ctx_set_current
-    assert FAST.memcpy_async is fastcall.memcpy_async
+    assert C.FAST.ctx_get_current is fastcall.ctx_get_current
+    assert C.FAST.ctx_set_current is fastcall.ctx_set_current
+    assert C.FAST.memcpy_async is fastcall.memcpy_async
     ctx = _internal.backend()._context_ints[0]
     assert fastcall.ctx_set_current(ctx) == 0 and fastcall.ctx_get_current() == ctx
 
@@ -239,7 +237,7 @@ _SAME_RESULTS = textwrap.dedent("""
     except CudaError as exc:
         error = [exc.name, exc.call]
     cudalab.synchronize()
-    print(json.dumps({"fast": C._fast_launch is not None, "x": x.tolist(), "y": y.tolist(),
+    print(json.dumps({"fast": C.FAST.launch_kernel is not None, "x": x.tolist(), "y": y.tolist(),
                       "z": z.tolist(), "w": w.tolist(), "error": error,
                       "copy_fast": C.FAST.memcpy_async is not None}))
 """)
