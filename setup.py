@@ -1,14 +1,16 @@
-"""The compiled parts of cudalab: two optional accelerators, each with a pure-Python twin.
+"""The compiled parts of cudalab: three optional accelerators, each with a pure-Python twin.
 
-Everything else is in pyproject.toml. Both extensions are optional: without a compiler or
+Everything else is in pyproject.toml. The extensions are optional: without a compiler or
 headers the install still succeeds and cudalab uses the Python twin (same results, slower).
 
 * ``cudalab.memory_tools._stackstamp``, history's stack stamps, reads CPython's private
   interpreter frames, so it is built only for CPython 3.11-3.13 with the GIL;
   ``cudalab.memory_tools.stacks`` falls back to its pure-Python stamp.
-* ``cudalab._driver._fastcall`` calls cuLaunchKernel, cuEventRecord and cuStreamWaitEvent
-  from C (public C API only), for CPython with the GIL; ``cudalab._driver.cuda`` falls back
-  to cuda.bindings' wrappers.
+* ``cudalab._driver._fastcall`` calls the driver's hot entry points (cuLaunchKernel,
+  cuEventRecord, cuStreamWaitEvent, ...) from C (public C API only), for CPython with the
+  GIL; ``cudalab._driver.cuda`` falls back to cuda.bindings' wrappers.
+* ``cudalab._driver._ncclcall`` makes a single-process clique's NCCL group (start, one call
+  per rank, end) in one C call; ``cudalab._driver.nccl`` falls back to nccl4py's wrappers.
 
 ``CUDALAB_PURE_PYTHON=1`` builds neither.
 """
@@ -27,6 +29,8 @@ def _extensions() -> list:
             or sysconfig.get_config_var("Py_GIL_DISABLED")):
         return []
     extensions = [Extension("cudalab._driver._fastcall", ["cudalab/_driver/_fastcall.c"],
+                            optional=True),
+                  Extension("cudalab._driver._ncclcall", ["cudalab/_driver/_ncclcall.c"],
                             optional=True)]
     if (3, 11) <= sys.version_info[:2] <= (3, 13):
         include = sysconfig.get_paths()["include"]

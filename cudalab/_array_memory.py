@@ -155,6 +155,58 @@ def _order_event(device: int) -> Any:
     return event
 
 
+def _order_event_handle(device: int) -> Any:
+    """The driver handle of this thread's ordering event of ``device`` (created on first use)."""
+    event = _order_event(device)
+    handle = event._handle
+    return handle if handle is not None else event._create(device)
+
+
+def device_copy(dst_device: int, dst: int, src_device: int, src: int, nbytes: int) -> None:
+    """Copy ``nbytes`` (> 0) of device memory from ``src`` on ``src_device`` to ``dst`` on
+    ``dst_device``: the byte copy of :meth:`DeviceArray.copy_` and of :mod:`cudalab.comm`'s
+    scatter, gather and broadcast.
+
+    On one device, on its current stream. Between two devices, torch's way: on the source
+    device's current stream, after the work queued so far on the destination's current
+    stream (which may still be using that memory), and the destination's stream then waits
+    for the copy. With peer access (the source reaching the destination's memory, enabled
+    here once per pair as torch's ``get_p2p_access``) the eight driver calls are one backend
+    call (:meth:`Backend.memcpy_ordered`: the 1 KiB rows of benchmarks/comm.py); while the
+    stream sanitizer runs they are made one by one through Event and Stream, so that it sees
+    the ordering.
+    """
+    if src_device == dst_device:
+        stream = _streams.current_stream(dst_device)
+        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+            _sanitizer_hook.tracker.access(stream, ((src, nbytes),), ((dst, nbytes),),
+                                           "copy (device to device)")
+        if stream._null:
+            _internal.ensure_context(dst_device)
+        stream._b.memcpy_async(dst_device, dst, src, nbytes, stream._handle)
+        return
+    # (The source's stream copies, as torch's copy_: a copy engine pushing to the peer has
+    # less latency than the destination's pulling, about 1.5 µs per small copy on 2 x H200.)
+    stream = _streams.current_stream(src_device)
+    dst_stream = _streams.current_stream(dst_device)
+    b = stream._b
+    peer = _internal.enable_peer_access(src_device, dst_device)
+    if peer and not _sanitizer_hook.on:
+        b.memcpy_ordered(dst, src, nbytes, src_device, stream._handle,
+                         _order_event_handle(src_device), dst_device, dst_stream._handle,
+                         _order_event_handle(dst_device))
+        return
+    wait_stream(stream, dst_stream)
+    if _sanitizer_hook.on:
+        _sanitizer_hook.tracker.access(stream, ((src, nbytes),), ((dst, nbytes),), "copy (peer)")
+    null_context(stream)
+    if peer:
+        b.memcpy_async(src_device, dst, src, nbytes, stream._handle)
+    else:  # the driver stages it through the host
+        b.memcpy_peer_async(dst, dst_device, src, src_device, nbytes, stream._handle)
+    wait_stream(dst_stream, stream)
+
+
 def wait_stream(waiter: _streams.Stream, producer: _streams.Stream) -> None:
     """Make ``waiter`` wait for the work queued so far on ``producer`` (no host sync)."""
     if (waiter.device_index == producer.device_index

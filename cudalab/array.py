@@ -36,6 +36,7 @@ from cudalab import streams as _streams
 from cudalab._array_memory import (
     allocator_of,
     check_host_operand,
+    device_copy,
     fill,
     foreign_waits_for,
     host_transfer,
@@ -43,7 +44,6 @@ from cudalab._array_memory import (
     null_context,
     release_device_memory,
     stream_of,
-    wait_stream,
     waits_for_foreign,
 )
 from cudalab._array_operators import OperatorsMixin, converting_copy, where
@@ -394,9 +394,11 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         library) into this array, broadcasting it to this shape and converting it to this
         dtype as torch does (a converting copy runs an elementwise kernel). Returns self.
 
-        Runs on the current stream of this array's device. Host sources: waits for the copy
-        unless ``non_blocking`` and the source is pinned memory (see the module notes).
-        Device sources never block the host.
+        Runs on the current stream of this array's device; a source on another device is
+        copied as torch copies it, on the source device's current stream, after the work
+        queued so far on this array's device's current stream, which then waits for the copy.
+        Host sources: waits for the copy unless ``non_blocking`` and the source is pinned
+        memory (see the module notes). Device sources never block the host.
         """
         self._require_writable("DeviceArray.copy_()")
         if isinstance(src, DeviceArray):
@@ -429,31 +431,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                     self._device)
             return converting_copy(self, src)  # casts and broadcasts (torch's copy_)
         n = self._nbytes
-        if n == 0:
-            return self
-        stream = stream_of(self._device)
-        b = stream._b
-        if src._device == self._device:
-            if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-                _sanitizer_hook.tracker.access(stream, ((src._ptr, n),), ((self._ptr, n),),
-                                               "copy (device to device)")
-            null_context(stream)
-            b.memcpy_async(self._device, self._ptr, src._ptr, n, stream._handle)
-            return self
-        # Peer copy on the destination's current stream, ordered after the source device's
-        # current stream, and that stream ordered after the copy (torch's cross-device rule):
-        # with direct access (enabled lazily, as torch does) a plain unified-address copy.
-        src_stream = stream_of(src._device)
-        wait_stream(stream, src_stream)
-        if _sanitizer_hook.on:
-            _sanitizer_hook.tracker.access(stream, ((src._ptr, n),), ((self._ptr, n),),
-                                           "copy (peer)")
-        null_context(stream)
-        if _internal.enable_peer_access(self._device, src._device):
-            b.memcpy_async(self._device, self._ptr, src._ptr, n, stream._handle)
-        else:  # the driver stages it through the host
-            b.memcpy_peer_async(self._ptr, self._device, src._ptr, src._device, n, stream._handle)
-        wait_stream(src_stream, stream)
+        if n:
+            device_copy(self._device, self._ptr, src._device, src._ptr, n)
         return self
 
     # ------------------------------------------------------------------ device work

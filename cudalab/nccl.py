@@ -51,6 +51,11 @@ from cudalab import nvtx as _nvtx
 from cudalab import streams as _streams
 from cudalab._driver.base import (
     NCCL_AVG,
+    NCCL_CALL_ALL_GATHER,
+    NCCL_CALL_ALL_REDUCE,
+    NCCL_CALL_BROADCAST,
+    NCCL_CALL_REDUCE,
+    NCCL_CALL_REDUCE_SCATTER,
     NCCL_FLOAT8E4M3,
     NCCL_FLOAT8E5M2,
     NCCL_MAX,
@@ -88,6 +93,7 @@ _DLPACK_CUDA = (2, 13)
 # value is a complete clique of live communicators (a failed or interrupted creation is
 # never stored). Guarded by _cliques_lock for changes; reads of a present key need no lock.
 _cliques: dict[tuple[int, ...], list[Any]] = {}
+_thread = _internal.thread_state()  # .device: this thread's current device (the one object)
 _cliques_lock = threading.Lock()
 _atexit_registered = False  # set (once) when the first clique is created
 # The backend whose NCCL answered (and its answer), for is_available.
@@ -105,12 +111,13 @@ def is_available(arrays: Any) -> bool:
     devices = set()
     try:
         for obj in arrays:
-            a = _device_array(obj)
+            a = obj if type(obj) is _DeviceArray else _device_array(obj)
             if a is None or not a.is_contiguous():
                 return False
-            if a.device_index in devices:
+            device = a.device_index
+            if device in devices:
                 return False
-            devices.add(a.device_index)
+            devices.add(device)
     except Exception:
         return False
     return _nccl_loadable()
@@ -164,12 +171,9 @@ def all_reduce(inputs: Any, outputs: Any = None, op: int = SUM, streams: Any = N
     _check_inputs(ins, outs, 1, 1)
     dtype = _nccl_type(ins[0])
     count = ins[0].size
-
-    def issue(nccl: Any, i: int, comm: Any, stream: Any) -> None:
-        nccl.all_reduce(ins[i].ptr, outs[i].ptr, count, dtype, op, comm, stream)
-
     n = len(ins)
-    _execute("all_reduce", ins, stream_list, comm_list, issue,
+    _execute("all_reduce", NCCL_CALL_ALL_REDUCE, count, dtype, op, 0, ins,
+             [a.ptr for a in ins], [a.ptr for a in outs], stream_list, comm_list,
              lambda: [((ins[i],), (outs[i],)) for i in range(n)],
              count * ins[0].itemsize, 2 * (n - 1) / n)
 
@@ -210,12 +214,10 @@ def reduce(inputs: Any, output: Any = None, root: int = 0, op: int = SUM, stream
     _check_inputs_rooted(ins, out, root)
     dtype = _nccl_type(ins[0])
     count = ins[0].size
-
-    def issue(nccl: Any, i: int, comm: Any, stream: Any) -> None:
-        nccl.reduce(ins[i].ptr, out.ptr if i == root else 0, count, dtype, op, root, comm,
-                    stream)
-
-    _execute("reduce", ins, stream_list, comm_list, issue,
+    recvs = [0] * len(ins)
+    recvs[root] = out.ptr
+    _execute("reduce", NCCL_CALL_REDUCE, count, dtype, op, root, ins, [a.ptr for a in ins],
+             recvs, stream_list, comm_list,
              lambda: [((ins[i],), (out,) if i == root else ()) for i in range(len(ins))],
              count * ins[0].itemsize, 1.0)
 
@@ -238,10 +240,9 @@ def broadcast(inputs: Any, root: int = 0, streams: Any = None, comms: Any = None
         raise RuntimeError(f"Broadcast tensor has {count} elements, which exceeds the maximum "
                            f"NCCL supports ({MAX_COUNT})")
 
-    def issue(nccl: Any, i: int, comm: Any, stream: Any) -> None:
-        nccl.broadcast(ins[i].ptr, ins[i].ptr, count, dtype, root, comm, stream)
-
-    _execute("broadcast", ins, stream_list, comm_list, issue,
+    pointers = [a.ptr for a in ins]
+    _execute("broadcast", NCCL_CALL_BROADCAST, count, dtype, SUM, root, ins, pointers,
+             pointers, stream_list, comm_list,
              lambda: [((ins[i],) if i == root else (), (ins[i],) if i != root else ())
                       for i in range(len(ins))],
              count * ins[0].itemsize, 1.0)
@@ -258,10 +259,8 @@ def all_gather(inputs: Any, outputs: Any, streams: Any = None, comms: Any = None
     dtype = _nccl_type(ins[0])
     count = ins[0].size
 
-    def issue(nccl: Any, i: int, comm: Any, stream: Any) -> None:
-        nccl.all_gather(ins[i].ptr, outs[i].ptr, count, dtype, comm, stream)
-
-    _execute("all_gather", ins, stream_list, comm_list, issue,
+    _execute("all_gather", NCCL_CALL_ALL_GATHER, count, dtype, SUM, 0, ins,
+             [a.ptr for a in ins], [a.ptr for a in outs], stream_list, comm_list,
              lambda: [((ins[i],), (outs[i],)) for i in range(n)],
              count * n * ins[0].itemsize, (n - 1) / n)
 
@@ -278,12 +277,68 @@ def reduce_scatter(inputs: Any, outputs: Any, op: int = SUM, streams: Any = None
     dtype = _nccl_type(ins[0])
     count = ins[0].size // n
 
-    def issue(nccl: Any, i: int, comm: Any, stream: Any) -> None:
-        nccl.reduce_scatter(ins[i].ptr, outs[i].ptr, count, dtype, op, comm, stream)
-
-    _execute("reduce_scatter", ins, stream_list, comm_list, issue,
+    _execute("reduce_scatter", NCCL_CALL_REDUCE_SCATTER, count, dtype, op, 0, ins,
+             [a.ptr for a in ins], [a.ptr for a in outs], stream_list, comm_list,
              lambda: [((ins[i],), (outs[i],)) for i in range(n)],
              ins[0].size * ins[0].itemsize, (n - 1) / n)
+
+
+# ------------------------------------------------------------------------------ for cudalab.comm
+#: The collectives :func:`issue_checked` takes, by name.
+_CALLS = {"all_reduce": NCCL_CALL_ALL_REDUCE, "broadcast": NCCL_CALL_BROADCAST,
+          "reduce": NCCL_CALL_REDUCE, "all_gather": NCCL_CALL_ALL_GATHER,
+          "reduce_scatter": NCCL_CALL_REDUCE_SCATTER}
+
+
+def issue_checked(name: str, ins: list[Any], outs: list[Any], root: int = 0,
+                  op: int = SUM) -> None:
+    """A collective over arrays already checked by the caller, on the current streams: for
+    :mod:`cudalab.comm`, whose public call has its own checks, NVTX range and collective
+    record. Not part of torch.cuda.nccl's API.
+
+    The caller guarantees what the public functions check: every array a contiguous
+    DeviceArray, ``ins`` on pairwise distinct devices, all of one dtype, and sizes as the
+    collective needs them (:func:`is_available` and the caller's own checks). ``outs[i]`` is
+    rank ``i``'s receive array, or None for none (reduce off the root); broadcast is in
+    place (``outs`` is ``ins``). The clique of the inputs' devices is the cached one.
+
+    Raises
+    ------
+    RuntimeError
+        The dtype has no NCCL type (before anything is launched).
+    cudalab.NcclError
+        When NCCL fails.
+    """
+    call = _CALLS[name]
+    first = ins[0]
+    dtype = _TYPE_OF_DTYPE.get(first._dtype)
+    if dtype is None:
+        dtype = _nccl_type(first)
+    count = first._size // len(ins) if call == NCCL_CALL_REDUCE_SCATTER else first._size
+    current_stream = _streams.current_stream
+    devices: list[int] = []
+    sends: list[int] = []
+    recvs: list[int] = []
+    streams: list[Any] = []
+    for a, o in zip(ins, outs):  # (one pass: the 1 KiB reduce_add row of benchmarks/comm.py)
+        device = a._device
+        devices.append(device)
+        sends.append(a._ptr)
+        recvs.append(0 if o is None else o._ptr)
+        streams.append(current_stream(device))
+    key = tuple(devices)
+    nccl = _internal.backend().nccl()
+    comms = _cliques.get(key)
+    if comms is None:
+        comms = _create_clique(nccl, key)
+    _issue_group(nccl, call, count, dtype, op, root, sends, recvs, comms,
+                 [s._handle for s in streams])
+    if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+        for i, (stream, a, o) in enumerate(zip(streams, ins, outs)):
+            reads = [] if call == NCCL_CALL_BROADCAST and i != root else [(a.ptr, a.nbytes)]
+            writes = [] if o is None or (call == NCCL_CALL_BROADCAST and i == root) else \
+                [(o.ptr, o.nbytes)]
+            _sanitizer_hook.tracker.access(stream, reads, writes, f"nccl.{name}")
 
 
 # ------------------------------------------------------------------------------ communicators
@@ -388,13 +443,14 @@ if hasattr(os, "register_at_fork"):
 
 
 # ------------------------------------------------------------------------------ execution
-def _execute(name: str, ins: list[Any], streams: list[Any], comms: list[Any] | None,
-             issue: Callable[[Any, int, Any, Any], None],
+def _execute(name: str, call: int, count: int, dtype: int, op: int, root: int,
+             ins: list[Any], sends: list[int], recvs: list[int], streams: list[Any],
+             comms: list[Any] | None,
              accesses: Callable[[], list[tuple[tuple[Any, ...], tuple[Any, ...]]]],
              algorithm_bytes: int, bus_factor: float) -> None:
-    """Resolve communicators and streams, issue one call per device in one NCCL group, then
-    tell the sanitizer and the collective observers."""
-    devices = tuple(a.device_index for a in ins)
+    """Resolve communicators and streams, issue collective ``call`` (an ``NCCL_CALL_*``) on
+    every device in one NCCL group, then tell the sanitizer and the collective observers."""
+    devices = tuple([a.device_index for a in ins])
     with _nvtx.range(f"nccl.{name}"):
         nccl = _nccl()
         if comms is None:
@@ -412,7 +468,8 @@ def _execute(name: str, ins: list[Any], streams: list[Any], comms: list[Any] | N
                 raise RuntimeError(f"stream at index {i} is on device {stream.device_index}, "
                                    f"but input {i} is on device {devices[i]}")
             resolved.append(stream)
-        _issue_group(nccl, issue, comms, [_internal.stream_handle(s) for s in resolved])
+        _issue_group(nccl, call, count, dtype, op, root, sends, recvs, comms,
+                     [_internal.stream_handle(s) for s in resolved])
         if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
             for stream, (reads, writes) in zip(resolved, accesses()):
                 _sanitizer_hook.tracker.access(
@@ -422,26 +479,18 @@ def _execute(name: str, ins: list[Any], streams: list[Any], comms: list[Any] | N
                                     devices)
 
 
-def _issue_group(nccl: Any, issue: Callable[[Any, int, Any, Any], None], comms: list[Any],
+def _issue_group(nccl: Any, call: int, count: int, dtype: int, op: int, root: int,
+                 sends: list[int], recvs: list[int], comms: list[Any],
                  handles: list[Any]) -> None:
-    """One NCCL group around the per-device calls (Ctrl-C waits until the group is closed:
-    a group cut in half would leave some ranks waiting for the others for ever)."""
-    current = _internal.thread_state().device
-    nccl.group_start()
+    """One NCCL group of the per-device calls (Ctrl-C waits until the group is closed: a
+    group cut in half would leave some ranks waiting for the others for ever), then the
+    caller's device current again (torch's guard)."""
+    current = _thread.device
     try:
-        for i, (comm, handle) in enumerate(zip(comms, handles)):
-            issue(nccl, i, comm, handle)
-    except BaseException:
-        try:
-            nccl.group_end()  # NCCL launches nothing of a group with a failed call
-        except NcclError:
-            pass
-        raise
-    else:
-        nccl.group_end()
+        nccl.group_call(call, count, dtype, op, root, sends, recvs, comms, handles)
     finally:
-        if current is not None and current >= 0:
-            _internal.ensure_context(current)  # back to the caller's device (torch's guard)
+        if current is not None and current >= 0:  # (one thread-local check when it is)
+            _internal.ensure_context(current)
 
 
 _interrupts.guard(_create_clique, destroy_communicators, _destroy_clique, _issue_group)

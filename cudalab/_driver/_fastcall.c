@@ -13,8 +13,11 @@
  * (cuStreamWaitEvent), graph_launch (cuGraphLaunch, raising like launch_packed; the
  * "replay() host cost" row of benchmarks/graphs.py), and ctx_get_current, ctx_set_current
  * and memcpy_async (cuCtxGetCurrent, cuCtxSetCurrent, cuMemcpyAsync: every peer copy and
- * context check; the 1 KiB rows of benchmarks/comm.py), with the prototypes of cuda.h,
- * and nothing else. launch_kernel, stream_wait_event, ctx_set_current and memcpy_async
+ * context check; the 1 KiB rows of benchmarks/comm.py), with the prototypes of cuda.h.
+ * ordered_copy makes the eight calls of a copy between two devices with
+ * torch's two-way stream ordering in one C call (the 1 KiB scatter, gather and broadcast
+ * rows of benchmarks/comm.py: a third of a small peer copy's host time was Python between
+ * those calls). launch_kernel, stream_wait_event, ctx_set_current and memcpy_async
  * return the CUresult as an int; ctx_get_current the context's address (None on failure); event_record returns (CUresult,), the
  * tuple of the bindings' cuEventRecord, because it stands in for that in FastPaths.
  * launch_packed is Backend.launch_values in one C call: it writes the values into a
@@ -553,6 +556,77 @@ memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(result);
 }
 
+PyDoc_STRVAR(ordered_copy_doc,
+"ordered_copy(dst, src, nbytes, copy_context, copy_stream, copy_event, peer_context,\n"
+"             peer_stream, peer_event) -> None or (call, int)\n\n"
+"A copy between two devices with torch's two-way ordering, in one C call: peer_event is\n"
+"recorded on peer_stream, copy_stream waits for it, cuMemcpyAsync(dst, src, nbytes) runs on\n"
+"copy_stream, copy_event is recorded there and peer_stream waits for it. Each stream's context\n"
+"is made current before its calls (the legacy stream acts on the current context) and the\n"
+"caller's context is current again after. Returns None, or the name of the driver call that\n"
+"failed and its CUresult (the calls after it are not made).");
+
+static PyObject *
+ordered_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long dst, src;
+    void *copy_context, *copy_stream, *copy_event, *peer_context, *peer_stream, *peer_event;
+    if (check_arity(nargs, 9, "ordered_copy") < 0) {
+        return NULL;
+    }
+    if (device_address(args[0], &dst) < 0 || device_address(args[1], &src) < 0) {
+        return NULL;
+    }
+    size_t nbytes = PyLong_AsSize_t(args[2]);
+    if (nbytes == (size_t)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (handle_address(args[3], &copy_context) < 0 || handle_address(args[4], &copy_stream) < 0 ||
+        handle_address(args[5], &copy_event) < 0 || handle_address(args[6], &peer_context) < 0 ||
+        handle_address(args[7], &peer_stream) < 0 || handle_address(args[8], &peer_event) < 0) {
+        return NULL;
+    }
+    if (memcpy_async_ptr == NULL || ctx_get_current_ptr == NULL || ctx_set_current_ptr == NULL ||
+        event_record_ptr == NULL || stream_wait_event_ptr == NULL) {
+        return not_set_up("ordered_copy");
+    }
+    const char *failed = NULL;
+    CUresult_t result = 0;
+    Py_BEGIN_ALLOW_THREADS
+    void *saved = NULL;
+    if ((result = ctx_get_current_ptr(&saved)) != 0) {
+        failed = "cuCtxGetCurrent";
+    } else if ((result = ctx_set_current_ptr(peer_context)) != 0) {
+        failed = "cuCtxSetCurrent";
+    } else if ((result = event_record_ptr(peer_event, peer_stream)) != 0) {
+        failed = "cuEventRecord";
+    } else if ((result = ctx_set_current_ptr(copy_context)) != 0) {
+        failed = "cuCtxSetCurrent";
+    } else if ((result = stream_wait_event_ptr(copy_stream, peer_event, 0)) != 0) {
+        failed = "cuStreamWaitEvent";
+    } else if ((result = memcpy_async_ptr(dst, src, nbytes, copy_stream)) != 0) {
+        failed = "cuMemcpyAsync";
+    } else if ((result = event_record_ptr(copy_event, copy_stream)) != 0) {
+        failed = "cuEventRecord";
+    } else if ((result = ctx_set_current_ptr(peer_context)) != 0) {
+        failed = "cuCtxSetCurrent";
+    } else if ((result = stream_wait_event_ptr(peer_stream, copy_event, 0)) != 0) {
+        failed = "cuStreamWaitEvent";
+    }
+    if (failed == NULL || strcmp(failed, "cuCtxGetCurrent") != 0) {
+        CUresult_t put_back = ctx_set_current_ptr(saved); /* also after a failed call */
+        if (failed == NULL && put_back != 0) {
+            failed = "cuCtxSetCurrent";
+            result = put_back;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (failed == NULL) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(si)", failed, result);
+}
+
 PyDoc_STRVAR(setup_doc,
 "setup(launch_kernel, event_record, stream_wait_event, graph_launch, ctx_get_current,\n"
 "      ctx_set_current, memcpy_async, error_for)\n\n"
@@ -611,6 +685,7 @@ static PyMethodDef methods[] = {
     {"ctx_set_current", (PyCFunction)(void (*)(void))ctx_set_current, METH_FASTCALL,
      ctx_set_current_doc},
     {"memcpy_async", (PyCFunction)(void (*)(void))memcpy_async, METH_FASTCALL, memcpy_async_doc},
+    {"ordered_copy", (PyCFunction)(void (*)(void))ordered_copy, METH_FASTCALL, ordered_copy_doc},
     {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL, setup_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -619,7 +694,8 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     "cudalab._driver._fastcall",
     "cuLaunchKernel, cuEventRecord, cuStreamWaitEvent, cuGraphLaunch, cuCtxGetCurrent, "
-    "cuCtxSetCurrent and cuMemcpyAsync called from C (see cudalab/_driver/cuda.py).",
+    "cuCtxSetCurrent and cuMemcpyAsync called from C, and ordered_copy (see "
+    "cudalab/_driver/cuda.py).",
     -1,
     methods,
     NULL,

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from cudalab.errors import NcclError
+
 # Stream flags (values of CU_STREAM_*).
 STREAM_DEFAULT = 0
 STREAM_NON_BLOCKING = 1
@@ -291,6 +293,33 @@ class Backend(abc.ABC):
         self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: Any
     ) -> None:
         """Copy between two devices' memory on ``stream`` (works without peer access)."""
+
+    def memcpy_ordered(self, dst: int, src: int, nbytes: int, copy_device: int,
+                       copy_stream: Any, copy_event: Any, peer_device: int, peer_stream: Any,
+                       peer_event: Any) -> None:
+        """A copy between two devices with torch's two-way ordering: ``nbytes`` from ``src``
+        to ``dst`` (unified addresses, peer access enabled) on ``copy_stream``, a stream of
+        ``copy_device``, ordered after the work queued so far on ``peer_stream`` (of the other
+        device), which then waits for the copy.
+
+        ``peer_event`` (an event of ``peer_device``) is recorded on ``peer_stream`` and waited
+        for by ``copy_stream`` before the copy; ``copy_event`` (of ``copy_device``) is
+        recorded on ``copy_stream`` after it and waited for by ``peer_stream``. Each stream's
+        device is made current for its calls (a legacy stream handle acts on the current
+        context); the calling thread may be left on either device, as :meth:`set_context`
+        records it.
+
+        This default makes the calls one by one; a backend may make them in one step (the
+        real one does, from C).
+        """
+        self.set_context(peer_device)
+        self.event_record(peer_event, peer_stream)
+        self.set_context(copy_device)
+        self.stream_wait_event(copy_stream, peer_event)
+        self.memcpy_async(copy_device, dst, src, nbytes, copy_stream)
+        self.event_record(copy_event, copy_stream)
+        self.set_context(peer_device)
+        self.stream_wait_event(peer_stream, copy_event)
 
     @abc.abstractmethod
     def memset_d8(self, device: int, ptr: int, value: int, nbytes: int) -> None:
@@ -680,6 +709,14 @@ NCCL_NUMPY_NAMES = {
 #: Size in bytes of an NCCL unique id (ncclUniqueId).
 NCCL_UNIQUE_ID_SIZE = 128
 
+#: The collectives :meth:`Nccl.group_call` issues, numbered as the real backend's C group call
+#: numbers them (cudalab/_driver/_ncclcall.c; tests/driver/test_ncclcall.py compares the two).
+NCCL_CALL_ALL_REDUCE, NCCL_CALL_BROADCAST, NCCL_CALL_REDUCE = 0, 1, 2
+NCCL_CALL_ALL_GATHER, NCCL_CALL_REDUCE_SCATTER = 3, 4
+#: Each collective's name in NCCL's C API (error messages say which call failed).
+NCCL_CALL_NAMES = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
+                   "ncclReduceScatter")
+
 #: ncclResult_t: code -> (name, ncclGetErrorString's text), as nccl.h and NCCL spell them.
 NCCL_RESULTS = {
     0: ("ncclSuccess", "no error"),
@@ -795,6 +832,44 @@ class Nccl(abc.ABC):
     def reduce_scatter(self, send: int, recv: int, recv_count: int, dtype: int, op: int,
                        comm: Any, stream: Any) -> None:
         """``recv = op(send[rank * recv_count:(rank + 1) * recv_count] of every rank)``."""
+
+    def group_call(self, call: int, count: int, dtype: int, op: int, root: int,
+                   sends: Sequence[int], recvs: Sequence[int], comms: Sequence[Any],
+                   streams: Sequence[Any]) -> None:
+        """One collective on every rank of a single-process clique, in one group.
+
+        Rank ``i`` runs collective ``call`` (an ``NCCL_CALL_*`` value) with ``sends[i]``,
+        ``recvs[i]``, ``comms[i]`` and ``streams[i]`` and the shared ``count`` (the receive
+        count of reduce_scatter, the send count of all_gather), ``dtype``, ``op`` (ignored by
+        broadcast and all_gather) and ``root`` (used by broadcast and reduce only). The
+        calling thread's current context is as it was afterwards. A failed call still closes
+        the group, and raises its :class:`cudalab.NcclError`.
+
+        This default makes :meth:`group_start`, the per-rank calls and :meth:`group_end`; a
+        backend may make them in one step (the real one does, from C).
+        """
+        if not 0 <= call < len(NCCL_CALL_NAMES):
+            raise ValueError(f"group_call(): unknown collective {call!r}")
+        self.group_start()
+        try:
+            for send, recv, comm, stream in zip(sends, recvs, comms, streams):
+                if call == NCCL_CALL_ALL_REDUCE:
+                    self.all_reduce(send, recv, count, dtype, op, comm, stream)
+                elif call == NCCL_CALL_BROADCAST:
+                    self.broadcast(send, recv, count, dtype, root, comm, stream)
+                elif call == NCCL_CALL_REDUCE:
+                    self.reduce(send, recv, count, dtype, op, root, comm, stream)
+                elif call == NCCL_CALL_ALL_GATHER:
+                    self.all_gather(send, recv, count, dtype, comm, stream)
+                else:
+                    self.reduce_scatter(send, recv, count, dtype, op, comm, stream)
+        except BaseException:
+            try:
+                self.group_end()  # NCCL launches nothing of a group with a failed call
+            except NcclError:
+                pass
+            raise
+        self.group_end()
 
     @abc.abstractmethod
     def send(self, buffer: int, count: int, dtype: int, peer: int, comm: Any,

@@ -129,6 +129,22 @@ _FAST_SYMBOLS = (b"cuLaunchKernel", b"cuEventRecord", b"cuStreamWaitEvent", b"cu
 _FASTCALL_ENV = "CUDALAB_FASTCALL"
 
 
+def entry_point(symbol: bytes, driver_version: int) -> int:
+    """The driver's entry point ``symbol`` (cuGetProcAddress, with the default-stream
+    semantics cuda.bindings itself uses) as an int address; 0 when the driver does not give
+    it (or the bindings are a test's fake)."""
+    # cuda.bindings takes the per-thread default stream variants when this is set.
+    ptds = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
+    try:
+        flags = _drv.CUdriverProcAddress_flags
+        flag = (flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if ptds
+                else flags.CU_GET_PROC_ADDRESS_DEFAULT)
+        err, address, _status = _drv.cuGetProcAddress(symbol, driver_version, flag)
+    except Exception:  # noqa: BLE001 - any binding trouble (or a test's fake): none
+        return 0
+    return 0 if err or not address else int(address)
+
+
 def _bind_fastcall(driver_version: int) -> None:
     """Give _fastcall the driver's entry points (cuGetProcAddress, with the default-stream
     semantics cuda.bindings itself uses), and publish its functions; on any failure keep what
@@ -139,19 +155,8 @@ def _bind_fastcall(driver_version: int) -> None:
         for name in FastCalls.__slots__:
             setattr(FAST, name, None)
         return
-    # cuda.bindings takes the per-thread default stream variants when this is set.
-    ptds = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
-    addresses = []
-    try:
-        flags = _drv.CUdriverProcAddress_flags
-        flag = (flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if ptds
-                else flags.CU_GET_PROC_ADDRESS_DEFAULT)
-        for symbol in _FAST_SYMBOLS:
-            err, address, _status = _drv.cuGetProcAddress(symbol, driver_version, flag)
-            if err or not address:
-                return
-            addresses.append(int(address))
-    except Exception:  # noqa: BLE001 - any binding trouble (or a test's fake): the bindings' path
+    addresses = [entry_point(symbol, driver_version) for symbol in _FAST_SYMBOLS]
+    if not all(addresses):
         return
     _fastcall.setup(*addresses, _error)
     for name in FastCalls.__slots__:
@@ -771,6 +776,20 @@ class CudaBackend(CudaGraphs):
 
     def handle_int(self, handle: Any) -> int:
         return 0 if handle is None else int(handle)
+
+    # The two below serve the NCCL seam's C group call (cudalab/_driver/nccl.py); they are
+    # not part of the Backend interface.
+    def context_int(self, device: int) -> int:
+        """The address of ``device``'s primary context (retained on first use)."""
+        value = self._context_ints.get(device)
+        if value is None:
+            self._primary(device)
+            value = self._context_ints[device]
+        return value
+
+    def entry_point(self, symbol: bytes) -> int:
+        """The driver's entry point ``symbol`` as an int address, 0 when not given."""
+        return entry_point(symbol, self.driver_version())
 
 
 __all__ = ["CudaBackend", "CudaKernelArgs"]

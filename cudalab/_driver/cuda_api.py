@@ -63,14 +63,17 @@ class FastCalls:
     ``stream_wait_event(stream, event, flags)``, ``ctx_set_current(context)`` and
     ``memcpy_async(dst, src, nbytes, stream)`` return the CUresult; ``event_record(event,
     stream)`` returns ``(CUresult,)`` as the bindings' does; ``ctx_get_current()`` the
-    current context's address (None on failure). Rows they exist for: "capture, host time
+    current context's address (None on failure); ``ordered_copy(dst, src, nbytes,
+    copy_context, copy_stream, copy_event, peer_context, peer_stream, peer_event)`` makes a
+    copy between two devices with torch's two-way ordering and returns None or the failed
+    call's ``(name, CUresult)``. Rows they exist for: "capture, host time
     per launch" of benchmarks/graphs.py, "host/call" of benchmarks/jiterator.py, the launch
     and event rows of benchmarks/timing.py, and the 1 KiB rows of benchmarks/comm.py (every
     peer copy checks the context and copies).
     """
 
     __slots__ = ("launch_kernel", "event_record", "stream_wait_event", "ctx_get_current",
-                 "ctx_set_current", "memcpy_async")
+                 "ctx_set_current", "memcpy_async", "ordered_copy")
 
     def __init__(self) -> None:
         self.launch_kernel: Any = None
@@ -79,6 +82,7 @@ class FastCalls:
         self.ctx_get_current: Any = None
         self.ctx_set_current: Any = None
         self.memcpy_async: Any = None
+        self.ordered_copy: Any = None
 
 
 FAST = FastCalls()

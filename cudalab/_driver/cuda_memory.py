@@ -103,6 +103,7 @@ class CudaMemory(Backend):
     # Supplied by CudaBackend (cudalab._driver.cuda): its lock and caches ...
     _lock: threading.Lock
     _contexts: dict[int, Any]  # ordinal -> retained primary CUcontext
+    _context_ints: dict[int, int]  # ordinal -> that context's address (the C calls take it)
     _granularity: dict[int, int]  # ordinal -> VMM granularity
     #: Captures begun through this backend and not yet ended (CudaGraphs keeps the count):
     #: while non-zero, cuMemAlloc and cuMemHostAlloc run under a RELAXED capture-mode guard.
@@ -213,6 +214,23 @@ class CudaMemory(Backend):
             _cuMemcpyAsync(dst, src, nbytes, stream)[0]
         if err:
             raise _error(err, "cuMemcpyAsync")
+
+    def memcpy_ordered(self, dst: int, src: int, nbytes: int, copy_device: int,
+                       copy_stream: Any, copy_event: Any, peer_device: int, peer_stream: Any,
+                       peer_event: Any) -> None:
+        # The eight driver calls in one C call where it is built (the calling thread's context
+        # is then current again after); else Backend's calls one by one.
+        fast = FAST.ordered_copy
+        contexts = self._context_ints
+        copy_context, peer_context = contexts.get(copy_device), contexts.get(peer_device)
+        if fast is None or copy_context is None or peer_context is None:
+            super().memcpy_ordered(dst, src, nbytes, copy_device, copy_stream, copy_event,
+                                   peer_device, peer_stream, peer_event)
+            return
+        failure = fast(dst, src, nbytes, copy_context, copy_stream, copy_event, peer_context,
+                       peer_stream, peer_event)
+        if failure is not None:
+            raise _error(failure[1], failure[0])
 
     def memcpy_peer_async(
         self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: Any

@@ -34,11 +34,16 @@ unique id's size) are checked here before NCCL is called.
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from cudalab._driver.base import (
     NCCL_AVG,
+    NCCL_CALL_ALL_GATHER,
+    NCCL_CALL_BROADCAST,
+    NCCL_CALL_NAMES,
+    NCCL_CALL_REDUCE,
     NCCL_FLOAT8E5M2,
     NCCL_INT8,
     NCCL_RESULTS,
@@ -46,14 +51,22 @@ from cudalab._driver.base import (
     NCCL_UNIQUE_ID_SIZE,
     Nccl,
 )
-from cudalab._driver.cuda_api import FAST, _cuCtxGetCurrent, _cuCtxSetCurrent
+from cudalab._driver.cuda_api import FAST, _cuCtxGetCurrent, _cuCtxSetCurrent, _error
 from cudalab.errors import NcclError
+
+try:  # optional C group call (setup.py builds it; see RealNccl._bind_group_call)
+    from cudalab._driver import _ncclcall  # type: ignore[attr-defined]  # C, no stub
+except ImportError:  # pragma: no cover - a pure-Python install
+    _ncclcall = None
 
 __all__ = ["RealComm", "RealNccl", "NOT_INSTALLED"]
 
 #: The message when nccl4py cannot be imported.
 NOT_INSTALLED = ("NCCL is not available: the 'nccl4py' package is not installed "
                  "(pip install 'cudalab[nccl]')")
+
+#: The NCCL entry points the C group call takes, in _ncclcall.setup's order.
+_GROUP_CALL_SYMBOLS = ("ncclGroupStart", "ncclGroupEnd", *NCCL_CALL_NAMES)
 
 #: ncclResult_t names, as nccl.h spells them.
 RESULT_NAMES = {code: name for code, (name, _text) in NCCL_RESULTS.items()}  # from the one table
@@ -64,13 +77,21 @@ class RealComm:
     """A communicator handle of :class:`RealNccl`.
 
     ``comm`` is nccl4py's ``Comm`` (None once destroyed or aborted: the handle is then
-    dead); ``device``, ``rank`` and ``nranks`` are NCCL's answers read at creation.
+    dead); ``device``, ``rank`` and ``nranks`` are NCCL's answers read at creation. For the C
+    group call, read once: ``address``, the ``ncclComm_t`` as an int (0 where nccl4py's
+    handle has none), and ``context``, the address of the device's primary context (which
+    the backend retains for the life of the process).
     """
 
-    __slots__ = ("comm", "device", "rank", "nranks", "__weakref__")
+    __slots__ = ("comm", "address", "context", "device", "rank", "nranks", "__weakref__")
 
-    def __init__(self, comm: Any, device: int, rank: int, nranks: int):
+    def __init__(self, comm: Any, device: int, rank: int, nranks: int, context: int = 0):
         self.comm = comm
+        try:
+            self.address = int(comm)
+        except (TypeError, ValueError):
+            self.address = 0
+        self.context = context
         self.device = device
         self.rank = rank
         self.nranks = nranks
@@ -104,6 +125,37 @@ class RealNccl(Nccl):
             raise NcclError(NOT_INSTALLED, None) from exc
         self._b = backend
         self._nccl = bindings
+        #: _ncclcall.group_call once its entry points are set (None: nccl4py's Python calls)
+        self._group_call: Callable[..., Any] | None = self._bind_group_call()
+
+    def _bind_group_call(self) -> Callable[..., Any] | None:
+        """Give the C group call the entry points of the libnccl nccl4py loaded and the
+        driver's context calls; None (nccl4py's Python calls) where the extension is not
+        built, ``CUDALAB_FASTCALL=0`` or an address is missing."""
+        if _ncclcall is None or os.environ.get("CUDALAB_FASTCALL", "1").strip() == "0":
+            return None
+        try:
+            from nccl.bindings._internal import nccl as loader
+
+            def nccl_address(name: str) -> int:
+                for key in (name, "__" + name, "_" + name):
+                    try:
+                        address = int(loader._inspect_function_pointer(key))
+                    except Exception:  # noqa: BLE001 - an unknown name: the next spelling
+                        continue
+                    if address:
+                        return address
+                return 0
+
+            addresses = [nccl_address(n) for n in _GROUP_CALL_SYMBOLS]
+            addresses += [self._b.entry_point(b"cuCtxGetCurrent"),
+                          self._b.entry_point(b"cuCtxSetCurrent")]
+        except Exception:  # noqa: BLE001 - an nccl4py without the loader's inspection, a fake
+            return None
+        if not all(addresses):
+            return None
+        _ncclcall.setup(*addresses)
+        return _ncclcall.group_call
 
     # ------------------------------------------------------------------ identity
     def version(self) -> int:
@@ -134,7 +186,7 @@ class RealNccl(Nccl):
         finally:
             self._restore_context(saved)
         # Keep the Comm objects: rank i is devs[i] (ncclCommInitAll's contract).
-        return [RealComm(self._wrap(c), d, r, len(devs))
+        return [RealComm(self._wrap(c), d, r, len(devs), self._b.context_int(d))
                 for r, (c, d) in enumerate(zip(comms, devs))]
 
     def comm_init_rank(self, device: int, nranks: int, unique_id: bytes, rank: int) -> Any:
@@ -151,7 +203,7 @@ class RealNccl(Nccl):
         self._b.set_context(d)
         # a writable 128-byte buffer: nccl4py reads it as the ncclUniqueId
         comm = self._call(call, None, self._nccl.comm_init_rank, n, bytearray(uid), r)
-        return RealComm(self._wrap(comm), d, r, n)
+        return RealComm(self._wrap(comm), d, r, n, self._b.context_int(d))
 
     def comm_finalize(self, comm: Any) -> None:
         c = self._comm(comm, "ncclCommFinalize")
@@ -198,6 +250,65 @@ class RealNccl(Nccl):
             self._call("ncclGroupEnd", None, self._nccl.group_end)
         finally:
             self._restore_context(saved)
+
+    def group_call(self, call: int, count: int, dtype: int, op: int, root: int,
+                   sends: Sequence[int], recvs: Sequence[int], comms: Sequence[Any],
+                   streams: Sequence[Any]) -> None:
+        """:meth:`Nccl.group_call` in one C call where it is built (the whole group, the
+        contexts set and put back, with the GIL released); else the per-rank Python calls.
+
+        The cheap arguments are checked first, with the messages of the per-rank calls."""
+        fast = self._group_call
+        if fast is None or not 0 <= call < len(NCCL_CALL_NAMES):
+            return super().group_call(call, count, dtype, op, root, sends, recvs, comms,
+                                      streams)
+        name = NCCL_CALL_NAMES[call]
+        rooted = call == NCCL_CALL_BROADCAST or call == NCCL_CALL_REDUCE
+        checked_op = op if call != NCCL_CALL_BROADCAST and call != NCCL_CALL_ALL_GATHER else \
+            NCCL_SUM
+        checked_root = root if rooted else 0
+        first = comms[0] if comms else None
+        ranks: list[tuple[Any, ...]] = []
+        if (type(first) is RealComm and type(count) is int and count >= 0
+                and type(dtype) is int and NCCL_INT8 <= dtype <= NCCL_FLOAT8E5M2
+                and type(checked_op) is int and NCCL_SUM <= checked_op <= NCCL_AVG
+                and type(checked_root) is int and 0 <= checked_root < first.nranks):
+            # The shared arguments checked once, then each rank's handle: plain values in one
+            # pass (the 1 KiB reduce_add row of benchmarks/comm.py). Streams go to C as they
+            # are (int() of a handle object there). Anything else: the per-rank checks below.
+            for send, recv, comm, stream in zip(sends, recvs, comms, streams):
+                if (type(comm) is not RealComm or comm.comm is None or not comm.address
+                        or not comm.context or comm.nranks != first.nranks
+                        or type(send) is not int or type(recv) is not int):
+                    break
+                ranks.append((comm.context, send, recv, comm.address, stream))
+        if len(ranks) != len(comms):
+            ranks = []
+            for send, recv, comm, stream in zip(sends, recvs, comms, streams):
+                c = self._checked(comm, name, count, dtype, checked_op,
+                                  root if rooted else None)
+                if not (c.address and c.context):  # (no addresses: nccl4py's calls)
+                    return super().group_call(call, count, dtype, op, root, sends, recvs,
+                                              comms, streams)
+                ranks.append((c.context, _ptr(send), _ptr(recv), c.address,
+                              self._b.handle_int(stream)))
+        failure = fast(call, count, dtype, checked_op, checked_root, tuple(ranks))
+        if failure is not None:
+            self._raise_group_failure(name, failure, comms)
+
+    def _raise_group_failure(self, name: str, failure: tuple[int, int, int],
+                             comms: Sequence[Any]) -> None:
+        """Raise what the per-rank calls would have raised for _ncclcall's ``failure``."""
+        stage, rank, code = failure
+        if stage in (_ncclcall.STAGE_SAVE_CONTEXT, _ncclcall.STAGE_SET_CONTEXT,
+                     _ncclcall.STAGE_RESTORE_CONTEXT):
+            call = "cuCtxGetCurrent" if stage == _ncclcall.STAGE_SAVE_CONTEXT else \
+                "cuCtxSetCurrent"
+            raise _error(code, call)
+        if stage == _ncclcall.STAGE_CALL:
+            raise self._error(name, comms[rank].comm, code)
+        call = "ncclGroupStart" if stage == _ncclcall.STAGE_GROUP_START else "ncclGroupEnd"
+        raise self._error(call, None, code)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: Any,
@@ -260,6 +371,13 @@ class RealNccl(Nccl):
     def _ready(self, comm: Any, call: str, count: Any, dtype: Any, op: Any,
                root: Any = None, peer: Any = None) -> RealComm:
         """Check the cheap arguments, then make the communicator's device current."""
+        c = self._checked(comm, call, count, dtype, op, root, peer)
+        self._b.set_context(c.device)
+        return c
+
+    def _checked(self, comm: Any, call: str, count: Any, dtype: Any, op: Any,
+                 root: Any = None, peer: Any = None) -> RealComm:
+        """The live communicator ``comm`` once the cheap arguments are checked."""
         if (type(comm) is RealComm and comm.comm is not None and type(count) is int
                 and count >= 0 and type(dtype) is int and NCCL_INT8 <= dtype <= NCCL_FLOAT8E5M2
                 and type(op) is int and NCCL_SUM <= op <= NCCL_AVG
@@ -267,7 +385,6 @@ class RealNccl(Nccl):
                 and (peer is None or type(peer) is int and 0 <= peer < comm.nranks)):
             # plain ints, all in range: the common case in one expression (the 1 KiB rows of
             # benchmarks/comm.py); anything else takes the checks below, which name the fault
-            self._b.set_context(comm.device)
             return comm
         c = self._comm(comm, call)
         n = _int(count)
@@ -285,7 +402,6 @@ class RealNccl(Nccl):
             if value is not None and (rank is None or not 0 <= rank < c.nranks):
                 raise _invalid(call, f"{what} {value!r} is not a rank of this {c.nranks}-rank "
                                      "communicator")
-        self._b.set_context(c.device)
         return c
 
     def _call(self, call: str, comm: Any, fn: Callable[..., Any], *args: Any) -> Any:

@@ -8,8 +8,10 @@ words, the NCCL switch, copies between any two arrays, and views.
 * :func:`copy_into` is ``dst.copy_(src, non_blocking=True)`` for every pair the
   collectives meet: a host (numpy) or device source, a contiguous or strided destination
   (a slice of a gather's result along a dimension other than 0). Work goes to the current
-  streams (the destination's; a peer copy is ordered after the source device's current
-  stream and that stream after the copy, see :meth:`cudalab.DeviceArray.copy_`).
+  streams (the destination's; a copy between devices runs on the source device's, ordered
+  both ways with the destination's, see :meth:`cudalab.DeviceArray.copy_`). The plain cases
+  of scatter, gather and broadcast copy runs of bytes with
+  :func:`cudalab._array_memory.device_copy`, the same copy without building views.
 * Peer access is enabled lazily by the copies themselves (``DeviceArray.copy_``, through
   ``cudalab._internal.enable_peer_access``), as torch's ``get_p2p_access`` does.
 * Messages quote shapes as torch prints ``IntArrayRef`` (``[2, 3]``) and devices as torch
@@ -44,6 +46,7 @@ __all__ = [
     "nccl_module",
     "parse_devices",
     "shape_text",
+    "same_dtype",
     "total_bytes",
     "unflatten",
     "wrap_dim",
@@ -75,14 +78,16 @@ def nccl_module() -> Any:
     return found
 
 
-def nccl_for(arrays: Sequence[Any]) -> Any:
+def nccl_for(arrays: Sequence[Any], checked: bool = False) -> Any:
     """The NCCL module when torch would use NCCL for ``arrays`` (``nccl.is_available``),
-    else None (then the caller copies). Host arrays never go to NCCL."""
-    for a in arrays:
-        if not isinstance(a, DeviceArray):
-            return None
+    else None (then the caller copies). Host arrays never go to NCCL (``checked``: the
+    caller knows every array is a DeviceArray)."""
+    if not checked:
+        for a in arrays:
+            if not isinstance(a, DeviceArray):
+                return None
     nccl = nccl_module()
-    if nccl is None or not nccl.is_available(list(arrays)):
+    if nccl is None or not nccl.is_available(arrays):
         return None
     return nccl
 
@@ -152,6 +157,15 @@ def distinct(devices: Iterable[int]) -> tuple[int, ...]:
         if d != HOST:
             seen.setdefault(d, None)
     return tuple(seen)
+
+
+def same_dtype(arrays: Sequence[Any]) -> bool:
+    """Whether the arrays all have the first one's dtype (what NCCL needs of a collective)."""
+    dtype = arrays[0].dtype
+    for a in arrays:
+        if a.dtype != dtype:
+            return False
+    return True
 
 
 def total_bytes(arrays: Iterable[Any]) -> int:

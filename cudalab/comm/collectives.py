@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cudalab import _internal, nvtx
+from cudalab._array_memory import device_copy
 from cudalab.array import DeviceArray
 from cudalab.comm import _common
 
@@ -86,10 +87,11 @@ def broadcast(array: Any, devices: Iterable[Any] | None = None, *,
             results = list(out)  # type: ignore[arg-type]
             _check_outputs(array, results)
             broadcast_into(array, results)
-        ranks = _common.distinct([_common.device_of(array)]
-                                 + [r.device_index for r in results])
-        _internal.notify_collective("comm.broadcast", array.nbytes, len(ranks),
-                                    ROOTED_BUS_FACTOR, ranks)
+        if _internal.collective_observers:  # (the ranks only when someone listens)
+            ranks = _common.distinct([_common.device_of(array)]
+                                     + [r.device_index for r in results])
+            _internal.notify_collective("comm.broadcast", array.nbytes, len(ranks),
+                                        ROOTED_BUS_FACTOR, ranks)
     return results
 
 
@@ -137,12 +139,18 @@ def broadcast_into(array: Any, outs: Sequence[DeviceArray]) -> None:
     if not outs:
         return
     if len(outs) == 1 and _one_peer_copy(array, outs[0]):
-        _common.copy_into(outs[0], array)
+        out = outs[0]
+        if array.nbytes:
+            device_copy(out.device_index, out.ptr, array.device_index, array.ptr, array.nbytes)
         return
-    nccl = _common.nccl_for([array, *outs])
+    group = [array, *outs]
+    nccl = _common.nccl_for(group)
     if nccl is not None:
-        with _internal.collective_muted():  # the comm.* call reports itself, once
-            nccl.broadcast([array, *outs])
+        if _common.same_dtype(group):
+            nccl.issue_checked("broadcast", group, group, root=0)
+        else:  # the public call raises torch's error
+            with _internal.collective_muted():  # the comm.* call reports itself, once
+                nccl.broadcast(group)
         return
     for o in outs:
         _common.copy_into(o, array)
@@ -190,12 +198,16 @@ def reduce_add(inputs: Iterable[Any], destination: Any = None) -> DeviceArray:
     destination the last of them is the root, as in torch. Reported to the collective
     observers as ``"comm.reduce_add"`` with S = the bytes of one input and bus factor 1.
     """
-    with nvtx.range("comm.reduce_add"):
+    nvtx.range_push("comm.reduce_add")  # (not nvtx.range's object: the 1 KiB reduce_add row)
+    try:
         inputs = list(inputs)
         result = sum_to_device(inputs, destination)
-        ranks = _common.distinct(a.device_index for a in inputs)
-        _internal.notify_collective("comm.reduce_add", inputs[0].nbytes, len(ranks),
-                                    ROOTED_BUS_FACTOR, ranks)
+        if _internal.collective_observers:  # (the ranks only when someone listens)
+            ranks = _common.distinct(a.device_index for a in inputs)
+            _internal.notify_collective("comm.reduce_add", inputs[0].nbytes, len(ranks),
+                                        ROOTED_BUS_FACTOR, ranks)
+    finally:
+        nvtx.range_pop()
     return result
 
 
@@ -223,6 +235,23 @@ def reduce_root(operands: Sequence[Operand], destination: int) -> int:
     return root
 
 
+def _plain_root(inputs: Sequence[Any], destination: int) -> int | None:
+    """:func:`reduce_root` for the common case, in one pass: every input a DeviceArray of the
+    first one's shape and dtype (the 1 KiB reduce_add row of benchmarks/comm.py). None when
+    that is not so, or no input is on ``destination``: then :func:`reduce_root` says what is
+    wrong (and a dtype mismatch is NCCL's error to raise)."""
+    if not inputs or type(inputs[0]) is not DeviceArray:
+        return None
+    shape, dtype = inputs[0]._shape, inputs[0]._dtype
+    root = None
+    for i, a in enumerate(inputs):
+        if type(a) is not DeviceArray or a._shape != shape or a._dtype != dtype:
+            return None
+        if a._device == destination:
+            root = i
+    return root
+
+
 def operand(array: Any) -> Operand:
     """The :class:`Operand` of an input (a host or foreign object counts as the host)."""
     return Operand(_common.device_of(array), tuple(getattr(array, "shape", ())))
@@ -232,14 +261,24 @@ def sum_to_device(inputs: Sequence[Any], destination: Any) -> DeviceArray:
     """:func:`reduce_add` without range or record (``destination`` unparsed: None is the
     current device)."""
     dest = _internal.device_index(destination)
-    root = reduce_root([operand(a) for a in inputs], dest)
+    plain_root = _plain_root(inputs, dest)
+    plain = plain_root is not None
+    # (else torch's checks, with their messages)
+    root = plain_root if plain_root is not None else reduce_root(
+        [operand(a) for a in inputs], dest)
     if len(inputs) == 1:
         return inputs[0]
-    nccl = _common.nccl_for(inputs)
+    nccl = _common.nccl_for(inputs, checked=plain)
     if nccl is not None:
-        result = _common.new_like(inputs[root], dest)
-        with _internal.collective_muted():  # the comm.* call reports itself, once
-            nccl.reduce(list(inputs), output=result, root=root)
+        first = inputs[root]
+        result = _common.empty_on(first._shape, first._dtype, dest)
+        if plain or _common.same_dtype(inputs):
+            outs: list[Any] = [None] * len(inputs)
+            outs[root] = result
+            nccl.issue_checked("reduce", inputs, outs, root=root)
+        else:  # the public call raises torch's error
+            with _internal.collective_muted():  # the comm.* call reports itself, once
+                nccl.reduce(list(inputs), output=result, root=root)
         return result
     others = [a for i, a in enumerate(inputs) if i != root]
     result = inputs[root] + _moved(others[0], dest)

@@ -19,6 +19,7 @@ import numpy as np
 
 from cudalab import _internal, nvtx
 from cudalab import streams as _streams
+from cudalab._array_memory import device_copy
 from cudalab.array import DeviceArray
 from cudalab.comm import _common
 
@@ -132,7 +133,8 @@ def scatter(array: Any, devices: Iterable[Any] | None = None,
         if out is None:
             results = _scatter_to_devices(array, _common.parse_devices(devices),  # type: ignore[arg-type]
                                           chunk_sizes, dim, streams)
-            targets = [_common.device_of(r) for r in results]
+            targets = [_common.device_of(r) for r in results] if \
+                _internal.collective_observers else []
         else:
             if devices is not None:
                 raise RuntimeError(f"'devices' must not be specified when 'out' is specified, "
@@ -141,10 +143,11 @@ def scatter(array: Any, devices: Iterable[Any] | None = None,
                 raise RuntimeError(f"'chunk_sizes' must not be specified when 'out' is "
                                    f"specified, but got chunk_sizes={chunk_sizes}")
             results = _scatter_into(array, list(out), dim, streams)
-            targets = [r.device_index for r in results]
-        ranks = _common.distinct([_common.device_of(array), *targets])
-        _internal.notify_collective("comm.scatter", array.nbytes, len(ranks),
-                                    _half_factor(len(ranks)), ranks)
+            targets = [r.device_index for r in results] if _internal.collective_observers else []
+        if _internal.collective_observers:  # (the ranks only when someone listens)
+            ranks = _common.distinct([_common.device_of(array), *targets])
+            _internal.notify_collective("comm.scatter", array.nbytes, len(ranks),
+                                        _half_factor(len(ranks)), ranks)
     return results
 
 
@@ -160,6 +163,9 @@ def _scatter_to_devices(array: Any, devices: list[int], chunk_sizes: Iterable[in
                                f"len(devices) = {len(devices)} and len(chunk_sizes) = "
                                f"{len(sizes)}")
     dim = _common.wrap_dim(dim, array.ndim)
+    if (sizes is None and streams is None and dim == 0 and type(array) is DeviceArray
+            and array._contiguous and array._shape):
+        return _scatter_rows(array, devices)
     if sizes is None:
         if array.ndim == 0:
             raise RuntimeError("chunk expects at least a 1-dimensional tensor")
@@ -177,6 +183,29 @@ def _scatter_to_devices(array: Any, devices: list[int], chunk_sizes: Iterable[in
         else:
             with _streams.stream(stream):
                 results.append(_common.copy_into(_common.new_like(piece, device), piece))
+    return tuple(results)
+
+
+def _scatter_rows(array: DeviceArray, devices: list[int]) -> tuple[Any, ...]:
+    """:func:`_scatter_to_devices` for a contiguous DeviceArray cut along dimension 0 into
+    ``chunk`` pieces with no streams: each piece is a run of bytes, copied without building
+    its view (the 1 KiB scatter row of benchmarks/comm.py)."""
+    shape = array._shape
+    rows = shape[0]
+    row_bytes = array._nbytes // rows if rows else 0
+    source = array._device
+    results: list[Any] = []
+    start = 0
+    for size, device in zip(chunk_sizes_of(rows, len(devices)), devices):
+        if device == source:
+            results.append(array.narrow(0, start, size))
+        else:
+            piece = _common.empty_on((size, *shape[1:]), array._dtype, device)
+            nbytes = size * row_bytes
+            if nbytes:
+                device_copy(device, piece._ptr, source, array._ptr + start * row_bytes, nbytes)
+            results.append(piece)
+        start += size
     return tuple(results)
 
 
@@ -259,34 +288,75 @@ def gather(arrays: Iterable[Any], dim: int = 0, destination: Any = None, *,
     """
     with nvtx.range("comm.gather"):
         arrays = list(arrays)
-        if out is None:
-            host = _is_host(destination)
-            if isinstance(destination, int) and destination == _common.HOST:
-                warnings.warn(_DEPRECATED_HOST_INDEX, FutureWarning, stacklevel=2)
-            shape, dim = _gathered_shape(arrays, dim, quote_device=False)
-            first = arrays[0]
-            if host:
-                result: Any = np.empty(shape, first.dtype)
-            else:
-                result = _common.empty_on(shape, first.dtype,
-                                          _internal.device_index(destination))
+        result = _gather_rows(arrays, dim, destination) if out is None else None
+        if result is None:
+            result = _gather_checked(arrays, dim, destination, out)
+        if _internal.collective_observers:  # (the ranks only when someone listens)
+            ranks = _common.distinct([*(a.device_index for a in arrays),
+                                      _common.device_of(result)])
+            _internal.notify_collective("comm.gather", result.nbytes, len(ranks),
+                                        _half_factor(len(ranks)), ranks)
+    return result
+
+
+def _gather_rows(arrays: list[Any], dim: Any, destination: Any) -> DeviceArray | None:
+    """:func:`gather` of contiguous DeviceArrays of one dtype along dimension 0 to a device:
+    each input is a run of bytes of the result, copied without building its view (the 1 KiB
+    gather row of benchmarks/comm.py). None when the call is not of that kind: then
+    :func:`_gather_checked` makes torch's checks and the general copies."""
+    if not arrays or not (destination is None or type(destination) is int and destination >= 0):
+        return None
+    first = arrays[0]
+    if type(first) is not DeviceArray:
+        return None
+    shape, dtype = first._shape, first._dtype
+    if type(dim) is not int or not shape or not (dim == 0 or dim == -len(shape)):
+        return None
+    rest = shape[1:]
+    total = 0
+    for a in arrays:
+        if (type(a) is not DeviceArray or not a._contiguous or a._dtype != dtype
+                or len(a._shape) != len(shape) or a._shape[1:] != rest):
+            return None
+        total += a._shape[0]
+    device = _internal.device_index(destination)
+    result = _common.empty_on((total, *rest), dtype, device)
+    offset = result._ptr
+    for a in arrays:
+        nbytes = a._nbytes
+        if nbytes:
+            device_copy(device, offset, a._device, a._ptr, nbytes)
+        offset += nbytes
+    return result
+
+
+def _gather_checked(arrays: list[Any], dim: Any, destination: Any, out: Any) -> Any:
+    """:func:`gather` with torch's checks and messages, any layout and destination."""
+    if out is None:
+        host = _is_host(destination)
+        if isinstance(destination, int) and destination == _common.HOST:
+            warnings.warn(_DEPRECATED_HOST_INDEX, FutureWarning, stacklevel=3)  # gather's caller
+        shape, dim = _gathered_shape(arrays, dim, quote_device=False)
+        first = arrays[0]
+        if host:
+            result: Any = np.empty(shape, first.dtype)
         else:
-            if destination is not None:
-                raise RuntimeError(f"'destination' must not be specified when 'out' is "
-                                   f"specified, but got destination={destination}")
-            shape, dim = _gathered_shape(arrays, dim, quote_device=True)
-            if not isinstance(out, (DeviceArray, np.ndarray)):
-                raise TypeError(f"gather(): out must be a cudalab.DeviceArray or a numpy array, "
-                                f"not {type(out).__name__}")
-            if tuple(out.shape) != shape:
-                raise RuntimeError(f"Expected out tensor to have shape "
-                                   f"{_common.shape_text(shape)}, but got "
-                                   f"{_common.shape_text(out.shape)}")
-            result = out
-        _gather_into(result, arrays, dim)
-        ranks = _common.distinct([*(a.device_index for a in arrays), _common.device_of(result)])
-        _internal.notify_collective("comm.gather", result.nbytes, len(ranks),
-                                    _half_factor(len(ranks)), ranks)
+            result = _common.empty_on(shape, first.dtype,
+                                      _internal.device_index(destination))
+    else:
+        if destination is not None:
+            raise RuntimeError(f"'destination' must not be specified when 'out' is "
+                               f"specified, but got destination={destination}")
+        shape, dim = _gathered_shape(arrays, dim, quote_device=True)
+        if not isinstance(out, (DeviceArray, np.ndarray)):
+            raise TypeError(f"gather(): out must be a cudalab.DeviceArray or a numpy array, "
+                            f"not {type(out).__name__}")
+        if tuple(out.shape) != shape:
+            raise RuntimeError(f"Expected out tensor to have shape "
+                               f"{_common.shape_text(shape)}, but got "
+                               f"{_common.shape_text(out.shape)}")
+        result = out
+    _gather_into(result, arrays, dim)
     return result
 
 

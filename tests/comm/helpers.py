@@ -54,6 +54,16 @@ class RecordingNccl:
         devices = [a.device_index for a in arrays]
         return len(set(devices)) == len(devices)
 
+    def issue_checked(self, name, ins, outs, root=0, op=SUM):
+        """cudalab.nccl's entry for cudalab.comm: the public call of that name."""
+        assert len({a.dtype for a in ins}) == 1  # the caller's guarantee
+        if name == "broadcast":
+            assert outs is ins or list(outs) == list(ins)
+            self.broadcast(ins, root=root)
+        else:
+            assert name == "reduce" and all(o is None for i, o in enumerate(outs) if i != root)
+            self.reduce(ins, output=outs[root], root=root, op=op)
+
     def broadcast(self, inputs, root=0, streams=None, comms=None):
         inputs = list(inputs)
         assert self.is_available(inputs)

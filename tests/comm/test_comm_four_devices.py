@@ -1,4 +1,6 @@
-"""cudalab.comm on four simulated devices (a subprocess: the suite's simulator has two)."""
+"""cudalab.comm on four devices, in a subprocess: four simulated ones (the suite's simulator
+has two), and four real GPUs where a machine has them (NCCL's cliques of four ranks, peer
+copies between every pair)."""
 
 from __future__ import annotations
 
@@ -82,6 +84,22 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(HAS_GPU, reason="simulator only (a real machine has its own devices)")
 def test_comm_on_four_simulated_devices():
     env = dict(os.environ, CUDALAB_SIMULATOR="1", CUDALAB_SIMULATOR_DEVICES="4")
+    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("four devices: OK")
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs real GPUs")
+def test_comm_on_four_real_gpus():
+    import cudalab
+
+    if cudalab.device_count() < 4:
+        pytest.skip("needs four GPUs")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1,2,3", NCCL_NVLS_ENABLE="0")
+    env.pop("CUDALAB_SIMULATOR", None)
     res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr

@@ -94,12 +94,15 @@ def _wait_all(processes: list[subprocess.Popen], what: str) -> None:
     assert all("all checks passed" in out for out in outputs), report
 
 
-def test_two_processes_with_a_file_rendezvous(tmp_path):
+@pytest.mark.parametrize("world", [WORLD, 4])
+def test_processes_with_a_file_rendezvous(tmp_path, world):
+    if _gpu_count() < world:
+        pytest.skip(f"needs {world} real GPUs")
     uid_file = tmp_path / "job.uid"  # a fresh path for this job
     processes = [
-        _start([sys.executable, str(WORKER), "--rank", str(rank), "--world-size", str(WORLD),
+        _start([sys.executable, str(WORKER), "--rank", str(rank), "--world-size", str(world),
                 "--uid-file", str(uid_file)], _child_env())
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     _wait_all(processes, "file rendezvous")
 
@@ -113,7 +116,10 @@ def _mpirun() -> list[str] | None:
 @pytest.mark.skipif(_mpirun() is None, reason="set CUDALAB_MPIRUN to an mpirun to run this")
 @pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None,
                     reason="needs mpi4py (pip install 'cudalab[mpi]')")
-def test_two_processes_under_mpirun():
+@pytest.mark.parametrize("world", [WORLD, 4])
+def test_processes_under_mpirun(world):
+    if _gpu_count() < world:
+        pytest.skip(f"needs {world} real GPUs")
     launcher = _mpirun()
     assert launcher is not None
     extra = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -122,7 +128,7 @@ def test_two_processes_under_mpirun():
         extra["LD_LIBRARY_PATH"] = os.pathsep.join(
             filter(None, [str(prefix / "lib"), os.environ.get("LD_LIBRARY_PATH")]))
         extra["OPAL_PREFIX"] = str(prefix)
-    command = [*launcher, "-n", str(WORLD), sys.executable, str(WORKER), "--mpi"]
+    command = [*launcher, "-n", str(world), sys.executable, str(WORKER), "--mpi"]
     process = _start(command, _child_env(extra))
     try:
         out, _ = process.communicate(timeout=DEADLINE_SECONDS)
@@ -131,4 +137,4 @@ def test_two_processes_under_mpirun():
         out, _ = process.communicate()
         pytest.fail(f"mpirun: a rank hung (killed after {DEADLINE_SECONDS} s)\n{out[-6000:]}")
     assert process.returncode == 0, out[-8000:]
-    assert out.count("all checks passed") == WORLD, out[-8000:]
+    assert out.count("all checks passed") == world, out[-8000:]

@@ -9,6 +9,7 @@ copy (with its context check) give the same results and the same errors through 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -90,6 +91,85 @@ def test_context_and_copy_calls_check_their_arguments_first():
         fastcall.memcpy_async(0, 0, -4, None)
     with pytest.raises(TypeError, match="takes 4 arguments"):
         fastcall.memcpy_async(0, 0, 4)
+    ordered = fastcall.ordered_copy
+    with pytest.raises(TypeError, match="takes 9 arguments"):
+        ordered(0, 0, 4, 0, 0, 0, 0, 0)
+    with pytest.raises(OverflowError):
+        ordered(-1, 0, 4, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(TypeError, match="a driver handle must be"):
+        ordered(0, 0, 4, "ctx", 0, 0, 0, 0, 0)
+    with pytest.raises(OverflowError):
+        ordered(0, 0, -4, 0, 0, 0, 0, 0, 0)
+
+
+# The driver stood in for by ctypes callbacks (C function pointers into Python that record
+# each call): ordered_copy's eight calls, their order and arguments, and what a failure does.
+# In a fresh process, because setup() changes the module's global entry points.
+_FAKE_DRIVER = textwrap.dedent("""
+    import ctypes, json
+    from cudalab._driver import _fastcall
+    log, fail, state = [], {}, {"ctx": 0x99}
+    P = ctypes.c_void_p
+    def record(event, stream):
+        log.append(["record", event or 0, stream or 0, state["ctx"]])
+        return fail.get("record " + hex(event or 0), 0)
+    def wait(stream, event, flags):
+        log.append(["wait", stream or 0, event or 0, state["ctx"]])
+        return fail.get("wait", 0)
+    def copy(dst, src, nbytes, stream):
+        log.append(["copy", dst, src, nbytes, stream or 0, state["ctx"]])
+        return fail.get("copy", 0)
+    def get(out):
+        out[0] = state["ctx"]; return 0
+    def set_(ctx):
+        state["ctx"] = ctx or 0; return fail.get("set " + hex(ctx or 0), 0)
+    def unused(*args):
+        raise SystemExit("not expected")
+    FUNCTIONS = [
+        ctypes.CFUNCTYPE(ctypes.c_int, P, *([ctypes.c_uint] * 7), P, P, P)(unused),
+        ctypes.CFUNCTYPE(ctypes.c_int, P, P)(record),
+        ctypes.CFUNCTYPE(ctypes.c_int, P, P, ctypes.c_uint)(wait),
+        ctypes.CFUNCTYPE(ctypes.c_int, P, P)(unused),
+        ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(P))(get),
+        ctypes.CFUNCTYPE(ctypes.c_int, P)(set_),
+        ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_size_t,
+                         P)(copy)]
+    _fastcall.setup(*[ctypes.cast(f, P).value for f in FUNCTIONS], lambda code, call: None)
+    results = []
+    for failing in (None, "copy", "set 0x20", "record 0xe1"):
+        log.clear()
+        fail.clear()
+        if failing:
+            fail[failing] = 700
+        # dst, src, nbytes, copy (context, stream, event), peer (context, stream, event)
+        answer = _fastcall.ordered_copy(0xD000, 0x5000, 1024, 0x10, 0x51, 0xE1, 0x20, 0x52,
+                                        0xE2)
+        results.append({"answer": answer, "log": list(log), "ctx": state["ctx"]})
+    print("RESULT " + json.dumps(results))
+""")
+
+
+def test_ordered_copy_makes_torchs_eight_calls_and_restores_the_context():
+    out = subprocess.run([sys.executable, "-c", _FAKE_DRIVER], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    ok, copy_failed, set_failed, record_failed = json.loads(line[len("RESULT "):])
+    # the peer's stream first: its event recorded in its context, waited on by the copy
+    # stream, the copy, the copy's event waited on by the peer's stream; then the caller's
+    # context again
+    assert ok["answer"] is None
+    assert ok["log"] == [["record", 0xE2, 0x52, 0x20], ["wait", 0x51, 0xE2, 0x10],
+                         ["copy", 0xD000, 0x5000, 1024, 0x51, 0x10],
+                         ["record", 0xE1, 0x51, 0x10], ["wait", 0x52, 0xE1, 0x20]]
+    assert ok["ctx"] == 0x99
+    # a failure stops the sequence there, says which call failed, and still restores
+    assert copy_failed["answer"] == ["cuMemcpyAsync", 700]
+    assert [e[0] for e in copy_failed["log"]] == ["record", "wait", "copy"]
+    assert set_failed["answer"] == ["cuCtxSetCurrent", 700] and set_failed["log"] == []
+    assert record_failed["answer"] == ["cuEventRecord", 700]
+    assert [e[0] for e in record_failed["log"]] == ["record", "wait", "copy", "record"]
+    assert copy_failed["ctx"] == set_failed["ctx"] == record_failed["ctx"] == 0x99
 
 
 SIGNATURE = ("p", "i4", "u4", "i8", "u8", "f4", "f8")
@@ -162,7 +242,8 @@ def test_calls_before_setup_raise_instead_of_calling_null():
                            (_fastcall.graph_launch, (0, None)),
                            (_fastcall.ctx_get_current, ()),
                            (_fastcall.ctx_set_current, (0,)),
-                           (_fastcall.memcpy_async, (0, 0, 4, None))):
+                           (_fastcall.memcpy_async, (0, 0, 4, None)),
+                           (_fastcall.ordered_copy, (0, 0, 4, 0, None, 0, 0, None, 0))):
             try:
                 call(*args)
             except RuntimeError as exc:
@@ -172,7 +253,7 @@ def test_calls_before_setup_raise_instead_of_calling_null():
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert len(lines) == 8 and all("setup() has not given" in line for line in lines), lines
+    assert len(lines) == 9 and all("setup() has not given" in line for line in lines), lines
 
 
 # ============================================================================ (b) real GPU
@@ -194,6 +275,7 @@ def test_the_real_backend_binds_it():
     assert C.FAST.ctx_get_current is fastcall.ctx_get_current
     assert C.FAST.ctx_set_current is fastcall.ctx_set_current
     assert C.FAST.memcpy_async is fastcall.memcpy_async
+    assert C.FAST.ordered_copy is fastcall.ordered_copy
     ctx = _internal.backend()._context_ints[0]
     assert fastcall.ctx_set_current(ctx) == 0 and fastcall.ctx_get_current() == ctx
 
@@ -267,3 +349,66 @@ def test_same_results_and_errors_with_and_without_it():
         np.testing.assert_array_equal(run["w"], expect)
     assert runs["1"]["copy_fast"] is True and runs["0"]["copy_fast"] is False
     assert runs["1"] == dict(runs["0"], fast=True, copy_fast=True)
+
+
+_TWO_GPUS = textwrap.dedent("""
+    import json
+    import numpy as np
+    import cudalab
+    from cudalab import _internal, comm, nccl
+    from cudalab._driver import cuda as C
+
+    x = cudalab.asarray(np.arange(6 * 4, dtype=np.float32).reshape(6, 4), device=0)
+    y = cudalab.asarray(np.full((6, 4), 2.0, np.float32), device=1)
+    s1 = cudalab.Stream(device=1)
+    with cudalab.stream(s1):
+        y.fill_(3.0)                              # queued on a side stream of device 1
+        z = cudalab.empty((6, 4), dtype=np.float32, device=1)
+        z.copy_(x)                                # a peer copy, ordered after s1's fill
+        z += y                                    # and before this, on s1
+    s1.synchronize()
+    parts = comm.scatter(x, devices=[1, 0])
+    gathered = comm.gather([x, y], destination=1)
+    summed = comm.reduce_add([x, y], destination=0)
+    copies = comm.broadcast(x, devices=[0, 1])
+    a = [cudalab.asarray(np.full(8, float(d + 1), np.float32), device=d) for d in (0, 1)]
+    nccl.all_reduce(a)
+    nccl.broadcast(a, root=1)
+    cudalab.synchronize(0); cudalab.synchronize(1)
+    seam = _internal.backend().nccl()
+    print(json.dumps({
+        "ordered_copy": C.FAST.ordered_copy is not None,
+        "group_call": seam._group_call is not None,
+        "z": z.tolist(), "parts": [p.tolist() for p in parts], "gathered": gathered.tolist(),
+        "summed": summed.tolist(), "copies": [c.tolist() for c in copies],
+        "all_reduce": [t.tolist() for t in a]}))
+""")
+
+
+@pytest.mark.gpu
+def test_peer_copies_and_nccl_groups_same_with_and_without_it():
+    pytest.importorskip("nccl.bindings", reason="needs nccl4py")
+    import cudalab
+
+    if cudalab.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    runs = {}
+    for flag in ("1", "0"):
+        env = dict(os.environ, CUDALAB_FASTCALL=flag, NCCL_NVLS_ENABLE="0")
+        env.pop("CUDALAB_SIMULATOR", None)
+        out = subprocess.run([sys.executable, "-c", _TWO_GPUS], capture_output=True,
+                             text=True, timeout=300, cwd=ROOT, env=env)
+        assert out.returncode == 0, out.stderr
+        runs[flag] = json.loads(out.stdout.splitlines()[-1])
+    assert runs["1"]["ordered_copy"] and runs["1"]["group_call"]
+    assert not runs["0"]["ordered_copy"] and not runs["0"]["group_call"]
+    x = np.arange(24, dtype=np.float32).reshape(6, 4)
+    for run in runs.values():
+        np.testing.assert_array_equal(run["z"], x + 3.0)
+        np.testing.assert_array_equal(run["parts"][0], x[:3])
+        np.testing.assert_array_equal(run["parts"][1], x[3:])
+        np.testing.assert_array_equal(run["gathered"], np.concatenate([x, np.full((6, 4), 3.0)]))
+        np.testing.assert_array_equal(run["summed"], x + 3.0)
+        np.testing.assert_array_equal(run["copies"][1], x)
+        assert run["all_reduce"] == [[3.0] * 8, [3.0] * 8]
+    assert runs["1"] == dict(runs["0"], ordered_copy=True, group_call=True)

@@ -10,6 +10,9 @@ import pytest
 from cudalab._driver.base import (
     NCCL_AVG,
     NCCL_BFLOAT16,
+    NCCL_CALL_ALL_REDUCE,
+    NCCL_CALL_BROADCAST,
+    NCCL_CALL_REDUCE,
     NCCL_FLOAT32,
     NCCL_INT32,
     NCCL_MAX,
@@ -346,3 +349,31 @@ def test_a_failed_call_poisons_its_group(b):
         n.all_reduce(x[d], x[d], 1, NCCL_FLOAT32, NCCL_SUM, comms[d], b.null_stream(d))
     n.group_end()
     assert _get(b, x[1], 1).tolist() == [2.0]
+
+
+@pytest.mark.parametrize("call, root, expected", [
+    (NCCL_CALL_ALL_REDUCE, 0, ([3, 3], [3, 3])),
+    (NCCL_CALL_BROADCAST, 1, ([2, 2], [2, 2])),
+    (NCCL_CALL_REDUCE, 1, ([1, 1], [3, 3])),
+])
+def test_group_call_issues_one_collective_per_rank_in_one_group(b, call, root, expected):
+    n = b.nccl()
+    comms = n.comm_init_all([0, 1])
+    x = [_put(b, d, [d + 1.0] * 2) for d in (0, 1)]
+    n.group_call(call, 2, NCCL_FLOAT32, NCCL_SUM, root, x, x, comms,
+                 [b.null_stream(0), b.null_stream(1)])
+    assert (_get(b, x[0], 2).tolist(), _get(b, x[1], 2).tolist()) == expected
+
+
+def test_group_call_closes_its_group_when_a_rank_fails(b):
+    n = b.nccl()
+    comms = n.comm_init_all([0, 1])
+    x = [_put(b, d, [1.0]) for d in (0, 1)]
+    streams = [b.null_stream(0), b.null_stream(1)]
+    with pytest.raises(NcclError, match="unknown datatype"):
+        n.group_call(NCCL_CALL_ALL_REDUCE, 1, 99, NCCL_SUM, 0, x, x, comms, streams)
+    with pytest.raises(ValueError, match="unknown collective"):
+        n.group_call(7, 1, NCCL_FLOAT32, NCCL_SUM, 0, x, x, comms, streams)
+    assert _get(b, x[0], 1).tolist() == [1.0]  # nothing of the failed group ran
+    n.group_call(NCCL_CALL_ALL_REDUCE, 1, NCCL_FLOAT32, NCCL_SUM, 0, x, x, comms, streams)
+    assert _get(b, x[1], 1).tolist() == [2.0]  # ... and no group was left open
