@@ -28,10 +28,11 @@ def _extensions() -> list:
     if (pure or platform.python_implementation() != "CPython"
             or sysconfig.get_config_var("Py_GIL_DISABLED")):
         return []
+    shared = ["cudalab/_driver/_capi.h"]  # the argument parsing both include
     extensions = [Extension("cudalab._driver._fastcall", ["cudalab/_driver/_fastcall.c"],
-                            optional=True),
+                            depends=shared, optional=True),
                   Extension("cudalab._driver._ncclcall", ["cudalab/_driver/_ncclcall.c"],
-                            optional=True)]
+                            depends=shared, optional=True)]
     if (3, 11) <= sys.version_info[:2] <= (3, 13):
         include = sysconfig.get_paths()["include"]
         extensions.append(Extension("cudalab.memory_tools._stackstamp",

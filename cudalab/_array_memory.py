@@ -181,8 +181,7 @@ def device_copy(dst_device: int, dst: int, src_device: int, src: int, nbytes: in
         if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
             _sanitizer_hook.tracker.access(stream, ((src, nbytes),), ((dst, nbytes),),
                                            "copy (device to device)")
-        if stream._null:
-            _internal.ensure_context(dst_device)
+        null_context(stream)
         stream._b.memcpy_async(dst_device, dst, src, nbytes, stream._handle)
         return
     # (The source's stream copies, as torch's copy_: a copy engine pushing to the peer has

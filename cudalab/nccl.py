@@ -311,9 +311,7 @@ def issue_checked(name: str, ins: list[Any], outs: list[Any], root: int = 0,
     """
     call = _CALLS[name]
     first = ins[0]
-    dtype = _TYPE_OF_DTYPE.get(first._dtype)
-    if dtype is None:
-        dtype = _nccl_type(first)
+    dtype = _nccl_type(first)
     count = first._size // len(ins) if call == NCCL_CALL_REDUCE_SCATTER else first._size
     current_stream = _streams.current_stream
     devices: list[int] = []
@@ -328,10 +326,7 @@ def issue_checked(name: str, ins: list[Any], outs: list[Any], root: int = 0,
         streams.append(current_stream(device))
     key = tuple(devices)
     nccl = _internal.backend().nccl()
-    comms = _cliques.get(key)
-    if comms is None:
-        comms = _create_clique(nccl, key)
-    _issue_group(nccl, call, count, dtype, op, root, sends, recvs, comms,
+    _issue_group(nccl, call, count, dtype, op, root, sends, recvs, _communicators(nccl, key),
                  [s._handle for s in streams])
     if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
         for i, (stream, a, o) in enumerate(zip(streams, ins, outs)):

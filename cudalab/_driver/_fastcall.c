@@ -39,6 +39,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_capi.h" /* handle_address, device_address, check_arity */
+
 typedef int CUresult_t; /* CUresult is a C enum: an int */
 
 typedef CUresult_t (*launch_kernel_fn)(void *function, unsigned int grid_x, unsigned int grid_y,
@@ -69,35 +71,6 @@ static PyObject *error_for = NULL;
 static PyObject *str_native = NULL;
 static PyObject *str_set = NULL;
 
-/* The address held by a handle: None is NULL, an int is itself, anything else goes
- * through int() (cuda.bindings' handle types define __int__). -1 and an exception on
- * failure (TypeError for an object without __int__, such as a str). */
-static int
-handle_address(PyObject *handle, void **out)
-{
-    if (handle == Py_None) {
-        *out = NULL;
-        return 0;
-    }
-    if (PyLong_CheckExact(handle)) {
-        *out = PyLong_AsVoidPtr(handle);
-        return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
-    }
-    PyNumberMethods *as_number = Py_TYPE(handle)->tp_as_number;
-    if (as_number == NULL || as_number->nb_int == NULL) { /* (not int("0x10") on a str) */
-        PyErr_Format(PyExc_TypeError, "a driver handle must be an int, None or a handle "
-                     "object with __int__, got %.100s", Py_TYPE(handle)->tp_name);
-        return -1;
-    }
-    PyObject *number = PyNumber_Long(handle);
-    if (number == NULL) {
-        return -1;
-    }
-    *out = PyLong_AsVoidPtr(number);
-    Py_DECREF(number);
-    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
-}
-
 static int
 unsigned_of(PyObject *value, unsigned int *out, const char *what)
 {
@@ -125,16 +98,6 @@ dims_of(PyObject *dims, unsigned int out[3], const char *what)
         if (unsigned_of(PyTuple_GET_ITEM(dims, i), &out[i], what) < 0) {
             return -1;
         }
-    }
-    return 0;
-}
-
-static int
-check_arity(Py_ssize_t nargs, Py_ssize_t expected, const char *name)
-{
-    if (nargs != expected) {
-        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, expected, nargs);
-        return -1;
     }
     return 0;
 }
@@ -518,14 +481,6 @@ ctx_set_current(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 PyDoc_STRVAR(memcpy_async_doc,
 "memcpy_async(dst, src, nbytes, stream) -> int\n\n"
 "cuMemcpyAsync(dst, src, nbytes, stream) (unified addresses, ints). Returns the CUresult.");
-
-/* A device address (an int: CUdeviceptr). -1 and an exception when it is not one. */
-static int
-device_address(PyObject *value, unsigned long long *out)
-{
-    *out = PyLong_AsUnsignedLongLong(value);
-    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
-}
 
 static PyObject *
 memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)

@@ -34,6 +34,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "_capi.h" /* handle_address, device_address, check_arity */
+
 typedef int result_t; /* ncclResult_t and CUresult are C enums: ints */
 
 typedef result_t (*group_fn)(void);
@@ -76,43 +78,6 @@ typedef struct {
 
 /* Ranks kept on the stack; a bigger clique takes heap memory (one allocation per call). */
 #define STACK_RANKS 16
-
-/* An address held by a handle: None is NULL, an int is itself, anything else goes through
- * int() (nccl4py's Comm, cuda.bindings' CUstream and CUcontext define __int__), but not a str
- * (int("16") would parse it). -1 and an exception on failure. */
-static int
-handle_address(PyObject *handle, void **out)
-{
-    if (handle == Py_None) {
-        *out = NULL;
-        return 0;
-    }
-    if (PyLong_CheckExact(handle)) {
-        *out = PyLong_AsVoidPtr(handle);
-        return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
-    }
-    PyNumberMethods *as_number = Py_TYPE(handle)->tp_as_number;
-    if (as_number == NULL || as_number->nb_int == NULL) {
-        PyErr_Format(PyExc_TypeError, "a handle must be an int, None or a handle object with "
-                     "__int__, got %.100s", Py_TYPE(handle)->tp_name);
-        return -1;
-    }
-    PyObject *number = PyNumber_Long(handle);
-    if (number == NULL) {
-        return -1;
-    }
-    *out = PyLong_AsVoidPtr(number);
-    Py_DECREF(number);
-    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
-}
-
-/* A device address (an int). -1 and an exception when it is not one. */
-static int
-device_address(PyObject *value, unsigned long long *out)
-{
-    *out = PyLong_AsUnsignedLongLong(value);
-    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
-}
 
 static int
 int_of(PyObject *value, int *out, const char *what)
@@ -189,8 +154,7 @@ PyDoc_STRVAR(group_call_doc,
 static PyObject *
 group_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "group_call() takes 6 arguments (%zd given)", nargs);
+    if (check_arity(nargs, 6, "group_call") < 0) {
         return NULL;
     }
     int call, dtype, op, root;
@@ -291,9 +255,7 @@ static PyObject *
 setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     void *addresses[SETUP_ENTRY_POINTS];
-    if (nargs != SETUP_ENTRY_POINTS) {
-        PyErr_Format(PyExc_TypeError, "setup() takes %d arguments (%zd given)",
-                     SETUP_ENTRY_POINTS, nargs);
+    if (check_arity(nargs, SETUP_ENTRY_POINTS, "setup") < 0) {
         return NULL;
     }
     for (int i = 0; i < SETUP_ENTRY_POINTS; i++) {

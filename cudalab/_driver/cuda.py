@@ -108,6 +108,7 @@ from cudalab._driver.cuda_api import (
     _decode,
     _drv,
     _error,
+    fastcall_turned_off,
 )
 from cudalab._driver.cuda_graphs import CudaGraphs
 from cudalab.errors import CudaError, DriverNotFoundError
@@ -124,9 +125,6 @@ except ImportError:  # pragma: no cover - a pure-Python install
 #: The driver symbols _fastcall.setup() takes, in its order.
 _FAST_SYMBOLS = (b"cuLaunchKernel", b"cuEventRecord", b"cuStreamWaitEvent", b"cuGraphLaunch",
                  b"cuCtxGetCurrent", b"cuCtxSetCurrent", b"cuMemcpyAsync")
-#: Env switch that turns the C calls off (CUDALAB_FASTCALL=0): the bindings are used, as
-#: without the extension (tests/driver/test_fastcall.py compares the two).
-_FASTCALL_ENV = "CUDALAB_FASTCALL"
 
 
 def entry_point(symbol: bytes, driver_version: int) -> int:
@@ -151,7 +149,7 @@ def _bind_fastcall(driver_version: int) -> None:
     is in use (the bindings, or an earlier backend's binding to the same driver)."""
     if _fastcall is None:
         return
-    if os.environ.get(_FASTCALL_ENV, "1").strip() == "0":  # turned off: the bindings from now
+    if fastcall_turned_off():  # the bindings from now
         for name in FastCalls.__slots__:
             setattr(FAST, name, None)
         return

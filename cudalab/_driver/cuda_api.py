@@ -13,6 +13,7 @@ Errors: :func:`_check` / :func:`_error` turn a failed ``CUresult`` into
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from cudalab.errors import CudaError, DriverNotFoundError, OutOfMemoryError, StreamCaptureError
@@ -86,6 +87,16 @@ class FastCalls:
 
 
 FAST = FastCalls()
+
+#: Env switch that turns every C call off (CUDALAB_FASTCALL=0): cuda.bindings' and nccl4py's
+#: wrappers are used, as without the extensions (tests/driver/test_fastcall.py and
+#: test_ncclcall.py compare the two).
+FASTCALL_ENV = "CUDALAB_FASTCALL"
+
+
+def fastcall_turned_off() -> bool:
+    """Whether :data:`FASTCALL_ENV` turns the C calls off (read when they are bound)."""
+    return os.environ.get(FASTCALL_ENV, "1").strip() == "0"
 
 # ------------------------------------------------------------------ binding aliases
 # Module-level names so hot paths do one global lookup and one call.

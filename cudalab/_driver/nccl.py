@@ -34,7 +34,6 @@ unique id's size) are checked here before NCCL is called.
 from __future__ import annotations
 
 import operator
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +50,13 @@ from cudalab._driver.base import (
     NCCL_UNIQUE_ID_SIZE,
     Nccl,
 )
-from cudalab._driver.cuda_api import FAST, _cuCtxGetCurrent, _cuCtxSetCurrent, _error
+from cudalab._driver.cuda_api import (
+    FAST,
+    _cuCtxGetCurrent,
+    _cuCtxSetCurrent,
+    _error,
+    fastcall_turned_off,
+)
 from cudalab.errors import NcclError
 
 try:  # optional C group call (setup.py builds it; see RealNccl._bind_group_call)
@@ -132,7 +137,7 @@ class RealNccl(Nccl):
         """Give the C group call the entry points of the libnccl nccl4py loaded and the
         driver's context calls; None (nccl4py's Python calls) where the extension is not
         built, ``CUDALAB_FASTCALL=0`` or an address is missing."""
-        if _ncclcall is None or os.environ.get("CUDALAB_FASTCALL", "1").strip() == "0":
+        if _ncclcall is None or fastcall_turned_off():
             return None
         try:
             from nccl.bindings._internal import nccl as loader

@@ -116,6 +116,9 @@ def test_scatter_on_the_current_stream(two, sim):
     try:
         pieces = comm.scatter(src, [0, 1])
         assert pieces[1].stream is s1 and not s1.query()
+        # torch's order: the copy runs on the source device's current stream after the work
+        # queued so far on the destination's (the paused s1), which then waits for the copy
+        assert not cudalab.current_stream(0).query()
     finally:
         sim.resume_stream(s1._handle)
     np.testing.assert_array_equal(pieces[1].numpy(), np.arange(4.0, 8.0))
