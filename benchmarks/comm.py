@@ -72,7 +72,7 @@ def _single_process(table: Table, results: dict, quick: bool) -> None:
     import cudalab
 
     sizes = QUICK_SIZES if quick else SIZES
-    rounds = 3 if quick else 5
+    rounds = 3 if quick else 9
 
     def sync_cudalab() -> None:
         cudalab.synchronize(0)

@@ -93,6 +93,11 @@ _DLPACK_CUDA = (2, 13)
 # value is a complete clique of live communicators (a failed or interrupted creation is
 # never stored). Guarded by _cliques_lock for changes; reads of a present key need no lock.
 _cliques: dict[tuple[int, ...], list[Any]] = {}
+# Each cached clique's group runner (the backend's ``group_runner`` of its communicators), made
+# on first use: devices -> (the clique's list, its runner). An entry counts only while
+# _cliques holds that very list for the key (checked by identity on every use), so the two
+# cannot drift: a destroyed or re-created clique is never run through an old runner.
+_runners: dict[tuple[int, ...], tuple[list[Any], Callable[..., None]]] = {}
 _thread = _internal.thread_state()  # .device: this thread's current device (the one object)
 _cliques_lock = threading.Lock()
 _atexit_registered = False  # set (once) when the first clique is created
@@ -311,23 +316,16 @@ def issue_checked(name: str, ins: list[Any], outs: list[Any], root: int = 0,
     """
     call = _CALLS[name]
     first = ins[0]
-    dtype = _nccl_type(first)
+    dtype = _TYPE_OF_DTYPE.get(first._dtype)
+    if dtype is None:
+        dtype = _nccl_type(first)
     count = first._size // len(ins) if call == NCCL_CALL_REDUCE_SCATTER else first._size
+    # (comprehensions, not a loop of appends: the 1 KiB reduce_add row of benchmarks/comm.py)
     current_stream = _streams.current_stream
-    devices: list[int] = []
-    sends: list[int] = []
-    recvs: list[int] = []
-    streams: list[Any] = []
-    for a, o in zip(ins, outs):  # (one pass: the 1 KiB reduce_add row of benchmarks/comm.py)
-        device = a._device
-        devices.append(device)
-        sends.append(a._ptr)
-        recvs.append(0 if o is None else o._ptr)
-        streams.append(current_stream(device))
-    key = tuple(devices)
-    nccl = _internal.backend().nccl()
-    _issue_group(nccl, call, count, dtype, op, root, sends, recvs, _communicators(nccl, key),
-                 [s._handle for s in streams])
+    devices = tuple([a._device for a in ins])
+    streams = [current_stream(d) for d in devices]
+    _issue_run(_runner(devices), call, count, dtype, op, root, [a._ptr for a in ins],
+               [0 if o is None else o._ptr for o in outs], [s._handle for s in streams])
     if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
         for i, (stream, a, o) in enumerate(zip(streams, ins, outs)):
             reads = [] if call == NCCL_CALL_BROADCAST and i != root else [(a.ptr, a.nbytes)]
@@ -354,6 +352,7 @@ def destroy_communicators() -> None:
     with _cliques_lock:
         cliques = list(_cliques.values())
         _cliques.clear()
+        _runners.clear()
     if not cliques:
         return
     nccl = _nccl()
@@ -429,6 +428,7 @@ def _forget_in_child() -> None:
     """After fork: the parent's communicators are not the child's (never destroy them)."""
     global _cliques_lock, _probe
     _cliques.clear()
+    _runners.clear()
     _cliques_lock = threading.Lock()
     _probe = None
 
@@ -463,6 +463,8 @@ def _execute(name: str, call: int, count: int, dtype: int, op: int, root: int,
                 raise RuntimeError(f"stream at index {i} is on device {stream.device_index}, "
                                    f"but input {i} is on device {devices[i]}")
             resolved.append(stream)
+        # (the checked group call, not the clique's runner: the public functions take any
+        # op, and the seam's checks give the same errors on every backend)
         _issue_group(nccl, call, count, dtype, op, root, sends, recvs, comms,
                      [_internal.stream_handle(s) for s in resolved])
         if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
@@ -488,7 +490,33 @@ def _issue_group(nccl: Any, call: int, count: int, dtype: int, op: int, root: in
             _internal.ensure_context(current)
 
 
-_interrupts.guard(_create_clique, destroy_communicators, _destroy_clique, _issue_group)
+def _runner(devices: tuple[int, ...]) -> Callable[..., None]:
+    """The group runner of the cached clique of ``devices`` (the clique created on first use)."""
+    entry = _runners.get(devices)
+    comms = _cliques.get(devices)
+    if entry is not None and comms is not None and entry[0] is comms:
+        return entry[1]
+    nccl = _nccl()
+    comms = _communicators(nccl, devices)
+    run = nccl.group_runner(comms)
+    _runners[devices] = (comms, run)
+    return run
+
+
+def _issue_run(run: Callable[..., None], call: int, count: int, dtype: int, op: int,
+               root: int, sends: list[int], recvs: list[int], handles: list[Any]) -> None:
+    """:func:`_issue_group` through a clique's runner (Ctrl-C waits, the caller's device is
+    current again afterwards)."""
+    current = _thread.device
+    try:
+        run(call, count, dtype, op, root, sends, recvs, handles)
+    finally:
+        if current is not None and current >= 0:  # (one thread-local check when it is)
+            _internal.ensure_context(current)
+
+
+_interrupts.guard(_create_clique, destroy_communicators, _destroy_clique, _issue_group,
+                  _issue_run)
 
 
 # ------------------------------------------------------------------------------ checks

@@ -513,20 +513,25 @@ memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 PyDoc_STRVAR(ordered_copy_doc,
 "ordered_copy(dst, src, nbytes, copy_context, copy_stream, copy_event, peer_context,\n"
-"             peer_stream, peer_event) -> None or (call, int)\n\n"
+"             peer_stream, peer_event[, join]) -> None or (call, int)\n\n"
 "A copy between two devices with torch's two-way ordering, in one C call: peer_event is\n"
 "recorded on peer_stream, copy_stream waits for it, cuMemcpyAsync(dst, src, nbytes) runs on\n"
-"copy_stream, copy_event is recorded there and peer_stream waits for it. Each stream's context\n"
-"is made current before its calls (the legacy stream acts on the current context) and the\n"
-"caller's context is current again after. Returns None, or the name of the driver call that\n"
-"failed and its CUresult (the calls after it are not made).");
+"copy_stream, copy_event is recorded there and peer_stream waits for it (the last two calls\n"
+"only when join is true, the default: else the caller makes peer_stream wait later). Each\n"
+"stream's context is made current before its calls (the legacy stream acts on the current\n"
+"context) and the caller's context is current again after. Returns None, or the name of the\n"
+"driver call that failed and its CUresult (the calls after it are not made).");
 
 static PyObject *
 ordered_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     unsigned long long dst, src;
     void *copy_context, *copy_stream, *copy_event, *peer_context, *peer_stream, *peer_event;
-    if (check_arity(nargs, 9, "ordered_copy") < 0) {
+    int join = 1;
+    if (nargs != 10 && check_arity(nargs, 9, "ordered_copy") < 0) {
+        return NULL;
+    }
+    if (nargs == 10 && (join = PyObject_IsTrue(args[9])) < 0) {
         return NULL;
     }
     if (device_address(args[0], &dst) < 0 || device_address(args[1], &src) < 0) {
@@ -563,6 +568,8 @@ ordered_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         failed = "cuMemcpyAsync";
     } else if ((result = event_record_ptr(copy_event, copy_stream)) != 0) {
         failed = "cuEventRecord";
+    } else if (!join) {
+        /* the caller makes peer_stream wait for copy_event later */
     } else if ((result = ctx_set_current_ptr(peer_context)) != 0) {
         failed = "cuCtxSetCurrent";
     } else if ((result = stream_wait_event_ptr(peer_stream, copy_event, 0)) != 0) {

@@ -296,7 +296,7 @@ class Backend(abc.ABC):
 
     def memcpy_ordered(self, dst: int, src: int, nbytes: int, copy_device: int,
                        copy_stream: Any, copy_event: Any, peer_device: int, peer_stream: Any,
-                       peer_event: Any) -> None:
+                       peer_event: Any, join: bool = True) -> None:
         """A copy between two devices with torch's two-way ordering: ``nbytes`` from ``src``
         to ``dst`` (unified addresses, peer access enabled) on ``copy_stream``, a stream of
         ``copy_device``, ordered after the work queued so far on ``peer_stream`` (of the other
@@ -304,7 +304,9 @@ class Backend(abc.ABC):
 
         ``peer_event`` (an event of ``peer_device``) is recorded on ``peer_stream`` and waited
         for by ``copy_stream`` before the copy; ``copy_event`` (of ``copy_device``) is
-        recorded on ``copy_stream`` after it and waited for by ``peer_stream``. Each stream's
+        recorded on ``copy_stream`` after it and waited for by ``peer_stream``; with ``join``
+        false that last wait is left to the caller (several copies into one device can then
+        run at once, the destination's stream waiting for them all at the end). Each stream's
         device is made current for its calls (a legacy stream handle acts on the current
         context); the calling thread may be left on either device, as :meth:`set_context`
         records it.
@@ -318,8 +320,9 @@ class Backend(abc.ABC):
         self.stream_wait_event(copy_stream, peer_event)
         self.memcpy_async(copy_device, dst, src, nbytes, copy_stream)
         self.event_record(copy_event, copy_stream)
-        self.set_context(peer_device)
-        self.stream_wait_event(peer_stream, copy_event)
+        if join:
+            self.set_context(peer_device)
+            self.stream_wait_event(peer_stream, copy_event)
 
     @abc.abstractmethod
     def memset_d8(self, device: int, ptr: int, value: int, nbytes: int) -> None:
@@ -717,6 +720,11 @@ NCCL_CALL_ALL_GATHER, NCCL_CALL_REDUCE_SCATTER = 3, 4
 NCCL_CALL_NAMES = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
                    "ncclReduceScatter")
 
+#: What :meth:`Nccl.group_runner` returns: ``run(call, count, dtype, op, root, sends, recvs,
+#: streams)``, one collective on every rank of the clique it was made for.
+GroupRunner = Callable[[int, int, int, int, int, Sequence[int], Sequence[int], Sequence[Any]],
+                       None]
+
 #: ncclResult_t: code -> (name, ncclGetErrorString's text), as nccl.h and NCCL spell them.
 NCCL_RESULTS = {
     0: ("ncclSuccess", "no error"),
@@ -870,6 +878,26 @@ class Nccl(abc.ABC):
                 pass
             raise
         self.group_end()
+
+    def group_runner(self, comms: Sequence[Any]) -> GroupRunner:
+        """:meth:`group_call` bound to one single-process clique, for a caller that issues many
+        collectives on it (:mod:`cudalab.nccl`'s communicator cache).
+
+        Returns ``run(call, count, dtype, op, root, sends, recvs, streams)``, which does what
+        ``group_call(call, count, dtype, op, root, sends, recvs, comms, streams)`` does. The
+        communicators are checked here, once; ``run`` trusts its other arguments to be what
+        the caller has already checked (a known ``call``, ``count`` >= 0, an NCCL data type,
+        an operator and a root in range, one send, receive and stream per rank), and refuses
+        a destroyed communicator. This default binds :meth:`group_call`; a backend may check
+        less per call (the real one calls its C group call directly).
+        """
+        bound = tuple(comms)
+
+        def run(call: int, count: int, dtype: int, op: int, root: int, sends: Sequence[int],
+                recvs: Sequence[int], streams: Sequence[Any]) -> None:
+            self.group_call(call, count, dtype, op, root, sends, recvs, bound, streams)
+
+        return run
 
     @abc.abstractmethod
     def send(self, buffer: int, count: int, dtype: int, peer: int, comm: Any,

@@ -65,9 +65,10 @@ class FastCalls:
     ``memcpy_async(dst, src, nbytes, stream)`` return the CUresult; ``event_record(event,
     stream)`` returns ``(CUresult,)`` as the bindings' does; ``ctx_get_current()`` the
     current context's address (None on failure); ``ordered_copy(dst, src, nbytes,
-    copy_context, copy_stream, copy_event, peer_context, peer_stream, peer_event)`` makes a
-    copy between two devices with torch's two-way ordering and returns None or the failed
-    call's ``(name, CUresult)``. Rows they exist for: "capture, host time
+    copy_context, copy_stream, copy_event, peer_context, peer_stream, peer_event[, join])``
+    makes a copy between two devices with torch's two-way ordering (the peer stream's wait
+    for the copy only when ``join``, the default) and returns None or the failed call's
+    ``(name, CUresult)``. Rows they exist for: "capture, host time
     per launch" of benchmarks/graphs.py, "host/call" of benchmarks/jiterator.py, the launch
     and event rows of benchmarks/timing.py, and the 1 KiB rows of benchmarks/comm.py (every
     peer copy checks the context and copies).

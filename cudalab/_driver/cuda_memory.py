@@ -217,18 +217,18 @@ class CudaMemory(Backend):
 
     def memcpy_ordered(self, dst: int, src: int, nbytes: int, copy_device: int,
                        copy_stream: Any, copy_event: Any, peer_device: int, peer_stream: Any,
-                       peer_event: Any) -> None:
-        # The eight driver calls in one C call where it is built (the calling thread's context
-        # is then current again after); else Backend's calls one by one.
+                       peer_event: Any, join: bool = True) -> None:
+        # The eight driver calls (six without the join) in one C call where it is built (the
+        # calling thread's context is then current again after); else Backend's one by one.
         fast = FAST.ordered_copy
         contexts = self._context_ints
         copy_context, peer_context = contexts.get(copy_device), contexts.get(peer_device)
         if fast is None or copy_context is None or peer_context is None:
             super().memcpy_ordered(dst, src, nbytes, copy_device, copy_stream, copy_event,
-                                   peer_device, peer_stream, peer_event)
+                                   peer_device, peer_stream, peer_event, join)
             return
         failure = fast(dst, src, nbytes, copy_context, copy_stream, copy_event, peer_context,
-                       peer_stream, peer_event)
+                       peer_stream, peer_event, join)
         if failure is not None:
             raise _error(failure[1], failure[0])
 

@@ -48,6 +48,7 @@ from cudalab._driver.base import (
     NCCL_RESULTS,
     NCCL_SUM,
     NCCL_UNIQUE_ID_SIZE,
+    GroupRunner,
     Nccl,
 )
 from cudalab._driver.cuda_api import (
@@ -300,6 +301,35 @@ class RealNccl(Nccl):
         failure = fast(call, count, dtype, checked_op, checked_root, tuple(ranks))
         if failure is not None:
             self._raise_group_failure(name, failure, comms)
+
+    def group_runner(self, comms: Sequence[Any]) -> GroupRunner:
+        """:meth:`Nccl.group_runner`: where the C group call is bound and every communicator
+        is a live :class:`RealComm` with its addresses, each rank's context and
+        ``ncclComm_t`` are read here, once, and ``run`` passes them to C with the per-call
+        values (the small-size rows of benchmarks/comm.py); otherwise the checked
+        :meth:`group_call`."""
+        fast = self._group_call
+        bound = tuple(comms)
+        first = bound[0] if bound else None
+        if (fast is None or type(first) is not RealComm
+                or not all(type(c) is RealComm and c.comm is not None and c.address
+                           and c.context and c.nranks == first.nranks for c in bound)):
+            return super().group_runner(bound)
+        contexts = tuple(c.context for c in bound)
+        addresses = tuple(c.address for c in bound)
+        raise_failure = self._raise_group_failure
+
+        def run(call: int, count: int, dtype: int, op: int, root: int, sends: Sequence[int],
+                recvs: Sequence[int], streams: Sequence[Any]) -> None:
+            for c in bound:  # (destroyed since: its address is stale, never pass it to NCCL)
+                if c.comm is None:
+                    raise _invalid(NCCL_CALL_NAMES[call], f"{c!r} was destroyed or aborted")
+            failure = fast(call, count, dtype, op, root,
+                           tuple(zip(contexts, sends, recvs, addresses, streams)))
+            if failure is not None:
+                raise_failure(NCCL_CALL_NAMES[call], failure, bound)
+
+        return run
 
     def _raise_group_failure(self, name: str, failure: tuple[int, int, int],
                              comms: Sequence[Any]) -> None:

@@ -72,15 +72,19 @@ def broadcast(array: Any, devices: Iterable[Any] | None = None, *,
     Notes
     -----
     NCCL (one ``ncclBroadcast`` per array, root = the source, in one group) when
-    ``cudalab.nccl.is_available([array, *destinations])``; otherwise peer copies on the
-    destinations' current streams. Reported to the collective observers as
+    ``cudalab.nccl.is_available([array, *destinations])``; otherwise copies, each on the
+    current streams of its two devices (:meth:`DeviceArray.copy_`). One destination that
+    can read the source's memory gets one peer copy instead of NCCL (faster, see
+    :func:`broadcast_into`). Reported to the collective observers as
     ``"comm.broadcast"`` with S = ``array.nbytes`` and bus factor 1.
     """
     if (devices is None) == (out is None):
         raise RuntimeError(f"Exactly one of 'devices' and 'out' must be specified, but got "
                            f"devices={devices} and out={out}")
-    _check_source(array, "broadcast")
-    with nvtx.range("comm.broadcast"):
+    if type(array) is not DeviceArray:
+        _check_source(array, "broadcast")
+    nvtx.range_push("comm.broadcast")  # (not nvtx.range's object: the 1 KiB broadcast row)
+    try:
         if devices is not None:
             results = broadcast_to_devices(array, _common.parse_devices(devices))
         else:
@@ -92,6 +96,8 @@ def broadcast(array: Any, devices: Iterable[Any] | None = None, *,
                                      + [r.device_index for r in results])
             _internal.notify_collective("comm.broadcast", array.nbytes, len(ranks),
                                         ROOTED_BUS_FACTOR, ranks)
+    finally:
+        nvtx.range_pop()
     return results
 
 
@@ -121,6 +127,8 @@ def broadcast_to_devices(array: Any, devices: Sequence[int]) -> list[Any]:
     source = _common.device_of(array)
     outs = [_common.new_like(array, d) for d in devices if d != source]
     broadcast_into(array, outs)
+    if len(outs) == len(devices):
+        return outs
     fresh = iter(outs)
     return [array if d == source else next(fresh) for d in devices]
 
@@ -133,15 +141,17 @@ def broadcast_into(array: Any, outs: Sequence[DeviceArray]) -> None:
     memory directly is one peer copy (a copy engine), not NCCL. The bytes are the same; the
     copy engine moves them faster and with less host work (benchmarks/comm.py, the broadcast
     rows: 392 GB/s for a peer copy against 357 for NCCL's broadcast on 2 x H200 at 1 GiB,
-    and a third of the host time at 1 KiB). With more destinations NCCL's pipeline wins,
+    and a third of the host time at 1 KiB). Between about 2 and 16 MiB it depends on the
+    host (docs/comm.md, "Performance"). With more destinations NCCL's pipeline wins,
     because the source's links would carry every copy.
     """
     if not outs:
         return
     if len(outs) == 1 and _one_peer_copy(array, outs[0]):
         out = outs[0]
-        if array.nbytes:
-            device_copy(out.device_index, out.ptr, array.device_index, array.ptr, array.nbytes)
+        nbytes = array.nbytes
+        if nbytes:
+            device_copy(out._device, out._ptr, array._device, array._ptr, nbytes)
         return
     group = [array, *outs]
     nccl = _common.nccl_for(group)
@@ -159,9 +169,9 @@ def broadcast_into(array: Any, outs: Sequence[DeviceArray]) -> None:
 def _one_peer_copy(array: Any, out: DeviceArray) -> bool:
     """Whether ``array`` reaches ``out`` as one direct peer copy: both contiguous device
     arrays of one dtype on two devices with peer access (enabled here, once per pair)."""
-    return (isinstance(array, DeviceArray) and array.is_contiguous() and out.is_contiguous()
-            and array.dtype == out.dtype and array.device_index != out.device_index
-            and _internal.enable_peer_access(out.device_index, array.device_index))
+    return (type(array) is DeviceArray and array.is_contiguous() and out.is_contiguous()
+            and array._dtype == out._dtype and array._device != out._device
+            and _internal.enable_peer_access(out._device, array._device))
 
 
 # --------------------------------------------------------------------------- reduce_add

@@ -19,7 +19,7 @@ import numpy as np
 
 from cudalab import _internal, nvtx
 from cudalab import streams as _streams
-from cudalab._array_memory import device_copy
+from cudalab._array_memory import device_copies, device_copy
 from cudalab.array import DeviceArray
 from cudalab.comm import _common
 
@@ -322,11 +322,12 @@ def _gather_rows(arrays: list[Any], dim: Any, destination: Any) -> DeviceArray |
     device = _internal.device_index(destination)
     result = _common.empty_on((total, *rest), dtype, device)
     offset = result._ptr
+    copies = []
     for a in arrays:
         nbytes = a._nbytes
-        if nbytes:
-            device_copy(device, offset, a._device, a._ptr, nbytes)
+        copies.append((offset, a._device, a._ptr, nbytes))
         offset += nbytes
+    device_copies(device, copies)  # (at once, not one after another as torch's copy_ calls)
     return result
 
 

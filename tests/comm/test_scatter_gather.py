@@ -253,6 +253,126 @@ def test_gather_result_is_on_the_current_stream(two, sim):
     np.testing.assert_array_equal(result.numpy(), [1, 1, 1, 1, 0, 0, 0, 0])
 
 
+def _recorded_copies(backend, monkeypatch, fail_local=False):
+    """Record the copies and the waits a gather makes (each still made, unless failing)."""
+    calls = []
+    inside = []  # (the simulator's memcpy_ordered makes its calls through the two below)
+    ordered, local, wait = (backend.memcpy_ordered, backend.memcpy_async,
+                            backend.stream_wait_event)
+
+    def memcpy_ordered(dst, src, nbytes, copy_device, *args, join=True):
+        calls.append(("peer copy", copy_device, join))
+        inside.append(True)
+        try:
+            ordered(dst, src, nbytes, copy_device, *args, join=join)
+        finally:
+            inside.pop()
+
+    def memcpy_async(device, dst, src, nbytes, stream):
+        if not inside:
+            calls.append(("local copy", device) if stream == cudalab.current_stream(device)._handle
+                         else ("local copy on", stream))
+            if fail_local:
+                raise cudalab.CudaError(700, "CUDA_ERROR_ILLEGAL_ADDRESS",
+                                        "the local copy failed")
+        local(device, dst, src, nbytes, stream)
+
+    def stream_wait_event(stream, event, *args):
+        if not inside:
+            calls.append(("wait", stream))
+        wait(stream, event, *args)
+
+    def event_record(event, stream):
+        if not inside:
+            calls.append(("record", stream))
+        record(event, stream)
+
+    record = backend.event_record
+    monkeypatch.setattr(backend, "event_record", event_record)
+    monkeypatch.setattr(backend, "memcpy_ordered", memcpy_ordered)
+    monkeypatch.setattr(backend, "memcpy_async", memcpy_async)
+    monkeypatch.setattr(backend, "stream_wait_event", stream_wait_event)
+    return calls
+
+
+def test_gather_copies_run_beside_one_another(two, backend, monkeypatch):
+    if not backend.can_access_peer(1, 0):
+        pytest.skip("these devices have no peer access")
+    from cudalab import _array_memory
+
+    monkeypatch.setattr(_array_memory, "OVERLAP_MIN_BYTES", 16)
+    arrays = [on(0, np.arange(4.0)), on(1, np.arange(4.0, 8.0)), on(0, np.arange(8.0, 10.0))]
+    comm.gather(arrays)  # (peer access enabled, streams made)
+    calls = _recorded_copies(backend, monkeypatch)
+    with cudalab.stream(cudalab.Stream(device=0)):  # (not the legacy default stream)
+        result = comm.gather(arrays, destination=0)
+        destination = cudalab.current_stream(0)._handle
+    # torch's copy_ calls would make each copy wait for the one before; here the peer's copy
+    # comes first without the destination's wait for it, then the local copies, then that
+    # wait (after which the destination's stream has every copy behind it)
+    assert calls == [("peer copy", 1, False), ("local copy", 0), ("local copy", 0),
+                     ("wait", destination)]
+    np.testing.assert_array_equal(result.numpy(), np.arange(10.0))
+
+
+def test_gather_between_legacy_default_streams_copies_locally_on_a_side_stream(
+        two, backend, monkeypatch):
+    if not backend.can_access_peer(1, 0):
+        pytest.skip("these devices have no peer access")
+    from cudalab import _array_memory
+
+    monkeypatch.setattr(_array_memory, "OVERLAP_MIN_BYTES", 16)
+    arrays = [on(0, np.arange(4.0)), on(1, np.arange(4.0, 8.0))]
+    comm.gather(arrays)
+    side = _array_memory._side_stream(0)._handle
+    destination = cudalab.current_stream(0)
+    assert destination._null  # (the legacy default stream)
+    calls = _recorded_copies(backend, monkeypatch)
+    result = comm.gather(arrays, destination=0)
+    # the side stream starts where the peer's copy starts, and the destination's stream
+    # waits for both
+    assert calls == [("peer copy", 1, False), ("wait", side), ("local copy on", side),
+                     ("record", side), ("wait", destination._handle),
+                     ("wait", destination._handle)]
+    np.testing.assert_array_equal(result.numpy(), np.arange(8.0))
+    # a current stream of its own on the destination: its copies stay on it
+    with cudalab.stream(cudalab.Stream(device=0)):
+        del calls[:]
+        result = comm.gather(arrays, destination=0)
+        assert calls[:2] == [("peer copy", 1, False), ("local copy", 0)]
+    np.testing.assert_array_equal(result.numpy(), np.arange(8.0))
+
+
+def test_a_failed_gather_copy_still_leaves_the_destination_waiting(two, backend, monkeypatch):
+    if not backend.can_access_peer(1, 0):
+        pytest.skip("these devices have no peer access")
+    from cudalab import _array_memory
+
+    monkeypatch.setattr(_array_memory, "OVERLAP_MIN_BYTES", 16)
+    arrays = [on(0, np.arange(4.0)), on(1, np.arange(4.0, 8.0))]
+    comm.gather(arrays)
+    side = _array_memory._side_stream(0)._handle
+    calls = _recorded_copies(backend, monkeypatch, fail_local=True)
+    with pytest.raises(cudalab.CudaError, match="the local copy failed"):
+        comm.gather(arrays, destination=0)
+    # the peer's copy and the side stream may still be writing into the freed result: the
+    # destination's stream waits for both
+    destination = cudalab.current_stream(0)._handle
+    assert calls == [("peer copy", 1, False), ("wait", side), ("local copy on", side),
+                     ("record", side), ("wait", destination), ("wait", destination)]
+
+
+def test_small_gathers_copy_in_torchs_order(two, backend, monkeypatch):
+    if not backend.can_access_peer(1, 0):
+        pytest.skip("these devices have no peer access")
+    arrays = [on(0, np.arange(4.0)), on(1, np.arange(4.0, 8.0))]
+    comm.gather(arrays)
+    calls = _recorded_copies(backend, monkeypatch)
+    result = comm.gather(arrays, destination=0)  # (far below OVERLAP_MIN_BYTES)
+    assert calls == [("local copy", 0), ("peer copy", 1, True)]
+    np.testing.assert_array_equal(result.numpy(), np.arange(8.0))
+
+
 # --------------------------------------------------------------------------- gather errors
 def test_gather_errors(two, records):
     a, b = on(0, np.ones((2, 3))), on(1, np.ones((2, 4)))

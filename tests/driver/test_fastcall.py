@@ -145,6 +145,14 @@ _FAKE_DRIVER = textwrap.dedent("""
         answer = _fastcall.ordered_copy(0xD000, 0x5000, 1024, 0x10, 0x51, 0xE1, 0x20, 0x52,
                                         0xE2)
         results.append({"answer": answer, "log": list(log), "ctx": state["ctx"]})
+    log.clear(); fail.clear()
+    answer = _fastcall.ordered_copy(0xD000, 0x5000, 1024, 0x10, 0x51, 0xE1, 0x20, 0x52, 0xE2,
+                                    False)  # join=False: the peer's wait is the caller's
+    results.append({"answer": answer, "log": list(log), "ctx": state["ctx"]})
+    try:
+        _fastcall.ordered_copy(0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0)
+    except TypeError as exc:
+        results.append(str(exc))
     print("RESULT " + json.dumps(results))
 """)
 
@@ -154,7 +162,8 @@ def test_ordered_copy_makes_torchs_eight_calls_and_restores_the_context():
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    ok, copy_failed, set_failed, record_failed = json.loads(line[len("RESULT "):])
+    ok, copy_failed, set_failed, record_failed, unjoined, too_many = json.loads(
+        line[len("RESULT "):])
     # the peer's stream first: its event recorded in its context, waited on by the copy
     # stream, the copy, the copy's event waited on by the peer's stream; then the caller's
     # context again
@@ -170,6 +179,10 @@ def test_ordered_copy_makes_torchs_eight_calls_and_restores_the_context():
     assert record_failed["answer"] == ["cuEventRecord", 700]
     assert [e[0] for e in record_failed["log"]] == ["record", "wait", "copy", "record"]
     assert copy_failed["ctx"] == set_failed["ctx"] == record_failed["ctx"] == 0x99
+    # without the join: the same calls less the peer stream's wait, the context put back
+    assert unjoined["answer"] is None and unjoined["log"] == ok["log"][:4]
+    assert unjoined["ctx"] == 0x99
+    assert "ordered_copy() takes 9 arguments (11 given)" in too_many
 
 
 SIGNATURE = ("p", "i4", "u4", "i8", "u8", "f4", "f8")

@@ -344,3 +344,51 @@ def test_without_the_c_call_the_seam_makes_nccl4pys_python_calls():
     assert [entry for entry in result["log"] if entry[0].startswith("python")] == [["python group_start"], ["python set_context", 0],
                              ["python reduce"], ["python set_context", 1], ["python reduce"],
                              ["python group_end"]]
+
+
+def test_a_group_runner_passes_each_ranks_context_and_comm_read_once():
+    result = _run("""
+        run = seam.group_runner(comms)
+        run(base.NCCL_CALL_REDUCE, 8, base.NCCL_FLOAT32, base.NCCL_SUM, 0, sends, recvs,
+            [0x50, 0x51])
+        ok = [e for e in log]
+        del log[:]
+        fail[("reduce", 0xC1)] = 4
+        call_error = error_of(lambda: run(base.NCCL_CALL_REDUCE, 8, base.NCCL_FLOAT32,
+                                          base.NCCL_SUM, 0, sends, recvs, [0x50, 0x51]))
+        del fail[("reduce", 0xC1)]
+        failed_log = [e for e in log]
+        del log[:]
+        comms[1].comm = None  # destroyed after the runner was made
+        destroyed = error_of(lambda: run(base.NCCL_CALL_REDUCE, 8, base.NCCL_FLOAT32,
+                                         base.NCCL_SUM, 0, sends, recvs, [0x50, 0x51]))
+        emit(ok=ok, call_error=call_error, failed_log=failed_log, destroyed=destroyed,
+             destroyed_log=log)
+    """, seam=True)
+    # the same calls as group_call's
+    assert result["ok"] == [["get"], ["start"],
+                            ["set", 0x10], ["reduce", 0x1000, 0x1008, 8, 7, 0, 0, 0xC0, 0x50],
+                            ["set", 0x11], ["reduce", 0x2000, 0, 8, 7, 0, 0, 0xC1, 0x51],
+                            ["end"], ["set", 0x99]]
+    kind, message, code = result["call_error"]
+    assert kind == "NcclError" and code == 4
+    assert message == "ncclReduce: ncclInvalidArgument (4): text of 4 - the last error"
+    assert result["failed_log"][-2:] == [["end"], ["set", 0x99]]  # group closed, context back
+    assert "was destroyed or aborted" in result["destroyed"][1]
+    assert result["destroyed_log"] == []  # a stale ncclComm_t never reaches NCCL
+
+
+def test_a_group_runner_falls_back_to_the_checked_group_call():
+    result = _run("""
+        checked = []
+        seam.group_call = lambda *args: checked.append(len(args))
+        nameless = [RealComm(Comm(0), i, i, 2, 0x10 + i) for i in range(2)]  # no ncclComm_t
+        seam.group_runner(nameless)(base.NCCL_CALL_ALL_REDUCE, 8, base.NCCL_FLOAT32,
+                                    base.NCCL_SUM, 0, sends, sends, [0, 0])
+        seam.group_runner([comms[0], "not a comm"])(base.NCCL_CALL_ALL_REDUCE, 8,
+                                                    base.NCCL_FLOAT32, base.NCCL_SUM, 0,
+                                                    sends, sends, [0, 0])
+        emit(checked=checked, log=log)
+    """, seam=True)
+    assert result["checked"] == [9, 9]  # group_call(call, ..., comms, streams) both times
+    assert result["log"] == []
