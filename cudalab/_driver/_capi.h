@@ -1,6 +1,6 @@
 /* cudalab/_driver/_capi.h: the argument parsing that cudalab's two C call modules share
  * (_fastcall.c, the driver's hot calls, and _ncclcall.c, the NCCL group call), so the two
- * cannot drift: driver and NCCL handles, device addresses, arity. Static functions: each
+ * cannot drift: driver and NCCL handles, device addresses, arity, setup()'s entry points. Static functions: each
  * module that includes it gets its own copy. Include after <Python.h>. */
 #ifndef CUDALAB_DRIVER_CAPI_H
 #define CUDALAB_DRIVER_CAPI_H
@@ -48,6 +48,27 @@ check_arity(Py_ssize_t nargs, Py_ssize_t expected, const char *name)
     if (nargs != expected) {
         PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, expected, nargs);
         return -1;
+    }
+    return 0;
+}
+
+/* The entry points a module's setup() takes: args[0..count) as nonzero int addresses into
+ * addresses. -1 and an exception (TypeError for a non-int, ValueError for 0) otherwise. */
+static int
+entry_point_addresses(PyObject *const *args, int count, void **addresses)
+{
+    for (int i = 0; i < count; i++) {
+        if (!PyLong_Check(args[i])) {
+            PyErr_SetString(PyExc_TypeError, "setup() takes the entry points' addresses as ints");
+            return -1;
+        }
+        addresses[i] = PyLong_AsVoidPtr(args[i]);
+        if (addresses[i] == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "setup(): an entry point's address is 0");
+            }
+            return -1;
+        }
     }
     return 0;
 }

@@ -34,7 +34,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "_capi.h" /* handle_address, device_address, check_arity */
+#include "_capi.h" /* handle_address, device_address, check_arity, entry_point_addresses */
 
 typedef int result_t; /* ncclResult_t and CUresult are C enums: ints */
 
@@ -258,18 +258,8 @@ setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (check_arity(nargs, SETUP_ENTRY_POINTS, "setup") < 0) {
         return NULL;
     }
-    for (int i = 0; i < SETUP_ENTRY_POINTS; i++) {
-        if (!PyLong_Check(args[i])) {
-            PyErr_SetString(PyExc_TypeError, "setup() takes the entry points' addresses as ints");
-            return NULL;
-        }
-        addresses[i] = PyLong_AsVoidPtr(args[i]);
-        if (addresses[i] == NULL) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_ValueError, "setup(): an entry point's address is 0");
-            }
-            return NULL;
-        }
+    if (entry_point_addresses(args, SETUP_ENTRY_POINTS, addresses) < 0) {
+        return NULL;
     }
     group_start_ptr = (group_fn)addresses[0];
     group_end_ptr = (group_fn)addresses[1];

@@ -133,8 +133,6 @@ def scatter(array: Any, devices: Iterable[Any] | None = None,
         if out is None:
             results = _scatter_to_devices(array, _common.parse_devices(devices),  # type: ignore[arg-type]
                                           chunk_sizes, dim, streams)
-            targets = [_common.device_of(r) for r in results] if \
-                _internal.collective_observers else []
         else:
             if devices is not None:
                 raise RuntimeError(f"'devices' must not be specified when 'out' is specified, "
@@ -143,9 +141,9 @@ def scatter(array: Any, devices: Iterable[Any] | None = None,
                 raise RuntimeError(f"'chunk_sizes' must not be specified when 'out' is "
                                    f"specified, but got chunk_sizes={chunk_sizes}")
             results = _scatter_into(array, list(out), dim, streams)
-            targets = [r.device_index for r in results] if _internal.collective_observers else []
         if _internal.collective_observers:  # (the ranks only when someone listens)
-            ranks = _common.distinct([_common.device_of(array), *targets])
+            ranks = _common.distinct([_common.device_of(array),
+                                      *(_common.device_of(r) for r in results)])
             _internal.notify_collective("comm.scatter", array.nbytes, len(ranks),
                                         _half_factor(len(ranks)), ranks)
     return results

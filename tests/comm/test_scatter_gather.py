@@ -295,12 +295,19 @@ def _recorded_copies(backend, monkeypatch, fail_local=False):
     return calls
 
 
-def test_gather_copies_run_beside_one_another(two, backend, monkeypatch):
+@pytest.fixture
+def overlapping(two, backend, monkeypatch):
+    """Two devices whose gathers overlap their copies at any size (device 1 can write
+    device 0's memory); returns cudalab._array_memory."""
     if not backend.can_access_peer(1, 0):
         pytest.skip("these devices have no peer access")
     from cudalab import _array_memory
 
     monkeypatch.setattr(_array_memory, "OVERLAP_MIN_BYTES", 16)
+    return _array_memory
+
+
+def test_gather_copies_run_beside_one_another(overlapping, backend, monkeypatch):
     arrays = [on(0, np.arange(4.0)), on(1, np.arange(4.0, 8.0)), on(0, np.arange(8.0, 10.0))]
     comm.gather(arrays)  # (peer access enabled, streams made)
     calls = _recorded_copies(backend, monkeypatch)
@@ -316,15 +323,10 @@ def test_gather_copies_run_beside_one_another(two, backend, monkeypatch):
 
 
 def test_gather_between_legacy_default_streams_copies_locally_on_a_side_stream(
-        two, backend, monkeypatch):
-    if not backend.can_access_peer(1, 0):
-        pytest.skip("these devices have no peer access")
-    from cudalab import _array_memory
-
-    monkeypatch.setattr(_array_memory, "OVERLAP_MIN_BYTES", 16)
+        overlapping, backend, monkeypatch):
     arrays = [on(0, np.arange(4.0)), on(1, np.arange(4.0, 8.0))]
     comm.gather(arrays)
-    side = _array_memory._side_stream(0)._handle
+    side = overlapping._side_stream(0)._handle
     destination = cudalab.current_stream(0)
     assert destination._null  # (the legacy default stream)
     calls = _recorded_copies(backend, monkeypatch)
@@ -343,15 +345,11 @@ def test_gather_between_legacy_default_streams_copies_locally_on_a_side_stream(
     np.testing.assert_array_equal(result.numpy(), np.arange(8.0))
 
 
-def test_a_failed_gather_copy_still_leaves_the_destination_waiting(two, backend, monkeypatch):
-    if not backend.can_access_peer(1, 0):
-        pytest.skip("these devices have no peer access")
-    from cudalab import _array_memory
-
-    monkeypatch.setattr(_array_memory, "OVERLAP_MIN_BYTES", 16)
+def test_a_failed_gather_copy_still_leaves_the_destination_waiting(overlapping, backend,
+                                                                  monkeypatch):
     arrays = [on(0, np.arange(4.0)), on(1, np.arange(4.0, 8.0))]
     comm.gather(arrays)
-    side = _array_memory._side_stream(0)._handle
+    side = overlapping._side_stream(0)._handle
     calls = _recorded_copies(backend, monkeypatch, fail_local=True)
     with pytest.raises(cudalab.CudaError, match="the local copy failed"):
         comm.gather(arrays, destination=0)

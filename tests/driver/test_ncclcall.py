@@ -295,6 +295,21 @@ _SEAM = textwrap.dedent("""
 """)
 
 
+#: The seam's 2-rank reduce over the stand-ins: the caller's context saved, each rank's call
+#: in its context inside one group, the context put back.
+REDUCE_GROUP_LOG = [["get"], ["start"],
+                    ["set", 0x10], ["reduce", 0x1000, 0x1008, 8, 7, 0, 0, 0xC0, 0x50],
+                    ["set", 0x11], ["reduce", 0x2000, 0, 8, 7, 0, 0, 0xC1, 0x51],
+                    ["end"], ["set", 0x99]]
+
+
+def _assert_ncclss_reduce_error(error):
+    """A failed rank-1 reduce (code 4) raised as NcclError with NCCL's own message."""
+    kind, message, code = error
+    assert kind == "NcclError" and code == 4
+    assert message == "ncclReduce: ncclInvalidArgument (4): text of 4 - the last error"
+
+
 def test_the_seam_binds_it_and_raises_ncclerror_with_ncclss_message():
     result = _run("""
         bound = seam._group_call is nc.group_call
@@ -320,13 +335,8 @@ def test_the_seam_binds_it_and_raises_ncclerror_with_ncclss_message():
              destroyed=destroyed)
     """, seam=True)
     assert result["bound"] is True
-    assert result["ok"] == [["get"], ["start"],
-                            ["set", 0x10], ["reduce", 0x1000, 0x1008, 8, 7, 0, 0, 0xC0, 0x50],
-                            ["set", 0x11], ["reduce", 0x2000, 0, 8, 7, 0, 0, 0xC1, 0x51],
-                            ["end"], ["set", 0x99]]
-    kind, message, code = result["call_error"]
-    assert kind == "NcclError" and code == 4
-    assert message == "ncclReduce: ncclInvalidArgument (4): text of 4 - the last error"
+    assert result["ok"] == REDUCE_GROUP_LOG
+    _assert_ncclss_reduce_error(result["call_error"])
     kind, message, _code = result["context_error"]
     assert kind == "CudaError" and "cuCtxSetCurrent" in message
     assert "count must be an int >= 0" in result["bad_count"][1]
@@ -366,13 +376,8 @@ def test_a_group_runner_passes_each_ranks_context_and_comm_read_once():
              destroyed_log=log)
     """, seam=True)
     # the same calls as group_call's
-    assert result["ok"] == [["get"], ["start"],
-                            ["set", 0x10], ["reduce", 0x1000, 0x1008, 8, 7, 0, 0, 0xC0, 0x50],
-                            ["set", 0x11], ["reduce", 0x2000, 0, 8, 7, 0, 0, 0xC1, 0x51],
-                            ["end"], ["set", 0x99]]
-    kind, message, code = result["call_error"]
-    assert kind == "NcclError" and code == 4
-    assert message == "ncclReduce: ncclInvalidArgument (4): text of 4 - the last error"
+    assert result["ok"] == REDUCE_GROUP_LOG
+    _assert_ncclss_reduce_error(result["call_error"])
     assert result["failed_log"][-2:] == [["end"], ["set", 0x99]]  # group closed, context back
     assert "was destroyed or aborted" in result["destroyed"][1]
     assert result["destroyed_log"] == []  # a stale ncclComm_t never reaches NCCL
