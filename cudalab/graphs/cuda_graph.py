@@ -1,10 +1,8 @@
-"""CUDA graphs with torch's names and semantics (``torch.cuda.graphs``).
+"""The CUDA graph itself (``torch.cuda.CUDAGraph``): capture, instantiate, replay, reset.
 
 :class:`CUDAGraph` captures the work queued on a stream into a driver graph and replays it
-with one launch; :class:`graph` is the context manager around a capture;
-:func:`is_current_stream_capturing`; :func:`make_graphed_callables` for plain callables over
-:class:`~cudalab.array.DeviceArray`\\ s. Pool ids come from :mod:`cudalab.allocator.pools`
-(:func:`graph_pool_handle`).
+with one launch. Pool ids come from :mod:`cudalab.allocator.pools`; the capture-id map
+(which graph a capturing stream belongs to) lives here with the class that fills it.
 
 The lifecycle is torch 2.11's (``aten/src/ATen/cuda/CUDAGraph.cpp``):
 
@@ -36,7 +34,6 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from cudalab import _internal
@@ -51,14 +48,13 @@ from cudalab._driver.base import (
     GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH,
     GRAPH_INSTANTIATE_USE_NODE_PRIORITY,
 )
-from cudalab.allocator.pools import check_pool_id, graph_pool_handle, new_graph_pool_id
+from cudalab.allocator.pools import check_pool_id, new_graph_pool_id
 from cudalab.allocator.registry import get_allocator
-from cudalab.array import DeviceArray
 from cudalab.random import Generator, PhiloxState
 from cudalab.random.generator import all_default_generators
 
-__all__ = ["CUDAGraph", "graph", "graph_pool_handle", "is_current_stream_capturing",
-           "make_graphed_callables"]
+__all__ = ["CUDAGraph", "CAPTURE_ERROR_MODES", "INSTANTIATE_FLAGS", "STATE_EMPTY",
+           "STATE_CAPTURING", "STATE_CAPTURED", "STATE_READY", "capture_mode"]
 
 #: torch's ``capture_error_mode`` strings -> the driver's capture modes.
 CAPTURE_ERROR_MODES = {"global": CAPTURE_MODE_GLOBAL, "thread_local": CAPTURE_MODE_THREAD_LOCAL,
@@ -108,22 +104,16 @@ _capturing: dict[int, CUDAGraph] = {}
 _map_lock = threading.Lock()
 
 
-def is_current_stream_capturing() -> bool:
-    """Whether the current stream of the current device is being captured into a graph.
+def capture_mode(capture_error_mode: Any) -> int:
+    """The driver's capture mode for torch's ``capture_error_mode`` string.
 
-    Returns False without initialising CUDA when it is not initialised (as torch).
-
-    Returns
-    -------
-    bool
+    Raises
+    ------
+    TypeError
+        Not a str.
+    RuntimeError
+        Not one of ``global``, ``thread_local``, ``relaxed`` (torch's message).
     """
-    if not _devices.is_initialized():
-        return False
-    s = _streams.current_stream()
-    return bool(_internal.backend().stream_is_capturing(_internal.stream_handle(s)))
-
-
-def _capture_mode(capture_error_mode: Any) -> int:
     if not isinstance(capture_error_mode, str):
         raise TypeError(f"capture_error_mode must be a str, got "
                         f"{type(capture_error_mode).__name__}")
@@ -223,7 +213,7 @@ class CUDAGraph:
         if self._state != STATE_EMPTY:
             raise RuntimeError("This CUDAGraph instance already owns a captured graph. To "
                                "capture a new graph, create a new instance.")
-        mode = _capture_mode(capture_error_mode)
+        mode = capture_mode(capture_error_mode)
         if _deferred_releases:
             _release_deferred()
         pid = None if pool is None else _pool_id(pool)
@@ -578,178 +568,3 @@ class CUDAGraph:
                 "capture_end(). Did you use a stream without making it depend upon the "
                 "original stream used for capture?")
         return g
-
-
-class graph:  # noqa: N801 - torch's name
-    """Context manager capturing the block into ``cuda_graph`` (``torch.cuda.graph``).
-
-    On entry: synchronize, ``empty_cache()``, make the capture stream current and begin the
-    capture; on exit (also when the block raises) end the capture and restore the stream.
-    When the block raised, its exception propagates (the failed capture_end is noted on it).
-
-    Parameters
-    ----------
-    cuda_graph : CUDAGraph
-    pool : tuple of (int, int), MemPool or None, optional
-        Share this private memory pool (see :meth:`CUDAGraph.capture_begin`).
-    stream : Stream or None, optional
-        The capture stream; default: one side stream shared by every ``graph`` of the
-        process (:attr:`default_capture_stream`, as torch).
-    capture_error_mode : {"global", "thread_local", "relaxed"}, optional
-
-    Raises
-    ------
-    TypeError
-        ``cuda_graph`` is not a CUDAGraph, or ``stream`` not a Stream.
-    """
-
-    #: The side stream captures use when no stream is given (created on first use).
-    default_capture_stream: _streams.Stream | None = None
-
-    def __init__(self, cuda_graph: CUDAGraph, pool: Any = None,
-                 stream: _streams.Stream | None = None, capture_error_mode: str = "global"):
-        if not isinstance(cuda_graph, CUDAGraph):
-            raise TypeError(f"graph(): cuda_graph must be a cudalab.CUDAGraph, got "
-                            f"{type(cuda_graph).__name__}")
-        if stream is not None and not isinstance(stream, _streams.Stream):
-            raise TypeError(f"graph(): stream must be a cudalab.Stream, got "
-                            f"{type(stream).__name__}")
-        _capture_mode(capture_error_mode)
-        if stream is None:
-            if graph.default_capture_stream is None:
-                graph.default_capture_stream = _streams.Stream()
-            stream = graph.default_capture_stream
-        self.cuda_graph = cuda_graph
-        self.pool: tuple[Any, ...] = () if pool is None else (pool,)
-        self.capture_stream = stream
-        self.capture_error_mode = capture_error_mode
-        self._stream_ctx = _streams.stream(stream)
-
-    def __enter__(self) -> None:
-        from cudalab.memory import empty_cache
-
-        _devices.synchronize()
-        empty_cache()
-        self._stream_ctx.__enter__()
-        try:
-            self.cuda_graph.capture_begin(self.pool[0] if self.pool else None,
-                                          capture_error_mode=self.capture_error_mode)
-        except BaseException:
-            self._stream_ctx.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        try:
-            self.cuda_graph.capture_end()
-        except BaseException as end_error:
-            if exc is None:
-                raise
-            exc.add_note(f"(the capture was abandoned: capture_end() raised {end_error})")
-        finally:
-            self._stream_ctx.__exit__(None, None, None)
-
-
-def _arrays(value: Any, what: str) -> tuple[DeviceArray, ...]:
-    items = value if isinstance(value, tuple) else (value,)
-    for i, item in enumerate(items):
-        if not isinstance(item, DeviceArray):
-            raise TypeError(f"make_graphed_callables: {what} {i} must be a cudalab DeviceArray, "
-                            f"got {type(item).__name__}")
-    return items
-
-
-def make_graphed_callables(callables: Any, sample_args: Any, num_warmup_iters: int = 3,
-                           pool: Any = None) -> Any:
-    """Graphed versions of plain callables over DeviceArrays (``torch.cuda.make_graphed_callables``
-    without autograd).
-
-    Each callable is warmed up ``num_warmup_iters`` times on a side stream, then captured once
-    with its sample arguments as the static input buffers, all captures sharing one private
-    pool. The returned callable copies its arguments into the static inputs (an argument
-    that *is* the static input is not copied), replays the graph and returns the static
-    outputs (the same arrays every call: copy them to keep a result past the next call).
-
-    Differences from torch: there is no autograd here, so only the forward pass is captured
-    (torch also captures the backward pass and returns ``torch.autograd.Function``\\ s or
-    modules); the callables must take and return DeviceArrays (one, or a tuple), with no
-    keyword arguments; ``allow_unused_input`` and ``capture_error_mode`` are not offered.
-    As in torch, graphs sharing the pool must be replayed in the order they were captured.
-
-    Parameters
-    ----------
-    callables : callable or tuple of callables
-    sample_args : tuple of DeviceArray, or a tuple of such tuples (one per callable)
-    num_warmup_iters : int, optional
-        Eager calls before the capture (kernels compile and load there), default 3.
-    pool : tuple of (int, int), MemPool or None, optional
-        The private pool to share (default: a new :func:`graph_pool_handle`).
-
-    Returns
-    -------
-    callable or tuple of callables
-        In the shape of ``callables``.
-
-    Raises
-    ------
-    TypeError
-        A callable that is not callable, an argument or output that is not a DeviceArray.
-    ValueError
-        ``num_warmup_iters`` negative, or as many argument tuples as callables missing; a
-        call of a graphed callable with arguments of other shapes or dtypes.
-    """
-    single = not isinstance(callables, tuple)
-    fns: Sequence[Callable[..., Any]] = (callables,) if single else callables
-    args_list = (sample_args,) if single else sample_args
-    if not isinstance(args_list, tuple) or len(args_list) != len(fns):
-        raise ValueError(f"make_graphed_callables: sample_args must hold one tuple of arguments "
-                         f"per callable ({len(fns)})")
-    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):
-        raise TypeError(f"num_warmup_iters must be an int, got {type(num_warmup_iters).__name__}")
-    if num_warmup_iters < 0:
-        raise ValueError(f"num_warmup_iters must be >= 0, got {num_warmup_iters}")
-    statics = []
-    for i, (fn, args) in enumerate(zip(fns, args_list, strict=True)):
-        if not callable(fn):
-            raise TypeError(f"make_graphed_callables: callables[{i}] is not callable")
-        statics.append(_arrays(args, f"sample_args[{i}] item"))
-    mempool = graph_pool_handle() if pool is None else pool
-    _devices.synchronize()
-    side = _streams.Stream()
-    side.wait_stream(_streams.current_stream())
-    with _streams.stream(side):
-        for _ in range(num_warmup_iters):
-            for fn, args in zip(fns, statics, strict=True):
-                fn(*args)
-    _streams.current_stream().wait_stream(side)
-    graphed = []
-    for fn, args in zip(fns, statics, strict=True):
-        g = CUDAGraph()
-        with graph(g, pool=mempool, stream=side):
-            out = fn(*args)
-        outputs = _arrays(out, "output")
-        graphed.append(_graphed(g, args, out, outputs))
-    return graphed[0] if single else tuple(graphed)
-
-
-def _graphed(g: CUDAGraph, static_inputs: tuple[DeviceArray, ...], result: Any,
-             outputs: tuple[DeviceArray, ...]) -> Callable[..., Any]:
-    shapes = [(a.shape, a.dtype) for a in static_inputs]
-
-    def replay(*args: DeviceArray) -> Any:
-        if len(args) != len(static_inputs):
-            raise ValueError(f"graphed callable takes {len(static_inputs)} arguments, got "
-                             f"{len(args)}")
-        for i, (a, static) in enumerate(zip(args, static_inputs, strict=True)):
-            if a is static:
-                continue
-            if not isinstance(a, DeviceArray) or (a.shape, a.dtype) != shapes[i]:
-                raise ValueError(f"graphed callable: argument {i} must be a DeviceArray of "
-                                 f"shape {shapes[i][0]} and dtype {shapes[i][1]}")
-            static.copy_(a)
-        g.replay()
-        return result
-
-    replay.graph = g  # type: ignore[attr-defined]
-    replay.outputs = outputs  # type: ignore[attr-defined]
-    return replay
-
