@@ -44,6 +44,7 @@ from typing import Any
 from cudalab import streams as _streams
 from cudalab._driver.base import EVENT_DISABLE_TIMING, STREAM_NON_BLOCKING, ClosedHandle
 from cudalab.allocator.base import Allocator, bad_pointer, fraction_total, stream_key
+from cudalab.allocator.blocks import SegmentDict, StreamUses
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig, config_from_env
 from cudalab.allocator.policy import MAX_ALLOCATION_SIZE, check_size
 from cudalab.allocator.stats import STAT_KEYS, Counters, format_size
@@ -161,7 +162,7 @@ class AsyncPoolAllocator(Allocator):
         self._resolver = stream_resolver
         self._lock = threading.Lock()
         self._live: dict[int, tuple[int, Any, int]] = {}  # ptr -> (size, stream handle, key)
-        self._uses: dict[int, set] = {}  # ptr -> streams from record_stream
+        self._uses: dict[int, StreamUses] = {}  # ptr -> streams from record_stream
         self._pending_frees: deque[int] = deque()  # sizes of frees done while the lock was busy
         self._handles: dict[int, Any] = {}  # int stream handle -> driver stream handle
         self._unifier: Any = None
@@ -297,7 +298,7 @@ class AsyncPoolAllocator(Allocator):
             self._limit = int(fraction * total)
             self._limited = True
 
-    def segments(self) -> list[dict]:
+    def segments(self) -> list[SegmentDict]:
         raise RuntimeError(SNAPSHOT_UNSUPPORTED)
 
     def sync_pending(self) -> None:
@@ -456,7 +457,7 @@ class AsyncPoolAllocator(Allocator):
                 u = self._unifier
         return u
 
-    def _free_unified(self, ptr: int, h: Any, key: int, uses: set) -> None:
+    def _free_unified(self, ptr: int, h: Any, key: int, uses: StreamUses) -> None:
         """torch's unifying-stream free: the side stream waits on events recorded on the
         allocation stream and on every usage stream, then frees ``ptr`` in its order."""
         b = self.backend

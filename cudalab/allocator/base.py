@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from cudalab import streams as _streams
 from cudalab._driver.base import ClosedHandle
+from cudalab.allocator.blocks import SegmentDict, StreamUses
 from cudalab.allocator.stats import DeviceStats, format_size
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class Allocator(abc.ABC):
     device: int
     stats: DeviceStats
     #: Live allocations keyed by pointer (the registry finds a pointer's owner here).
-    _live: dict
+    _live: dict[int, Any]
     #: Frees deferred while the lock was busy (the getters check it before reading).
     _pending_frees: Any = ()
     #: The native allocator's pair memo (see DeviceCachingAllocator); the getters call
@@ -70,12 +71,12 @@ class Allocator(abc.ABC):
     #: Watermark of allocated bytes for :func:`cudalab.memory.peak_scope` (never above the
     #: peak; a scope opening hands it to the open scopes, then lowers it to the current value).
     _mark: int = 0
-    _scopes: tuple = ()  # open PeakScopes (a list once one is opened)
+    _scopes: tuple[()] | list[Any] = ()  # open PeakScopes (a list once one is opened)
     #: The listener's hook (see :mod:`cudalab.allocator.hooks`), None while nobody listens.
     _trace: AllocatorTrace | None
     backend: Backend
     _lock: Any  # the device's allocator lock (a TokenLock or a threading.Lock)
-    _uses: dict[int, set]  # ptr -> streams it was used on (allocators using _record_use)
+    _uses: dict[int, StreamUses]  # ptr -> streams it was used on (allocators using _record_use)
 
     @abc.abstractmethod
     def malloc(self, size: int, stream: Any = None) -> int:
@@ -145,7 +146,7 @@ class Allocator(abc.ABC):
         """torch's ``getPoolUseCount``: 0 here (this allocator has no private pools)."""
         return 0
 
-    def pools(self) -> list[dict]:
+    def pools(self) -> list[dict[str, Any]]:
         """The private pools of this device (none here); see ``PrivatePools.pools``."""
         return []
 
@@ -167,7 +168,7 @@ class Allocator(abc.ABC):
         return self._fraction
 
     @abc.abstractmethod
-    def segments(self) -> list[dict]:
+    def segments(self) -> list[SegmentDict]:
         """torch's ``memory_snapshot()`` segment dicts for this device, sorted by address."""
 
     def sync_pending(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
@@ -189,7 +190,7 @@ class Allocator(abc.ABC):
         if config.per_process_memory_fraction is not None:
             self.set_memory_fraction(config.per_process_memory_fraction)
 
-    def memory_stats(self) -> dict:
+    def memory_stats(self) -> dict[str, int]:
         """torch's 122-key ``memory_stats()`` dict."""
         self.sync_pending()
         return self.stats.as_dict()

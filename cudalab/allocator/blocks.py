@@ -14,12 +14,20 @@ device: one free list per stream, and its own statistics counters.
 from __future__ import annotations
 
 from bisect import insort
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from cudalab.allocator.stats import Counters
 
+if TYPE_CHECKING:
+    from cudalab.streams import Stream
+
 __all__ = ["ALLOCATED", "DEFERRED", "DETACHED", "FREE", "PENDING", "UNMAPPED", "STATE_NAMES", "SNAPSHOT_STATES",
-           "KEY_SHIFT", "Block", "BlockPool", "FreeList"]
+           "KEY_SHIFT", "Block", "BlockPool", "FreeList", "StreamUses", "SegmentDict"]
+
+#: The streams a block was used on besides its allocation stream (``record_stream``).
+StreamUses: TypeAlias = "set[Stream]"
+#: One segment of torch's ``memory_snapshot()`` (its keys: ``cudalab.memory_tools.snapshot``).
+SegmentDict: TypeAlias = "dict[str, Any]"
 
 #: Packed free-list key: ``size << KEY_SHIFT | address`` (addresses are below 2**64). The
 #: hot paths write the literal 64 (a constant load, not a global lookup).
@@ -60,7 +68,7 @@ class Block:
         self.next: Block | None = None
         #: Outstanding record_stream events (> 0 exactly when PENDING).
         self.event_count = 0
-        self.uses: set | None = None  # streams (other than the allocation stream) it was used on
+        self.uses: StreamUses | None = None  # streams (other than the allocation stream) it was used on
         self.gc_base = 0
         self.tfree: object = 0  # stamp of its deferred memo free, for the history (0: none)
 

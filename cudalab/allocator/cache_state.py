@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from cudalab.allocator.base import Allocator, current_stream_key
-from cudalab.allocator.blocks import Block, BlockPool
+from cudalab.allocator.blocks import Block, BlockPool, StreamUses
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig, config_from_env
 from cudalab.allocator.events import EventPool
 from cudalab.allocator.stats import DeviceStats
@@ -27,11 +27,16 @@ from cudalab.allocator.token_lock import TokenLock
 if TYPE_CHECKING:
     from cudalab._driver.base import Backend
     from cudalab.allocator.hooks import AllocatorTrace, StampLog
-    from cudalab.allocator.pools import PrivatePool
+    from cudalab.allocator.private_pool import PrivatePool
+    from cudalab.streams import Stream
 
 __all__ = ["CacheState", "NO_STREAM"]
 
 NO_STREAM = object()  # never a malloc's stream argument
+
+#: One record_stream event of a PENDING block: (the driver event, the block, the event pool
+#: it goes back to once it has completed).
+EventUse: TypeAlias = "tuple[Any, Block, EventPool]"
 
 
 def _no_stamp() -> int:
@@ -88,7 +93,7 @@ class CacheState(Allocator):
     _route: Callable[[int], Any]
     _best_fit_in: Callable[[Any, int], Block | None]
     _malloc_routed: Callable[[int, int], int]
-    _record_use_events: Callable[[Block, set], None]
+    _record_use_events: Callable[[Block, StreamUses], None]
 
     def __init__(self, backend: Backend, device: int = 0, config: AllocatorConfig | None = None,
                  stream_resolver: Callable[[], int] | None = None):
@@ -135,7 +140,7 @@ class CacheState(Allocator):
         self._pending_releases: deque[tuple[tuple[int, int], bool]] = deque()
         #: (block, streams) of blocks freed during a capture while used on other streams:
         #: PENDING without events until the last capture ends, which records them.
-        self._deferred_uses: list[tuple[Block, set]] = []
+        self._deferred_uses: list[tuple[Block, StreamUses]] = []
         self._apply_settings(config)  # the settings read on the hot path
         # state
         self._lock = lock = TokenLock()
@@ -150,10 +155,10 @@ class CacheState(Allocator):
         self._pending_frees: deque[Block] = deque()
         #: stream -> FIFO of (event, block, event pool) for PENDING blocks;
         #: _n_events == the total length (so the hot path tests one int).
-        self._events: dict[Any, deque] = {}
+        self._events: dict[Stream, deque[EventUse]] = {}
         self._n_events = 0
         self._n_pending = 0  # blocks freed but awaiting events (PENDING: active, not allocated)
-        self._in_sync: list[list] = []  # event lists being synchronised with the lock dropped
+        self._in_sync: list[list[EventUse]] = []  # event lists being synchronised with the lock dropped
         self._event_pools: dict[int, EventPool] = {}
         self._spare: list[Block] = []  # DETACHED Block objects for reuse (no live references)
         self._callbacks: list[Callable[[], bool]] = []

@@ -68,6 +68,7 @@ from cudalab.allocator.blocks import (
     PENDING,
     Block,
     BlockPool,
+    StreamUses,
 )
 from cudalab.allocator.cache_state import NO_STREAM
 from cudalab.allocator.config import AllocatorConfig
@@ -643,7 +644,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
             return
         self._record_use_events(b, uses)
 
-    def _record_use_events(self, b: Block, uses: set) -> None:
+    def _record_use_events(self, b: Block, uses: StreamUses) -> None:
         """The events of a PENDING block's uses (its free completes when they have; at once
         if none could be recorded)."""
         backend = self.backend

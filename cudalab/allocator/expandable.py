@@ -59,6 +59,7 @@ from cudalab.allocator.blocks import (
     Block,
     BlockPool,
     FreeList,
+    SegmentDict,
 )
 from cudalab.allocator.caching import DeviceCachingAllocator
 from cudalab.allocator.config import SMALL_BUFFER
@@ -143,7 +144,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         finally:
             lock.release()
 
-    def segments(self) -> list[dict]:
+    def segments(self) -> list[SegmentDict]:
         """torch's snapshot segments: one per contiguous mapped range, ``is_expandable``."""
         with self._lock:
             self._vm_idle()
@@ -190,7 +191,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
             out.sort(key=lambda s: s["address"])
             return out
 
-    def expandable_reservations(self) -> list[dict]:
+    def expandable_reservations(self) -> list[dict[str, Any]]:
         """The reserved ranges (address, size, page size, mapped pages, stream, pool)."""
         with self._lock:
             self._vm_idle()

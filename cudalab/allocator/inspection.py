@@ -6,6 +6,8 @@ on a hot path; each reader flushes the pair memo first, under the lock.
 
 from __future__ import annotations
 
+from typing import Any
+
 from cudalab.allocator.blocks import (
     ALLOCATED,
     FREE,
@@ -14,6 +16,7 @@ from cudalab.allocator.blocks import (
     SNAPSHOT_STATES,
     Block,
     FreeList,
+    SegmentDict,
 )
 from cudalab.allocator.cache_state import CacheState
 
@@ -36,17 +39,17 @@ class Inspection(CacheState):
                             break
             return best
 
-    def segments(self) -> list[dict]:
+    def segments(self) -> list[SegmentDict]:
         """torch's ``memory_snapshot()`` segments of this device (plain dicts and lists)."""
         with self._lock:
             self._flush_memo()
             if self._pending_frees:
                 self._drain_pending_frees()
             heads = [b for b in self._all_blocks() if b.prev is None]
-            out: list[dict] = []
+            out: list[SegmentDict] = []
             names = SNAPSHOT_STATES
             for head in heads:
-                blocks: list[dict] = []
+                blocks: list[dict[str, Any]] = []
                 ap = blocks.append
                 rest = alloc = pending = req = 0
                 b: Block | None = head
@@ -89,7 +92,7 @@ class Inspection(CacheState):
             out.sort(key=lambda s: s["address"])
             return out
 
-    def _recount_block(self, b: Block, rc: dict) -> None:
+    def _recount_block(self, b: Block, rc: dict[str, int]) -> None:
         """Add one mapped block to the recount ``rc`` and check its state (invariants)."""
         rc["b_res"] += b.size
         if b.state == ALLOCATED:

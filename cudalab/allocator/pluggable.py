@@ -49,6 +49,7 @@ from cudalab.allocator.base import (
     oom_text,
     stream_key,
 )
+from cudalab.allocator.blocks import SegmentDict, StreamUses
 from cudalab.allocator.config import SMALL_SIZE, UNLIMITED, AllocatorConfig
 from cudalab.allocator.policy import check_size
 from cudalab.allocator.stats import DeviceStats
@@ -233,7 +234,7 @@ class PluggableDeviceAllocator(Allocator):
         self._resolver = stream_resolver
         self.stats = DeviceStats(-1)
         self._live: dict[int, tuple[int, int, Any]] = {}  # ptr -> (size, stream int, pool)
-        self._uses: dict[int, set] = {}
+        self._uses: dict[int, StreamUses] = {}
         self._lock = threading.Lock()
         self._limited = False
         self._fraction = 1.0
@@ -347,7 +348,7 @@ class PluggableDeviceAllocator(Allocator):
             self._fraction = float(fraction)  # returned as set (torch stores the fraction)
             self._limited = True
 
-    def segments(self) -> list[dict]:
+    def segments(self) -> list[SegmentDict]:
         """One segment per live allocation (torch's snapshot layout)."""
         with self._lock:
             items = sorted(self._live.items())
@@ -379,7 +380,7 @@ class PluggableDeviceAllocator(Allocator):
         return OutOfMemoryError(text=oom_text(self.device, size, free, total, allocated,
                                                reserved, self._limit))
 
-    def _wait_for_uses(self, skey: int, uses: set) -> None:
+    def _wait_for_uses(self, skey: int, uses: StreamUses) -> None:
         """Make the allocation stream wait for the work queued so far on ``uses``."""
         b = self.backend
         try:

@@ -25,7 +25,7 @@ from cudalab.allocator.policy import allocation_size
 from cudalab.errors import CudaError, OutOfMemoryError
 
 if TYPE_CHECKING:
-    from cudalab.allocator.pools import PrivatePool
+    from cudalab.allocator.private_pool import PrivatePool
 
 __all__ = ["SlowPath"]
 

@@ -30,7 +30,8 @@ text to the letter; sizes for people are printed by :func:`cudalab._units.format
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 __all__ = [
     "Counters",
@@ -232,7 +233,7 @@ def _value_expr(key: str) -> str:
             "freed": f"{p}.{code}_acc - {p}.{code} + {p}.{code}_base"}[metric]
 
 
-def _make_builder():
+def _make_builder() -> Callable[[DeviceStats], dict[str, int]]:
     # Each counter is read once into a local; the values are stored into a copy of a
     # template dict (already sized for 122 keys, so no resizing while it fills).
     import re
@@ -260,9 +261,10 @@ def _make_builder():
         lines.append(f"    d[{k!r}] = {e}")
     lines.append("    st._cache = (sig, d.copy())")
     lines.append("    return d")
-    namespace = {"_template": dict.fromkeys(STAT_KEYS, 0)}
+    namespace: dict[str, Any] = {"_template": dict.fromkeys(STAT_KEYS, 0)}
     exec(compile("\n".join(lines), "<cudalab.allocator.stats builder>", "exec"), namespace)
-    return namespace["build"]
+    build: Callable[[DeviceStats], dict[str, int]] = namespace["build"]
+    return build
 
 
 _build_stats_dict = _make_builder()
@@ -441,12 +443,12 @@ class DeviceStats:
         that order; torch returns an OrderedDict with the same items)."""
         return _build_stats_dict(self)
 
-    def as_nested_dict(self) -> dict:
+    def as_nested_dict(self) -> dict[str, Any]:
         """torch's ``memory_stats_as_nested_dict()`` (key order as torch's C++ builds it)."""
         return nested_from_flat(self.as_dict())
 
 
-def nested_from_flat(flat: Mapping[str, int]) -> dict:
+def nested_from_flat(flat: Mapping[str, int]) -> dict[str, Any]:
     """Rebuild torch's nested stats dict from the flat one.
 
     Parameters
@@ -461,7 +463,7 @@ def nested_from_flat(flat: Mapping[str, int]) -> dict:
     """
     if not flat:
         return {}
-    out: dict = {}
+    out: dict[str, Any] = {}
     for name in ("num_alloc_retries", "num_ooms", "max_split_size", "num_sync_all_streams",
                  "num_device_alloc", "num_device_free"):
         out[name] = flat[name]

@@ -13,6 +13,7 @@ from cudalab.allocator.base import (
     oom_text,
     stream_key,
 )
+from cudalab.allocator.blocks import SegmentDict
 from cudalab.allocator.config import SMALL_SIZE, UNLIMITED, AllocatorConfig
 from cudalab.allocator.oom_observers import notify_out_of_memory
 from cudalab.allocator.oom_observers import observers as _oom_observers  # never rebound
@@ -123,7 +124,7 @@ class UncachedAllocator(Allocator):
             self._fraction = float(fraction)  # returned as set (torch stores the fraction)
             self._set_fraction = True
 
-    def segments(self) -> list[dict]:
+    def segments(self) -> list[SegmentDict]:
         with self._lock:
             items = sorted(self._live.items())
         return [{
