@@ -288,3 +288,8 @@ def record_fast(event: Event, stream: Any) -> None:
     h = event._handle
     if h is None or event._rec(h, stream._handle)[0]:
         event.record(stream)
+
+
+# Stream.record_event() makes its Event through this (streams sit below events: they never
+# import this module). Set at import, before any stream can exist.
+_streams.new_event = Event

@@ -55,6 +55,18 @@ def _mark_exiting() -> None:
 atexit.register(_mark_exiting)
 
 
+def _events_not_imported() -> Any:
+    raise RuntimeError("cudalab.events is not imported (`import cudalab` imports it)")
+
+
+#: Makes the event that :meth:`Stream.record_event` records when it is given none:
+#: :class:`cudalab.Event`, installed once by :mod:`cudalab.events` when it is imported.
+#: Events sit above streams in the layers (an event is recorded on a stream and reads the
+#: current stream), so this module never imports :mod:`cudalab.events`; ``import cudalab``
+#: imports both before any stream exists, so the placeholder below is never called.
+new_event: Callable[[], Any] = _events_not_imported
+
+
 class Stream:
     """A CUDA stream on one device (``torch.cuda.Stream``).
 
@@ -217,10 +229,8 @@ class Stream:
 
     def record_event(self, event: Any = None) -> Any:
         """Record ``event`` (a new one if None) on this stream and return it."""
-        from cudalab.events import Event
-
         if event is None:
-            event = Event()
+            event = new_event()
         event.record(self)
         return event
 
