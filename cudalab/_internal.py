@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from cudalab import _interrupts
 from cudalab import devices as _devices
 from cudalab._atomic_write import atomic_write, write_bytes_atomic
-from cudalab._driver.base import STATUS_NOT_READY, STATUS_SUCCESS, FastPaths
+from cudalab._driver.base import STATUS_NOT_READY, STATUS_SUCCESS, FastCalls
 from cudalab._units import SIZE_UNITS, echo, format_bytes, format_time, parse_size
 
 if TYPE_CHECKING:
@@ -143,8 +143,9 @@ def thread_state() -> Any:
     return _devices._tls
 
 
-def fast_paths() -> FastPaths | None:
-    """The seam's unchecked hot-path callables (None before CUDA is initialised)."""
+def fast_paths() -> FastCalls | None:
+    """The backend's fast-call registry (:class:`cudalab._driver.fast_calls.FastCalls`), whose
+    status calls the hot paths bind (None before CUDA is initialised)."""
     return _devices._fast
 
 

@@ -23,7 +23,7 @@ from cudalab.errors import (
 )
 
 if TYPE_CHECKING:
-    from cudalab._driver.base import Backend, FastPaths
+    from cudalab._driver.base import Backend, FastCalls
 
 __all__ = [
     "Device",
@@ -246,7 +246,7 @@ _props: list[DeviceProperties | None] = []
 #: The initialised backend: None until init, and read directly only where _initialized is
 #: True (the hot path of _ensure_context), hence typed as set.
 _backend_obj: Backend = None  # type: ignore[assignment]  # None only before init
-_fast: FastPaths | None = None  # FastPaths of the backend, set at init
+_fast: FastCalls | None = None  # the backend's fast-call registry, set at init
 #: Whether a "CUDA unavailable" error already told how to run on the simulator (said once).
 _hint_given = False
 _SIMULATOR_HINT = "To run without a GPU, set CUDALAB_SIMULATOR=1 or call cudalab.use_simulator()."
@@ -299,7 +299,7 @@ def _do_init() -> None:
         raise CudaUnavailableError("No CUDA GPUs are available")
     _driver.commit(backend)
     _backend_obj = backend
-    _fast = backend.fast_paths()
+    _fast = backend.fast_calls()
     _count = count
     _props = [None] * count
     _initialized = True

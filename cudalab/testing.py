@@ -33,8 +33,8 @@ def count_calls(names: tuple[str, ...] = COUNTED) -> Iterator[collections.Counte
     ----------
     names : tuple of str, optional
         Backend method names to count (default :data:`COUNTED`). Counted names that are
-        also fast paths (:class:`cudalab._driver.base.FastPaths` fields) are counted there
-        too.
+        also status calls of the fast-call registry (:class:`cudalab._driver.base.FastCalls`)
+        are counted there too.
 
     Returns
     -------
@@ -42,7 +42,7 @@ def count_calls(names: tuple[str, ...] = COUNTED) -> Iterator[collections.Counte
         Yields a Counter of calls by method name, live during the block. Initialises CUDA.
     """
     from cudalab import devices
-    from cudalab._driver.base import FastPaths
+    from cudalab._driver.fast_calls import STATUS_CALLS
 
     devices._lazy_init()
     backend = devices._backend()
@@ -59,7 +59,7 @@ def count_calls(names: tuple[str, ...] = COUNTED) -> Iterator[collections.Counte
     for name in names:
         setattr(backend, name, wrap(name, getattr(backend, name)))
     if fast is not None:
-        devices._fast = FastPaths(*(wrap(n, getattr(fast, n)) for n in FastPaths._fields))
+        devices._fast = fast.replaced(**{n: wrap(n, getattr(fast, n)) for n in STATUS_CALLS})
     try:
         yield counts
     finally:

@@ -8,7 +8,7 @@ missing driver into :class:`cudalab.errors.DriverNotFoundError`.
 The real backend is three modules, one concern each:
 
 * :mod:`cudalab._driver.cuda_api`: the bindings' functions bound once as module globals, the
-  CUresult codes, and error decoding (:func:`_check` / :func:`_error`);
+  CUresult codes, and error decoding (:func:`check` / :func:`cuda_error`);
 * :mod:`cudalab._driver.cuda_memory`: :class:`CudaMemory`, the memory concern (allocations,
   copies, fills, IPC memory handles, VMM, stream-ordered pools);
 * :mod:`cudalab._driver.cuda_graphs`: :class:`CudaGraphs`, stream capture and CUDA graphs
@@ -18,8 +18,8 @@ The real backend is three modules, one concern each:
 
 Conventions (see :mod:`cudalab._driver.base`):
 
-* Every failing call raises :class:`cudalab.errors.CudaError` built by :func:`_check` /
-  :func:`_error` with the driver's error name and string; ``CUDA_ERROR_OUT_OF_MEMORY`` raises
+* Every failing call raises :class:`cudalab.errors.CudaError` built by :func:`check` /
+  :func:`cuda_error` with the driver's error name and string; ``CUDA_ERROR_OUT_OF_MEMORY`` raises
   :class:`cudalab.errors.OutOfMemoryError`.
 * Handles are the bindings' own objects (``CUstream``, ``CUevent``, ``CUmodule``,
   ``CUfunction``), passed back to the driver unchanged; device and host pointers are ints.
@@ -43,7 +43,7 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsInt
 
 import numpy as np
 
@@ -52,65 +52,72 @@ from cudalab._driver.base import (
     IPC_HANDLE_SIZE,
     STREAM_NON_BLOCKING,
     DeviceInfo,
-    FastPaths,
     KernelArgs,
     Nccl,
     Nvml,
 )
 from cudalab._driver.cuda_api import (
-    _DA,
-    _IMPORT_ERROR,
     CUDA_ERROR_INVALID_DEVICE,
     CUDA_ERROR_NO_DEVICE,
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
     CUDA_ERROR_STUB_LIBRARY,
     FAST,
-    FastCalls,
-    _check,
-    _cuCtxEnablePeerAccess,
-    _cuCtxGetCurrent,
-    _cuCtxGetStreamPriorityRange,
-    _cuCtxSetCurrent,
-    _cuCtxSynchronize,
-    _cuDeviceCanAccessPeer,
-    _cuDeviceGet,
-    _cuDeviceGetAttribute,
-    _cuDeviceGetCount,
-    _cuDeviceGetName,
-    _cuDeviceGetPCIBusId,
-    _cuDeviceGetUuid,
-    _cuDevicePrimaryCtxRetain,
-    _cuDeviceTotalMem,
-    _cuDriverGetVersion,
-    _cuEventCreate,
-    _cuEventDestroy,
-    _cuEventElapsedTime,
-    _cuEventQuery,
-    _cuEventRecord,
-    _cuEventSynchronize,
-    _cuInit,
-    _CUipcEventHandle,
-    _cuIpcGetEventHandle,
-    _cuIpcOpenEventHandle,
-    _cuLaunchKernel,
-    _cuModuleGetFunction,
-    _cuModuleLoadData,
-    _cuModuleUnload,
-    _CUstream,
-    _cuStreamCreateWithPriority,
-    _cuStreamDestroy,
-    _cuStreamGetPriority,
-    _cuStreamIsCapturing,
-    _cuStreamQuery,
-    _cuStreamSynchronize,
-    _cuStreamWaitEvent,
-    _decode,
-    _drv,
-    _error,
+    IMPORT_ERROR,
+    CUipcEventHandle,
+    CUstream,
+    DeviceAttribute,
+    check,
+    cuCtxEnablePeerAccess,
+    cuCtxGetCurrent,
+    cuCtxGetStreamPriorityRange,
+    cuCtxSetCurrent,
+    cuCtxSynchronize,
+    cuda_error,
+    cuDeviceCanAccessPeer,
+    cuDeviceGet,
+    cuDeviceGetAttribute,
+    cuDeviceGetCount,
+    cuDeviceGetName,
+    cuDeviceGetPCIBusId,
+    cuDeviceGetUuid,
+    cuDevicePrimaryCtxRetain,
+    cuDeviceTotalMem,
+    cuDriverGetVersion,
+    cuEventCreate,
+    cuEventDestroy,
+    cuEventElapsedTime,
+    cuEventQuery,
+    cuEventRecord,
+    cuEventSynchronize,
+    cuInit,
+    cuIpcGetEventHandle,
+    cuIpcOpenEventHandle,
+    cuLaunchKernel,
+    cuModuleGetFunction,
+    cuModuleLoadData,
+    cuModuleUnload,
+    cuStreamCreateWithPriority,
+    cuStreamDestroy,
+    cuStreamGetPriority,
+    cuStreamIsCapturing,
+    cuStreamQuery,
+    cuStreamSynchronize,
+    cuStreamWaitEvent,
+    decode_text,
+    drv,
     fastcall_turned_off,
 )
 from cudalab._driver.cuda_graphs import CudaGraphs
+from cudalab._driver.fast_calls import C_TWINS, FastCalls
+from cudalab._driver.handles import (
+    ContextHandle,
+    DeviceHandle,
+    EventHandle,
+    FunctionHandle,
+    ModuleHandle,
+    StreamHandle,
+)
 from cudalab.errors import CudaError, DriverNotFoundError
 
 try:  # optional C twin of the hot driver calls (setup.py builds it; see _bind_fastcall)
@@ -119,9 +126,9 @@ except ImportError:  # pragma: no cover - a pure-Python install
     _fastcall = None
 
 # ------------------------------------------------------------------------- C fast calls
-# The C twins live in cuda_api.FAST (None where the extension is not built or the driver did
-# not give the entry points: then the cuda.bindings wrappers are used), bound by
-# _bind_fastcall() in CudaBackend.init().
+# The C twins live in the fast-call registry cuda_api.FAST (None where the extension is not
+# built or the driver did not give the entry points: then the cuda.bindings wrappers are
+# used), bound by _bind_fastcall() in CudaBackend.init().
 #: The driver symbols _fastcall.setup() takes, in its order.
 _FAST_SYMBOLS = (b"cuLaunchKernel", b"cuEventRecord", b"cuStreamWaitEvent", b"cuGraphLaunch",
                  b"cuCtxGetCurrent", b"cuCtxSetCurrent", b"cuMemcpyAsync")
@@ -134,10 +141,10 @@ def entry_point(symbol: bytes, driver_version: int) -> int:
     # cuda.bindings takes the per-thread default stream variants when this is set.
     ptds = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
     try:
-        flags = _drv.CUdriverProcAddress_flags
+        flags = drv.CUdriverProcAddress_flags
         flag = (flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if ptds
                 else flags.CU_GET_PROC_ADDRESS_DEFAULT)
-        err, address, _status = _drv.cuGetProcAddress(symbol, driver_version, flag)
+        err, address, _status = drv.cuGetProcAddress(symbol, driver_version, flag)
     except Exception:  # noqa: BLE001 - any binding trouble (or a test's fake): none
         return 0
     return 0 if err or not address else int(address)
@@ -150,15 +157,18 @@ def _bind_fastcall(driver_version: int) -> None:
     if _fastcall is None:
         return
     if fastcall_turned_off():  # the bindings from now
-        for name in FastCalls.__slots__:
+        for name in C_TWINS:
             setattr(FAST, name, None)
+        FAST.event_record = cuEventRecord
         return
     addresses = [entry_point(symbol, driver_version) for symbol in _FAST_SYMBOLS]
     if not all(addresses):
         return
-    _fastcall.setup(*addresses, _error)
-    for name in FastCalls.__slots__:
+    _fastcall.setup(*addresses, cuda_error)
+    for name in C_TWINS:
         setattr(FAST, name, getattr(_fastcall, name))
+    # the C twin of cuEventRecord returns the bindings' (CUresult,): a status call as they are
+    FAST.event_record = _fastcall.event_record
 
 # ------------------------------------------------------------------------- kernel args
 #: signature code -> (struct format of the 8-byte slot, min, max) (min/max None for floats).
@@ -224,7 +234,7 @@ class CudaKernelArgs(KernelArgs):
             self._raise_for(values, exc)
         return self
 
-    def _raise_for(self, values: tuple, exc: Exception) -> None:
+    def _raise_for(self, values: tuple[Any, ...], exc: Exception) -> None:
         """Turn a failed pack into a precise error: ValueError for a wrong argument count or
         a value out of range, TypeError for a value of the wrong kind."""
         sig = self.signature
@@ -270,7 +280,7 @@ class CudaKernelArgs(KernelArgs):
         raise ValueError(f"cannot pack kernel arguments {values!r}: {exc}") from exc
 
     @property
-    def values(self) -> tuple:
+    def values(self) -> tuple[Any, ...]:
         return self._struct.unpack_from(self._mv, 0)
 
     def __repr__(self) -> str:
@@ -307,11 +317,11 @@ class CudaBackend(CudaGraphs):
         self._init_failure: str | None = None
         self._version = 0
         self._count = 0
-        self._devices: list[Any] = []  # CUdevice handles by ordinal
-        self._contexts: dict[int, Any] = {}  # ordinal -> retained primary CUcontext
+        self._devices: list[DeviceHandle] = []  # CUdevice handles by ordinal
+        self._contexts: dict[int, ContextHandle] = {}  # ordinal -> retained primary CUcontext
         self._context_ints: dict[int, int] = {}
         self._infos: dict[int, DeviceInfo] = {}
-        self._null_streams: dict[int, Any] = {}
+        self._null_streams: dict[int, StreamHandle] = {}
         self._priority_ranges: dict[int, tuple[int, int]] = {}
         self._module_devices: dict[int, int] = {}
         self._granularity: dict[int, int] = {}
@@ -327,14 +337,14 @@ class CudaBackend(CudaGraphs):
                 return
             if self._init_failure is not None:
                 raise DriverNotFoundError(self._init_failure)
-            if _drv is None:
+            if drv is None:
                 self._init_failure = (
                     "cuda-bindings is not installed (import cuda.bindings.driver failed: "
-                    f"{_IMPORT_ERROR}); install cuda-bindings>=13.3,<14"
+                    f"{IMPORT_ERROR}); install cuda-bindings>=13.3,<14"
                 )
                 raise DriverNotFoundError(self._init_failure)
             try:
-                err = _cuInit(0)[0]
+                err = cuInit(0)[0]
             except (RuntimeError, OSError) as exc:
                 # cuda-pathfinder's DynamicLibNotFoundError (bindings >= 13.4) or
                 # RuntimeError("Failed to dlopen libcuda.so.1") (bindings 13.3): no driver.
@@ -348,7 +358,7 @@ class CudaBackend(CudaGraphs):
                 )
                 raise DriverNotFoundError(self._init_failure)
             try:
-                self._version = int(_check(_cuDriverGetVersion(), "cuDriverGetVersion"))
+                self._version = int(check(cuDriverGetVersion(), "cuDriverGetVersion"))
             except CudaError:
                 self._version = 0
             if err == CUDA_ERROR_NO_DEVICE:
@@ -358,9 +368,9 @@ class CudaBackend(CudaGraphs):
                 self._initialized = True
                 return
             if err:
-                raise _error(err, "cuInit")
-            count = int(_check(_cuDeviceGetCount(), "cuDeviceGetCount"))
-            self._devices = [_check(_cuDeviceGet(i), "cuDeviceGet") for i in range(count)]
+                raise cuda_error(err, "cuInit")
+            count = int(check(cuDeviceGetCount(), "cuDeviceGetCount"))
+            self._devices = [check(cuDeviceGet(i), "cuDeviceGet") for i in range(count)]
             self._count = count
             if self._version:
                 _bind_fastcall(self._version)
@@ -368,7 +378,7 @@ class CudaBackend(CudaGraphs):
                 # One C call, no Python frame, in place of Backend.launch_values (which is
                 # launch(..., args.set(*values))): packs the values and launches (the
                 # "host/call" rows of benchmarks/jiterator.py), and launches a graph (the
-                # "replay() host cost" row of benchmarks/graphs.py). Both raise _error's
+                # "replay() host cost" row of benchmarks/graphs.py). Both raise cuda_error's
                 # exception, as the methods they stand in for.
                 self.launch_values = _fastcall.launch_packed  # type: ignore[method-assign]
                 self.graph_launch = _fastcall.graph_launch  # type: ignore[method-assign]
@@ -384,7 +394,7 @@ class CudaBackend(CudaGraphs):
             self.init()
         return self._count
 
-    def _device(self, device: int) -> Any:
+    def _device(self, device: int) -> DeviceHandle:
         """CUdevice handle of ordinal ``device`` (raises CudaError for a bad ordinal)."""
         if not self._initialized:
             self.init()
@@ -403,10 +413,10 @@ class CudaBackend(CudaGraphs):
             return info
         # Attributes need no context: listing devices must not create contexts on all GPUs.
         dev = self._device(device)
-        A = _DA
+        A = DeviceAttribute
 
         def attr(name: str) -> int:
-            return int(_check(_cuDeviceGetAttribute(getattr(A, "CU_DEVICE_ATTRIBUTE_" + name),
+            return int(check(cuDeviceGetAttribute(getattr(A, "CU_DEVICE_ATTRIBUTE_" + name),
                                                     dev), "cuDeviceGetAttribute"))
 
         def opt_attr(name: str, default: int = 0) -> int:
@@ -414,14 +424,14 @@ class CudaBackend(CudaGraphs):
             if member is None:
                 return default
             try:
-                return int(_check(_cuDeviceGetAttribute(member, dev), "cuDeviceGetAttribute"))
+                return int(check(cuDeviceGetAttribute(member, dev), "cuDeviceGetAttribute"))
             except CudaError:
                 return default
 
-        name = _decode(_check(_cuDeviceGetName(256, dev), "cuDeviceGetName"))
-        uuid_obj = _check(_cuDeviceGetUuid(dev), "cuDeviceGetUuid")
+        name = decode_text(check(cuDeviceGetName(256, dev), "cuDeviceGetName"))
+        uuid_obj = check(cuDeviceGetUuid(dev), "cuDeviceGetUuid")
         uuid_raw = ctypes.string_at(uuid_obj.getPtr(), 16)
-        pci = _decode(_check(_cuDeviceGetPCIBusId(64, dev), "cuDeviceGetPCIBusId"))
+        pci = decode_text(check(cuDeviceGetPCIBusId(64, dev), "cuDeviceGetPCIBusId"))
         extra = {
             "driver_version": self._version,
             "pci_bus_number": opt_attr("PCI_BUS_ID"),
@@ -450,7 +460,7 @@ class CudaBackend(CudaGraphs):
             name=name,
             major=attr("COMPUTE_CAPABILITY_MAJOR"),
             minor=attr("COMPUTE_CAPABILITY_MINOR"),
-            total_memory=int(_check(_cuDeviceTotalMem(dev), "cuDeviceTotalMem")),
+            total_memory=int(check(cuDeviceTotalMem(dev), "cuDeviceTotalMem")),
             multi_processor_count=attr("MULTIPROCESSOR_COUNT"),
             uuid=_fmt_uuid(uuid_raw),
             pci_bus_id=pci,
@@ -479,7 +489,7 @@ class CudaBackend(CudaGraphs):
             return self._infos.setdefault(device, info)
 
     # ------------------------------------------------------------------------- contexts
-    def _primary(self, device: int) -> Any:
+    def _primary(self, device: int) -> ContextHandle:
         """The retained primary context of ``device`` (retained once, never released)."""
         ctx = self._contexts.get(device)
         if ctx is not None:
@@ -488,7 +498,7 @@ class CudaBackend(CudaGraphs):
         with self._lock:
             ctx = self._contexts.get(device)
             if ctx is None:
-                ctx = _check(_cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                ctx = check(cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
                 self._context_ints[device] = int(ctx)
                 self._contexts[device] = ctx
         return ctx
@@ -509,7 +519,7 @@ class CudaBackend(CudaGraphs):
                     _THREAD.device = device
                     return
             else:
-                cur = _cuCtxGetCurrent()[1]
+                cur = cuCtxGetCurrent()[1]
                 if cur is not None and int(cur) == want:
                     _THREAD.device = device
                     return
@@ -521,16 +531,16 @@ class CudaBackend(CudaGraphs):
             ctx = self._primary(device)
         set_current = FAST.ctx_set_current
         err = set_current(self._context_ints[device]) if set_current is not None else \
-            _cuCtxSetCurrent(ctx)[0]
+            cuCtxSetCurrent(ctx)[0]
         if err:
-            raise _error(err, "cuCtxSetCurrent")
+            raise cuda_error(err, "cuCtxSetCurrent")
         _THREAD.device = device
 
     def _any_ctx(self) -> None:
         """Ensure *some* context is current (for calls such as cuMemHostAlloc that need one)."""
         if _THREAD.device >= 0:
             return
-        cur = _check(_cuCtxGetCurrent(), "cuCtxGetCurrent")
+        cur = check(cuCtxGetCurrent(), "cuCtxGetCurrent")
         if cur is not None and int(cur):
             return  # a context another library (or the user) made current: use it
         self._switch(0)
@@ -544,7 +554,7 @@ class CudaBackend(CudaGraphs):
         """Re-read this thread's current context from the driver (after another library such
         as CuPy or torch may have switched it) and return its device ordinal, -1 if it is not
         one of cudalab's primary contexts. Not part of the Backend interface."""
-        cur = _check(_cuCtxGetCurrent(), "cuCtxGetCurrent")
+        cur = check(cuCtxGetCurrent(), "cuCtxGetCurrent")
         value = int(cur) if cur is not None else 0
         ordinal = -1
         for dev, ctx_int in list(self._context_ints.items()):
@@ -556,133 +566,131 @@ class CudaBackend(CudaGraphs):
 
     def synchronize(self, device: int) -> None:
         self._ctx(device)
-        err = _cuCtxSynchronize()[0]
+        err = cuCtxSynchronize()[0]
         if err:
-            raise _error(err, "cuCtxSynchronize")
+            raise cuda_error(err, "cuCtxSynchronize")
 
     def can_access_peer(self, device: int, peer: int) -> bool:
         # A device-level query: no context needed (and none created).
-        return bool(_check(_cuDeviceCanAccessPeer(self._device(device), self._device(peer)),
+        return bool(check(cuDeviceCanAccessPeer(self._device(device), self._device(peer)),
                            "cuDeviceCanAccessPeer"))
 
     def enable_peer_access(self, device: int, peer: int) -> None:
         peer_ctx = self._primary(peer)
         self._ctx(device)
-        err = _cuCtxEnablePeerAccess(peer_ctx, 0)[0]
+        err = cuCtxEnablePeerAccess(peer_ctx, 0)[0]
         if err and err != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
-            raise _error(err, "cuCtxEnablePeerAccess")
+            raise cuda_error(err, "cuCtxEnablePeerAccess")
 
     # -------------------------------------------------------------------------- streams
-    def null_stream(self, device: int) -> Any:
+    def null_stream(self, device: int) -> StreamHandle:
         s = self._null_streams.get(device)
         if s is None:
             self._device(device)  # validate the ordinal
             with self._lock:
-                s = self._null_streams.setdefault(device, _CUstream(0))
+                s = self._null_streams.setdefault(device, CUstream(0))
         return s
 
-    def stream_from_int(self, device: int, value: int) -> Any:
+    def stream_from_int(self, device: int, value: int) -> StreamHandle:
         if value == 0:
             return self.null_stream(device)
         self._device(device)  # validate the ordinal
-        return _CUstream(value)  # 1 = CU_STREAM_LEGACY, 2 = CU_STREAM_PER_THREAD, else a handle
+        return CUstream(value)  # 1 = CU_STREAM_LEGACY, 2 = CU_STREAM_PER_THREAD, else a handle
 
-    def stream_create(self, device: int, flags: int = STREAM_NON_BLOCKING, priority: int = 0) -> Any:
+    def stream_create(self, device: int, flags: int = STREAM_NON_BLOCKING, priority: int = 0) -> StreamHandle:
         least, greatest = self.stream_priority_range(device)  # greatest <= least numerically
         prio = least if priority > least else greatest if priority < greatest else priority
         self._ctx(device)
-        return _check(_cuStreamCreateWithPriority(flags, prio), "cuStreamCreateWithPriority")
+        return check(cuStreamCreateWithPriority(flags, prio), "cuStreamCreateWithPriority")
 
-    def stream_destroy(self, stream: Any) -> None:
-        err = _cuStreamDestroy(stream)[0]
+    def stream_destroy(self, stream: StreamHandle) -> None:
+        err = cuStreamDestroy(stream)[0]
         if err:
-            raise _error(err, "cuStreamDestroy")
+            raise cuda_error(err, "cuStreamDestroy")
 
-    def fast_paths(self) -> FastPaths:
-        # The bindings themselves (or _fastcall's event_record, which returns the same
-        # (CUresult,) tuple): each returns (CUresult, ...) and never raises.
-        return FastPaths(FAST.event_record or _cuEventRecord, _cuEventQuery, _cuStreamQuery,
-                         _cuEventElapsedTime)
+    def fast_calls(self) -> FastCalls:
+        # The process-wide registry: the bindings themselves (and _fastcall's event_record,
+        # which returns the same (CUresult,) tuple) return (CUresult, ...) and never raise.
+        return FAST
 
     def status_error(self, status: int, call: str) -> Exception:
-        return _error(status, call)
+        return cuda_error(status, call)
 
-    def stream_query(self, stream: Any) -> bool:
-        err = _cuStreamQuery(stream)[0]
+    def stream_query(self, stream: StreamHandle) -> bool:
+        err = cuStreamQuery(stream)[0]
         if not err:
             return True
         if err == CUDA_ERROR_NOT_READY:
             return False
-        raise _error(err, "cuStreamQuery")
+        raise cuda_error(err, "cuStreamQuery")
 
-    def stream_synchronize(self, stream: Any) -> None:
-        err = _cuStreamSynchronize(stream)[0]
+    def stream_synchronize(self, stream: StreamHandle) -> None:
+        err = cuStreamSynchronize(stream)[0]
         if err:
-            raise _error(err, "cuStreamSynchronize")
+            raise cuda_error(err, "cuStreamSynchronize")
 
-    def stream_wait_event(self, stream: Any, event: Any) -> None:
+    def stream_wait_event(self, stream: StreamHandle, event: EventHandle) -> None:
         fast = FAST.stream_wait_event
-        err = fast(stream, event, 0) if fast is not None else _cuStreamWaitEvent(stream, event, 0)[0]
+        err = fast(stream, event, 0) if fast is not None else cuStreamWaitEvent(stream, event, 0)[0]
         if err:
-            raise _error(err, "cuStreamWaitEvent")
+            raise cuda_error(err, "cuStreamWaitEvent")
 
-    def stream_priority(self, stream: Any) -> int:
-        return int(_check(_cuStreamGetPriority(stream), "cuStreamGetPriority"))
+    def stream_priority(self, stream: StreamHandle) -> int:
+        return int(check(cuStreamGetPriority(stream), "cuStreamGetPriority"))
 
     def stream_priority_range(self, device: int) -> tuple[int, int]:
         rng = self._priority_ranges.get(device)
         if rng is None:
             self._ctx(device)
-            least, greatest = _check(_cuCtxGetStreamPriorityRange(),
+            least, greatest = check(cuCtxGetStreamPriorityRange(),
                                      "cuCtxGetStreamPriorityRange")
             rng = (int(least), int(greatest))
             with self._lock:
                 self._priority_ranges[device] = rng
         return rng
 
-    def stream_is_capturing(self, stream: Any) -> bool:
-        status = _check(_cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+    def stream_is_capturing(self, stream: StreamHandle) -> bool:
+        status = check(cuStreamIsCapturing(stream), "cuStreamIsCapturing")
         return int(status) != 0  # CU_STREAM_CAPTURE_STATUS_NONE == 0
 
     # --------------------------------------------------------------------------- events
-    def event_create(self, device: int, flags: int = EVENT_DISABLE_TIMING) -> Any:
+    def event_create(self, device: int, flags: int = EVENT_DISABLE_TIMING) -> EventHandle:
         self._ctx(device)
-        return _check(_cuEventCreate(flags), "cuEventCreate")
+        return check(cuEventCreate(flags), "cuEventCreate")
 
-    def event_destroy(self, event: Any) -> None:
-        err = _cuEventDestroy(event)[0]
+    def event_destroy(self, event: EventHandle) -> None:
+        err = cuEventDestroy(event)[0]
         if err:
-            raise _error(err, "cuEventDestroy")
+            raise cuda_error(err, "cuEventDestroy")
 
-    def event_record(self, event: Any, stream: Any) -> None:
-        fast = FAST.event_record
-        err = fast(event, stream)[0] if fast is not None else _cuEventRecord(event, stream)[0]
+    def event_record(self, event: EventHandle, stream: StreamHandle) -> None:
+        err = FAST.event_record(event, stream)[0]  # the C twin once bound, else the bindings'
         if err:
-            raise _error(err, "cuEventRecord")
+            raise cuda_error(err, "cuEventRecord")
 
-    def event_query(self, event: Any) -> bool:
-        err = _cuEventQuery(event)[0]
+    def event_query(self, event: EventHandle) -> bool:
+        err = cuEventQuery(event)[0]
         if not err:
             return True
         if err == CUDA_ERROR_NOT_READY:
             return False
-        raise _error(err, "cuEventQuery")
+        raise cuda_error(err, "cuEventQuery")
 
-    def event_synchronize(self, event: Any) -> None:
-        err = _cuEventSynchronize(event)[0]
+    def event_synchronize(self, event: EventHandle) -> None:
+        err = cuEventSynchronize(event)[0]
         if err:
-            raise _error(err, "cuEventSynchronize")
+            raise cuda_error(err, "cuEventSynchronize")
 
-    def event_elapsed_time(self, start: Any, end: Any) -> float:
-        return float(_check(_cuEventElapsedTime(start, end), "cuEventElapsedTime"))
+    def event_elapsed_time(self, start: EventHandle, end: EventHandle) -> float:
+        return float(check(cuEventElapsedTime(start, end), "cuEventElapsedTime"))
 
-    def ipc_event_handle(self, event: Any) -> bytes:
-        handle = _check(_cuIpcGetEventHandle(event), "cuIpcGetEventHandle")
+    def ipc_event_handle(self, event: EventHandle) -> bytes:
+        handle = check(cuIpcGetEventHandle(event), "cuIpcGetEventHandle")
         # Read the C struct directly: `CUipcEventHandle.reserved` exists in bindings 13.3 but
         # not in 13.5, while getPtr() (address of the 64-byte struct) exists in both.
         return ctypes.string_at(handle.getPtr(), IPC_HANDLE_SIZE)
 
-    def ipc_open_event(self, device: int, handle: bytes) -> Any:
+    def ipc_open_event(self, device: int, handle: bytes) -> EventHandle:
         if not isinstance(handle, (bytes, bytearray, memoryview)):
             raise TypeError(f"IPC event handle must be bytes, got {type(handle).__name__}")
         data = bytes(handle)
@@ -690,48 +698,48 @@ class CudaBackend(CudaGraphs):
             raise ValueError(
                 f"IPC event handle must be {IPC_HANDLE_SIZE} bytes, got {len(data)}"
             )
-        h = _CUipcEventHandle()
+        h = CUipcEventHandle()
         ctypes.memmove(h.getPtr(), data, IPC_HANDLE_SIZE)
         self._ctx(device)
-        return _check(_cuIpcOpenEventHandle(h), "cuIpcOpenEventHandle")
+        return check(cuIpcOpenEventHandle(h), "cuIpcOpenEventHandle")
 
     # ---------------------------------------------------------------- modules and kernels
-    def module_load(self, device: int, image: bytes) -> Any:
+    def module_load(self, device: int, image: bytes) -> ModuleHandle:
         if not isinstance(image, bytes):
             image = bytes(image)  # cuModuleLoadData reads it during the call only
         self._ctx(device)
-        module = _check(_cuModuleLoadData(image), "cuModuleLoadData")
+        module = check(cuModuleLoadData(image), "cuModuleLoadData")
         with self._lock:
             self._module_devices[int(module)] = device
         return module
 
-    def _module_ctx(self, module: Any) -> None:
+    def _module_ctx(self, module: ModuleHandle) -> None:
         device = self._module_devices.get(int(module))
         if device is not None:
             self._ctx(device)
 
-    def module_unload(self, module: Any) -> None:
+    def module_unload(self, module: ModuleHandle) -> None:
         self._module_ctx(module)
-        err = _cuModuleUnload(module)[0]
+        err = cuModuleUnload(module)[0]
         if err:
-            raise _error(err, "cuModuleUnload")
+            raise cuda_error(err, "cuModuleUnload")
         with self._lock:
             self._module_devices.pop(int(module), None)
 
-    def module_function(self, module: Any, name: str) -> Any:
+    def module_function(self, module: ModuleHandle, name: str) -> FunctionHandle:
         self._module_ctx(module)
-        return _check(_cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+        return check(cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
     def make_args(self, signature: Sequence[str]) -> CudaKernelArgs:
         return CudaKernelArgs(signature)
 
     def launch(
         self,
-        function: Any,
+        function: FunctionHandle,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         shared_mem: int,
-        stream: Any,
+        stream: StreamHandle,
         args: KernelArgs,
     ) -> None:
         # The function's context must be current (set_context/_ctx of its device) unless
@@ -742,11 +750,11 @@ class CudaBackend(CudaGraphs):
             err = fast(function, grid, block, shared_mem, stream,
                        args.address_int)  # type: ignore[attr-defined]
         else:
-            err = _cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1],
+            err = cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1],
                                   block[2], shared_mem, stream,
                                   args.address_int, 0)[0]  # type: ignore[attr-defined]
         if err:
-            raise _error(err, "cuLaunchKernel")
+            raise cuda_error(err, "cuLaunchKernel")
 
     # ----------------------------------------------------------------------------- NVML
     def nvml(self) -> Nvml:
@@ -772,7 +780,7 @@ class CudaBackend(CudaGraphs):
                 inst = self._nccl
         return inst
 
-    def handle_int(self, handle: Any) -> int:
+    def handle_int(self, handle: SupportsInt | None) -> int:
         return 0 if handle is None else int(handle)
 
     # The two below serve the NCCL seam's C group call (cudalab/_driver/nccl.py); they are

@@ -1,12 +1,23 @@
 """The ``cuda.bindings`` driver API as the real backend uses it: bound once, plus error decoding.
 
 Imported only by the real backend's modules (:mod:`cudalab._driver.cuda`,
-:mod:`cudalab._driver.cuda_memory`), never by ``import cudalab``. Every driver function is
-bound to a module-level name (``_cuMemAlloc`` ...) that those modules import, so a hot path
-does one global lookup and one call. A missing bindings wheel does not break the import: the
+:mod:`cudalab._driver.cuda_memory`, :mod:`cudalab._driver.cuda_graphs`,
+:mod:`cudalab._driver.nccl`), never by ``import cudalab``. Every driver function is bound to a
+module-level name spelled as the driver spells it (``cuMemAlloc`` ...) that those modules
+import, so a hot path does one global lookup and one call.
+
+Its names are the ``_driver`` package's internal API (public spellings, read by the real
+backend's modules only; nothing outside ``cudalab._driver`` imports this module): ``drv``
+(the bindings' ``cuda.bindings.driver`` module, None without it) and ``IMPORT_ERROR``; the
+``cu*`` functions; the bindings' types and enums ``CUstream``, ``CUipcEventHandle``,
+``DeviceAttribute`` (``CUdevice_attribute``), ``MemPoolAttribute`` (``CUmemPool_attribute``),
+``CaptureMode`` (``CUstreamCaptureMode``), ``POINTER_ATTRIBUTE_MEMORY_TYPE`` and
+``POINTER_ATTRIBUTE_DEVICE_ORDINAL``; the ``CUDA_*`` codes and ``MEMORYTYPE_*`` values;
+:data:`FAST`, the real backend's fast-call registry; :func:`fastcall_turned_off`;
+:func:`decode_text`, :func:`check` and :func:`cuda_error`. A missing bindings wheel does not break the import: the
 names are then stubs that raise :class:`cudalab.errors.DriverNotFoundError` when called.
 
-Errors: :func:`_check` / :func:`_error` turn a failed ``CUresult`` into
+Errors: :func:`check` / :func:`cuda_error` turn a failed ``CUresult`` into
 :class:`cudalab.errors.CudaError` with the driver's error name and string
 (``CUDA_ERROR_OUT_OF_MEMORY``: :class:`cudalab.errors.OutOfMemoryError`).
 """
@@ -16,15 +27,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from cudalab._driver.fast_calls import FastCalls
 from cudalab.errors import CudaError, DriverNotFoundError, OutOfMemoryError, StreamCaptureError
 
 try:  # the bindings are a hard dependency, but a missing wheel must not break `import`.
-    from cuda.bindings import driver as _drv
+    from cuda.bindings import driver as drv
 except ImportError as _exc:  # pragma: no cover - exercised only without cuda-bindings
-    _drv = None
-    _IMPORT_ERROR: ImportError | None = _exc
+    drv = None
+    IMPORT_ERROR: ImportError | None = _exc
 else:
-    _IMPORT_ERROR = None
+    IMPORT_ERROR = None
 
 # ------------------------------------------------------------------------------------ codes
 # CUresult values used on hot paths, as plain ints (CUresult is an int subclass: `err == 600`
@@ -43,51 +55,16 @@ CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 #: CU_MEMHOSTALLOC_PORTABLE: pinned memory that counts as pinned in every context.
 CU_MEMHOSTALLOC_PORTABLE = 1
 # CUmemorytype values (CU_POINTER_ATTRIBUTE_MEMORY_TYPE).
-_MEMORYTYPE_DEVICE = 2
-_MEMORYTYPE_UNIFIED = 4
+MEMORYTYPE_DEVICE = 2
+MEMORYTYPE_UNIFIED = 4
 
 
-def _no_bindings(*_args, **_kwargs):  # pragma: no cover - only without cuda-bindings
+def _no_bindings(*_args: Any, **_kwargs: Any) -> Any:  # pragma: no cover - only without cuda-bindings
     raise DriverNotFoundError(
         "cuda-bindings is not installed (import cuda.bindings.driver failed: "
-        f"{_IMPORT_ERROR}); install cuda-bindings>=13.3,<14"
+        f"{IMPORT_ERROR}); install cuda-bindings>=13.3,<14"
     )
 
-
-# ------------------------------------------------------------------ C twins
-class FastCalls:
-    """The C twins (_fastcall.c) of hot driver calls, each named as _fastcall names it, bound
-    together by :func:`cudalab._driver.cuda._bind_fastcall`; None: use the bindings'
-    wrappers. The one registry that cuda.py, cuda_memory.py and the NCCL seam read.
-
-    ``launch_kernel(function, grid, block, shared_mem, stream, params)``,
-    ``stream_wait_event(stream, event, flags)``, ``ctx_set_current(context)`` and
-    ``memcpy_async(dst, src, nbytes, stream)`` return the CUresult; ``event_record(event,
-    stream)`` returns ``(CUresult,)`` as the bindings' does; ``ctx_get_current()`` the
-    current context's address (None on failure); ``ordered_copy(dst, src, nbytes,
-    copy_context, copy_stream, copy_event, peer_context, peer_stream, peer_event[, join])``
-    makes a copy between two devices with torch's two-way ordering (the peer stream's wait
-    for the copy only when ``join``, the default) and returns None or the failed call's
-    ``(name, CUresult)``. Rows they exist for: "capture, host time
-    per launch" of benchmarks/graphs.py, "host/call" of benchmarks/jiterator.py, the launch
-    and event rows of benchmarks/timing.py, and the 1 KiB rows of benchmarks/comm.py (every
-    peer copy checks the context and copies).
-    """
-
-    __slots__ = ("launch_kernel", "event_record", "stream_wait_event", "ctx_get_current",
-                 "ctx_set_current", "memcpy_async", "ordered_copy")
-
-    def __init__(self) -> None:
-        self.launch_kernel: Any = None
-        self.event_record: Any = None
-        self.stream_wait_event: Any = None
-        self.ctx_get_current: Any = None
-        self.ctx_set_current: Any = None
-        self.memcpy_async: Any = None
-        self.ordered_copy: Any = None
-
-
-FAST = FastCalls()
 
 #: Env switch that turns every C call off (CUDALAB_FASTCALL=0): cuda.bindings' and nccl4py's
 #: wrappers are used, as without the extensions (tests/driver/test_fastcall.py and
@@ -101,109 +78,120 @@ def fastcall_turned_off() -> bool:
 
 # ------------------------------------------------------------------ binding aliases
 # Module-level names so hot paths do one global lookup and one call.
-if _drv is not None:
-    _cuInit = _drv.cuInit
-    _cuDriverGetVersion = _drv.cuDriverGetVersion
-    _cuDeviceGetCount = _drv.cuDeviceGetCount
-    _cuDeviceGet = _drv.cuDeviceGet
-    _cuDeviceGetAttribute = _drv.cuDeviceGetAttribute
-    _cuDeviceGetName = _drv.cuDeviceGetName
-    _cuDeviceTotalMem = _drv.cuDeviceTotalMem
-    _cuDeviceGetUuid = _drv.cuDeviceGetUuid
-    _cuDeviceGetPCIBusId = _drv.cuDeviceGetPCIBusId
-    _cuDeviceCanAccessPeer = _drv.cuDeviceCanAccessPeer
-    _cuDevicePrimaryCtxRetain = _drv.cuDevicePrimaryCtxRetain
-    _cuCtxGetCurrent = _drv.cuCtxGetCurrent
-    _cuCtxSetCurrent = _drv.cuCtxSetCurrent
-    _cuCtxSynchronize = _drv.cuCtxSynchronize
-    _cuCtxEnablePeerAccess = _drv.cuCtxEnablePeerAccess
-    _cuCtxGetStreamPriorityRange = _drv.cuCtxGetStreamPriorityRange
-    _cuMemAlloc = _drv.cuMemAlloc
-    _cuMemFree = _drv.cuMemFree
-    _cuMemAllocAsync = _drv.cuMemAllocAsync
-    _cuMemFreeAsync = _drv.cuMemFreeAsync
-    _cuMemGetInfo = _drv.cuMemGetInfo
-    _cuMemHostAlloc = _drv.cuMemHostAlloc
-    _cuMemFreeHost = _drv.cuMemFreeHost
-    _cuMemcpy = _drv.cuMemcpy
-    _cuMemcpyAsync = _drv.cuMemcpyAsync
-    _cuMemcpyPeerAsync = _drv.cuMemcpyPeerAsync
-    _cuMemsetD8 = _drv.cuMemsetD8
-    _cuMemsetD8Async = _drv.cuMemsetD8Async
-    _cuMemsetD32Async = _drv.cuMemsetD32Async
-    _cuPointerGetAttribute = _drv.cuPointerGetAttribute
-    _cuStreamCreateWithPriority = _drv.cuStreamCreateWithPriority
-    _cuStreamDestroy = _drv.cuStreamDestroy
-    _cuStreamQuery = _drv.cuStreamQuery
-    _cuStreamSynchronize = _drv.cuStreamSynchronize
-    _cuStreamWaitEvent = _drv.cuStreamWaitEvent
-    _cuStreamGetPriority = _drv.cuStreamGetPriority
-    _cuStreamIsCapturing = _drv.cuStreamIsCapturing
-    _cuEventCreate = _drv.cuEventCreate
-    _cuEventDestroy = _drv.cuEventDestroy
-    _cuEventRecord = _drv.cuEventRecord
-    _cuEventQuery = _drv.cuEventQuery
-    _cuEventSynchronize = _drv.cuEventSynchronize
+if drv is not None:
+    cuInit = drv.cuInit
+    cuDriverGetVersion = drv.cuDriverGetVersion
+    cuDeviceGetCount = drv.cuDeviceGetCount
+    cuDeviceGet = drv.cuDeviceGet
+    cuDeviceGetAttribute = drv.cuDeviceGetAttribute
+    cuDeviceGetName = drv.cuDeviceGetName
+    cuDeviceTotalMem = drv.cuDeviceTotalMem
+    cuDeviceGetUuid = drv.cuDeviceGetUuid
+    cuDeviceGetPCIBusId = drv.cuDeviceGetPCIBusId
+    cuDeviceCanAccessPeer = drv.cuDeviceCanAccessPeer
+    cuDevicePrimaryCtxRetain = drv.cuDevicePrimaryCtxRetain
+    cuCtxGetCurrent = drv.cuCtxGetCurrent
+    cuCtxSetCurrent = drv.cuCtxSetCurrent
+    cuCtxSynchronize = drv.cuCtxSynchronize
+    cuCtxEnablePeerAccess = drv.cuCtxEnablePeerAccess
+    cuCtxGetStreamPriorityRange = drv.cuCtxGetStreamPriorityRange
+    cuMemAlloc = drv.cuMemAlloc
+    cuMemFree = drv.cuMemFree
+    cuMemAllocAsync = drv.cuMemAllocAsync
+    cuMemFreeAsync = drv.cuMemFreeAsync
+    cuMemGetInfo = drv.cuMemGetInfo
+    cuMemHostAlloc = drv.cuMemHostAlloc
+    cuMemFreeHost = drv.cuMemFreeHost
+    cuMemcpy = drv.cuMemcpy
+    cuMemcpyAsync = drv.cuMemcpyAsync
+    cuMemcpyPeerAsync = drv.cuMemcpyPeerAsync
+    cuMemsetD8 = drv.cuMemsetD8
+    cuMemsetD8Async = drv.cuMemsetD8Async
+    cuMemsetD32Async = drv.cuMemsetD32Async
+    cuPointerGetAttribute = drv.cuPointerGetAttribute
+    cuStreamCreateWithPriority = drv.cuStreamCreateWithPriority
+    cuStreamDestroy = drv.cuStreamDestroy
+    cuStreamQuery = drv.cuStreamQuery
+    cuStreamSynchronize = drv.cuStreamSynchronize
+    cuStreamWaitEvent = drv.cuStreamWaitEvent
+    cuStreamGetPriority = drv.cuStreamGetPriority
+    cuStreamIsCapturing = drv.cuStreamIsCapturing
+    cuEventCreate = drv.cuEventCreate
+    cuEventDestroy = drv.cuEventDestroy
+    cuEventRecord = drv.cuEventRecord
+    cuEventQuery = drv.cuEventQuery
+    cuEventSynchronize = drv.cuEventSynchronize
     # CUDA 12.8 added cuEventElapsedTime_v2; CUDA 13's header maps the plain name onto it and
     # bindings 13.x (13.3.1 and 13.5.0 checked) export only `cuEventElapsedTime`. Bindings
     # 12.8/12.9 export both; the plain name also works with pre-12.8 drivers, so prefer it.
-    _cuEventElapsedTime = getattr(_drv, "cuEventElapsedTime", None) or _drv.cuEventElapsedTime_v2
-    _cuIpcGetEventHandle = _drv.cuIpcGetEventHandle
-    _cuIpcGetMemHandle = _drv.cuIpcGetMemHandle
-    _cuIpcOpenEventHandle = _drv.cuIpcOpenEventHandle
-    _cuModuleLoadData = _drv.cuModuleLoadData
-    _cuModuleUnload = _drv.cuModuleUnload
-    _cuModuleGetFunction = _drv.cuModuleGetFunction
-    _cuLaunchKernel = _drv.cuLaunchKernel
-    _cuMemGetAllocationGranularity = _drv.cuMemGetAllocationGranularity
-    _cuMemAddressReserve = _drv.cuMemAddressReserve
-    _cuMemAddressFree = _drv.cuMemAddressFree
-    _cuMemCreate = _drv.cuMemCreate
-    _cuMemRelease = _drv.cuMemRelease
-    _cuMemMap = _drv.cuMemMap
-    _cuMemSetAccess = _drv.cuMemSetAccess
-    _cuMemUnmap = _drv.cuMemUnmap
-    _cuMemPoolCreate = _drv.cuMemPoolCreate
-    _cuMemPoolDestroy = _drv.cuMemPoolDestroy
-    _cuMemAllocFromPoolAsync = _drv.cuMemAllocFromPoolAsync
-    _cuMemPoolGetAttribute = _drv.cuMemPoolGetAttribute
-    _cuMemPoolSetAttribute = _drv.cuMemPoolSetAttribute
-    _cuMemPoolTrimTo = _drv.cuMemPoolTrimTo
-    _cuThreadExchangeStreamCaptureMode = _drv.cuThreadExchangeStreamCaptureMode
-    _cuGetErrorName = _drv.cuGetErrorName
-    _cuGetErrorString = _drv.cuGetErrorString
-    _CUstream = _drv.CUstream
-    _CUipcEventHandle = _drv.CUipcEventHandle
+    cuEventElapsedTime = getattr(drv, "cuEventElapsedTime", None) or drv.cuEventElapsedTime_v2
+    cuIpcGetEventHandle = drv.cuIpcGetEventHandle
+    cuIpcGetMemHandle = drv.cuIpcGetMemHandle
+    cuIpcOpenEventHandle = drv.cuIpcOpenEventHandle
+    cuModuleLoadData = drv.cuModuleLoadData
+    cuModuleUnload = drv.cuModuleUnload
+    cuModuleGetFunction = drv.cuModuleGetFunction
+    cuLaunchKernel = drv.cuLaunchKernel
+    cuMemGetAllocationGranularity = drv.cuMemGetAllocationGranularity
+    cuMemAddressReserve = drv.cuMemAddressReserve
+    cuMemAddressFree = drv.cuMemAddressFree
+    cuMemCreate = drv.cuMemCreate
+    cuMemRelease = drv.cuMemRelease
+    cuMemMap = drv.cuMemMap
+    cuMemSetAccess = drv.cuMemSetAccess
+    cuMemUnmap = drv.cuMemUnmap
+    cuMemPoolCreate = drv.cuMemPoolCreate
+    cuMemPoolDestroy = drv.cuMemPoolDestroy
+    cuMemAllocFromPoolAsync = drv.cuMemAllocFromPoolAsync
+    cuMemPoolGetAttribute = drv.cuMemPoolGetAttribute
+    cuMemPoolSetAttribute = drv.cuMemPoolSetAttribute
+    cuMemPoolTrimTo = drv.cuMemPoolTrimTo
+    cuThreadExchangeStreamCaptureMode = drv.cuThreadExchangeStreamCaptureMode
+    cuGetErrorName = drv.cuGetErrorName
+    cuGetErrorString = drv.cuGetErrorString
+    CUstream = drv.CUstream
+    CUipcEventHandle = drv.CUipcEventHandle
     # Enum members (cuPointerGetAttribute reads `attr.value`, so plain ints do not work there).
-    _PA_MEMORY_TYPE = _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
-    _PA_DEVICE_ORDINAL = _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    _DA = _drv.CUdevice_attribute
-    _MPA = _drv.CUmemPool_attribute
-    _CaptureMode = _drv.CUstreamCaptureMode
+    POINTER_ATTRIBUTE_MEMORY_TYPE = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+    POINTER_ATTRIBUTE_DEVICE_ORDINAL = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    DeviceAttribute = drv.CUdevice_attribute
+    MemPoolAttribute = drv.CUmemPool_attribute
+    CaptureMode = drv.CUstreamCaptureMode
 else:  # pragma: no cover - only without cuda-bindings
-    _cuInit = _cuDriverGetVersion = _cuDeviceGetCount = _cuDeviceGet = _no_bindings
-    _cuDeviceGetAttribute = _cuDeviceGetName = _cuDeviceTotalMem = _no_bindings
-    _cuDeviceGetUuid = _cuDeviceGetPCIBusId = _cuDeviceCanAccessPeer = _no_bindings
-    _cuDevicePrimaryCtxRetain = _cuCtxGetCurrent = _cuCtxSetCurrent = _no_bindings
-    _cuCtxSynchronize = _cuCtxEnablePeerAccess = _cuCtxGetStreamPriorityRange = _no_bindings
-    _cuMemAlloc = _cuMemFree = _cuMemAllocAsync = _cuMemFreeAsync = _no_bindings
-    _cuMemGetInfo = _cuMemHostAlloc = _cuMemFreeHost = _cuMemcpy = _no_bindings
-    _cuMemcpyAsync = _cuMemcpyPeerAsync = _cuMemsetD8 = _cuMemsetD8Async = _no_bindings
-    _cuMemsetD32Async = _cuPointerGetAttribute = _no_bindings
-    _cuStreamCreateWithPriority = _cuStreamDestroy = _cuStreamQuery = _no_bindings
-    _cuStreamSynchronize = _cuStreamWaitEvent = _cuStreamGetPriority = _no_bindings
-    _cuStreamIsCapturing = _cuEventCreate = _cuEventDestroy = _cuEventRecord = _no_bindings
-    _cuEventQuery = _cuEventSynchronize = _cuEventElapsedTime = _no_bindings
-    _cuIpcGetEventHandle = _cuIpcOpenEventHandle = _cuModuleLoadData = _no_bindings
-    _cuIpcGetMemHandle = _no_bindings
-    _cuModuleUnload = _cuModuleGetFunction = _cuLaunchKernel = _no_bindings
-    _cuMemGetAllocationGranularity = _cuMemAddressReserve = _cuMemAddressFree = _no_bindings
-    _cuMemCreate = _cuMemRelease = _cuMemMap = _cuMemSetAccess = _cuMemUnmap = _no_bindings
-    _cuMemPoolCreate = _cuMemPoolDestroy = _cuMemAllocFromPoolAsync = _no_bindings
-    _cuMemPoolGetAttribute = _cuMemPoolSetAttribute = _cuMemPoolTrimTo = _no_bindings
-    _cuGetErrorName = _cuGetErrorString = _CUstream = _CUipcEventHandle = _no_bindings
-    _cuThreadExchangeStreamCaptureMode = _CaptureMode = _no_bindings
-    _PA_MEMORY_TYPE = _PA_DEVICE_ORDINAL = _DA = _MPA = None
+    cuInit = cuDriverGetVersion = cuDeviceGetCount = cuDeviceGet = _no_bindings
+    cuDeviceGetAttribute = cuDeviceGetName = cuDeviceTotalMem = _no_bindings
+    cuDeviceGetUuid = cuDeviceGetPCIBusId = cuDeviceCanAccessPeer = _no_bindings
+    cuDevicePrimaryCtxRetain = cuCtxGetCurrent = cuCtxSetCurrent = _no_bindings
+    cuCtxSynchronize = cuCtxEnablePeerAccess = cuCtxGetStreamPriorityRange = _no_bindings
+    cuMemAlloc = cuMemFree = cuMemAllocAsync = cuMemFreeAsync = _no_bindings
+    cuMemGetInfo = cuMemHostAlloc = cuMemFreeHost = cuMemcpy = _no_bindings
+    cuMemcpyAsync = cuMemcpyPeerAsync = cuMemsetD8 = cuMemsetD8Async = _no_bindings
+    cuMemsetD32Async = cuPointerGetAttribute = _no_bindings
+    cuStreamCreateWithPriority = cuStreamDestroy = cuStreamQuery = _no_bindings
+    cuStreamSynchronize = cuStreamWaitEvent = cuStreamGetPriority = _no_bindings
+    cuStreamIsCapturing = cuEventCreate = cuEventDestroy = cuEventRecord = _no_bindings
+    cuEventQuery = cuEventSynchronize = cuEventElapsedTime = _no_bindings
+    cuIpcGetEventHandle = cuIpcOpenEventHandle = cuModuleLoadData = _no_bindings
+    cuIpcGetMemHandle = _no_bindings
+    cuModuleUnload = cuModuleGetFunction = cuLaunchKernel = _no_bindings
+    cuMemGetAllocationGranularity = cuMemAddressReserve = cuMemAddressFree = _no_bindings
+    cuMemCreate = cuMemRelease = cuMemMap = cuMemSetAccess = cuMemUnmap = _no_bindings
+    cuMemPoolCreate = cuMemPoolDestroy = cuMemAllocFromPoolAsync = _no_bindings
+    cuMemPoolGetAttribute = cuMemPoolSetAttribute = cuMemPoolTrimTo = _no_bindings
+    cuGetErrorName = cuGetErrorString = CUstream = CUipcEventHandle = _no_bindings
+    cuThreadExchangeStreamCaptureMode = CaptureMode = _no_bindings
+    POINTER_ATTRIBUTE_MEMORY_TYPE = POINTER_ATTRIBUTE_DEVICE_ORDINAL = None
+    DeviceAttribute = MemPoolAttribute = None
+
+
+# ------------------------------------------------------------------ fast calls
+#: The real backend's fast-call registry (:class:`cudalab._driver.fast_calls.FastCalls`),
+#: process-wide as the C extension it binds: the bindings' own status-returning functions,
+#: and the C twins of :mod:`cudalab._driver._fastcall` once
+#: ``cudalab._driver.cuda._bind_fastcall`` has bound them (None until then, or where the
+#: extension is not built or the driver did not give the entry points). cuda.py,
+#: cuda_memory.py and the NCCL seam read it; :meth:`CudaBackend.fast_calls` returns it.
+FAST = FastCalls(cuEventRecord, cuEventQuery, cuStreamQuery, cuEventElapsedTime)
 
 
 # ------------------------------------------------------------------------------ errors
@@ -211,7 +199,7 @@ else:  # pragma: no cover - only without cuda-bindings
 _ERROR_TEXT: dict[int, tuple[str, str]] = {}
 
 
-def _decode(raw: Any) -> str:
+def decode_text(raw: Any) -> str:
     if raw is None:
         return ""
     if isinstance(raw, (bytes, bytearray)):
@@ -228,19 +216,19 @@ def _lookup_error_text(code: int) -> tuple[str, str]:
     name = ""
     text = ""
     member = None
-    if _drv is not None:
+    if drv is not None:
         try:
-            member = _drv.CUresult(code)
+            member = drv.CUresult(code)
         except (ValueError, TypeError):
             member = None
     if member is not None:
         try:
-            err, raw = _cuGetErrorName(member)
+            err, raw = cuGetErrorName(member)
             if not err:
-                name = _decode(raw)
-            err, raw = _cuGetErrorString(member)
+                name = decode_text(raw)
+            err, raw = cuGetErrorString(member)
             if not err:
-                text = _decode(raw)
+                text = decode_text(raw)
         except Exception:  # driver missing or half-loaded: keep the enum's own name
             pass
         if not name:
@@ -258,7 +246,7 @@ def _error_text(code: int) -> tuple[str, str]:
     return name, text
 
 
-def _error(code: Any, call: str) -> CudaError:
+def cuda_error(code: Any, call: str) -> CudaError:
     """The exception for a failed driver call (OutOfMemoryError for CUDA_ERROR_OUT_OF_MEMORY)."""
     code = int(code)
     name, text = _error_text(code)
@@ -270,7 +258,7 @@ def _error(code: Any, call: str) -> CudaError:
     return CudaError(code, name, text, call=call)
 
 
-def _check(result: tuple, call: str) -> Any:
+def check(result: tuple[Any, ...], call: str) -> Any:
     """Raise for a failed binding call; return its out-parameters.
 
     ``result`` is the bindings' tuple ``(CUresult, *outs)``: returns None for no outs, the
@@ -278,7 +266,7 @@ def _check(result: tuple, call: str) -> Any:
     """
     err = result[0]
     if err:
-        raise _error(err, call)
+        raise cuda_error(err, call)
     n = len(result)
     if n == 2:
         return result[1]

@@ -4,7 +4,7 @@ The graph concern of the real backend (a mixin of :class:`cudalab._driver.cuda.C
 cuStreamBeginCapture / EndCapture / GetCaptureInfo, cuThreadExchangeStreamCaptureMode,
 cuGraphInstantiate (torch's flags), cuGraphLaunch, the node kinds and cuGraphDebugDotPrint.
 Failures of the capture rules arrive as :class:`cudalab.errors.StreamCaptureError`
-(``_error`` maps codes 900-908 to it).
+(``cuda_error`` maps codes 900-908 to it).
 
 While a capture begun here runs, :attr:`CudaMemory._captures_active` is non-zero, so
 ``cuMemAlloc`` runs under a RELAXED guard the way torch's allocator does it.
@@ -24,20 +24,21 @@ from cudalab._driver.base import (
     GRAPH_NODE_KINDS,
 )
 from cudalab._driver.cuda_api import (
-    _CaptureMode,
-    _check,
-    _cuThreadExchangeStreamCaptureMode,
-    _drv,
-    _error,
+    CaptureMode,
+    check,
+    cuda_error,
+    cuThreadExchangeStreamCaptureMode,
+    drv,
 )
 from cudalab._driver.cuda_memory import CudaMemory
+from cudalab._driver.handles import GraphExecHandle, GraphHandle, StreamHandle
 
 #: cuGraphDebugDotPrint's CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE (torch's cudaGraphDebugDotFlagsVerbose).
 _DOT_FLAGS_VERBOSE = 1
 
 _count_lock = threading.Lock()
 #: Bound once: CUDAGraph.replay's one driver call (benchmarks/graphs.py, the replay row).
-_cuGraphLaunch: Any = _drv.cuGraphLaunch if _drv is not None else None
+_cuGraphLaunch: Any = drv.cuGraphLaunch if drv is not None else None
 
 
 def _mode(mode: int) -> Any:
@@ -45,70 +46,70 @@ def _mode(mode: int) -> Any:
     if m not in (CAPTURE_MODE_GLOBAL, 1, CAPTURE_MODE_RELAXED):
         raise ValueError(f"unknown stream capture mode {m}; expected 0 (global), "
                          "1 (thread_local) or 2 (relaxed)")
-    return _CaptureMode(m)
+    return CaptureMode(m)
 
 
 class CudaGraphs(CudaMemory):
     """Stream capture and graphs of the real backend (see the module docstring)."""
 
-    def stream_begin_capture(self, stream: Any, mode: int = CAPTURE_MODE_GLOBAL) -> None:
+    def stream_begin_capture(self, stream: StreamHandle, mode: int = CAPTURE_MODE_GLOBAL) -> None:
         m = _mode(mode)
         with _count_lock:
             self._captures_active += 1
         try:
-            _check(_drv.cuStreamBeginCapture(stream, m), "cuStreamBeginCapture")
+            check(drv.cuStreamBeginCapture(stream, m), "cuStreamBeginCapture")
         except BaseException:
             with _count_lock:
                 self._captures_active -= 1
             raise
 
-    def stream_end_capture(self, stream: Any) -> Any:
-        err, graph = _drv.cuStreamEndCapture(stream)
+    def stream_end_capture(self, stream: StreamHandle) -> GraphHandle:
+        err, graph = drv.cuStreamEndCapture(stream)
         if not err or int(err) != 908:  # 908: wrong thread, the capture goes on
             with _count_lock:
                 self._captures_active = max(0, self._captures_active - 1)
-        return _check((err, graph), "cuStreamEndCapture")
+        return check((err, graph), "cuStreamEndCapture")
 
-    def stream_capture_info(self, stream: Any) -> tuple[int, int]:
-        res = _check(_drv.cuStreamGetCaptureInfo(stream), "cuStreamGetCaptureInfo")
+    def stream_capture_info(self, stream: StreamHandle) -> tuple[int, int]:
+        res = check(drv.cuStreamGetCaptureInfo(stream), "cuStreamGetCaptureInfo")
         status = int(res[0])
         return status, (int(res[1]) if status != CAPTURE_STATUS_NONE else 0)
 
     def thread_exchange_capture_mode(self, mode: int) -> int:
-        old = _check(_cuThreadExchangeStreamCaptureMode(_mode(mode)),
+        old = check(cuThreadExchangeStreamCaptureMode(_mode(mode)),
                      "cuThreadExchangeStreamCaptureMode")
         return int(old)
 
-    def graph_instantiate(self, graph: Any,
+    def graph_instantiate(self, graph: GraphHandle,
                           flags: int = GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH
                           | GRAPH_INSTANTIATE_USE_NODE_PRIORITY) -> Any:
-        return _check(_drv.cuGraphInstantiate(graph, int(flags)), "cuGraphInstantiate")
+        return check(drv.cuGraphInstantiate(graph, int(flags)), "cuGraphInstantiate")
 
-    def graph_launch(self, graph_exec: Any, stream: Any) -> None:
+    def graph_launch(self, graph_exec: GraphExecHandle, stream: StreamHandle) -> None:
         err = _cuGraphLaunch(graph_exec, stream)[0]
         if err:
-            raise _error(err, "cuGraphLaunch")
+            raise cuda_error(err, "cuGraphLaunch")
 
-    def graph_destroy(self, graph: Any) -> None:
-        _check(_drv.cuGraphDestroy(graph), "cuGraphDestroy")
+    def graph_destroy(self, graph: GraphHandle) -> None:
+        check(drv.cuGraphDestroy(graph), "cuGraphDestroy")
 
-    def graph_exec_destroy(self, graph_exec: Any) -> None:
-        _check(_drv.cuGraphExecDestroy(graph_exec), "cuGraphExecDestroy")
+    def graph_exec_destroy(self, graph_exec: GraphExecHandle) -> None:
+        check(drv.cuGraphExecDestroy(graph_exec), "cuGraphExecDestroy")
 
-    def graph_node_count(self, graph: Any) -> int:
-        return int(_check(_drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")[1])
+    def graph_node_count(self, graph: GraphHandle) -> int:
+        return int(check(drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")[1])
 
-    def graph_node_kinds(self, graph: Any) -> list[str]:
-        _nodes, count = _check(_drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+    def graph_node_kinds(self, graph: GraphHandle) -> list[str]:
+        _nodes, count = check(drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
         if not count:
             return []
-        nodes, count = _check(_drv.cuGraphGetNodes(graph, int(count)), "cuGraphGetNodes")
+        nodes, count = check(drv.cuGraphGetNodes(graph, int(count)), "cuGraphGetNodes")
         kinds = []
         for node in list(nodes)[:int(count)]:
-            t = int(_check(_drv.cuGraphNodeGetType(node), "cuGraphNodeGetType"))
+            t = int(check(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType"))
             kinds.append(GRAPH_NODE_KINDS[t] if 0 <= t < len(GRAPH_NODE_KINDS) else f"type {t}")
         return kinds
 
-    def graph_debug_dot_print(self, graph: Any, path: str) -> None:
-        _check(_drv.cuGraphDebugDotPrint(graph, str(path).encode(), _DOT_FLAGS_VERBOSE),
+    def graph_debug_dot_print(self, graph: GraphHandle, path: str) -> None:
+        check(drv.cuGraphDebugDotPrint(graph, str(path).encode(), _DOT_FLAGS_VERBOSE),
                "cuGraphDebugDotPrint")

@@ -15,48 +15,54 @@ from typing import Any
 
 from cudalab._driver.base import CAPTURE_MODE_RELAXED, IPC_HANDLE_SIZE, Backend
 from cudalab._driver.cuda_api import (
-    _MEMORYTYPE_DEVICE,
-    _MEMORYTYPE_UNIFIED,
-    _MPA,
-    _PA_DEVICE_ORDINAL,
-    _PA_MEMORY_TYPE,
     CU_MEMHOSTALLOC_PORTABLE,
     CUDA_ERROR_INVALID_VALUE,
     FAST,
-    _CaptureMode,
-    _check,
-    _cuIpcGetMemHandle,
-    _cuMemAddressFree,
-    _cuMemAddressReserve,
-    _cuMemAlloc,
-    _cuMemAllocAsync,
-    _cuMemAllocFromPoolAsync,
-    _cuMemcpy,
-    _cuMemcpyAsync,
-    _cuMemcpyPeerAsync,
-    _cuMemCreate,
-    _cuMemFree,
-    _cuMemFreeAsync,
-    _cuMemFreeHost,
-    _cuMemGetAllocationGranularity,
-    _cuMemGetInfo,
-    _cuMemHostAlloc,
-    _cuMemMap,
-    _cuMemPoolCreate,
-    _cuMemPoolDestroy,
-    _cuMemPoolGetAttribute,
-    _cuMemPoolSetAttribute,
-    _cuMemPoolTrimTo,
-    _cuMemRelease,
-    _cuMemSetAccess,
-    _cuMemsetD8,
-    _cuMemsetD8Async,
-    _cuMemsetD32Async,
-    _cuMemUnmap,
-    _cuPointerGetAttribute,
-    _cuThreadExchangeStreamCaptureMode,
-    _drv,
-    _error,
+    MEMORYTYPE_DEVICE,
+    MEMORYTYPE_UNIFIED,
+    POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+    POINTER_ATTRIBUTE_MEMORY_TYPE,
+    CaptureMode,
+    MemPoolAttribute,
+    check,
+    cuda_error,
+    cuIpcGetMemHandle,
+    cuMemAddressFree,
+    cuMemAddressReserve,
+    cuMemAlloc,
+    cuMemAllocAsync,
+    cuMemAllocFromPoolAsync,
+    cuMemcpy,
+    cuMemcpyAsync,
+    cuMemcpyPeerAsync,
+    cuMemCreate,
+    cuMemFree,
+    cuMemFreeAsync,
+    cuMemFreeHost,
+    cuMemGetAllocationGranularity,
+    cuMemGetInfo,
+    cuMemHostAlloc,
+    cuMemMap,
+    cuMemPoolCreate,
+    cuMemPoolDestroy,
+    cuMemPoolGetAttribute,
+    cuMemPoolSetAttribute,
+    cuMemPoolTrimTo,
+    cuMemRelease,
+    cuMemSetAccess,
+    cuMemsetD8,
+    cuMemsetD8Async,
+    cuMemsetD32Async,
+    cuMemUnmap,
+    cuPointerGetAttribute,
+    cuThreadExchangeStreamCaptureMode,
+    drv,
+)
+from cudalab._driver.handles import (
+    EventHandle,
+    MemoryPoolHandle,
+    PhysicalMemoryHandle,
+    StreamHandle,
 )
 
 # ------------------------------------------------------------- pointer -> device ordinal
@@ -91,7 +97,7 @@ def _pointer_device_ordinal(ptr: int) -> tuple[int, int]:
         out = ctypes.c_int(-1)
         err = fn(ctypes.byref(out), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
         return err, out.value
-    err, ordinal = _cuPointerGetAttribute(_PA_DEVICE_ORDINAL, ptr)
+    err, ordinal = cuPointerGetAttribute(POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
     return int(err), int(ordinal) if not err else -1
 
 
@@ -131,93 +137,94 @@ class CudaMemory(Backend):
         if nbytes == 0:
             return 0  # like torch: empty allocations are the null pointer
         self._ctx(device)
-        res = _cuMemAlloc(nbytes) if not self._captures_active else self._alloc_relaxed(nbytes)
+        res = cuMemAlloc(nbytes) if not self._captures_active else self._alloc_relaxed(nbytes)
         if res[0]:
-            raise _error(res[0], "cuMemAlloc")
+            raise cuda_error(res[0], "cuMemAlloc")
         return int(res[1])
 
-    def _alloc_relaxed(self, nbytes: int) -> tuple:
+    def _alloc_relaxed(self, nbytes: int) -> tuple[Any, ...]:
         """cuMemAlloc under a RELAXED capture-mode guard, while some capture runs (torch's
         ``cudaMallocMaybeCapturing``): the allocation is not captured, gets fresh memory,
         and is not repeated by replays. In GLOBAL mode the driver would refuse it."""
-        old = _check(_cuThreadExchangeStreamCaptureMode(_CaptureMode(CAPTURE_MODE_RELAXED)),
+        old = check(cuThreadExchangeStreamCaptureMode(CaptureMode(CAPTURE_MODE_RELAXED)),
                      "cuThreadExchangeStreamCaptureMode")
         try:
-            return _cuMemAlloc(nbytes)
+            return cuMemAlloc(nbytes)
         finally:
-            _cuThreadExchangeStreamCaptureMode(old)
+            cuThreadExchangeStreamCaptureMode(old)
 
     def mem_free(self, device: int, ptr: int) -> None:
         if not ptr:
             return
         self._ctx(device)
-        err = _cuMemFree(ptr)[0]
+        err = cuMemFree(ptr)[0]
         if err:
-            raise _error(err, "cuMemFree")
+            raise cuda_error(err, "cuMemFree")
 
-    def mem_alloc_async(self, device: int, nbytes: int, stream: Any) -> int:
+    def mem_alloc_async(self, device: int, nbytes: int, stream: StreamHandle) -> int:
         if nbytes == 0:
             return 0
         self._ctx(device)
-        res = _cuMemAllocAsync(nbytes, stream)
+        res = cuMemAllocAsync(nbytes, stream)
         if res[0]:
-            raise _error(res[0], "cuMemAllocAsync")
+            raise cuda_error(res[0], "cuMemAllocAsync")
         return int(res[1])
 
-    def mem_free_async(self, device: int, ptr: int, stream: Any) -> None:
+    def mem_free_async(self, device: int, ptr: int, stream: StreamHandle) -> None:
         if not ptr:
             return
         self._ctx(device)
-        err = _cuMemFreeAsync(ptr, stream)[0]
+        err = cuMemFreeAsync(ptr, stream)[0]
         if err:
-            raise _error(err, "cuMemFreeAsync")
+            raise cuda_error(err, "cuMemFreeAsync")
 
     def mem_get_info(self, device: int) -> tuple[int, int]:
         self._ctx(device)
-        free, total = _check(_cuMemGetInfo(), "cuMemGetInfo")
+        free, total = check(cuMemGetInfo(), "cuMemGetInfo")
         return int(free), int(total)
 
     def host_alloc(self, nbytes: int) -> int:
         self._any_ctx()
         if self._captures_active:  # pinned memory for a copy captured into a graph
-            old = _check(_cuThreadExchangeStreamCaptureMode(_CaptureMode(CAPTURE_MODE_RELAXED)),
+            old = check(cuThreadExchangeStreamCaptureMode(CaptureMode(CAPTURE_MODE_RELAXED)),
                          "cuThreadExchangeStreamCaptureMode")
             try:
-                return int(_check(_cuMemHostAlloc(nbytes, CU_MEMHOSTALLOC_PORTABLE),
+                return int(check(cuMemHostAlloc(nbytes, CU_MEMHOSTALLOC_PORTABLE),
                                   "cuMemHostAlloc"))
             finally:
-                _cuThreadExchangeStreamCaptureMode(old)
-        return int(_check(_cuMemHostAlloc(nbytes, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
+                cuThreadExchangeStreamCaptureMode(old)
+        return int(check(cuMemHostAlloc(nbytes, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
 
     def host_free(self, ptr: int) -> None:
         if not ptr:
             return
         self._any_ctx()
-        err = _cuMemFreeHost(ptr)[0]
+        err = cuMemFreeHost(ptr)[0]
         if err:
-            raise _error(err, "cuMemFreeHost")
+            raise cuda_error(err, "cuMemFreeHost")
 
     def memcpy(self, device: int, dst: int, src: int, nbytes: int) -> None:
         if not nbytes:
             return
         self._ctx(device)
-        err = _cuMemcpy(dst, src, nbytes)[0]
+        err = cuMemcpy(dst, src, nbytes)[0]
         if err:
-            raise _error(err, "cuMemcpy")
+            raise cuda_error(err, "cuMemcpy")
 
-    def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: Any) -> None:
+    def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: StreamHandle) -> None:
         if not nbytes:
             return
         self._ctx(device)
         fast = FAST.memcpy_async
         err = fast(dst, src, nbytes, stream) if fast is not None else \
-            _cuMemcpyAsync(dst, src, nbytes, stream)[0]
+            cuMemcpyAsync(dst, src, nbytes, stream)[0]
         if err:
-            raise _error(err, "cuMemcpyAsync")
+            raise cuda_error(err, "cuMemcpyAsync")
 
     def memcpy_ordered(self, dst: int, src: int, nbytes: int, copy_device: int,
-                       copy_stream: Any, copy_event: Any, peer_device: int, peer_stream: Any,
-                       peer_event: Any, join: bool = True) -> None:
+                       copy_stream: StreamHandle, copy_event: EventHandle, peer_device: int,
+                       peer_stream: StreamHandle, peer_event: EventHandle,
+                       join: bool = True) -> None:
         # The eight driver calls (six without the join) in one C call where it is built (the
         # calling thread's context is then current again after); else Backend's one by one.
         fast = FAST.ordered_copy
@@ -230,10 +237,10 @@ class CudaMemory(Backend):
         failure = fast(dst, src, nbytes, copy_context, copy_stream, copy_event, peer_context,
                        peer_stream, peer_event, join)
         if failure is not None:
-            raise _error(failure[1], failure[0])
+            raise cuda_error(failure[1], failure[0])
 
     def memcpy_peer_async(
-        self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: Any
+        self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: StreamHandle
     ) -> None:
         if not nbytes:
             return
@@ -243,56 +250,56 @@ class CudaMemory(Backend):
         src_ctx = self._contexts.get(src_device)
         if src_ctx is None:
             src_ctx = self._primary(src_device)
-        err = _cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, nbytes, stream)[0]
+        err = cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, nbytes, stream)[0]
         if err:
-            raise _error(err, "cuMemcpyPeerAsync")
+            raise cuda_error(err, "cuMemcpyPeerAsync")
 
     def memset_d8(self, device: int, ptr: int, value: int, nbytes: int) -> None:
         if not nbytes:
             return
         self._ctx(device)
-        err = _cuMemsetD8(ptr, value & 0xFF, nbytes)[0]
+        err = cuMemsetD8(ptr, value & 0xFF, nbytes)[0]
         if err:
-            raise _error(err, "cuMemsetD8")
+            raise cuda_error(err, "cuMemsetD8")
 
-    def memset_d8_async(self, device: int, ptr: int, value: int, nbytes: int, stream: Any) -> None:
+    def memset_d8_async(self, device: int, ptr: int, value: int, nbytes: int, stream: StreamHandle) -> None:
         if not nbytes:
             return
         self._ctx(device)
-        err = _cuMemsetD8Async(ptr, value & 0xFF, nbytes, stream)[0]
+        err = cuMemsetD8Async(ptr, value & 0xFF, nbytes, stream)[0]
         if err:
-            raise _error(err, "cuMemsetD8Async")
+            raise cuda_error(err, "cuMemsetD8Async")
 
-    def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: Any) -> None:
+    def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
         if not count:
             return
         self._ctx(device)
-        err = _cuMemsetD32Async(ptr, value & 0xFFFFFFFF, count, stream)[0]
+        err = cuMemsetD32Async(ptr, value & 0xFFFFFFFF, count, stream)[0]
         if err:
-            raise _error(err, "cuMemsetD32Async")
+            raise cuda_error(err, "cuMemsetD32Async")
 
     def pointer_device(self, ptr: int) -> int | None:
         if not ptr:
             return None
         self._any_ctx()
-        err, mtype = _cuPointerGetAttribute(_PA_MEMORY_TYPE, ptr)
+        err, mtype = cuPointerGetAttribute(POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
         if err == CUDA_ERROR_INVALID_VALUE:
             return None  # not allocated, mapped or registered with CUDA: plain host memory
         if err:
-            raise _error(err, "cuPointerGetAttribute")
-        if int(mtype) not in (_MEMORYTYPE_DEVICE, _MEMORYTYPE_UNIFIED):
+            raise cuda_error(err, "cuPointerGetAttribute")
+        if int(mtype) not in (MEMORYTYPE_DEVICE, MEMORYTYPE_UNIFIED):
             return None  # pinned / registered host memory
         err, ordinal = _pointer_device_ordinal(ptr)
         if err == CUDA_ERROR_INVALID_VALUE:
             return None
         if err:
-            raise _error(err, "cuPointerGetAttribute")
+            raise cuda_error(err, "cuPointerGetAttribute")
         return ordinal if ordinal >= 0 else None
 
 
     def ipc_mem_handle(self, ptr: int) -> bytes:
         self._any_ctx()
-        handle = _check(_cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
+        handle = check(cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
         # Read the C struct directly (as ipc_event_handle does): getPtr() exists in every
         # bindings version, the `reserved` field does not.
         return ctypes.string_at(handle.getPtr(), IPC_HANDLE_SIZE)
@@ -300,9 +307,9 @@ class CudaMemory(Backend):
     # ---------------------------------------------------------------- virtual memory (VMM)
     @staticmethod
     def _alloc_prop(device: int) -> Any:
-        prop = _drv.CUmemAllocationProp()
-        prop.type = _drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = int(device)
         return prop
 
@@ -310,9 +317,9 @@ class CudaMemory(Backend):
         g = self._granularity.get(device)
         if g is None:
             self._device(device)
-            g = int(_check(_cuMemGetAllocationGranularity(
+            g = int(check(cuMemGetAllocationGranularity(
                 self._alloc_prop(device),
-                _drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                 "cuMemGetAllocationGranularity"))
             with self._lock:
                 self._granularity[device] = g
@@ -320,86 +327,89 @@ class CudaMemory(Backend):
 
     def vmm_reserve(self, device: int, size: int) -> int:
         self._ctx(device)
-        return int(_check(_cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
+        return int(check(cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
 
     def vmm_free_address(self, ptr: int, size: int) -> None:
-        err = _cuMemAddressFree(ptr, size)[0]
+        err = cuMemAddressFree(ptr, size)[0]
         if err:
-            raise _error(err, "cuMemAddressFree")
+            raise cuda_error(err, "cuMemAddressFree")
 
-    def vmm_create(self, device: int, size: int) -> Any:
+    def vmm_create(self, device: int, size: int) -> PhysicalMemoryHandle:
         self._ctx(device)
-        return _check(_cuMemCreate(size, self._alloc_prop(device), 0), "cuMemCreate")
+        return check(cuMemCreate(size, self._alloc_prop(device), 0), "cuMemCreate")
 
-    def vmm_release(self, handle: Any) -> None:
-        err = _cuMemRelease(handle)[0]
+    def vmm_release(self, handle: PhysicalMemoryHandle) -> None:
+        err = cuMemRelease(handle)[0]
         if err:
-            raise _error(err, "cuMemRelease")
+            raise cuda_error(err, "cuMemRelease")
 
-    def vmm_map(self, device: int, ptr: int, size: int, handle: Any) -> None:
+    def vmm_map(self, device: int, ptr: int, size: int, handle: PhysicalMemoryHandle) -> None:
         self._ctx(device)
-        err = _cuMemMap(ptr, size, 0, handle, 0)[0]
+        err = cuMemMap(ptr, size, 0, handle, 0)[0]
         if err:
-            raise _error(err, "cuMemMap")
-        desc = _drv.CUmemAccessDesc()
-        desc.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            raise cuda_error(err, "cuMemMap")
+        desc = drv.CUmemAccessDesc()
+        desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = int(device)
-        desc.flags = _drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        err = _cuMemSetAccess(ptr, size, [desc], 1)[0]
+        desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        err = cuMemSetAccess(ptr, size, [desc], 1)[0]
         if err:
-            _cuMemUnmap(ptr, size)  # leave the range as it was
-            raise _error(err, "cuMemSetAccess")
+            cuMemUnmap(ptr, size)  # leave the range as it was
+            raise cuda_error(err, "cuMemSetAccess")
 
     def vmm_unmap(self, ptr: int, size: int) -> None:
-        err = _cuMemUnmap(ptr, size)[0]
+        err = cuMemUnmap(ptr, size)[0]
         if err:
-            raise _error(err, "cuMemUnmap")
+            raise cuda_error(err, "cuMemUnmap")
 
     # ---------------------------------------------------------------- stream-ordered pools
-    def pool_create(self, device: int) -> Any:
+    def pool_create(self, device: int) -> MemoryPoolHandle:
         self._ctx(device)
-        props = _drv.CUmemPoolProps()
-        props.allocType = _drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        props.handleTypes = _drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-        props.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props = drv.CUmemPoolProps()
+        props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         props.location.id = int(device)
-        pool = _check(_cuMemPoolCreate(props), "cuMemPoolCreate")
+        pool = check(cuMemPoolCreate(props), "cuMemPoolCreate")
         # Keep freed memory cached across synchronisations (torch's cudaMallocAsync setting).
-        err = _cuMemPoolSetAttribute(pool, _MPA.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                                     _drv.cuuint64_t(2**64 - 1))[0]
+        err = cuMemPoolSetAttribute(pool, MemPoolAttribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                     drv.cuuint64_t(2**64 - 1))[0]
         if err:
-            _cuMemPoolDestroy(pool)
-            raise _error(err, "cuMemPoolSetAttribute")
+            cuMemPoolDestroy(pool)
+            raise cuda_error(err, "cuMemPoolSetAttribute")
         return pool
 
-    def pool_destroy(self, pool: Any) -> None:
-        err = _cuMemPoolDestroy(pool)[0]
+    def pool_destroy(self, pool: MemoryPoolHandle) -> None:
+        err = cuMemPoolDestroy(pool)[0]
         if err:
-            raise _error(err, "cuMemPoolDestroy")
+            raise cuda_error(err, "cuMemPoolDestroy")
 
-    def pool_alloc_async(self, pool: Any, nbytes: int, stream: Any) -> int:
+    def pool_alloc_async(self, pool: MemoryPoolHandle, nbytes: int, stream: StreamHandle) -> int:
         if nbytes == 0:  # never ask the driver for 0 bytes (see tests/driver/test_simulator_vmm.py)
             return 0
-        res = _cuMemAllocFromPoolAsync(nbytes, pool, stream)
+        res = cuMemAllocFromPoolAsync(nbytes, pool, stream)
         if res[0]:
-            raise _error(res[0], "cuMemAllocFromPoolAsync")
+            raise cuda_error(res[0], "cuMemAllocFromPoolAsync")
         return int(res[1])
 
-    def pool_usage(self, pool: Any) -> tuple[int, int, int, int]:
+    def pool_usage(self, pool: MemoryPoolHandle) -> tuple[int, int, int, int]:
         out = []
-        for attr in (_MPA.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, _MPA.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-                     _MPA.CU_MEMPOOL_ATTR_USED_MEM_CURRENT, _MPA.CU_MEMPOOL_ATTR_USED_MEM_HIGH):
-            out.append(int(_check(_cuMemPoolGetAttribute(pool, attr), "cuMemPoolGetAttribute")))
+        for attr in (MemPoolAttribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                     MemPoolAttribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+                     MemPoolAttribute.CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                     MemPoolAttribute.CU_MEMPOOL_ATTR_USED_MEM_HIGH):
+            out.append(int(check(cuMemPoolGetAttribute(pool, attr), "cuMemPoolGetAttribute")))
         return out[0], out[1], out[2], out[3]
 
-    def pool_reset_high(self, pool: Any) -> None:
+    def pool_reset_high(self, pool: MemoryPoolHandle) -> None:
         # Setting a *_HIGH attribute to 0 resets it to the current value.
-        for attr in (_MPA.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, _MPA.CU_MEMPOOL_ATTR_USED_MEM_HIGH):
-            err = _cuMemPoolSetAttribute(pool, attr, _drv.cuuint64_t(0))[0]
+        for attr in (MemPoolAttribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+                     MemPoolAttribute.CU_MEMPOOL_ATTR_USED_MEM_HIGH):
+            err = cuMemPoolSetAttribute(pool, attr, drv.cuuint64_t(0))[0]
             if err:
-                raise _error(err, "cuMemPoolSetAttribute")
+                raise cuda_error(err, "cuMemPoolSetAttribute")
 
-    def pool_trim(self, pool: Any, keep: int = 0) -> None:
-        err = _cuMemPoolTrimTo(pool, keep)[0]
+    def pool_trim(self, pool: MemoryPoolHandle, keep: int = 0) -> None:
+        err = cuMemPoolTrimTo(pool, keep)[0]
         if err:
-            raise _error(err, "cuMemPoolTrimTo")
+            raise cuda_error(err, "cuMemPoolTrimTo")

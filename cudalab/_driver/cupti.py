@@ -104,7 +104,7 @@ def _buffer_requested() -> tuple[int, int]:
     return BUFFER_BYTES, 0
 
 
-def _buffer_completed(activities: list) -> None:
+def _buffer_completed(activities: list[Any]) -> None:
     """CUPTI hands back a full (or flushed) buffer: decode its kernel, memcpy and memset
     records into :data:`_sink` (records of other kinds, e.g. left enabled by another tool,
     are skipped)."""

@@ -53,11 +53,12 @@ from cudalab._driver.base import (
 )
 from cudalab._driver.cuda_api import (
     FAST,
-    _cuCtxGetCurrent,
-    _cuCtxSetCurrent,
-    _error,
+    cuCtxGetCurrent,
+    cuCtxSetCurrent,
+    cuda_error,
     fastcall_turned_off,
 )
+from cudalab._driver.handles import CommHandle, OpaqueHandle, StreamHandle
 from cudalab.errors import NcclError
 
 try:  # optional C group call (setup.py builds it; see RealNccl._bind_group_call)
@@ -79,7 +80,7 @@ RESULT_NAMES = {code: name for code, (name, _text) in NCCL_RESULTS.items()}  # f
 NCCL_INVALID_ARGUMENT = 4
 
 
-class RealComm:
+class RealComm(OpaqueHandle):
     """A communicator handle of :class:`RealNccl`.
 
     ``comm`` is nccl4py's ``Comm`` (None once destroyed or aborted: the handle is then
@@ -92,7 +93,7 @@ class RealComm:
     __slots__ = ("comm", "address", "context", "device", "rank", "nranks", "__weakref__")
 
     def __init__(self, comm: Any, device: int, rank: int, nranks: int, context: int = 0):
-        self.comm = comm
+        self.comm = comm  # nccl4py's Comm; None once destroyed or aborted
         try:
             self.address = int(comm)
         except (TypeError, ValueError):
@@ -176,7 +177,7 @@ class RealNccl(Nccl):
         return data
 
     # ------------------------------------------------------------------ communicators
-    def comm_init_all(self, devices: Sequence[int]) -> list[Any]:
+    def comm_init_all(self, devices: Sequence[int]) -> list[CommHandle]:
         call = "ncclCommInitAll"
         try:
             devs = [operator.index(d) for d in devices]
@@ -192,10 +193,10 @@ class RealNccl(Nccl):
         finally:
             self._restore_context(saved)
         # Keep the Comm objects: rank i is devs[i] (ncclCommInitAll's contract).
-        return [RealComm(self._wrap(c), d, r, len(devs), self._b.context_int(d))
+        return [CommHandle(RealComm(self._wrap(c), d, r, len(devs), self._b.context_int(d)))
                 for r, (c, d) in enumerate(zip(comms, devs))]
 
-    def comm_init_rank(self, device: int, nranks: int, unique_id: bytes, rank: int) -> Any:
+    def comm_init_rank(self, device: int, nranks: int, unique_id: bytes, rank: int) -> CommHandle:
         call = "ncclCommInitRank"
         uid = bytes(unique_id) if isinstance(unique_id, (bytes, bytearray, memoryview)) else None
         if uid is None or len(uid) != NCCL_UNIQUE_ID_SIZE:
@@ -209,25 +210,25 @@ class RealNccl(Nccl):
         self._b.set_context(d)
         # a writable 128-byte buffer: nccl4py reads it as the ncclUniqueId
         comm = self._call(call, None, self._nccl.comm_init_rank, n, bytearray(uid), r)
-        return RealComm(self._wrap(comm), d, r, n, self._b.context_int(d))
+        return CommHandle(RealComm(self._wrap(comm), d, r, n, self._b.context_int(d)))
 
-    def comm_finalize(self, comm: Any) -> None:
+    def comm_finalize(self, comm: CommHandle) -> None:
         c = self._comm(comm, "ncclCommFinalize")
         self._call("ncclCommFinalize", c.comm, self._nccl.comm_finalize, c.comm)
 
-    def comm_destroy(self, comm: Any) -> None:
+    def comm_destroy(self, comm: CommHandle) -> None:
         c = self._comm(comm, "ncclCommDestroy")
         self._call("ncclCommDestroy", c.comm, self._nccl.comm_destroy, c.comm)
         c.comm = None
 
-    def comm_abort(self, comm: Any) -> None:
+    def comm_abort(self, comm: CommHandle) -> None:
         c = self._comm(comm, "ncclCommAbort")
         try:
             self._call("ncclCommAbort", c.comm, self._nccl.comm_abort, c.comm)
         finally:
             c.comm = None  # an aborted communicator is gone, even when abort reported an error
 
-    def comm_async_error(self, comm: Any) -> int:
+    def comm_async_error(self, comm: CommHandle) -> int:
         if not isinstance(comm, RealComm) or comm.comm is None:
             return NCCL_INVALID_ARGUMENT
         try:
@@ -237,13 +238,13 @@ class RealNccl(Nccl):
         except Exception:
             return NCCL_INVALID_ARGUMENT
 
-    def comm_rank(self, comm: Any) -> int:
+    def comm_rank(self, comm: CommHandle) -> int:
         return self._comm(comm, "ncclCommUserRank").rank
 
-    def comm_count(self, comm: Any) -> int:
+    def comm_count(self, comm: CommHandle) -> int:
         return self._comm(comm, "ncclCommCount").nranks
 
-    def comm_device(self, comm: Any) -> int:
+    def comm_device(self, comm: CommHandle) -> int:
         return self._comm(comm, "ncclCommCuDevice").device
 
     # ------------------------------------------------------------------ groups
@@ -258,8 +259,8 @@ class RealNccl(Nccl):
             self._restore_context(saved)
 
     def group_call(self, call: int, count: int, dtype: int, op: int, root: int,
-                   sends: Sequence[int], recvs: Sequence[int], comms: Sequence[Any],
-                   streams: Sequence[Any]) -> None:
+                   sends: Sequence[int], recvs: Sequence[int], comms: Sequence[CommHandle],
+                   streams: Sequence[StreamHandle]) -> None:
         """:meth:`Nccl.group_call` in one C call where it is built (the whole group, the
         contexts set and put back, with the GIL released); else the per-rank Python calls.
 
@@ -302,7 +303,7 @@ class RealNccl(Nccl):
         if failure is not None:
             self._raise_group_failure(name, failure, comms)
 
-    def group_runner(self, comms: Sequence[Any]) -> GroupRunner:
+    def group_runner(self, comms: Sequence[CommHandle]) -> GroupRunner:
         """:meth:`Nccl.group_runner`: where the C group call is bound and every communicator
         is a live :class:`RealComm` with its addresses, each rank's context and
         ``ncclComm_t`` are read here, once, and ``run`` passes them to C with the per-call
@@ -320,7 +321,7 @@ class RealNccl(Nccl):
         raise_failure = self._raise_group_failure
 
         def run(call: int, count: int, dtype: int, op: int, root: int, sends: Sequence[int],
-                recvs: Sequence[int], streams: Sequence[Any]) -> None:
+                recvs: Sequence[int], streams: Sequence[StreamHandle]) -> None:
             for c in bound:  # (destroyed since: its address is stale, never pass it to NCCL)
                 if c.comm is None:
                     raise _invalid(NCCL_CALL_NAMES[call], f"{c!r} was destroyed or aborted")
@@ -332,85 +333,85 @@ class RealNccl(Nccl):
         return run
 
     def _raise_group_failure(self, name: str, failure: tuple[int, int, int],
-                             comms: Sequence[Any]) -> None:
+                             comms: Sequence[CommHandle]) -> None:
         """Raise what the per-rank calls would have raised for _ncclcall's ``failure``."""
         stage, rank, code = failure
         if stage in (_ncclcall.STAGE_SAVE_CONTEXT, _ncclcall.STAGE_SET_CONTEXT,
                      _ncclcall.STAGE_RESTORE_CONTEXT):
             call = "cuCtxGetCurrent" if stage == _ncclcall.STAGE_SAVE_CONTEXT else \
                 "cuCtxSetCurrent"
-            raise _error(code, call)
+            raise cuda_error(code, call)
         if stage == _ncclcall.STAGE_CALL:
-            raise self._error(name, comms[rank].comm, code)
+            raise self._error(name, getattr(comms[rank], "comm", None), code)
         call = "ncclGroupStart" if stage == _ncclcall.STAGE_GROUP_START else "ncclGroupEnd"
         raise self._error(call, None, code)
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: Any,
-                   stream: Any) -> None:
+    def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: CommHandle,
+                   stream: StreamHandle) -> None:
         call = "ncclAllReduce"
         c = self._ready(comm, call, count, dtype, op)
         self._call(call, c.comm, self._nccl.all_reduce, _ptr(send), _ptr(recv), count, dtype,
                    op, c.comm, self._b.handle_int(stream))
 
-    def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int, comm: Any,
-                  stream: Any) -> None:
+    def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int, comm: CommHandle,
+                  stream: StreamHandle) -> None:
         call = "ncclBroadcast"
         c = self._ready(comm, call, count, dtype, NCCL_SUM, root)
         self._call(call, c.comm, self._nccl.broadcast, _ptr(send), _ptr(recv), count, dtype,
                    root, c.comm, self._b.handle_int(stream))
 
     def reduce(self, send: int, recv: int, count: int, dtype: int, op: int, root: int,
-               comm: Any, stream: Any) -> None:
+               comm: CommHandle, stream: StreamHandle) -> None:
         call = "ncclReduce"
         c = self._ready(comm, call, count, dtype, op, root)
         self._call(call, c.comm, self._nccl.reduce, _ptr(send), _ptr(recv), count, dtype, op,
                    root, c.comm, self._b.handle_int(stream))
 
-    def all_gather(self, send: int, recv: int, send_count: int, dtype: int, comm: Any,
-                   stream: Any) -> None:
+    def all_gather(self, send: int, recv: int, send_count: int, dtype: int, comm: CommHandle,
+                   stream: StreamHandle) -> None:
         call = "ncclAllGather"
         c = self._ready(comm, call, send_count, dtype, NCCL_SUM)
         self._call(call, c.comm, self._nccl.all_gather, _ptr(send), _ptr(recv), send_count,
                    dtype, c.comm, self._b.handle_int(stream))
 
     def reduce_scatter(self, send: int, recv: int, recv_count: int, dtype: int, op: int,
-                       comm: Any, stream: Any) -> None:
+                       comm: CommHandle, stream: StreamHandle) -> None:
         call = "ncclReduceScatter"
         c = self._ready(comm, call, recv_count, dtype, op)
         self._call(call, c.comm, self._nccl.reduce_scatter, _ptr(send), _ptr(recv), recv_count,
                    dtype, op, c.comm, self._b.handle_int(stream))
 
-    def send(self, buffer: int, count: int, dtype: int, peer: int, comm: Any,
-             stream: Any) -> None:
+    def send(self, buffer: int, count: int, dtype: int, peer: int, comm: CommHandle,
+             stream: StreamHandle) -> None:
         call = "ncclSend"
         c = self._ready(comm, call, count, dtype, NCCL_SUM, peer=peer)
         self._call(call, c.comm, self._nccl.send, _ptr(buffer), count, dtype, peer, c.comm,
                    self._b.handle_int(stream))
 
-    def recv(self, buffer: int, count: int, dtype: int, peer: int, comm: Any,
-             stream: Any) -> None:
+    def recv(self, buffer: int, count: int, dtype: int, peer: int, comm: CommHandle,
+             stream: StreamHandle) -> None:
         call = "ncclRecv"
         c = self._ready(comm, call, count, dtype, NCCL_SUM, peer=peer)
         self._call(call, c.comm, self._nccl.recv, _ptr(buffer), count, dtype, peer, c.comm,
                    self._b.handle_int(stream))
 
     # ================================================================ internals
-    def _comm(self, comm: Any, call: str) -> RealComm:
+    def _comm(self, comm: CommHandle, call: str) -> RealComm:
         if not isinstance(comm, RealComm):
             raise _invalid(call, f"{comm!r} is not a communicator of this NCCL backend")
         if comm.comm is None:
             raise _invalid(call, f"{comm!r} was destroyed or aborted")
         return comm
 
-    def _ready(self, comm: Any, call: str, count: Any, dtype: Any, op: Any,
+    def _ready(self, comm: CommHandle, call: str, count: Any, dtype: Any, op: Any,
                root: Any = None, peer: Any = None) -> RealComm:
         """Check the cheap arguments, then make the communicator's device current."""
         c = self._checked(comm, call, count, dtype, op, root, peer)
         self._b.set_context(c.device)
         return c
 
-    def _checked(self, comm: Any, call: str, count: Any, dtype: Any, op: Any,
+    def _checked(self, comm: CommHandle, call: str, count: Any, dtype: Any, op: Any,
                  root: Any = None, peer: Any = None) -> RealComm:
         """The live communicator ``comm`` once the cheap arguments are checked."""
         if (type(comm) is RealComm and comm.comm is not None and type(count) is int
@@ -457,7 +458,7 @@ class RealNccl(Nccl):
         name = RESULT_NAMES.get(code, f"ncclResult({code})")
         return NcclError(f"{call}: {name} ({code}): {self.error_text(code, comm)}", code, name)
 
-    def error_text(self, code: int, comm: Any = None) -> str:
+    def error_text(self, code: int, comm: CommHandle | None = None) -> str:
         try:
             text = self._nccl.get_error_string(code)
         except Exception:
@@ -477,7 +478,7 @@ class RealNccl(Nccl):
         get = FAST.ctx_get_current
         if get is not None:  # from C: an int address (group_end's check, every collective)
             return get()
-        err, ctx = _cuCtxGetCurrent()
+        err, ctx = cuCtxGetCurrent()
         return ctx if not int(err) else None
 
     def _restore_context(self, ctx: Any) -> None:
@@ -488,9 +489,9 @@ class RealNccl(Nccl):
             if get() != ctx:
                 set_current(ctx)
             return
-        err, now = _cuCtxGetCurrent()
+        err, now = cuCtxGetCurrent()
         if not int(err) and int(now) != int(ctx):
-            _cuCtxSetCurrent(ctx)
+            cuCtxSetCurrent(ctx)
 
 
 def _invalid(call: str, detail: str) -> NcclError:

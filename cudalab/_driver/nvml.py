@@ -53,7 +53,7 @@ class NvmlUnavailableError(NvmlError):
         super().__init__(message)
         self.reason = reason
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.reason))
 
 

@@ -24,9 +24,10 @@ from cudalab._driver import base
 from cudalab._driver import cuda as C
 from cudalab._driver import cuda_api as A
 from cudalab._driver import cuda_memory as CM
+from cudalab._driver.fast_calls import C_TWINS
 from cudalab.errors import CudaError, DriverNotFoundError, OutOfMemoryError
 
-drv = C._drv
+drv = C.drv
 
 
 def _driver_present() -> bool:
@@ -68,10 +69,10 @@ def test_import_cudalab_does_not_import_the_backend():
 
 def test_check_returns_out_params():
     ok = drv.CUresult.CUDA_SUCCESS
-    assert C._check((ok,), "f") is None
-    assert C._check((ok, 5), "f") == 5
-    assert C._check((ok, 1, 2), "f") == (1, 2)
-    assert C._check((0, "x"), "f") == "x"
+    assert C.check((ok,), "f") is None
+    assert C.check((ok, 5), "f") == 5
+    assert C.check((ok, 1, 2), "f") == (1, 2)
+    assert C.check((0, "x"), "f") == "x"
 
 
 @pytest.fixture
@@ -90,7 +91,7 @@ def fake_error_text(monkeypatch):
 def test_check_raises_cuda_error_with_name_and_string(fake_error_text):
     err = drv.CUresult.CUDA_ERROR_INVALID_VALUE
     with pytest.raises(CudaError) as info:
-        C._check((err, None), "cuMemFree")
+        C.check((err, None), "cuMemFree")
     e = info.value
     assert not isinstance(e, OutOfMemoryError)
     assert (e.code, e.name, e.message, e.call) == (1, "CUDA_ERROR_FAKE_1", "fake description 1",
@@ -98,13 +99,13 @@ def test_check_raises_cuda_error_with_name_and_string(fake_error_text):
     assert str(e) == "cuMemFree: CUDA_ERROR_FAKE_1 (1): fake description 1"
     # plain ints work too, and the text is looked up once per code
     with pytest.raises(CudaError):
-        C._check((1,), "again")
+        C.check((1,), "again")
     assert fake_error_text == [1]
 
 
 def test_check_out_of_memory(fake_error_text):
     with pytest.raises(OutOfMemoryError) as info:
-        C._check((drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None), "cuMemAlloc")
+        C.check((drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None), "cuMemAlloc")
     e = info.value
     assert isinstance(e, CudaError)
     assert (e.code, e.name, e.call) == (2, "CUDA_ERROR_FAKE_2", "cuMemAlloc")
@@ -113,12 +114,12 @@ def test_check_out_of_memory(fake_error_text):
 
 def test_error_names_without_a_driver_fall_back_to_the_enum(monkeypatch):
     monkeypatch.setattr(A, "_ERROR_TEXT", {})
-    e = C._error(2, "cuMemAlloc")
+    e = C.cuda_error(2, "cuMemAlloc")
     assert isinstance(e, OutOfMemoryError)
     assert e.name == "CUDA_ERROR_OUT_OF_MEMORY"
-    e = C._error(600, "cuEventQuery")
+    e = C.cuda_error(600, "cuEventQuery")
     assert e.name == "CUDA_ERROR_NOT_READY"
-    e = C._error(987654, "x")  # not a CUresult at all
+    e = C.cuda_error(987654, "x")  # not a CUresult at all
     assert e.code == 987654 and "987654" in str(e)
 
 
@@ -143,7 +144,7 @@ def test_init_maps_loader_errors(monkeypatch, exc):
     def boom(flags):
         raise exc
 
-    monkeypatch.setattr(C, "_cuInit", boom)
+    monkeypatch.setattr(C, "cuInit", boom)
     with pytest.raises(DriverNotFoundError, match="no NVIDIA driver found"):
         C.CudaBackend().init()
 
@@ -154,7 +155,7 @@ def test_loader_error_message_is_one_short_sentence(monkeypatch):
     def boom(flags):
         raise loader
 
-    monkeypatch.setattr(C, "_cuInit", boom)
+    monkeypatch.setattr(C, "cuInit", boom)
     b = C.CudaBackend()
     with pytest.raises(DriverNotFoundError) as first:
         b.init()
@@ -168,8 +169,8 @@ def test_loader_error_message_is_one_short_sentence(monkeypatch):
 def test_init_no_device_means_zero_devices(monkeypatch):
     # A thread that never had a context (other tests on a GPU host leave one current here).
     monkeypatch.setattr(C._THREAD, "device", -1)
-    monkeypatch.setattr(C, "_cuInit", lambda flags: (drv.CUresult.CUDA_ERROR_NO_DEVICE,))
-    monkeypatch.setattr(C, "_cuDriverGetVersion", lambda: (drv.CUresult.CUDA_SUCCESS, 13000))
+    monkeypatch.setattr(C, "cuInit", lambda flags: (drv.CUresult.CUDA_ERROR_NO_DEVICE,))
+    monkeypatch.setattr(C, "cuDriverGetVersion", lambda: (drv.CUresult.CUDA_SUCCESS, 13000))
     b = C.CudaBackend()
     b.init()
     b.init()
@@ -190,10 +191,10 @@ class FakeDriver:
         self.current = {}  # thread id -> ctx int
         self.set_calls = []
         self.retains = []
-        monkeypatch.setattr(C, "_cuInit", lambda flags: (ok,))
-        monkeypatch.setattr(C, "_cuDriverGetVersion", lambda: (ok, 13000))
-        monkeypatch.setattr(C, "_cuDeviceGetCount", lambda: (ok, count))
-        monkeypatch.setattr(C, "_cuDeviceGet", lambda i: (ok, drv.CUdevice(i)))
+        monkeypatch.setattr(C, "cuInit", lambda flags: (ok,))
+        monkeypatch.setattr(C, "cuDriverGetVersion", lambda: (ok, 13000))
+        monkeypatch.setattr(C, "cuDeviceGetCount", lambda: (ok, count))
+        monkeypatch.setattr(C, "cuDeviceGet", lambda i: (ok, drv.CUdevice(i)))
 
         def retain(dev):
             self.retains.append(int(dev))
@@ -207,16 +208,17 @@ class FakeDriver:
         def get_current():
             return ok, drv.CUcontext(self.current.get(threading.get_ident(), 0))
 
-        monkeypatch.setattr(C, "_cuDevicePrimaryCtxRetain", retain)
-        monkeypatch.setattr(C, "_cuCtxSetCurrent", set_current)
-        monkeypatch.setattr(C, "_cuCtxGetCurrent", get_current)
+        monkeypatch.setattr(C, "cuDevicePrimaryCtxRetain", retain)
+        monkeypatch.setattr(C, "cuCtxSetCurrent", set_current)
+        monkeypatch.setattr(C, "cuCtxGetCurrent", get_current)
         # the C twins (bound when a real backend initialised earlier in this process) would
         # call the real driver with these fake contexts: the bindings' names only
-        for name in C.FAST.__slots__:
+        for name in C_TWINS:
             monkeypatch.setattr(C.FAST, name, None)
+        monkeypatch.setattr(C.FAST, "event_record", A.cuEventRecord)
         monkeypatch.setattr(C, "_bind_fastcall", lambda driver_version: None)
-        monkeypatch.setattr(CM, "_cuMemAlloc", lambda n: (ok, drv.CUdeviceptr(0x7000_0000 + n)))
-        monkeypatch.setattr(CM, "_cuMemHostAlloc", lambda n, f: (ok, 0x5000))
+        monkeypatch.setattr(CM, "cuMemAlloc", lambda n: (ok, drv.CUdeviceptr(0x7000_0000 + n)))
+        monkeypatch.setattr(CM, "cuMemHostAlloc", lambda n, f: (ok, 0x5000))
         monkeypatch.setattr(C, "_THREAD", C._ThreadState())
 
 
@@ -277,7 +279,7 @@ def test_resync_context(monkeypatch):
 def test_query_semantics(monkeypatch, fake_error_text):
     R = drv.CUresult
     b = C.CudaBackend()
-    for name, method in (("_cuEventQuery", b.event_query), ("_cuStreamQuery", b.stream_query)):
+    for name, method in (("cuEventQuery", b.event_query), ("cuStreamQuery", b.stream_query)):
         monkeypatch.setattr(C, name, lambda h: (R.CUDA_SUCCESS,))
         assert method(object()) is True
         monkeypatch.setattr(C, name, lambda h: (R.CUDA_ERROR_NOT_READY,))
@@ -291,9 +293,9 @@ def test_query_semantics(monkeypatch, fake_error_text):
 def test_priority_clamping(monkeypatch):
     FakeDriver(monkeypatch)
     ok = drv.CUresult.CUDA_SUCCESS
-    monkeypatch.setattr(C, "_cuCtxGetStreamPriorityRange", lambda: (ok, 0, -5))
+    monkeypatch.setattr(C, "cuCtxGetStreamPriorityRange", lambda: (ok, 0, -5))
     made = []
-    monkeypatch.setattr(C, "_cuStreamCreateWithPriority",
+    monkeypatch.setattr(C, "cuStreamCreateWithPriority",
                         lambda flags, prio: (made.append((flags, prio)) or (ok, drv.CUstream(7))))
     b = C.CudaBackend()
     assert b.stream_priority_range(0) == (0, -5)
@@ -306,10 +308,10 @@ def test_peer_access_already_enabled_is_benign(monkeypatch):
     FakeDriver(monkeypatch)
     R = drv.CUresult
     b = C.CudaBackend()
-    monkeypatch.setattr(C, "_cuCtxEnablePeerAccess",
+    monkeypatch.setattr(C, "cuCtxEnablePeerAccess",
                         lambda ctx, flags: (R.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,))
     b.enable_peer_access(0, 1)
-    monkeypatch.setattr(C, "_cuCtxEnablePeerAccess",
+    monkeypatch.setattr(C, "cuCtxEnablePeerAccess",
                         lambda ctx, flags: (R.CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,))
     with pytest.raises(CudaError):
         b.enable_peer_access(0, 1)
@@ -322,13 +324,13 @@ def test_pointer_device_paths(monkeypatch):
     memtype = {0x100: 2, 0x200: 1}  # device memory, pinned host memory; others unknown
 
     def get_attr(attr, ptr):
-        if attr == A._PA_MEMORY_TYPE:
+        if attr == A.POINTER_ATTRIBUTE_MEMORY_TYPE:
             if ptr in memtype:
                 return R.CUDA_SUCCESS, memtype[ptr]
             return R.CUDA_ERROR_INVALID_VALUE, None
         return R.CUDA_SUCCESS, 1
 
-    monkeypatch.setattr(CM, "_cuPointerGetAttribute", get_attr)
+    monkeypatch.setattr(CM, "cuPointerGetAttribute", get_attr)
     monkeypatch.setattr(CM, "_libcuda_fn", False)  # bindings fallback for the ordinal
     assert b.pointer_device(0x100) == 1
     assert b.pointer_device(0x200) is None
@@ -336,7 +338,7 @@ def test_pointer_device_paths(monkeypatch):
     assert b.pointer_device(0) is None
     monkeypatch.setattr(CM, "_pointer_device_ordinal", lambda ptr: (0, 3))
     assert b.pointer_device(0x100) == 3
-    monkeypatch.setattr(CM, "_cuPointerGetAttribute", lambda a, p: (R.CUDA_ERROR_INVALID_CONTEXT, None))
+    monkeypatch.setattr(CM, "cuPointerGetAttribute", lambda a, p: (R.CUDA_ERROR_INVALID_CONTEXT, None))
     with pytest.raises(CudaError):
         b.pointer_device(0x100)
 
@@ -484,7 +486,7 @@ def test_every_call_passes_argument_conversion(monkeypatch):
         ("memset_d32_async", "", 0, lambda: b.memset_d32_async(0, ptr, 0xDEADBEEF, 16, s)),
         ("pointer_device", "", 0, lambda: b.pointer_device(ptr)),
         ("pointer_device", "bindings fallback", 0,
-         lambda: A._cuPointerGetAttribute(A._PA_DEVICE_ORDINAL, ptr)),
+         lambda: A.cuPointerGetAttribute(A.POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)),
         ("stream_create", "", 0, lambda: b.stream_create(0, base.STREAM_NON_BLOCKING, -3)),
         ("stream_from_int", "wrapped handle", 0, lambda: b.stream_query(b.stream_from_int(0, 0x1234))),
         ("stream_from_int", "per-thread stream", 0, lambda: b.stream_query(b.stream_from_int(0, 2))),
@@ -520,32 +522,32 @@ def test_every_call_passes_argument_conversion(monkeypatch):
         ("device_info", "", 0, lambda: b.device_info(0)),
         # the other calls device_info makes (it stops at the first loader error)
         ("device_info", "cuDeviceGetAttribute", 0,
-         lambda: A._cuDeviceGetAttribute(A._DA.CU_DEVICE_ATTRIBUTE_WARP_SIZE, b._devices[0])),
-        ("device_info", "cuDeviceTotalMem", 0, lambda: A._cuDeviceTotalMem(b._devices[0])),
-        ("device_info", "cuDeviceGetUuid", 0, lambda: A._cuDeviceGetUuid(b._devices[0])),
-        ("device_info", "cuDeviceGetPCIBusId", 0, lambda: A._cuDeviceGetPCIBusId(64, b._devices[0])),
+         lambda: A.cuDeviceGetAttribute(A.DeviceAttribute.CU_DEVICE_ATTRIBUTE_WARP_SIZE, b._devices[0])),
+        ("device_info", "cuDeviceTotalMem", 0, lambda: A.cuDeviceTotalMem(b._devices[0])),
+        ("device_info", "cuDeviceGetUuid", 0, lambda: A.cuDeviceGetUuid(b._devices[0])),
+        ("device_info", "cuDeviceGetPCIBusId", 0, lambda: A.cuDeviceGetPCIBusId(64, b._devices[0])),
         ("vmm_granularity", "", 0, lambda: b.vmm_granularity(0)),
         ("vmm_reserve", "", 0, lambda: b.vmm_reserve(0, 1 << 30)),
         ("vmm_free_address", "", 0, lambda: b.vmm_free_address(ptr, 1 << 30)),
         ("vmm_create", "", 0, lambda: b.vmm_create(0, 2 << 20)),
         ("vmm_release", "", 0, lambda: b.vmm_release(drv.CUmemGenericAllocationHandle(0x77))),
         ("vmm_map", "", 0, lambda: b.vmm_map(0, ptr, 2 << 20, drv.CUmemGenericAllocationHandle(0x77))),
-        ("vmm_map", "cuMemSetAccess", 0, lambda: A._cuMemSetAccess(ptr, 2 << 20, [access_desc], 1)),
+        ("vmm_map", "cuMemSetAccess", 0, lambda: A.cuMemSetAccess(ptr, 2 << 20, [access_desc], 1)),
         ("vmm_unmap", "", 0, lambda: b.vmm_unmap(ptr, 2 << 20)),
         ("pool_create", "", 0, lambda: b.pool_create(0)),
-        ("pool_create", "release threshold", 0, lambda: A._cuMemPoolSetAttribute(
-            pool, A._MPA.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, drv.cuuint64_t(2**64 - 1))),
+        ("pool_create", "release threshold", 0, lambda: A.cuMemPoolSetAttribute(
+            pool, A.MemPoolAttribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, drv.cuuint64_t(2**64 - 1))),
         ("pool_destroy", "", 0, lambda: b.pool_destroy(pool)),
         ("pool_alloc_async", "", 0, lambda: b.pool_alloc_async(pool, 1 << 20, s)),
         ("pool_usage", "", 0, lambda: b.pool_usage(pool)),
         ("pool_reset_high", "", 0, lambda: b.pool_reset_high(pool)),
         ("pool_trim", "", 0, lambda: b.pool_trim(pool, 0)),
-        ("init", "cuDriverGetVersion", 0, lambda: A._cuDriverGetVersion()),
-        ("init", "cuDeviceGetCount", 0, lambda: A._cuDeviceGetCount()),
-        ("init", "cuDeviceGet", 0, lambda: A._cuDeviceGet(0)),
-        ("init", "cuDevicePrimaryCtxRetain", 0, lambda: A._cuDevicePrimaryCtxRetain(b._devices[0])),
-        ("init", "cuGetErrorName", 0, lambda: A._cuGetErrorName(drv.CUresult(2))),
-        ("init", "cuGetErrorString", 0, lambda: A._cuGetErrorString(drv.CUresult(2))),
+        ("init", "cuDriverGetVersion", 0, lambda: A.cuDriverGetVersion()),
+        ("init", "cuDeviceGetCount", 0, lambda: A.cuDeviceGetCount()),
+        ("init", "cuDeviceGet", 0, lambda: A.cuDeviceGet(0)),
+        ("init", "cuDevicePrimaryCtxRetain", 0, lambda: A.cuDevicePrimaryCtxRetain(b._devices[0])),
+        ("init", "cuGetErrorName", 0, lambda: A.cuGetErrorName(drv.CUresult(2))),
+        ("init", "cuGetErrorString", 0, lambda: A.cuGetErrorString(drv.CUresult(2))),
     ]
     interface = set(base.Backend.__abstractmethods__) | {
         m for m in vars(base.Backend) if m.startswith(("vmm_", "pool_"))}

@@ -820,7 +820,7 @@ def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypa
     """When the end of repeat k - lag is not done, the check waits for it and runs again
     after the next repeat; while the GPU keeps up it runs only every MAX_STRIDE repeats."""
     from cudalab import devices
-    from cudalab._driver.base import STATUS_NOT_READY, FastPaths
+    from cudalab._driver.base import STATUS_NOT_READY, FastCalls
     from cudalab.magics.event_timer import _EventTimer
 
     c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass", 64, 640)
@@ -832,7 +832,7 @@ def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypa
     per_wait = _EventTimer.MAX_STRIDE.bit_length()
     assert 0 < c.get("event_query", 0) <= waits * per_wait + 1.5 / _EventTimer.MAX_STRIDE, c
     fast = devices._fast
-    monkeypatch.setattr(devices, "_fast", FastPaths(
+    monkeypatch.setattr(devices, "_fast", FastCalls(
         fast.event_record, lambda h: (STATUS_NOT_READY,), fast.stream_query,
         fast.event_elapsed_time))
     c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass")
@@ -847,7 +847,7 @@ def test_elapsed_times_read_by_handle_fall_back_to_the_checked_call(ip, monkeypa
     makes it read every time again through the backend's checked call, which either gives
     the same times or raises the driver's error (never a time of 0)."""
     from cudalab import devices
-    from cudalab._driver.base import FastPaths
+    from cudalab._driver.base import FastCalls
     from cudalab.errors import CudaError
 
     fast = devices._fast
@@ -857,7 +857,7 @@ def test_elapsed_times_read_by_handle_fall_back_to_the_checked_call(ip, monkeypa
         seen.append(1)
         return (700, 0.0)
 
-    monkeypatch.setattr(devices, "_fast", FastPaths(
+    monkeypatch.setattr(devices, "_fast", FastCalls(
         fast.event_record, fast.event_query, fast.stream_query, failing))
     res = timed(ip, "%%cuda_timed -n 1 -r 4 -w 0\ncudalab.synchronize()")
     assert len(seen) == 4 and len(res.gpu_times[0]) == 4
@@ -877,7 +877,7 @@ def test_in_flight_lag_grows_only_while_the_waits_are_short(ip, monkeypatch):
     """A wait on repeat k - lag that returns within the GPU's latency means nothing was
     behind: the lag doubles up to MAX_LAG. Longer waits keep two repeats in flight."""
     from cudalab import devices
-    from cudalab._driver.base import STATUS_NOT_READY, FastPaths
+    from cudalab._driver.base import STATUS_NOT_READY, FastCalls
     from cudalab.magics import event_timer as T
 
     timers = []
@@ -889,7 +889,7 @@ def test_in_flight_lag_grows_only_while_the_waits_are_short(ip, monkeypatch):
 
     monkeypatch.setattr(T._EventTimer, "__init__", spy)
     fast = devices._fast
-    monkeypatch.setattr(devices, "_fast", FastPaths(
+    monkeypatch.setattr(devices, "_fast", FastCalls(
         fast.event_record, lambda h: (STATUS_NOT_READY,), fast.stream_query,
         fast.event_elapsed_time))
     res = timed(ip, "%%cuda_timed -n 1 -w 0 -r 200\npass")
@@ -951,7 +951,7 @@ def test_watch_waits_only_when_the_end_is_not_reached(ip, driver_calls, monkeypa
     """The first read of the GPU time finds the end event not reached: the watch waits for
     it (watch_sync) and reads again, or prints "GPU running" without watch_sync."""
     from cudalab import devices
-    from cudalab._driver.base import STATUS_NOT_READY, FastPaths
+    from cudalab._driver.base import STATUS_NOT_READY, FastCalls
 
     fast = devices._fast
     first = []
@@ -963,7 +963,7 @@ def test_watch_waits_only_when_the_end_is_not_reached(ip, driver_calls, monkeypa
         return fast.event_elapsed_time(a, b)
 
     run(ip, "%cuda_memory watch on")
-    monkeypatch.setattr(devices, "_fast", FastPaths(
+    monkeypatch.setattr(devices, "_fast", FastCalls(
         fast.event_record, fast.event_query, fast.stream_query, late))
     driver_calls.clear()
     for _ in range(4):

@@ -28,7 +28,7 @@ class _Nvml:
             raise NvmlError("NVML is not available")
         return list(NVML_UUIDS)
 
-C._cuInit = _no_libcuda
+C.cuInit = _no_libcuda
 C.CudaBackend.nvml = lambda self: _Nvml()
 """
 

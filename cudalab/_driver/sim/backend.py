@@ -14,7 +14,7 @@ from cudalab._driver.sim.config import SimulatorConfig
 from cudalab._driver.sim.core import invalid_device
 from cudalab._driver.sim.events import SimEvents
 from cudalab._driver.sim.graphs import SimGraphs
-from cudalab._driver.sim.handles import _Event, _Function, _Module, _Stream
+from cudalab._driver.sim.handles import SimEvent, SimFunction, SimModule, SimStream
 from cudalab._driver.sim.kernels import SimKernels
 from cudalab._driver.sim.memory import SimMemory
 from cudalab._driver.sim.nvml import SimulatedNvml
@@ -98,7 +98,7 @@ class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels, Sim
         return dev.info
 
     def handle_int(self, handle: Any) -> int:
-        if isinstance(handle, (_Stream, _Event, _Module, _Function)):
+        if isinstance(handle, (SimStream, SimEvent, SimModule, SimFunction)):
             return handle.handle
         return 0 if handle is None else int(handle)
 

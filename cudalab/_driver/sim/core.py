@@ -21,9 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from cudalab._driver.base import STREAM_DEFAULT, Backend, ClosedHandle
+from cudalab._driver.handles import EventHandle, StreamHandle
 from cudalab._driver.sim.config import SimulatorConfig, device_uuid
-from cudalab._driver.sim.handles import _Event, _Stream
-from cudalab._driver.sim.heap import _Device, _Pool, _VmmRange
+from cudalab._driver.sim.handles import SimEvent, SimStream
+from cudalab._driver.sim.heap import SimDevice, SimPool, SimVmmRange
 from cudalab.errors import CudaError, OutOfMemoryError
 
 #: The simulator's clock (events, NVML activity): host nanoseconds.
@@ -75,11 +76,11 @@ class SimulatorCore(Backend):
         self._n_total = cfg.device_count
         self._capacity = cfg.memory
         #: Visible devices, by CUDA ordinal; ``_by_physical`` maps back from NVML's indices.
-        self._devs = [_Device(i, phys, self._capacity) for i, phys in enumerate(cfg.visible())]
+        self._devs = [SimDevice(i, phys, self._capacity) for i, phys in enumerate(cfg.visible())]
         self._by_physical = {dev.physical: dev for dev in self._devs}
         self._uuids = [device_uuid(i) for i in range(self._n_total)]
         for dev in self._devs:
-            dev.null = _Stream(self, dev.ordinal, 0, STREAM_DEFAULT, 0, null=True)
+            dev.null = SimStream(self, dev.ordinal, 0, STREAM_DEFAULT, 0, null=True)
         self._initialized = False
         self._tls = threading.local()
         # Memory bookkeeping: one re-entrant lock; a free re-entering from a finalizer while
@@ -94,17 +95,17 @@ class SimulatorCore(Backend):
         self._host_graveyard: list[mmap.mmap] = []
         # Virtual memory reservations by start address (_vmm_starts sorted), and the
         # stream-ordered pools' live allocations and chunks by device address.
-        self._vmm_ranges: dict[int, _VmmRange] = {}
+        self._vmm_ranges: dict[int, SimVmmRange] = {}
         self._vmm_starts: list[int] = []
-        self._pool_ptrs: dict[int, _Pool] = {}
-        self._pool_chunks: dict[int, _Pool] = {}
+        self._pool_ptrs: dict[int, SimPool] = {}
+        self._pool_chunks: dict[int, SimPool] = {}
         # Streams with queued operations (empty: every stream idle, the fast paths run work
         # at once), and a counter bumped whenever an event completes.
-        self._pending: set[_Stream] = set()
-        self._stream_handles: weakref.WeakValueDictionary[int, _Stream] = \
+        self._pending: set[SimStream] = set()
+        self._stream_handles: weakref.WeakValueDictionary[int, SimStream] = \
             weakref.WeakValueDictionary()
         self._record_seq = 0
-        self._ipc_events: dict[int, _Event] = {}
+        self._ipc_events: dict[int, SimEvent] = {}
         # Stream captures running now, by capture id (empty: nothing captures, and the calls
         # a capture may refuse check nothing else).
         self._captures: dict[int, Any] = {}
@@ -155,8 +156,8 @@ class SimulatorCore(Backend):
             raise ValueError(f"{call}: fill value {v} does not fit in {bits} bits")
         return v & ((1 << bits) - 1)
 
-    def _stream(self, stream: Any, call: str, allow_destroyed: bool = False) -> _Stream:
-        if type(stream) is _Stream and stream.backend is self:
+    def _stream(self, stream: StreamHandle, call: str, allow_destroyed: bool = False) -> SimStream:
+        if type(stream) is SimStream and stream.backend is self:
             if stream.destroyed and not (allow_destroyed and stream.queue):
                 raise invalid_handle(call, "the stream was destroyed")
             return stream
@@ -170,12 +171,12 @@ class SimulatorCore(Backend):
             raise stream.error()
         raise invalid_handle(call, f"{stream!r} is not a stream of this simulator")
 
-    def _event_handle(self, event: Any, call: str) -> _Event:
-        if type(event) is _Event and event.backend is self and not event.destroyed:
+    def _event_handle(self, event: EventHandle, call: str) -> SimEvent:
+        if type(event) is SimEvent and event.backend is self and not event.destroyed:
             return event
         raise invalid_handle(call, f"{event!r} is not a live event of this simulator")
 
-    def _event(self, event: Any, call: str) -> _Event:
+    def _event(self, event: EventHandle, call: str) -> SimEvent:
         ev = self._event_handle(event, call)
         return ev.target if ev.target is not None else ev
 
@@ -183,7 +184,7 @@ class SimulatorCore(Backend):
     # Declared here so that each mixin is typed against the whole backend; each is defined
     # in the module named in its docstring.
     @abc.abstractmethod
-    def _submit(self, s: _Stream, fn: Callable[..., Any], args: tuple) -> None:
+    def _submit(self, s: SimStream, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Run ``fn(*args)`` in ``s``'s order (:mod:`.streams`)."""
 
     @abc.abstractmethod
@@ -191,36 +192,36 @@ class SimulatorCore(Backend):
         """Run every stream's runnable work (:mod:`.streams`)."""
 
     @abc.abstractmethod
-    def _sync_stream(self, s: _Stream) -> None:
+    def _sync_stream(self, s: SimStream) -> None:
         """Wait until ``s`` is idle, or raise if it never can be (:mod:`.streams`)."""
 
     @abc.abstractmethod
-    def _sync_op(self, d: int, fn: Callable[..., Any], args: tuple) -> None:
+    def _sync_op(self, d: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """A synchronous operation on device ``d``'s legacy stream (:mod:`.streams`)."""
 
     @abc.abstractmethod
-    def _stuck_reason(self, s: _Stream, seen: set | None = None) -> str | None:
+    def _stuck_reason(self, s: SimStream, seen: set[Any] | None = None) -> str | None:
         """Why ``s`` can never drain, or None (:mod:`.streams`)."""
 
     @abc.abstractmethod
-    def _record_op(self, ev: _Event, epoch: int) -> None:
+    def _record_op(self, ev: SimEvent, epoch: int) -> None:
         """The stream operation completing an event record (:mod:`.streams`)."""
 
     @abc.abstractmethod
-    def _capture_op(self, cap: Any, s: _Stream, fn: Callable[..., Any], args: tuple) -> None:
+    def _capture_op(self, cap: Any, s: SimStream, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Record an operation submitted to a capturing stream (:mod:`.graphs`)."""
 
     @abc.abstractmethod
-    def _capture_wait(self, s: _Stream, ev: _Event, call: str) -> bool:
+    def _capture_wait(self, s: SimStream, ev: SimEvent, call: str) -> bool:
         """A stream wait that involves a capture; True when handled (:mod:`.graphs`)."""
 
     @abc.abstractmethod
-    def _refuse_in_capture(self, call: str, s: _Stream | None = None,
-                           ev: _Event | None = None, device: int | None = None) -> None:
+    def _refuse_in_capture(self, call: str, s: SimStream | None = None,
+                           ev: SimEvent | None = None, device: int | None = None) -> None:
         """Raise when a running capture forbids ``call`` (:mod:`.graphs`)."""
 
     @abc.abstractmethod
-    def _refuse_pageable_copy(self, s: _Stream, dst: int, src: int, call: str) -> None:
+    def _refuse_pageable_copy(self, s: SimStream, dst: int, src: int, call: str) -> None:
         """Refuse a captured copy touching pageable host memory (:mod:`.graphs`)."""
 
     @abc.abstractmethod
@@ -228,7 +229,7 @@ class SimulatorCore(Backend):
         """Hold the memory lock for a bookkeeping update (:mod:`.memory`)."""
 
     @abc.abstractmethod
-    def _map(self, dev: _Device, call: str) -> None:
+    def _map(self, dev: SimDevice, call: str) -> None:
         """Create ``dev``'s memory mapping (:mod:`.memory`)."""
 
     @abc.abstractmethod
@@ -240,5 +241,5 @@ class SimulatorCore(Backend):
         """(host address, device) of mapped virtual memory (:mod:`.vmm`)."""
 
     @abc.abstractmethod
-    def _pool_free_locked(self, pool: _Pool, p: int, call: str, from_async: bool) -> None:
+    def _pool_free_locked(self, pool: SimPool, p: int, call: str, from_async: bool) -> None:
         """Return a pool allocation to its pool (:mod:`.vmm`)."""

@@ -13,7 +13,6 @@ import operator
 import os
 import struct
 import time
-from typing import Any
 
 from cudalab._driver.base import (
     EVENT_BLOCKING_SYNC,
@@ -21,8 +20,9 @@ from cudalab._driver.base import (
     EVENT_INTERPROCESS,
     IPC_HANDLE_SIZE,
 )
+from cudalab._driver.handles import EventHandle, StreamHandle
 from cudalab._driver.sim.core import SimulatorCore, invalid_handle, invalid_value
-from cudalab._driver.sim.handles import _Event, next_handle
+from cudalab._driver.sim.handles import SimEvent, next_handle
 from cudalab.errors import CudaError
 
 #: Layout of a simulated IPC event handle: magic, version, flags, pid, event id; zero-padded
@@ -38,7 +38,7 @@ class SimEvents(SimulatorCore):
     """Events (timing, cross-stream waits' targets) and IPC events of the simulator."""
 
     # ------------------------------------------------------------ events
-    def event_create(self, device: int, flags: int = EVENT_DISABLE_TIMING) -> Any:
+    def event_create(self, device: int, flags: int = EVENT_DISABLE_TIMING) -> EventHandle:
         call = "cuEventCreate"
         d = self._device(device, call)
         f = operator.index(flags)
@@ -46,21 +46,21 @@ class SimEvents(SimulatorCore):
             raise invalid_value(call, f"unknown event flags {f}")
         if f & EVENT_INTERPROCESS and not f & EVENT_DISABLE_TIMING:
             raise invalid_value(call, "EVENT_INTERPROCESS requires EVENT_DISABLE_TIMING")
-        ev = _Event(self, d, next_handle(), f)
+        ev = SimEvent(self, d, next_handle(), f)
         if f & EVENT_INTERPROCESS:
             eid = next(_ipc_ids)
             ev.ipc_key = (os.getpid(), eid)
             self._ipc_events[eid] = ev
         self._devs[d].touched = True
-        return ev
+        return EventHandle(ev)
 
-    def event_destroy(self, event: Any) -> None:
+    def event_destroy(self, event: EventHandle) -> None:
         ev = self._event_handle(event, "cuEventDestroy")
         ev.destroyed = True
         if ev.ipc_key is not None and ev.target is None:
             self._ipc_events.pop(ev.ipc_key[1], None)
 
-    def event_record(self, event: Any, stream: Any) -> None:
+    def event_record(self, event: EventHandle, stream: StreamHandle) -> None:
         call = "cuEventRecord"
         ev = self._event(event, call)
         s = self._stream(stream, call)
@@ -70,7 +70,7 @@ class SimEvents(SimulatorCore):
         ev.rec_stream = s
         self._submit(s, self._record_op, (ev, epoch))
 
-    def event_query(self, event: Any) -> bool:
+    def event_query(self, event: EventHandle) -> bool:
         ev = self._event(event, "cuEventQuery")
         if self._captures:
             self._refuse_in_capture("cuEventQuery", ev=ev)
@@ -80,7 +80,7 @@ class SimEvents(SimulatorCore):
             self._pump()
         return ev.done >= ev.epoch
 
-    def event_synchronize(self, event: Any) -> None:
+    def event_synchronize(self, event: EventHandle) -> None:
         """Wait until the event completes; RuntimeError if it is pending on a paused stream."""
         ev = self._event(event, "cuEventSynchronize")
         if self._captures:
@@ -98,7 +98,7 @@ class SimEvents(SimulatorCore):
             time.sleep(delay)
             delay = min(delay * 2, 5e-3)
 
-    def event_elapsed_time(self, start: Any, end: Any) -> float:
+    def event_elapsed_time(self, start: EventHandle, end: EventHandle) -> float:
         call = "cuEventElapsedTime"
         a = self._event(start, call)
         b = self._event(end, call)
@@ -113,7 +113,7 @@ class SimEvents(SimulatorCore):
             raise CudaError(600, "CUDA_ERROR_NOT_READY", "device not ready", call=call)
         return (b.ts - a.ts) / 1e6
 
-    def ipc_event_handle(self, event: Any) -> bytes:
+    def ipc_event_handle(self, event: EventHandle) -> bytes:
         call = "cuIpcGetEventHandle"
         ev = self._event_handle(event, call)
         if ev.ipc_key is None or not ev.flags & EVENT_INTERPROCESS:
@@ -122,7 +122,7 @@ class SimEvents(SimulatorCore):
         raw = _IPC_STRUCT.pack(_IPC_MAGIC, _IPC_VERSION, ev.flags, pid, eid)
         return raw + bytes(IPC_HANDLE_SIZE - len(raw))
 
-    def ipc_open_event(self, device: int, handle: bytes) -> Any:
+    def ipc_open_event(self, device: int, handle: bytes) -> EventHandle:
         """Open an event exported by :meth:`ipc_event_handle`.
 
         From another process the event always reports complete (its queue is not visible
@@ -138,7 +138,7 @@ class SimEvents(SimulatorCore):
         magic, version, _flags, pid, eid = _IPC_STRUCT.unpack_from(data)
         if magic != _IPC_MAGIC or version != _IPC_VERSION or any(data[_IPC_STRUCT.size:]):
             raise invalid_value(call, "not an IPC event handle of the cudalab simulator")
-        ev = _Event(self, d, next_handle(), EVENT_INTERPROCESS | EVENT_DISABLE_TIMING)
+        ev = SimEvent(self, d, next_handle(), EVENT_INTERPROCESS | EVENT_DISABLE_TIMING)
         ev.ipc_key = (pid, eid)
         if pid == os.getpid():
             target = self._ipc_events.get(eid)
@@ -146,5 +146,5 @@ class SimEvents(SimulatorCore):
                 ev.target = target
                 ev.device = target.device
         self._devs[d].touched = True
-        return ev
+        return EventHandle(ev)
 

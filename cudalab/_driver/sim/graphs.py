@@ -44,8 +44,9 @@ from cudalab._driver.base import (
     GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH,
     GRAPH_INSTANTIATE_USE_NODE_PRIORITY,
 )
+from cudalab._driver.handles import GraphExecHandle, GraphHandle, OpaqueHandle, StreamHandle
 from cudalab._driver.sim.core import SimulatorCore, invalid_handle, invalid_value
-from cudalab._driver.sim.handles import _Event, _Stream, next_handle
+from cudalab._driver.sim.handles import SimEvent, SimStream, next_handle
 from cudalab._driver.sim.heap import FAKE_BASE
 from cudalab.errors import CudaError, StreamCaptureError
 
@@ -97,16 +98,16 @@ class _Capture:
     __slots__ = ("id", "mode", "origin", "thread", "ops", "streams", "status", "tails",
                  "joined", "ended", "reason")
 
-    def __init__(self, origin: _Stream, mode: int):
+    def __init__(self, origin: SimStream, mode: int):
         self.id = next(_capture_ids)
         self.mode = mode
         self.origin = origin
         self.thread = threading.get_ident()
-        self.ops: list[tuple[str, Any, tuple]] = []
-        self.streams: list[_Stream] = [origin]
+        self.ops: list[tuple[str, Any, tuple[Any, ...]]] = []
+        self.streams: list[SimStream] = [origin]
         self.status = CAPTURE_STATUS_ACTIVE
-        self.tails: dict[_Stream, int] = {}
-        self.joined: dict[_Stream, int] = {}
+        self.tails: dict[SimStream, int] = {}
+        self.joined: dict[SimStream, int] = {}
         self.ended = False
         self.reason = ""  # what invalidated it
 
@@ -116,12 +117,12 @@ class _Capture:
             self.reason = reason
 
 
-class _Graph:
+class _Graph(OpaqueHandle):
     """A captured graph: its operations, in capture order."""
 
     __slots__ = ("handle", "device", "ops", "capture_id", "destroyed")
 
-    def __init__(self, device: int, ops: list, capture_id: int):
+    def __init__(self, device: int, ops: list[Any], capture_id: int):
         self.handle = next_handle()
         self.device = device
         self.ops = ops
@@ -136,7 +137,7 @@ class _Graph:
                 f"{len(self.ops)} nodes>")
 
 
-class _GraphExec:
+class _GraphExec(OpaqueHandle):
     """An executable graph: a copy of its graph's operations."""
 
     __slots__ = ("handle", "device", "ops", "destroyed")
@@ -158,7 +159,7 @@ class SimGraphs(SimulatorCore):
     """Stream capture and graphs of the simulator (see the module docstring)."""
 
     # ------------------------------------------------------------ capture
-    def stream_begin_capture(self, stream: Any, mode: int = CAPTURE_MODE_GLOBAL) -> None:
+    def stream_begin_capture(self, stream: StreamHandle, mode: int = CAPTURE_MODE_GLOBAL) -> None:
         call = "cuStreamBeginCapture"
         s = self._stream(stream, call)
         m = self._capture_mode(mode, call)
@@ -171,7 +172,7 @@ class SimGraphs(SimulatorCore):
         s.capture = cap
         self._captures[cap.id] = cap
 
-    def stream_end_capture(self, stream: Any) -> Any:
+    def stream_end_capture(self, stream: StreamHandle) -> GraphHandle:
         call = "cuStreamEndCapture"
         s = self._stream(stream, call)
         cap = s.capture
@@ -188,13 +189,13 @@ class SimGraphs(SimulatorCore):
         unjoined = [t for t in cap.streams[1:] if cap.tails.get(t, 0) > cap.joined.get(t, 0)]
         if unjoined:
             raise capture_error(904, call, f"{unjoined[0]!r} was not joined back")
-        return _Graph(s.device, list(cap.ops), cap.id)
+        return GraphHandle(_Graph(s.device, list(cap.ops), cap.id))
 
-    def stream_capture_info(self, stream: Any) -> tuple[int, int]:
+    def stream_capture_info(self, stream: StreamHandle) -> tuple[int, int]:
         cap = self._stream(stream, "cuStreamGetCaptureInfo").capture
         return (CAPTURE_STATUS_NONE, 0) if cap is None else (cap.status, cap.id)
 
-    def stream_is_capturing(self, stream: Any) -> bool:
+    def stream_is_capturing(self, stream: StreamHandle) -> bool:
         return self._stream(stream, "cuStreamIsCapturing").capture is not None
 
     def thread_exchange_capture_mode(self, mode: int) -> int:
@@ -204,7 +205,7 @@ class SimGraphs(SimulatorCore):
         return old
 
     # ------------------------------------------------------------ graphs
-    def graph_instantiate(self, graph: Any,
+    def graph_instantiate(self, graph: GraphHandle,
                           flags: int = GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH
                           | GRAPH_INSTANTIATE_USE_NODE_PRIORITY) -> Any:
         call = "cuGraphInstantiate"
@@ -214,7 +215,7 @@ class SimGraphs(SimulatorCore):
             raise invalid_value(call, f"unknown instantiate flags {f}")
         return _GraphExec(g)
 
-    def graph_launch(self, graph_exec: Any, stream: Any) -> None:
+    def graph_launch(self, graph_exec: GraphExecHandle, stream: StreamHandle) -> None:
         call = "cuGraphLaunch"
         if type(graph_exec) is not _GraphExec or graph_exec.destroyed:
             raise invalid_handle(call, f"{graph_exec!r} is not a live executable graph")
@@ -223,22 +224,22 @@ class SimGraphs(SimulatorCore):
             raise invalid_value(call, "the graph was captured on another device")
         self._submit(s, self._graph_op, (graph_exec,))
 
-    def graph_destroy(self, graph: Any) -> None:
+    def graph_destroy(self, graph: GraphHandle) -> None:
         self._graph(graph, "cuGraphDestroy").destroyed = True
 
-    def graph_exec_destroy(self, graph_exec: Any) -> None:
+    def graph_exec_destroy(self, graph_exec: GraphExecHandle) -> None:
         if type(graph_exec) is not _GraphExec or graph_exec.destroyed:
             raise invalid_handle("cuGraphExecDestroy",
                                  f"{graph_exec!r} is not a live executable graph")
         graph_exec.destroyed = True  # a launch already queued still runs (it holds the ops)
 
-    def graph_node_count(self, graph: Any) -> int:
+    def graph_node_count(self, graph: GraphHandle) -> int:
         return len(self._graph(graph, "cuGraphGetNodes").ops)
 
-    def graph_node_kinds(self, graph: Any) -> list[str]:
+    def graph_node_kinds(self, graph: GraphHandle) -> list[str]:
         return [kind for kind, _fn, _args in self._graph(graph, "cuGraphGetNodes").ops]
 
-    def graph_debug_dot_print(self, graph: Any, path: str) -> None:
+    def graph_debug_dot_print(self, graph: GraphHandle, path: str) -> None:
         g = self._graph(graph, "cuGraphDebugDotPrint")
         lines = [f'digraph "cudalab simulated graph 0x{g.handle:x}" {{',
                  f'  label="cudalab simulated CUDA graph (capture {g.capture_id}, device '
@@ -263,12 +264,12 @@ class SimGraphs(SimulatorCore):
             raise invalid_value(call, f"unknown stream capture mode {m}")
         return m
 
-    def _graph(self, graph: Any, call: str) -> _Graph:
+    def _graph(self, graph: GraphHandle, call: str) -> _Graph:
         if type(graph) is _Graph and not graph.destroyed:
             return graph
         raise invalid_handle(call, f"{graph!r} is not a live graph of this simulator")
 
-    def _capture_op(self, cap: _Capture, s: _Stream, fn: Any, args: tuple) -> None:
+    def _capture_op(self, cap: _Capture, s: SimStream, fn: Any, args: tuple[Any, ...]) -> None:
         """Record ``fn(*args)``, submitted to capturing ``s``, into ``cap``."""
         if cap.status != CAPTURE_STATUS_ACTIVE:
             raise capture_error(901, None, cap.reason)
@@ -285,14 +286,14 @@ class SimGraphs(SimulatorCore):
         cap.ops.append((kind, fn, args))
         cap.tails[s] = len(cap.ops)
 
-    def _live_capture_of(self, ev: _Event) -> tuple | None:
+    def _live_capture_of(self, ev: SimEvent) -> tuple[Any, ...] | None:
         """``ev.captured`` when its capture still runs and no later record replaced it."""
         c = ev.captured
         if c is None or c[0].ended or c[3] != ev.epoch:
             return None
         return c
 
-    def _capture_wait(self, s: _Stream, ev: _Event, call: str) -> bool:
+    def _capture_wait(self, s: SimStream, ev: SimEvent, call: str) -> bool:
         """A wait involving a capture: join, fork or refuse. True when it is fully handled."""
         c = self._live_capture_of(ev)
         if c is not None:
@@ -313,8 +314,8 @@ class SimGraphs(SimulatorCore):
         s.capture.invalidate(f"{call} on uncaptured work")
         raise capture_error(905, call)
 
-    def _refuse_in_capture(self, call: str, s: _Stream | None = None,
-                           ev: _Event | None = None, device: int | None = None) -> None:
+    def _refuse_in_capture(self, call: str, s: SimStream | None = None,
+                           ev: SimEvent | None = None, device: int | None = None) -> None:
         """Raise StreamCaptureError when a capture forbids ``call`` now (about stream ``s``,
         event ``ev``, or every stream of ``device``), invalidating the captures that forbid
         it. Called only while some capture runs (``self._captures`` is not empty)."""
@@ -349,7 +350,7 @@ class SimGraphs(SimulatorCore):
         entry = self._host.get(starts[i])
         return entry is None or p >= starts[i] + entry[1]
 
-    def _refuse_pageable_copy(self, s: _Stream, dst: int, src: int, call: str) -> None:
+    def _refuse_pageable_copy(self, s: SimStream, dst: int, src: int, call: str) -> None:
         """An asynchronous copy on capturing ``s`` must not touch pageable host memory."""
         if self._pageable(dst) or self._pageable(src):
             s.capture.invalidate(f"{call} with pageable host memory")

@@ -3,7 +3,9 @@
 Each handle is an opaque object the layer above holds (``int(handle)`` is its fake C value,
 what :meth:`Backend.handle_int` returns). They carry state only; the behaviour lives in the
 backend's concern modules (:mod:`.streams`, :mod:`.events`, :mod:`.kernels`). Every ``repr``
-says "simulated".
+says "simulated". The classes are the simulator package's internal API (``__all__``): the
+backend hands them out as the seam's handle types (:mod:`cudalab._driver.handles`) and takes
+them back through its handle checks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from cudalab._driver.base import STREAM_NON_BLOCKING, Backend
+from cudalab._driver.handles import OpaqueHandle
+
+__all__ = ["SimEvent", "SimFunction", "SimModule", "SimStream", "StreamWait", "next_handle"]
 
 _handles = itertools.count(1)
 #: Fake handle values start here (well apart from fake device addresses).
@@ -26,8 +31,8 @@ def next_handle() -> int:
     return _HANDLE_BASE + next(_handles) * 0x40
 
 
-class _Stream:
-    """A simulated stream: a FIFO of operations ``(fn, args)`` and :class:`_Wait` entries.
+class SimStream(OpaqueHandle):
+    """A simulated stream: a FIFO of operations ``(fn, args)`` and :class:`StreamWait` entries.
 
     Invariants (under ``lock``): ``draining`` is the ident of the one thread running the
     queue, or 0; a stream with a non-empty ``queue`` is in the backend's ``_pending`` set;
@@ -51,7 +56,7 @@ class _Stream:
         self.is_per_thread = False
         # The legacy default stream and blocking streams synchronise with each other.
         self.legacy = null or not (flags & STREAM_NON_BLOCKING)
-        self.queue: collections.deque = collections.deque()
+        self.queue: collections.deque[Any] = collections.deque()
         self.lock = threading.RLock()
         self.paused = False
         self.draining = 0  # ident of the thread running this stream's operations, or 0
@@ -67,7 +72,7 @@ class _Stream:
         return f"<simulated {kind} on device {self.device}>"
 
 
-class _Event:
+class SimEvent(OpaqueHandle):
     """A simulated event: ``epoch`` counts records requested, ``done`` is the latest record
     that completed (``done <= epoch``; complete when equal), ``ts`` its time in ns.
     ``captured`` is ``(capture, stream, position)`` while its latest record was captured into
@@ -84,11 +89,11 @@ class _Event:
         self.epoch = 0  # records requested
         self.done = 0  # latest record completed
         self.ts = 0
-        self.rec_stream: _Stream | None = None
+        self.rec_stream: SimStream | None = None
         self.destroyed = False
         self.ipc_key: tuple[int, int] | None = None
-        self.target: _Event | None = None  # an IPC handle opened in its own process
-        self.captured: tuple | None = None  # (capture, stream, position) of a captured record
+        self.target: SimEvent | None = None  # an IPC handle opened in its own process
+        self.captured: tuple[Any, ...] | None = None  # (capture, stream, position) of a captured record
 
     def __int__(self) -> int:
         return self.handle
@@ -97,18 +102,18 @@ class _Event:
         return f"<simulated event 0x{self.handle:x} on device {self.device}>"
 
 
-class _Wait:
+class StreamWait:
     """A queue entry: later work on the stream waits until ``event`` reaches ``epoch``."""
 
     __slots__ = ("event", "epoch", "stream")
 
-    def __init__(self, event: _Event, epoch: int, stream: _Stream | None):
+    def __init__(self, event: SimEvent, epoch: int, stream: SimStream | None):
         self.event = event
         self.epoch = epoch
         self.stream = stream  # where the awaited record is queued
 
 
-class _Module:
+class SimModule(OpaqueHandle):
     """A loaded (simulated) module; kernels are looked up by name in the registry."""
 
     __slots__ = ("backend", "device", "handle", "size", "unloaded")
@@ -127,12 +132,12 @@ class _Module:
         return f"<simulated module 0x{self.handle:x} on device {self.device} ({self.size} bytes)>"
 
 
-class _Function:
+class SimFunction(OpaqueHandle):
     """A kernel of a module: its registered Python implementation."""
 
     __slots__ = ("module", "name", "impl", "handle")
 
-    def __init__(self, module: _Module, name: str, impl: Callable[..., None], handle: int):
+    def __init__(self, module: SimModule, name: str, impl: Callable[..., None], handle: int):
         self.module = module
         self.name = name
         self.impl = impl

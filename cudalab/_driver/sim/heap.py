@@ -7,11 +7,14 @@ every device's range, from ``VMM_BASE`` to ``VMM_END``.
 
 Structures, each owned and locked by the backend (``_mem_lock``):
 
-* :class:`_Device`: one simulated device's heap, a best-fit sub-allocator with coalescing in
+* :class:`SimDevice`: one simulated device's heap, a best-fit sub-allocator with coalescing in
   512-byte granules (2 MiB aligned from 2 MiB up) over one lazily created mapping.
-* :class:`_Pool`: a stream-ordered pool's cache of chunks taken from a device heap.
-* :class:`_VmmHandle` and :class:`_VmmRange`: physical memory handles and address
+* :class:`SimPool`: a stream-ordered pool's cache of chunks taken from a device heap.
+* :class:`SimVmmHandle` and :class:`SimVmmRange`: physical memory handles and address
   reservations of the virtual memory API.
+
+These classes, the layout constants and :func:`address_of` are the simulator package's
+internal API (read by its concern modules, never outside ``cudalab._driver``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import mmap
 import sys
 
 from cudalab._driver.base import Backend, DeviceInfo
+from cudalab._driver.handles import OpaqueHandle
 from cudalab._driver.sim.config import MAX_DEVICES, MAX_MEMORY
-from cudalab._driver.sim.handles import _Stream
+from cudalab._driver.sim.handles import SimStream
 
 # ------------------------------------------------------------------------------- layout
 #: First fake device address (device 0, offset 0).
@@ -57,12 +61,12 @@ def address_of(mm: mmap.mmap) -> int:
     return addr
 
 
-class _Device:
+class SimDevice:
     """One simulated device: its memory mapping, sub-allocator and streams."""
 
     #: The device's legacy default stream, set by the backend right after construction
     #: (the stream needs the backend), so it is never None once the device is in use.
-    null: _Stream
+    null: SimStream
 
     def __init__(self, ordinal: int, physical: int, capacity: int):
         self.ordinal = ordinal
@@ -80,7 +84,7 @@ class _Device:
         self.async_freeing: set[int] = set()  # offsets with a stream-ordered free queued
         self.used = 0
         self.touched = False
-        self.streams: set[_Stream] = set()
+        self.streams: set[SimStream] = set()
         self.info: DeviceInfo | None = None
         if self.usable:
             self._add_free(0, self.usable)
@@ -147,7 +151,7 @@ class _Device:
         return off + nbytes <= a + self.alloc_size[a]
 
 
-class _VmmHandle:
+class SimVmmHandle(OpaqueHandle):
     """Physical memory from :meth:`SimulatorBackend.vmm_create` (a CUmemGenericAllocationHandle).
 
     Its capacity returns to the device once it is released and unmapped, in either order.
@@ -155,7 +159,7 @@ class _VmmHandle:
 
     __slots__ = ("backend", "dev", "handle", "size", "released", "mapped", "freed")
 
-    def __init__(self, backend: Backend, dev: _Device, handle: int, size: int):
+    def __init__(self, backend: Backend, dev: SimDevice, handle: int, size: int):
         self.backend = backend
         self.dev = dev
         self.handle = handle
@@ -174,7 +178,7 @@ class _VmmHandle:
                 f"{self.dev.ordinal} ({self.size} bytes, {state})>")
 
 
-class _VmmRange:
+class SimVmmRange:
     """One reservation from :meth:`SimulatorBackend.vmm_reserve` and its mappings."""
 
     __slots__ = ("start", "size", "device", "mm", "addr", "maps", "map_starts")
@@ -185,11 +189,11 @@ class _VmmRange:
         self.device = device
         self.mm = mm
         self.addr = address_of(mm)
-        self.maps: dict[int, tuple[int, _VmmHandle]] = {}  # start -> (size, handle)
+        self.maps: dict[int, tuple[int, SimVmmHandle]] = {}  # start -> (size, handle)
         self.map_starts: list[int] = []  # sorted
 
 
-class _Pool:
+class SimPool(OpaqueHandle):
     """A stream-ordered memory pool (cuMemPoolCreate) with an unlimited release threshold.
 
     Chunks (multiples of 2 MiB) come from the device's sub-allocator; inside them a best-fit
@@ -201,7 +205,7 @@ class _Pool:
                  "free_end", "free_by_size", "allocs", "freeing", "reserved", "reserved_high",
                  "used", "used_high")
 
-    def __init__(self, backend: Backend, dev: _Device, handle: int):
+    def __init__(self, backend: Backend, dev: SimDevice, handle: int):
         self.backend = backend
         self.dev = dev
         self.handle = handle

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cudalab._driver.base import KernelArgs
+from cudalab._driver.handles import FunctionHandle, ModuleHandle, StreamHandle
 from cudalab._driver.sim.core import (
     ACTIVITY_KERNEL,
     SimulatorCore,
@@ -24,7 +25,7 @@ from cudalab._driver.sim.core import (
     invalid_value,
     now,
 )
-from cudalab._driver.sim.handles import _Function, _Module, next_handle
+from cudalab._driver.sim.handles import SimFunction, SimModule, next_handle
 from cudalab.errors import CudaError
 
 __all__ = ["register_kernel", "SimKernels"]
@@ -121,7 +122,7 @@ class _SimArgs(KernelArgs):
         return self
 
     @property
-    def values(self) -> tuple:
+    def values(self) -> tuple[Any, ...]:
         return self._values
 
     def __repr__(self) -> str:
@@ -147,7 +148,7 @@ def _dims(value: Any, limits: tuple[int, int, int], what: str, call: str) -> tup
 class SimKernels(SimulatorCore):
     """Modules, kernel lookup, argument packs and launches of the simulator backend."""
 
-    def module_load(self, device: int, image: bytes) -> Any:
+    def module_load(self, device: int, image: bytes) -> ModuleHandle:
         """Accept any image (a CUBIN for a real GPU, PTX or source text); kernels are looked
         up by name in the simulator's registry (:func:`register_kernel`)."""
         call = "cuModuleLoadData"
@@ -162,12 +163,12 @@ class SimKernels(SimulatorCore):
             raise CudaError(200, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid",
                             call=call)
         self._devs[d].touched = True
-        return _Module(self, d, next_handle(), size)
+        return ModuleHandle(SimModule(self, d, next_handle(), size))
 
-    def module_unload(self, module: Any) -> None:
+    def module_unload(self, module: ModuleHandle) -> None:
         self._module(module, "cuModuleUnload").unloaded = True
 
-    def module_function(self, module: Any, name: str) -> Any:
+    def module_function(self, module: ModuleHandle, name: str) -> FunctionHandle:
         call = "cuModuleGetFunction"
         m = self._module(module, call)
         impl = _KERNELS.get(name)
@@ -175,7 +176,7 @@ class SimKernels(SimulatorCore):
             raise CudaError(500, "CUDA_ERROR_NOT_FOUND",
                             f"no simulator implementation registered for kernel {name!r}",
                             call=call)
-        return _Function(m, name, impl, next_handle())
+        return FunctionHandle(SimFunction(m, name, impl, next_handle()))
 
     def make_args(self, signature: Sequence[str]) -> KernelArgs:
         sig = tuple(signature)
@@ -187,15 +188,15 @@ class SimKernels(SimulatorCore):
 
     def launch(
         self,
-        function: Any,
+        function: FunctionHandle,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         shared_mem: int,
-        stream: Any,
+        stream: StreamHandle,
         args: KernelArgs,
     ) -> None:
         call = "cuLaunchKernel"
-        if not isinstance(function, _Function) or function.module.backend is not self:
+        if not isinstance(function, SimFunction) or function.module.backend is not self:
             raise invalid_handle(call, "not a kernel of this simulator")
         if function.module.unloaded:
             raise invalid_handle(call, "the kernel's module was unloaded")
@@ -216,13 +217,14 @@ class SimKernels(SimulatorCore):
                      (function, g, b, smem, args.values, self._devs[s.device].physical))
 
     # ================================================================ internals
-    def _module(self, module: Any, call: str) -> _Module:
-        if type(module) is _Module and module.backend is self and not module.unloaded:
+    def _module(self, module: ModuleHandle, call: str) -> SimModule:
+        if type(module) is SimModule and module.backend is self and not module.unloaded:
             return module
         raise invalid_handle(call, f"{module!r} is not a loaded module of this simulator")
 
     # -- operations (run in stream order)
-    def _kernel_op(self, fn: _Function, grid, block, smem: int, values: tuple, phys: int) -> None:
+    def _kernel_op(self, fn: SimFunction, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+                   values: tuple[Any, ...], phys: int) -> None:
         t0 = now()
         try:
             fn.impl(self, grid, block, smem, *values)

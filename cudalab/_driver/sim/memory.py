@@ -3,7 +3,7 @@
 The :class:`SimMemory` concern of the simulator backend. Each device is one anonymous
 private ``mmap`` of its capacity with ``MAP_NORESERVE``, created on the first allocation and
 committed lazily by the kernel, so an idle 16 GiB device costs nothing; a best-fit
-sub-allocator (:class:`~cudalab._driver.sim.heap._Device`) hands out its fake addresses and
+sub-allocator (:class:`~cudalab._driver.sim.heap.SimDevice`) hands out its fake addresses and
 enforces the capacity. Large frees ``madvise(MADV_DONTNEED)`` the pages back to the OS.
 Copies translate fake pointers to the mapping and check that device ranges lie inside a live
 allocation; any other address is taken as a host address if it is a plausible user-space
@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from cudalab._driver.base import IPC_HANDLE_SIZE
+from cudalab._driver.handles import StreamHandle
 from cudalab._driver.sim.core import (
     ACTIVITY_COPY,
     SimulatorCore,
@@ -44,7 +45,7 @@ from cudalab._driver.sim.heap import (
     USER_LIMIT,
     VMM_BASE,
     VMM_END,
-    _Device,
+    SimDevice,
     address_of,
 )
 from cudalab.errors import CudaError
@@ -75,12 +76,12 @@ class SimMemory(SimulatorCore):
             self._pump()
         self._free(ptr, "cuMemFree")
 
-    def mem_alloc_async(self, device: int, nbytes: int, stream: Any) -> int:
+    def mem_alloc_async(self, device: int, nbytes: int, stream: StreamHandle) -> int:
         self._device(device, "cuMemAllocAsync")
         self._stream(stream, "cuMemAllocAsync")
         return self._alloc(device, nbytes, "cuMemAllocAsync")
 
-    def mem_free_async(self, device: int, ptr: int, stream: Any) -> None:
+    def mem_free_async(self, device: int, ptr: int, stream: StreamHandle) -> None:
         call = "cuMemFreeAsync"
         self._device(device, call)
         s = self._stream(stream, call)
@@ -154,7 +155,7 @@ class SimMemory(SimulatorCore):
             self._refuse_in_capture(call)
         self._sync_op(d, self._copy_op, (hd, hs, n, self._devs[d].physical))
 
-    def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: Any) -> None:
+    def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: StreamHandle) -> None:
         call = "cuMemcpyAsync"
         self._device(device, call)
         s = self._stream(stream, call)
@@ -168,7 +169,7 @@ class SimMemory(SimulatorCore):
         self._submit(s, self._copy_op, (hd, hs, n, self._devs[s.device].physical))
 
     def memcpy_peer_async(
-        self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: Any
+        self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: StreamHandle
     ) -> None:
         call = "cuMemcpyPeerAsync"
         dd = self._device(dst_device, call)
@@ -198,7 +199,7 @@ class SimMemory(SimulatorCore):
             self._refuse_in_capture(call)
         self._sync_op(d, self._memset8_op, (h, v, n, self._devs[d].physical))
 
-    def memset_d8_async(self, device: int, ptr: int, value: int, nbytes: int, stream: Any) -> None:
+    def memset_d8_async(self, device: int, ptr: int, value: int, nbytes: int, stream: StreamHandle) -> None:
         call = "cuMemsetD8Async"
         self._device(device, call)
         s = self._stream(stream, call)
@@ -209,7 +210,7 @@ class SimMemory(SimulatorCore):
         h = self._addr(self._ptr(ptr, call), n, call)
         self._submit(s, self._memset8_op, (h, v, n, self._devs[s.device].physical))
 
-    def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: Any) -> None:
+    def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
         call = "cuMemsetD32Async"
         self._device(device, call)
         s = self._stream(stream, call)
@@ -253,7 +254,7 @@ class SimMemory(SimulatorCore):
         addr = self._addr(p, n, "host_view")
         return memoryview((ctypes.c_ubyte * n).from_address(addr)).cast("B")
 
-    def array(self, ptr: int, dtype: Any, count: int):
+    def array(self, ptr: int, dtype: Any, count: int) -> Any:
         """A writable 1-D numpy view of ``count`` elements of ``dtype`` at ``ptr``."""
         import numpy as np
 
@@ -304,7 +305,7 @@ class SimMemory(SimulatorCore):
             return None if hit is None else hit[1]
         return None
 
-    def _alloc_start(self, p: int) -> tuple[_Device, int] | None:
+    def _alloc_start(self, p: int) -> tuple[SimDevice, int] | None:
         d = self._owner(p)
         if d is None:
             return None
@@ -339,7 +340,7 @@ class SimMemory(SimulatorCore):
         dev.touched = True
         return dev.base + off
 
-    def _map(self, dev: _Device, call: str) -> None:
+    def _map(self, dev: SimDevice, call: str) -> None:
         size = -(-dev.capacity // PAGE) * PAGE
         try:
             mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,

@@ -76,6 +76,8 @@ from cudalab._driver.base import (
     NCCL_UNIQUE_ID_SIZE,
     Nccl,
 )
+from cudalab._driver.handles import CommHandle, OpaqueHandle, StreamHandle
+from cudalab._driver.sim.handles import SimStream
 from cudalab.errors import CudaError, NcclError
 
 __all__ = ["SIMULATED_VERSION", "SimulatedNccl"]
@@ -116,7 +118,7 @@ class _Clique:
         self.comms: list[_SimComm] = []
 
 
-class _SimComm:
+class _SimComm(OpaqueHandle):
     """One rank of a simulated clique. ``state`` is LIVE, FINALIZED or DESTROYED."""
 
     __slots__ = ("clique", "rank", "device", "state")
@@ -143,7 +145,7 @@ class _Post:
     __slots__ = ("kind", "comm", "stream", "send", "recv", "count", "dtype", "op", "root",
                  "peer")
 
-    def __init__(self, kind: str, comm: _SimComm, stream: Any, send: int, recv: int,
+    def __init__(self, kind: str, comm: _SimComm, stream: SimStream, send: int, recv: int,
                  count: int, dtype: int, op: int = -1, root: int = -1, peer: int = -1):
         self.kind = kind
         self.comm = comm
@@ -156,7 +158,7 @@ class _Post:
         self.root = root
         self.peer = peer
 
-    def signature(self) -> tuple:
+    def signature(self) -> tuple[Any, ...]:
         """What every rank of a collective must agree on."""
         return (self.kind, self.count, self.dtype,
                 self.op if self.kind in _REDUCING else None,
@@ -232,7 +234,7 @@ class SimulatedNccl(Nccl):
         return os.urandom(NCCL_UNIQUE_ID_SIZE)
 
     # ------------------------------------------------------------------ communicators
-    def comm_init_all(self, devices: Sequence[int]) -> list[Any]:
+    def comm_init_all(self, devices: Sequence[int]) -> list[CommHandle]:
         call = "ncclCommInitAll"
         try:
             devs = tuple(operator.index(d) for d in devices)
@@ -252,41 +254,41 @@ class SimulatedNccl(Nccl):
                              "device)")
         clique = _Clique(devs)
         clique.comms = [_SimComm(clique, r, d) for r, d in enumerate(devs)]
-        return list(clique.comms)
+        return [CommHandle(comm) for comm in clique.comms]
 
-    def comm_init_rank(self, device: int, nranks: int, unique_id: bytes, rank: int) -> Any:
+    def comm_init_rank(self, device: int, nranks: int, unique_id: bytes, rank: int) -> CommHandle:
         raise nccl_error(
             "ncclCommInitRank", NCCL_INVALID_USAGE,
             "multi-process communicators need the real NCCL (a GPU machine with nccl4py "
             "installed); the simulator is one process: use comm_init_all for a clique of "
             "simulated devices")
 
-    def comm_finalize(self, comm: Any) -> None:
+    def comm_finalize(self, comm: CommHandle) -> None:
         c = self._comm(comm, "ncclCommFinalize")
         if c.state != LIVE:
             raise nccl_error("ncclCommFinalize", NCCL_INVALID_ARGUMENT,
                              f"{c!r} was already finalized")
         c.state = FINALIZED
 
-    def comm_destroy(self, comm: Any) -> None:
+    def comm_destroy(self, comm: CommHandle) -> None:
         self._comm(comm, "ncclCommDestroy").state = DESTROYED
 
-    def comm_abort(self, comm: Any) -> None:
+    def comm_abort(self, comm: CommHandle) -> None:
         self._comm(comm, "ncclCommAbort").state = DESTROYED
 
-    def comm_async_error(self, comm: Any) -> int:
+    def comm_async_error(self, comm: CommHandle) -> int:
         return 0
 
-    def error_text(self, code: int, comm: Any = None) -> str:
+    def error_text(self, code: int, comm: CommHandle | None = None) -> str:
         return NCCL_RESULTS.get(code, ("", "unknown error"))[1]
 
-    def comm_rank(self, comm: Any) -> int:
+    def comm_rank(self, comm: CommHandle) -> int:
         return self._comm(comm, "ncclCommUserRank").rank
 
-    def comm_count(self, comm: Any) -> int:
+    def comm_count(self, comm: CommHandle) -> int:
         return len(self._comm(comm, "ncclCommCount").clique.comms)
 
-    def comm_device(self, comm: Any) -> int:
+    def comm_device(self, comm: CommHandle) -> int:
         return self._comm(comm, "ncclCommCuDevice").device
 
     # ------------------------------------------------------------------ groups
@@ -317,8 +319,8 @@ class SimulatedNccl(Nccl):
 
     # ------------------------------------------------------------------ collectives
     @_poisons_group
-    def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: Any,
-                   stream: Any) -> None:
+    def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: CommHandle,
+                   stream: StreamHandle) -> None:
         call = "ncclAllReduce"
         c, s, n, dt = self._common(call, comm, stream, count, dtype)
         self._op(call, op)
@@ -326,8 +328,8 @@ class SimulatedNccl(Nccl):
                          self._buffer(call, recv, n, dt, c, "recvbuff"), n, dt, op=op))
 
     @_poisons_group
-    def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int, comm: Any,
-                  stream: Any) -> None:
+    def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int, comm: CommHandle,
+                  stream: StreamHandle) -> None:
         call = "ncclBroadcast"
         c, s, n, dt = self._common(call, comm, stream, count, dtype)
         r = self._root(call, root, c)
@@ -337,7 +339,7 @@ class SimulatedNccl(Nccl):
 
     @_poisons_group
     def reduce(self, send: int, recv: int, count: int, dtype: int, op: int, root: int,
-               comm: Any, stream: Any) -> None:
+               comm: CommHandle, stream: StreamHandle) -> None:
         call = "ncclReduce"
         c, s, n, dt = self._common(call, comm, stream, count, dtype)
         self._op(call, op)
@@ -347,8 +349,8 @@ class SimulatedNccl(Nccl):
                          n, dt, op=op, root=r))
 
     @_poisons_group
-    def all_gather(self, send: int, recv: int, send_count: int, dtype: int, comm: Any,
-                   stream: Any) -> None:
+    def all_gather(self, send: int, recv: int, send_count: int, dtype: int, comm: CommHandle,
+                   stream: StreamHandle) -> None:
         call = "ncclAllGather"
         c, s, n, dt = self._common(call, comm, stream, send_count, dtype)
         total = n * len(c.clique.comms)
@@ -357,7 +359,7 @@ class SimulatedNccl(Nccl):
 
     @_poisons_group
     def reduce_scatter(self, send: int, recv: int, recv_count: int, dtype: int, op: int,
-                       comm: Any, stream: Any) -> None:
+                       comm: CommHandle, stream: StreamHandle) -> None:
         call = "ncclReduceScatter"
         c, s, n, dt = self._common(call, comm, stream, recv_count, dtype)
         self._op(call, op)
@@ -367,8 +369,8 @@ class SimulatedNccl(Nccl):
                          self._buffer(call, recv, n, dt, c, "recvbuff"), n, dt, op=op))
 
     @_poisons_group
-    def send(self, buffer: int, count: int, dtype: int, peer: int, comm: Any,
-             stream: Any) -> None:
+    def send(self, buffer: int, count: int, dtype: int, peer: int, comm: CommHandle,
+             stream: StreamHandle) -> None:
         call = "ncclSend"
         c, s, n, dt = self._common(call, comm, stream, count, dtype)
         p = self._peer(call, peer, c)
@@ -376,8 +378,8 @@ class SimulatedNccl(Nccl):
                          n, dt, peer=p))
 
     @_poisons_group
-    def recv(self, buffer: int, count: int, dtype: int, peer: int, comm: Any,
-             stream: Any) -> None:
+    def recv(self, buffer: int, count: int, dtype: int, peer: int, comm: CommHandle,
+             stream: StreamHandle) -> None:
         call = "ncclRecv"
         c, s, n, dt = self._common(call, comm, stream, count, dtype)
         p = self._peer(call, peer, c)
@@ -386,7 +388,7 @@ class SimulatedNccl(Nccl):
 
     # ================================================================ internals
     # -- argument checks (all before anything is queued)
-    def _comm(self, comm: Any, call: str) -> _SimComm:
+    def _comm(self, comm: CommHandle, call: str) -> _SimComm:
         if type(comm) is not _SimComm:
             raise nccl_error(call, NCCL_INVALID_ARGUMENT,
                              f"{comm!r} is not a communicator of the simulated NCCL")
@@ -394,8 +396,8 @@ class SimulatedNccl(Nccl):
             raise nccl_error(call, NCCL_INVALID_ARGUMENT, f"{comm!r} was destroyed or aborted")
         return comm
 
-    def _common(self, call: str, comm: Any, stream: Any, count: Any,
-                dtype: Any) -> tuple[_SimComm, Any, int, int]:
+    def _common(self, call: str, comm: CommHandle, stream: StreamHandle, count: Any,
+                dtype: Any) -> tuple[_SimComm, SimStream, int, int]:
         c = self._comm(comm, call)
         if c.state != LIVE:
             raise nccl_error(call, NCCL_INVALID_ARGUMENT, f"{c!r} was finalized")

@@ -5,7 +5,7 @@ operations that normally runs at once, in the caller's thread. The simulator-onl
 :meth:`SimStreams.pause_stream` and :meth:`SimStreams.resume_stream` hold a stream's work back
 so that tests can observe "not yet complete" states. Event waits and the legacy default
 stream's implicit synchronisation with blocking streams are modelled as queue dependencies
-(:class:`~cudalab._driver.sim.handles._Wait` entries). Synchronising on work that can never
+(:class:`~cudalab._driver.sim.handles.StreamWait` entries). Synchronising on work that can never
 run (a paused stream, or a wait on an event pending on one) raises :class:`RuntimeError`
 instead of hanging.
 """
@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from cudalab._driver.base import EVENT_DISABLE_TIMING, STREAM_DEFAULT, STREAM_NON_BLOCKING
+from cudalab._driver.handles import EventHandle, StreamHandle
 from cudalab._driver.sim.core import SimulatorCore, invalid_handle, invalid_value, now
-from cudalab._driver.sim.handles import _Event, _Stream, _Wait, next_handle
+from cudalab._driver.sim.handles import SimEvent, SimStream, StreamWait, next_handle
 
 #: Stream priorities: (least, greatest); the greatest is numerically smallest, as in CUDA.
 PRIORITY_LEAST, PRIORITY_GREATEST = 0, -5
@@ -30,24 +31,24 @@ class SimStreams(SimulatorCore):
     """Streams, their ordering machinery and the pause/resume test hooks of the simulator."""
 
     # ------------------------------------------------------------ streams
-    def null_stream(self, device: int) -> Any:
-        return self._devs[self._device(device, "cuStreamGetNull")].null
+    def null_stream(self, device: int) -> StreamHandle:
+        return StreamHandle(self._devs[self._device(device, "cuStreamGetNull")].null)
 
-    def stream_create(self, device: int, flags: int = STREAM_NON_BLOCKING, priority: int = 0) -> Any:
+    def stream_create(self, device: int, flags: int = STREAM_NON_BLOCKING, priority: int = 0) -> StreamHandle:
         call = "cuStreamCreateWithPriority"
         d = self._device(device, call)
         f = operator.index(flags)
         if f not in (STREAM_DEFAULT, STREAM_NON_BLOCKING):
             raise invalid_value(call, f"unknown stream flags {f}")
         p = min(PRIORITY_LEAST, max(PRIORITY_GREATEST, operator.index(priority)))
-        s = _Stream(self, d, next_handle(), f, p, null=False)
+        s = SimStream(self, d, next_handle(), f, p, null=False)
         dev = self._devs[d]
         dev.streams.add(s)
         self._stream_handles[s.handle] = s
         dev.touched = True
-        return s
+        return StreamHandle(s)
 
-    def stream_from_int(self, device: int, value: int) -> Any:
+    def stream_from_int(self, device: int, value: int) -> StreamHandle:
         """The stream whose C value is ``value``: 0 and 1 (CU_STREAM_LEGACY) are ``device``'s
         null stream, 2 (CU_STREAM_PER_THREAD) the calling thread's per-thread default stream of
         ``device``, anything else must be the value of a live stream of this simulator (other
@@ -56,7 +57,7 @@ class SimStreams(SimulatorCore):
         d = self._device(device, call)
         v = operator.index(value)
         if v in (0, 1):
-            return self._devs[d].null
+            return StreamHandle(self._devs[d].null)
         if v == 2:
             per_thread = getattr(self._tls, "per_thread", None)
             if per_thread is None:
@@ -64,16 +65,16 @@ class SimStreams(SimulatorCore):
             s = per_thread.get(d)
             if s is None:
                 # Blocking: the per-thread default stream synchronises with the legacy stream.
-                s = per_thread[d] = _Stream(self, d, 2, STREAM_DEFAULT, 0, null=False)
+                s = per_thread[d] = SimStream(self, d, 2, STREAM_DEFAULT, 0, null=False)
                 s.is_per_thread = True
                 self._devs[d].streams.add(s)
-            return s
+            return StreamHandle(s)
         s = self._stream_handles.get(v)
         if s is None or s.destroyed:
             raise invalid_handle(call, f"0x{v:x} is not a stream of this simulator")
-        return s
+        return StreamHandle(s)
 
-    def stream_destroy(self, stream: Any) -> None:
+    def stream_destroy(self, stream: StreamHandle) -> None:
         """Destroy a stream. Work still queued on it (a paused stream) stays queued and runs
         when :meth:`resume_stream` is given the destroyed handle."""
         call = "cuStreamDestroy"
@@ -85,7 +86,7 @@ class SimStreams(SimulatorCore):
             if not s.queue and not s.draining:
                 self._devs[s.device].streams.discard(s)
 
-    def stream_query(self, stream: Any) -> bool:
+    def stream_query(self, stream: StreamHandle) -> bool:
         s = self._stream(stream, "cuStreamQuery")
         if self._captures:
             self._refuse_in_capture("cuStreamQuery", s)
@@ -93,7 +94,7 @@ class SimStreams(SimulatorCore):
             self._pump()
         return not s.queue and not s.draining
 
-    def stream_synchronize(self, stream: Any) -> None:
+    def stream_synchronize(self, stream: StreamHandle) -> None:
         """Wait until ``stream`` is idle.
 
         Raises RuntimeError (instead of hanging) when the stream can never become idle: it
@@ -104,7 +105,7 @@ class SimStreams(SimulatorCore):
             self._refuse_in_capture("cuStreamSynchronize", s)
         self._sync_stream(s)
 
-    def stream_wait_event(self, stream: Any, event: Any) -> None:
+    def stream_wait_event(self, stream: StreamHandle, event: EventHandle) -> None:
         call = "cuStreamWaitEvent"
         s = self._stream(stream, call)
         ev = self._event(event, call)
@@ -114,12 +115,12 @@ class SimStreams(SimulatorCore):
         if ev.done >= epoch:
             return
         with s.lock:
-            s.queue.append(_Wait(ev, epoch, ev.rec_stream))
+            s.queue.append(StreamWait(ev, epoch, ev.rec_stream))
             self._pending.add(s)
         if ev.done >= epoch:  # completed meanwhile in another thread
             self._pump()
 
-    def stream_priority(self, stream: Any) -> int:
+    def stream_priority(self, stream: StreamHandle) -> int:
         return self._stream(stream, "cuStreamGetPriority").priority
 
     def stream_priority_range(self, device: int) -> tuple[int, int]:
@@ -127,7 +128,7 @@ class SimStreams(SimulatorCore):
         return PRIORITY_LEAST, PRIORITY_GREATEST
 
     # -- simulator-only test hooks
-    def pause_stream(self, stream: Any) -> None:
+    def pause_stream(self, stream: StreamHandle) -> None:
         """Simulator-only test hook: hold back work submitted to ``stream`` from now on.
 
         Operations queue up (``stream_query`` is False, events recorded on it stay pending)
@@ -138,7 +139,7 @@ class SimStreams(SimulatorCore):
         with s.lock:
             s.paused = True
 
-    def resume_stream(self, stream: Any) -> None:
+    def resume_stream(self, stream: StreamHandle) -> None:
         """Simulator-only test hook: run ``stream``'s queued work in order, then anything that
         waited for it (streams waiting on its events, the legacy default stream)."""
         s = self._stream(stream, "resume_stream", allow_destroyed=True)
@@ -149,7 +150,7 @@ class SimStreams(SimulatorCore):
 
     # ================================================================ internals
     # -- stream machinery
-    def _submit(self, s: _Stream, fn: Callable[..., Any], args: tuple) -> None:
+    def _submit(self, s: SimStream, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Run ``fn(*args)`` in ``s``'s order: now if the stream is idle, else queued (or
         recorded into the stream's capture while it captures)."""
         if s.capture is not None:
@@ -172,7 +173,7 @@ class SimStreams(SimulatorCore):
         if self._pending and self._record_seq != seq:
             self._pump()
 
-    def _run(self, s: _Stream, fn: Callable[..., Any] | None, args: tuple) -> None:
+    def _run(self, s: SimStream, fn: Callable[..., Any] | None, args: tuple[Any, ...]) -> None:
         """Run ``fn`` (if any) then ``s``'s runnable queue; the caller set ``s.draining``."""
         q = s.queue
         try:
@@ -181,7 +182,7 @@ class SimStreams(SimulatorCore):
             while True:
                 with s.lock:
                     head = q[0] if q and not s.paused else None
-                    if head is not None and head.__class__ is _Wait:
+                    if head is not None and head.__class__ is StreamWait:
                         if head.event.done < head.epoch:
                             head = None
                         else:
@@ -203,7 +204,7 @@ class SimStreams(SimulatorCore):
                     self._pending.discard(s)
             raise
 
-    def _drain(self, s: _Stream) -> bool:
+    def _drain(self, s: SimStream) -> bool:
         with s.lock:
             if s.draining or s.paused:
                 return False
@@ -212,7 +213,7 @@ class SimStreams(SimulatorCore):
                 self._pending.discard(s)
                 return False
             head = q[0]
-            if head.__class__ is _Wait and head.event.done < head.epoch:
+            if head.__class__ is StreamWait and head.event.done < head.epoch:
                 return False
             s.draining = threading.get_ident()
         self._run(s, None, ())
@@ -228,7 +229,7 @@ class SimStreams(SimulatorCore):
             if not progressed:
                 return
 
-    def _legacy_waits(self, s: _Stream) -> list[_Wait] | None:
+    def _legacy_waits(self, s: SimStream) -> list[StreamWait] | None:
         """Dependencies of new work on ``s`` under legacy default stream semantics."""
         dev = self._devs[s.device]
         if s.is_null:
@@ -237,17 +238,17 @@ class SimStreams(SimulatorCore):
             others = [dev.null] if dev.null.queue else []
         waits = []
         for t in others:
-            marker = _Event(None, t.device, 0, EVENT_DISABLE_TIMING)
+            marker = SimEvent(None, t.device, 0, EVENT_DISABLE_TIMING)
             with t.lock:
                 if not t.queue:
                     continue
                 marker.epoch = 1
                 marker.rec_stream = t
                 t.queue.append((self._record_op, (marker, 1)))
-            waits.append(_Wait(marker, 1, t))
+            waits.append(StreamWait(marker, 1, t))
         return waits
 
-    def _stuck_reason(self, s: _Stream, seen: set | None = None) -> str | None:
+    def _stuck_reason(self, s: SimStream, seen: set[Any] | None = None) -> str | None:
         """Why ``s`` can never drain (paused, directly or through event waits), or None."""
         if s.paused:
             return (f"{s!r} is paused by the simulator test hook pause_stream(); "
@@ -258,7 +259,7 @@ class SimStreams(SimulatorCore):
             head = s.queue[0]
         except IndexError:
             return None
-        if head.__class__ is _Wait and head.event.done < head.epoch and head.stream is not None:
+        if head.__class__ is StreamWait and head.event.done < head.epoch and head.stream is not None:
             seen = set() if seen is None else seen
             if s in seen:
                 return f"{s!r} is part of a cycle of event waits"
@@ -268,7 +269,7 @@ class SimStreams(SimulatorCore):
                 return f"{s!r} waits for an event pending on {head.stream!r}, and {inner}"
         return None
 
-    def _sync_stream(self, s: _Stream) -> None:
+    def _sync_stream(self, s: SimStream) -> None:
         delay = 1e-4
         while True:
             if s.queue:
@@ -285,7 +286,7 @@ class SimStreams(SimulatorCore):
             time.sleep(delay)
             delay = min(delay * 2, 5e-3)
 
-    def _sync_op(self, d: int, fn: Callable, args: tuple) -> None:
+    def _sync_op(self, d: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """A synchronous operation: ordered on the legacy default stream, then waited for."""
         if not self._pending:
             fn(*args)
@@ -304,7 +305,7 @@ class SimStreams(SimulatorCore):
 
 
     # -- operations (run in stream order)
-    def _record_op(self, ev: _Event, epoch: int) -> None:
+    def _record_op(self, ev: SimEvent, epoch: int) -> None:
         if epoch >= ev.done:
             ev.ts = now()
             ev.done = epoch

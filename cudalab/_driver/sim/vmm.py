@@ -27,6 +27,7 @@ import ctypes
 import mmap
 from typing import Any
 
+from cudalab._driver.handles import MemoryPoolHandle, PhysicalMemoryHandle, StreamHandle
 from cudalab._driver.sim.core import SimulatorCore, invalid_value, out_of_memory
 from cudalab._driver.sim.handles import next_handle
 from cudalab._driver.sim.heap import (
@@ -36,9 +37,9 @@ from cudalab._driver.sim.heap import (
     VMM_BASE,
     VMM_END,
     VMM_GRANULARITY,
-    _Pool,
-    _VmmHandle,
-    _VmmRange,
+    SimPool,
+    SimVmmHandle,
+    SimVmmRange,
 )
 from cudalab.errors import CudaError
 
@@ -70,7 +71,7 @@ class SimVmm(SimulatorCore):
                 mm.close()
                 raise out_of_memory(call, "out of memory (simulated virtual address space "
                                            "exhausted)")
-            self._vmm_ranges[start] = _VmmRange(start, n, d, mm)
+            self._vmm_ranges[start] = SimVmmRange(start, n, d, mm)
             bisect.insort(self._vmm_starts, start)
             self._flush_graveyard()
         self._devs[d].touched = True
@@ -96,7 +97,7 @@ class SimVmm(SimulatorCore):
             self._host_graveyard.append(r.mm)
             self._flush_graveyard()
 
-    def vmm_create(self, device: int, size: int) -> Any:
+    def vmm_create(self, device: int, size: int) -> PhysicalMemoryHandle:
         """Physical memory of ``size`` bytes (a multiple of the granularity), counted against
         the device's capacity; OutOfMemoryError when it does not fit."""
         call = "cuMemCreate"
@@ -108,9 +109,9 @@ class SimVmm(SimulatorCore):
                 raise out_of_memory(call)
             dev.used += n
         dev.touched = True
-        return _VmmHandle(self, dev, next_handle(), n)
+        return PhysicalMemoryHandle(SimVmmHandle(self, dev, next_handle(), n))
 
-    def vmm_release(self, handle: Any) -> None:
+    def vmm_release(self, handle: PhysicalMemoryHandle) -> None:
         """Release a handle. Like cuMemRelease this is allowed while it is mapped: the memory
         returns to the device when it is unmapped."""
         call = "cuMemRelease"
@@ -122,7 +123,7 @@ class SimVmm(SimulatorCore):
             if not h.mapped:
                 self._vmm_free_physical(h)
 
-    def vmm_map(self, device: int, ptr: int, size: int, handle: Any) -> None:
+    def vmm_map(self, device: int, ptr: int, size: int, handle: PhysicalMemoryHandle) -> None:
         """Map the first ``size`` bytes of ``handle`` at ``ptr`` (granularity-aligned, inside
         one reservation, not mapped yet) and make them accessible."""
         call = "cuMemMap"
@@ -191,13 +192,13 @@ class SimVmm(SimulatorCore):
                 ctypes.memset(r.addr + (p - r.start), 0, n)
 
     # ------------------------------------------------------------ stream-ordered pools
-    def pool_create(self, device: int) -> Any:
+    def pool_create(self, device: int) -> MemoryPoolHandle:
         d = self._device(device, "cuMemPoolCreate")
         dev = self._devs[d]
         dev.touched = True
-        return _Pool(self, dev, next_handle())
+        return MemoryPoolHandle(SimPool(self, dev, next_handle()))
 
-    def pool_destroy(self, pool: Any) -> None:
+    def pool_destroy(self, pool: MemoryPoolHandle) -> None:
         """Destroy a pool. Like cuMemPoolDestroy, allocations still live (or with a free
         still queued) stay valid: the pool's memory returns to the device when the last one
         is freed; cached memory returns now."""
@@ -209,7 +210,7 @@ class SimVmm(SimulatorCore):
             pl.destroyed = True
             self._pool_drop_idle(pl, 0)
 
-    def pool_alloc_async(self, pool: Any, nbytes: int, stream: Any) -> int:
+    def pool_alloc_async(self, pool: MemoryPoolHandle, nbytes: int, stream: StreamHandle) -> int:
         """Allocate from the pool's cache, growing it by whole 2 MiB chunks when nothing
         cached fits (OutOfMemoryError when the device cannot hold the chunk)."""
         call = "cuMemAllocFromPoolAsync"
@@ -242,7 +243,7 @@ class SimVmm(SimulatorCore):
         dev.touched = True
         return p
 
-    def pool_usage(self, pool: Any) -> tuple[int, int, int, int]:
+    def pool_usage(self, pool: MemoryPoolHandle) -> tuple[int, int, int, int]:
         """(reserved current, reserved high, used current, used high) after letting queued
         runnable work (frees included) run."""
         pl = self._pool(pool, "cuMemPoolGetAttribute")
@@ -251,13 +252,13 @@ class SimVmm(SimulatorCore):
         with self._mem_lock:
             return pl.reserved, pl.reserved_high, pl.used, pl.used_high
 
-    def pool_reset_high(self, pool: Any) -> None:
+    def pool_reset_high(self, pool: MemoryPoolHandle) -> None:
         pl = self._pool(pool, "cuMemPoolSetAttribute")
         with self._mem_lock:
             pl.reserved_high = pl.reserved
             pl.used_high = pl.used
 
-    def pool_trim(self, pool: Any, keep: int = 0) -> None:
+    def pool_trim(self, pool: MemoryPoolHandle, keep: int = 0) -> None:
         """Give chunks with nothing allocated back to the device (most recent first) until
         the pool holds at most ``keep`` bytes or no idle chunk is left."""
         call = "cuMemPoolTrimTo"
@@ -278,13 +279,13 @@ class SimVmm(SimulatorCore):
                                        f"granularity {VMM_GRANULARITY}")
         return n
 
-    def _vmm_handle(self, handle: Any, call: str) -> _VmmHandle:
-        if type(handle) is _VmmHandle and handle.backend is self and not handle.freed:
+    def _vmm_handle(self, handle: Any, call: str) -> SimVmmHandle:
+        if type(handle) is SimVmmHandle and handle.backend is self and not handle.freed:
             return handle
         raise invalid_value(call, f"{handle!r} is not a live physical memory handle of this "
                                    "simulator")
 
-    def _vmm_free_physical(self, h: _VmmHandle) -> None:
+    def _vmm_free_physical(self, h: SimVmmHandle) -> None:
         # Lock held: the handle is released and unmapped.
         h.freed = True
         h.dev.used -= h.size
@@ -299,7 +300,7 @@ class SimVmm(SimulatorCore):
             cand = max(cand, s + self._vmm_ranges[s].size + gap)
         return cand if cand + n <= VMM_END else None
 
-    def _vmm_range_at(self, p: int) -> _VmmRange | None:
+    def _vmm_range_at(self, p: int) -> SimVmmRange | None:
         starts = self._vmm_starts
         i = bisect.bisect_right(starts, p) - 1
         if i < 0:
@@ -330,12 +331,12 @@ class SimVmm(SimulatorCore):
                 end += m[0]
             return r.addr + (p - r.start), h.dev.ordinal
 
-    def _pool(self, pool: Any, call: str) -> _Pool:
-        if type(pool) is _Pool and pool.backend is self and not pool.destroyed:
+    def _pool(self, pool: MemoryPoolHandle, call: str) -> SimPool:
+        if type(pool) is SimPool and pool.backend is self and not pool.destroyed:
             return pool
         raise invalid_value(call, f"{pool!r} is not a live memory pool of this simulator")
 
-    def _pool_free_locked(self, pool: _Pool, p: int, call: str, from_async: bool) -> None:
+    def _pool_free_locked(self, pool: SimPool, p: int, call: str, from_async: bool) -> None:
         # Lock held and _mem_busy set (from _free_locked).
         off = p - pool.dev.base
         if from_async:
@@ -347,7 +348,7 @@ class SimVmm(SimulatorCore):
         if pool.destroyed and not pool.allocs:
             self._pool_drop_idle(pool, 0)
 
-    def _pool_drop_idle(self, pool: _Pool, keep: int) -> None:
+    def _pool_drop_idle(self, pool: SimPool, keep: int) -> None:
         """Give idle chunks back to the device while the pool holds more than ``keep``."""
         dev = pool.dev
         for c in pool.idle_chunks():
