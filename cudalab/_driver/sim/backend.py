@@ -73,7 +73,7 @@ class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels, Sim
                 minor=0,
                 total_memory=dev.capacity,
                 multi_processor_count=132,
-                uuid=self._uuids[phys],
+                uuid=self.physical_uuids[phys],
                 pci_bus_id=f"0000:{0x18 + phys:02x}:00.0",
                 pci_domain_id=0,
                 pci_device_id=0,

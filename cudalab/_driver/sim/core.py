@@ -61,7 +61,14 @@ def out_of_memory(call: str, message: str = "out of memory") -> OutOfMemoryError
 
 # ------------------------------------------------------------------------------------ core
 class SimulatorCore(Backend):
-    """State and validation shared by the simulator's concern mixins (see the module doc)."""
+    """State and validation shared by the simulator's concern mixins (see the module doc).
+
+    The simulator package's internal API (public spellings, read by its NCCL and NVML
+    modules, never outside ``cudalab._driver``): :attr:`total_devices`,
+    :attr:`memory_per_device`, :attr:`by_physical`, :attr:`physical_uuids` and
+    :attr:`activity` (read by :mod:`.nvml`); :meth:`stream_of`, :meth:`checked_address`,
+    :meth:`submit` and :meth:`pump` (used by :mod:`.nccl` to queue a collective's work).
+    """
 
     name = "simulator"
     simulated = True
@@ -73,12 +80,17 @@ class SimulatorCore(Backend):
                             f"{type(cfg).__name__}")
         #: The settings this simulator was built with (frozen).
         self.config = cfg
-        self._n_total = cfg.device_count
-        self._capacity = cfg.memory
-        #: Visible devices, by CUDA ordinal; ``_by_physical`` maps back from NVML's indices.
-        self._devs = [SimDevice(i, phys, self._capacity) for i, phys in enumerate(cfg.visible())]
-        self._by_physical = {dev.physical: dev for dev in self._devs}
-        self._uuids = [device_uuid(i) for i in range(self._n_total)]
+        #: Simulated devices, visible or not (NVML sees them all).
+        self.total_devices = cfg.device_count
+        #: Bytes of memory of each device.
+        self.memory_per_device = cfg.memory
+        #: Visible devices, by CUDA ordinal; ``by_physical`` maps back from NVML's indices.
+        self._devs = [SimDevice(i, phys, self.memory_per_device)
+                      for i, phys in enumerate(cfg.visible())]
+        #: Visible devices by physical (NVML) index.
+        self.by_physical = {dev.physical: dev for dev in self._devs}
+        #: Every device's UUID, by physical index.
+        self.physical_uuids = [device_uuid(i) for i in range(self.total_devices)]
         for dev in self._devs:
             dev.null = SimStream(self, dev.ordinal, 0, STREAM_DEFAULT, 0, null=True)
         self._initialized = False
@@ -111,12 +123,12 @@ class SimulatorCore(Backend):
         self._captures: dict[int, Any] = {}
         self._peers: set[tuple[int, int]] = set()
         # (start ns, end ns, ACTIVITY_*) of recent work per physical device, for NVML.
-        self._activity: list[collections.deque[tuple[int, int, int]]] = [
-            collections.deque(maxlen=4096) for _ in range(self._n_total)]
+        self.activity: list[collections.deque[tuple[int, int, int]]] = [
+            collections.deque(maxlen=4096) for _ in range(self.total_devices)]
 
     def __repr__(self) -> str:
-        return (f"<SimulatorBackend: {len(self._devs)} visible of {self._n_total} simulated "
-                f"devices, {self._capacity} bytes each>")
+        return (f"<SimulatorBackend: {len(self._devs)} visible of {self.total_devices} simulated "
+                f"devices, {self.memory_per_device} bytes each>")
 
     # ------------------------------------------------------------ validation
     def _device(self, device: Any, call: str) -> int:
@@ -156,7 +168,7 @@ class SimulatorCore(Backend):
             raise ValueError(f"{call}: fill value {v} does not fit in {bits} bits")
         return v & ((1 << bits) - 1)
 
-    def _stream(self, stream: StreamHandle, call: str, allow_destroyed: bool = False) -> SimStream:
+    def stream_of(self, stream: StreamHandle, call: str, allow_destroyed: bool = False) -> SimStream:
         if type(stream) is SimStream and stream.backend is self:
             if stream.destroyed and not (allow_destroyed and stream.queue):
                 raise invalid_handle(call, "the stream was destroyed")
@@ -184,11 +196,11 @@ class SimulatorCore(Backend):
     # Declared here so that each mixin is typed against the whole backend; each is defined
     # in the module named in its docstring.
     @abc.abstractmethod
-    def _submit(self, s: SimStream, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def submit(self, s: SimStream, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Run ``fn(*args)`` in ``s``'s order (:mod:`.streams`)."""
 
     @abc.abstractmethod
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """Run every stream's runnable work (:mod:`.streams`)."""
 
     @abc.abstractmethod

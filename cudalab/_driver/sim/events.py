@@ -63,12 +63,12 @@ class SimEvents(SimulatorCore):
     def event_record(self, event: EventHandle, stream: StreamHandle) -> None:
         call = "cuEventRecord"
         ev = self._event(event, call)
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         if ev.device != s.device:
             raise invalid_handle(call, "event and stream belong to different devices")
         epoch = ev.epoch = ev.epoch + 1
         ev.rec_stream = s
-        self._submit(s, self._record_op, (ev, epoch))
+        self.submit(s, self._record_op, (ev, epoch))
 
     def event_query(self, event: EventHandle) -> bool:
         ev = self._event(event, "cuEventQuery")
@@ -77,7 +77,7 @@ class SimEvents(SimulatorCore):
         if ev.done >= ev.epoch:
             return True
         if self._pending:
-            self._pump()
+            self.pump()
         return ev.done >= ev.epoch
 
     def event_synchronize(self, event: EventHandle) -> None:
@@ -87,7 +87,7 @@ class SimEvents(SimulatorCore):
             self._refuse_in_capture("cuEventSynchronize", ev=ev)
         delay = 1e-4
         while ev.done < ev.epoch:
-            self._pump()
+            self.pump()
             if ev.done >= ev.epoch:
                 return
             s = ev.rec_stream
@@ -108,7 +108,7 @@ class SimEvents(SimulatorCore):
             if e.epoch == 0:
                 raise invalid_handle(call, f"{e!r} was never recorded")
         if (a.done < a.epoch or b.done < b.epoch) and self._pending:
-            self._pump()
+            self.pump()
         if a.done < a.epoch or b.done < b.epoch:
             raise CudaError(600, "CUDA_ERROR_NOT_READY", "device not ready", call=call)
         return (b.ts - a.ts) / 1e6

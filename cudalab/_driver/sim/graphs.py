@@ -2,7 +2,7 @@
 
 The graph concern of the simulator backend. While a stream is capturing (its ``capture`` is
 a :class:`_Capture`), every operation submitted to it (kernels, copies, fills; see
-:meth:`SimStreams._submit`) is recorded into the capture instead of run. An event recorded
+:meth:`SimStreams.submit`) is recorded into the capture instead of run. An event recorded
 on a capturing stream becomes a dependency inside the capture; a stream that waits on such
 an event joins the capture (a fork), and must be joined back (the origin, or another stream
 of the capture, waits on an event recorded after its last operation) before the capture
@@ -161,7 +161,7 @@ class SimGraphs(SimulatorCore):
     # ------------------------------------------------------------ capture
     def stream_begin_capture(self, stream: StreamHandle, mode: int = CAPTURE_MODE_GLOBAL) -> None:
         call = "cuStreamBeginCapture"
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         m = self._capture_mode(mode, call)
         if s.is_null:
             raise capture_error(900, call, "the legacy default stream cannot be captured")
@@ -174,7 +174,7 @@ class SimGraphs(SimulatorCore):
 
     def stream_end_capture(self, stream: StreamHandle) -> GraphHandle:
         call = "cuStreamEndCapture"
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         cap = s.capture
         if cap is None or cap.origin is not s:
             raise capture_error(903, call)
@@ -192,11 +192,11 @@ class SimGraphs(SimulatorCore):
         return GraphHandle(_Graph(s.device, list(cap.ops), cap.id))
 
     def stream_capture_info(self, stream: StreamHandle) -> tuple[int, int]:
-        cap = self._stream(stream, "cuStreamGetCaptureInfo").capture
+        cap = self.stream_of(stream, "cuStreamGetCaptureInfo").capture
         return (CAPTURE_STATUS_NONE, 0) if cap is None else (cap.status, cap.id)
 
     def stream_is_capturing(self, stream: StreamHandle) -> bool:
-        return self._stream(stream, "cuStreamIsCapturing").capture is not None
+        return self.stream_of(stream, "cuStreamIsCapturing").capture is not None
 
     def thread_exchange_capture_mode(self, mode: int) -> int:
         m = self._capture_mode(mode, "cuThreadExchangeStreamCaptureMode")
@@ -219,10 +219,10 @@ class SimGraphs(SimulatorCore):
         call = "cuGraphLaunch"
         if type(graph_exec) is not _GraphExec or graph_exec.destroyed:
             raise invalid_handle(call, f"{graph_exec!r} is not a live executable graph")
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         if s.device != graph_exec.device:
             raise invalid_value(call, "the graph was captured on another device")
-        self._submit(s, self._graph_op, (graph_exec,))
+        self.submit(s, self._graph_op, (graph_exec,))
 
     def graph_destroy(self, graph: GraphHandle) -> None:
         self._graph(graph, "cuGraphDestroy").destroyed = True

@@ -200,7 +200,7 @@ class SimKernels(SimulatorCore):
             raise invalid_handle(call, "not a kernel of this simulator")
         if function.module.unloaded:
             raise invalid_handle(call, "the kernel's module was unloaded")
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         if s.device != function.module.device:
             raise invalid_handle(call, "the kernel's module is loaded on another device")
         g = _dims(grid, _GRID_LIMITS, "grid", call)
@@ -213,7 +213,7 @@ class SimKernels(SimulatorCore):
         if not isinstance(args, _SimArgs):
             raise TypeError("launch: args must come from this backend's make_args()")
         self._devs[s.device].touched = True
-        self._submit(s, self._kernel_op,
+        self.submit(s, self._kernel_op,
                      (function, g, b, smem, args.values, self._devs[s.device].physical))
 
     # ================================================================ internals
@@ -236,4 +236,4 @@ class SimKernels(SimulatorCore):
                 f"unspecified launch failure (simulated kernel {fn.name!r} raised "
                 f"{type(exc).__name__}: {exc})", call="cuLaunchKernel") from exc
         finally:
-            self._activity[phys].append((t0, now(), ACTIVITY_KERNEL))
+            self.activity[phys].append((t0, now(), ACTIVITY_KERNEL))

@@ -73,18 +73,18 @@ class SimMemory(SimulatorCore):
         if self._captures:
             self._refuse_in_capture("cuMemFree")
         if self._pending:
-            self._pump()
+            self.pump()
         self._free(ptr, "cuMemFree")
 
     def mem_alloc_async(self, device: int, nbytes: int, stream: StreamHandle) -> int:
         self._device(device, "cuMemAllocAsync")
-        self._stream(stream, "cuMemAllocAsync")
+        self.stream_of(stream, "cuMemAllocAsync")
         return self._alloc(device, nbytes, "cuMemAllocAsync")
 
     def mem_free_async(self, device: int, ptr: int, stream: StreamHandle) -> None:
         call = "cuMemFreeAsync"
         self._device(device, call)
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         p = self._ptr(ptr, call)
         if not p:
             return
@@ -100,7 +100,7 @@ class SimMemory(SimulatorCore):
                 if loc is None or loc[1] in loc[0].async_freeing or p in self._pool_chunks:
                     raise invalid_value(call)
                 loc[0].async_freeing.add(loc[1])
-        self._submit(s, self._free, (p, call, True))
+        self.submit(s, self._free, (p, call, True))
 
     def mem_get_info(self, device: int) -> tuple[int, int]:
         d = self._device(device, "cuMemGetInfo")
@@ -132,7 +132,7 @@ class SimMemory(SimulatorCore):
         if not p:
             return
         if self._pending:
-            self._pump()
+            self.pump()
         with self._mem_lock:
             entry = self._host.pop(p, None)
             if entry is None:
@@ -149,8 +149,8 @@ class SimMemory(SimulatorCore):
         n = self._size(nbytes, call)
         if n == 0:
             return
-        hd = self._addr(self._ptr(dst, call), n, call)
-        hs = self._addr(self._ptr(src, call), n, call)
+        hd = self.checked_address(self._ptr(dst, call), n, call)
+        hs = self.checked_address(self._ptr(src, call), n, call)
         if self._captures:
             self._refuse_in_capture(call)
         self._sync_op(d, self._copy_op, (hd, hs, n, self._devs[d].physical))
@@ -158,15 +158,15 @@ class SimMemory(SimulatorCore):
     def memcpy_async(self, device: int, dst: int, src: int, nbytes: int, stream: StreamHandle) -> None:
         call = "cuMemcpyAsync"
         self._device(device, call)
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         n = self._size(nbytes, call)
         if n == 0:
             return
-        hd = self._addr(self._ptr(dst, call), n, call)
-        hs = self._addr(self._ptr(src, call), n, call)
+        hd = self.checked_address(self._ptr(dst, call), n, call)
+        hs = self.checked_address(self._ptr(src, call), n, call)
         if s.capture is not None:
             self._refuse_pageable_copy(s, dst, src, call)
-        self._submit(s, self._copy_op, (hd, hs, n, self._devs[s.device].physical))
+        self.submit(s, self._copy_op, (hd, hs, n, self._devs[s.device].physical))
 
     def memcpy_peer_async(
         self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: StreamHandle
@@ -174,7 +174,7 @@ class SimMemory(SimulatorCore):
         call = "cuMemcpyPeerAsync"
         dd = self._device(dst_device, call)
         sd = self._device(src_device, call)
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         n = self._size(nbytes, call)
         if n == 0:
             return
@@ -183,9 +183,9 @@ class SimMemory(SimulatorCore):
             raise invalid_value(call, f"destination 0x{pd:x} is not memory of device {dd}")
         if self._owner(ps) != sd:
             raise invalid_value(call, f"source 0x{ps:x} is not memory of device {sd}")
-        hd = self._addr(pd, n, call)
-        hs = self._addr(ps, n, call)
-        self._submit(s, self._copy_op, (hd, hs, n, self._devs[s.device].physical))
+        hd = self.checked_address(pd, n, call)
+        hs = self.checked_address(ps, n, call)
+        self.submit(s, self._copy_op, (hd, hs, n, self._devs[s.device].physical))
 
     def memset_d8(self, device: int, ptr: int, value: int, nbytes: int) -> None:
         call = "cuMemsetD8"
@@ -194,7 +194,7 @@ class SimMemory(SimulatorCore):
         n = self._size(nbytes, call)
         if n == 0:
             return
-        h = self._addr(self._ptr(ptr, call), n, call)
+        h = self.checked_address(self._ptr(ptr, call), n, call)
         if self._captures:
             self._refuse_in_capture(call)
         self._sync_op(d, self._memset8_op, (h, v, n, self._devs[d].physical))
@@ -202,18 +202,18 @@ class SimMemory(SimulatorCore):
     def memset_d8_async(self, device: int, ptr: int, value: int, nbytes: int, stream: StreamHandle) -> None:
         call = "cuMemsetD8Async"
         self._device(device, call)
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         v = self._fill_value(value, 8, call)
         n = self._size(nbytes, call)
         if n == 0:
             return
-        h = self._addr(self._ptr(ptr, call), n, call)
-        self._submit(s, self._memset8_op, (h, v, n, self._devs[s.device].physical))
+        h = self.checked_address(self._ptr(ptr, call), n, call)
+        self.submit(s, self._memset8_op, (h, v, n, self._devs[s.device].physical))
 
     def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
         call = "cuMemsetD32Async"
         self._device(device, call)
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         v = self._fill_value(value, 32, call)
         n = self._size(count, call)
         p = self._ptr(ptr, call)
@@ -221,8 +221,8 @@ class SimMemory(SimulatorCore):
             raise invalid_value(call, "pointer must be 4-byte aligned")
         if n == 0:
             return
-        h = self._addr(p, 4 * n, call)
-        self._submit(s, self._memset32_op, (h, v, n, self._devs[s.device].physical))
+        h = self.checked_address(p, 4 * n, call)
+        self.submit(s, self._memset32_op, (h, v, n, self._devs[s.device].physical))
 
     def pointer_device(self, ptr: int) -> int | None:
         """The ordinal owning ``ptr`` when it lies in a live simulated allocation, else None
@@ -251,7 +251,7 @@ class SimMemory(SimulatorCore):
         p = self._ptr(ptr, "host_view")
         if n == 0:
             return memoryview(bytearray())
-        addr = self._addr(p, n, "host_view")
+        addr = self.checked_address(p, n, "host_view")
         return memoryview((ctypes.c_ubyte * n).from_address(addr)).cast("B")
 
     def array(self, ptr: int, dtype: Any, count: int) -> Any:
@@ -431,7 +431,7 @@ class SimMemory(SimulatorCore):
                 if self._deferred_frees:
                     self._run_deferred_frees()
 
-    def _addr(self, p: int, n: int, call: str) -> int:
+    def checked_address(self, p: int, n: int, call: str) -> int:
         """Host address of [p, p + n), after checking that the range is usable."""
         if p >= VMM_BASE:
             hit = self._vmm_translate(p, n) if self._vmm_ranges else None
@@ -466,12 +466,12 @@ class SimMemory(SimulatorCore):
     def _copy_op(self, dst: int, src: int, n: int, phys: int) -> None:
         t0 = now()
         ctypes.memmove(dst, src, n)
-        self._activity[phys].append((t0, now(), ACTIVITY_COPY))
+        self.activity[phys].append((t0, now(), ACTIVITY_COPY))
 
     def _memset8_op(self, dst: int, value: int, n: int, phys: int) -> None:
         t0 = now()
         ctypes.memset(dst, value, n)
-        self._activity[phys].append((t0, now(), ACTIVITY_COPY))
+        self.activity[phys].append((t0, now(), ACTIVITY_COPY))
 
     def _memset32_op(self, dst: int, value: int, count: int, phys: int) -> None:
         t0 = now()
@@ -482,4 +482,4 @@ class SimMemory(SimulatorCore):
             step = min(filled, total - filled)
             ctypes.memmove(dst + filled, dst, step)
             filled += step
-        self._activity[phys].append((t0, now(), ACTIVITY_COPY))
+        self.activity[phys].append((t0, now(), ACTIVITY_COPY))

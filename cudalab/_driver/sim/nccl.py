@@ -420,7 +420,7 @@ class SimulatedNccl(Nccl):
                                  f"the simulator computes {NCCL_NUMPY_NAMES[dt]} with the optional "
                                  "'ml_dtypes' package, which is not installed") from None
         try:
-            s = self._b._stream(stream, call)
+            s = self._b.stream_of(stream, call)
         except CudaError as exc:
             raise nccl_error(call, NCCL_INVALID_ARGUMENT, str(exc)) from exc
         if s.device != c.device:
@@ -476,7 +476,7 @@ class SimulatedNccl(Nccl):
                              f"{c.device}")
         nbytes = count * _itemsize(dtype)
         try:
-            return self._b._addr(p, nbytes, call)
+            return self._b.checked_address(p, nbytes, call)
         except CudaError as exc:
             raise nccl_error(call, NCCL_INVALID_ARGUMENT,
                              f"{what} 0x{p:x} + {nbytes} bytes: {exc}") from exc
@@ -580,7 +580,7 @@ class SimulatedNccl(Nccl):
         compute = _Once(lambda: _compute(unit))
         streams = list({id(p.stream): p.stream for p in unit}.values())
         if len(streams) == 1:
-            b._submit(streams[0], compute, ())
+            b.submit(streams[0], compute, ())
             return
         arrived = []
         for s in streams:
@@ -591,10 +591,10 @@ class SimulatedNccl(Nccl):
             for j, ev in enumerate(arrived):
                 if j != i:
                     b.stream_wait_event(s, ev)
-            b._submit(s, compute, ())
+            b.submit(s, compute, ())
         for ev in arrived:
             b.event_destroy(ev)  # the queued waits keep what they need
-        b._pump()
+        b.pump()
 
 
 # ------------------------------------------------------------------------------ values

@@ -60,10 +60,10 @@ class SimulatedNvml(Nvml):
         return f"<SimulatedNvml: {self.device_count()} simulated devices (not a real NVML)>"
 
     def device_count(self) -> int:
-        return self._backend._n_total
+        return self._backend.total_devices
 
     def uuids(self) -> list[str]:
-        return list(self._backend._uuids)
+        return list(self._backend.physical_uuids)
 
     def name(self, uuid: str) -> str:
         self._index(uuid)
@@ -73,20 +73,20 @@ class SimulatedNvml(Nvml):
         text = str(uuid).strip().lower()
         if not text.startswith("gpu-"):
             text = "gpu-" + text
-        for i, u in enumerate(self._backend._uuids):
+        for i, u in enumerate(self._backend.physical_uuids):
             if u.lower() == text:
                 return i
         raise NvmlError(f"NVML (simulated): no simulated device has UUID {uuid!r}")
 
     def _used(self, phys: int) -> tuple[int, int]:
         b = self._backend
-        dev = b._by_physical.get(phys)
+        dev = b.by_physical.get(phys)
         if dev is None:  # hidden from this process by CUDA_VISIBLE_DEVICES
-            return b._capacity, 0
+            return b.memory_per_device, 0
         return dev.capacity, dev.used
 
     def utilization(self, uuid: str) -> tuple[int, int]:
-        return busy_percent(self._backend._activity[self._index(uuid)])
+        return busy_percent(self._backend.activity[self._index(uuid)])
 
     def memory_info(self, uuid: str) -> tuple[int, int, int]:
         total, used = self._used(self._index(uuid))
@@ -109,7 +109,7 @@ class SimulatedNvml(Nvml):
 
     def processes(self, uuid: str) -> list[tuple[int, int | None]]:
         phys = self._index(uuid)
-        dev = self._backend._by_physical.get(phys)
+        dev = self._backend.by_physical.get(phys)
         if dev is None or not dev.touched:
             return []
         return [(os.getpid(), self._used(phys)[1])]

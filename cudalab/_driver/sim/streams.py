@@ -78,7 +78,7 @@ class SimStreams(SimulatorCore):
         """Destroy a stream. Work still queued on it (a paused stream) stays queued and runs
         when :meth:`resume_stream` is given the destroyed handle."""
         call = "cuStreamDestroy"
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         if s.is_null or s.is_per_thread:
             raise invalid_handle(call, "a default stream cannot be destroyed")
         with s.lock:
@@ -87,11 +87,11 @@ class SimStreams(SimulatorCore):
                 self._devs[s.device].streams.discard(s)
 
     def stream_query(self, stream: StreamHandle) -> bool:
-        s = self._stream(stream, "cuStreamQuery")
+        s = self.stream_of(stream, "cuStreamQuery")
         if self._captures:
             self._refuse_in_capture("cuStreamQuery", s)
         if s.queue:
-            self._pump()
+            self.pump()
         return not s.queue and not s.draining
 
     def stream_synchronize(self, stream: StreamHandle) -> None:
@@ -100,14 +100,14 @@ class SimStreams(SimulatorCore):
         Raises RuntimeError (instead of hanging) when the stream can never become idle: it
         is paused with :meth:`pause_stream`, or waits for an event pending on such a stream.
         """
-        s = self._stream(stream, "cuStreamSynchronize")
+        s = self.stream_of(stream, "cuStreamSynchronize")
         if self._captures:
             self._refuse_in_capture("cuStreamSynchronize", s)
         self._sync_stream(s)
 
     def stream_wait_event(self, stream: StreamHandle, event: EventHandle) -> None:
         call = "cuStreamWaitEvent"
-        s = self._stream(stream, call)
+        s = self.stream_of(stream, call)
         ev = self._event(event, call)
         if (ev.captured is not None or s.capture is not None) and self._capture_wait(s, ev, call):
             return
@@ -118,10 +118,10 @@ class SimStreams(SimulatorCore):
             s.queue.append(StreamWait(ev, epoch, ev.rec_stream))
             self._pending.add(s)
         if ev.done >= epoch:  # completed meanwhile in another thread
-            self._pump()
+            self.pump()
 
     def stream_priority(self, stream: StreamHandle) -> int:
-        return self._stream(stream, "cuStreamGetPriority").priority
+        return self.stream_of(stream, "cuStreamGetPriority").priority
 
     def stream_priority_range(self, device: int) -> tuple[int, int]:
         self._device(device, "cuCtxGetStreamPriorityRange")
@@ -135,22 +135,22 @@ class SimStreams(SimulatorCore):
         until :meth:`resume_stream`. An operation already running in another thread finishes.
         Synchronising on a paused stream raises RuntimeError.
         """
-        s = self._stream(stream, "pause_stream", allow_destroyed=True)
+        s = self.stream_of(stream, "pause_stream", allow_destroyed=True)
         with s.lock:
             s.paused = True
 
     def resume_stream(self, stream: StreamHandle) -> None:
         """Simulator-only test hook: run ``stream``'s queued work in order, then anything that
         waited for it (streams waiting on its events, the legacy default stream)."""
-        s = self._stream(stream, "resume_stream", allow_destroyed=True)
+        s = self.stream_of(stream, "resume_stream", allow_destroyed=True)
         with s.lock:
             s.paused = False
-        self._pump()
+        self.pump()
 
 
     # ================================================================ internals
     # -- stream machinery
-    def _submit(self, s: SimStream, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def submit(self, s: SimStream, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Run ``fn(*args)`` in ``s``'s order: now if the stream is idle, else queued (or
         recorded into the stream's capture while it captures)."""
         if s.capture is not None:
@@ -171,7 +171,7 @@ class SimStreams(SimulatorCore):
         seq = self._record_seq
         self._run(s, first, args)
         if self._pending and self._record_seq != seq:
-            self._pump()
+            self.pump()
 
     def _run(self, s: SimStream, fn: Callable[..., Any] | None, args: tuple[Any, ...]) -> None:
         """Run ``fn`` (if any) then ``s``'s runnable queue; the caller set ``s.draining``."""
@@ -219,7 +219,7 @@ class SimStreams(SimulatorCore):
         self._run(s, None, ())
         return True
 
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """Run every stream's runnable work until nothing more can run."""
         while True:
             progressed = False
@@ -273,7 +273,7 @@ class SimStreams(SimulatorCore):
         delay = 1e-4
         while True:
             if s.queue:
-                self._pump()
+                self.pump()
             with s.lock:
                 if not s.queue and not s.draining:
                     return
@@ -300,7 +300,7 @@ class SimStreams(SimulatorCore):
             if reason:
                 raise RuntimeError("simulator: a synchronous copy/fill on the legacy default "
                                    f"stream of device {d} would wait forever: {reason}")
-        self._submit(null, fn, args)
+        self.submit(null, fn, args)
         self._sync_stream(null)
 
 

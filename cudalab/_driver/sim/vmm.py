@@ -166,7 +166,7 @@ class SimVmm(SimulatorCore):
         p = self._ptr(ptr, call)
         n = self._vmm_size(size, call)
         if self._pending:
-            self._pump()
+            self.pump()
         with self._mem_update(call):
             r = self._vmm_range_at(p)
             covered = []
@@ -215,7 +215,7 @@ class SimVmm(SimulatorCore):
         cached fits (OutOfMemoryError when the device cannot hold the chunk)."""
         call = "cuMemAllocFromPoolAsync"
         pl = self._pool(pool, call)
-        self._stream(stream, call)
+        self.stream_of(stream, call)
         n = self._size(nbytes, call)
         if n == 0:
             return 0  # the real driver accepts size 0 too (checked on an H100)
@@ -248,7 +248,7 @@ class SimVmm(SimulatorCore):
         runnable work (frees included) run."""
         pl = self._pool(pool, "cuMemPoolGetAttribute")
         if self._pending:
-            self._pump()
+            self.pump()
         with self._mem_lock:
             return pl.reserved, pl.reserved_high, pl.used, pl.used_high
 
@@ -265,7 +265,7 @@ class SimVmm(SimulatorCore):
         pl = self._pool(pool, call)
         k = self._size(keep, call)
         if self._pending:
-            self._pump()
+            self.pump()
         with self._mem_update(call):
             self._pool_drop_idle(pl, k)
 
