@@ -11,7 +11,7 @@ import importlib
 import os as _os
 from typing import Any
 
-from cudalab import _interrupts
+from cudalab import _interrupts, _observe
 from cudalab.devices import (
     Device,
     DeviceProperties,
@@ -66,6 +66,7 @@ __version__ = "0.1.0"
 # Ctrl-C is deferred while cudalab's modules are imported (first use loads them lazily) and
 # across its critical sections: a half-finished import is never left bound (cudalab._interrupts).
 _interrupts.guard_imports([_os.path.join(__path__[0], "")])
+_interrupts.guard(*_observe.MUTATORS)  # a bus list never changes without its flag
 _interrupts.install()
 
 # Public names that live in heavier modules, loaded on first access.

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cudalab import _internal, _interrupts, _sanitizer_hook
+from cudalab import _internal, _interrupts, _observe
 from cudalab import streams as _streams
-from cudalab import sync_debug as _sync
 from cudalab._kernels.fill import FILL_KERNELS
 from cudalab.allocator import registry as _registry
 from cudalab.errors import StreamCaptureError, name_operation
@@ -180,8 +179,8 @@ def device_copy(dst_device: int, dst: int, src_device: int, src: int, nbytes: in
     """
     if src_device == dst_device:
         stream = _streams.current_stream(dst_device)
-        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-            _sanitizer_hook.tracker.access(stream, ((src, nbytes),), ((dst, nbytes),),
+        if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+            _observe.access_tracker.access(stream, ((src, nbytes),), ((dst, nbytes),),
                                            "copy (device to device)")
         null_context(stream)
         stream._b.memcpy_async(dst_device, dst, src, nbytes, stream._handle)
@@ -192,14 +191,14 @@ def device_copy(dst_device: int, dst: int, src_device: int, src: int, nbytes: in
     dst_stream = _streams.current_stream(dst_device)
     b = stream._b
     peer = _internal.enable_peer_access(src_device, dst_device)
-    if peer and not _sanitizer_hook.on:
+    if peer and not _observe.access_on:
         b.memcpy_ordered(dst, src, nbytes, src_device, stream._handle,
                          _order_event_handle(src_device), dst_device, dst_stream._handle,
                          _order_event_handle(dst_device))
         return
     wait_stream(stream, dst_stream)
-    if _sanitizer_hook.on:
-        _sanitizer_hook.tracker.access(stream, ((src, nbytes),), ((dst, nbytes),), "copy (peer)")
+    if _observe.access_on:
+        _observe.access_tracker.access(stream, ((src, nbytes),), ((dst, nbytes),), "copy (peer)")
     null_context(stream)
     if peer:
         b.memcpy_async(src_device, dst, src, nbytes, stream._handle)
@@ -249,7 +248,7 @@ def device_copies(dst_device: int, copies: list[tuple[int, int, int, int]]) -> N
     Ctrl-C waits until the destination's stream waits for every copy issued (a result freed
     before that could be reused while a copy still writes into it), and so does an error.
     """
-    if _sanitizer_hook.on or sum(c[3] for c in copies) < OVERLAP_MIN_BYTES:
+    if _observe.access_on or sum(c[3] for c in copies) < OVERLAP_MIN_BYTES:
         # (the sanitizer sees each copy's ordering in device_copy)
         for dst, src_device, src, nbytes in copies:
             if nbytes:
@@ -345,7 +344,8 @@ def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stre
     pinned pool, which then records the use so the buffer is not reused too early."""
     pinned = non_blocking and pinned_pool()._lookup(host, n)
     if not pinned:
-        _sync._note_sync(what)  # before queuing: in "error" mode nothing is left in flight
+        if _observe.sync_on:  # before queuing: in "error" mode nothing is left in flight
+            _observe.notify_sync(what)
     null_context(stream)
     try:
         stream._b.memcpy_async(device, dst, src, n, stream._handle)
@@ -355,9 +355,9 @@ def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stre
             stream._b.stream_synchronize(stream._handle)
     except StreamCaptureError as exc:
         raise name_operation(exc, f"{what} (a copy to pageable host memory)") from exc
-    if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+    if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         to_host = host == dst
-        _sanitizer_hook.tracker.transfer(stream, src if to_host else dst, n, to_host, not pinned)
+        _observe.access_tracker.transfer(stream, src if to_host else dst, n, to_host, not pinned)
 
 
 def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Stream) -> None:
@@ -365,8 +365,8 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
     b = stream._b
     h = stream._handle
     nbytes = count * len(pattern)
-    if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-        _sanitizer_hook.tracker.access(stream, (), ((ptr, nbytes),), "fill")
+    if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+        _observe.access_tracker.access(stream, (), ((ptr, nbytes),), "fill")
     itemsize = len(pattern)
     byte_uniform = pattern.count(pattern[0]) == itemsize
     if not byte_uniform and (itemsize == 8 or itemsize == 2):

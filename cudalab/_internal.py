@@ -18,7 +18,8 @@ What it offers
 * **Launch observers**: :data:`launch_observers`, called by every runtime kernel launch.
 * **Collective observers**: :data:`collective_observers`, told of every collective as a
   :class:`CollectiveRecord` (:func:`notify_collective` tells them; :func:`collective_muted`
-  silences the inner collectives of one built on others).
+  silences the inner collectives of one built on others). Both lists are views of the
+  observer bus (:mod:`cudalab._observe`): its kernel-launch and collective families.
 * **Files**: :func:`atomic_write` and :func:`write_bytes_atomic` (see
   :mod:`cudalab._atomic_write`): every file cudalab writes replaces its target atomically, so
   a failed export leaves the previous file intact.
@@ -48,9 +49,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from cudalab import _interrupts
+from cudalab import _interrupts, _observe
 from cudalab import devices as _devices
 from cudalab._atomic_write import atomic_write, write_bytes_atomic
 from cudalab._driver.base import STATUS_NOT_READY, STATUS_SUCCESS, FastCalls
@@ -157,34 +158,26 @@ event_handle: Callable[[Any], Any] = attrgetter("_handle")
 
 #: Callables told about every kernel launch the runtime makes, as
 #: ``observer(name, device, stream, grid, block)`` right after the launch is queued. ``%%cuda_timed`` appends
-#: one while it times a cell. Launchers test the list's truth first, so an empty list costs
+#: one while it times a cell. It is the observer bus's kernel-launch list
+#: (:data:`cudalab._observe.launch_subscribers`): appending turns the bus's flag on, removing
+#: the last turns it off. Launchers test the list's truth first, so an empty list costs
 #: one check per launch. The kernel facility and the RNG bind this list object at import,
 #: so it is mutated in place, never rebound.
-launch_observers: list[Callable[..., Any]] = []
+launch_observers: _observe.Subscribers[_observe.LaunchObserver] = _observe.launch_subscribers
 
 
-class CollectiveRecord(NamedTuple):
-    """One collective call, as :data:`collective_observers` are told of it.
-
-    ``algorithm_bytes`` and ``bus_factor`` follow NVIDIA's nccl-tests (``doc/PERFORMANCE.md``),
-    so that algorithm bandwidth = ``algorithm_bytes / time`` and bus bandwidth = algorithm
-    bandwidth x ``bus_factor``: for all_reduce S = count x element size and factor 2(n-1)/n;
-    all_gather and reduce_scatter S = the whole gathered array, factor (n-1)/n; broadcast and
-    reduce S = count x element size, factor 1; send/recv S = the message, factor 1.
-    """
-
-    name: str  # the operation, e.g. "all_reduce", "comm.broadcast"
-    algorithm_bytes: int  # S of nccl-tests (bytes, >= 0)
-    nranks: int  # ranks (devices) taking part, >= 1
-    bus_factor: float  # busbw / algbw: 2(n-1)/n, (n-1)/n or 1
-    devices: tuple[int, ...]  # the devices of this process that take part, in rank order
+#: One collective call, as :data:`collective_observers` are told of it (defined with the
+#: observer bus, :class:`cudalab._observe.CollectiveRecord`).
+CollectiveRecord = _observe.CollectiveRecord
 
 
 #: Callables told about every collective the runtime issues (cudalab.nccl, cudalab.comm,
 #: Communicator), as ``observer(record)`` with a :class:`CollectiveRecord` after the
-#: collective is queued. ``%%cuda_timed`` appends one while it times a cell. Mutated in place,
-#: never rebound; issuers test its truth first, so an empty list costs one check.
-collective_observers: list[Callable[[CollectiveRecord], Any]] = []
+#: collective is queued. ``%%cuda_timed`` appends one while it times a cell. It is the
+#: observer bus's collective list (:data:`cudalab._observe.collective_subscribers`). Mutated
+#: in place, never rebound; issuers test its truth first, so an empty list costs one check.
+collective_observers: _observe.Subscribers[_observe.CollectiveObserver] = (
+    _observe.collective_subscribers)
 
 
 _muted = threading.local()  # .on: this thread is inside a collective that speaks for itself

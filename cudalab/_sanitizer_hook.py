@@ -1,17 +1,21 @@
-"""The stream sanitizer's switch, read by every place where cudalab touches device memory.
+"""The stream sanitizer's switch: a read-only view of the observer bus's memory-access family.
 
 :mod:`cudalab.sanitizer` sits high in the layers; the places it observes (events, streams,
-kernel launches, copies, fills, the RNG, frees) sit low. They reach it through this module,
-which imports nothing: each site reads the flag :data:`on` first and calls :data:`tracker`
-only when it is set::
+kernel launches, copies, fills, the RNG, frees) sit low. They reach it through the observer
+bus (:mod:`cudalab._observe`), which imports nothing of cudalab: each site reads the flag
+``_observe.access_on`` first and calls ``_observe.access_tracker`` only when it is set::
 
-    if _sanitizer_hook.on:
-        _sanitizer_hook.tracker.access(stream, reads, writes, "my_kernel")
+    if _observe.access_on:
+        _observe.access_tracker.access(stream, reads, writes, "my_kernel")
+
+This module keeps the old names as views of those two: :data:`on` is the bus's flag and
+:data:`tracker` its tracker (None while nobody listens); both are read-only here (subscribe
+with :func:`cudalab._observe.subscribe_access`, or :func:`cudalab.sanitizer.enable`).
 
 so with the sanitizer off a site costs one module-global read and no function call
 (docs/sanitizer.md, "Off means free"). The tracker is a
 :class:`cudalab.sanitizer.tracking.Tracker`; the methods the sites call are its hook
-protocol:
+protocol (:class:`cudalab._observe.MemoryAccessObserver`):
 
 ``allocated(ptr, nbytes, stream)``, ``freed(ptr)``, ``stream_recorded(ptr, stream)``
     an allocation, its free request, ``record_stream``;
@@ -32,13 +36,28 @@ protocol:
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
+
+from cudalab import _observe
 
 __all__: list[str] = []
 
-#: True while the sanitizer is enabled (then :data:`tracker` is set). Invariant: only
-#: :mod:`cudalab.sanitizer` writes it, together with :data:`tracker`.
-on = False
 
-#: The :class:`cudalab.sanitizer.tracking.Tracker` while :data:`on`; None otherwise.
-tracker: Any = None
+class _View(types.ModuleType):
+    """This module's class: ``on`` and ``tracker`` read the bus (nothing stored here)."""
+
+    @property
+    def on(self) -> bool:
+        """True while a memory-access observer listens (the bus's ``access_on``)."""
+        return _observe.access_on
+
+    @property
+    def tracker(self) -> Any:
+        """The bus's ``access_tracker``: the sanitizer's tracker while it is enabled (or a
+        fan-out when several observers listen); None while nobody listens."""
+        return _observe.access_tracker
+
+
+sys.modules[__name__].__class__ = _View

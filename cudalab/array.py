@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from cudalab import _dlpack, _internal, _interrupts, _sanitizer_hook
+from cudalab import _dlpack, _internal, _interrupts, _observe
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab._array_memory import (
@@ -188,8 +188,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             a = self._alloc = allocator_of(device)
             self._ptr = a.malloc(nbytes, stream)
             self._owns = True
-            if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-                _sanitizer_hook.tracker.allocated(self._ptr, nbytes, stream)
+            if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+                _observe.access_tracker.allocated(self._ptr, nbytes, stream)
         else:
             self._ptr = 0
         self._shape = shape
@@ -223,8 +223,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                 self._owns = False
                 if _streams._exiting:  # the process is ending: the driver reclaims everything
                     return
-                if _sanitizer_hook.on:  # the stream sanitizer: the free request
-                    _sanitizer_hook.tracker.freed(self._ptr, self._stream)
+                if _observe.access_on:  # the stream sanitizer: the free request
+                    _observe.access_tracker.freed(self._ptr, self._stream)
                 try:
                     self._alloc.free(self._ptr)
                 except ValueError:  # not this allocator's any more (a reset): the registry's
@@ -723,8 +723,8 @@ def zeros(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> Devi
     a = DeviceArray(size, dtype, device)
     if a._nbytes:
         stream = stream_of(a._device)
-        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-            _sanitizer_hook.tracker.access(stream, (), ((a._ptr, a._nbytes),), "fill (zeros)")
+        if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+            _observe.access_tracker.access(stream, (), ((a._ptr, a._nbytes),), "fill (zeros)")
         null_context(stream)
         stream._b.memset_d8_async(a._device, a._ptr, 0, a._nbytes, stream._handle)
     return a

@@ -11,7 +11,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Literal
 
-from cudalab import _driver, _sanitizer_hook
+from cudalab import _driver, _observe
 from cudalab._units import echo
 from cudalab.errors import (
     CudaError,
@@ -621,17 +621,15 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 
 def synchronize(device: Any = None) -> None:
     """Wait for all work on ``device`` to finish."""
-    from cudalab import sync_debug
-
-    if sync_debug._mode:
-        sync_debug._report("cudalab.synchronize()")
+    if _observe.sync_on:  # set_sync_debug_mode (one flag read while it is default)
+        _observe.notify_sync("cudalab.synchronize()")
     idx = _device_index(device)
     try:
         _backend().synchronize(idx)
     except StreamCaptureError as exc:
         raise name_operation(exc, "cudalab.synchronize()") from exc
-    if _sanitizer_hook.on:  # the stream sanitizer
-        _sanitizer_hook.tracker.device_synchronize(idx)
+    if _observe.access_on:  # the stream sanitizer
+        _observe.access_tracker.device_synchronize(idx)
 
 
 def get_arch_list() -> list[str]:

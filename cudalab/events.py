@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from cudalab import _sanitizer_hook as _hook
+from cudalab import _observe
 from cudalab import devices as _devices
 from cudalab import streams as _streams
-from cudalab import sync_debug as _sync
 from cudalab._driver.base import (
     EVENT_BLOCKING_SYNC,
     EVENT_DEFAULT,
@@ -125,8 +124,8 @@ class Event:
                 _devices._ensure_context(stream.device_index)
             if self._rec(h, stream._handle)[0]:
                 self._record_failed(stream)
-            if _hook.on:  # the stream sanitizer (one flag read while it is off)
-                _hook.tracker.event_record(self, stream)
+            if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+                _observe.access_tracker.event_record(self, stream)
         except AttributeError:
             if not isinstance(stream, _streams.Stream):
                 raise _not_a_stream("Event.record()", stream) from None
@@ -156,16 +155,16 @@ class Event:
 
     def synchronize(self) -> None:
         """Block the host until the event completes."""
-        if _sync._mode:
-            _sync._report("Event.synchronize()")
+        if _observe.sync_on:
+            _observe.notify_sync("Event.synchronize()")
         h = self._handle
         if h is not None:
             try:
                 self._b.event_synchronize(h)
             except StreamCaptureError as exc:
                 raise name_operation(exc, "Event.synchronize()") from exc
-            if _hook.on:
-                _hook.tracker.event_synchronize(self)
+            if _observe.access_on:
+                _observe.access_tracker.event_synchronize(self)
 
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for this event, without blocking the host."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from cudalab import _internal, _interrupts, _sanitizer_hook
+from cudalab import _internal, _interrupts, _observe
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab.allocator.async_allocator import AsyncPoolAllocator
@@ -686,10 +686,10 @@ def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -
     if a is None:
         a = get_allocator(d)
     ptr = a.malloc(size, stream)
-    if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+    if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         if stream is None or isinstance(stream, int):
             stream = _streams.current_stream(d) if not stream else _streams.ExternalStream(stream, d)
-        _sanitizer_hook.tracker.allocated(ptr, size, stream)
+        _observe.access_tracker.allocated(ptr, size, stream)
     return ptr
 
 
@@ -709,8 +709,8 @@ def caching_allocator_delete(mem_ptr: int) -> None:
     TypeError
         When it is not an int.
     """
-    if _sanitizer_hook.on:  # the stream sanitizer: the free request (its allocation stream
-        _sanitizer_hook.tracker.freed(mem_ptr)  # is the one seen at caching_allocator_alloc)
+    if _observe.access_on:  # the stream sanitizer: the free request (its allocation stream
+        _observe.access_tracker.freed(mem_ptr)  # is the one seen at caching_allocator_alloc)
     for a in _active:
         if mem_ptr in a._live:
             a.free(mem_ptr)
@@ -748,8 +748,8 @@ def record_stream(ptr: int, stream: Any) -> None:
     if isinstance(stream, int) and not isinstance(stream, bool):
         stream = _streams.ExternalStream(stream, device=a.device)
     a.record_stream(ptr, stream)
-    if _sanitizer_hook.on:  # the stream sanitizer: the allocator now waits for ``stream``
-        _sanitizer_hook.tracker.stream_recorded(ptr, stream)
+    if _observe.access_on:  # the stream sanitizer: the allocator now waits for ``stream``
+        _observe.access_tracker.stream_recorded(ptr, stream)
 
 
 _TOOLING = "cudalab.memory_tools."

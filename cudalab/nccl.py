@@ -46,7 +46,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from cudalab import _internal, _interrupts, _sanitizer_hook
+from cudalab import _internal, _interrupts, _observe
 from cudalab import nvtx as _nvtx
 from cudalab import streams as _streams
 from cudalab._driver.base import (
@@ -326,12 +326,12 @@ def issue_checked(name: str, ins: list[Any], outs: list[Any], root: int = 0,
     streams = [current_stream(d) for d in devices]
     _issue_run(_runner(devices), call, count, dtype, op, root, [a._ptr for a in ins],
                [0 if o is None else o._ptr for o in outs], [s._handle for s in streams])
-    if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+    if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         for i, (stream, a, o) in enumerate(zip(streams, ins, outs)):
             reads = [] if call == NCCL_CALL_BROADCAST and i != root else [(a.ptr, a.nbytes)]
             writes = [] if o is None or (call == NCCL_CALL_BROADCAST and i == root) else \
                 [(o.ptr, o.nbytes)]
-            _sanitizer_hook.tracker.access(stream, reads, writes, f"nccl.{name}")
+            _observe.access_tracker.access(stream, reads, writes, f"nccl.{name}")
 
 
 # ------------------------------------------------------------------------------ communicators
@@ -467,9 +467,9 @@ def _execute(name: str, call: int, count: int, dtype: int, op: int, root: int,
         # op, and the seam's checks give the same errors on every backend)
         _issue_group(nccl, call, count, dtype, op, root, sends, recvs, comms,
                      [_internal.stream_handle(s) for s in resolved])
-        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
+        if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
             for stream, (reads, writes) in zip(resolved, accesses()):
-                _sanitizer_hook.tracker.access(
+                _observe.access_tracker.access(
                     stream, [(a.ptr, a.nbytes) for a in reads],
                     [(a.ptr, a.nbytes) for a in writes], f"nccl.{name}")
         _internal.notify_collective(f"nccl.{name}", algorithm_bytes, len(ins), bus_factor,

@@ -14,9 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from cudalab import _sanitizer_hook as _hook
+from cudalab import _observe
 from cudalab import devices as _devices
-from cudalab import sync_debug as _sync
 from cudalab._driver.base import STATUS_NOT_READY, STREAM_NON_BLOCKING, ClosedHandle
 from cudalab.errors import StreamCaptureError, name_operation
 
@@ -110,8 +109,8 @@ class Stream:
         self._owned = True
         self._null = False
         self._ctx_stack = None
-        if _hook.on:  # the stream sanitizer: a new stream starts after what the host waited for
-            _hook.tracker.stream_created(self)
+        if _observe.access_on:  # the stream sanitizer: a new stream starts after what the host waited for
+            _observe.access_tracker.stream_created(self)
 
     @classmethod
     def _wrap(cls, device: int, handle: Any, owned: bool) -> Stream:
@@ -196,8 +195,8 @@ class Stream:
 
     def synchronize(self) -> None:
         """Block the host until all work on the stream has completed."""
-        if _sync._mode:
-            _sync._report("Stream.synchronize()")
+        if _observe.sync_on:  # set_sync_debug_mode (one flag read while it is default)
+            _observe.notify_sync("Stream.synchronize()")
         if self._null:
             from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
 
@@ -206,8 +205,8 @@ class Stream:
             self._b.stream_synchronize(self._handle)
         except StreamCaptureError as exc:
             raise name_operation(exc, "Stream.synchronize()") from exc
-        if _hook.on:  # the stream sanitizer (one flag read while it is off)
-            _hook.tracker.stream_synchronize(self)
+        if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+            _observe.access_tracker.stream_synchronize(self)
 
     def wait_event(self, event: Any) -> None:
         """Make all future work on this stream wait for ``event`` (no host sync)."""
@@ -220,8 +219,8 @@ class Stream:
 
             _internal.ensure_context(self.device_index)
         self._b.stream_wait_event(self._handle, h)
-        if _hook.on:
-            _hook.tracker.event_wait(event, self)
+        if _observe.access_on:
+            _observe.access_tracker.event_wait(event, self)
 
     def wait_stream(self, stream: Stream) -> None:
         """Make all future work on this stream wait for the work queued so far on ``stream``."""

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from cudalab import _internal, _sanitizer_hook
+from cudalab import _internal, _observe
 from cudalab._kernels import type_promotion as tp
 from cudalab._kernels.c_expression import FunctionBody, UnsupportedExpression, parse_body
 from cudalab._kernels.elementwise_sim import make_sim, twin_token
@@ -511,8 +511,8 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
     if plan.simulated:
         ptrs.append(_sim_token(fn, plan, sim))
     plan.kernel.launch_prepared(plan.grid, _BLOCK3, ptrs, stream)
-    if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-        _sanitizer_hook.tracker.access(stream, [_extent(x) for x in arrays],
+    if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+        _observe.access_tracker.access(stream, [_extent(x) for x in arrays],
                                        [_extent(o) for o in outs], f"kernel {plan.kernel.name}")
     return outs
 

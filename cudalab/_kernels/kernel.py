@@ -74,7 +74,7 @@ def is_launch_blocking() -> bool:
 #: (grid and block as 3-tuples, ``stream`` the cudalab Stream). Empty: no cost. The list
 #: object is owned by :mod:`cudalab._internal` (mutated in place, never rebound), so binding
 #: it here keeps the launch path at one global read.
-from cudalab import _internal, _sanitizer_hook  # noqa: E402
+from cudalab import _internal, _observe  # noqa: E402
 from cudalab._internal import launch_observers as _launch_observers  # noqa: E402
 
 # --------------------------------------------------------------------------- CUBIN cache
@@ -545,8 +545,8 @@ class Kernel:
         if _launch_observers:
             for observer in tuple(_launch_observers):
                 observer(self.name, device, stream, grid3, block3)
-        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-            _sanitizer_hook.tracker.kernel_launch(self, stream, values)
+        if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+            _observe.access_tracker.kernel_launch(self, stream, values)
 
     __call__ = launch
 

@@ -20,15 +20,19 @@ How a listener attaches
   used), plus private ones the listener was handed.
 
 Every allocator keeps the attribute ``_trace: AllocatorTrace | None``; None (the default)
-costs one ``is not None`` test per operation and nothing else. This module holds only
-types and the two attach functions; it imports nothing of cudalab, so every allocator
-module can name it.
+costs one ``is not None`` test per operation and nothing else. The attach functions keep
+the observer bus's allocation-trace family (:mod:`cudalab._observe`) in step: its list
+holds one entry per allocator traced, its flag says whether there is one. This module holds
+only types and the two attach functions; it imports nothing of cudalab but the bus, so
+every allocator module can name it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
+
+from cudalab import _observe
 
 __all__ = [
     "TRACE_ACTIONS",
@@ -53,8 +57,9 @@ TRACE_ACTIONS: tuple[str, ...] = ("alloc", "free_requested", "free_completed",
                                   "segment_unmap", "oom")
 
 
-class AllocatorTrace(Protocol):
-    """The hook an allocator calls as ``trace(action, addr, size, stream)``.
+class AllocatorTrace(_observe.AllocationTraceObserver, Protocol):
+    """The hook an allocator calls as ``trace(action, addr, size, stream)`` (the bus's
+    :class:`cudalab._observe.AllocationTraceObserver`, with its contract written out).
 
     The calls, in the order torch makes them:
 
@@ -189,10 +194,15 @@ def attach_trace(allocator: Traceable, trace: AllocatorTrace) -> None:
     Notes
     -----
     Frees deferred before the call are applied first (``sync_pending``), so they are not
-    reported to the new hook.
+    reported to the new hook. The bus's allocation-trace list gets ``trace`` (and loses the
+    hook it replaces).
     """
     allocator.sync_pending()
+    previous = allocator._trace
     allocator._trace = trace
+    if previous is not None:
+        _observe.unsubscribe_trace(previous)
+    _observe.subscribe_trace(trace)
 
 
 def detach_trace(allocator: Traceable) -> None:
@@ -205,4 +215,7 @@ def detach_trace(allocator: Traceable) -> None:
         A cudalab allocator; one without a hook is left as it is.
     """
     allocator.sync_pending()
+    previous = allocator._trace
     allocator._trace = None
+    if previous is not None:
+        _observe.unsubscribe_trace(previous)

@@ -15,22 +15,29 @@ before a native allocator (caching, expandable segments, or caching turned off) 
 Observers run with the allocator's lock released, so they may read statistics or take a
 snapshot. An observer that raises does not hide the out-of-memory error: its exception is
 reported as a :class:`RuntimeWarning` and the remaining observers still run.
+
+The observers are the observer bus's out-of-memory family (:mod:`cudalab._observe`):
+:data:`observers` is :data:`cudalab._observe.out_of_memory_subscribers`, and attaching
+subscribes there.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+
+from cudalab import _observe
 
 __all__ = ["attach_out_of_memory_observer", "notify_out_of_memory", "observers"]
 
-#: The attached observers, in attachment order. Invariant: only appended to (by
-#: attach_out_of_memory_observer) or cleared by tests; the allocators test it for
-#: emptiness before building any argument, so no observer costs nothing.
-observers: list[Callable[[int, int, int, int], object]] = []
+#: The attached observers, in attachment order (the bus's out-of-memory list, never rebound).
+#: Invariant: only appended to (by attach_out_of_memory_observer) or cleared by tests; the
+#: allocators test it for emptiness before building any argument, so no observer costs
+#: nothing.
+observers: _observe.Subscribers[_observe.OutOfMemoryObserver] = (
+    _observe.out_of_memory_subscribers)
 
 
-def attach_out_of_memory_observer(observer: Callable[[int, int, int, int], object]) -> None:
+def attach_out_of_memory_observer(observer: _observe.OutOfMemoryObserver) -> None:
     """Call ``observer(device, alloc, device_allocated, device_free)`` before every
     out-of-memory error of a native allocator, on every device (see the module doc).
 
@@ -48,7 +55,7 @@ def attach_out_of_memory_observer(observer: Callable[[int, int, int, int], objec
         raise TypeError(
             f"observer must be callable as observer(device, alloc, device_allocated, "
             f"device_free), got {type(observer).__name__} {observer!r}")
-    observers.append(observer)
+    _observe.subscribe_out_of_memory(observer)
 
 
 def notify_out_of_memory(device: int, alloc: int, device_allocated: int,

@@ -11,7 +11,8 @@ Fields (guarded by ``_registry_lock`` for writes; read without it on the hot get
 * ``_custom``: the :class:`~cudalab.allocator.pluggable.PluggableAllocator` installed by
   ``change_current_allocator``, or None (read it with :func:`custom_factory`); it can only
   change while :data:`active` is empty;
-* ``_on_create``: create hooks (see :func:`add_create_hook`).
+* ``_on_create``: create hooks (see :func:`add_create_hook`): the observer bus's
+  allocator-created list (:data:`cudalab._observe.allocator_created_subscribers`).
 
 Both lists are module-level objects that are never rebound (only appended to, assigned by
 index, or cleared by ``_reset_for_tests``), so a reader may bind them once at import
@@ -25,7 +26,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from cudalab import _interrupts
+from cudalab import _interrupts, _observe
 from cudalab import streams as _streams
 from cudalab.allocator.async_allocator import AsyncPoolAllocator
 from cudalab.allocator.base import Allocator
@@ -176,8 +177,10 @@ _config: AllocatorConfig | None = None
 #: while ``active`` is empty. Read it with custom_factory().
 _custom: DeviceAllocatorFactory | None = None
 #: Called with each allocator get_allocator() creates, before it is published (the history
-#: recorder attaches itself here, see cudalab.allocator.hooks); a hook must not raise.
-_on_create: list[Callable[[Allocator], None]] = []
+#: recorder attaches itself here, see cudalab.allocator.hooks); a hook must not raise. The
+#: bus's allocator-created list (never rebound; its flag follows it).
+_on_create: _observe.Subscribers[_observe.AllocatorCreatedObserver] = (
+    _observe.allocator_created_subscribers)
 
 
 def add_create_hook(hook: Callable[[Allocator], None]) -> None:
@@ -197,13 +200,12 @@ def add_create_hook(hook: Callable[[Allocator], None]) -> None:
     recorder does.
     """
     if hook not in _on_create:
-        _on_create.append(hook)
+        _observe.subscribe_allocator_created(hook)
 
 
 def remove_create_hook(hook: Callable[[Allocator], None]) -> None:
     """Undo :func:`add_create_hook` (nothing if ``hook`` was not added)."""
-    if hook in _on_create:
-        _on_create.remove(hook)
+    _observe.unsubscribe_allocator_created(hook)
 
 
 def _forget_closed_stream(stream: _streams.Stream) -> None:

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cudalab import _internal, _interrupts, _sanitizer_hook
+from cudalab import _internal, _interrupts, _observe
 from cudalab import array as _array
 from cudalab import devices as _devices
 from cudalab import nccl as _nccl
@@ -462,8 +462,8 @@ class Communicator:
         """``call(*args)`` (one NCCL call) on this communicator's device, inside its NVTX
         range; the arrays it ``reads`` and ``writes`` are told to the stream sanitizer."""
         _internal.ensure_context(self._device)
-        if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-            _sanitizer_hook.tracker.access(s, [(a.ptr, a.nbytes) for a in reads],
+        if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+            _observe.access_tracker.access(s, [(a.ptr, a.nbytes) for a in reads],
                                            [(a.ptr, a.nbytes) for a in writes], f"nccl {name}")
         _nvtx.range_push(f"cudalab.comm.{name}")
         try:

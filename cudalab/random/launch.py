@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from cudalab import _sanitizer_hook
+from cudalab import _observe
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab._driver.base import ClosedHandle
@@ -142,8 +142,8 @@ def _launch(kernel: Any, device: int, stream: _streams.Stream, grid: tuple, bloc
     if _launch_observers:
         for observer in tuple(_launch_observers):
             observer(kernel.name, device, stream, grid, block)
-    if _sanitizer_hook.on:  # the stream sanitizer (one flag read while it is off)
-        _sanitizer_hook.tracker.kernel_launch(kernel, stream, args)
+    if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+        _observe.access_tracker.kernel_launch(kernel, stream, args)
 
 
 # The RNG launch path reads the runtime's context switch as a module global (no _internal

@@ -17,8 +17,9 @@ is recorded with its stream, and happens-before comes from stream order, events,
     session.reports
 
 ``CUDALAB_SANITIZER=1`` (or ``warn``) enables it when cudalab is imported; ``%%cuda_sanitize``
-runs one notebook cell under it. Off, it costs each access site one flag read
-(:mod:`cudalab._sanitizer_hook`). See docs/sanitizer.md.
+runs one notebook cell under it. Off, it costs each access site one flag read: the
+sanitizer's tracker is a memory-access observer of the observer bus (:mod:`cudalab._observe`,
+its flag :data:`~cudalab._observe.access_on`). See docs/sanitizer.md.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from cudalab import _sanitizer_hook as _hook
+from cudalab import _interrupts, _observe
 from cudalab.sanitizer.report import (
     HOST_READ,
     KINDS,
@@ -99,9 +100,23 @@ class Session:
         return f"<cudalab.sanitizer.Session {len(self.reports)} findings, {self.accesses} accesses>"
 
 
+#: The sanitizer's tracker while it is enabled, else None. Invariant: subscribed to the bus's
+#: memory-access family exactly while it is set (only _install writes both).
+_installed: Tracker | None = None
+
+
 def _install(tracker: Tracker | None) -> None:
-    _hook.tracker = tracker
-    _hook.on = tracker is not None
+    """Make ``tracker`` the sanitizer's (None: off): the previous one leaves the bus, the
+    new one joins it (Ctrl-C deferred across the three steps)."""
+    global _installed
+    previous, _installed = _installed, tracker
+    if previous is not None:
+        _observe.unsubscribe_access(previous)
+    if tracker is not None:
+        _observe.subscribe_access(tracker)
+
+
+_interrupts.guard(_install)
 
 
 def enable(on_race: str = "raise") -> Session:
@@ -150,7 +165,7 @@ def enable_from_env() -> Session | None:
 
 def _print_pending() -> None:
     """At exit: print the findings of frees that no later access raised (raise mode)."""
-    tracker = _hook.tracker
+    tracker = _installed
     if tracker is None or not tracker._pending:
         return
     import sys
@@ -168,7 +183,7 @@ def disable() -> None:
     StreamRaceError
         In raise mode, for findings of frees not raised yet.
     """
-    tracker = _hook.tracker
+    tracker = _installed
     _install(None)
     if tracker is not None:
         tracker.flush()
@@ -176,12 +191,12 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     """Whether the sanitizer is on."""
-    return bool(_hook.on)
+    return _installed is not None
 
 
 def reports() -> list[Report]:
     """The findings of the running analysis ([] when the sanitizer is off)."""
-    tracker = _hook.tracker
+    tracker = _installed
     return [] if tracker is None else list(tracker.reports)
 
 
@@ -205,7 +220,7 @@ def sanitize(on_race: str = "raise") -> Iterator[Session]:
         In raise mode, from the racing operation, or at the end of the block for findings of
         frees not raised yet.
     """
-    previous = _hook.tracker
+    previous = _installed
     tracker = Tracker(on_race)
     _install(tracker)
     try:
@@ -277,6 +292,6 @@ def record_launch(reads: Sequence[Any] | Any = (), writes: Sequence[Any] | Any =
         raise TypeError(f"record_launch: stream must be a cudalab.Stream, got {stream!r}")
     if not isinstance(name, str):
         raise TypeError(f"record_launch: name must be a str, got {type(name).__name__}")
-    tracker = _hook.tracker
-    if _hook.on and tracker is not None:
+    tracker = _observe.access_tracker
+    if _observe.access_on and tracker is not None:
         tracker.access(stream, read_ranges, write_ranges, name)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab import _internal, _sanitizer_hook, nccl
+from cudalab import _internal, _observe, nccl
 from cudalab import nvtx as cudalab_nvtx
 from cudalab.errors import NcclError
 from tests.helpers.gpu import HAS_GPU
@@ -392,10 +392,11 @@ def test_sanitizer_sees_the_accesses(two, monkeypatch):
     tracker = Tracker()
     ins = [cudalab.zeros(4, device=d) for d in two]
     outs = [cudalab.zeros(4, device=d) for d in two]
-    monkeypatch.setattr(_sanitizer_hook, "tracker", tracker)
-    monkeypatch.setattr(_sanitizer_hook, "on", True)
-    nccl.all_reduce(ins, outs)
-    monkeypatch.setattr(_sanitizer_hook, "on", False)
+    _observe.subscribe_access(tracker)  # (the sanitizer's hook: the bus's memory-access family)
+    try:
+        nccl.all_reduce(ins, outs)
+    finally:
+        _observe.unsubscribe_access(tracker)
     assert tracker.calls == [
         (d, [(ins[d].ptr, 16)], [(outs[d].ptr, 16)], "nccl.all_reduce") for d in two]
 

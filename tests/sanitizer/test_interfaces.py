@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab import _sanitizer_hook, sanitizer
+from cudalab import _observe, _sanitizer_hook, sanitizer
 from cudalab.testing import count_calls
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -261,12 +261,16 @@ def _workload():
 def test_off_the_sites_call_nothing(monkeypatch):
     cudalab.init()
     spy = _Spy()
-    monkeypatch.setattr(_sanitizer_hook, "tracker", spy)
     _workload()
-    assert spy.calls == 0  # the flag is off: no site called the tracker
-    monkeypatch.setattr(_sanitizer_hook, "on", True)
-    _workload()
+    assert spy.calls == 0 and not _sanitizer_hook.on  # nobody subscribed: no site calls
+    _observe.subscribe_access(spy)
+    try:
+        assert _sanitizer_hook.on and _sanitizer_hook.tracker is spy
+        _workload()
+    finally:
+        _observe.unsubscribe_access(spy)
     assert spy.calls >= 15  # every site reports once the flag is on
+    assert not _sanitizer_hook.on and _sanitizer_hook.tracker is None
 
 
 def test_the_sanitizer_makes_no_driver_call():
