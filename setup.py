@@ -6,10 +6,10 @@ headers the install still succeeds and cudalab uses the Python twin (same result
 * ``cudalab.memory_tools._stackstamp``, history's stack stamps, reads CPython's private
   interpreter frames, so it is built only for CPython 3.11-3.13 with the GIL;
   ``cudalab.memory_tools.stacks`` falls back to its pure-Python stamp.
-* ``cudalab._driver._fastcall`` calls the driver's hot entry points (cuLaunchKernel,
+* ``cudalab._driver.fastcall`` calls the driver's hot entry points (cuLaunchKernel,
   cuEventRecord, cuStreamWaitEvent, ...) from C (public C API only), for CPython with the
   GIL; ``cudalab._driver.cuda`` falls back to cuda.bindings' wrappers.
-* ``cudalab._driver._ncclcall`` makes a single-process clique's NCCL group (start, one call
+* ``cudalab._driver.ncclcall`` makes a single-process clique's NCCL group (start, one call
   per rank, end) in one C call; ``cudalab._driver.nccl`` falls back to nccl4py's wrappers.
 
 ``CUDALAB_PURE_PYTHON=1`` builds neither.
@@ -29,9 +29,9 @@ def _extensions() -> list:
             or sysconfig.get_config_var("Py_GIL_DISABLED")):
         return []
     shared = ["cudalab/_driver/_capi.h"]  # the argument parsing both include
-    extensions = [Extension("cudalab._driver._fastcall", ["cudalab/_driver/_fastcall.c"],
+    extensions = [Extension("cudalab._driver.fastcall", ["cudalab/_driver/fastcall.c"],
                             depends=shared, optional=True),
-                  Extension("cudalab._driver._ncclcall", ["cudalab/_driver/_ncclcall.c"],
+                  Extension("cudalab._driver.ncclcall", ["cudalab/_driver/ncclcall.c"],
                             depends=shared, optional=True)]
     if (3, 11) <= sys.version_info[:2] <= (3, 13):
         include = sysconfig.get_paths()["include"]

@@ -167,7 +167,7 @@ def _format_info(info: dict[str, Any]) -> str:
         lines.append("stacks   " + ("compiled stamp (cudalab.memory_tools._stackstamp)" if stamp == "compiled"
                                   else "pure-Python stamp"))
     if info.get("launch_calls"):
-        lines.append("launches " + ("compiled fast calls (cudalab._driver._fastcall)"
+        lines.append("launches " + ("compiled fast calls (cudalab._driver.fastcall)"
                                     if info["launch_calls"] == "compiled"
                                     else "cuda.bindings wrappers"))
     if info["error"] is not None:

@@ -1,5 +1,5 @@
 /* cudalab/_driver/_capi.h: the argument parsing that cudalab's two C call modules share
- * (_fastcall.c, the driver's hot calls, and _ncclcall.c, the NCCL group call), so the two
+ * (fastcall.c, the driver's hot calls, and ncclcall.c, the NCCL group call), so the two
  * cannot drift: driver and NCCL handles, device addresses, arity, setup()'s entry points. Static functions: each
  * module that includes it gets its own copy. Include after <Python.h>. */
 #ifndef CUDALAB_DRIVER_CAPI_H

@@ -121,15 +121,15 @@ from cudalab._driver.handles import (
 from cudalab.errors import CudaError, DriverNotFoundError
 
 try:  # optional C twin of the hot driver calls (setup.py builds it; see _bind_fastcall)
-    from cudalab._driver import _fastcall  # type: ignore[attr-defined]  # C, no stub
+    from cudalab._driver import fastcall  # type: ignore[attr-defined]  # C, no stub
 except ImportError:  # pragma: no cover - a pure-Python install
-    _fastcall = None
+    fastcall = None
 
 # ------------------------------------------------------------------------- C fast calls
 # The C twins live in the fast-call registry cuda_api.FAST (None where the extension is not
 # built or the driver did not give the entry points: then the cuda.bindings wrappers are
 # used), bound by _bind_fastcall() in CudaBackend.init().
-#: The driver symbols _fastcall.setup() takes, in its order.
+#: The driver symbols fastcall.setup() takes, in its order.
 _FAST_SYMBOLS = (b"cuLaunchKernel", b"cuEventRecord", b"cuStreamWaitEvent", b"cuGraphLaunch",
                  b"cuCtxGetCurrent", b"cuCtxSetCurrent", b"cuMemcpyAsync")
 
@@ -151,10 +151,10 @@ def entry_point(symbol: bytes, driver_version: int) -> int:
 
 
 def _bind_fastcall(driver_version: int) -> None:
-    """Give _fastcall the driver's entry points (cuGetProcAddress, with the default-stream
+    """Give fastcall the driver's entry points (cuGetProcAddress, with the default-stream
     semantics cuda.bindings itself uses), and publish its functions; on any failure keep what
     is in use (the bindings, or an earlier backend's binding to the same driver)."""
-    if _fastcall is None:
+    if fastcall is None:
         return
     if fastcall_turned_off():  # the bindings from now
         for name in C_TWINS:
@@ -164,11 +164,11 @@ def _bind_fastcall(driver_version: int) -> None:
     addresses = [entry_point(symbol, driver_version) for symbol in _FAST_SYMBOLS]
     if not all(addresses):
         return
-    _fastcall.setup(*addresses, cuda_error)
+    fastcall.setup(*addresses, cuda_error)
     for name in C_TWINS:
-        setattr(FAST, name, getattr(_fastcall, name))
+        setattr(FAST, name, getattr(fastcall, name))
     # the C twin of cuEventRecord returns the bindings' (CUresult,): a status call as they are
-    FAST.event_record = _fastcall.event_record
+    FAST.event_record = fastcall.event_record
 
 # ------------------------------------------------------------------------- kernel args
 #: signature code -> (struct format of the 8-byte slot, min, max) (min/max None for floats).
@@ -219,7 +219,7 @@ class CudaKernelArgs(KernelArgs):
         self._ptrs = np.array([base + 8 * i for i in range(n)], dtype=np.intp)
         # NULL kernelParams for a kernel without parameters.
         self.address_int = int(self._ptrs.ctypes.data) if n else 0
-        #: What _fastcall.launch_packed reads (fixed for the pack's life): the kernelParams
+        #: What fastcall.launch_packed reads (fixed for the pack's life): the kernelParams
         #: address, the first slot's address, and one struct code per slot (the first
         #: character of its _ARG_KINDS format, so the two cannot drift).
         self.native = (self.address_int, int(base),
@@ -380,8 +380,8 @@ class CudaBackend(CudaGraphs):
                 # "host/call" rows of benchmarks/jiterator.py), and launches a graph (the
                 # "replay() host cost" row of benchmarks/graphs.py). Both raise cuda_error's
                 # exception, as the methods they stand in for.
-                self.launch_values = _fastcall.launch_packed  # type: ignore[method-assign]
-                self.graph_launch = _fastcall.graph_launch  # type: ignore[method-assign]
+                self.launch_values = fastcall.launch_packed  # type: ignore[method-assign]
+                self.graph_launch = fastcall.graph_launch  # type: ignore[method-assign]
             self._initialized = True
 
     def driver_version(self) -> int:
@@ -609,7 +609,7 @@ class CudaBackend(CudaGraphs):
             raise cuda_error(err, "cuStreamDestroy")
 
     def fast_calls(self) -> FastCalls:
-        # The process-wide registry: the bindings themselves (and _fastcall's event_record,
+        # The process-wide registry: the bindings themselves (and fastcall's event_record,
         # which returns the same (CUresult,) tuple) return (CUresult, ...) and never raise.
         return FAST
 

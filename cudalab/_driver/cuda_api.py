@@ -187,7 +187,7 @@ else:  # pragma: no cover - only without cuda-bindings
 # ------------------------------------------------------------------ fast calls
 #: The real backend's fast-call registry (:class:`cudalab._driver.fast_calls.FastCalls`),
 #: process-wide as the C extension it binds: the bindings' own status-returning functions,
-#: and the C twins of :mod:`cudalab._driver._fastcall` once
+#: and the C twins of :mod:`cudalab._driver.fastcall` once
 #: ``cudalab._driver.cuda._bind_fastcall`` has bound them (None until then, or where the
 #: extension is not built or the driver did not give the entry points). cuda.py,
 #: cuda_memory.py and the NCCL seam read it; :meth:`CudaBackend.fast_calls` returns it.

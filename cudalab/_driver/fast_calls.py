@@ -7,7 +7,7 @@ backend has one registry, from :meth:`Backend.fast_calls`:
 
 * the real backend's is :data:`cudalab._driver.cuda_api.FAST`, process-wide (the C
   extension it binds is), filled with ``cuda.bindings``' own functions and, once
-  :meth:`CudaBackend.init` has bound them, the C twins of :mod:`cudalab._driver._fastcall`;
+  :meth:`CudaBackend.init` has bound them, the C twins of :mod:`cudalab._driver.fastcall`;
 * the simulator's (the default of :meth:`Backend.fast_calls`) wraps its checked methods.
 
 Two kinds of fields:
@@ -58,7 +58,7 @@ class FastCalls:
 
     Notes
     -----
-    The C twins, as :mod:`cudalab._driver._fastcall` defines them:
+    The C twins, as :mod:`cudalab._driver.fastcall` defines them:
     ``launch_kernel(function, grid, block, shared_mem, stream, params)``,
     ``stream_wait_event(stream, event, flags)``, ``ctx_set_current(context)`` and
     ``memcpy_async(dst, src, nbytes, stream)`` return the CUresult; ``ctx_get_current()`` the

@@ -62,9 +62,9 @@ from cudalab._driver.handles import CommHandle, OpaqueHandle, StreamHandle
 from cudalab.errors import NcclError
 
 try:  # optional C group call (setup.py builds it; see RealNccl._bind_group_call)
-    from cudalab._driver import _ncclcall  # type: ignore[attr-defined]  # C, no stub
+    from cudalab._driver import ncclcall  # type: ignore[attr-defined]  # C, no stub
 except ImportError:  # pragma: no cover - a pure-Python install
-    _ncclcall = None
+    ncclcall = None
 
 __all__ = ["RealComm", "RealNccl", "NOT_INSTALLED"]
 
@@ -72,7 +72,7 @@ __all__ = ["RealComm", "RealNccl", "NOT_INSTALLED"]
 NOT_INSTALLED = ("NCCL is not available: the 'nccl4py' package is not installed "
                  "(pip install 'cudalab[nccl]')")
 
-#: The NCCL entry points the C group call takes, in _ncclcall.setup's order.
+#: The NCCL entry points the C group call takes, in ncclcall.setup's order.
 _GROUP_CALL_SYMBOLS = ("ncclGroupStart", "ncclGroupEnd", *NCCL_CALL_NAMES)
 
 #: ncclResult_t names, as nccl.h spells them.
@@ -132,14 +132,14 @@ class RealNccl(Nccl):
             raise NcclError(NOT_INSTALLED, None) from exc
         self._b = backend
         self._nccl = bindings
-        #: _ncclcall.group_call once its entry points are set (None: nccl4py's Python calls)
+        #: ncclcall.group_call once its entry points are set (None: nccl4py's Python calls)
         self._group_call: Callable[..., Any] | None = self._bind_group_call()
 
     def _bind_group_call(self) -> Callable[..., Any] | None:
         """Give the C group call the entry points of the libnccl nccl4py loaded and the
         driver's context calls; None (nccl4py's Python calls) where the extension is not
         built, ``CUDALAB_FASTCALL=0`` or an address is missing."""
-        if _ncclcall is None or fastcall_turned_off():
+        if ncclcall is None or fastcall_turned_off():
             return None
         try:
             from nccl.bindings._internal import nccl as loader
@@ -161,8 +161,8 @@ class RealNccl(Nccl):
             return None
         if not all(addresses):
             return None
-        _ncclcall.setup(*addresses)
-        return _ncclcall.group_call
+        ncclcall.setup(*addresses)
+        return ncclcall.group_call
 
     # ------------------------------------------------------------------ identity
     def version(self) -> int:
@@ -334,16 +334,16 @@ class RealNccl(Nccl):
 
     def _raise_group_failure(self, name: str, failure: tuple[int, int, int],
                              comms: Sequence[CommHandle]) -> None:
-        """Raise what the per-rank calls would have raised for _ncclcall's ``failure``."""
+        """Raise what the per-rank calls would have raised for ncclcall's ``failure``."""
         stage, rank, code = failure
-        if stage in (_ncclcall.STAGE_SAVE_CONTEXT, _ncclcall.STAGE_SET_CONTEXT,
-                     _ncclcall.STAGE_RESTORE_CONTEXT):
-            call = "cuCtxGetCurrent" if stage == _ncclcall.STAGE_SAVE_CONTEXT else \
+        if stage in (ncclcall.STAGE_SAVE_CONTEXT, ncclcall.STAGE_SET_CONTEXT,
+                     ncclcall.STAGE_RESTORE_CONTEXT):
+            call = "cuCtxGetCurrent" if stage == ncclcall.STAGE_SAVE_CONTEXT else \
                 "cuCtxSetCurrent"
             raise cuda_error(code, call)
-        if stage == _ncclcall.STAGE_CALL:
+        if stage == ncclcall.STAGE_CALL:
             raise self._error(name, getattr(comms[rank], "comm", None), code)
-        call = "ncclGroupStart" if stage == _ncclcall.STAGE_GROUP_START else "ncclGroupEnd"
+        call = "ncclGroupStart" if stage == ncclcall.STAGE_GROUP_START else "ncclGroupEnd"
         raise self._error(call, None, code)
 
     # ------------------------------------------------------------------ collectives

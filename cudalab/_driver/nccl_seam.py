@@ -43,7 +43,7 @@ NCCL_NUMPY_NAMES = {
 NCCL_UNIQUE_ID_SIZE = 128
 
 #: The collectives :meth:`Nccl.group_call` issues, numbered as the real backend's C group call
-#: numbers them (cudalab/_driver/_ncclcall.c; tests/driver/test_ncclcall.py compares the two).
+#: numbers them (cudalab/_driver/ncclcall.c; tests/driver/test_ncclcall.py compares the two).
 NCCL_CALL_ALL_REDUCE, NCCL_CALL_BROADCAST, NCCL_CALL_REDUCE = 0, 1, 2
 NCCL_CALL_ALL_GATHER, NCCL_CALL_REDUCE_SCATTER = 3, 4
 #: Each collective's name in NCCL's C API (error messages say which call failed).

@@ -1,4 +1,4 @@
-"""The C twin of the hot driver calls (:mod:`cudalab._driver._fastcall`, setup.py builds it).
+"""The C twin of the hot driver calls (:mod:`cudalab._driver.fastcall`, setup.py builds it).
 
 Part (a) runs everywhere: the module's argument checks, which come before any driver call, and
 its refusal to run before ``setup()``. Part (b) (``@pytest.mark.gpu``) checks on the real
@@ -21,7 +21,7 @@ import pytest
 
 from cudalab._driver.base import ClosedHandle
 
-fastcall = pytest.importorskip("cudalab._driver._fastcall",
+fastcall = pytest.importorskip("cudalab._driver.fastcall",
                                reason="the optional C extension is not built here")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,7 @@ def test_context_and_copy_calls_check_their_arguments_first():
 # In a fresh process, because setup() changes the module's global entry points.
 _FAKE_DRIVER = textwrap.dedent("""
     import ctypes, json
-    from cudalab._driver import _fastcall
+    from cudalab._driver import fastcall
     log, fail, state = [], {}, {"ctx": 0x99}
     P = ctypes.c_void_p
     def record(event, stream):
@@ -134,7 +134,7 @@ _FAKE_DRIVER = textwrap.dedent("""
         ctypes.CFUNCTYPE(ctypes.c_int, P)(set_),
         ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_size_t,
                          P)(copy)]
-    _fastcall.setup(*[ctypes.cast(f, P).value for f in FUNCTIONS], lambda code, call: None)
+    fastcall.setup(*[ctypes.cast(f, P).value for f in FUNCTIONS], lambda code, call: None)
     results = []
     for failing in (None, "copy", "set 0x20", "record 0xe1"):
         log.clear()
@@ -142,15 +142,15 @@ _FAKE_DRIVER = textwrap.dedent("""
         if failing:
             fail[failing] = 700
         # dst, src, nbytes, copy (context, stream, event), peer (context, stream, event)
-        answer = _fastcall.ordered_copy(0xD000, 0x5000, 1024, 0x10, 0x51, 0xE1, 0x20, 0x52,
+        answer = fastcall.ordered_copy(0xD000, 0x5000, 1024, 0x10, 0x51, 0xE1, 0x20, 0x52,
                                         0xE2)
         results.append({"answer": answer, "log": list(log), "ctx": state["ctx"]})
     log.clear(); fail.clear()
-    answer = _fastcall.ordered_copy(0xD000, 0x5000, 1024, 0x10, 0x51, 0xE1, 0x20, 0x52, 0xE2,
+    answer = fastcall.ordered_copy(0xD000, 0x5000, 1024, 0x10, 0x51, 0xE1, 0x20, 0x52, 0xE2,
                                     False)  # join=False: the peer's wait is the caller's
     results.append({"answer": answer, "log": list(log), "ctx": state["ctx"]})
     try:
-        _fastcall.ordered_copy(0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0)
+        fastcall.ordered_copy(0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0)
     except TypeError as exc:
         results.append(str(exc))
     print("RESULT " + json.dumps(results))
@@ -245,18 +245,18 @@ def test_launch_packed_raises_what_set_raises():
 def test_calls_before_setup_raise_instead_of_calling_null():
     # In a fresh process nothing has called setup() (cudalab binds it when CUDA initialises).
     code = textwrap.dedent("""
-        from cudalab._driver import _fastcall
+        from cudalab._driver import fastcall
         from cudalab._driver.cuda import CudaKernelArgs
-        for call, args in ((_fastcall.launch_kernel, (0, (1, 1, 1), (1, 1, 1), 0, None, 0)),
-                           (_fastcall.event_record, (0, None)),
-                           (_fastcall.stream_wait_event, (None, 0, 0)),
-                           (_fastcall.launch_packed, (0, (1, 1, 1), (1, 1, 1), 0, None,
+        for call, args in ((fastcall.launch_kernel, (0, (1, 1, 1), (1, 1, 1), 0, None, 0)),
+                           (fastcall.event_record, (0, None)),
+                           (fastcall.stream_wait_event, (None, 0, 0)),
+                           (fastcall.launch_packed, (0, (1, 1, 1), (1, 1, 1), 0, None,
                                                       CudaKernelArgs(("u8",)), (1,))),
-                           (_fastcall.graph_launch, (0, None)),
-                           (_fastcall.ctx_get_current, ()),
-                           (_fastcall.ctx_set_current, (0,)),
-                           (_fastcall.memcpy_async, (0, 0, 4, None)),
-                           (_fastcall.ordered_copy, (0, 0, 4, 0, None, 0, 0, None, 0))):
+                           (fastcall.graph_launch, (0, None)),
+                           (fastcall.ctx_get_current, ()),
+                           (fastcall.ctx_set_current, (0,)),
+                           (fastcall.memcpy_async, (0, 0, 4, None)),
+                           (fastcall.ordered_copy, (0, 0, 4, 0, None, 0, 0, None, 0))):
             try:
                 call(*args)
             except RuntimeError as exc:

@@ -1,4 +1,4 @@
-"""The C group call of the NCCL seam (:mod:`cudalab._driver._ncclcall`, setup.py builds it).
+"""The C group call of the NCCL seam (:mod:`cudalab._driver.ncclcall`, setup.py builds it).
 
 NCCL and the driver are stood in for by ctypes callbacks (C function pointers into Python
 that record each call), so the C logic runs everywhere, CI included: the order of the calls,
@@ -23,14 +23,14 @@ import pytest
 
 from cudalab._driver import base
 
-ncclcall = pytest.importorskip("cudalab._driver._ncclcall",
+ncclcall = pytest.importorskip("cudalab._driver.ncclcall",
                                reason="the optional C extension is not built here")
 ROOT = Path(__file__).resolve().parents[2]
 
 # The stand-ins, shared by every scenario: `log` records each call, `fail` says what fails.
 _FAKES = textwrap.dedent("""
     import ctypes, json, sys
-    from cudalab._driver import _ncclcall as nc
+    from cudalab._driver import ncclcall as nc
 
     log, fail, state = [], {}, {"ctx": 0x99}
     P = ctypes.c_void_p

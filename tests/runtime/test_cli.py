@@ -170,7 +170,7 @@ def test_format_says_which_stamp_records_stacks(stamp, shown):
 
 
 @pytest.mark.parametrize("calls, shown", [
-    ("compiled", "compiled fast calls (cudalab._driver._fastcall)"),
+    ("compiled", "compiled fast calls (cudalab._driver.fastcall)"),
     ("cuda.bindings", "cuda.bindings wrappers")])
 def test_format_says_which_path_launches_take(calls, shown):
     lines = cli._format_info(sample_info(history_stamp="python", launch_calls=calls)).splitlines()

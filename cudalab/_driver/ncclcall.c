@@ -1,4 +1,4 @@
-/* cudalab._driver._ncclcall: one NCCL collective on every rank of a single-process clique,
+/* cudalab._driver.ncclcall: one NCCL collective on every rank of a single-process clique,
  * inside one NCCL group, made from C.
  *
  * Why: driving a 2-GPU clique from Python costs, per collective, a group start, one call per
@@ -179,7 +179,7 @@ group_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (group_start_ptr == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "cudalab._driver._ncclcall.group_call: setup() has "
+        PyErr_SetString(PyExc_RuntimeError, "cudalab._driver.ncclcall.group_call: setup() has "
                         "not given NCCL's entry points");
         return NULL;
     }
@@ -279,7 +279,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "cudalab._driver._ncclcall",
+    "cudalab._driver.ncclcall",
     "One NCCL collective on every rank of a single-process clique, in one group, called from C "
     "(see cudalab/_driver/nccl.py).",
     -1,
@@ -291,7 +291,7 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC
-PyInit__ncclcall(void)
+PyInit_ncclcall(void)
 {
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL) {

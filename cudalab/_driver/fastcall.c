@@ -1,4 +1,4 @@
-/* cudalab._driver._fastcall: seven driver calls of the real backend's hot paths, made from C.
+/* cudalab._driver.fastcall: seven driver calls of the real backend's hot paths, made from C.
  *
  * Why: cuda.bindings' Python wrappers cost about 1.5 us per call on top of the driver (argument
  * conversion, a CUresult enum object, a result tuple). A kernel launch captured into a CUDA
@@ -105,7 +105,7 @@ dims_of(PyObject *dims, unsigned int out[3], const char *what)
 static PyObject *
 not_set_up(const char *name)
 {
-    PyErr_Format(PyExc_RuntimeError, "cudalab._driver._fastcall.%s: setup() has not given its "
+    PyErr_Format(PyExc_RuntimeError, "cudalab._driver.fastcall.%s: setup() has not given its "
                  "driver entry point", name);
     return NULL;
 }
@@ -644,7 +644,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "cudalab._driver._fastcall",
+    "cudalab._driver.fastcall",
     "cuLaunchKernel, cuEventRecord, cuStreamWaitEvent, cuGraphLaunch, cuCtxGetCurrent, "
     "cuCtxSetCurrent and cuMemcpyAsync called from C, and ordered_copy (see "
     "cudalab/_driver/cuda.py).",
@@ -657,7 +657,7 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC
-PyInit__fastcall(void)
+PyInit_fastcall(void)
 {
     if (str_native == NULL && (str_native = PyUnicode_InternFromString("native")) == NULL) {
         return NULL;
