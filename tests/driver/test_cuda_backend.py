@@ -23,6 +23,7 @@ import pytest
 from cudalab._driver import base
 from cudalab._driver import cuda as C
 from cudalab._driver import cuda_api as A
+from cudalab._driver import cuda_kernel_args as KA
 from cudalab._driver import cuda_memory as CM
 from cudalab._driver.fast_calls import C_TWINS
 from cudalab.errors import CudaError, DriverNotFoundError, OutOfMemoryError
@@ -388,7 +389,7 @@ def test_kernel_args_round_trip():
     assert a.values == vals
     assert _read_through_pointers(a) == list(vals)
     for view, kind, v in zip(a.views, sig, vals):
-        assert view.dtype == np.dtype(C._ARG_DTYPES[kind]) and view.shape == (1,)
+        assert view.dtype == np.dtype(KA._ARG_DTYPES[kind]) and view.shape == (1,)
         assert view[0] == v
     # in place: addresses do not move, new values replace old ones
     addr = a.address_int
