@@ -82,7 +82,7 @@ class CudaGraphs(CudaMemory):
 
     def graph_instantiate(self, graph: GraphHandle,
                           flags: int = GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH
-                          | GRAPH_INSTANTIATE_USE_NODE_PRIORITY) -> Any:
+                          | GRAPH_INSTANTIATE_USE_NODE_PRIORITY) -> GraphExecHandle:
         return check(drv.cuGraphInstantiate(graph, int(flags)), "cuGraphInstantiate")
 
     def graph_launch(self, graph_exec: GraphExecHandle, stream: StreamHandle) -> None:

@@ -7,7 +7,7 @@ Each concern lives in its own module (:mod:`.memory`, :mod:`.vmm`, :mod:`.stream
 
 from __future__ import annotations
 
-from typing import Any
+from typing import SupportsInt
 
 from cudalab._driver.base import DeviceInfo, Nccl
 from cudalab._driver.sim.config import SimulatorConfig
@@ -97,7 +97,7 @@ class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels, Sim
             )
         return dev.info
 
-    def handle_int(self, handle: Any) -> int:
+    def handle_int(self, handle: SupportsInt | None) -> int:
         if isinstance(handle, (SimStream, SimEvent, SimModule, SimFunction)):
             return handle.handle
         return 0 if handle is None else int(handle)

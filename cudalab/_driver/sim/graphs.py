@@ -207,13 +207,13 @@ class SimGraphs(SimulatorCore):
     # ------------------------------------------------------------ graphs
     def graph_instantiate(self, graph: GraphHandle,
                           flags: int = GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH
-                          | GRAPH_INSTANTIATE_USE_NODE_PRIORITY) -> Any:
+                          | GRAPH_INSTANTIATE_USE_NODE_PRIORITY) -> GraphExecHandle:
         call = "cuGraphInstantiate"
         g = self._graph(graph, call)
         f = operator.index(flags)
         if f < 0 or f & ~_ALL_FLAGS:
             raise invalid_value(call, f"unknown instantiate flags {f}")
-        return _GraphExec(g)
+        return GraphExecHandle(_GraphExec(g))
 
     def graph_launch(self, graph_exec: GraphExecHandle, stream: StreamHandle) -> None:
         call = "cuGraphLaunch"
