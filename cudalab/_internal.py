@@ -54,7 +54,13 @@ from typing import TYPE_CHECKING, Any
 from cudalab import _interrupts, _observe
 from cudalab import devices as _devices
 from cudalab._atomic_write import atomic_write, write_bytes_atomic
-from cudalab._driver.base import STATUS_NOT_READY, STATUS_SUCCESS, FastCalls
+from cudalab._driver.base import (
+    STATUS_NOT_READY,
+    STATUS_SUCCESS,
+    EventHandle,
+    FastCalls,
+    StreamHandle,
+)
 from cudalab._units import SIZE_UNITS, echo, format_bytes, format_time, parse_size
 
 if TYPE_CHECKING:
@@ -150,11 +156,12 @@ def fast_paths() -> FastCalls | None:
     return _devices._fast
 
 
-#: The opaque seam handle of a :class:`cudalab.Stream` (read without a method call).
-stream_handle: Callable[[Any], Any] = attrgetter("_handle")
+#: The opaque seam handle of a :class:`cudalab.Stream` (read without a method call); a closed
+#: stream's is a :class:`~cudalab._driver.handles.ClosedHandle`, which every seam call refuses.
+stream_handle: Callable[[Any], StreamHandle] = attrgetter("_handle")
 
 #: The opaque seam handle of a recorded :class:`cudalab.Event` (None before its first record).
-event_handle: Callable[[Any], Any] = attrgetter("_handle")
+event_handle: Callable[[Any], EventHandle | None] = attrgetter("_handle")
 
 #: Callables told about every kernel launch the runtime makes, as
 #: ``observer(name, device, stream, grid, block)`` right after the launch is queued. ``%%cuda_timed`` appends
