@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from cudalab import _internal, _interrupts, _observe
 from cudalab import streams as _streams
+from cudalab._array_state import ArrayState
 from cudalab._kernels.fill import FILL_KERNELS
 from cudalab.allocator import registry as _registry
 from cudalab.errors import StreamCaptureError, name_operation
-
-if TYPE_CHECKING:
-    from cudalab.array import DeviceArray
 
 __all__ = [
     "allocator_of",
@@ -323,12 +321,12 @@ def waits_for_foreign(ours: _streams.Stream, value: int) -> None:
 
 
 # --------------------------------------------------------------------------- transfers and fills
-def check_host_operand(arr: np.ndarray, dev: DeviceArray, what: str, writable: bool) -> None:
+def check_host_operand(arr: np.ndarray, dev: ArrayState, what: str, writable: bool) -> None:
     """Raise ValueError unless host ``arr`` matches ``dev`` exactly and is C-contiguous."""
-    if arr.shape != dev._shape or arr.dtype != dev._dtype:
+    if arr.shape != dev.shape or arr.dtype != dev.dtype:
         raise ValueError(
             f"{what}: the host array has shape {arr.shape} and dtype {arr.dtype}, the "
-            f"DeviceArray has shape {dev._shape} and dtype {dev._dtype}; they must match "
+            f"DeviceArray has shape {dev.shape} and dtype {dev.dtype}; they must match "
             "exactly (no broadcasting or casting)")
     if not arr.flags.c_contiguous:
         raise ValueError(f"{what}: the host array is not C-contiguous (strides {arr.strides}); "

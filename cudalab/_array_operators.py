@@ -32,6 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from cudalab import _array_state
+from cudalab._array_state import ArrayState, ArrayT
+from cudalab._dtypes import normalize_dtype
 from cudalab._kernels import type_promotion as tp
 from cudalab._kernels.elementwise import (
     RESULT_BOOL,
@@ -176,11 +179,11 @@ _SCALARS = (bool, int, float, complex, np.generic)
 
 
 def _dtype_of(x: Any) -> np.dtype:
-    return x._dtype if hasattr(x, "_dtype") else tp.scalar_dtype(x)
+    return x.dtype if isinstance(x, OperatorsMixin) else tp.scalar_dtype(x)
 
 
 def _is_operand(x: Any) -> bool:
-    return hasattr(x, "_dtype") and hasattr(x, "_ptr") or isinstance(x, _SCALARS)
+    return isinstance(x, _OPERANDS)
 
 
 def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
@@ -190,30 +193,31 @@ def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
             raise RuntimeError(_SUB_TWO_BOOLS)
         if any(bools):
             raise RuntimeError(_SUB_ONE_BOOL)
-    elif op == "neg" and inputs[0]._dtype == np.bool_:
+    elif op == "neg" and inputs[0].dtype == np.bool_:
         raise RuntimeError(_NEG_BOOL)
     elif op == "pow" and _is_complex_square(inputs):
         op, inputs = "mul", [inputs[0], inputs[0]]  # torch: a complex ** 2.0 is base * base
-    elif op == "mul" and isinstance(inputs[1], _SCALARS) and hasattr(inputs[0], "_ptr") and (
-            inputs[0]._dtype.kind == "c" or isinstance(inputs[1], (complex, np.complexfloating))):
+    elif op == "mul" and isinstance(inputs[1], _SCALARS) and isinstance(
+            inputs[0], OperatorsMixin) and (inputs[0].dtype.kind == "c" or isinstance(inputs[1], (complex, np.complexfloating))):
         # torch multiplies by a scalar as scalar * array (opmath_symmetric_gpu_kernel_with_
         # scalars); complex products differ in the last bits with the operand order
         inputs = [inputs[1], inputs[0]]
-    elif op == "div" and isinstance(inputs[1], _SCALARS) and hasattr(inputs[0], "_ptr"):
-        reciprocal = _complex_reciprocal(inputs[0]._dtype, inputs[1])
+    elif op == "div" and isinstance(inputs[1], _SCALARS) and isinstance(inputs[0], OperatorsMixin):
+        reciprocal = _complex_reciprocal(inputs[0].dtype, inputs[1])
         if reciprocal is not None:  # torch: a complex divided by a scalar is a * (1 / b)
             op, inputs = "mul", [inputs[0], reciprocal]
     if out is not None:
-        if out._read_only:
+        if out.read_only:
             raise ValueError("in-place operation: this DeviceArray was imported read-only "
                              "(DLPack read-only flag) and cannot be written")
         return run(OPERATIONS[op], inputs, out=[out])[0]
-    return run(OPERATIONS[op], inputs, empty=_empty_for(inputs))[0]
+    # (inputs hold a DeviceArray: every operator's self, where's condition)
+    return run(OPERATIONS[op], inputs, empty=_array_state.output)[0]
 
 
 def _is_complex_square(inputs: list[Any]) -> bool:
     base, exponent = inputs
-    return (hasattr(base, "_ptr") and base._dtype.kind == "c" and isinstance(exponent, _SCALARS)
+    return (isinstance(base, OperatorsMixin) and base.dtype.kind == "c" and isinstance(exponent, _SCALARS)
             and not isinstance(exponent, bool) and exponent == 2)
 
 
@@ -225,13 +229,6 @@ def _complex_reciprocal(dtype: np.dtype, divisor: Any) -> Any:
         return None
     with np.errstate(all="ignore"):
         return common.type(1) / common.type(divisor)
-
-
-def _empty_for(inputs: list[Any]) -> Any:
-    for x in inputs:
-        if hasattr(x, "_ptr"):
-            return type(x)._output
-    raise TypeError("an operation needs at least one DeviceArray")
 
 
 def where(condition: Any, input: Any, other: Any) -> Any:
@@ -254,8 +251,8 @@ def where(condition: Any, input: Any, other: Any) -> Any:
     TypeError
         ``condition`` is not a bool DeviceArray, or an operand is not a DeviceArray or scalar.
     """
-    if not hasattr(condition, "_ptr") or condition._dtype != np.bool_:
-        got = tp.torch_name(condition._dtype) if hasattr(condition, "_dtype") else \
+    if not isinstance(condition, OperatorsMixin) or condition.dtype != np.bool_:
+        got = tp.torch_name(condition.dtype) if isinstance(condition, OperatorsMixin) else \
             type(condition).__name__
         raise TypeError(f"where expected condition to be a boolean tensor, but got a tensor "
                         f"with dtype {got}")
@@ -275,30 +272,30 @@ def _warn_if_discarding(source: np.dtype, target: np.dtype) -> None:
         warnings.warn(DISCARD_IMAGINARY, UserWarning, stacklevel=3)
 
 
-def converting_copy(dst: Any, src: Any) -> Any:
+def converting_copy(dst: ArrayT, src: ArrayState) -> ArrayT:
     """Copy ``src`` into ``dst`` converting the dtype and broadcasting (``copy_``'s kernel).
 
     Both are DeviceArrays on the same device; returns ``dst``. Complex to real keeps the
     real part, with torch's UserWarning.
     """
-    _warn_if_discarding(src._dtype, dst._dtype)
-    run(OPERATIONS["copy"], [src], out=[dst], out_dtype=dst._dtype)
+    _warn_if_discarding(src.dtype, dst.dtype)
+    run(OPERATIONS["copy"], [src], out=[dst], out_dtype=dst.dtype)
     return dst
 
 
 def _binary_method(op: str) -> tuple[Any, Any, Any]:
-    def forward(self: Any, other: Any) -> Any:
-        if not _is_operand(other):
+    def forward(self: ArrayState, other: Any) -> Any:
+        if not isinstance(other, _OPERANDS):
             return NotImplemented
         return _apply(op, [self, other])
 
-    def reflected(self: Any, other: Any) -> Any:
-        if not _is_operand(other):
+    def reflected(self: ArrayState, other: Any) -> Any:
+        if not isinstance(other, _OPERANDS):
             return NotImplemented
         return _apply(op, [other, self])
 
-    def inplace(self: Any, other: Any) -> Any:
-        if not _is_operand(other):
+    def inplace(self: ArrayState, other: Any) -> Any:
+        if not isinstance(other, _OPERANDS):
             return NotImplemented
         return _apply(op, [self, other], out=self)
 
@@ -313,6 +310,7 @@ class OperatorsMixin:
     """Elementwise operators of :class:`cudalab.DeviceArray` (see the module notes)."""
 
     __slots__ = ()
+    dtype: np.dtype  # (for the type checker: DeviceArray's field, which _dtype_of reads)
     __hash__ = object.__hash__  # __eq__ below is elementwise, as in torch; hashing stays by id
 
     __add__, __radd__, __iadd__ = _binary_method("add")
@@ -332,19 +330,19 @@ class OperatorsMixin:
     __eq__ = _binary_method("eq")[0]  # type: ignore[assignment]
     __ne__ = _binary_method("ne")[0]  # type: ignore[assignment]
 
-    def __neg__(self) -> Any:
+    def __neg__(self: ArrayT) -> ArrayT:
         """``-a`` (refused for bool arrays, as in torch)."""
         return _apply("neg", [self])
 
-    def __pos__(self) -> Any:
+    def __pos__(self: ArrayT) -> ArrayT:
         """``+a``: the array itself, as in torch."""
         return self
 
-    def __abs__(self) -> Any:
+    def __abs__(self: ArrayT) -> ArrayT:
         """``abs(a)``."""
         return _apply("abs", [self])
 
-    def abs(self) -> Any:
+    def abs(self: ArrayT) -> ArrayT:
         """Elementwise absolute value (``torch.Tensor.abs``).
 
         Returns
@@ -353,11 +351,11 @@ class OperatorsMixin:
         """
         return _apply("abs", [self])
 
-    def __invert__(self) -> Any:
+    def __invert__(self: ArrayT) -> ArrayT:
         """``~a``: bitwise not (logical not for bool arrays); integer and bool only."""
         return _apply("bitwise_not", [self])
 
-    def where(self, condition: Any, other: Any) -> Any:
+    def where(self: ArrayT, condition: Any, other: Any) -> ArrayT:
         """``condition ? self : other`` elementwise (``torch.Tensor.where``).
 
         Parameters
@@ -373,7 +371,7 @@ class OperatorsMixin:
         """
         return where(condition, self, other)
 
-    def astype(self, dtype: Any, copy: bool = True) -> Any:
+    def astype(self: ArrayT, dtype: Any, copy: bool = True) -> ArrayT:
         """This array converted to ``dtype`` on the device (values cast as torch does).
 
         Parameters
@@ -392,11 +390,12 @@ class OperatorsMixin:
         TypeError
             An unsupported dtype.
         """
-        from cudalab._dtypes import normalize_dtype
-
         dt = normalize_dtype(dtype, default=None)
-        if dt == self._dtype and not copy:  # type: ignore[attr-defined]
+        if dt == self.dtype and not copy:
             return self
-        _warn_if_discarding(self._dtype, dt)  # type: ignore[attr-defined]
-        return run(OPERATIONS["copy"], [self], out_dtype=dt,
-                   empty=type(self)._output)[0]  # type: ignore[attr-defined]
+        _warn_if_discarding(self.dtype, dt)
+        return run(OPERATIONS["copy"], [self], out_dtype=dt, empty=_array_state.output)[0]
+
+
+#: What an operator takes: DeviceArrays (every one is an OperatorsMixin) and scalars.
+_OPERANDS = (OperatorsMixin, *_SCALARS)

@@ -22,24 +22,21 @@ from __future__ import annotations
 
 import operator
 from collections import namedtuple
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from cudalab import _array_state
 from cudalab._array_memory import stream_of
-
-if TYPE_CHECKING:
-    from typing import Any as _ArrayBase  # the type checker sees the DeviceArray attributes
-
-    from cudalab.array import DeviceArray
-else:
-    _ArrayBase = object
+from cudalab._array_state import ArrayState, ArrayT
 
 __all__ = ["ReductionsMixin", "torch_dtype_name"]
 
 #: ``max(dim)``/``min(dim)`` results, as torch's ``torch.return_types.max`` / ``min``.
 MaxResult = namedtuple("MaxResult", ["values", "indices"])
 MinResult = namedtuple("MinResult", ["values", "indices"])
+
+_INT64 = np.dtype(np.int64)
 
 _TORCH_NAMES = {
     "bool": "Bool", "uint8": "Byte", "int8": "Char", "int16": "Short", "int32": "Int",
@@ -93,14 +90,14 @@ def _dims_arg(what: str, dim: Any, axis: Any, ndim: int, many: bool) -> tuple[in
     return tuple(sorted(seen))
 
 
-class ReductionsMixin(_ArrayBase):
+class ReductionsMixin:
     """``sum``, ``mean``, ``max``, ``min``, ``amax`` and ``amin`` of a DeviceArray."""
 
     __slots__ = ()
 
     # ------------------------------------------------------------------ public
-    def sum(self, dim: Any = None, keepdim: bool = False, *,
-            axis: Any = None) -> DeviceArray:
+    def sum(self: ArrayT, dim: Any = None, keepdim: bool = False, *,
+            axis: Any = None) -> ArrayT:
         """Sum over all elements, or over ``dim`` (an int or a tuple of ints), as torch.
 
         Parameters
@@ -125,10 +122,10 @@ class ReductionsMixin(_ArrayBase):
         RuntimeError
             A dimension is given twice.
         """
-        return self._reduction("sum", _dims_arg("sum", dim, axis, self.ndim, True), keepdim)
+        return _reduction(self, "sum", _dims_arg("sum", dim, axis, self.ndim, True), keepdim)
 
-    def mean(self, dim: Any = None, keepdim: bool = False, *,
-             axis: Any = None) -> DeviceArray:
+    def mean(self: ArrayT, dim: Any = None, keepdim: bool = False, *,
+             axis: Any = None) -> ArrayT:
         """Arithmetic mean over all elements, or over ``dim``, as torch.
 
         Parameters
@@ -154,9 +151,9 @@ class ReductionsMixin(_ArrayBase):
             raise RuntimeError("mean(): could not infer output dtype. Input dtype must be "
                                "either a floating point or complex dtype. Got: "
                                f"{torch_dtype_name(self.dtype)}")
-        return self._reduction("mean", _dims_arg("mean", dim, axis, self.ndim, True), keepdim)
+        return _reduction(self, "mean", _dims_arg("mean", dim, axis, self.ndim, True), keepdim)
 
-    def max(self, dim: Any = None, keepdim: bool = False, *,
+    def max(self: ArrayState, dim: Any = None, keepdim: bool = False, *,
             axis: Any = None) -> Any:
         """The largest element, or the largest along ``dim`` with its indices, as torch.
 
@@ -180,122 +177,129 @@ class ReductionsMixin(_ArrayBase):
         IndexError
             ``dim`` is out of range or has size 0.
         """
-        return self._extreme("max", dim, axis, keepdim)
+        return _extreme(self, "max", dim, axis, keepdim)
 
-    def min(self, dim: Any = None, keepdim: bool = False, *,
+    def min(self: ArrayState, dim: Any = None, keepdim: bool = False, *,
             axis: Any = None) -> Any:
         """The smallest element, or the smallest along ``dim`` with its indices, as torch.
 
         Same parameters, results and errors as :meth:`max` (``MinResult`` with ``dim``).
         """
-        return self._extreme("min", dim, axis, keepdim)
+        return _extreme(self, "min", dim, axis, keepdim)
 
-    def amax(self, dim: Any = (), keepdim: bool = False) -> DeviceArray:
+    def amax(self: ArrayT, dim: Any = (), keepdim: bool = False) -> ArrayT:
         """The maximum over ``dim`` (an int or a tuple; ``()`` means all), no indices.
 
         Raises RuntimeError for complex inputs and IndexError when a reduced dimension is
         empty, as torch.
         """
-        return self._amax_amin("amax", dim, keepdim)
+        return _amax_amin(self, "amax", dim, keepdim)
 
-    def amin(self, dim: Any = (), keepdim: bool = False) -> DeviceArray:
+    def amin(self: ArrayT, dim: Any = (), keepdim: bool = False) -> ArrayT:
         """The minimum over ``dim`` (an int or a tuple; ``()`` means all), no indices."""
-        return self._amax_amin("amin", dim, keepdim)
+        return _amax_amin(self, "amin", dim, keepdim)
 
-    # ------------------------------------------------------------------ checks
-    def _extreme(self, what: str, dim: Any, axis: Any, keepdim: bool) -> Any:
-        if self.dtype.kind == "c":
-            raise RuntimeError(f"{what}(): does not support complex input")
-        dims = _dims_arg(what, dim, axis, self.ndim, False)
-        if dims is None:
-            if self.size == 0:
-                raise RuntimeError(
-                    f"{what}(): Expected reduction dim to be specified for input.numel() == 0. "
-                    "Specify the reduction dim with the 'dim' argument.")
-            return self._reduction(what, None, False)
-        self._check_nonempty_dims(what, dims)
-        values, indices = self._reduction(what, dims, keepdim, with_indices=True)
-        return (MaxResult if what == "max" else MinResult)(values, indices)
 
-    def _amax_amin(self, what: str, dim: Any, keepdim: bool) -> DeviceArray:
-        if self.dtype.kind == "c":
-            raise RuntimeError(f"{what}(): does not support complex input")
-        dims = _dims_arg(what, None if dim == () else dim, None, self.ndim, True)
-        if dims is None:
-            dims = tuple(range(self.ndim))
-        self._check_nonempty_dims(what, dims)
-        return self._reduction(what[1:], dims, keepdim)
 
-    def _check_nonempty_dims(self, what: str, dims: tuple[int, ...]) -> None:
-        for d in dims:
-            if self.ndim and self.shape[d] == 0:
-                raise IndexError(f"{what}(): Expected reduction dim {d} to have non-zero size.")
+# --------------------------------------------------------------------------- checks
+def _extreme(array: ArrayState, what: str, dim: Any, axis: Any, keepdim: bool) -> Any:
+    if array.dtype.kind == "c":
+        raise RuntimeError(f"{what}(): does not support complex input")
+    dims = _dims_arg(what, dim, axis, array.ndim, False)
+    if dims is None:
+        if array.size == 0:
+            raise RuntimeError(
+                f"{what}(): Expected reduction dim to be specified for input.numel() == 0. "
+                "Specify the reduction dim with the 'dim' argument.")
+        return _reduction(array, what, None, False)
+    _check_nonempty_dims(array, what, dims)
+    values, indices = _reduction(array, what, dims, keepdim, with_indices=True)
+    return (MaxResult if what == "max" else MinResult)(values, indices)
 
-    # ------------------------------------------------------------------ the work
-    def _reduction(self, op: str, dims: tuple[int, ...] | None, keepdim: bool,
-                   with_indices: bool = False) -> Any:
-        """Reduce ``dims`` (None: all) with ``op`` ("sum", "mean", "max", "min")."""
-        rk = _reduce_module()
-        cls = type(self)
-        ndim = self.ndim
-        axes = tuple(range(ndim)) if dims is None else dims
-        dtype = self.dtype
-        shape = list(self.shape)
-        itemsize = dtype.itemsize
-        strides = list(self.strides)
-        complex_input = dtype.kind == "c"
-        real = np.dtype(f"float{itemsize * 4}") if complex_input else dtype
-        if complex_input:  # reduce the (re, im) pairs as a trailing axis of size 2, kept
-            shape.append(2)
-            strides.append(real.itemsize)
-        if any(s % real.itemsize for s in strides):
-            raise ValueError(f"{op}(): strides {self.strides} are not multiples of the item "
-                             f"size {itemsize}")
-        elems = [s // real.itemsize for s in strides]
-        out_dims = [(shape[i], elems[i]) for i in range(len(shape)) if i not in axes]
-        red_dims = [(shape[i], elems[i]) for i in axes]
-        n_out = 1
-        for size, _ in out_dims:
-            n_out *= size
-        n_red = 1
-        for size, _ in red_dims:
-            n_red *= size
-        out_dims, red_dims = rk.coalesce(out_dims), rk.coalesce(red_dims)
-        if len(out_dims) > rk.MAX_DIMS or len(red_dims) > rk.MAX_DIMS:
-            raise ValueError(f"{op}(): this strided layout (shape {self.shape}, strides "
-                             f"{self.strides}) needs more than {rk.MAX_DIMS} dimensions "
-                             "after merging; reduce a contiguous copy instead")
-        code = rk.dtype_code(real)
-        acc, out_code = rk.acc_code(op, code), rk.out_code(op, code)
-        result_shape = tuple(1 if i in axes else self.shape[i] for i in range(ndim)) if keepdim \
-            else tuple(self.shape[i] for i in range(ndim) if i not in axes)
-        out_dtype = np.dtype(np.int64) if out_code == "i64" else dtype
-        result = cls(result_shape, out_dtype, self.device_index)
-        indices = cls(result_shape, np.int64, self.device_index) if with_indices else None
-        if n_out == 0:
-            return (result, indices) if with_indices else result
-        stream = stream_of(self.device_index)
-        factor = 1.0 / n_red if n_red else float("inf")
-        out_ptr = result.data_ptr()
-        idx_ptr = 0 if indices is None else indices.data_ptr()
-        adjacent = bool(out_dims) and out_dims[-1][1] == 1
-        splits = rk.split_count(n_out, n_red, adjacent)
-        if with_indices and splits > 1:  # indices come from a single pass
-            splits = 1
-        if splits <= 1:
-            _launch(rk, (op, code, acc, out_code), self.data_ptr(), 0, out_ptr, idx_ptr,
-                    n_out, n_red, splits, factor, out_dims, red_dims, stream)
-        else:
-            first = "sum" if op == "mean" else op
-            partial = cls((n_out * splits,), rk.np_dtype(acc), self.device_index)
-            _launch(rk, (first, code, acc, acc), self.data_ptr(), 0, partial.data_ptr(), 0,
-                    n_out, n_red, splits, 1.0, out_dims, red_dims, stream)
-            _launch(rk, (op, acc, acc, out_code), partial.data_ptr(), 0, out_ptr, 0, n_out,
-                    splits, 1, factor, [(n_out, splits)], [(splits, 1)], stream)
-            del partial  # back to the allocator, ordered after the second pass on `stream`
-        if with_indices:
-            return result, indices
-        return result
+
+def _amax_amin(array: ArrayState, what: str, dim: Any, keepdim: bool) -> Any:
+    if array.dtype.kind == "c":
+        raise RuntimeError(f"{what}(): does not support complex input")
+    dims = _dims_arg(what, None if dim == () else dim, None, array.ndim, True)
+    if dims is None:
+        dims = tuple(range(array.ndim))
+    _check_nonempty_dims(array, what, dims)
+    return _reduction(array, what[1:], dims, keepdim)
+
+
+def _check_nonempty_dims(array: ArrayState, what: str, dims: tuple[int, ...]) -> None:
+    for d in dims:
+        if array.ndim and array.shape[d] == 0:
+            raise IndexError(f"{what}(): Expected reduction dim {d} to have non-zero size.")
+
+
+# --------------------------------------------------------------------------- the work
+def _reduction(array: ArrayState, op: str, dims: tuple[int, ...] | None, keepdim: bool,
+               with_indices: bool = False) -> Any:
+    """Reduce ``dims`` (None: all) of ``array`` with ``op`` ("sum", "mean",
+    "max", "min")."""
+    rk = _reduce_module()
+    ndim = array.ndim
+    axes = tuple(range(ndim)) if dims is None else dims
+    dtype = array.dtype
+    shape = list(array.shape)
+    itemsize = dtype.itemsize
+    strides = list(array.strides)
+    complex_input = dtype.kind == "c"
+    real = np.dtype(f"float{itemsize * 4}") if complex_input else dtype
+    if complex_input:  # reduce the (re, im) pairs as a trailing axis of size 2, kept
+        shape.append(2)
+        strides.append(real.itemsize)
+    if any(s % real.itemsize for s in strides):
+        raise ValueError(f"{op}(): strides {array.strides} are not multiples of the item "
+                         f"size {itemsize}")
+    elems = [s // real.itemsize for s in strides]
+    out_dims = [(shape[i], elems[i]) for i in range(len(shape)) if i not in axes]
+    red_dims = [(shape[i], elems[i]) for i in axes]
+    n_out = 1
+    for size, _ in out_dims:
+        n_out *= size
+    n_red = 1
+    for size, _ in red_dims:
+        n_red *= size
+    out_dims, red_dims = rk.coalesce(out_dims), rk.coalesce(red_dims)
+    if len(out_dims) > rk.MAX_DIMS or len(red_dims) > rk.MAX_DIMS:
+        raise ValueError(f"{op}(): this strided layout (shape {array.shape}, strides "
+                         f"{array.strides}) needs more than {rk.MAX_DIMS} dimensions "
+                         "after merging; reduce a contiguous copy instead")
+    code = rk.dtype_code(real)
+    acc, out_code = rk.acc_code(op, code), rk.out_code(op, code)
+    result_shape = tuple(1 if i in axes else array.shape[i] for i in range(ndim)) if keepdim \
+        else tuple(array.shape[i] for i in range(ndim) if i not in axes)
+    out_dtype = np.dtype(np.int64) if out_code == "i64" else dtype
+    device = array.device_index
+    stream = stream_of(device)
+    output = _array_state.output
+    result = output(result_shape, out_dtype, device, stream)
+    indices = output(result_shape, _INT64, device, stream) if with_indices else None
+    if n_out == 0:
+        return (result, indices) if with_indices else result
+    factor = 1.0 / n_red if n_red else float("inf")
+    out_ptr = result.data_ptr()
+    idx_ptr = 0 if indices is None else indices.data_ptr()
+    adjacent = bool(out_dims) and out_dims[-1][1] == 1
+    splits = rk.split_count(n_out, n_red, adjacent)
+    if with_indices and splits > 1:  # indices come from a single pass
+        splits = 1
+    if splits <= 1:
+        _launch(rk, (op, code, acc, out_code), array.data_ptr(), 0, out_ptr, idx_ptr,
+                n_out, n_red, splits, factor, out_dims, red_dims, stream)
+    else:
+        first = "sum" if op == "mean" else op
+        partial = output((n_out * splits,), rk.np_dtype(acc), device, stream)
+        _launch(rk, (first, code, acc, acc), array.data_ptr(), 0, partial.data_ptr(), 0,
+                n_out, n_red, splits, 1.0, out_dims, red_dims, stream)
+        _launch(rk, (op, acc, acc, out_code), partial.data_ptr(), 0, out_ptr, 0, n_out,
+                splits, 1, factor, [(n_out, splits)], [(splits, 1)], stream)
+        del partial  # back to the allocator, ordered after the second pass on `stream`
+    if with_indices:
+        return result, indices
+    return result
 
 
 def _launch(rk: Any, key: tuple[str, str, str, str], in_ptr: int, in_idx: int, out_ptr: int,

@@ -16,21 +16,16 @@ the array's device work queued so far, as torch's do.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from cudalab import _array_state
 from cudalab._array_memory import host_transfer, stream_of
+from cudalab._array_state import ArrayState, ArrayT
 from cudalab._dtypes import normalize_dtype
 from cudalab._internal import device_index
 from cudalab.devices import Device
-
-if TYPE_CHECKING:
-    from typing import Any as _ArrayBase  # the type checker sees the DeviceArray attributes
-
-    from cudalab.array import DeviceArray
-else:
-    _ArrayBase = object
 
 __all__ = ["TransfersMixin"]
 
@@ -42,12 +37,12 @@ def _host_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype.name == "bfloat16" else dtype
 
 
-class TransfersMixin(_ArrayBase):
+class TransfersMixin:
     """Host copies and device moves of a DeviceArray."""
 
     __slots__ = ()
 
-    def cpu(self) -> np.ndarray:
+    def cpu(self: ArrayState) -> np.ndarray:
         """A numpy copy of the array (C-contiguous), waiting for the device work queued so far.
 
         torch's ``Tensor.cpu()`` returns a CPU tensor; cudalab has none, so this returns a
@@ -59,7 +54,7 @@ class TransfersMixin(_ArrayBase):
         numpy.ndarray
             A new array of the same shape and dtype.
         """
-        if self.is_contiguous():
+        if self.contiguous:
             return self.numpy()
         itemsize = self.itemsize
         lo = hi = 0
@@ -73,12 +68,12 @@ class TransfersMixin(_ArrayBase):
         if stream.closed:  # the allocation stream was closed: use the current one
             stream = stream_of(self.device_index)
         host = span.__array_interface__["data"][0]
-        host_transfer(self.device_index, host, self.data_ptr() + lo, span.nbytes, stream, host,
+        host_transfer(self.device_index, host, self.ptr + lo, span.nbytes, stream, host,
                       False, "DeviceArray.cpu")
         view = np.ndarray(self.shape, self.dtype, buffer=span, offset=-lo, strides=self.strides)
         return np.ascontiguousarray(view)
 
-    def tolist(self) -> Any:
+    def tolist(self: ArrayState) -> Any:
         """The elements as (nested) Python lists of Python scalars, as torch's ``tolist``.
 
         A 0-d array gives a scalar. bfloat16 elements become floats. Waits for the copy.
@@ -86,7 +81,7 @@ class TransfersMixin(_ArrayBase):
         host = self.cpu()
         return host.astype(_host_dtype(self.dtype), copy=False).tolist()
 
-    def item(self) -> Any:
+    def item(self: ArrayState) -> Any:
         """The value of a one-element array as a Python scalar (waits for the copy).
 
         Raises
@@ -100,11 +95,11 @@ class TransfersMixin(_ArrayBase):
         host = self.cpu().reshape(-1)
         return host.astype(_host_dtype(self.dtype), copy=False)[0].item()
 
-    def zero_(self) -> DeviceArray:
+    def zero_(self: ArrayT) -> ArrayT:
         """Set every element to zero (a memset on the current stream). Returns self."""
         return self.fill_(0)
 
-    def to(self, *args: Any, non_blocking: bool = False, copy: bool = False,
+    def to(self: ArrayState, *args: Any, non_blocking: bool = False, copy: bool = False,
            **kwargs: Any) -> Any:
         """This array on another device and/or with another dtype, as torch's ``Tensor.to``.
 
@@ -145,10 +140,11 @@ class TransfersMixin(_ArrayBase):
         if device is not None:
             dev = device_index(device)
             if dev != out.device_index:
-                moved = type(self)(out.shape, out.dtype, dev)
+                moved = _array_state.output(out.shape, out.dtype, dev, stream_of(dev))
                 out = moved.copy_(out, non_blocking=non_blocking)
         if copy and out is self:
-            out = type(self)(self.shape, self.dtype, self.device_index).copy_(self)
+            out = _array_state.output(self.shape, self.dtype, self.device_index,
+                                      stream_of(self.device_index)).copy_(self)
         return out
 
 
@@ -158,7 +154,7 @@ def _is_device(value: Any) -> bool:
     return isinstance(value, Device) or (type(value) is int)
 
 
-def _to_args(array: DeviceArray, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+def _to_args(array: ArrayState, args: tuple, kwargs: dict) -> tuple[Any, Any]:
     """(device, dtype) of a ``to(...)`` call; ``"cpu"`` for the host, None for unchanged."""
     unknown = set(kwargs) - {"device", "dtype"}
     if unknown:

@@ -48,6 +48,7 @@ from cudalab._array_memory import (
 )
 from cudalab._array_operators import OperatorsMixin, converting_copy, where
 from cudalab._array_reductions import ReductionsMixin
+from cudalab._array_state import register, require_contiguous, require_writable
 from cudalab._array_transfers import TransfersMixin
 from cudalab._array_views import ViewsMixin
 from cudalab._dtypes import SUPPORTED_DTYPES, normalize_dtype, normalize_shape, size_args
@@ -149,21 +150,56 @@ def _scalar_bytes(value: Any, dtype: np.dtype) -> bytes:
 class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
 
-    Operators, transfers (``cpu``, ``to``...) and reductions (``sum``...) come from the
-    mixins in ``_array_operators``, ``_array_transfers`` and ``_array_reductions``.
+    Operators, transfers (``cpu``, ``to``...), reductions (``sum``...) and views
+    (``view``, ``reshape``, ``[]``, ``narrow``) come from the mixins in ``_array_operators``,
+    ``_array_transfers``, ``_array_reductions`` and ``_array_views``, each typed against
+    :class:`cudalab._array_state.ArrayState` (the fields below).
 
-    ``DeviceArray(shape, dtype=float32, device=None)`` is :func:`cudalab.empty`. Attributes:
-    ``shape``, ``dtype`` (numpy), ``strides`` (bytes), ``device`` (a :class:`cudalab.Device`,
-    ``cuda:N``) / ``device_index`` (int),
-    ``nbytes``, ``size``, ``ndim``, ``itemsize``, ``ptr`` (= :meth:`data_ptr`), ``stream``
-    (the stream the memory was allocated on).
+    ``DeviceArray(shape, dtype=float32, device=None)`` is :func:`cudalab.empty`. Besides
+    ``strides`` (bytes), ``device`` (a :class:`cudalab.Device`, ``cuda:N``), ``ndim`` and
+    ``itemsize``, its attributes are plain fields, read directly on the hot paths (kernel
+    launches, collectives, the elementwise machinery, the random samplers): **read them,
+    never assign them** (only the constructors do).
+
+    Attributes
+    ----------
+    ptr : int
+        Device address of the first element (0 for an empty array), :meth:`data_ptr`.
+    shape : tuple of int
+    dtype : numpy.dtype
+    strides_or_none : tuple of int or None
+        The strides in bytes when the layout is not C-contiguous, else None (``strides``
+        computes them).
+    device_index : int
+        The index of the device holding the memory.
+    stream : Stream
+        The stream the memory was allocated on (and :meth:`numpy` copies on).
+    base : object or None
+        What keeps a view's (or an imported array's) memory alive; None for an array
+        owning its memory.
+    nbytes, size : int
+    contiguous : bool
+        C-contiguous (:meth:`is_contiguous`).
+    read_only : bool
+        Imported read-only (DLPack's flag): writes are refused.
     """
 
-    __slots__ = ("_ptr", "_shape", "_dtype", "_strides", "_device", "_stream", "_base",
-                 "_nbytes", "_size", "_contiguous", "_read_only", "_owns", "_alloc",
-                 "__weakref__")
+    __slots__ = ("ptr", "shape", "dtype", "strides_or_none", "device_index", "stream", "base",
+                 "nbytes", "size", "contiguous", "read_only", "_owns", "_alloc", "__weakref__")
 
-    _strides: tuple[int, ...] | None  # None: C-contiguous (strides computed on demand)
+    ptr: int  # device address of the first element; 0 when nbytes is 0
+    shape: tuple[int, ...]  # ints >= 0
+    dtype: np.dtype  # one of SUPPORTED_DTYPES
+    strides_or_none: tuple[int, ...] | None  # None exactly when C-contiguous
+    device_index: int  # a valid device index
+    stream: _streams.Stream  # where the memory was allocated (or imported), never None
+    base: Any  # None exactly for an array owning its memory (then _owns until freed)
+    nbytes: int  # size * dtype.itemsize
+    size: int  # math.prod(shape)
+    contiguous: bool  # strides_or_none is None
+    read_only: bool  # DLPack's read-only flag; False for arrays cudalab allocated
+    _owns: bool  # the block at ptr is ours to free (then _alloc is its allocator)
+    _alloc: Any  # the allocator the block came from (set while _owns)
 
     def __init__(self, shape: Any, dtype: Any = np.float32, device: Any = None):
         self._owns = False
@@ -186,22 +222,22 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         nbytes = size * dtype.itemsize
         if nbytes:
             a = self._alloc = allocator_of(device)
-            self._ptr = a.malloc(nbytes, stream)
+            self.ptr = a.malloc(nbytes, stream)
             self._owns = True
             if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
-                _observe.access_tracker.allocated(self._ptr, nbytes, stream)
+                _observe.access_tracker.allocated(self.ptr, nbytes, stream)
         else:
-            self._ptr = 0
-        self._shape = shape
-        self._dtype = dtype
-        self._strides = None  # C-contiguous: computed on demand
-        self._device = device
-        self._stream = stream
-        self._base = None
-        self._nbytes = nbytes
-        self._size = size
-        self._contiguous = True
-        self._read_only = False
+            self.ptr = 0
+        self.shape = shape
+        self.dtype = dtype
+        self.strides_or_none = None  # C-contiguous: computed on demand
+        self.device_index = device
+        self.stream = stream
+        self.base = None
+        self.nbytes = nbytes
+        self.size = size
+        self.contiguous = True
+        self.read_only = False
 
     @classmethod
     def _output(cls, shape: tuple[int, ...], dtype: np.dtype, device: int,
@@ -224,11 +260,11 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                 if _streams._exiting:  # the process is ending: the driver reclaims everything
                     return
                 if _observe.access_on:  # the stream sanitizer: the free request
-                    _observe.access_tracker.freed(self._ptr, self._stream)
+                    _observe.access_tracker.freed(self.ptr, self.stream)
                 try:
-                    self._alloc.free(self._ptr)
+                    self._alloc.free(self.ptr)
                 except ValueError:  # not this allocator's any more (a reset): the registry's
-                    release_device_memory(self._ptr)
+                    release_device_memory(self.ptr)
         except Exception:
             pass
 
@@ -244,38 +280,25 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         size = math.prod(shape)
         if strides is not None and _is_c_contiguous(shape, strides, itemsize):
             strides = None
-        self._ptr = ptr
-        self._shape = shape
-        self._dtype = dtype
-        self._strides = strides
-        self._device = device
-        self._stream = stream
-        self._base = base
-        self._nbytes = size * itemsize
-        self._size = size
-        self._contiguous = strides is None
-        self._read_only = read_only
+        self.ptr = ptr
+        self.shape = shape
+        self.dtype = dtype
+        self.strides_or_none = strides
+        self.device_index = device
+        self.stream = stream
+        self.base = base
+        self.nbytes = size * itemsize
+        self.size = size
+        self.contiguous = strides is None
+        self.read_only = read_only
         return self
-
-    def _view(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
-        base = self if self._base is None else self._base
-        return DeviceArray._wrap(ptr, shape, dtype, None, self._device, self._stream, base,
-                                 self._read_only)
 
     # ------------------------------------------------------------------ attributes
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self._dtype
-
-    @property
     def strides(self) -> tuple[int, ...]:
         """Strides in bytes (numpy's convention)."""
-        s = self._strides
-        return _c_strides(self._shape, self._dtype.itemsize) if s is None else s
+        s = self.strides_or_none
+        return _c_strides(self.shape, self.dtype.itemsize) if s is None else s
 
     @property
     def device(self) -> _devices.Device:
@@ -285,83 +308,44 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         ``cudalab.Device("cuda:0")`` (and to the string ``"cuda:0"``), not to the int 0:
         the index is ``device.index`` or :attr:`device_index`.
         """
-        return _devices.device_object(self._device)
-
-    @property
-    def device_index(self) -> int:
-        """Index of the device holding the memory (an int)."""
-        return self._device
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def size(self) -> int:
-        return self._size
+        return _devices.device_object(self.device_index)
 
     @property
     def ndim(self) -> int:
-        return len(self._shape)
+        return len(self.shape)
 
     @property
     def itemsize(self) -> int:
-        return self._dtype.itemsize
-
-    @property
-    def ptr(self) -> int:
-        """Device address of the first element (0 for an empty array)."""
-        return self._ptr
+        return self.dtype.itemsize
 
     def data_ptr(self) -> int:
         """Device address of the first element (torch's name)."""
-        return self._ptr
-
-    @property
-    def stream(self):
-        """The stream the memory was allocated on (and :meth:`numpy` copies on)."""
-        return self._stream
-
-    @property
-    def base(self) -> Any:
-        """The object keeping this view's memory alive (None for an array owning it)."""
-        return self._base
+        return self.ptr
 
     def is_contiguous(self) -> bool:
         """True when the elements are laid out in C order without gaps."""
-        return self._contiguous
+        return self.contiguous
 
     def __len__(self) -> int:
-        if not self._shape:
+        if not self.shape:
             raise TypeError("len() of a 0-d DeviceArray")
-        return self._shape[0]
+        return self.shape[0]
 
     def __repr__(self) -> str:
         sim = " (simulated)" if _internal.backend().simulated else ""
-        return (f"DeviceArray(shape={self._shape}, dtype={self._dtype}, "
-                f"device='cuda:{self._device}{sim}')")
+        return (f"DeviceArray(shape={self.shape}, dtype={self.dtype}, "
+                f"device='cuda:{self.device_index}{sim}')")
 
     def __array__(self, *args: Any, **kwargs: Any):
         raise TypeError("implicit conversion of a DeviceArray to a numpy array is not allowed: "
                         "call .numpy() to copy it to the host")
 
     # ------------------------------------------------------------------ checks
-    def _require_contiguous(self, what: str) -> None:
-        if not self._contiguous:
-            raise ValueError(f"{what} needs a C-contiguous DeviceArray; this one has shape "
-                             f"{self._shape} and strides {self.strides}")
-
-    def _require_writable(self, what: str) -> None:
-        if self._read_only:
-            raise ValueError(f"{what}: this DeviceArray was imported read-only (DLPack "
-                             "read-only flag) and cannot be written")
-        self._require_contiguous(what)
-
     def _allocation_ptr(self) -> int:
         """Address of the allocator block behind this array (0: not cudalab's memory)."""
-        root = self if self._base is None else self._base
-        if type(root) is DeviceArray and root._base is None:
-            return root._ptr
+        root = self if self.base is None else self.base
+        if type(root) is DeviceArray and root.base is None:
+            return root.ptr
         return 0
 
     # ------------------------------------------------------------------ host copies
@@ -372,20 +356,20 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         into. With ``non_blocking=True`` and ``out`` from :func:`cudalab.empty_pinned` the copy
         is only queued: synchronise the array's stream (or an event) before reading ``out``.
         """
-        self._require_contiguous("DeviceArray.numpy()")
+        require_contiguous(self, "DeviceArray.numpy()")
         if out is None:
-            out = np.empty(self._shape, self._dtype)
+            out = np.empty(self.shape, self.dtype)
             non_blocking = False
         else:
             check_host_operand(out, self, "DeviceArray.numpy(out=...)", writable=True)
-        n = self._nbytes
+        n = self.nbytes
         if n == 0:
             return out
-        stream = self._stream
+        stream = self.stream
         if stream.closed:  # the allocation stream was closed: use the current one
-            stream = stream_of(self._device)
+            stream = stream_of(self.device_index)
         host = out.__array_interface__["data"][0]
-        host_transfer(self._device, host, self._ptr, n, stream, host, non_blocking,
+        host_transfer(self.device_index, host, self.ptr, n, stream, host, non_blocking,
                        "DeviceArray.numpy")
         return out
 
@@ -400,39 +384,39 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         Host sources: waits for the copy unless ``non_blocking`` and the source is pinned
         memory (see the module notes). Device sources never block the host.
         """
-        self._require_writable("DeviceArray.copy_()")
+        require_writable(self, "DeviceArray.copy_()")
         if isinstance(src, DeviceArray):
             return self._copy_from_device(src)
         if not isinstance(src, np.ndarray):
-            foreign = _foreign_cuda_array(src)
+            foreign = foreign_cuda_array(src)
             if foreign is not None:
                 return self._copy_from_device(foreign)
             src = np.asarray(src)
-        if src.dtype != self._dtype or src.shape != self._shape:
-            src = np.ascontiguousarray(np.broadcast_to(src.astype(self._dtype), self._shape))
+        if src.dtype != self.dtype or src.shape != self.shape:
+            src = np.ascontiguousarray(np.broadcast_to(src.astype(self.dtype), self.shape))
         check_host_operand(src, self, "DeviceArray.copy_()", writable=False)
-        n = self._nbytes
+        n = self.nbytes
         if n == 0:
             return self
         host = src.__array_interface__["data"][0]
-        host_transfer(self._device, self._ptr, host, n, stream_of(self._device), host,
+        host_transfer(self.device_index, self.ptr, host, n, stream_of(self.device_index), host,
                        non_blocking, "DeviceArray.copy_ (host to device)")
         return self
 
     def _copy_from_device(self, src: DeviceArray) -> DeviceArray:
-        if (src._ptr == self._ptr and src._device == self._device and src._dtype == self._dtype
-                and src._shape == self._shape and src._strides == self._strides):
+        if (src.ptr == self.ptr and src.device_index == self.device_index and src.dtype == self.dtype
+                and src.shape == self.shape and src.strides_or_none == self.strides_or_none):
             # the same memory (a[k] += 1 assigns the view to itself), as torch. (_strides is
             # None exactly for C-contiguous layouts, so equal layouts compare equal.)
             return self
-        if src._shape != self._shape or src._dtype != self._dtype or not src._contiguous:
-            if src._device != self._device:  # to this device first, then convert there
-                src = src.to(self._device) if src._contiguous else src.astype(src._dtype).to(
-                    self._device)
+        if src.shape != self.shape or src.dtype != self.dtype or not src.contiguous:
+            if src.device_index != self.device_index:  # to this device first, then convert there
+                src = src.to(self.device_index) if src.contiguous else src.astype(src.dtype).to(
+                    self.device_index)
             return converting_copy(self, src)  # casts and broadcasts (torch's copy_)
-        n = self._nbytes
+        n = self.nbytes
         if n:
-            device_copy(self._device, self._ptr, src._device, src._ptr, n)
+            device_copy(self.device_index, self.ptr, src.device_index, src.ptr, n)
         return self
 
     # ------------------------------------------------------------------ device work
@@ -444,17 +428,17 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         """
         # (The checks as two flag reads, the current stream read directly: the "capture,
         # host time per launch (fill_)" row of benchmarks/graphs.py.)
-        if self._read_only or not self._contiguous:
-            self._require_writable("DeviceArray.fill_()")
+        if self.read_only or not self.contiguous:
+            require_writable(self, "DeviceArray.fill_()")
         if isinstance(value, DeviceArray):  # torch takes a 0-d tensor (read here: a host sync)
             if value.ndim:
                 raise ValueError(f"fill_ only supports 0-dimension value tensor but got tensor "
                                  f"with {value.ndim} dimensions.")
             value = value.item()
-        pattern = _scalar_bytes(value, self._dtype)
-        if self._nbytes:
-            fill(self._ptr, pattern, self._size, self._device,
-                 _streams.current_stream(self._device))
+        pattern = _scalar_bytes(value, self.dtype)
+        if self.nbytes:
+            fill(self.ptr, pattern, self.size, self.device_index,
+                 _streams.current_stream(self.device_index))
         return self
 
     def record_stream(self, stream: Any) -> None:
@@ -468,90 +452,6 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         if ptr:
             memory_api().record_stream(ptr, stream)
 
-    # ------------------------------------------------------------------ views
-    def view(self, dtype: Any) -> DeviceArray:
-        """The same memory seen as ``dtype`` (the last axis rescales, like numpy)."""
-        dt = normalize_dtype(dtype)
-        if dt == self._dtype:
-            return self._view(self._ptr, self._shape, dt)
-        self._require_contiguous("DeviceArray.view(dtype)")
-        old, new = self._dtype.itemsize, dt.itemsize
-        if not self._shape:
-            if old != new:
-                raise ValueError(f"cannot view a 0-d {self._dtype} array as {dt}: the item "
-                                 "sizes differ")
-            return self._view(self._ptr, (), dt)
-        last = self._shape[-1] * old
-        if last % new:
-            raise ValueError(f"cannot view {self._dtype} as {dt}: the last axis is {last} bytes, "
-                             f"not a multiple of {new}")
-        return self._view(self._ptr, self._shape[:-1] + (last // new,), dt)
-
-    def reshape(self, *shape: Any) -> DeviceArray:
-        """A view with a new shape (one dimension may be -1); the array must be contiguous."""
-        spec: Any = shape[0] if len(shape) == 1 else shape
-        try:
-            dims = [operator.index(spec)]
-        except TypeError:
-            try:
-                dims = [operator.index(d) for d in spec]
-            except TypeError:
-                raise TypeError(f"reshape: shape must be ints, got {spec!r}") from None
-        self._require_contiguous("DeviceArray.reshape()")
-        unknown = [i for i, d in enumerate(dims) if d == -1]
-        if len(unknown) > 1:
-            raise ValueError("reshape: only one dimension can be -1")
-        if any(d < -1 for d in dims):
-            raise ValueError(f"reshape: invalid dimension in {tuple(dims)}")
-        if unknown:
-            known = math.prod(d for d in dims if d != -1)
-            if known == 0 or self._size % known:
-                raise ValueError(f"cannot reshape array of size {self._size} into shape "
-                                 f"{tuple(dims)}")
-            dims[unknown[0]] = self._size // known
-        new = tuple(dims)
-        if math.prod(new) != self._size:
-            raise ValueError(f"cannot reshape array of size {self._size} into shape {new}")
-        return self._view(self._ptr, new, self._dtype)
-
-    def __getitem__(self, key: Any) -> DeviceArray:
-        """Basic indexing along the first axis: ``a[i]`` and ``a[start:stop]`` (step 1) are
-        views; nothing is copied."""
-        if isinstance(key, tuple):
-            if len(key) != 1:
-                raise IndexError("DeviceArray supports indexing along the first axis only "
-                                 "(one integer or one slice)")
-            key = key[0]
-        if key is Ellipsis:
-            return self._view(self._ptr, self._shape, self._dtype)
-        if not self._shape:
-            raise IndexError("a 0-d DeviceArray cannot be indexed")
-        self._require_contiguous("DeviceArray indexing")
-        n = self._shape[0]
-        row = math.prod(self._shape[1:]) * self._dtype.itemsize
-        if isinstance(key, slice):
-            start, stop, step = key.indices(n)
-            if step != 1:
-                raise ValueError(f"DeviceArray slices must have step 1, got step {step}")
-            length = max(0, stop - start)
-            # torch: a view starts at its offset even when empty (base[5:] of 5 elements
-            # has data_ptr() base + 5 * itemsize), so pointer arithmetic on views agrees
-            ptr = self._ptr + start * row
-            return self._view(ptr, (length,) + self._shape[1:], self._dtype)
-        if isinstance(key, (bool, np.bool_)):
-            raise TypeError("boolean indices are not supported")
-        try:
-            i = operator.index(key)
-        except TypeError:
-            raise TypeError(f"DeviceArray indices must be integers or slices, got "
-                            f"{type(key).__name__}") from None
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"index {operator.index(key)} is out of bounds for axis 0 with "
-                             f"size {n}")
-        return self._view(self._ptr + i * row, self._shape[1:], self._dtype)
-
     def __setitem__(self, key: Any, value: Any) -> None:
         """``a[key] = scalar`` fills, ``a[key] = array`` copies (same shape and dtype)."""
         target = self[key]
@@ -559,10 +459,10 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             target.fill_(value)
             return
         if not isinstance(value, (DeviceArray, np.ndarray)):
-            value = _foreign_cuda_array(value) or np.asarray(value, dtype=target._dtype)
+            value = foreign_cuda_array(value) or np.asarray(value, dtype=target.dtype)
         if isinstance(value, np.ndarray):
             value = np.ascontiguousarray(
-                np.broadcast_to(value.astype(target._dtype, copy=False), target._shape))
+                np.broadcast_to(value.astype(target.dtype, copy=False), target.shape))
         target.copy_(value)
 
     # ------------------------------------------------------------------ interchange
@@ -570,21 +470,21 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     def __cuda_array_interface__(self) -> dict:
         """CUDA Array Interface v3; ``stream`` is the current stream of the array's device
         (the consumer waits for it; 1 stands for the legacy default stream)."""
-        if self._dtype.name == "bfloat16":
+        if self.dtype.name == "bfloat16":
             raise AttributeError("a bfloat16 DeviceArray has no __cuda_array_interface__ "
                                  "(the interface has no typestr for it): use DLPack")
-        s = stream_of(self._device).cuda_stream
+        s = stream_of(self.device_index).cuda_stream
         return {
-            "shape": self._shape,
-            "typestr": self._dtype.str,
-            "data": (self._ptr, self._read_only),
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr, self.read_only),
             "version": 3,
-            "strides": self._strides,
+            "strides": self.strides_or_none,
             "stream": s if s else _LEGACY_STREAM,
         }
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (_dlpack.kDLCUDA, self._device)
+        return (_dlpack.kDLCUDA, self.device_index)
 
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
                    copy: Any = None) -> Any:
@@ -596,9 +496,9 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         """
         if dl_device is not None:
             dl_device = tuple(dl_device)
-            if dl_device != (_dlpack.kDLCUDA, self._device):
+            if dl_device != (_dlpack.kDLCUDA, self.device_index):
                 raise BufferError(f"__dlpack__: cannot export to device {dl_device}; the array "
-                                  f"is on (kDLCUDA={_dlpack.kDLCUDA}, {self._device})")
+                                  f"is on (kDLCUDA={_dlpack.kDLCUDA}, {self.device_index})")
         if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
             raise TypeError(f"__dlpack__: stream must be an int or None, got {stream!r}")
         if stream == 0:
@@ -606,24 +506,24 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                              "the DLPack protocol; use 1 for the legacy default stream")
         src = self
         if copy:
-            src = empty(self._shape, dtype=self._dtype, device=self._device)
+            src = empty(self.shape, dtype=self.dtype, device=self.device_index)
             src.copy_(self)
         if stream != -1:
             foreign_waits_for(_LEGACY_STREAM if stream is None else stream,
-                               stream_of(self._device))
+                               stream_of(self.device_index))
         versioned = max_version is not None and tuple(max_version)[0] >= 1
-        if src._read_only and not versioned:
+        if src.read_only and not versioned:
             raise BufferError("__dlpack__: a read-only array can only be exported to a "
                               "consumer that understands DLPack >= 1.0 (max_version)")
-        return _dlpack.export_capsule(src, src._ptr, src._shape, src.strides, src._dtype,
-                                      _dlpack.kDLCUDA, src._device, versioned, src._read_only)
+        return _dlpack.export_capsule(src, src.ptr, src.shape, src.strides, src.dtype,
+                                      _dlpack.kDLCUDA, src.device_index, versioned, src.read_only)
 
 
 def _is_capsule(obj: Any) -> bool:
     return _dlpack.is_capsule(obj)
 
 
-def _foreign_cuda_array(obj: Any) -> DeviceArray | None:
+def foreign_cuda_array(obj: Any) -> DeviceArray | None:
     """A zero-copy DeviceArray over another library's CUDA array, or None if ``obj`` is not
     one (DLPack with a CUDA device, or ``__cuda_array_interface__``)."""
     dev_fn = getattr(obj, "__dlpack_device__", None)
@@ -676,11 +576,22 @@ def _from_cuda_array_interface(obj: Any) -> DeviceArray:
 # _output call), the block would never be freed.
 _interrupts.guard(DeviceArray.__init__, DeviceArray._init_owned, DeviceArray.__del__)
 
+# The parts of DeviceArray below this module (its mixins) make new arrays with these
+# (cudalab._array_state: they never import this module).
+register(DeviceArray._wrap, DeviceArray._output)
+
+# Names for cudalab's own modules (not in __all__): foreign_cuda_array (above),
+# require_writable (from _array_state) and output_array.
+#: ``output_array(shape, dtype, device, stream)``: a new C-contiguous array for a result,
+#: allocated on ``stream`` (the device's current stream), the arguments not checked again
+#: (``DeviceArray._output``): the elementwise machinery's ``empty``, comm's results.
+output_array = DeviceArray._output
+
 
 # --------------------------------------------------------------------------- creation
-# Kernel.launch reads a DeviceArray argument's address directly (its _ptr, the first byte of
+# Kernel.launch reads a DeviceArray argument's address directly (its ptr, the first byte of
 # the array or view), instead of through __cuda_array_interface__.
-register_pointer_type(DeviceArray, operator.attrgetter("_ptr"))
+register_pointer_type(DeviceArray, operator.attrgetter("ptr"))
 
 
 def empty(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> DeviceArray:
@@ -721,12 +632,12 @@ def zeros(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> Devi
     if sizes:
         size, dtype = size_args("zeros", (size, *sizes), dtype)
     a = DeviceArray(size, dtype, device)
-    if a._nbytes:
-        stream = stream_of(a._device)
+    if a.nbytes:
+        stream = stream_of(a.device_index)
         if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
-            _observe.access_tracker.access(stream, (), ((a._ptr, a._nbytes),), "fill (zeros)")
+            _observe.access_tracker.access(stream, (), ((a.ptr, a.nbytes),), "fill (zeros)")
         null_context(stream)
-        stream._b.memset_d8_async(a._device, a._ptr, 0, a._nbytes, stream._handle)
+        stream._b.memset_d8_async(a.device_index, a.ptr, 0, a.nbytes, stream._handle)
     return a
 
 
@@ -777,7 +688,7 @@ def full(size: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> D
 
 def _like(a: Any, dtype: Any, device: Any) -> tuple[tuple[int, ...], Any, Any]:
     if isinstance(a, DeviceArray):
-        return a._shape, a._dtype if dtype is None else dtype, a._device if device is None else device
+        return a.shape, a.dtype if dtype is None else dtype, a.device_index if device is None else device
     shape = getattr(a, "shape", None)
     a_dtype = getattr(a, "dtype", None)
     if shape is None or a_dtype is None:
@@ -807,11 +718,11 @@ def asarray(obj: Any, device: Any = None, dtype: Any = None) -> DeviceArray:
     ``numpy.asarray(obj, dtype)`` and is copied to the device (waiting for the copy).
     """
     if not isinstance(obj, (DeviceArray, np.ndarray)):
-        foreign = _foreign_cuda_array(obj)
+        foreign = foreign_cuda_array(obj)
         if foreign is not None:
             obj = foreign
     if isinstance(obj, DeviceArray):
-        if dtype is not None and normalize_dtype(dtype) != obj._dtype:
+        if dtype is not None and normalize_dtype(dtype) != obj.dtype:
             obj = obj.astype(dtype)  # a converting copy on the device
         return obj if device is None else obj.to(device)
     dt = None if dtype is None else normalize_dtype(dtype)

@@ -46,7 +46,7 @@ from cudalab._kernels.elementwise import (
     kernels_for,
     run,
 )
-from cudalab.array import DeviceArray, _foreign_cuda_array
+from cudalab.array import DeviceArray, foreign_cuda_array, output_array
 
 __all__: list[str] = []  # torch's jiterator is private API too
 
@@ -130,7 +130,7 @@ class _JittedFunction:
                     raise KeyError(f"{key} is not declared in function definition")
             self._set_extras({**self.kwargs_dict, **kwargs})
         inputs = [t if type(t) is DeviceArray else _operand(i, t) for i, t in enumerate(tensors)]
-        outs = run(self._function, inputs, self._extras, self._names, empty=DeviceArray._output, sim=sim,
+        outs = run(self._function, inputs, self._extras, self._names, empty=output_array, sim=sim,
                    extra_args=self._extra_args, extra_types=self._extra_types)
         return outs[0] if self.num_outputs == 1 else tuple(outs)
 
@@ -158,7 +158,7 @@ class _JittedFunction:
 def _operand(index: int, value: Any) -> Any:
     if isinstance(value, DeviceArray) or isinstance(value, (bool, int, float, complex, np.generic)):
         return value
-    foreign = _foreign_cuda_array(value)
+    foreign = foreign_cuda_array(value)
     if foreign is not None:
         return foreign
     where = "cpu" if isinstance(value, np.ndarray) or hasattr(value, "__array__") else \

@@ -316,16 +316,16 @@ def issue_checked(name: str, ins: list[Any], outs: list[Any], root: int = 0,
     """
     call = _CALLS[name]
     first = ins[0]
-    dtype = _TYPE_OF_DTYPE.get(first._dtype)
+    dtype = _TYPE_OF_DTYPE.get(first.dtype)
     if dtype is None:
         dtype = _nccl_type(first)
-    count = first._size // len(ins) if call == NCCL_CALL_REDUCE_SCATTER else first._size
+    count = first.size // len(ins) if call == NCCL_CALL_REDUCE_SCATTER else first.size
     # (comprehensions, not a loop of appends: the 1 KiB reduce_add row of benchmarks/comm.py)
     current_stream = _streams.current_stream
-    devices = tuple([a._device for a in ins])
+    devices = tuple([a.device_index for a in ins])
     streams = [current_stream(d) for d in devices]
-    _issue_run(_runner(devices), call, count, dtype, op, root, [a._ptr for a in ins],
-               [0 if o is None else o._ptr for o in outs], [s._handle for s in streams])
+    _issue_run(_runner(devices), call, count, dtype, op, root, [a.ptr for a in ins],
+               [0 if o is None else o.ptr for o in outs], [s._handle for s in streams])
     if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         for i, (stream, a, o) in enumerate(zip(streams, ins, outs)):
             reads = [] if call == NCCL_CALL_BROADCAST and i != root else [(a.ptr, a.nbytes)]
@@ -643,10 +643,10 @@ def _check_one(a: Any, dtype: Any) -> None:
 
 def _check_tensor(a: Any, out: Any, input_multiplier: int, output_multiplier: int,
                   numel: int, dtype: Any) -> None:
-    if (type(a) is _DeviceArray and a._dtype == dtype and a._contiguous and a._size == numel
-            and (out is None or type(out) is _DeviceArray and out._dtype == dtype
-                 and out._contiguous and out._device == a._device
-                 and out._size * output_multiplier == numel * input_multiplier)):
+    if (type(a) is _DeviceArray and a.dtype == dtype and a.contiguous and a.size == numel
+            and (out is None or type(out) is _DeviceArray and out.dtype == dtype
+                 and out.contiguous and out.device_index == a.device_index
+                 and out.size * output_multiplier == numel * input_multiplier)):
         return  # every check passed in one expression (the 1 KiB rows of benchmarks/comm.py)
     _check_one(a, dtype)
     if a.size != numel:

@@ -172,7 +172,7 @@ class _Plan:
 
 
 def _operand_key(x: Any) -> Any:
-    return (x._dtype, x._shape, x._strides)  # (_strides: None when C-contiguous)
+    return (x.dtype, x.shape, x.strides_or_none)  # (strides_or_none: None when C-contiguous)
 
 
 def _broadcast_shapes(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -309,9 +309,9 @@ def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tup
         if _is_scalar(x):
             operands.append((tp.scalar_dtype(x), tp.WRAPPED))
         else:
-            operands.append((x._dtype, tp.DIMENSIONED if x._shape else tp.ZERO_DIM))
+            operands.append((x.dtype, tp.DIMENSIONED if x.shape else tp.ZERO_DIM))
     common = tp.result_type(operands)
-    in_dtypes: list[np.dtype | None] = [None if _is_scalar(x) else x._dtype for x in inputs]
+    in_dtypes: list[np.dtype | None] = [None if _is_scalar(x) else x.dtype for x in inputs]
     for dt in [common, *(d for d in in_dtypes if d is not None)]:
         c_type(dt)  # a dtype without a C++ type: a clear TypeError now
     if fn.check is not None:
@@ -321,15 +321,15 @@ def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tup
     result = np.dtype(np.bool_) if fn.result == RESULT_BOOL else common
     if fn.result == RESULT_REAL and common.kind == "c":
         result = np.dtype(f"float{common.itemsize * 4}")
-    shape = _broadcast_shapes([x._shape for x in arrays] + [o._shape for o in outs or ()])
+    shape = _broadcast_shapes([x.shape for x in arrays] + [o.shape for o in outs or ()])
     if outs is not None:
-        out_dtypes = [o._dtype for o in outs]
+        out_dtypes = [o.dtype for o in outs]
         for o in outs:
-            if out_dtype is None and not tp.can_cast(result, o._dtype):  # (copies convert)
+            if out_dtype is None and not tp.can_cast(result, o.dtype):  # (copies convert)
                 raise RuntimeError(f"result type {tp.torch_name(result)} can't be cast to the "
-                                   f"desired output type {tp.torch_name(o._dtype)}")
-            if o._shape != shape:
-                raise RuntimeError(f"output with shape {list(o._shape)} doesn't match the "
+                                   f"desired output type {tp.torch_name(o.dtype)}")
+            if o.shape != shape:
+                raise RuntimeError(f"output with shape {list(o.shape)} doesn't match the "
                                    f"broadcast shape {list(shape)}")
         out_strides = [list(o.strides) for o in outs]
     else:
@@ -337,9 +337,9 @@ def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tup
         out_strides = [_c_strides(shape, dt.itemsize) for dt in out_dtypes]
     for dt in out_dtypes:
         c_type(dt)
-    in_strides = [_broadcast_strides(shape, x._shape, x.strides) for x in arrays]
+    in_strides = [_broadcast_strides(shape, x.shape, x.strides) for x in arrays]
     sizes, strides = _merge_dims(shape, out_strides + in_strides)
-    op_dtypes = out_dtypes + [x._dtype for x in arrays]
+    op_dtypes = out_dtypes + [x.dtype for x in arrays]
     contiguous = len(sizes) == 0 or (len(sizes) == 1 and all(
         s[0] == dt.itemsize for s, dt in zip(strides, op_dtypes)))
     parsed = fn.parsed(common)
@@ -421,7 +421,7 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
         The output dtype when it is not the promoted one (conversions).
     empty
         ``empty(shape, dtype, device, stream)``, the output allocator (``stream`` is the
-        device's current stream, where the kernel runs): ``DeviceArray._output``.
+        device's current stream, where the kernel runs): :data:`cudalab.array.output_array`.
     sim
         A numpy twin for this call (simulator only), overriding ``fn.sim``.
     extra_args
@@ -451,19 +451,19 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
     device = -1
     for x in inputs:
         try:
-            dtype = x._dtype
+            strides = x.strides_or_none  # (None when C-contiguous; numpy scalars lack it)
         except AttributeError:  # a scalar (checked when the plan is built)
             scalars.append(x)
             key_parts.append(type(x) if type(x) in _PYTHON_SCALARS else _scalar_key(x))
             continue
         arrays.append(x)
-        key_parts.append((dtype, x._shape, x._strides))  # (_strides: None when contiguous)
-        if device != x._device:
+        key_parts.append((x.dtype, x.shape, strides))
+        if device != x.device_index:
             if device >= 0:
                 raise RuntimeError(
                     "Expected all tensors to be on the same device, but found at least "
-                    f"two devices, cuda:{device} and cuda:{x._device}!")
-            device = x._device
+                    f"two devices, cuda:{device} and cuda:{x.device_index}!")
+            device = x.device_index
     if extra_types is None:
         extra_types = tuple(map(type, extras))
     key = (tuple(key_parts), extra_types, out_dtype,
@@ -490,9 +490,9 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
         return outs
     ptrs: list[int | float] = [plan.n]
     for o in outs:
-        ptrs.append(o._ptr)
+        ptrs.append(o.ptr)
     for x in arrays:
-        ptrs.append(x._ptr)
+        ptrs.append(x.ptr)
     if plan.masks:
         for p, mask in zip(ptrs[1:], plan.masks):
             if p & mask:  # type: ignore[operator]  # (pointers: ints)
@@ -520,18 +520,18 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
 def _extent(x: Any) -> tuple[int, int]:
     """``(first byte, bytes)`` that array ``x`` spans (views: from its lowest to its highest
     element), the range an elementwise kernel reads or writes, for the stream sanitizer."""
-    if x._contiguous:
-        return x._ptr, x._nbytes
-    itemsize = x._dtype.itemsize
+    if x.contiguous:
+        return x.ptr, x.nbytes
+    itemsize = x.dtype.itemsize
     low = high = 0
-    for n, st in zip(x._shape, x.strides):
+    for n, st in zip(x.shape, x.strides):
         if n == 0:
-            return x._ptr, 0
+            return x.ptr, 0
         if st < 0:
             low += (n - 1) * st
         else:
             high += (n - 1) * st
-    return x._ptr + low, high - low + itemsize
+    return x.ptr + low, high - low + itemsize
 
 
 _current_stream: Any = None  # cudalab.streams.current_stream, bound on first run
@@ -570,13 +570,14 @@ class _Spec:
     """A stand-in operand for :func:`kernels_for`: an array's layout without memory."""
 
     def __init__(self, dtype: np.dtype, strided: bool, large: bool):
-        self._dtype = dtype
-        self._shape = (2**26, 32) if large else (64, 32)
-        self._contiguous = not strided
-        self.strides = (dtype.itemsize, self._shape[0] * dtype.itemsize) if strided else (
+        self.dtype = dtype
+        self.shape = (2**26, 32) if large else (64, 32)
+        self.contiguous = not strided
+        self.strides = (dtype.itemsize, self.shape[0] * dtype.itemsize) if strided else (
             32 * dtype.itemsize, dtype.itemsize)
-        self._ptr = 0
-        self._device = 0
+        self.strides_or_none = self.strides if strided else None
+        self.ptr = 0
+        self.device_index = 0
 
 
 _SCALAR_EXAMPLES = {int: 1, float: 1.0, bool: True, complex: 1j}

@@ -29,7 +29,7 @@ import numpy as np
 from cudalab import _internal
 from cudalab import streams as _streams
 from cudalab._array_operators import converting_copy
-from cudalab.array import DeviceArray, asarray, empty
+from cudalab.array import DeviceArray, asarray, empty, output_array
 
 __all__ = [
     "HOST",
@@ -210,14 +210,14 @@ def empty_on(shape: tuple[int, ...], dtype: np.dtype, device: int) -> DeviceArra
     """``empty(shape, dtype=dtype, device=device)`` on the device's current stream, for
     arguments known to be valid (a tuple of ints, a supported dtype, a device index): not
     re-checked (the 1 KiB rows of benchmarks/comm.py)."""
-    return DeviceArray._output(shape, dtype, device, _streams.current_stream(device))
+    return output_array(shape, dtype, device, _streams.current_stream(device))
 
 
 def new_like(array: Any, device: int) -> DeviceArray:
     """A new C-contiguous array of ``array``'s shape and dtype on ``device`` (a valid index):
     :func:`empty_on` for a DeviceArray; a host array's dtype is checked by ``empty``."""
     if isinstance(array, DeviceArray):
-        return empty_on(array._shape, array._dtype, device)
+        return empty_on(array.shape, array.dtype, device)
     return empty(tuple(array.shape), dtype=array.dtype, device=device)
 
 

@@ -151,7 +151,7 @@ def broadcast_into(array: Any, outs: Sequence[DeviceArray]) -> None:
         out = outs[0]
         nbytes = array.nbytes
         if nbytes:
-            device_copy(out._device, out._ptr, array._device, array._ptr, nbytes)
+            device_copy(out.device_index, out.ptr, array.device_index, array.ptr, nbytes)
         return
     group = [array, *outs]
     nccl = _common.nccl_for(group)
@@ -170,8 +170,8 @@ def _one_peer_copy(array: Any, out: DeviceArray) -> bool:
     """Whether ``array`` reaches ``out`` as one direct peer copy: both contiguous device
     arrays of one dtype on two devices with peer access (enabled here, once per pair)."""
     return (type(array) is DeviceArray and array.is_contiguous() and out.is_contiguous()
-            and array._dtype == out._dtype and array._device != out._device
-            and _internal.enable_peer_access(out._device, array._device))
+            and array.dtype == out.dtype and array.device_index != out.device_index
+            and _internal.enable_peer_access(out.device_index, array.device_index))
 
 
 # --------------------------------------------------------------------------- reduce_add
@@ -252,12 +252,12 @@ def _plain_root(inputs: Sequence[Any], destination: int) -> int | None:
     wrong (and a dtype mismatch is NCCL's error to raise)."""
     if not inputs or type(inputs[0]) is not DeviceArray:
         return None
-    shape, dtype = inputs[0]._shape, inputs[0]._dtype
+    shape, dtype = inputs[0].shape, inputs[0].dtype
     root = None
     for i, a in enumerate(inputs):
-        if type(a) is not DeviceArray or a._shape != shape or a._dtype != dtype:
+        if type(a) is not DeviceArray or a.shape != shape or a.dtype != dtype:
             return None
-        if a._device == destination:
+        if a.device_index == destination:
             root = i
     return root
 
@@ -281,7 +281,7 @@ def sum_to_device(inputs: Sequence[Any], destination: Any) -> DeviceArray:
     nccl = _common.nccl_for(inputs, checked=plain)
     if nccl is not None:
         first = inputs[root]
-        result = _common.empty_on(first._shape, first._dtype, dest)
+        result = _common.empty_on(first.shape, first.dtype, dest)
         if plain or _common.same_dtype(inputs):
             outs: list[Any] = [None] * len(inputs)
             outs[root] = result

@@ -403,7 +403,7 @@ class Communicator:
         if isinstance(obj, _array.DeviceArray):
             arr = obj
         else:
-            foreign = None if isinstance(obj, np.ndarray) else _array._foreign_cuda_array(obj)
+            foreign = None if isinstance(obj, np.ndarray) else _array.foreign_cuda_array(obj)
             if foreign is None:
                 raise TypeError(f"{what}: {role} must be a cudalab.DeviceArray or a CUDA array "
                                 f"(__cuda_array_interface__ or DLPack), got "
@@ -413,11 +413,11 @@ class Communicator:
         if arr.device_index != self._device:
             raise ValueError(f"{what}: {role} is on cuda:{arr.device_index}, but this rank's "
                              f"communicator is on cuda:{self._device}")
-        if not arr.is_contiguous():
+        if not arr.contiguous:
             raise ValueError(f"{what}: {role} must be C-contiguous; it has shape {arr.shape} "
                              f"and strides {arr.strides}")
         if writable:
-            arr._require_writable(f"{what} {role}")
+            _array.require_writable(arr, f"{what} {role}")
         return arr
 
     @staticmethod

@@ -162,7 +162,7 @@ def _scatter_to_devices(array: Any, devices: list[int], chunk_sizes: Iterable[in
                                f"{len(sizes)}")
     dim = _common.wrap_dim(dim, array.ndim)
     if (sizes is None and streams is None and dim == 0 and type(array) is DeviceArray
-            and array._contiguous and array._shape):
+            and array.contiguous and array.shape):
         return _scatter_rows(array, devices)
     if sizes is None:
         if array.ndim == 0:
@@ -188,20 +188,20 @@ def _scatter_rows(array: DeviceArray, devices: list[int]) -> tuple[Any, ...]:
     """:func:`_scatter_to_devices` for a contiguous DeviceArray cut along dimension 0 into
     ``chunk`` pieces with no streams: each piece is a run of bytes, copied without building
     its view (the 1 KiB scatter row of benchmarks/comm.py)."""
-    shape = array._shape
+    shape = array.shape
     rows = shape[0]
-    row_bytes = array._nbytes // rows if rows else 0
-    source = array._device
+    row_bytes = array.nbytes // rows if rows else 0
+    source = array.device_index
     results: list[Any] = []
     start = 0
     for size, device in zip(chunk_sizes_of(rows, len(devices)), devices):
         if device == source:
             results.append(array.narrow(0, start, size))
         else:
-            piece = _common.empty_on((size, *shape[1:]), array._dtype, device)
+            piece = _common.empty_on((size, *shape[1:]), array.dtype, device)
             nbytes = size * row_bytes
             if nbytes:
-                device_copy(device, piece._ptr, source, array._ptr + start * row_bytes, nbytes)
+                device_copy(device, piece.ptr, source, array.ptr + start * row_bytes, nbytes)
             results.append(piece)
         start += size
     return tuple(results)
@@ -307,23 +307,23 @@ def _gather_rows(arrays: list[Any], dim: Any, destination: Any) -> DeviceArray |
     first = arrays[0]
     if type(first) is not DeviceArray:
         return None
-    shape, dtype = first._shape, first._dtype
+    shape, dtype = first.shape, first.dtype
     if type(dim) is not int or not shape or not (dim == 0 or dim == -len(shape)):
         return None
     rest = shape[1:]
     total = 0
     for a in arrays:
-        if (type(a) is not DeviceArray or not a._contiguous or a._dtype != dtype
-                or len(a._shape) != len(shape) or a._shape[1:] != rest):
+        if (type(a) is not DeviceArray or not a.contiguous or a.dtype != dtype
+                or len(a.shape) != len(shape) or a.shape[1:] != rest):
             return None
-        total += a._shape[0]
+        total += a.shape[0]
     device = _internal.device_index(destination)
     result = _common.empty_on((total, *rest), dtype, device)
-    offset = result._ptr
+    offset = result.ptr
     copies = []
     for a in arrays:
-        nbytes = a._nbytes
-        copies.append((offset, a._device, a._ptr, nbytes))
+        nbytes = a.nbytes
+        copies.append((offset, a.device_index, a.ptr, nbytes))
         offset += nbytes
     device_copies(device, copies)  # (at once, not one after another as torch's copy_ calls)
     return result

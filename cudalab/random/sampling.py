@@ -64,17 +64,17 @@ def _reserve_in_graph(st: PhiloxState, total: int) -> tuple[int, int]:
         raise RuntimeError("the random offsets reserved inside this CUDA graph exceed 2**32 - 1")
     off = st.offset_intragraph
     st.offset_intragraph = off + total
-    return off, st._graph_buf._ptr
+    return off, st._graph_buf.ptr
 
 
 def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
               generator: Any, stream: Any = None) -> None:
     """Fill ``arr`` (contiguous, writable) with torch's values for ``kernel`` and ``params``,
     on the current stream of its device, advancing the generator like torch."""
-    n = arr._size
+    n = arr.size
     if not n:
         return
-    dev = arr._device
+    dev = arr.device_index
     if generator is None and dev < len(_defaults) and not (_queued or _seed_calls):
         g = _defaults[dev]
         st = g._state if g is not None else _state_for(None, dev)
@@ -82,9 +82,9 @@ def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
         st = _state_for(generator, dev)
     if stream is None:  # (a new array passes its allocation stream: the current one)
         stream = _current_stream(dev)
-    plan = _plans.get((dev, n, arr._dtype.itemsize, unroll))
+    plan = _plans.get((dev, n, arr.dtype.itemsize, unroll))
     if plan is None:
-        plan = _plan(dev, n, arr._dtype.itemsize, unroll)
+        plan = _plan(dev, n, arr.dtype.itemsize, unroll)
     total, steps = plan
     gstate = 0
     with _lock:
@@ -98,7 +98,7 @@ def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
                                    "capture_epilogue)")
             off = st.offset
             st.offset = (off + total) & _MASK64
-    ptr = arr._ptr
+    ptr = arr.ptr
     if len(steps) == 1:
         byte_off, m, S, K, grid, block = steps[0][1]
         _launch(kernel, dev, stream, grid, block, (ptr, m, S, K, seed_, off, gstate) + params)
@@ -157,12 +157,12 @@ _F32 = np.dtype(np.float32)
 
 def _as_target(array: Any, what: str) -> _array.DeviceArray:
     if not isinstance(array, _array.DeviceArray):
-        foreign = _array._foreign_cuda_array(array)
+        foreign = _array.foreign_cuda_array(array)
         if foreign is None:
             raise TypeError(f"{what} needs a cudalab.DeviceArray (or a CUDA array of another "
                             f"library), got {type(array).__name__}")
         array = foreign
-    array._require_writable(what)
+    _array.require_writable(array, what)
     return array
 
 
@@ -259,7 +259,7 @@ def rand(*size: Any, dtype: Any = None, device: Any = None,
     """
     arr, tag = _float_out(size, dtype, device, "rand()")
     _generate(arr, _kernel("uniform_" + tag), _UNROLL[tag], _RAND_PARAMS[tag], generator,
-              arr._stream)
+              arr.stream)
     return arr
 
 
@@ -273,7 +273,7 @@ def randn(*size: Any, dtype: Any = None, device: Any = None,
     """
     arr, tag = _float_out(size, dtype, device, "randn()")
     _generate(arr, _kernel("normal_" + tag), _UNROLL[tag], _RANDN_PARAMS[tag], generator,
-              arr._stream)
+              arr.stream)
     return arr
 
 
@@ -300,7 +300,7 @@ def uniform_(array: Any, from_: float = 0.0, to: float = 1.0, *,
     """Fill ``array`` with uniform samples in ``[from_, to)`` (``Tensor.uniform_``), in place on
     the current stream; returns ``array``. Floating dtypes; bit-exact with torch."""
     target = _as_target(array, "uniform_()")
-    tag = _float_tag(target._dtype, "uniform_()")
+    tag = _float_tag(target.dtype, "uniform_()")
     params = _uniform_params(tag, _scalar_param(from_, "from", "uniform_()"),
                              _scalar_param(to, "to", "uniform_()"), "uniform_()")
     _generate(target, _kernel("uniform_" + tag), _UNROLL[tag], params, generator)
@@ -311,7 +311,7 @@ def normal_(array: Any, mean: float = 0.0, std: float = 1.0, *,
             generator: Generator | None = None) -> Any:
     """Fill ``array`` with normal samples (``Tensor.normal_``) in place; returns ``array``."""
     target = _as_target(array, "normal_()")
-    tag = _float_tag(target._dtype, "normal_()")
+    tag = _float_tag(target.dtype, "normal_()")
     params = _normal_params(tag, _scalar_param(mean, "mean", "normal_()"),
                             _scalar_param(std, "std", "normal_()"), "normal_()")
     _generate(target, _kernel("normal_" + tag), _UNROLL[tag], params, generator)
@@ -331,7 +331,7 @@ def bernoulli_(array: Any, p: float = 0.5, *, generator: Generator | None = None
     p = _scalar_param(p, "p", "bernoulli_()")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"bernoulli_ expects p to be in [0, 1], but got p={p}")
-    dt = target._dtype
+    dt = target.dtype
     if dt == np.float64:
         suffix, one, params = "bernoulli_f64", 0x3FF0000000000000, (p,)
         unroll = 2

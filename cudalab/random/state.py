@@ -134,7 +134,7 @@ def _set_graph_words(state: PhiloxState, seed: int, offset: int, stream: Any) ->
     if stream is None:
         stream = _streams.current_stream(state.device)
     _launch(SET_STATE, state.device, stream, (1, 1, 1), (1, 1, 1),
-            (state._graph_buf._ptr, seed, offset))
+            (state._graph_buf.ptr, seed, offset))
 
 
 class PhiloxState:
