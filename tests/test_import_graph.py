@@ -33,17 +33,11 @@ else:  # pragma: no cover - the project's interpreter is 3.11+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "cudalab"
 
-#: Edges that another part of issue 35 is removing, excused here until it lands (each is
-#: ``(importer, imported)``): the DeviceArray mixins import array.py, which derives from
-#: them (a cycle, and imports from a lower layer up). Empty this set as they go;
-#: ``test_every_pending_edge_is_still_needed`` fails on an entry that is gone or that hides
-#: nothing any more, so the set can only shrink.
-PENDING: frozenset[tuple[str, str]] = frozenset({
-    ("cudalab._array_memory", "cudalab.array"),
-    ("cudalab._array_reductions", "cudalab.array"),
-    ("cudalab._array_transfers", "cudalab.array"),
-    ("cudalab._array_views", "cudalab.array"),
-})
+#: Edges excused here while another part of issue 35 removes them (each is
+#: ``(importer, imported)``); empty now that the DeviceArray mixins no longer import
+#: array.py. ``test_every_pending_edge_is_still_needed`` fails on an entry that is gone or
+#: that hides nothing any more, so the set can only shrink.
+PENDING: frozenset[tuple[str, str]] = frozenset()
 
 
 # ----------------------------------------------------------------------------- the graph
