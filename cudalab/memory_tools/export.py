@@ -16,6 +16,13 @@ not belong in a column is named, not written as its ``str()``);
 :func:`cudalab.memory_tools.trace_io.read_history_csv` reads a saved history back with its
 dtypes. pandas is imported only inside the functions that build frames, so importing this
 module costs nothing.
+
+Every frame says where its data came from: ``df.attrs["identity"]`` is the snapshot's
+``identity`` dict (:meth:`cudalab.identity.Identity.to_dict`; this process's for the live
+process, None for a snapshot without one, as torch's). pandas keeps ``attrs`` through
+copies and selections, and writes them into a parquet file's metadata (``PANDAS_ATTRS``),
+so :func:`save_frame`'s parquet files carry it and ``pandas.read_parquet`` restores it; a
+CSV has no place for it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from cudalab.memory_tools.history import ACTIONS
 from cudalab.memory_tools.trace_columns import (
     device_index,
     int_array,
+    live_identity,
     resolve_segments,
     trace_of,
 )
@@ -135,7 +143,13 @@ def history_frame(snap: Any = None, device: Any = None):
         "allocated": o(t.allocated),
         "reserved": o(t.reserved),
     }
-    return pd.DataFrame(cols, columns=list(_HISTORY_COLUMNS))
+    return _with_identity(pd.DataFrame(cols, columns=list(_HISTORY_COLUMNS)), t.identity)
+
+
+def _with_identity(df: Any, identity: dict[str, Any] | None) -> Any:
+    """``df`` with ``attrs["identity"]``: where its rows came from (a copy of the dict)."""
+    df.attrs["identity"] = None if identity is None else dict(identity)
+    return df
 
 
 # --------------------------------------------------------------------------- snapshot frames
@@ -193,7 +207,7 @@ def snapshot_frame(snap: Any = None):
         "state": categorical(pd, rows["state"], BLOCK_STATES),
         **_top_columns(pd, tops),
     }
-    return pd.DataFrame(cols, columns=list(_BLOCK_COLUMNS))
+    return _with_identity(pd.DataFrame(cols, columns=list(_BLOCK_COLUMNS)), s.get("identity"))
 
 
 def segments_frame(snap: Any = None):
@@ -237,7 +251,7 @@ def segments_frame(snap: Any = None):
             cols[k] = np.array(v, dtype=np.float64)
         else:
             cols[k] = np.array(v, dtype=np.int64)
-    return pd.DataFrame(cols, columns=list(_SEGMENT_COLUMNS))
+    return _with_identity(pd.DataFrame(cols, columns=list(_SEGMENT_COLUMNS)), s.get("identity"))
 
 
 def stats_frame(devices: Any = None):
@@ -263,8 +277,9 @@ def stats_frame(devices: Any = None):
         st = cudalab.memory_stats(d)
         if st:
             data[r] = [st.get(k, 0) for k in STAT_KEYS]
-    return pd.DataFrame(data, columns=list(STAT_KEYS),
-                        index=pd.Index(idx, dtype=np.int64, name="device"))
+    df = pd.DataFrame(data, columns=list(STAT_KEYS),
+                      index=pd.Index(idx, dtype=np.int64, name="device"))
+    return _with_identity(df, live_identity())
 
 
 # --------------------------------------------------------------------------- saving

@@ -72,7 +72,10 @@ def export_perfetto(path: Any, snap: Any = None) -> str:
       ``free_completed`` whose alloc predates the trace starts at 0 with ``preexisting``).
       Blocks alive at the same time get different lanes, so slices on one track never
       overlap. Slice names are human-readable sizes; args hold addr, size, stream, top frame;
-    * ``i`` instants (process scope) for ``oom`` (``OOM``) and ``snapshot`` entries.
+    * ``i`` instants (process scope) for ``oom`` (``OOM``) and ``snapshot`` entries;
+    * the trace's metadata, ``otherData``: ``source`` and ``identity`` (where the history
+      came from, :meth:`cudalab.identity.Identity.to_dict`: the snapshot's ``identity``, this
+      process's for ``snap=None``; left out for a snapshot without one, as torch's).
 
     Timestamps are µs since the first entry. Thread ids are unique across the file (Perfetto
     keys threads by tid). A path ending in ``.gz`` is gzip-compressed (Perfetto opens it).
@@ -142,8 +145,11 @@ def _block_lifetimes(t: TraceColumns, a: int, b: int, t0: int, t_end: int):
 
 def _write_perfetto(out, t: TraceColumns, simulated: bool, n_dev: int) -> None:
     dumps = json.dumps
-    out.write('{"displayTimeUnit":"ms","otherData":{"source":"cudalab memory history"},'
-              '"traceEvents":[\n')
+    other: dict[str, Any] = {"source": "cudalab memory history"}
+    if t.identity is not None:
+        other["identity"] = t.identity
+    out.write('{"displayTimeUnit":"ms","otherData":' + dumps(other, separators=(",", ":"))
+              + ',"traceEvents":[\n')
     state = {"first": True}
 
     def write(events: list[str]) -> None:

@@ -5,8 +5,11 @@
 * :func:`_snapshot` — torch's ``torch.cuda.memory._snapshot()`` dict: ``segments``,
   ``device_traces`` (one list of trace entries per device, from the history ring buffers of
   :mod:`cudalab.memory_tools.history`), ``allocator_settings`` (torch's keys) and
-  ``external_annotations``. While history is recorded, taking a snapshot appends a
-  ``snapshot`` entry to each device's trace (as torch's).
+  ``external_annotations``, and cudalab's ``identity`` (where the snapshot came from: host,
+  pid, rank, the current device's index, UUID and name, the cudalab version and the
+  allocator, :meth:`cudalab.identity.Identity.to_dict`; torch's readers ignore keys they do
+  not know, and cudalab's readers accept snapshots without it). While history is recorded,
+  taking a snapshot appends a ``snapshot`` entry to each device's trace (as torch's).
 * :func:`_dump_snapshot` / :func:`export_memory_viz` — that dict pickled with protocol 4 and
   plain Python types only (dict, list, tuple, str, int, float, bool, None), which is what
   pytorch.org/memory_viz's own unpickler and ``torch.cuda._memory_viz`` read.
@@ -28,6 +31,7 @@ from cudalab.allocator import registry as _registry
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig
 from cudalab.allocator.pools import check_pool_id
 from cudalab.devices import device_count
+from cudalab.identity import Identity
 from cudalab.memory_tools import history as _history
 from cudalab.memory_tools import stacks as _stacks
 from cudalab.memory_tools.trace_io import dumps_snapshot
@@ -134,6 +138,7 @@ def take_snapshot(device: Any = None, *, allocators: list | None = None) -> dict
         "device_traces": traces,
         "allocator_settings": allocator_settings(config),
         "external_annotations": [],
+        "identity": Identity.current(allocator="cudalab").to_dict(),
     }
 
 

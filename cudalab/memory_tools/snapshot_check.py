@@ -12,7 +12,9 @@ the ``SnapshotViewer`` and the replay never fail later with a bare ``KeyError``,
 What it checks (torch's schema; keys beyond these, metadata, are not looked at):
 
 * the snapshot: a dict; ``segments`` a list, ``device_traces`` a list of lists, cudalab's
-  ``cudalab`` a dict with a bool ``simulated``;
+  ``cudalab`` a dict with a bool ``simulated``, cudalab's ``identity`` (optional: torch's
+  snapshots and older files lack it) a dict that
+  :meth:`cudalab.identity.Identity.from_dict` accepts (every field's type and range);
 * a segment: a dict with ``address`` and ``total_size`` (integers) and ``blocks`` (a list of
   dicts with ``address``, ``size`` and ``state``); the optional ``device``, ``stream``,
   ``allocated_size``, ``active_size``, ``requested_size`` integers, ``segment_type`` text,
@@ -38,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from cudalab.identity import Identity
 from cudalab.memory_tools.safe_pickle import SnapshotLoadError
 
 __all__ = ["check_snapshot", "check_trace_entries", "TRACE_KEYS_FOR_REPLAY"]
@@ -350,6 +353,12 @@ def check_snapshot(snap: Any, what: str = "snapshot", *, entries: bool = True) -
                                   and type(extra.get("simulated", False)) in (bool, int)):
         raise where.fail("cudalab", f" is {_show(extra)}, expected a dict "
                          "{'simulated': bool}")
+    identity = snap.get("identity")  # cudalab's own key: Identity.to_dict()
+    if identity is not None:
+        try:
+            Identity.from_dict(identity, "identity")
+        except ValueError as exc:
+            raise where.fail("", str(exc)) from None
     segments = snap.get("segments")
     if segments is not None:
         _check_segments(segments, where)

@@ -12,7 +12,8 @@ torch's schema (``cudalab.memory._snapshot()`` or ``torch.cuda.memory._snapshot(
 (torch's pickles included); a list, taken as ``memory_snapshot()``'s segment list; None, the
 live process. The keys cudalab adds to trace entries (``device``, ``nvtx_range``, ``cell``)
 and to the snapshot (``"cudalab": {"simulated": ...}``) are optional everywhere, so torch's
-own snapshots read the same way.
+own snapshots read the same way. Each reading keeps the snapshot's ``identity`` (or, for the
+live process, :func:`live_identity`) for the exports to pass on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from cudalab import _internal
+from cudalab.identity import Identity
 from cudalab.memory_tools import history as _history
 from cudalab.memory_tools.history import ACTIONS
 from cudalab.memory_tools.snapshot import memory_snapshot, take_snapshot
@@ -38,6 +40,7 @@ __all__ = [
     "device_index",
     "int_array",
     "live_history",
+    "live_identity",
     "live_simulated",
     "resolve_segments",
     "resolve_snapshot",
@@ -90,10 +93,17 @@ def live_simulated() -> bool:
         return False
 
 
+def live_identity() -> dict[str, Any]:
+    """This process's :class:`~cudalab.identity.Identity` (its current device, cudalab's
+    allocator) as the plain dict that snapshots carry under ``"identity"``."""
+    return Identity.current(allocator="cudalab").to_dict()
+
+
 def resolve_segments(snap: Any) -> dict:
-    """Like :func:`resolve_snapshot`, but None reads only the segments (``memory_snapshot()``)."""
+    """Like :func:`resolve_snapshot`, but None reads only the segments (``memory_snapshot()``)
+    and this process's identity."""
     if snap is None:
-        return {"segments": memory_snapshot()}
+        return {"segments": memory_snapshot(), "identity": live_identity()}
     return resolve_snapshot(snap)
 
 
@@ -241,17 +251,23 @@ class TraceColumns:
     ``device_traces`` order, each device's entries in recorded order.
 
     ``raw`` (device -> cudalab's raw history tuples) replaces ``snap``'s ``device_traces``.
+    ``identity`` is where the entries came from: ``snap["identity"]`` (None when the snapshot
+    has none, as torch's), or this process's (:func:`live_identity`) with ``raw``.
     """
 
     __slots__ = ("n", "device", "time_us", "code", "addr", "size", "stream", "device_free",
-                 "top", "cell", "nvtx_range", "allocated", "reserved", "names", "bounds")
+                 "top", "cell", "nvtx_range", "allocated", "reserved", "names", "bounds",
+                 "identity")
 
     def __init__(self, snap: dict | None, device: int | None = None, extras: bool = True,
                  raw: dict[int, list] | None = None):
+        self.identity: dict[str, Any] | None
         if raw is not None:
             sources = sorted(raw.items())
+            self.identity = live_identity()
         else:
             sources = list(enumerate((snap or {}).get("device_traces") or []))
+            self.identity = (snap or {}).get("identity")
         codes = _Codes(ACTIONS)
         cache: dict = {}
         parts: dict[str, list] = defaultdict(list)

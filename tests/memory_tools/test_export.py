@@ -624,3 +624,77 @@ def test_perfetto_escapes_frame_strings(tmp_path):
     assert (x["ts"], x["dur"]) == (0, 1)  # never freed: runs to the last timestamp
     oom = next(e for e in data["traceEvents"] if e["ph"] == "i")
     assert oom["args"]["frame"] == x["args"]["frame"]
+
+
+# --------------------------------------------------------------------------- identity
+IDENT = {"host": "node7", "pid": 4242, "rank": 3, "local_rank": 1, "world_size": 8,
+         "device": 1, "device_uuid": "GPU-f4acf50d-0d79-5f08-8bcc-895c63508791",
+         "device_name": "NVIDIA H200", "version": "0.1.0", "allocator": "cudalab"}
+
+
+def test_frames_carry_the_snapshots_identity(tmp_path):
+    snap = synthetic_snapshot(500, devices=2)
+    snap["identity"] = dict(IDENT)
+    for make in (history_frame, snapshot_frame, segments_frame):
+        df = make(snap)
+        assert df.attrs["identity"] == IDENT, make.__name__
+        assert df.attrs["identity"] is not snap["identity"]  # a copy: the frame owns it
+        assert df[df.index >= 0].attrs["identity"] == IDENT  # kept through selections
+    # torch's snapshots have none
+    snap.pop("identity")
+    assert history_frame(snap).attrs["identity"] is None
+    assert segments_frame(snap).attrs["identity"] is None
+
+
+def test_live_frames_carry_this_process_identity():
+    import os
+
+    import cudalab
+    from cudalab.identity import Identity
+
+    cudalab.init()
+    p = cudalab.memory.caching_allocator_alloc(4096)
+    try:
+        with cudalab.memory.record_history():
+            q = cudalab.memory.caching_allocator_alloc(8192)
+            cudalab.memory.caching_allocator_delete(q)
+            frames = [history_frame(), snapshot_frame(), segments_frame(), stats_frame()]
+    finally:
+        cudalab.memory.caching_allocator_delete(p)
+    for df in frames:
+        ident = Identity.from_dict(df.attrs["identity"])
+        assert ident.pid == os.getpid() and ident.allocator == "cudalab"
+        assert ident.device == cudalab.current_device()
+
+
+def test_parquet_files_carry_the_identity(tmp_path):
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from cudalab.memory_tools.export import save_frame
+
+    snap = synthetic_snapshot(300)
+    snap["identity"] = dict(IDENT)
+    path = save_frame(history_frame(snap), tmp_path / "h.parquet")
+    assert pd.read_parquet(path).attrs["identity"] == IDENT
+    meta = pq.read_schema(path).metadata  # what other readers see: JSON in the metadata
+    assert json.loads(meta[b"PANDAS_ATTRS"])["identity"] == IDENT
+
+
+def test_perfetto_metadata_carries_the_identity(tmp_path):
+    import os
+
+    import cudalab
+
+    data = _load(export_perfetto(tmp_path / "a.json", _hand_snapshot(identity=dict(IDENT))))
+    _check_trace(data)
+    assert data["otherData"] == {"source": "cudalab memory history", "identity": IDENT}
+    # torch's snapshots have none: no identity is made up for them
+    data = _load(export_perfetto(tmp_path / "b.json", _hand_snapshot()))
+    assert data["otherData"] == {"source": "cudalab memory history"}
+    # the live history: this process's
+    cudalab.init()
+    with cudalab.memory.record_history():
+        cudalab.memory.caching_allocator_delete(cudalab.memory.caching_allocator_alloc(512))
+        data = _load(export_perfetto(tmp_path / "c.json.gz"))
+    assert data["otherData"]["identity"]["pid"] == os.getpid()

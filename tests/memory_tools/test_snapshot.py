@@ -108,7 +108,7 @@ def walk(obj, path="snapshot"):
 def test_snapshot_schema(workload):
     a, snap, ptrs, ln = workload
     assert set(snap) == {"segments", "device_traces", "allocator_settings",
-                         "external_annotations"}
+                         "external_annotations", "identity"}
     assert snap["external_annotations"] == []
     segs = snap["segments"]
     assert [s["address"] for s in segs] == sorted(s["address"] for s in segs)
@@ -289,6 +289,37 @@ def test_to_plain_converts_numpy_numbers_and_rejects_objects():
         dumps_snapshot({"segments": [object()]})
 
 
+# --------------------------------------------------------------------------- identity
+def test_every_snapshot_says_where_it_came_from(tmp_path):
+    from cudalab.identity import Identity
+
+    cudalab.init()
+    snap = cudalab.memory._snapshot()
+    ident = Identity.from_dict(snap["identity"])
+    assert ident == Identity.current()  # this process, its current device, cudalab's allocator
+    assert ident.pid == os.getpid() and ident.allocator == "cudalab"
+    assert ident.device == cudalab.current_device()
+    assert ident.device_uuid == cudalab.get_device_properties(ident.device).nvml_uuid
+    # the file memory_viz reads carries it, as plain data, and load_snapshot checks it
+    path = tmp_path / "snap.pickle"
+    cudalab.memory._dump_snapshot(path)
+    assert pickle.loads(path.read_bytes())["identity"] == snap["identity"]
+    walk(pickle.loads(path.read_bytes())["identity"])
+    assert cudalab.memory.load_snapshot(path)["identity"] == snap["identity"]
+
+
+@pytest.mark.parametrize("identity,message", [
+    ("node7", r"identity is a str \('node7'\), expected a dict"),
+    ({"host": "h", "pid": "12", "version": "0", "allocator": "cudalab"},
+     r"identity\['pid'\] is a str \('12'\), expected an int"),
+    ({"host": "h", "pid": 1, "version": "0"}, r"identity lacks the key 'allocator'"),
+])
+def test_load_rejects_a_malformed_identity(identity, message):
+    snap = {**torch_style_snapshot(), "identity": identity}
+    with pytest.raises(SnapshotLoadError, match=r"snapshot.*: " + message):
+        cudalab.memory.load_snapshot(io.BytesIO(pickle.dumps(snap)))
+
+
 # --------------------------------------------------------------------------- loading
 class Evil:
     """Unpickling this would run a shell command."""
@@ -434,6 +465,7 @@ def test_torch_memory_viz_reads_a_cudalab_snapshot(tmp_path):
     with open(path, "rb") as f:
         snap = pickle.load(f)
     assert snap["device_traces"][0]
+    assert snap["identity"]["pid"] == os.getpid()  # cudalab's key rides along
     for fn in ("segment_plot", "trace_plot"):
         html = getattr(mv, fn)(snap)
         assert isinstance(html, str) and "<html" in html.lower(), fn
