@@ -91,7 +91,7 @@ class CudaLabMagics(Magics):
     def __init__(self, shell: Any = None, **kwargs: Any):
         super().__init__(shell=shell, **kwargs)
         self._closed = False
-        self._event_pool: Any = None  # event_timer._EventPool, made on first use
+        self._event_pool: Any = None  # event_timer.EventPool, made on first use
         self._flush: Any = None  # timed_context._FlushBuffers
         self._memory: Any = None  # memory.MemoryState
         self._dashboards: list[Any] = []

@@ -1,5 +1,5 @@
 """The event timer of ``%%cuda_timed``: a pool of timing events reused across runs, and
-:class:`_EventTimer`, which records them around every repeat on every timed stream and
+:class:`EventTimer`, which records them around every repeat on every timed stream and
 reads the GPU times after the run's single host sync.
 
 This is the hot path of the benchmark row "%%cuda_timed per-repeat overhead"
@@ -17,14 +17,14 @@ import numpy as np
 
 from cudalab import _internal
 
-__all__ = ["_EventPool", "_EventTimer"]
+__all__ = ["EventPool", "EventTimer"]
 
 _perf = time.perf_counter
 _event_handle = _internal.event_handle
 _stream_handle = _internal.stream_handle
 
 
-class _EventPool:
+class EventPool:
     """Timing events per device, reused across runs (creating events costs driver calls).
 
     Each device has a list of events and the parallel list of their driver handles (the hot
@@ -108,7 +108,7 @@ class _Group:
         self.handles: list[Any] = []
 
 
-class _EventTimer:
+class EventTimer:
     """Events on every timed (device, stream) for up to ``capacity`` repeats, and host clocks.
 
     * **Shared boundaries** (``shared``: nothing untimed runs between repeats, i.e. no setup
@@ -138,7 +138,7 @@ class _EventTimer:
     MAX_LAG = 32
     LATENCY = 50e-6
 
-    def __init__(self, devs: list[int], streams: dict[int, Any], side: dict, pool: _EventPool,
+    def __init__(self, devs: list[int], streams: dict[int, Any], side: dict, pool: EventPool,
                  capacity: int, flush: Any = None, shared: bool = True):
         self.devs = devs
         self.pool = pool

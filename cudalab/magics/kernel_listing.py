@@ -1,10 +1,10 @@
 """``%%cuda_timed --kernels``: which kernels a cell launched and their GPU times.
 
-Two sources: :class:`_LaunchTracker`, a launch observer that sees cudalab's own launches
-(and which streams and devices they used, for the timer), and :class:`_CuptiKernels`, a
+Two sources: :class:`LaunchTracker`, a launch observer that sees cudalab's own launches
+(and which streams and devices they used, for the timer), and :class:`CuptiKernels`, a
 consumer of CUPTI activity records (every library's kernels, and the memcpys and memsets),
 which it gets through :func:`cudalab._internal.cupti_kernel_activity`;
-:func:`_kernel_report` picks one. While CUPTI records, the tracker records no per-launch
+:func:`kernel_report` picks one. While CUPTI records, the tracker records no per-launch
 events (CUPTI's timestamps replace them), so ``--kernels`` costs the cell only CUPTI's own
 tracing and one decode per record.
 
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 from cudalab import _internal
 
 if TYPE_CHECKING:
-    from cudalab.magics.timed_context import _Context
+    from cudalab.magics.timed_context import TimedContext
     from cudalab.magics.timed_options import TimedOptions
 
-__all__ = ["SIMULATOR_USES_CUPTI", "_CuptiKernels", "_LaunchTracker", "_cupti_for",
-           "_kernel_report"]
+__all__ = ["SIMULATOR_USES_CUPTI", "CuptiKernels", "LaunchTracker", "cupti_for",
+           "kernel_report"]
 
 #: Whether ``--kernels`` asks CUPTI for records on the simulator. False: real CUPTI records
 #: nothing there (no GPU work). Tests set it True with a stand-in ``cupti`` module installed
@@ -32,7 +32,7 @@ __all__ = ["SIMULATOR_USES_CUPTI", "_CuptiKernels", "_LaunchTracker", "_cupti_fo
 SIMULATOR_USES_CUPTI = False
 
 
-class _LaunchTracker:
+class LaunchTracker:
     """A launch observer: which streams and devices cudalab kernels used, and (``record``)
     an end event after each launch for per-kernel GPU times."""
 
@@ -96,12 +96,12 @@ class _LaunchTracker:
         return out
 
 
-def _add_observer(obs: Any) -> None:
+def add_launch_observer(obs: Any) -> None:
     """Tell ``obs`` about every runtime kernel launch from now on."""
     _internal.launch_observers.append(obs)
 
 
-def _remove_observer(obs: Any) -> None:
+def remove_launch_observer(obs: Any) -> None:
     try:
         _internal.launch_observers.remove(obs)
     except ValueError:
@@ -112,7 +112,7 @@ def _remove_observer(obs: Any) -> None:
 _FALLBACK = "; listing cudalab's own launches only"
 
 
-class _CuptiKernels:
+class CuptiKernels:
     """CUPTI activity records around a region (every library's kernels, memcpys and
     memsets), as the ``--kernels`` table: the seam's
     :class:`~cudalab._driver.cupti.KernelActivity` collects and decodes the records; this
@@ -181,7 +181,7 @@ class _CuptiKernels:
         return list(table.values())
 
 
-def _cupti_for(magics: Any, ctx: _Context, opts: TimedOptions) -> tuple[Any, str]:
+def cupti_for(magics: Any, ctx: TimedContext, opts: TimedOptions) -> tuple[Any, str]:
     """A CUPTI kernel tracer for ``--kernels`` when it may be used, else (None, why not)."""
     if not opts.kernels:
         return None, ""
@@ -189,10 +189,10 @@ def _cupti_for(magics: Any, ctx: _Context, opts: TimedOptions) -> tuple[Any, str
         return None, "CUPTI is not used on the simulator"
     if not magics.cupti:
         return None, "CUPTI is off (CudaLabMagics.cupti = False)"
-    return _CuptiKernels(), ""
+    return CuptiKernels(), ""
 
 
-def _kernel_report(opts: TimedOptions, tracker: _LaunchTracker, cupti: Any, why: str,
+def kernel_report(opts: TimedOptions, tracker: LaunchTracker, cupti: Any, why: str,
                    start_events: dict, gpu_err: Any, per: str = "") -> tuple[list[dict], str]:
     if not opts.kernels:
         return [], ""

@@ -17,10 +17,17 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from cudalab._internal import echo, format_bytes
-from cudalab.magics.memory_args import _Args, _devices, _label, _parse, _resolve, _simulated
+from cudalab.magics.memory_args import (
+    MemoryArgs,
+    device_label,
+    devices_module,
+    is_simulated,
+    parse_memory_args,
+    resolve_device,
+)
 from cudalab.magics.memory_pools import pools_data, pools_html, pools_text
 from cudalab.magics.memory_report import (
-    _Mark,
+    MemoryMark,
     diff_data,
     diff_html,
     diff_text,
@@ -28,7 +35,7 @@ from cudalab.magics.memory_report import (
     summary_html,
     summary_text,
 )
-from cudalab.magics.memory_watch import _Watch
+from cudalab.magics.memory_watch import MemoryWatch
 
 __all__ = ["run_cuda_memory", "MemoryState"]
 
@@ -59,7 +66,7 @@ def _cannot(what: str, verb: str, path: str, exc: Exception) -> UsageError:
     return UsageError(f"{what}: {exc}")
 
 
-def _path_word(args: _Args, i: int, usage: str) -> str:
+def _path_word(args: MemoryArgs, i: int, usage: str) -> str:
     """``args.words[i]``, a path (a UsageError when it is missing or empty)."""
     if len(args.words) <= i or not args.words[i].strip():
         raise UsageError(usage)
@@ -72,8 +79,8 @@ class MemoryState:
 
     def __init__(self, magics: Any):
         self.magics = magics
-        self.marks: dict[int, _Mark] = {}
-        self.watch: _Watch | None = None
+        self.marks: dict[int, MemoryMark] = {}
+        self.watch: MemoryWatch | None = None
         self.history: Any = None  # HistoryRecording started by the magic
 
     def watch_on(self, device: int | None, threshold: int) -> str:
@@ -81,7 +88,7 @@ class MemoryState:
             self.watch.threshold = threshold
             self.watch.device = device
             return f"cudalab watch: already on; threshold {format_bytes(threshold)}"
-        w = _Watch(self.magics, device, threshold)
+        w = MemoryWatch(self.magics, device, threshold)
         self.magics._add_hook("pre_run_cell", w.pre)
         self.magics._add_hook("post_run_cell", w.post)
         self.watch = w
@@ -99,14 +106,14 @@ class MemoryState:
         self.watch = None
         return "cudalab watch: off"
 
-    def mark(self, device: int) -> _Mark:
+    def mark(self, device: int) -> MemoryMark:
         import cudalab.memory as cm
 
         old = self.marks.pop(device, None)
         if old is not None and old.scope is not None and old.scope.running:
             old.scope.stop()
         scope = cm.peak_scope(device).start()
-        m = self.marks[device] = _Mark(device, dict(cm.memory_stats(device)), scope)
+        m = self.marks[device] = MemoryMark(device, dict(cm.memory_stats(device)), scope)
         return m
 
     def close(self) -> None:
@@ -151,7 +158,7 @@ def _settings_text(s: dict | None) -> str:
             f"max_entries={cap}{skip}")
 
 
-def _history(magics: Any, args: _Args) -> Any:
+def _history(magics: Any, args: MemoryArgs) -> Any:
     import cudalab.memory as cm
     from cudalab.memory_tools import history as hist
 
@@ -209,7 +216,7 @@ def _history(magics: Any, args: _Args) -> Any:
         print(f"cudalab history: wrote {n} entries to {path}: {kind}")
         return None
     if sub == "frame":
-        return cm.history_frame(device=None if args.device is None else _resolve(args.device))
+        return cm.history_frame(device=None if args.device is None else resolve_device(args.device))
     if sub == "status":
         s = hist.history_settings()
         state = f"recording ({_settings_text(s)})" if s else "not recording"
@@ -253,7 +260,7 @@ def _widget_class(name: str, what: str) -> Any:
         raise UsageError(f"{what}: the widget cannot be loaded ({exc})") from None
 
 
-def _snapshot(args: _Args) -> Any:
+def _snapshot(args: MemoryArgs) -> Any:
     import cudalab.memory as cm
     from cudalab.memory_tools.snapshot import take_snapshot
 
@@ -289,13 +296,13 @@ def _snapshot(args: _Args) -> Any:
     return SnapshotViewer(snap)
 
 
-def _dashboard(magics: Any, args: _Args) -> Any:
+def _dashboard(magics: Any, args: MemoryArgs) -> Any:
     cls = _widget_class("MemoryDashboard", "%cuda_memory dashboard")
     if cls is None:
         return None
     kwargs: dict[str, Any] = {}
     if args.device is not None:
-        kwargs["devices"] = _resolve(args.device)
+        kwargs["devices"] = resolve_device(args.device)
     dash = cls(**kwargs)
     magics._dashboards.append(dash)
     return dash
@@ -304,10 +311,10 @@ def _dashboard(magics: Any, args: _Args) -> Any:
 # =============================================================================== entry
 def run_cuda_memory(magics: Any, line: str) -> Any:
     """The body of ``%cuda_memory`` (see its docstring)."""
-    args = _parse(line)
+    args = parse_memory_args(line)
     cmd = args.command
     if cmd == "summary":
-        d = _resolve(args.device, init=args.device is not None)
+        d = resolve_device(args.device, init=args.device is not None)
         if d is None:
             print("cudalab memory: CUDA is not initialised yet, so cudalab has allocated nothing "
                   "(no context was created)")
@@ -316,33 +323,33 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
         _show(summary_text(data), summary_html(data))
         return None
     if cmd == "pools":
-        data = pools_data(_resolve(args.device))
+        data = pools_data(resolve_device(args.device))
         _show(pools_text(data), pools_html(data))
         return None
     if cmd == "stats":
         import cudalab.memory as cm
 
-        devs = None if args.device is None else [_resolve(args.device)]
+        devs = None if args.device is None else [resolve_device(args.device)]
         if devs is None:
-            _resolve(None)
+            resolve_device(None)
         try:
             frame = cm.stats_frame(devs)
         except ImportError:
             return cm.memory_stats(devs[0] if devs else None)
-        frame.attrs["simulated"] = _simulated()
+        frame.attrs["simulated"] = is_simulated()
         if frame.attrs["simulated"]:
             frame.index.name = "device (simulated)"
         return frame
     if cmd == "mark":
-        d = _resolve(args.device)
+        d = resolve_device(args.device)
         m = _state(magics).mark(d)
-        print(f"cudalab memory: mark set on {_label(d)} (allocated "
+        print(f"cudalab memory: mark set on {device_label(d)} (allocated "
               f"{format_bytes(m.stats.get('allocated_bytes.all.current', 0))}, reserved "
               f"{format_bytes(m.stats.get('reserved_bytes.all.current', 0))}); "
               "'%cuda_memory diff' shows the changes and the peak since")
         return None
     if cmd == "diff":
-        d = _resolve(args.device)
+        d = resolve_device(args.device)
         marked = _state(magics).marks.get(d)
         if marked is None:
             raise UsageError(f"%cuda_memory diff: no mark on cuda:{d}; run '%cuda_memory mark' "
@@ -353,16 +360,16 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
     if cmd == "reset-peaks":
         import cudalab.memory as cm
 
-        d = _resolve(args.device)
+        d = resolve_device(args.device)
         cm.reset_peak_memory_stats(d)
-        print(f"cudalab memory: peak statistics of {_label(d)} reset (max_memory_allocated is "
+        print(f"cudalab memory: peak statistics of {device_label(d)} reset (max_memory_allocated is "
               f"now {format_bytes(cm.max_memory_allocated(d))}); scoped peaks (watch, marks) "
               "keep theirs")
         return None
     if cmd == "empty-cache":
         import cudalab.memory as cm
 
-        devices = _devices()
+        devices = devices_module()
         if not devices.is_initialized():
             print("cudalab memory: nothing cached (CUDA is not initialised)")
             return None
@@ -377,7 +384,7 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
         st = _state(magics)
         word = args.words[0].lower() if args.words else "on"
         if word in ("on", "start"):
-            device = None if args.device is None else _resolve(args.device)
+            device = None if args.device is None else resolve_device(args.device)
             thr = magics.watch_threshold if args.threshold is None else args.threshold
             print(st.watch_on(device, thr))
         elif word in ("off", "stop"):

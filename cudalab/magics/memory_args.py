@@ -1,5 +1,5 @@
-"""``%cuda_memory``'s command line (:func:`_parse` into :class:`_Args`) and its device
-argument (:func:`_resolve`), with the device labels every subcommand prints.
+"""``%cuda_memory``'s command line (:func:`parse_memory_args` into :class:`MemoryArgs`) and its device
+argument (:func:`resolve_device`), with the device labels every subcommand prints.
 
 Sizes (``--threshold``) are read by :func:`cudalab._internal.parse_size`, the package's
 one size parser: ``"1g"`` is 2**30 bytes here as everywhere.
@@ -14,10 +14,13 @@ from IPython.core.error import UsageError
 
 from cudalab import _internal
 
-__all__ = ["_Args", "_devices", "_label", "_parse", "_resolve", "_simulated", "strip_comment"]
+#: The names the other ``%cuda_memory`` modules (memory, memory_report, memory_pools,
+#: memory_watch) use.
+__all__ = ["MemoryArgs", "device_label", "devices_module", "is_simulated", "parse_memory_args",
+           "resolve_device", "strip_comment"]
 
 
-class _Args:
+class MemoryArgs:
     __slots__ = ("command", "words", "device", "threshold", "max_entries", "context", "stacks")
 
     def __init__(self) -> None:
@@ -73,12 +76,12 @@ def strip_comment(line: str) -> str:
     return line
 
 
-def _parse(line: str) -> _Args:
+def parse_memory_args(line: str) -> MemoryArgs:
     try:
         tokens = shlex.split(strip_comment(line or ""))
     except ValueError as exc:
         raise UsageError(f"%cuda_memory: {exc}") from None
-    args = _Args()
+    args = MemoryArgs()
     i = 0
     positional: list[str] = []
     while i < len(tokens):
@@ -135,7 +138,7 @@ def _parse(line: str) -> _Args:
 
 
 
-def _devices() -> Any:
+def devices_module() -> Any:
     """:mod:`cudalab.devices`, imported when first needed."""
     from cudalab import devices
 
@@ -143,13 +146,13 @@ def _devices() -> Any:
 
 
 @overload
-def _resolve(spec: str | None, init: Literal[True] = ...) -> int: ...
+def resolve_device(spec: str | None, init: Literal[True] = ...) -> int: ...
 @overload
-def _resolve(spec: str | None, init: bool) -> int | None: ...
-def _resolve(spec: str | None, init: bool = True) -> int | None:
+def resolve_device(spec: str | None, init: bool) -> int | None: ...
+def resolve_device(spec: str | None, init: bool = True) -> int | None:
     """Device index for ``spec`` (None: current). ``init=False`` returns None instead of
     initialising CUDA."""
-    devices = _devices()
+    devices = devices_module()
     if not devices.is_initialized() and not init:
         return None
     from cudalab.errors import CudaUnavailableError
@@ -167,10 +170,10 @@ def _resolve(spec: str | None, init: bool = True) -> int | None:
         raise UsageError(f"%cuda_memory: bad device {_internal.echo(spec)}: {exc}") from None
 
 
-def _simulated() -> bool:
+def is_simulated() -> bool:
     return bool(_internal.is_initialized() and _internal.backend().simulated)
 
 
-def _label(d: int) -> str:
-    return f"cuda:{d}" + (" (simulated)" if _simulated() else "")
+def device_label(d: int) -> str:
+    return f"cuda:{d}" + (" (simulated)" if is_simulated() else "")
 

@@ -8,7 +8,7 @@ import html
 from typing import Any
 
 from cudalab._internal import format_bytes
-from cudalab.magics.memory_args import _label
+from cudalab.magics.memory_args import device_label
 
 __all__ = ["pools_data", "pools_html", "pools_text"]
 
@@ -53,7 +53,7 @@ def pools_text(data: dict, title: bool = True) -> str:
     rows = data["pools"]
     lines = []
     if title:
-        lines.append(f"cudalab private memory pools, {_label(data['device'])}: {len(rows)}")
+        lines.append(f"cudalab private memory pools, {device_label(data['device'])}: {len(rows)}")
     if not rows:
         lines.append("no private pools (CUDA graph captures and MemPool make them)")
         return "\n".join(lines)
@@ -73,7 +73,7 @@ def pools_html(data: dict, title: bool = True) -> str:
     rows = data["pools"]
     out = ['<div class="cudalab-memory-pools">']
     if title:
-        out.append(f"<b>cudalab private memory pools</b>, {e(_label(data['device']))}: "
+        out.append(f"<b>cudalab private memory pools</b>, {e(device_label(data['device']))}: "
                    f"{len(rows)}")
     if not rows:
         out.append("<div>no private pools (CUDA graph captures and MemPool make them)</div>")

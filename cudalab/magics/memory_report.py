@@ -8,10 +8,10 @@ import time
 from typing import Any
 
 from cudalab._internal import format_bytes, format_time
-from cudalab.magics.memory_args import _devices, _label, _simulated
+from cudalab.magics.memory_args import device_label, devices_module, is_simulated
 from cudalab.magics.memory_pools import pools_data, pools_html, pools_text
 
-__all__ = ["_Mark", "diff_data", "diff_html", "diff_text", "summary_data", "summary_html",
+__all__ = ["MemoryMark", "diff_data", "diff_html", "diff_text", "summary_data", "summary_html",
            "summary_text"]
 
 
@@ -36,7 +36,7 @@ def summary_data(device: int) -> dict[str, Any]:
     import cudalab.memory as cm
 
     stats = cm.memory_stats(device)
-    free, total = _devices().mem_get_info(device)
+    free, total = devices_module().mem_get_info(device)
     alloc = stats.get("allocated_bytes.all.current", 0)
     reserved = stats.get("reserved_bytes.all.current", 0)
     return {
@@ -51,7 +51,7 @@ def summary_data(device: int) -> dict[str, Any]:
         "device_free": free,
         "device_total": total,
         "backend": cm.get_allocator_backend(),
-        "simulated": _simulated(),
+        "simulated": is_simulated(),
         "pools": pools_data(device),  # private pools: a section of their own when any
     }
 
@@ -64,7 +64,7 @@ def _cell(key: str, col: str, stats: dict, is_bytes: bool) -> str:
 def summary_text(data: dict) -> str:
     st = data["stats"]
     d = data["device"]
-    head = (f"cudalab memory summary, {_label(d)} ({data['backend']} allocator) | OOMs: "
+    head = (f"cudalab memory summary, {device_label(d)} ({data['backend']} allocator) | OOMs: "
             f"{data['num_ooms']} | cudaMalloc retries: {data['num_alloc_retries']}")
     lines = [head, f"{'':<28}" + "".join(f"{title:>12}" for _c, title in _COLS)]
     for title, key, is_bytes in _ROWS:
@@ -89,7 +89,7 @@ def summary_html(data: dict) -> str:
     st = data["stats"]
     d = data["device"]
     out = ['<div class="cudalab-memory">',
-           f"<b>cudalab memory summary</b>, {e(_label(d))}, {e(data['backend'])} allocator | "
+           f"<b>cudalab memory summary</b>, {e(device_label(d))}, {e(data['backend'])} allocator | "
            f"OOMs: {data['num_ooms']} | cudaMalloc retries: {data['num_alloc_retries']}",
            '<table style="border-collapse:collapse;font-family:monospace;font-size:12px">',
            "<tr><th></th>" + "".join(f"<th style='text-align:right'>{e(t)}</th>"
@@ -149,7 +149,7 @@ _DIFF_KEYS = (
 )
 
 
-class _Mark:
+class MemoryMark:
     __slots__ = ("device", "stats", "scope", "t")
 
     def __init__(self, device: int, stats: dict, scope: Any):
@@ -159,7 +159,7 @@ class _Mark:
         self.t = time.perf_counter()
 
 
-def diff_data(mark: _Mark) -> dict[str, Any]:
+def diff_data(mark: MemoryMark) -> dict[str, Any]:
     import cudalab.memory as cm
 
     now = cm.memory_stats(mark.device)
@@ -176,7 +176,7 @@ def diff_data(mark: _Mark) -> dict[str, Any]:
 
 
 def diff_text(data: dict) -> str:
-    lines = [f"cudalab memory diff since the mark, {_label(data['device'])} "
+    lines = [f"cudalab memory diff since the mark, {device_label(data['device'])} "
              f"({format_time(data['elapsed'])} ago)"]
     lines.append(f"{'':<26}{'at mark':>14}{'now':>14}{'change':>14}")
     for r in data["rows"]:
@@ -193,7 +193,7 @@ def diff_text(data: dict) -> str:
 
 def diff_html(data: dict) -> str:
     e = html.escape
-    out = [f"<div><b>cudalab memory diff</b> since the mark, {e(_label(data['device']))} "
+    out = [f"<div><b>cudalab memory diff</b> since the mark, {e(device_label(data['device']))} "
            f"({e(format_time(data['elapsed']))} ago)",
            '<table style="border-collapse:collapse;font-family:monospace;font-size:12px">'
            "<tr><th></th><th>at mark</th><th>now</th><th>change</th></tr>"]

@@ -1,5 +1,5 @@
 """``%cuda_memory watch``: one line per cell from ``pre_run_cell`` / ``post_run_cell``
-hooks, with the cell's scoped peak and GPU time (see :class:`_Watch`).
+hooks, with the cell's scoped peak and GPU time (see :class:`MemoryWatch`).
 
 Per-cell cost is what the benchmark rows "watch hooks, called directly" and "watch on:
 added cost per cell" (benchmarks/timing.py) measure: the hooks bind what they call once,
@@ -15,14 +15,14 @@ from typing import Any
 from cudalab import _internal
 from cudalab._internal import STATUS_NOT_READY as _NOT_READY
 from cudalab._internal import format_bytes, format_time
-from cudalab.magics.memory_args import _simulated
+from cudalab.magics.memory_args import is_simulated
 
-__all__ = ["_Watch"]
+__all__ = ["MemoryWatch"]
 
 _event_handle = _internal.event_handle
 
 
-class _Watch:
+class MemoryWatch:
     """pre/post_run_cell hooks printing one line per cell (see the module documentation).
 
     Per cell: ``pre`` opens a :class:`~cudalab.allocator.scope.PeakScope` and records the
@@ -129,7 +129,7 @@ class _Watch:
         else:
             sim = self._sim
             if sim is None:
-                sim = ", simulated" if _simulated() else ""
+                sim = ", simulated" if is_simulated() else ""
                 if self._is_init():
                     self._sim = sim  # the backend never changes once CUDA is initialised
             head = self._head = (

@@ -24,7 +24,7 @@ How a measurement is built (the pitfalls it avoids are in ``docs/magics.md``):
   are kept in flight by querying the end of repeat k - 2 every few repeats (the stride
   doubles up to 32 while the GPU keeps up, and drops to 1, with a wait outside the host
   clock, when it does not); repeats shorter than the GPU's latency from record to
-  completion (an empty body) may have up to 32 in flight (see ``_EventTimer``). The
+  completion (an empty body) may have up to 32 in flight (see ``EventTimer``). The
   per-repeat cost of an empty body is one event record, one ``elapsed_time`` and two
   clock reads.
 * **Warm-up and auto-ranging** before the measured repeats; ``--max-time`` caps the measured
@@ -59,15 +59,15 @@ from IPython.core.error import UsageError
 from cudalab import _internal
 from cudalab.magics import event_timer, kernel_listing, timed_bandwidth, timed_compile, timed_context
 from cudalab.magics.kernel_listing import (
-    _add_observer,
-    _cupti_for,
-    _kernel_report,
-    _LaunchTracker,
-    _remove_observer,
+    LaunchTracker,
+    add_launch_observer,
+    cupti_for,
+    kernel_report,
+    remove_launch_observer,
 )
 from cudalab.magics.timed_bandwidth import CollectiveWatch
 from cudalab.magics.timed_compile import REPEAT_COUNTER, compile_repeat, compile_single
-from cudalab.magics.timed_context import _clock_hints, _Context, _stat_warnings, nvml_context
+from cudalab.magics.timed_context import TimedContext, clock_hints, nvml_context, stat_warnings
 from cudalab.magics.timed_options import TimedOptions, parse_devices, parse_options
 
 __all__ = ["TimedOptions", "parse_options", "run_cuda_timed", "parse_devices"]
@@ -77,14 +77,14 @@ _perf = time.perf_counter
 # Ctrl-C: the magic's own code (this module and the ones it runs the cell with, whose hooks
 # the timing function calls) runs with it deferred, so an interrupt never leaves the event
 # pool, the observers or the timer half-updated; the cell's code takes it at once
-# (_Context.deliver_interrupts_in), so the cell stops where it is.
+# (TimedContext.deliver_interrupts_in), so the cell stops where it is.
 _internal.defer_interrupts_in([__file__, event_timer.__file__, kernel_listing.__file__,
                                timed_bandwidth.__file__, timed_compile.__file__,
                                timed_context.__file__])
 
 
 # ------------------------------------------------------------------------------- single
-def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
+def _run_single(ctx: TimedContext, source: str, setup: str, local_ns: Any) -> Any:
     __tracebackhide__ = True  # noqa: F841 - see run_cuda_timed
     from cudalab.magics.result import CudaTimedResult
 
@@ -99,8 +99,8 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
         exec(setup_code, glob, local_ns)  # noqa: S102 - the user's own code, as %time
         if setup_expr is not None:
             eval(setup_expr, glob, local_ns)  # noqa: S307
-    tracker = _LaunchTracker(ctx.streams, record=opts.kernels)
-    cupti, why = _cupti_for(magics, ctx, opts)
+    tracker = LaunchTracker(ctx.streams, record=opts.kernels)
+    cupti, why = cupti_for(magics, ctx, opts)
     nv_before = nvml_context(ctx.devs) if magics.nvml else {}
     timer = ctx.timer(1, {})
     out = None
@@ -108,7 +108,7 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
     gpu_err: BaseException | None = None
     side_ends: list[tuple[int, Any]] = []
     watch = CollectiveWatch()
-    _add_observer(tracker)
+    add_launch_observer(tracker)
     watch.__enter__()
     try:
         if cupti is not None and cupti.start():
@@ -139,7 +139,7 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
         t_wall1 = _perf()
     finally:
         watch.__exit__()
-        _remove_observer(tracker)
+        remove_launch_observer(tracker)
         if cupti is not None:
             cupti.stop(ctx.devs)
     gpu_row: list[float] = []
@@ -162,8 +162,8 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
         others = ", ".join(f"cuda:{d}" for d in sorted(tracker.other_devices))
         ctx.warnings.append(f"kernels also ran on {others}, which was not timed (use -d all)")
     nv_after = nvml_context(ctx.devs) if magics.nvml else {}
-    _clock_hints(nv_before, nv_after, magics, ctx)
-    kernels, note = _kernel_report(opts, tracker, cupti, why, timer.start_events(0), gpu_err)
+    clock_hints(nv_before, nv_after, magics, ctx)
+    kernels, note = kernel_report(opts, tracker, cupti, why, timer.start_events(0), gpu_err)
     result = CudaTimedResult(
         mode="single", loops=1, repeats=1, warmup=0, devices=tuple(ctx.devs),
         gpu_times=[[t] for t in gpu_row], cpu_times=[t_cpu1 - t_cpu0],
@@ -185,7 +185,7 @@ def _run_single(ctx: _Context, source: str, setup: str, local_ns: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------- repeat
-def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: bool) -> Any:
+def _run_repeat(ctx: TimedContext, setup: str, stmt: str, local_ns: Any, line_mode: bool) -> Any:
     __tracebackhide__ = True  # noqa: F841 - see run_cuda_timed
     from cudalab.magics.result import CudaTimedResult
 
@@ -199,14 +199,14 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
     if local_ns and line_mode and local_ns is not glob:  # %cuda_timed inside a function
         conflict = {k: glob[k] for k in local_ns if k in glob}
         glob.update(local_ns)
-    tracker = _LaunchTracker(ctx.streams)
+    tracker = LaunchTracker(ctx.streams)
     watch = CollectiveWatch()
     rep = itertools.repeat
     gc_was = gc.isenabled()
     try:
         inner, tc, has_setup = compile_repeat(shell, setup, stmt, glob)
         ctx.deliver_interrupts_in(inner.__code__, inner.once.__code__)
-        _add_observer(tracker)
+        add_launch_observer(tracker)
         watch.__enter__()
         _internal.deliver_owed_interrupt()  # a Ctrl-C that came while setting up
         if warmup:
@@ -251,7 +251,7 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
             kernels, note = _instrumented_run(magics, ctx, opts, inner, tracker, rep)
     finally:
         watch.__exit__()
-        _remove_observer(tracker)
+        remove_launch_observer(tracker)
         if gc_was and not gc.isenabled():
             gc.enable()
         if conflict:
@@ -278,8 +278,8 @@ def _run_repeat(ctx: _Context, setup: str, stmt: str, local_ns: Any, line_mode: 
         precision=ctx.precision, iqr_warning=magics.iqr_warning,
         spread_warning=magics.spread_warning)
     result.collective = watch.summary(result.median, done * number)
-    _stat_warnings(result, magics, ctx)
-    _clock_hints(nv_before, nv_after, magics, ctx)
+    stat_warnings(result, magics, ctx)
+    clock_hints(nv_before, nv_after, magics, ctx)
     result.warnings, result.hints = list(ctx.warnings), list(ctx.hints)
     _publish(magics, opts, result)
     if interrupted is not None:
@@ -311,7 +311,7 @@ def _count_to(n: int) -> Any:
     return end
 
 
-def _autorange(ctx: _Context, inner: Any, tracker: _LaunchTracker, max_time: float,
+def _autorange(ctx: TimedContext, inner: Any, tracker: LaunchTracker, max_time: float,
                target: float, rep: Any, has_setup: bool = False) -> int:
     """Loops per repeat so that one repeat takes >= ``target`` s of wall time (GPU work
     included), doubling at least and growing at most 1000x per step, capped by ``max_time``."""
@@ -334,14 +334,14 @@ def _autorange(ctx: _Context, inner: Any, tracker: _LaunchTracker, max_time: flo
         number = _nice_ceil(min(max(guess, number * 2), number * 1000))
 
 
-def _instrumented_run(magics: Any, ctx: _Context, opts: TimedOptions, inner: Any,
-                      tracker: _LaunchTracker, rep: Any) -> tuple[list[dict], str]:
+def _instrumented_run(magics: Any, ctx: TimedContext, opts: TimedOptions, inner: Any,
+                      tracker: LaunchTracker, rep: Any) -> tuple[list[dict], str]:
     """One extra untimed loop with per-launch events (and CUPTI) for ``--kernels``."""
-    probe = _LaunchTracker(ctx.streams, record=True)
+    probe = LaunchTracker(ctx.streams, record=True)
     probe.side = dict(tracker.side)
-    cupti, why = _cupti_for(magics, ctx, opts)
+    cupti, why = cupti_for(magics, ctx, opts)
     timer = ctx.timer(1, tracker.side, flush=False, shared=False)  # start right before the body
-    _add_observer(probe)
+    add_launch_observer(probe)
     try:
         if cupti is not None and cupti.start():
             probe.record = False  # CUPTI times every launch: no per-launch events
@@ -351,10 +351,10 @@ def _instrumented_run(magics: Any, ctx: _Context, opts: TimedOptions, inner: Any
         for *_rest, ev in probe.launches:
             ev.synchronize()
     finally:
-        _remove_observer(probe)
+        remove_launch_observer(probe)
         if cupti is not None:
             cupti.stop(ctx.devs)
-    return _kernel_report(opts, probe, cupti, why, timer.start_events(0), None,
+    return kernel_report(opts, probe, cupti, why, timer.start_events(0), None,
                           per=" (one extra run of a single loop)")
 
 
@@ -395,7 +395,7 @@ def run_cuda_timed(magics: Any, line: str, cell: str | None, local_ns: Any) -> A
             raise UsageError("%cuda_timed --graph times a cell: use %%cuda_timed --graph")
         out = run_graph_mode(magics, opts, cell, opts.stmt, local_ns)
     else:
-        ctx = _Context(magics, opts)
+        ctx = TimedContext(magics, opts)
         try:
             if cell is None:
                 if opts.repeat_mode:

@@ -1,4 +1,4 @@
-"""What one ``%%cuda_timed`` run needs around the timer: :class:`_Context` (devices,
+"""What one ``%%cuda_timed`` run needs around the timer: :class:`TimedContext` (devices,
 streams, the event pool, the ``--cold`` L2 flush), NVML readings before and after, and
 the warnings and hints computed from them."""
 
@@ -10,10 +10,10 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from cudalab import _internal
-from cudalab.magics.event_timer import _EventPool, _EventTimer
+from cudalab.magics.event_timer import EventPool, EventTimer
 from cudalab.magics.timed_options import TimedOptions, parse_devices
 
-__all__ = ["_Context", "_clock_hints", "_stat_warnings", "nvml_context"]
+__all__ = ["TimedContext", "clock_hints", "stat_warnings", "nvml_context"]
 
 
 class _FlushBuffers:
@@ -95,7 +95,7 @@ def nvml_context(devs: list[int]) -> dict[int, dict]:
     return out
 
 
-class _Context:
+class TimedContext:
     """Everything one %cuda_timed run needs from the magics instance and the runtime."""
 
     def __init__(self, magics: Any, opts: TimedOptions):
@@ -113,8 +113,8 @@ class _Context:
         self.devs = parse_devices(opts.device)
         self.streams = {d: streams.current_stream(d) for d in self.devs}
         if magics._event_pool is None:
-            magics._event_pool = _EventPool()
-        self.pool: _EventPool = magics._event_pool
+            magics._event_pool = EventPool()
+        self.pool: EventPool = magics._event_pool
         self.pool_mark = self.pool.mark()
         self.precision = opts.precision or magics.precision
         self.flush_bytes: dict[int, int] = {}
@@ -169,8 +169,8 @@ class _Context:
             self.pool.trim()
 
     def timer(self, capacity: int, side: dict, flush: bool = True,
-              shared: bool = True) -> _EventTimer:
-        return _EventTimer(self.devs, self.streams, side, self.pool, capacity,
+              shared: bool = True) -> EventTimer:
+        return EventTimer(self.devs, self.streams, side, self.pool, capacity,
                            self.flush if flush else None, shared=shared)
 
     def device_names(self) -> dict[int, str]:
@@ -179,7 +179,7 @@ class _Context:
         return {d: devices.get_device_name(d) for d in self.devs}
 
 
-def _stat_warnings(result: Any, magics: Any, ctx: _Context) -> None:
+def stat_warnings(result: Any, magics: Any, ctx: TimedContext) -> None:
     st = result.stats
     if st["count"] >= 3 and st["median"] > 0:
         ratio = st["iqr"] / st["median"]
@@ -199,7 +199,7 @@ def _stat_warnings(result: Any, magics: Any, ctx: _Context) -> None:
             "and the GPU time includes idle gaps waiting for launches")
 
 
-def _clock_hints(before: dict, after: dict, magics: Any, ctx: _Context) -> None:
+def clock_hints(before: dict, after: dict, magics: Any, ctx: TimedContext) -> None:
     for d in ctx.devs:
         b, a = before.get(d) or {}, after.get(d) or {}
         cb, ca = b.get("clock_rate"), a.get("clock_rate")

@@ -12,13 +12,13 @@ import numpy as np
 from cudalab.memory_tools.plot import filter_segments, segment_pool
 from cudalab.memory_tools.snapshot_check import check_trace_entries
 
-__all__ = ["_History"]
+__all__ = ["SnapshotHistory"]
 
 _SMALL_SEGMENT = 2 << 20
 _SMALL_REQUEST = 1 << 20
 
 
-class _History:
+class SnapshotHistory:
     """The snapshot's trace entries in one time order across devices, and the allocator
     state after any entry (the final snapshot with the later entries undone)."""
 

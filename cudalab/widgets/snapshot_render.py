@@ -13,16 +13,18 @@ from cudalab._internal import format_bytes
 from cudalab.memory_tools.plot import STATE_COLORS, STATE_LABELS, segment_pool
 from cudalab.memory_tools.trace_columns import stream_label
 
-__all__ = ["render_segment_map"]
+#: ``render_segment_map`` for everyone; the rest for :mod:`cudalab.widgets.snapshot_viewer`,
+#: which draws its timeline and frames with them.
+__all__ = ["LABEL_WIDTH", "STATE_CODES", "frame_text", "render_segment_map", "timeline_svg"]
 
 _STATES = ("active_allocated", "active_pending_free", "inactive")
-_CODE = {s: i for i, s in enumerate(_STATES)}
-_LABEL_W = 190  # px for the row labels
+STATE_CODES = {s: i for i, s in enumerate(_STATES)}
+LABEL_WIDTH = 190  # px for the row labels
 
 
 
 
-def _frame_text(fr: dict) -> str:
+def frame_text(fr: dict) -> str:
     return f"{fr.get('name', '?')} ({os.path.basename(str(fr.get('filename', '?')))}:{fr.get('line', '?')})"
 
 
@@ -84,7 +86,7 @@ def render_segment_map(segments: list[dict], width: int = 640, max_rows: int = 8
         for b in blocks:
             starts.append(g0 + (b["address"] - base) * scale)
             lens.append(b["size"] * scale)
-            codes.append(_CODE.get(b.get("state", ""), 2))
+            codes.append(STATE_CODES.get(b.get("state", ""), 2))
         info["blocks"] += sum(1 for b in blocks if not b.get("gap"))
     st = np.array(starts)
     ln = np.array(lens)
@@ -126,7 +128,7 @@ def render_segment_map(segments: list[dict], width: int = 640, max_rows: int = 8
         flat_blocks = []
     info["titled"] = int(wide.size)
     out = [f'<svg class="cudalab-segmap" data-blocks="{info["blocks"]}" data-rows="{rows}" '
-           f'xmlns="http://www.w3.org/2000/svg" width="{_LABEL_W + width + 4}" '
+           f'xmlns="http://www.w3.org/2000/svg" width="{LABEL_WIDTH + width + 4}" '
            f'height="{rows * (row_h + gap) + 2}" style="font:9px sans-serif">']
     show_labels = row_h >= 10
     for r, seg in enumerate(segs):
@@ -135,13 +137,13 @@ def render_segment_map(segments: list[dict], width: int = 640, max_rows: int = 8
         by = [0, 0, 0]
         nb = 0
         for b in blocks:
-            by[_CODE.get(b.get("state", ""), 2)] += b["size"]
+            by[STATE_CODES.get(b.get("state", ""), 2)] += b["size"]
             nb += 0 if b.get("gap") else 1
         summary = (f"cuda:{seg.get('device', 0)} segment 0x{seg.get('address', 0):x}: "
                    f"{format_bytes(seg.get('total_size', 0))}, {segment_pool(seg)} pool, "
                    f"{stream_label(seg.get('stream', 0))}, {nb} blocks; allocated {format_bytes(by[0])}, "
                    f"pending free {format_bytes(by[1])}, inactive {format_bytes(by[2])}")
-        out.append(f'<g transform="translate({_LABEL_W},{y})"><title>{html.escape(summary)}</title>')
+        out.append(f'<g transform="translate({LABEL_WIDTH},{y})"><title>{html.escape(summary)}</title>')
         out.append(f'<rect width="{px[r]}" height="{row_h}" fill="none" stroke="#999" '
                    f'stroke-width="0.5"/>')
         for c in range(3):
@@ -167,14 +169,14 @@ def _block_tip(b: dict, seg: dict) -> str:
     if b.get("gap"):
         return f"free gap 0x{b['address']:x}: {format_bytes(b['size'])}"
     fr = b.get("frames") or []
-    top = f"; {_frame_text(fr[0])}" if fr else ""
+    top = f"; {frame_text(fr[0])}" if fr else ""
     return (f"block 0x{b['address']:x}: {format_bytes(b['size'])} ({b.get('requested_size', 0):,} B "
             f"requested), {STATE_LABELS.get(b.get('state', ''), b.get('state'))}, "
             f"{stream_label(b.get('stream', seg.get('stream', 0)))}{top}")
 
 
 
-def _timeline_svg(alloc: np.ndarray, res: np.ndarray, marker: int | None, width: int,
+def timeline_svg(alloc: np.ndarray, res: np.ndarray, marker: int | None, width: int,
                   time_us: np.ndarray, height: int = 90) -> str:
     n = alloc.size
     if n == 0:
@@ -197,10 +199,10 @@ def _timeline_svg(alloc: np.ndarray, res: np.ndarray, marker: int | None, width:
         mx = width * marker / n
         mk = f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="0" y2="{height}" stroke="#d62728" stroke-width="1.5"/>'
     dur = (int(time_us[-1]) - int(time_us[0])) / 1e6 if time_us.size else 0.0
-    return (f'<svg class="cudalab-timeline" xmlns="http://www.w3.org/2000/svg" width="{_LABEL_W + width + 4}" '
+    return (f'<svg class="cudalab-timeline" xmlns="http://www.w3.org/2000/svg" width="{LABEL_WIDTH + width + 4}" '
             f'height="{height + 14}" style="font:9px sans-serif">'
             f'<text x="2" y="12">peak {format_bytes(top)}</text><text x="2" y="{height}">0</text>'
-            f'<g transform="translate({_LABEL_W},0)"><rect width="{width}" height="{height}" '
+            f'<g transform="translate({LABEL_WIDTH},0)"><rect width="{width}" height="{height}" '
             f'fill="none" stroke="#ccc"/><path d="{area}" fill="#c6dbef" stroke="#1f77b4" '
             f'stroke-width="0.8"/><path d="{line}" fill="none" stroke="#e6550d" stroke-width="1"/>'
             f'{mk}<text x="0" y="{height + 11}">entry 0</text><text x="{width}" '

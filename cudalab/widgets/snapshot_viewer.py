@@ -53,13 +53,13 @@ from cudalab.memory_tools.plot import (
     segment_pool,
 )
 from cudalab.memory_tools.trace_columns import stream_label
-from cudalab.widgets.snapshot_history import _History
+from cudalab.widgets.snapshot_history import SnapshotHistory
 from cudalab.widgets.snapshot_render import (
-    _CODE,
-    _LABEL_W,
-    _frame_text,
-    _timeline_svg,
+    LABEL_WIDTH,
+    STATE_CODES,
+    frame_text,
     render_segment_map,
+    timeline_svg,
 )
 
 __all__ = ["SnapshotViewer", "demo_snapshot"]
@@ -90,7 +90,7 @@ class SnapshotViewer(W.VBox):
         snap = self.snapshot
         segs = snap.get("segments") or []
         traces = snap.get("device_traces") or []
-        self.history = _History(snap) if any(traces) else None
+        self.history = SnapshotHistory(snap) if any(traces) else None
         devices = sorted({s.get("device", 0) for s in segs} |
                          {d for d, tr in enumerate(traces) if tr})
         streams = sorted({s.get("stream", 0) for s in segs})
@@ -112,7 +112,7 @@ class SnapshotViewer(W.VBox):
         n = self.history.n if self.history else 0
         self._scrub = W.IntSlider(value=n, min=0, max=n, step=1, continuous_update=False,
                                   description="after entry", readout=True,
-                                  layout=W.Layout(width=f"{_LABEL_W + self.width + 100}px"),
+                                  layout=W.Layout(width=f"{LABEL_WIDTH + self.width + 100}px"),
                                   style={"description_width": "initial"})
         self._seg_pick = W.Dropdown(description="segment", layout=W.Layout(width="420px"))
         self._block_pick = W.Dropdown(description="block", layout=W.Layout(width="420px"))
@@ -199,7 +199,7 @@ class SnapshotViewer(W.VBox):
         by = [0, 0, 0]
         for s in segs:
             for b in s.get("blocks") or ():
-                by[_CODE.get(b.get("state", ""), 2)] += b.get("size", 0)
+                by[STATE_CODES.get(b.get("state", ""), 2)] += b.get("size", 0)
         reserved = sum(s.get("total_size", 0) for s in segs)
         shown = (f"{info['rows']} of {info['segments']} segments (the largest)"
                  if info["rows"] < info["segments"] else f"{info['segments']} segments")
@@ -225,13 +225,13 @@ class SnapshotViewer(W.VBox):
             self._timeline_cache = h.totals(f["device"], f["stream"], f["pool"])
         alloc, res = self._timeline_cache
         i = self.position
-        self._timeline.value = _timeline_svg(alloc, res, i, self.width, h.time_us)
+        self._timeline.value = timeline_svg(alloc, res, i, self.width, h.time_us)
         if i == 0:
             txt = "before the first entry"
         else:
             e = h.entries[i - 1]
             fr = e.get("frames") or []
-            stack = "".join(f"<br>&nbsp;&nbsp;{html.escape(_frame_text(x))}" for x in fr[:8])
+            stack = "".join(f"<br>&nbsp;&nbsp;{html.escape(frame_text(x))}" for x in fr[:8])
             extra = (f", device free {format_bytes(e['device_free'])}" if "device_free" in e else "")
             t_rel = (int(h.time_us[i - 1]) - int(h.time_us[0])) / 1e6
             txt = (f"entry {i - 1}: <b>{html.escape(str(e.get('action')))}</b> cuda:{int(h.dev[i - 1])} "
@@ -315,7 +315,7 @@ class SnapshotViewer(W.VBox):
 
     def _block_detail(self, b: dict, seg: dict) -> str:
         fr = b.get("frames") or []
-        stack = "".join(f"<li>{html.escape(_frame_text(x))}</li>" for x in fr) or "<li>(no frames: "\
+        stack = "".join(f"<li>{html.escape(frame_text(x))}</li>" for x in fr) or "<li>(no frames: "\
             "record history with a context to capture stacks)</li>"
         return (f'<div class="cudalab-snap-detail" style="font-size:12px">'
                 f'<b>block 0x{b["address"]:x}</b> &middot; {STATE_LABELS.get(b.get("state", ""), b.get("state"))}'

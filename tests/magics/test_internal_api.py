@@ -11,7 +11,7 @@ import cudalab
 import cudalab.memory as cm
 from cudalab import _internal
 from cudalab.events import Event, record_fast
-from cudalab.magics.memory_args import _parse
+from cudalab.magics.memory_args import parse_memory_args
 
 
 def test_scratch_buffer_is_outside_the_caching_allocator():
@@ -81,7 +81,7 @@ def test_nvml_and_clock_reasons():
     ("watch on --threshold 1.5GB", 1_500_000_000),
 ])
 def test_threshold_uses_the_one_size_parser(text, expected):
-    assert _parse(text).threshold == expected == _internal.parse_size(
+    assert parse_memory_args(text).threshold == expected == _internal.parse_size(
         text.split("--threshold ", 1)[1].replace(" ", ""))
 
 

@@ -114,10 +114,10 @@ def test_a_dormant_kineto_subscriber_is_no_conflict(monkeypatch):
 def test_records_on_a_foreign_clock_are_put_in_ns(monkeypatch):
     """After torch.profiler ran, kineto's TSC clock times CUPTI's records (ticks, not ns):
     the tracer finds the clock and rescales; on an unknown clock the times are unknown."""
-    from cudalab.magics.kernel_listing import _CuptiKernels
+    from cudalab.magics.kernel_listing import CuptiKernels
 
     state = fake_cupti.install(monkeypatch, ticks_per_ns=2.5)
-    tracer = _CuptiKernels()
+    tracer = CuptiKernels()
     assert tracer.start()
     from cudalab import _internal
 
@@ -131,7 +131,7 @@ def test_records_on_a_foreign_clock_are_put_in_ns(monkeypatch):
     # a clock nobody can read: counts, but no times
     state = fake_cupti.install(monkeypatch)
     monkeypatch.setattr(seam_cupti, "_clock_readers", lambda mod: [])
-    tracer = _CuptiKernels()
+    tracer = CuptiKernels()
     assert tracer.start()
     state["pending"].append(types.SimpleNamespace(
         kind=10, name="k", device_id=0, start=5, end=10, stream_id=7, grid_x=1, grid_y=1,
@@ -144,7 +144,7 @@ def test_records_on_a_foreign_clock_are_put_in_ns(monkeypatch):
 # =============================================================================== the listing
 def test_cupti_table_and_report(monkeypatch):
     state = fake_cupti.install(monkeypatch)
-    tracer = kernel_listing._CuptiKernels()
+    tracer = kernel_listing.CuptiKernels()
     assert tracer.start()
     t = time.time_ns()
     state["pending"] += [types.SimpleNamespace(
@@ -159,7 +159,7 @@ def test_cupti_table_and_report(monkeypatch):
     assert copy["name"] == "[memcpy DtoH]" and copy["kind"] == "memcpy"
     assert copy["bytes"] == 1 << 20
     opts = parse_options("--kernels x")
-    rows, note = kernel_listing._kernel_report(opts, kernel_listing._LaunchTracker({}), tracer,
+    rows, note = kernel_listing.kernel_report(opts, kernel_listing.LaunchTracker({}), tracer,
                                                "", {}, None)
     assert rows == tracer.kernel_table() and "every library's kernels, memcpys" in note
     res = CudaTimedResult(mode="single", loops=1, repeats=1, warmup=0, devices=(0,),

@@ -21,7 +21,7 @@ from cudalab.magics import CudaLabMagics
 from cudalab.magics.memory_args import strip_comment
 from cudalab.magics.result import CudaTimedResult
 from cudalab.magics.timed import parse_options
-from cudalab.magics.timed_context import _clock_hints
+from cudalab.magics.timed_context import clock_hints
 
 
 @pytest.fixture
@@ -218,10 +218,10 @@ def test_no_clock_locking_advice_on_the_simulator():
     before = {0: {"clock_rate": 345, "simulated": True}}
     after = {0: {"clock_rate": 1980, "simulated": True}}
     ctx = _Ctx(simulated=True)
-    _clock_hints(before, after, magics, ctx)
+    clock_hints(before, after, magics, ctx)
     assert not any("nvidia-smi" in h or "lock" in h for h in ctx.hints)
     ctx = _Ctx(simulated=False)  # a real GPU still gets the advice
-    _clock_hints({0: {"clock_rate": 345}}, {0: {"clock_rate": 1980}}, magics, ctx)
+    clock_hints({0: {"clock_rate": 345}}, {0: {"clock_rate": 1980}}, magics, ctx)
     assert any("nvidia-smi -lgc" in h for h in ctx.hints)
 
 

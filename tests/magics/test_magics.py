@@ -821,7 +821,7 @@ def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypa
     after the next repeat; while the GPU keeps up it runs only every MAX_STRIDE repeats."""
     from cudalab import devices
     from cudalab._driver.base import STATUS_NOT_READY, FastCalls
-    from cudalab.magics.event_timer import _EventTimer
+    from cudalab.magics.event_timer import EventTimer
 
     c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass", 64, 640)
     waits = c.get("event_synchronize", 0)
@@ -829,8 +829,8 @@ def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypa
     # Each wait puts the stride back to 1, and it doubles back to MAX_STRIDE within
     # log2(MAX_STRIDE) + 1 queries: the queries are those, plus one per MAX_STRIDE repeats.
     # (A lent 2 x H200 host made 12 waits in 576 repeats, so 0.11 queries per repeat.)
-    per_wait = _EventTimer.MAX_STRIDE.bit_length()
-    assert 0 < c.get("event_query", 0) <= waits * per_wait + 1.5 / _EventTimer.MAX_STRIDE, c
+    per_wait = EventTimer.MAX_STRIDE.bit_length()
+    assert 0 < c.get("event_query", 0) <= waits * per_wait + 1.5 / EventTimer.MAX_STRIDE, c
     fast = devices._fast
     monkeypatch.setattr(devices, "_fast", FastCalls(
         fast.event_record, lambda h: (STATUS_NOT_READY,), fast.stream_query,
@@ -881,20 +881,20 @@ def test_in_flight_lag_grows_only_while_the_waits_are_short(ip, monkeypatch):
     from cudalab.magics import event_timer as T
 
     timers = []
-    init = T._EventTimer.__init__
+    init = T.EventTimer.__init__
 
     def spy(self, *a, **k):
         init(self, *a, **k)
         timers.append(self)
 
-    monkeypatch.setattr(T._EventTimer, "__init__", spy)
+    monkeypatch.setattr(T.EventTimer, "__init__", spy)
     fast = devices._fast
     monkeypatch.setattr(devices, "_fast", FastCalls(
         fast.event_record, lambda h: (STATUS_NOT_READY,), fast.stream_query,
         fast.event_elapsed_time))
     res = timed(ip, "%%cuda_timed -n 1 -w 0 -r 200\npass")
-    assert res.repeats == 200 and timers[-1]._lag == T._EventTimer.MAX_LAG
-    monkeypatch.setattr(T._EventTimer, "LATENCY", -1.0)  # every wait is a GPU behind
+    assert res.repeats == 200 and timers[-1]._lag == T.EventTimer.MAX_LAG
+    monkeypatch.setattr(T.EventTimer, "LATENCY", -1.0)  # every wait is a GPU behind
     res = timed(ip, "%%cuda_timed -n 1 -w 0 -r 200\npass")
     assert res.repeats == 200 and timers[-1]._lag == 2
 
@@ -919,17 +919,17 @@ def test_long_runs_take_their_events_before_the_loop(ip, driver_calls):
 def test_events_grow_in_chunks_outside_the_repeats(ip, monkeypatch):
     """Past CHUNK repeats the timer takes the next chunk between two repeats; in the shared
     mode the next repeat then starts from a fresh event, so the pause is in no repeat."""
-    from cudalab.magics.event_timer import _EventTimer
+    from cudalab.magics.event_timer import EventTimer
 
-    take = _EventTimer._take
+    take = EventTimer._take
 
     def slow_take(self, n):
         if self.reps:  # growth during the loop: a slow pool
             time.sleep(0.03)
         take(self, n)
 
-    monkeypatch.setattr(_EventTimer, "CHUNK", 8)
-    monkeypatch.setattr(_EventTimer, "_take", slow_take)
+    monkeypatch.setattr(EventTimer, "CHUNK", 8)
+    monkeypatch.setattr(EventTimer, "_take", slow_take)
     for cell in ("%%cuda_timed -n 1 -r 30 -w 0\npass",
                  "%%cuda_timed -n 1 -r 30 -w 0 x_ = 1\npass",
                  "%%cuda_timed -n 1 -r 30 -w 0 --cold\npass"):

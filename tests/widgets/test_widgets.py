@@ -25,7 +25,7 @@ W = pytest.importorskip("ipywidgets")
 from cudalab.widgets import close_all, live_dashboards  # noqa: E402
 from cudalab.widgets.dashboard import MemoryDashboard  # noqa: E402
 from cudalab.widgets.dashboard_chart import _png  # noqa: E402
-from cudalab.widgets.snapshot_history import _History  # noqa: E402
+from cudalab.widgets.snapshot_history import SnapshotHistory  # noqa: E402
 from cudalab.widgets.snapshot_viewer import SnapshotViewer, demo_snapshot  # noqa: E402
 
 SAMPLER = "cudalab-dashboard-sampler"
@@ -394,7 +394,7 @@ def test_snapshot_viewer_torch_format():
 
 def test_history_undo_matches_forward_replay():
     snap = demo_snapshot(600, devices=2)
-    h = _History(snap)
+    h = SnapshotHistory(snap)
     for i in (0, 1, h.n // 3, h.n // 2, h.n - 1, h.n):
         live = {}
         for e, d in zip(h.entries[:i], h.dev[:i].tolist()):
