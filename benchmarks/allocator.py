@@ -229,7 +229,7 @@ def main() -> None:
     import cudalab
 
     cudalab.init()
-    backend = cudalab.devices._backend()
+    backend = cudalab.devices.backend()
     sim = backend.simulated
     name = cudalab.get_device_name(0)
     n = 2000 if args.quick else 20000

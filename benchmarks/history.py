@@ -435,11 +435,11 @@ def main() -> None:
     import cudalab
 
     cudalab.init()
-    sim = cudalab.devices._backend().simulated
+    sim = cudalab.devices.backend().simulated
     n, rounds = (2000, 5) if args.quick else (20000, 15)
     from cudalab.memory_tools import stacks
 
-    res = {"env": environment(cudalab.devices._backend().name, cudalab.get_device_name())}
+    res = {"env": environment(cudalab.devices.backend().name, cudalab.get_device_name())}
     res["env"]["stamp"] = stamp = stacks.stamp_implementation()
     res["history"] = {w: history_cost(n, rounds, sim, w) for w in _PLACES}
     sizes = (10_000, 100_000) if args.quick else (100_000, 1_000_000)

@@ -157,7 +157,7 @@ def main() -> None:
     from cudalab import devices
 
     cudalab.init()
-    sim = devices._backend().simulated
+    sim = devices.backend().simulated
     name = cudalab.get_device_name(0)
     rounds, seconds = (3, 0.3) if args.quick else (7, 1.0)
     slow = loop_slowdown(rounds, seconds)

@@ -102,7 +102,7 @@ def release_device_memory(ptr: int) -> None:
     ------
     Nothing: a failure is reported as a RuntimeWarning.
     """
-    if _streams._exiting:  # the process is ending: the driver reclaims everything
+    if _streams.exiting:  # the process is ending: the driver reclaims everything
         return
     try:
         memory_api().caching_allocator_delete(ptr)
@@ -125,7 +125,7 @@ def stream_of(device: int) -> _streams.Stream:
 def null_context(stream: _streams.Stream) -> None:
     """Make the stream's device current when ``stream`` is a legacy/per-thread pseudo handle
     (they act on the current context)."""
-    if stream._null:
+    if stream.is_legacy_null:
         _internal.ensure_context(stream.device_index)
 
 
@@ -157,7 +157,7 @@ def _order_event(device: int) -> Any:
 def _order_event_handle(device: int) -> Any:
     """The driver handle of this thread's ordering event of ``device`` (created on first use)."""
     event = _order_event(device)
-    handle = event._handle
+    handle = event.handle
     return handle if handle is not None else event._create(device)
 
 
@@ -181,17 +181,17 @@ def device_copy(dst_device: int, dst: int, src_device: int, src: int, nbytes: in
             _observe.access_tracker.access(stream, ((src, nbytes),), ((dst, nbytes),),
                                            "copy (device to device)")
         null_context(stream)
-        stream._b.memcpy_async(dst_device, dst, src, nbytes, stream._handle)
+        stream.backend.memcpy_async(dst_device, dst, src, nbytes, stream.handle)
         return
     # (The source's stream copies, as torch's copy_: a copy engine pushing to the peer has
     # less latency than the destination's pulling, about 1.5 µs per small copy on 2 x H200.)
     stream = _streams.current_stream(src_device)
     dst_stream = _streams.current_stream(dst_device)
-    b = stream._b
+    b = stream.backend
     peer = _internal.enable_peer_access(src_device, dst_device)
     if peer and not _observe.access_on:
-        b.memcpy_ordered(dst, src, nbytes, src_device, stream._handle,
-                         _order_event_handle(src_device), dst_device, dst_stream._handle,
+        b.memcpy_ordered(dst, src, nbytes, src_device, stream.handle,
+                         _order_event_handle(src_device), dst_device, dst_stream.handle,
                          _order_event_handle(dst_device))
         return
     wait_stream(stream, dst_stream)
@@ -199,9 +199,9 @@ def device_copy(dst_device: int, dst: int, src_device: int, src: int, nbytes: in
         _observe.access_tracker.access(stream, ((src, nbytes),), ((dst, nbytes),), "copy (peer)")
     null_context(stream)
     if peer:
-        b.memcpy_async(src_device, dst, src, nbytes, stream._handle)
+        b.memcpy_async(src_device, dst, src, nbytes, stream.handle)
     else:  # the driver stages it through the host
-        b.memcpy_peer_async(dst, dst_device, src, src_device, nbytes, stream._handle)
+        b.memcpy_peer_async(dst, dst_device, src, src_device, nbytes, stream.handle)
     wait_stream(dst_stream, stream)
 
 
@@ -253,7 +253,7 @@ def device_copies(dst_device: int, copies: list[tuple[int, int, int, int]]) -> N
                 device_copy(dst_device, dst, src_device, src, nbytes)
         return
     dst_stream = _streams.current_stream(dst_device)
-    b = dst_stream._b
+    b = dst_stream.backend
     dst_event = _order_event_handle(dst_device)
     pending: dict[int, _streams.Stream] = {}  # source device -> its stream, once it copied
     local = []
@@ -267,25 +267,25 @@ def device_copies(dst_device: int, copies: list[tuple[int, int, int, int]]) -> N
                 local.append(copy)
             elif _internal.enable_peer_access(src_device, dst_device):
                 stream = _streams.current_stream(src_device)
-                b.memcpy_ordered(dst, src, nbytes, src_device, stream._handle,
+                b.memcpy_ordered(dst, src, nbytes, src_device, stream.handle,
                                  _order_event_handle(src_device), dst_device,
-                                 dst_stream._handle, dst_event, join=False)
+                                 dst_stream.handle, dst_event, join=False)
                 pending[src_device] = stream
             else:  # staged through the host: ordered both ways at once
                 device_copy(dst_device, dst, src_device, src, nbytes)
         stream = dst_stream
-        if local and dst_stream._null and any(s._null for s in pending.values()):
+        if local and dst_stream.is_legacy_null and any(s.is_legacy_null for s in pending.values()):
             # (dst_event was last recorded on dst_stream before any copy: the side stream
             # starts where the peers' copies start)
             stream = _side_stream(dst_device)
-            b.stream_wait_event(stream._handle, dst_event)
+            b.stream_wait_event(stream.handle, dst_event)
             side = stream
         for dst, _device, src, nbytes in local:
             null_context(stream)
-            b.memcpy_async(dst_device, dst, src, nbytes, stream._handle)
+            b.memcpy_async(dst_device, dst, src, nbytes, stream.handle)
     finally:
         if side is not None:
-            b.event_record(dst_event, side._handle)
+            b.event_record(dst_event, side.handle)
             dst_stream.wait_event(_order_event(dst_device))
         # Each source's event was last recorded after its last copy, on the one stream that
         # made them all, so one wait per source device covers every copy from it.
@@ -346,11 +346,11 @@ def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stre
             _observe.notify_sync(what)
     null_context(stream)
     try:
-        stream._b.memcpy_async(device, dst, src, n, stream._handle)
+        stream.backend.memcpy_async(device, dst, src, n, stream.handle)
         if pinned:
             pinned_pool().record_use(host, stream)
         else:
-            stream._b.stream_synchronize(stream._handle)
+            stream.backend.stream_synchronize(stream.handle)
     except StreamCaptureError as exc:
         raise name_operation(exc, f"{what} (a copy to pageable host memory)") from exc
     if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
@@ -360,8 +360,8 @@ def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stre
 
 def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Stream) -> None:
     """Write ``count`` copies of the item ``pattern`` at ``ptr`` on ``stream``."""
-    b = stream._b
-    h = stream._handle
+    b = stream.backend
+    h = stream.handle
     nbytes = count * len(pattern)
     if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         _observe.access_tracker.access(stream, (), ((ptr, nbytes),), "fill")

@@ -110,12 +110,12 @@ def backend() -> Backend:
     cudalab.CudaUnavailableError
         When no driver or no device can be used.
     """
-    return _devices._backend()
+    return _devices.backend()
 
 
 def is_initialized() -> bool:
     """Whether CUDA is initialised in this process (the flag itself: no driver call)."""
-    return _devices._initialized
+    return _devices.initialized
 
 
 def device_index(device: Any = None, optional: bool = True) -> int:
@@ -124,20 +124,20 @@ def device_index(device: Any = None, optional: bool = True) -> int:
     ``None`` is the current device unless ``optional`` is False (then ValueError).
     Raises ValueError for an index out of range and TypeError for anything else.
     """
-    return _devices._device_index(device, optional)
+    return _devices.device_index(device, optional)
 
 
 def ensure_context(device: int) -> None:
     """Make ``device``'s primary context current on this thread (one thread-local check
     when it already is)."""
-    _devices._ensure_context(device)
+    _devices.ensure_context(device)
 
 
 def enable_peer_access(device: int, peer: int) -> bool:
     """Let ``device`` access ``peer``'s memory directly, once per pair, where the hardware
     can (torch's lazy ``get_p2p_access``); returns whether it can. Cross-device copies and
     collectives ask before they choose how to move bytes."""
-    return _devices._enable_peer_access(device, peer)
+    return _devices.enable_peer_access(device, peer)
 
 
 def thread_state() -> Any:
@@ -147,21 +147,21 @@ def thread_state() -> Any:
     The object itself is returned once and may be kept: it is the same object for the life
     of the process, and its attributes are per thread.
     """
-    return _devices._tls
+    return _devices.per_thread
 
 
 def fast_paths() -> FastCalls | None:
     """The backend's fast-call registry (:class:`cudalab._driver.fast_calls.FastCalls`), whose
     status calls the hot paths bind (None before CUDA is initialised)."""
-    return _devices._fast
+    return _devices.seam_fast_calls
 
 
 #: The opaque seam handle of a :class:`cudalab.Stream` (read without a method call); a closed
 #: stream's is a :class:`~cudalab._driver.handles.ClosedHandle`, which every seam call refuses.
-stream_handle: Callable[[Any], StreamHandle] = attrgetter("_handle")
+stream_handle: Callable[[Any], StreamHandle] = attrgetter("handle")
 
 #: The opaque seam handle of a recorded :class:`cudalab.Event` (None before its first record).
-event_handle: Callable[[Any], EventHandle | None] = attrgetter("_handle")
+event_handle: Callable[[Any], EventHandle | None] = attrgetter("handle")
 
 #: Callables told about every kernel launch the runtime makes, as
 #: ``observer(name, device, stream, grid, block)`` right after the launch is queued. ``%%cuda_timed`` appends
@@ -271,8 +271,8 @@ class ScratchBuffer:
         cudalab.CudaError
             When the driver cannot allocate it (out of memory included).
         """
-        b = _devices._backend()
-        _devices._ensure_context(device)
+        b = _devices.backend()
+        _devices.ensure_context(device)
         #: The device index the bytes live on.
         self.device = device
         #: The allocation's size in bytes.
@@ -284,18 +284,18 @@ class ScratchBuffer:
         """Queue a write of the byte ``value & 0xFF`` over the first ``nbytes`` bytes
         (default: all) on ``stream`` (a :class:`cudalab.Stream` of the same device)."""
         n = self.nbytes if nbytes is None else min(int(nbytes), self.nbytes)
-        _devices._ensure_context(self.device)
-        _devices._backend().memset_d8_async(self.device, self.ptr, value & 0xFF, n,
-                                            stream._handle)
+        _devices.ensure_context(self.device)
+        _devices.backend().memset_d8_async(self.device, self.ptr, value & 0xFF, n,
+                                            stream.handle)
 
     def free(self) -> None:
         """Give the bytes back to the driver (no-op when already freed, or when CUDA was
         never initialised in this process); errors at teardown are ignored."""
         ptr, self.ptr = self.ptr, 0
-        if not ptr or not _devices._initialized:
+        if not ptr or not _devices.initialized:
             return
         try:
-            _devices._backend().mem_free(self.device, ptr)
+            _devices.backend().mem_free(self.device, ptr)
         except Exception:
             pass
 

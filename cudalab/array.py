@@ -211,7 +211,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         else:
             # Direct module read, not _internal.device_index(): every new array passes here
             # (benchmarks/rng.py, rand(1000) host cost).
-            dev = _devices._device_index(device)
+            dev = _devices.device_index(device)
             stream = _streams.current_stream(dev)
         self._init_owned(shape, dt, dev, stream)
 
@@ -257,7 +257,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         try:
             if self._owns:
                 self._owns = False
-                if _streams._exiting:  # the process is ending: the driver reclaims everything
+                if _streams.exiting:  # the process is ending: the driver reclaims everything
                     return
                 if _observe.access_on:  # the stream sanitizer: the free request
                     _observe.access_tracker.freed(self.ptr, self.stream)
@@ -637,7 +637,7 @@ def zeros(size: Any, *sizes: Any, dtype: Any = None, device: Any = None) -> Devi
         if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
             _observe.access_tracker.access(stream, (), ((a.ptr, a.nbytes),), "fill (zeros)")
         null_context(stream)
-        stream._b.memset_d8_async(a.device_index, a.ptr, 0, a.nbytes, stream._handle)
+        stream.backend.memset_d8_async(a.device_index, a.ptr, 0, a.nbytes, stream.handle)
     return a
 
 

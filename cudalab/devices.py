@@ -2,7 +2,7 @@
 
 Names and semantics follow ``torch.cuda``. The current device is per thread and kept in
 Python (``current_device()`` makes no driver call); the driver context is made current
-only when an operation needs it (:func:`_ensure_context`).
+only when an operation needs it (:func:`ensure_context`).
 """
 
 from __future__ import annotations
@@ -237,26 +237,36 @@ class _ThreadState(threading.local):
         self.streams: list[Any] | None = None
 
 
-_tls = _ThreadState()
+# The runtime's state. Besides the torch API above, these module names (no underscore, not
+# in __all__) are the friend interface of the core runtime: streams, events, the allocator,
+# kernels and copies read them directly on their hot paths ("one global read"); upper layers
+# use cudalab._internal instead. Only this module assigns them.
+
+#: Per thread: ``.device`` (the current device index) and ``.streams`` (the per-device
+#: current streams, owned by cudalab.streams). The same object for the life of the process.
+per_thread = _ThreadState()
 _init_lock = threading.RLock()
-_initialized = False
+#: True once CUDA is initialised in this process (False again in a forked child); while
+#: True, :func:`backend` returns at once and :data:`seam_fast_calls` is set.
+initialized = False
 _in_bad_fork = False
 _count = 0  # valid after init
 _props: list[DeviceProperties | None] = []
-#: The initialised backend: None until init, and read directly only where _initialized is
-#: True (the hot path of _ensure_context), hence typed as set.
+#: The initialised backend: None until init, and read directly only where initialized is
+#: True (the hot path of ensure_context), hence typed as set.
 _backend_obj: Backend = None  # type: ignore[assignment]  # None only before init
-_fast: FastCalls | None = None  # the backend's fast-call registry, set at init
+#: The backend's fast-call registry (its unchecked hot-path callables): None until init.
+seam_fast_calls: FastCalls | None = None
 #: Whether a "CUDA unavailable" error already told how to run on the simulator (said once).
 _hint_given = False
 _SIMULATOR_HINT = "To run without a GPU, set CUDALAB_SIMULATOR=1 or call cudalab.use_simulator()."
 
 
 def _after_fork_in_child() -> None:
-    global _initialized, _in_bad_fork
-    if _initialized:
+    global initialized, _in_bad_fork
+    if initialized:
         _in_bad_fork = True
-        _initialized = False
+        initialized = False
 
 
 if hasattr(os, "register_at_fork"):
@@ -265,44 +275,45 @@ if hasattr(os, "register_at_fork"):
 
 def is_initialized() -> bool:
     """Whether cudalab has initialised CUDA in this process (and not lost it to a fork)."""
-    return _initialized and not _in_bad_fork
+    return initialized and not _in_bad_fork
 
 
 def init() -> None:
     """Initialise CUDA now (otherwise it happens on first use). Idempotent."""
-    _lazy_init()
+    lazy_init()
 
 
-def _lazy_init() -> None:
-    if _initialized:
+def lazy_init() -> None:
+    """Initialise CUDA unless it is (:func:`init` for cudalab's layers: one flag read)."""
+    if initialized:
         return
     with _init_lock:
         _do_init()
 
 
 def _do_init() -> None:
-    global _initialized, _count, _props, _backend_obj, _fast
-    if _initialized:
+    global initialized, _count, _props, _backend_obj, seam_fast_calls
+    if initialized:
         return
     if _in_bad_fork:
         raise RuntimeError(
             "Cannot re-initialize CUDA in forked subprocess. To use CUDA with "
             "multiprocessing, you must use the 'spawn' start method"
         )
-    backend = _driver.get_backend()
+    seam = _driver.get_backend()
     try:
-        backend.init()
+        seam.init()
     except DriverNotFoundError as exc:
         raise CudaUnavailableError(_unavailable(f"cudalab cannot use CUDA: {exc}")) from exc
-    count = backend.device_count()
+    count = seam.device_count()
     if count <= 0:
         raise CudaUnavailableError("No CUDA GPUs are available")
-    _driver.commit(backend)
-    _backend_obj = backend
-    _fast = backend.fast_calls()
+    _driver.commit(seam)
+    _backend_obj = seam
+    seam_fast_calls = seam.fast_calls()
     _count = count
     _props = [None] * count
-    _initialized = True
+    initialized = True
 
 
 def _unavailable(reason: str) -> str:
@@ -343,10 +354,10 @@ def use_simulator(enable: bool = True) -> None:
         _driver.use_simulator(enable)
 
 
-def _backend() -> Backend:
+def backend() -> Backend:
     """The initialised backend (initialising CUDA on first call)."""
-    if not _initialized:
-        _lazy_init()
+    if not initialized:
+        lazy_init()
     return _backend_obj
 
 
@@ -388,16 +399,16 @@ def device_count() -> int:
     ``CUDA_VISIBLE_DEVICES`` before then is seen (the simulator fixes the devices it shows
     when it is created). After initialisation the count is fixed.
     """
-    if _initialized:
+    if initialized:
         return _count
     if _driver.selected_backend_name() == "cuda":
         n = _count_without_init()
         if n is not None:
             return n
     try:
-        backend = _driver.get_backend()
-        backend.init()
-        return backend.device_count()
+        seam = _driver.get_backend()
+        seam.init()
+        return seam.device_count()
     except (DriverNotFoundError, CudaError, OSError):
         return 0
 
@@ -414,11 +425,11 @@ def _invalid(index: int) -> ValueError:
     return ValueError(f"Invalid device index {index}: cudalab sees {n} CUDA device(s); {valid}")
 
 
-def _device_index(device: Any = None, optional: bool = True) -> int:
+def device_index(device: Any = None, optional: bool = True) -> int:
     """Normalise a device argument (None, int, "cuda", "cuda:N", Device) to a valid index."""
     if type(device) is int:
-        if not _initialized:
-            _lazy_init()
+        if not initialized:
+            lazy_init()
         if 0 <= device < _count:
             return device
         raise _invalid(device)
@@ -429,45 +440,45 @@ def _device_index(device: Any = None, optional: bool = True) -> int:
     if isinstance(device, bool):
         raise TypeError(f"expected a device index, got {echo(device)}")
     if isinstance(device, int):
-        return _device_index(int(device))
+        return device_index(int(device))
     if isinstance(device, (str, Device)):
         dev = Device(device)
         if dev.index is None:
             return current_device()
-        return _device_index(dev.index)
+        return device_index(dev.index)
     if isinstance(device, _device_context):
         # torch.cuda._utils._get_device_index accepts a torch.cuda.device context object and
         # takes its idx; -1 (made from None or a negative index) means the current device.
-        return current_device() if device.idx < 0 else _device_index(device.idx)
+        return current_device() if device.idx < 0 else device_index(device.idx)
     idx = getattr(device, "device_index", None)
     if isinstance(idx, int):
-        return _device_index(idx)
+        return device_index(idx)
     raise TypeError(f"expected a device index, 'cuda', 'cuda:N' or Device, got {echo(device)}")
 
 
 def current_device() -> int:
     """Index of this thread's current device (no driver call)."""
-    if not _initialized:
-        _lazy_init()
-    return _tls.device
+    if not initialized:
+        lazy_init()
+    return per_thread.device
 
 
 def set_device(device: Any) -> None:
     """Make ``device`` current for this thread. A negative int is ignored (like torch)."""
     if isinstance(device, int) and not isinstance(device, bool) and device < 0:
         return
-    idx = _device_index(device)
-    _tls.device = idx
-    _ensure_context(idx)
+    idx = device_index(device)
+    per_thread.device = idx
+    ensure_context(idx)
 
 
-def _ensure_context(device: int) -> None:
+def ensure_context(device: int) -> None:
     """Make ``device``'s primary context current on this thread if it is not already.
 
     The backend keeps the only record of which context is current (its own calls switch
     contexts too), so this always asks it; the check there is one thread-local read.
     """
-    _backend_obj.set_context(device) if _initialized else _backend().set_context(device)
+    _backend_obj.set_context(device) if initialized else backend().set_context(device)
 
 
 class device:  # noqa: N801 - torch's name
@@ -482,7 +493,7 @@ class device:  # noqa: N801 - torch's name
         if device is None or (isinstance(device, int) and not isinstance(device, bool) and device < 0):
             self.idx = -1
         else:
-            self.idx = _device_index(device)
+            self.idx = device_index(device)
         self.prev_idx = -1
 
     def __enter__(self):
@@ -521,10 +532,10 @@ class device_of(device):  # noqa: N801 - torch's name
 # --------------------------------------------------------------------------- properties
 def get_device_properties(device: Any = None) -> DeviceProperties:
     """Properties of ``device`` (read from the driver once, then cached)."""
-    idx = _device_index(device)
+    idx = device_index(device)
     props = _props[idx]
     if props is None:
-        props = _props[idx] = DeviceProperties(_backend().device_info(idx))
+        props = _props[idx] = DeviceProperties(backend().device_info(idx))
     return props
 
 
@@ -582,11 +593,11 @@ def is_tf32_supported() -> bool:
 
 def can_device_access_peer(device: Any, peer_device: Any) -> bool:
     """Whether ``device`` can access ``peer_device``'s memory directly."""
-    a = _device_index(device, optional=False)
-    b = _device_index(peer_device, optional=False)
+    a = device_index(device, optional=False)
+    b = device_index(peer_device, optional=False)
     if a == b:
         return False
-    return _backend().can_access_peer(a, b)
+    return backend().can_access_peer(a, b)
 
 
 # Direct access between device pairs, decided once per (device, peer) pair: True once
@@ -595,7 +606,7 @@ def can_device_access_peer(device: Any, peer_device: Any) -> bool:
 _peer_access: dict[tuple[int, int], bool] = {}
 
 
-def _enable_peer_access(device: int, peer: int) -> bool:
+def enable_peer_access(device: int, peer: int) -> bool:
     """Let ``device`` read and write ``peer``'s memory directly (torch's ``get_p2p_access``:
     enabled lazily, once per pair); whether it can (False for one device or no peer link).
 
@@ -606,26 +617,26 @@ def _enable_peer_access(device: int, peer: int) -> bool:
     pair = (device, peer)
     able = _peer_access.get(pair)
     if able is None:
-        able = device != peer and _backend().can_access_peer(device, peer)
+        able = device != peer and backend().can_access_peer(device, peer)
         if able:
-            _backend().enable_peer_access(device, peer)  # "already enabled" is not an error
+            backend().enable_peer_access(device, peer)  # "already enabled" is not an error
         _peer_access[pair] = able
     return able
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
     """(free, total) device memory in bytes, as the driver reports them."""
-    idx = _device_index(device)
-    return _backend().mem_get_info(idx)
+    idx = device_index(device)
+    return backend().mem_get_info(idx)
 
 
 def synchronize(device: Any = None) -> None:
     """Wait for all work on ``device`` to finish."""
     if _observe.sync_on:  # set_sync_debug_mode (one flag read while it is default)
         _observe.notify_sync("cudalab.synchronize()")
-    idx = _device_index(device)
+    idx = device_index(device)
     try:
-        _backend().synchronize(idx)
+        backend().synchronize(idx)
     except StreamCaptureError as exc:
         raise name_operation(exc, "cudalab.synchronize()") from exc
     if _observe.access_on:  # the stream sanitizer
@@ -663,7 +674,7 @@ def ipc_collect() -> None:
     cudalab does not import device memory from other processes (only IPC events), so there
     is nothing to collect; it still initialises CUDA like torch's version does.
     """
-    _lazy_init()
+    lazy_init()
 
 
 def check_error(code: int) -> None:

@@ -44,11 +44,14 @@ class Event:
     exit).
     """
 
-    __slots__ = ("_handle", "_flags", "enable_timing", "blocking", "interprocess",
+    __slots__ = ("handle", "_flags", "enable_timing", "blocking", "interprocess",
                  "device_index", "_b", "_rec", "_q", "__weakref__")
 
-    _handle: Any  # the driver event; None until the first record (or ipc_handle / open)
-    # Bound together with the first handle (by _bind) and read only while _handle is set:
+    #: The driver event, opaque, for the seam's calls (read by the runtime's layers on hot
+    #: paths without a method call; read-only to them); None until the first record (or
+    #: ipc_handle / open), None again after close().
+    handle: Any
+    # Bound together with the first handle (by _bind) and read only while handle is set:
     _b: Backend
     _rec: Callable[[Any, Any], tuple]  # the seam's unchecked event_record (hot path)
     _q: Callable[[Any], tuple]  # the seam's unchecked event_query (hot path)
@@ -67,7 +70,7 @@ class Event:
         self.enable_timing = bool(enable_timing)
         self.blocking = bool(blocking)
         self.interprocess = bool(interprocess)
-        self._handle = None
+        self.handle = None
         self.device_index = -1
         self._b = None  # type: ignore[assignment]  # unbound until the first handle
         self._rec = self._q = None  # type: ignore[assignment]  # likewise
@@ -85,9 +88,9 @@ class Event:
 
     def _create(self, device: int) -> Any:
         b = self._bind()
-        self._handle = b.event_create(device, self._flags)
+        self.handle = b.event_create(device, self._flags)
         self.device_index = device
-        return self._handle
+        return self.handle
 
     @classmethod
     def from_ipc_handle(cls, device: Any, handle: bytes) -> Event:
@@ -102,7 +105,7 @@ class Event:
         idx = _internal.device_index(device)
         self = cls(enable_timing=False, interprocess=True)
         b = self._bind()
-        self._handle = b.ipc_open_event(idx, handle)
+        self.handle = b.ipc_open_event(idx, handle)
         self.device_index = idx
         return self
 
@@ -115,14 +118,14 @@ class Event:
         # attribute read, and the handler turns that into a TypeError naming the parameter
         # (a try costs nothing until something raises).
         try:
-            h = self._handle
+            h = self.handle
             if h is None:
                 h = self._create(stream.device_index)
-            if stream._null:
+            if stream.is_legacy_null:
                 # Direct read, not _internal.ensure_context(): the "Event.record" row of
                 # benchmarks/runtime.py (and %%cuda_timed's per-repeat cost, benchmarks/timing.py).
-                _devices._ensure_context(stream.device_index)
-            if self._rec(h, stream._handle)[0]:
+                _devices.ensure_context(stream.device_index)
+            if self._rec(h, stream.handle)[0]:
                 self._record_failed(stream)
             if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
                 _observe.access_tracker.event_record(self, stream)
@@ -139,11 +142,11 @@ class Event:
                 f"Event was created on cuda:{self.device_index} but is being recorded on a "
                 f"stream of cuda:{stream.device_index}"
             )
-        self._b.event_record(self._handle, stream._handle)  # raises the driver's error
+        self._b.event_record(self.handle, stream.handle)  # raises the driver's error
 
     def query(self) -> bool:
         """True if the work captured by the event has completed (or it was never recorded)."""
-        h = self._handle
+        h = self.handle
         if h is None:
             return True
         err = self._q(h)[0]
@@ -157,7 +160,7 @@ class Event:
         """Block the host until the event completes."""
         if _observe.sync_on:
             _observe.notify_sync("Event.synchronize()")
-        h = self._handle
+        h = self.handle
         if h is not None:
             try:
                 self._b.event_synchronize(h)
@@ -198,15 +201,15 @@ class Event:
                             f"{type(end_event).__name__} {echo(end_event)}")
         if not (self.enable_timing and end_event.enable_timing):
             raise ValueError("Both events must be created with argument 'enable_timing=True'.")
-        if self._handle is None or end_event._handle is None:
+        if self.handle is None or end_event.handle is None:
             raise ValueError("Both events must be recorded before calculating elapsed time.")
-        return self._b.event_elapsed_time(self._handle, end_event._handle)
+        return self._b.event_elapsed_time(self.handle, end_event.handle)
 
     def ipc_handle(self) -> bytes:
         """A 64-byte handle another process can open with :meth:`from_ipc_handle`."""
         if not self.interprocess:
             raise RuntimeError("ipc_handle() needs an Event created with interprocess=True")
-        h = self._handle
+        h = self.handle
         if h is None:
             h = self._create(_devices.current_device())
         return self._b.ipc_event_handle(h)
@@ -215,14 +218,14 @@ class Event:
     @property
     def cuda_event(self) -> int:
         """The driver handle as an int (0 before the first record)."""
-        return 0 if self._handle is None else self._b.handle_int(self._handle)
+        return 0 if self.handle is None else self._b.handle_int(self.handle)
 
     @property
     def event_id(self) -> int:
         """torch's ``Event.event_id``: the ``CUevent`` handle's integer value, the same as
         :attr:`cuda_event` (0 before the event is created by its first record, and after
         :meth:`close`)."""
-        return 0 if self._handle is None else self._b.handle_int(self._handle)
+        return 0 if self.handle is None else self._b.handle_int(self.handle)
 
     @property
     def device(self) -> _devices.Device | None:
@@ -234,9 +237,9 @@ class Event:
 
     def close(self) -> None:
         """Release the driver handle now (idempotent)."""
-        h = self._handle
+        h = self.handle
         if h is not None:
-            self._handle = None
+            self.handle = None
             self._b.event_destroy(h)
 
     def __enter__(self) -> Event:
@@ -249,15 +252,15 @@ class Event:
 
     def __del__(self) -> None:
         try:
-            h = self._handle
-            if h is not None and not _streams._exiting:
-                self._handle = None
+            h = self.handle
+            if h is not None and not _streams.exiting:
+                self.handle = None
                 self._b.event_destroy(h)
         except Exception:
             pass
 
     def __repr__(self) -> str:
-        where = f"cuda:{self.device_index}" if self._handle is not None else "uninitialized"
+        where = f"cuda:{self.device_index}" if self.handle is not None else "uninitialized"
         return f"<cudalab.Event {where} timing={self.enable_timing}>"
 
 
@@ -284,8 +287,8 @@ def record_fast(event: Event, stream: Any) -> None:
     stream : cudalab.Stream
         The stream to record it on (the caller names it: there is no default here).
     """
-    h = event._handle
-    if h is None or event._rec(h, stream._handle)[0]:
+    h = event.handle
+    if h is None or event._rec(h, stream.handle)[0]:
         event.record(stream)
 
 

@@ -138,7 +138,7 @@ __all__ = [
 _tls = _internal.thread_state()
 
 # The hot getters below (memory_allocated, memory_stats, caching_allocator_alloc) read the
-# initialisation flag ``_devices._initialized`` and the registry's per-device list directly:
+# initialisation flag ``_devices.initialized`` and the registry's per-device list directly:
 # their benchmark rows ("memory_allocated" / "memory_stats" and the cache-hit pair in
 # benchmarks/allocator.py) allow no extra call. Everything else uses cudalab._internal.
 
@@ -181,7 +181,7 @@ def memory_allocated(device: Any = None) -> int:
     ValueError
         For a device index out of range.
     """
-    if device is None and _devices._initialized:  # the common call, inlined (see above)
+    if device is None and _devices.initialized:  # the common call, inlined (see above)
         d = _tls.device
         a = _allocators[d] if d < len(_allocators) else None
         if a is None:
@@ -288,7 +288,7 @@ def memory_stats(device: Any = None, extended: bool = False) -> dict[str, int]:
     ValueError
         For a device index out of range.
     """
-    if not _devices._initialized:  # (hot: see above)
+    if not _devices.initialized:  # (hot: see above)
         return {}
     d = _tls.device if device is None else _internal.device_index(device)
     a = _allocators[d] if d < len(_allocators) else None
@@ -678,7 +678,7 @@ def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -
     cudalab.OutOfMemoryError
         When the memory cannot be had, with torch's message.
     """
-    if device is None and _devices._initialized:  # (hot: see above)
+    if device is None and _devices.initialized:  # (hot: see above)
         d = _tls.device  # malloc resolves stream=None to this thread's current one
     else:
         d = _internal.device_index(device)

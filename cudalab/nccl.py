@@ -325,7 +325,7 @@ def issue_checked(name: str, ins: list[Any], outs: list[Any], root: int = 0,
     devices = tuple([a.device_index for a in ins])
     streams = [current_stream(d) for d in devices]
     _issue_run(_runner(devices), call, count, dtype, op, root, [a.ptr for a in ins],
-               [0 if o is None else o.ptr for o in outs], [s._handle for s in streams])
+               [0 if o is None else o.ptr for o in outs], [s.handle for s in streams])
     if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         for i, (stream, a, o) in enumerate(zip(streams, ins, outs)):
             reads = [] if call == NCCL_CALL_BROADCAST and i != root else [(a.ptr, a.nbytes)]

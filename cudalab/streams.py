@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: True once the interpreter is exiting: finalizers then leave handles and memory to the driver.
-_exiting = False
+exiting = False
 
 
 def _stream_query() -> Callable[[Any], tuple]:
@@ -47,8 +47,8 @@ def _stream_query() -> Callable[[Any], tuple]:
 
 
 def _mark_exiting() -> None:
-    global _exiting
-    _exiting = True
+    global exiting
+    exiting = True
 
 
 atexit.register(_mark_exiting)
@@ -80,16 +80,26 @@ class Stream:
     A closed stream is refused, with a RuntimeError that names it, by everything that would
     queue work on it or wait for it (its methods, ``Event.record``, the allocator,
     ``set_stream`` and ``with``).
+
+    Beyond torch's names, three plain attributes are for cudalab's own layers (the
+    allocator, kernels, copies, graphs, collectives), read on their hot paths without a
+    method call; treat them as read-only: :attr:`handle` (the seam's driver stream),
+    :attr:`backend` (the seam it belongs to) and :attr:`is_legacy_null`.
     """
 
-    __slots__ = ("_handle", "device_index", "cuda_stream", "_owned", "_null", "_b", "_ctx_stack",
-                 "_q", "__weakref__")
+    __slots__ = ("handle", "device_index", "cuda_stream", "_owned", "is_legacy_null", "backend",
+                 "_ctx_stack", "_q", "__weakref__")
 
-    _b: Backend
+    #: The seam (driver backend) the stream was created on; set once, never changes.
+    backend: Backend
     _q: Callable[[Any], tuple]  # the seam's unchecked stream query (the "Stream.query" row)
-    #: The driver stream; a ClosedHandle once closed (never None: the seam reads None as
-    #: the null stream, so a closed stream would silently become the null stream).
-    _handle: Any
+    #: The driver stream, opaque, for the seam's calls; a ClosedHandle once closed (never
+    #: None: the seam reads None as the null stream, so a closed stream would silently
+    #: become the null stream).
+    handle: Any
+    #: True for the legacy default (NULL) stream, ``cuda_stream == 0``: work on it needs its
+    #: device's context current (``devices.ensure_context``); set once.
+    is_legacy_null: bool
     _ctx_stack: list[StreamContext] | None  # open ``with stream:`` blocks, innermost last
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
@@ -101,13 +111,13 @@ class Stream:
             raise TypeError(f"stream priority must be an int, got {priority!r}")
         idx = _internal.device_index(device)
         b = _internal.backend()
-        self._b = b
+        self.backend = b
         self._q = _stream_query()
-        self._handle = b.stream_create(idx, STREAM_NON_BLOCKING, priority)
+        self.handle = b.stream_create(idx, STREAM_NON_BLOCKING, priority)
         self.device_index = idx
-        self.cuda_stream = b.handle_int(self._handle)
+        self.cuda_stream = b.handle_int(self.handle)
         self._owned = True
-        self._null = False
+        self.is_legacy_null = False
         self._ctx_stack = None
         if _observe.access_on:  # the stream sanitizer: a new stream starts after what the host waited for
             _observe.access_tracker.stream_created(self)
@@ -118,13 +128,13 @@ class Stream:
 
         self = object.__new__(cls)
         b = _internal.backend()
-        self._b = b
+        self.backend = b
         self._q = _stream_query()
-        self._handle = handle
+        self.handle = handle
         self.device_index = device
         self.cuda_stream = b.handle_int(handle)
         self._owned = owned
-        self._null = self.cuda_stream == 0
+        self.is_legacy_null = self.cuda_stream == 0
         self._ctx_stack = None
         return self
 
@@ -149,9 +159,9 @@ class Stream:
     def priority(self) -> int:
         """The (clamped) priority the stream was created with."""
         self._check_open()
-        if self._null:
+        if self.is_legacy_null:
             return 0
-        return self._b.stream_priority(self._handle)
+        return self.backend.stream_priority(self.handle)
 
     @staticmethod
     def priority_range(device: Any = None) -> tuple[int, int]:
@@ -174,7 +184,7 @@ class Stream:
         return hash((self.device_index, self.cuda_stream))
 
     def __repr__(self) -> str:
-        closed = type(self._handle) is ClosedHandle
+        closed = type(self.handle) is ClosedHandle
         name = "Stream" if type(self) is _ClosedStream else type(self).__name__
         return (f"<cudalab.{name} device=cuda:{self.device_index} "
                 f"cuda_stream={self.cuda_stream:#x}{' closed' if closed else ''}>")
@@ -182,27 +192,27 @@ class Stream:
     # ------------------------------------------------------------------ work
     def query(self) -> bool:
         """True if all work submitted to the stream has completed."""
-        if self._null:
+        if self.is_legacy_null:
             # Direct read, not _internal.ensure_context(): the "Stream.query" row of
             # benchmarks/runtime.py.
-            _devices._ensure_context(self.device_index)
-        err = self._q(self._handle)[0]
+            _devices.ensure_context(self.device_index)
+        err = self._q(self.handle)[0]
         if not err:
             return True
         if err == STATUS_NOT_READY:
             return False
-        raise name_operation(self._b.status_error(err, "cuStreamQuery"), "Stream.query()")
+        raise name_operation(self.backend.status_error(err, "cuStreamQuery"), "Stream.query()")
 
     def synchronize(self) -> None:
         """Block the host until all work on the stream has completed."""
         if _observe.sync_on:  # set_sync_debug_mode (one flag read while it is default)
             _observe.notify_sync("Stream.synchronize()")
-        if self._null:
+        if self.is_legacy_null:
             from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
 
             _internal.ensure_context(self.device_index)
         try:
-            self._b.stream_synchronize(self._handle)
+            self.backend.stream_synchronize(self.handle)
         except StreamCaptureError as exc:
             raise name_operation(exc, "Stream.synchronize()") from exc
         if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
@@ -210,15 +220,15 @@ class Stream:
 
     def wait_event(self, event: Any) -> None:
         """Make all future work on this stream wait for ``event`` (no host sync)."""
-        h = event._handle
+        h = event.handle
         if h is None:  # never recorded: nothing to wait for (torch does the same)
             self._check_open()  # (a recorded event reaches the seam, which refuses a closed one)
             return
-        if self._null:
+        if self.is_legacy_null:
             from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
 
             _internal.ensure_context(self.device_index)
-        self._b.stream_wait_event(self._handle, h)
+        self.backend.stream_wait_event(self.handle, h)
         if _observe.access_on:
             _observe.access_tracker.event_wait(event, self)
 
@@ -244,34 +254,34 @@ class Stream:
         :class:`Stream` becomes a :class:`_ClosedStream`, whose type the allocator's
         explicit-stream path does not take (``type(stream) is Stream``), so the allocator
         reaches :func:`~cudalab.allocator.base.stream_key`, which refuses it; and the
-        allocators forget it as a memo stream (``_close_listeners``). An ExternalStream is
+        allocators forget it as a memo stream (``close_listeners``). An ExternalStream is
         not owned: closing it does nothing.
         """
-        h = self._handle
+        h = self.handle
         if self._owned and type(h) is not ClosedHandle:
-            self._handle = ClosedHandle(repr(self))
+            self.handle = ClosedHandle(repr(self))
             if type(self) is Stream:
                 self.__class__ = _ClosedStream
-            for listener in _close_listeners:
+            for listener in close_listeners:
                 listener(self)
-            self._b.stream_destroy(h)
+            self.backend.stream_destroy(h)
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` released the stream (it can no longer be used)."""
-        return type(self._handle) is ClosedHandle
+        return type(self.handle) is ClosedHandle
 
     def _check_open(self) -> None:
         """Raise the closed stream's RuntimeError (for paths that do not reach the seam)."""
-        h = self._handle
+        h = self.handle
         if type(h) is ClosedHandle:
             raise h.error()
 
     def __del__(self) -> None:
         try:
-            h = self._handle
-            if self._owned and type(h) is not ClosedHandle and not _exiting:
-                self._b.stream_destroy(h)
+            h = self.handle
+            if self._owned and type(h) is not ClosedHandle and not exiting:
+                self.backend.stream_destroy(h)
         except Exception:
             pass
 
@@ -303,7 +313,7 @@ class _ClosedStream(Stream):
 
 #: Called with each stream that :meth:`Stream.close` closes (the allocator registry adds
 #: one that makes the allocators forget it). Appended to at import only.
-_close_listeners: list[Callable[[Stream], None]] = []
+close_listeners: list[Callable[[Stream], None]] = []
 
 
 class ExternalStream(Stream):
@@ -321,13 +331,13 @@ class ExternalStream(Stream):
             raise TypeError(f"stream_ptr must be a non-negative int handle, got {stream_ptr!r}")
         idx = _internal.device_index(device)
         b = _internal.backend()
-        self._b = b
+        self.backend = b
         self._q = _stream_query()
-        self._handle = b.stream_from_int(idx, stream_ptr)
+        self.handle = b.stream_from_int(idx, stream_ptr)
         self.device_index = idx
         self.cuda_stream = stream_ptr
         self._owned = False
-        self._null = stream_ptr == 0
+        self.is_legacy_null = stream_ptr == 0
         self._ctx_stack = None
 
 
@@ -364,7 +374,7 @@ def get_stream_from_external(data_ptr: int, device: Any = None) -> ExternalStrea
 # _internal.thread_state() returns, the same for the life of the process. Bound straight from
 # devices because current_stream() reads it ("current_stream()" row of benchmarks/runtime.py)
 # and loading _internal here would add its imports to `import cudalab` (the "import" row).
-_tls = _devices._tls
+per_thread = _devices.per_thread
 _defaults: list[Stream | None] = []
 _defaults_lock = threading.Lock()
 #: One token per (thread, device) whose current stream is not the default stream (a stream
@@ -372,33 +382,33 @@ _defaults_lock = threading.Lock()
 #: (both atomic). Empty means ``stream=None`` is the default stream in every thread, which
 #: lets the allocator's cache hit skip the thread-local lookup. Threads that end with a
 #: stream current leave their token: the hint stays conservative, never wrong.
-_custom: list[None] = []
+custom_stream_tokens: list[None] = []
 
 
 def _put(cur: list, idx: int, s: Stream | None) -> None:
-    """Set ``cur[idx]`` (a thread's current-stream slot) to ``s``, keeping :data:`_custom`."""
+    """Set ``cur[idx]`` (a thread's current-stream slot) to ``s``, keeping :data:`custom_stream_tokens`."""
     old = cur[idx]
     was = old is not None and old.cuda_stream != 0
     now = s is not None and s.cuda_stream != 0
     if now and not was:
-        _custom.append(None)
+        custom_stream_tokens.append(None)
     cur[idx] = s
     if was and not now:
-        _custom.pop()
+        custom_stream_tokens.pop()
 
 
 def _thread_streams() -> list:
     from cudalab import _internal  # (not at import: keeps `import cudalab` lean)
 
     _internal.backend()  # initialise CUDA: the device count is known from here on
-    cur = _tls.streams = [None] * _devices.device_count()
+    cur = per_thread.streams = [None] * _devices.device_count()
     return cur
 
 
 def default_stream(device: Any = None) -> Stream:
     """The legacy default (null) stream of ``device`` (``cuda_stream == 0``)."""
     # Direct read: current_stream() calls this on a thread's first use of a device.
-    idx = _devices._device_index(device)
+    idx = _devices.device_index(device)
     if _defaults:
         s = _defaults[idx]
         if s is not None:
@@ -417,7 +427,7 @@ def default_stream(device: Any = None) -> Stream:
 
 def current_stream(device: Any = None) -> Stream:
     """This thread's current stream on ``device`` (None = current device)."""
-    t = _tls
+    t = per_thread
     cur = t.streams
     if cur is None:
         cur = _thread_streams()
@@ -428,7 +438,7 @@ def current_stream(device: Any = None) -> Stream:
     elif type(device) is int and 0 <= device < len(cur):  # (the elementwise "host/call" rows)
         d = device
     else:
-        d = _devices._device_index(device)
+        d = _devices.device_index(device)
     s = cur[d]
     if s is None:
         s = cur[d] = default_stream(d)
@@ -445,10 +455,10 @@ def set_stream(stream: Stream | None) -> None:
     if not isinstance(stream, Stream):
         raise TypeError(f"set_stream expects a cudalab.Stream, got {stream!r}")
     stream._check_open()
-    cur = _tls.streams
+    cur = per_thread.streams
     if cur is None:
         cur = _thread_streams()
-    if _tls.device != stream.device_index:
+    if per_thread.device != stream.device_index:
         _devices.set_device(stream.device_index)
     _put(cur, stream.device_index, stream)
 
@@ -486,11 +496,11 @@ class StreamContext:
         s = self.stream
         if s is None:
             return False
-        cur = _tls.streams
+        cur = per_thread.streams
         assert cur is not None  # __enter__ made this thread's list
         if self.dst_prev_stream is not None:
             _put(cur, s.device_index, self.dst_prev_stream)
-        if _tls.device != self.prev_device:
+        if per_thread.device != self.prev_device:
             _devices.set_device(self.prev_device)
         _put(cur, self.prev_device, self.src_prev_stream)
         return False
@@ -510,8 +520,8 @@ def refuse_during_capture(operation: str) -> None:
     stream query on the capturing stream), so the error reads as for ``synchronize()``, and
     ending the capture reports it broken."""
     stream = current_stream()
-    handle = stream._handle
-    backend = stream._b
+    handle = stream.handle
+    backend = stream.backend
     if not backend.stream_is_capturing(handle):
         return
     try:

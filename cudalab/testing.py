@@ -44,8 +44,8 @@ def count_calls(names: tuple[str, ...] = COUNTED) -> Iterator[collections.Counte
     from cudalab import devices
     from cudalab._driver.fast_calls import STATUS_CALLS
 
-    devices._lazy_init()
-    backend = devices._backend()
+    devices.lazy_init()
+    backend = devices.backend()
     counts: collections.Counter[str] = collections.Counter()
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -55,15 +55,15 @@ def count_calls(names: tuple[str, ...] = COUNTED) -> Iterator[collections.Counte
         return counted
 
     own = {n: vars(backend)[n] for n in names if n in vars(backend)}  # already shadowed
-    fast = devices._fast
+    fast = devices.seam_fast_calls
     for name in names:
         setattr(backend, name, wrap(name, getattr(backend, name)))
     if fast is not None:
-        devices._fast = fast.replaced(**{n: wrap(n, getattr(fast, n)) for n in STATUS_CALLS})
+        devices.seam_fast_calls = fast.replaced(**{n: wrap(n, getattr(fast, n)) for n in STATUS_CALLS})
     try:
         yield counts
     finally:
-        devices._fast = fast
+        devices.seam_fast_calls = fast
         for name in names:
             if name in own:
                 setattr(backend, name, own[name])

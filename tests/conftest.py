@@ -39,7 +39,7 @@ def backend():
     from cudalab import devices
 
     cudalab.init()
-    return devices._backend()
+    return devices.backend()
 
 
 @pytest.fixture
@@ -59,11 +59,11 @@ def _restore_runtime_state():
     from cudalab import devices
 
     if devices.is_initialized():
-        if devices._tls.device != 0:
+        if devices.per_thread.device != 0:
             devices.set_device(0)
-        cur = devices._tls.streams
+        cur = devices.per_thread.streams
         if cur is not None:
             from cudalab import streams
 
             for d in range(len(cur)):
-                streams._put(cur, d, None)  # keeps streams._custom in step
+                streams._put(cur, d, None)  # keeps streams.custom_stream_tokens in step

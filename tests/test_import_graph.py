@@ -13,7 +13,8 @@ edge to the submodule ``package.name`` when there is one, else to the package), 
   ``cudalab`` package itself (``import cudalab`` to reach the public API) counts as an
   import of every module that ``cudalab/__init__.py`` imports.
 
-Compiled extension modules (``fastcall``, ...) are nodes with no imports.
+Compiled extension modules (``fastcall``, ...) are nodes with no imports, named as
+``setup.py`` declares them (built or not).
 """
 
 from __future__ import annotations
@@ -41,20 +42,29 @@ PENDING: frozenset[tuple[str, str]] = frozenset()
 
 
 # ----------------------------------------------------------------------------- the graph
+def extension_names(setup: Path = ROOT / "setup.py") -> list[str]:
+    """The compiled extension modules that ``setup.py`` declares (``Extension("name", ...)``),
+    read from its text: they are modules whether or not they are built here."""
+    names = []
+    for node in ast.walk(ast.parse(setup.read_text(encoding="utf-8"))):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Extension"
+                and node.args and isinstance(node.args[0], ast.Constant)):
+            names.append(str(node.args[0].value))
+    return names
+
+
 def module_names(root: Path, package: str = PACKAGE) -> dict[str, Path]:
-    """Every module of ``package`` under ``root`` (sources and compiled extensions), by
-    dotted name; a package is named by its ``__init__.py``."""
+    """Every module of ``package`` under ``root`` (sources and the compiled extensions that
+    ``setup.py`` declares), by dotted name; a package is named by its ``__init__.py``."""
     modules: dict[str, Path] = {}
-    base = root / package
-    for path in sorted(base.rglob("*.py")):
+    for path in sorted((root / package).rglob("*.py")):
         parts = list(path.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         modules[".".join(parts)] = path
-    for suffix in ("*.so", "*.pyd"):
-        for path in sorted(base.rglob(suffix)):
-            parts = list(path.parent.relative_to(root).parts) + [path.name.split(".")[0]]
-            modules.setdefault(".".join(parts), path)
+    if (root / "setup.py").exists():
+        for name in extension_names(root / "setup.py"):
+            modules.setdefault(name, root / "setup.py")
     return modules
 
 
@@ -97,7 +107,7 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, dict[st
     modules = module_names(root, package)
     graph: dict[str, dict[str, list[int]]] = {}
     for name, path in modules.items():
-        if path.suffix != ".py":
+        if path.name == "setup.py":  # a compiled extension: no Python imports
             graph[name] = {}
             continue
         graph[name] = imports_of(name, path.read_text(encoding="utf-8"),

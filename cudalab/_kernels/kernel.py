@@ -56,18 +56,18 @@ __all__ = [
 
 # --------------------------------------------------------------------------- launch blocking
 _TRUE = {"1", "true", "yes", "on"}
-_launch_blocking = os.environ.get("CUDA_LAUNCH_BLOCKING", "").strip().lower() in _TRUE
+launch_blocking = os.environ.get("CUDA_LAUNCH_BLOCKING", "").strip().lower() in _TRUE
 
 
 def set_launch_blocking(enabled: bool) -> None:
     """Synchronise the stream after every kernel launch (like ``CUDA_LAUNCH_BLOCKING=1``)."""
-    global _launch_blocking
-    _launch_blocking = bool(enabled)
+    global launch_blocking
+    launch_blocking = bool(enabled)
 
 
 def is_launch_blocking() -> bool:
     """Whether launches currently synchronise their stream."""
-    return _launch_blocking
+    return launch_blocking
 
 
 #: Callables ``observer(kernel_name, device, stream, grid, block)`` run after each launch
@@ -511,8 +511,8 @@ class Kernel:
             stream = _current_stream()
         elif not isinstance(stream, _Stream):
             raise TypeError(f"stream must be a cudalab Stream, got {stream!r}")
-        elif type(stream._handle) is ClosedHandle:  # (the seam would refuse it too, later)
-            raise stream._handle.error()
+        elif type(stream.handle) is ClosedHandle:  # (the seam would refuse it too, later)
+            raise stream.handle.error()
         device = stream.device_index
         if type(grid) is int and 0 < grid <= 0x7FFFFFFF:
             grid3 = (grid, 1, 1)
@@ -532,16 +532,16 @@ class Kernel:
 
         # cudalab.random.launch._launch is a near-copy of the steps below, kept for the RNG's
         # launch cost (benchmarks/rng.py); tests/random/test_launch_copy.py pins the two.
-        backend = stream._b
+        backend = stream.backend
         states = getattr(self._tls, "state", None)
         state = None if states is None else states.get(device)
         if state is None or state[0] is not backend:
             state = self._thread_state(backend, device)
         _ensure_context(device)
-        backend.launch_values(state[1], grid3, block3, shared_mem, stream._handle, state[2],
+        backend.launch_values(state[1], grid3, block3, shared_mem, stream.handle, state[2],
                               values)
-        if _launch_blocking:
-            backend.stream_synchronize(stream._handle)
+        if launch_blocking:
+            backend.stream_synchronize(stream.handle)
         if _launch_observers:
             for observer in tuple(_launch_observers):
                 observer(self.name, device, stream, grid3, block3)
@@ -568,15 +568,15 @@ class Kernel:
         if _Stream is None:
             _bind_runtime()
         device = stream.device_index
-        backend = stream._b
+        backend = stream.backend
         states = getattr(self._tls, "state", None)
         state = None if states is None else states.get(device)
         if state is None or state[0] is not backend:
             state = self._thread_state(backend, device)
         _ensure_context(device)
-        backend.launch_values(state[1], grid, block, 0, stream._handle, state[2], values)
-        if _launch_blocking:
-            backend.stream_synchronize(stream._handle)
+        backend.launch_values(state[1], grid, block, 0, stream.handle, state[2], values)
+        if launch_blocking:
+            backend.stream_synchronize(stream.handle)
         if _launch_observers:
             for observer in tuple(_launch_observers):
                 observer(self.name, device, stream, grid, block)
@@ -621,7 +621,7 @@ def _bind_runtime() -> None:
     global _Stream, _current_stream, _ensure_context
     from cudalab import devices, streams
 
-    _ensure_context = devices._ensure_context
+    _ensure_context = devices.ensure_context
     _current_stream = streams.current_stream
     _Stream = streams.Stream
 

@@ -178,7 +178,7 @@ def float_to_bfloat16_bits(f: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(f), np.uint16(0x7FC0), r).astype(np.uint16)
 
 
-def _bfloat16_bits_to_float(h: np.ndarray) -> np.ndarray:
+def bfloat16_bits_to_float(h: np.ndarray) -> np.ndarray:
     return (h.astype(_U32) << _U32(16)).view(_F32)
 
 
@@ -606,7 +606,7 @@ def _values(op: str, tag: str, words: np.ndarray, params: tuple) -> tuple[np.nda
             return out.view(np.uint16), np.dtype(np.uint16)
         bits = float_to_bfloat16_bits(val)
         from_bits = float_to_bfloat16_bits(np.array([frm], _F32))[0]
-        out = np.where(_bfloat16_bits_to_float(bits) == to, from_bits, bits)
+        out = np.where(bfloat16_bits_to_float(bits) == to, from_bits, bits)
         return out.astype(np.uint16), np.dtype(np.uint16)
     if op == "uniform":  # double
         rng, frm, to = (float(p) for p in params)

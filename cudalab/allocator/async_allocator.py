@@ -192,7 +192,7 @@ class AsyncPoolAllocator(Allocator):
         if stream is None:
             if self._resolver is None:
                 s = _streams.current_stream(self.device)
-                h = s._handle
+                h = s.handle
                 key = s.cuda_stream
             else:
                 key = self._resolver()
@@ -400,7 +400,7 @@ class AsyncPoolAllocator(Allocator):
                     f"not to device {self.device}")
             # A closed stream's handle is a ClosedHandle, which the seam's allocation call
             # refuses with the error naming the stream (no check here).
-            return stream._handle, stream.cuda_stream
+            return stream.handle, stream.cuda_stream
         key = stream_key(stream, self.device)
         return self._handle_for(key), key
 
@@ -465,7 +465,7 @@ class AsyncPoolAllocator(Allocator):
         u = self._unifying_stream()
         self._join(u, dev, h, key)
         for s in uses:
-            self._join(u, s.device_index, s._handle, s.cuda_stream)
+            self._join(u, s.device_index, s.handle, s.cuda_stream)
         b.set_context(dev)
         self._free_async(dev, ptr, u)
 

@@ -237,9 +237,9 @@ def stream_use(stream: Any, need_handle: bool = False) -> tuple[int, int]:
     dev = getattr(stream, "device_index", None)
     key = getattr(stream, "cuda_stream", None)
     if (not isinstance(key, int) or not isinstance(dev, int)
-            or (need_handle and not hasattr(stream, "_handle"))):
+            or (need_handle and not hasattr(stream, "handle"))):
         raise TypeError(f"record_stream needs a cudalab.Stream, got {type(stream).__name__}")
-    h = getattr(stream, "_handle", None)
+    h = getattr(stream, "handle", None)
     if type(h) is ClosedHandle:  # a closed Stream: no work can be queued on it any more
         raise h.error()
     return dev, key
@@ -264,7 +264,7 @@ def stream_key(stream: Any, device: int) -> int:
             "stream must be a cudalab.Stream or an int stream handle, got "
             f"{type(stream).__name__} {stream!r}"
         )
-    h = getattr(stream, "_handle", None)
+    h = getattr(stream, "handle", None)
     if type(h) is ClosedHandle:  # a closed Stream (which never takes malloc's fast path)
         raise h.error()
     dev = getattr(stream, "device_index", device)

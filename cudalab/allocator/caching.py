@@ -83,8 +83,8 @@ from cudalab.errors import CudaError
 __all__ = ["DeviceCachingAllocator"]
 
 _Stream = _streams.Stream
-_tls = _streams._tls  # per thread: .device and .streams (the current stream of each device)
-_custom = _streams._custom  # empty: stream=None is the default stream in every thread
+_tls = _streams.per_thread  # per thread: .device and .streams (the current stream of each device)
+_custom = _streams.custom_stream_tokens  # empty: stream=None is the default stream in every thread
 
 
 class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
@@ -653,14 +653,14 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
             evpool = self._event_pools.get(dev)
             if evpool is None:
                 evpool = self._event_pools[dev] = EventPool(backend, dev)
-            if type(s._handle) is ClosedHandle:  # nothing more can be queued on it: wait for the device instead
+            if type(s.handle) is ClosedHandle:  # nothing more can be queued on it: wait for the device instead
                 backend.synchronize(dev)
                 continue
             ev = evpool.get()
             try:
                 if s.cuda_stream == 0:
                     backend.set_context(dev)
-                backend.event_record(ev, s._handle)
+                backend.event_record(ev, s.handle)
             except CudaError:
                 # The stream is unusable (destroyed): wait for the device instead.
                 evpool.put(ev)

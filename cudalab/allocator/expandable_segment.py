@@ -105,7 +105,7 @@ class ExpandableSegment:
         before cuMemUnmap); the whole device when the stream object is gone or unknown."""
         backend, dev = self.backend, self.device
         obj = self._stream_ref() if self._stream_ref is not None else None
-        handle = obj._handle if isinstance(obj, _streams.Stream) and not obj.closed else None
+        handle = obj.handle if isinstance(obj, _streams.Stream) and not obj.closed else None
         try:
             if handle is not None:
                 backend.set_context(dev)

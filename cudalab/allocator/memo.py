@@ -96,7 +96,7 @@ class PairMemo(CacheState):
         sobj = self._last_stream
         self._hit_stream = sobj if type(sobj) is _Stream else NO_STREAM
         # stream=None names the memo's stream in every thread while none has a stream
-        # other than the default current (streams._custom empty)
+        # other than the default current (streams.custom_stream_tokens empty)
         self._hit_none = self._memo_stream == 0 and self._tls_streams
         self._memo_hits = 0
         self._memo_req = 0  # sum over hits of (requested - req0)

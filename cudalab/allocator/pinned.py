@@ -112,7 +112,7 @@ class CachingHostAllocator:
     def _b(self) -> Backend:
         b = self._backend
         if b is None:
-            b = self._backend = _devices._backend()
+            b = self._backend = _devices.backend()
         return b
 
     def _event_pool(self, device: int) -> EventPool:
@@ -240,8 +240,8 @@ class CachingHostAllocator:
         device = stream.device_index
         key = (device, stream.cuda_stream)
         b = self._b()
-        if stream._null:
-            _devices._ensure_context(device)
+        if stream.is_legacy_null:
+            _devices.ensure_context(device)
         # Held across two quick, non-blocking driver calls (event create/record): that keeps
         # concurrent record_use calls on one block simple. Finalizers never take this lock.
         with self._lock:
@@ -253,7 +253,7 @@ class CachingHostAllocator:
             if entry is None:
                 pool = self._event_pool(device)
                 entry = block.events[key] = (pool.get(), pool)
-            b.event_record(entry[0], stream._handle)
+            b.event_record(entry[0], stream.handle)
         return True
 
     def lookup(self, ptr: int, nbytes: int = 1) -> bool:

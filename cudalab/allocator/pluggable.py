@@ -389,7 +389,7 @@ class PluggableDeviceAllocator(Allocator):
             alloc_stream = None  # not a stream this driver seam knows: wait on the host
         for s in uses:
             dev = s.device_index
-            h = s._handle
+            h = s.handle
             if type(h) is ClosedHandle:  # closed stream
                 b.synchronize(dev)
                 continue

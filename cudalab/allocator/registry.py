@@ -214,7 +214,7 @@ def _forget_closed_stream(stream: _streams.Stream) -> None:
         a.forget_stream(stream)
 
 
-_streams._close_listeners.append(_forget_closed_stream)
+_streams.close_listeners.append(_forget_closed_stream)
 
 
 def custom_factory() -> DeviceAllocatorFactory | None:
@@ -347,7 +347,7 @@ def get_allocator(device: int) -> Allocator:
         if a is None:
             from cudalab import devices
 
-            a = create_allocator(devices._backend(), device, allocator_config())
+            a = create_allocator(devices.backend(), device, allocator_config())
             # (torch counts them on its native allocators only: the async and pluggable
             # ones keep no such statistic)
             if device < len(syncs_before_creation) and isinstance(

@@ -86,7 +86,7 @@ class PeakScope:
     def __init__(self, device: Any = None) -> None:
         #: The device index; None until :meth:`start` when the scope was made for the current
         #: device.
-        self.device: int | None = None if device is None else _devices._device_index(device)
+        self.device: int | None = None if device is None else _devices.device_index(device)
         self.start_allocated = self.start_reserved = 0
         self.end_allocated = self.end_reserved = 0
         #: The peak once stopped: at least start_allocated and end_allocated.
@@ -115,10 +115,10 @@ class PeakScope:
         if self.running:
             raise RuntimeError("this peak scope is already running")
         if self.device is None:
-            self.device = _devices.current_device() if _devices._initialized else 0
+            self.device = _devices.current_device() if _devices.initialized else 0
         # Written out (no helper calls) for benchmark row "watch on: added cost per cell"
         # (benchmarks/timing.py): the watch opens and closes a scope around every cell.
-        a = _allocator(self.device) if _devices._initialized else None
+        a = _allocator(self.device) if _devices.initialized else None
         self._alloc = a
         if a is not None:
             a.sync_pending()
@@ -144,7 +144,7 @@ class PeakScope:
 
     def _late_allocator(self) -> _ScopeHost | None:
         """The allocator of a scope that started before its device had one."""
-        if not _devices._initialized or self.device is None:
+        if not _devices.initialized or self.device is None:
             return None
         return _allocator(self.device)
 

@@ -220,7 +220,7 @@ class CUDAGraph:
         b = _internal.backend()
         dev = _devices.current_device()
         stream = _streams.current_stream(dev)
-        if stream._null:
+        if stream.is_legacy_null:
             raise RuntimeError("CUDA graphs must be captured on a non-default stream. (However, "
                                "after capture, it's ok to replay them on the default stream.)")
         handle = _internal.stream_handle(stream)
@@ -378,12 +378,12 @@ class CUDAGraph:
         stream = _streams.current_stream(self._device)
         for st, inc in self._replay_states:
             st.replay_prologue(inc, stream)
-        if stream._null:
+        if stream.is_legacy_null:
             _internal.ensure_context(self._device)
         # (the handle read directly, not through _internal.stream_handle: the replay row of
         # benchmarks/graphs.py counts every frame)
         b = self._backend
-        b.graph_launch(ex, stream._handle)
+        b.graph_launch(ex, stream.handle)
         if self._join_streams:
             key = stream.cuda_stream
             ev = self._join_event
@@ -391,7 +391,7 @@ class CUDAGraph:
             for skey, handle in self._join_streams:
                 if skey != key:
                     if not recorded:
-                        b.event_record(ev, stream._handle)
+                        b.event_record(ev, stream.handle)
                         recorded = True
                     b.stream_wait_event(handle, ev)
 

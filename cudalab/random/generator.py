@@ -24,13 +24,13 @@ from cudalab._units import echo
 from cudalab.random.state import (
     DEFAULT_SEED,
     PhiloxState,
-    _as_offset,
-    _as_seed,
-    _assert_not_capturing,
-    _lock,
-    _nondeterministic_seed,
-    _parse_state,
-    _state_bytes,
+    as_offset,
+    as_seed,
+    assert_not_capturing,
+    nondeterministic_seed,
+    parse_state,
+    state_bytes,
+    state_lock,
 )
 
 __all__ = [
@@ -85,16 +85,16 @@ class Generator:
 
     def manual_seed(self, seed: int) -> Generator:
         """Seed with ``seed`` (64-bit; negative values wrap) and reset the offset to 0."""
-        s = _as_seed(seed, "Generator.manual_seed()")
-        _assert_not_capturing("Generator.manual_seed()", self._device)
-        with _lock:
+        s = as_seed(seed, "Generator.manual_seed()")
+        assert_not_capturing("Generator.manual_seed()", self._device)
+        with state_lock:
             self._state.seed = s
             self._state.offset = 0
         return self
 
     def seed(self) -> int:
         """Seed non-deterministically (53 random bits); returns the seed."""
-        s = _nondeterministic_seed()
+        s = nondeterministic_seed()
         self.manual_seed(s)
         return s
 
@@ -104,34 +104,34 @@ class Generator:
 
     def get_state(self) -> np.ndarray:
         """16 bytes: little-endian uint64 seed, int64 offset (a new numpy uint8 array)."""
-        _assert_not_capturing("Generator.get_state()", self._device)
-        with _lock:
+        assert_not_capturing("Generator.get_state()", self._device)
+        with state_lock:
             seed, offset = self._state.seed, self._state.offset
-        return _state_bytes(seed, offset)
+        return state_bytes(seed, offset)
 
     def set_state(self, new_state: Any) -> Generator:
         """Restore a state from :meth:`get_state` (or the 8-byte seed-only form). A bad state
         raises :class:`RandomStateError` or TypeError and leaves the generator unchanged."""
-        seed, offset = _parse_state(new_state, "Generator.set_state()")
+        seed, offset = parse_state(new_state, "Generator.set_state()")
         self._set(seed, offset)
         return self
 
     def _set(self, seed: int, offset: int) -> None:
-        _assert_not_capturing("Generator.set_state()", self._device)
-        with _lock:
+        assert_not_capturing("Generator.set_state()", self._device)
+        with state_lock:
             self._state.seed = seed
             self._state.offset = offset
 
     def get_offset(self) -> int:
         """The Philox offset (per thread; advances by 4 * iterations per kernel)."""
-        _assert_not_capturing("Generator.get_offset()", self._device)
+        assert_not_capturing("Generator.get_offset()", self._device)
         return self._state.offset
 
     def set_offset(self, offset: int) -> Generator:
         """Set the Philox offset (a multiple of 4)."""
-        o = _as_offset(offset, "Generator.set_offset()")
-        _assert_not_capturing("Generator.set_offset()", self._device)
-        with _lock:
+        o = as_offset(offset, "Generator.set_offset()")
+        assert_not_capturing("Generator.set_offset()", self._device)
+        with state_lock:
             self._state.offset = o
         return self
 
@@ -156,31 +156,32 @@ class Generator:
 
 
 # --------------------------------------------------------------------------- defaults
-# The three lists below are guarded by state._lock and mutated in place, never rebound:
-# sampling.py binds them at import for its fast path (benchmarks/rng.py, rand(1000)).
+# The three lists below are guarded by state.state_lock and mutated in place, never rebound:
+# sampling.py binds them at import for its fast path (benchmarks/rng.py, rand(1000)): they
+# are this module's friend interface to sampling.py (no underscore, not in __all__).
 #: Default generator of each device (None until first used); grows to device_count().
-_defaults: list[Generator | None] = []
-_queued: list[Callable[[], object]] = []          # set_rng_state, seed, seed_all (in order)
-_seed_calls: list[Callable[[], object] | None] = []  # latest manual_seed / manual_seed_all
+default_generator_slots: list[Generator | None] = []
+queued_calls: list[Callable[[], object]] = []          # set_rng_state, seed, seed_all (in order)
+seed_calls: list[Callable[[], object] | None] = []  # latest manual_seed / manual_seed_all
 
 
-def _default_generator(idx: int) -> Generator:
+def default_generator(idx: int) -> Generator:
     """Device ``idx``'s default generator (CUDA initialised; index valid)."""
-    if _queued or _seed_calls:
+    if queued_calls or seed_calls:
         _run_queued()
-    gens = _defaults
+    gens = default_generator_slots
     if idx < len(gens):
         g = gens[idx]
         if g is not None:
             return g
-    with _lock:
+    with state_lock:
         n = _devices.device_count()
-        if len(_defaults) < n:
-            _defaults.extend([None] * (n - len(_defaults)))
-        g = _defaults[idx]
+        if len(default_generator_slots) < n:
+            default_generator_slots.extend([None] * (n - len(default_generator_slots)))
+        g = default_generator_slots[idx]
         if g is None:
-            g = Generator._wrap(idx, PhiloxState(idx, _nondeterministic_seed()))
-            _defaults[idx] = g
+            g = Generator._wrap(idx, PhiloxState(idx, nondeterministic_seed()))
+            default_generator_slots[idx] = g
     return g
 
 
@@ -190,10 +191,10 @@ def _run_queued() -> None:
     global _seed_cb, _seed_all_cb
     if not _devices.is_initialized():
         return
-    with _lock:
-        calls = list(_queued) + [c for c in _seed_calls if c is not None]
-        _queued.clear()
-        _seed_calls.clear()
+    with state_lock:
+        calls = list(queued_calls) + [c for c in seed_calls if c is not None]
+        queued_calls.clear()
+        seed_calls.clear()
         _seed_cb = _seed_all_cb = None
     for call in calls:
         call()
@@ -204,13 +205,13 @@ def _lazy_call(call: Callable[[], object], kind: str | None = None) -> None:
     the latest manual_seed and manual_seed_all are kept, and they run last)."""
     global _seed_cb, _seed_all_cb
     if _devices.is_initialized():
-        if _queued or _seed_calls:
+        if queued_calls or seed_calls:
             _run_queued()
         call()
         return
-    with _lock:
+    with state_lock:
         if kind is None:
-            _queued.append(call)
+            queued_calls.append(call)
             return
         if kind == "seed":
             _seed_cb = call
@@ -218,7 +219,7 @@ def _lazy_call(call: Callable[[], object], kind: str | None = None) -> None:
         else:
             _seed_all_cb = call
             order = [_seed_cb, _seed_all_cb]
-        _seed_calls[:] = order
+        seed_calls[:] = order
 
 
 _seed_cb: Callable[[], object] | None = None
@@ -299,11 +300,11 @@ def manual_seed(seed: int) -> None:
     RandomStateError
         ``seed`` is outside [-2**63, 2**64 - 1].
     """
-    s = _as_seed(_int_seed(seed, "manual_seed()"), "manual_seed()")
+    s = as_seed(_int_seed(seed, "manual_seed()"), "manual_seed()")
     idx = _target_device(None)
     if idx is None:
         return
-    _lazy_call(lambda: _default_generator(idx).manual_seed(s), "seed")
+    _lazy_call(lambda: default_generator(idx).manual_seed(s), "seed")
 
 
 def manual_seed_all(seed: int) -> None:
@@ -321,11 +322,11 @@ def manual_seed_all(seed: int) -> None:
     RandomStateError
         ``seed`` is outside [-2**63, 2**64 - 1].
     """
-    s = _as_seed(_int_seed(seed, "manual_seed_all()"), "manual_seed_all()")
+    s = as_seed(_int_seed(seed, "manual_seed_all()"), "manual_seed_all()")
 
     def call() -> None:
         for i in range(_devices.device_count()):
-            _default_generator(i).manual_seed(s)
+            default_generator(i).manual_seed(s)
 
     _lazy_call(call, "seed_all")
 
@@ -335,7 +336,7 @@ def seed() -> None:
     idx = _target_device(None)
     if idx is None:
         return
-    _lazy_call(lambda: _default_generator(idx).seed())
+    _lazy_call(lambda: default_generator(idx).seed())
 
 
 def seed_all() -> None:
@@ -344,7 +345,7 @@ def seed_all() -> None:
     def call() -> None:
         s = None
         for i in range(_devices.device_count()):
-            g = _default_generator(i)
+            g = default_generator(i)
             if s is None:
                 s = g.seed()
             else:
@@ -355,13 +356,13 @@ def seed_all() -> None:
 
 def initial_seed() -> int:
     """The current device's default seed (initialises CUDA, without a context)."""
-    return _default_generator(_devices.current_device()).initial_seed()
+    return default_generator(_devices.current_device()).initial_seed()
 
 
 def get_rng_state(device: Any = None) -> np.ndarray:
     """The default generator's state of ``device`` (default: current) as 16 uint8 values:
     little-endian uint64 seed then int64 offset. Initialises CUDA (no context)."""
-    return _default_generator(_internal.device_index(device)).get_state()
+    return default_generator(_internal.device_index(device)).get_state()
 
 
 def get_rng_state_all() -> list[np.ndarray]:
@@ -373,22 +374,22 @@ def set_rng_state(new_state: Any, device: Any = None) -> None:
     """Restore the default generator of ``device`` (default: current) from a 16-byte (or 8-byte
     seed-only) uint8 state. Bad states raise :class:`RandomStateError`/TypeError and change
     nothing. Before CUDA is initialised the call is queued; without a GPU it is ignored."""
-    seed_, offset = _parse_state(new_state, "set_rng_state()")
+    seed_, offset = parse_state(new_state, "set_rng_state()")
     idx = _target_device(device)
     if idx is None:
         return
-    _lazy_call(lambda: _default_generator(idx)._set(seed_, offset))
+    _lazy_call(lambda: default_generator(idx)._set(seed_, offset))
 
 
 def set_rng_state_all(new_states: Iterable[Any]) -> None:
     """:func:`set_rng_state` for devices 0, 1, ...; every state is checked before any is set."""
-    parsed = [_parse_state(s, f"set_rng_state_all() state {i}")
+    parsed = [parse_state(s, f"set_rng_state_all() state {i}")
               for i, s in enumerate(new_states)]
     targets = [_target_device(i) for i in range(len(parsed))]
     for idx, (seed_, offset) in zip(targets, parsed):
         if idx is not None:
             def call(idx: int = idx, s: int = seed_, o: int = offset) -> None:
-                _default_generator(idx)._set(s, o)
+                default_generator(idx)._set(s, o)
 
             _lazy_call(call)
 
@@ -422,4 +423,4 @@ def all_default_generators() -> tuple[Generator, ...]:
     if n == 0:
         return ()
     _devices.init()
-    return tuple(_default_generator(i) for i in range(n))
+    return tuple(default_generator(i) for i in range(n))

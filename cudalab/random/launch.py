@@ -2,8 +2,8 @@
 
 torch sizes each fill's grid from the SM count and reserves ``4 * iterations`` of Philox
 offset per thread (:func:`torch_launch_plan`); tensors that need 64-bit indexing are split in
-halves, each with its own reservation. :func:`_plan` turns that into cudalab's launches
-(cached per shape); :func:`_launch` queues one kernel with a per-thread cached function handle
+halves, each with its own reservation. :func:`fill_plan` turns that into cudalab's launches
+(cached per shape); :func:`launch_kernel` queues one kernel with a per-thread cached function handle
 and argument pack. The values never depend on cudalab's own launch shape
 (:func:`_set_launch_tuning`), only on torch's.
 """
@@ -26,7 +26,7 @@ _INT32_MAX = (1 << 31) - 1
 _BLOCK_THREADS = 256  # torch's block size (fixes the grid formula)
 
 _tls = threading.local()  # .cache: (kernel, device) -> (backend, function, args)
-_plans: dict[tuple, tuple] = {}
+fill_plans: dict[tuple, tuple] = {}
 _max_blocks: dict[int, int] = {}
 #: Launch shape of cudalab's kernels (not torch's: values do not depend on it). Change with
 #: :func:`_set_launch_tuning` (benchmarks sweep it).
@@ -52,7 +52,7 @@ def _set_launch_tuning(block: int | None = None, k_per_thread: int | None = None
         if k_per_thread < 1:
             raise ValueError("k_per_thread must be >= 1")
         _k_per_thread = k_per_thread
-    _plans.clear()
+    fill_plans.clear()
 
 
 def _device_max_blocks(dev: int) -> int:
@@ -89,11 +89,11 @@ def torch_launch_plan(n: int, itemsize: int, unroll: int, max_blocks: int) -> li
     return out
 
 
-def _plan(dev: int, n: int, itemsize: int, unroll: int) -> tuple:
+def fill_plan(dev: int, n: int, itemsize: int, unroll: int) -> tuple:
     """(total increment, steps) for one fill; a step is (increment, launch or None) with
     ``launch = (byte offset, count, S, K, grid, block)``. Cached."""
     key = (dev, n, itemsize, unroll)
-    plan = _plans.get(key)
+    plan = fill_plans.get(key)
     if plan is not None:
         return plan
     steps = []
@@ -108,9 +108,9 @@ def _plan(dev: int, n: int, itemsize: int, unroll: int) -> tuple:
             launch = (base * itemsize, m, S, K, (gx, gy, 1), (blk, 1, 1))
         steps.append((inc, launch))
     plan = (sum(inc for inc, _ in steps), tuple(steps))
-    if len(_plans) >= 4096:
-        _plans.clear()
-    _plans[key] = plan
+    if len(fill_plans) >= 4096:
+        fill_plans.clear()
+    fill_plans[key] = plan
     return plan
 
 
@@ -119,11 +119,11 @@ def _plan(dev: int, n: int, itemsize: int, unroll: int) -> tuple:
 # observers), kept for speed: the launch-overhead rows "cudalab rand(1000)" and
 # "cudalab uniform_(1000)" of benchmarks/rng.py. tests/random/test_launch_copy.py pins the two
 # together (same calls in the same order, same closed-stream error): change both or neither.
-def _launch(kernel: Any, device: int, stream: _streams.Stream, grid: tuple, block: tuple,
+def launch_kernel(kernel: Any, device: int, stream: _streams.Stream, grid: tuple, block: tuple,
             args: tuple) -> None:
     """Launch with a per-thread cached function handle and argument pack (the values are
     built here, so Kernel.launch's conversions and checks are skipped)."""
-    backend = stream._b
+    backend = stream.backend
     try:
         cache = _tls.cache
     except AttributeError:
@@ -132,12 +132,12 @@ def _launch(kernel: Any, device: int, stream: _streams.Stream, grid: tuple, bloc
     if entry is None or entry[0] is not backend:
         entry = (backend, kernel.get_function(device, backend), backend.make_args(kernel.signature))
         cache[(kernel, device)] = entry
-    handle = stream._handle
+    handle = stream.handle
     if type(handle) is ClosedHandle:  # (the seam would refuse it too, after the argument set)
         raise handle.error()
     _ensure_context(device)
     backend.launch_values(entry[1], grid, block, 0, handle, entry[2], args)
-    if _facility._launch_blocking:
+    if _facility.launch_blocking:
         backend.stream_synchronize(handle)
     if _launch_observers:
         for observer in tuple(_launch_observers):
@@ -148,4 +148,4 @@ def _launch(kernel: Any, device: int, stream: _streams.Stream, grid: tuple, bloc
 
 # The RNG launch path reads the runtime's context switch as a module global (no _internal
 # wrapper call): benchmarks/rng.py, "rand(1000)" host cost.
-_ensure_context = _devices._ensure_context
+_ensure_context = _devices.ensure_context

@@ -21,18 +21,18 @@ from cudalab import array as _array
 from cudalab import streams as _streams
 from cudalab.random.generator import (
     Generator,
-    _default_generator,
-    _defaults,
-    _queued,
-    _seed_calls,
+    default_generator,
+    default_generator_slots,
+    queued_calls,
+    seed_calls,
 )
-from cudalab.random.launch import _launch, _plan, _plans
+from cudalab.random.launch import fill_plan, fill_plans, launch_kernel
 from cudalab.random.state import (
-    _MASK64,
+    MASK64,
     PhiloxState,
-    _capturing_states,
-    _lock,
-    _stream_capturing,
+    capturing_states,
+    state_lock,
+    stream_capturing,
 )
 
 __all__ = ["rand", "randn", "randint", "normal", "uniform_", "normal_", "bernoulli_"]
@@ -40,11 +40,11 @@ __all__ = ["rand", "randn", "randint", "normal", "uniform_", "normal_", "bernoul
 
 def _state_for(generator: Any, dev: int) -> PhiloxState:
     if generator is None:
-        if dev < len(_defaults) and not (_queued or _seed_calls):
-            g = _defaults[dev]
+        if dev < len(default_generator_slots) and not (queued_calls or seed_calls):
+            g = default_generator_slots[dev]
             if g is not None:
                 return g._state
-        return _default_generator(dev)._state
+        return default_generator(dev)._state
     if not isinstance(generator, Generator):
         raise TypeError(f"generator must be a cudalab.Generator, got {type(generator).__name__}")
     if generator._device != dev:
@@ -75,21 +75,21 @@ def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
     if not n:
         return
     dev = arr.device_index
-    if generator is None and dev < len(_defaults) and not (_queued or _seed_calls):
-        g = _defaults[dev]
+    if generator is None and dev < len(default_generator_slots) and not (queued_calls or seed_calls):
+        g = default_generator_slots[dev]
         st = g._state if g is not None else _state_for(None, dev)
     else:
         st = _state_for(generator, dev)
     if stream is None:  # (a new array passes its allocation stream: the current one)
         stream = _current_stream(dev)
-    plan = _plans.get((dev, n, arr.dtype.itemsize, unroll))
+    plan = fill_plans.get((dev, n, arr.dtype.itemsize, unroll))
     if plan is None:
-        plan = _plan(dev, n, arr.dtype.itemsize, unroll)
+        plan = fill_plan(dev, n, arr.dtype.itemsize, unroll)
     total, steps = plan
     gstate = 0
-    with _lock:
+    with state_lock:
         seed_ = st.seed
-        if _capturing_states and _stream_capturing(stream):
+        if capturing_states and stream_capturing(stream):
             off, gstate = _reserve_in_graph(st, total)
         else:
             if st.capturing:
@@ -97,18 +97,18 @@ def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
                                    "in capture mode (capture_prologue without "
                                    "capture_epilogue)")
             off = st.offset
-            st.offset = (off + total) & _MASK64
+            st.offset = (off + total) & MASK64
     ptr = arr.ptr
     if len(steps) == 1:
         byte_off, m, S, K, grid, block = steps[0][1]
-        _launch(kernel, dev, stream, grid, block, (ptr, m, S, K, seed_, off, gstate) + params)
+        launch_kernel(kernel, dev, stream, grid, block, (ptr, m, S, K, seed_, off, gstate) + params)
         return
     for inc, launch in steps:
         if launch is not None:
             byte_off, m, S, K, grid, block = launch
-            _launch(kernel, dev, stream, grid, block,
+            launch_kernel(kernel, dev, stream, grid, block,
                     (ptr + byte_off, m, S, K, seed_, off, gstate) + params)
-        off = (off + inc) & _MASK64
+        off = (off + inc) & MASK64
 
 
 # Bound once (no attribute chain on the generation path): benchmarks/rng.py, rand(1000).
@@ -184,9 +184,9 @@ def _to_half(x: float) -> np.float16:
 
 
 def _to_bf16_float(x: float) -> np.float32:
-    from cudalab._kernels.philox import _bfloat16_bits_to_float, float_to_bfloat16_bits
+    from cudalab._kernels.philox import bfloat16_bits_to_float, float_to_bfloat16_bits
 
-    return _bfloat16_bits_to_float(float_to_bfloat16_bits(np.array([np.float32(x)])))[0]
+    return bfloat16_bits_to_float(float_to_bfloat16_bits(np.array([np.float32(x)])))[0]
 
 
 _FINFO = {"f32": (float(np.finfo(np.float32).min), float(np.finfo(np.float32).max)),
@@ -384,12 +384,12 @@ def randint(low: int, high: int | None = None, size: Any = None, *, dtype: Any =
         raise ValueError(f"randint(): from={lo} is out of bounds for {dt}")
     if not tmin <= hi - 1 <= tmax:
         raise ValueError(f"randint(): to - 1={hi - 1} is out of bounds for {dt}")
-    rng = (hi - lo) & _MASK64
+    rng = (hi - lo) & MASK64
     width = 8 * dt.itemsize
     if rng >= 1 << 28:
         suffix, unroll = f"randint64_u{width}", 2
     else:
         suffix, unroll = f"randint32_u{width}", 4
     arr = _array.DeviceArray(shape, dt, device)
-    _generate(arr, _kernel(suffix), unroll, (rng, lo & _MASK64), generator)
+    _generate(arr, _kernel(suffix), unroll, (rng, lo & MASK64), generator)
     return arr

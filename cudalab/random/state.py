@@ -7,7 +7,7 @@ and the graph-capture bookkeeping. This module also parses and checks seeds, off
 entry point rejects the same bad values with the same :class:`RandomStateError`.
 
 Every state and the pending-call queue of :mod:`cudalab.random.generator` are guarded by the
-one lock :data:`_lock`.
+one lock :data:`state_lock`.
 """
 
 from __future__ import annotations
@@ -24,54 +24,54 @@ from cudalab import _internal
 from cudalab import array as _array
 from cudalab import devices as _devices
 from cudalab import streams as _streams
-from cudalab.random.launch import _launch
+from cudalab.random.launch import launch_kernel
 
 __all__ = ["DEFAULT_SEED", "PhiloxState", "RandomStateError"]
 
 #: The seed of a new ``Generator`` (torch's ``default_rng_seed_val``); default generators are
 #: seeded non-deterministically instead.
 DEFAULT_SEED = 67280421310721
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1
 
-_lock = threading.Lock()  # guards every PhiloxState and generator.py's pending-call queue
+state_lock = threading.Lock()  # guards every PhiloxState and generator.py's pending-call queue
 
 
 class RandomStateError(ValueError, RuntimeError):
     """An invalid seed, RNG state or offset (nothing was changed)."""
 
 
-def _nondeterministic_seed() -> int:
+def nondeterministic_seed() -> int:
     """53 random bits, like torch's ``getNonDeterministicRandom(is_cuda=true)``."""
     return int.from_bytes(os.urandom(8), "little") & ((1 << 53) - 1)
 
 
-def _as_seed(seed: Any, what: str) -> int:
+def as_seed(seed: Any, what: str) -> int:
     if isinstance(seed, bool):
         seed = int(seed)
     try:
         s = operator.index(seed)
     except TypeError:
         raise TypeError(f"{what}: the seed must be an integer, got {type(seed).__name__}") from None
-    if not -(1 << 63) <= s <= _MASK64:
+    if not -(1 << 63) <= s <= MASK64:
         raise RandomStateError(f"{what}: seed {s} is out of range; seeds are 64-bit: "
                                "[-2**63, 2**64 - 1] (negative seeds wrap)")
-    return s & _MASK64
+    return s & MASK64
 
 
-def _as_offset(offset: Any, what: str) -> int:
+def as_offset(offset: Any, what: str) -> int:
     try:
         o = operator.index(offset)
     except TypeError:
         raise TypeError(f"{what}: the offset must be an integer, got "
                         f"{type(offset).__name__}") from None
-    if not 0 <= o <= _MASK64:
+    if not 0 <= o <= MASK64:
         raise RandomStateError(f"{what}: offset {o} is out of range [0, 2**64 - 1]")
     if o % 4:
         raise RandomStateError(f"{what}: offset must be a multiple of 4, got {o}")
     return o
 
 
-def _parse_state(new_state: Any, what: str) -> tuple[int, int]:
+def parse_state(new_state: Any, what: str) -> tuple[int, int]:
     """(seed, offset) from a 16-byte (or 8-byte, seed only) uint8 host state."""
     if isinstance(new_state, _array.DeviceArray):
         raise TypeError(f"{what}: the RNG state must be a host uint8 array (numpy, bytes or a "
@@ -102,28 +102,28 @@ def _parse_state(new_state: Any, what: str) -> tuple[int, int]:
     return seed, offset
 
 
-def _state_bytes(seed: int, offset: int) -> np.ndarray:
+def state_bytes(seed: int, offset: int) -> np.ndarray:
     return np.frombuffer(seed.to_bytes(8, "little") + offset.to_bytes(8, "little"),
                          dtype=np.uint8).copy()
 
 
 # --------------------------------------------------------------------------- graph capture
-#: The PhiloxStates between capture_prologue and capture_epilogue (guarded by ``_lock``).
+#: The PhiloxStates between capture_prologue and capture_epilogue (guarded by ``state_lock``).
 #: Mutated in place, never rebound: sampling.py binds it at import and tests its truth on
 #: every generation (one global read while nothing captures: benchmarks/rng.py rand(1000)).
-_capturing_states: set[PhiloxState] = set()
+capturing_states: set[PhiloxState] = set()
 
 
-def _stream_capturing(stream: _streams.Stream) -> bool:
+def stream_capturing(stream: _streams.Stream) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph (only asked while some
     generator captures)."""
     return bool(_internal.backend().stream_is_capturing(_internal.stream_handle(stream)))
 
 
-def _assert_not_capturing(what: str, device: int) -> None:
+def assert_not_capturing(what: str, device: int) -> None:
     """torch's ``assertNotCapturing``: only checked while some generator is capturing."""
-    if _capturing_states and _devices.is_initialized():
-        if _stream_capturing(_streams.current_stream(device)):
+    if capturing_states and _devices.is_initialized():
+        if stream_capturing(_streams.current_stream(device)):
             raise RuntimeError(f"{what} is not allowed while the current stream is being "
                                "captured into a CUDA graph")
 
@@ -133,8 +133,8 @@ def _set_graph_words(state: PhiloxState, seed: int, offset: int, stream: Any) ->
 
     if stream is None:
         stream = _streams.current_stream(state.device)
-    _launch(SET_STATE, state.device, stream, (1, 1, 1), (1, 1, 1),
-            (state._graph_buf.ptr, seed, offset))
+    launch_kernel(SET_STATE, state.device, stream, (1, 1, 1), (1, 1, 1),
+                  (state._graph_buf.ptr, seed, offset))
 
 
 class PhiloxState:
@@ -171,7 +171,7 @@ class PhiloxState:
         return f"<PhiloxState cuda:{self.device} seed={self.seed} offset={self.offset}{cap}>"
 
     def clone(self) -> PhiloxState:
-        with _lock:
+        with state_lock:
             other = PhiloxState(self.device, self.seed, self.offset)
             other.offset_intragraph = self.offset_intragraph
         return other
@@ -179,7 +179,7 @@ class PhiloxState:
     # ----------------------------------------------------------------- graph protocol
     def register_graph(self, graph: Any) -> None:
         """Tie this state to ``graph`` (allocates the device words on first registration)."""
-        _assert_not_capturing("PhiloxState.register_graph()", self.device)
+        assert_not_capturing("PhiloxState.register_graph()", self.device)
         if self._graph_buf is None:
             self._graph_buf = _array.zeros((2,), np.uint64, device=self.device)
         try:  # weakly: the graph holds this state, and its reset()/finalizer unregisters it
@@ -199,30 +199,30 @@ class PhiloxState:
         if self._graph_buf is None:
             raise RuntimeError("PhiloxState.capture_prologue(): call register_graph() first")
         _set_graph_words(self, self.seed, 0, stream)
-        with _lock:
+        with state_lock:
             if not self.capturing:
                 self.capturing = True
-                _capturing_states.add(self)
+                capturing_states.add(self)
             self.offset_intragraph = 0
 
     def capture_epilogue(self) -> int:
         """After capture: the whole-graph offset increment (what each replay consumes)."""
-        with _lock:
+        with state_lock:
             if self.capturing:
                 self.capturing = False
-                _capturing_states.discard(self)
+                capturing_states.discard(self)
             return self.offset_intragraph
 
     def replay_prologue(self, wholegraph_increment: int, stream: Any = None) -> None:
         """Before a replay, on the replay stream: device words := (seed, offset), then the
         offset advances by the (4-rounded) whole-graph increment."""
-        _assert_not_capturing("PhiloxState.replay_prologue()", self.device)
+        assert_not_capturing("PhiloxState.replay_prologue()", self.device)
         if self._graph_buf is None:
             raise RuntimeError("PhiloxState.replay_prologue(): no graph is registered")
         inc = operator.index(wholegraph_increment)
         if inc < 0:
             raise ValueError(f"wholegraph_increment must be >= 0, got {inc}")
-        with _lock:
+        with state_lock:
             seed, offset = self.seed, self.offset
-            self.offset = (offset + ((inc + 3) // 4) * 4) & _MASK64
+            self.offset = (offset + ((inc + 3) // 4) * 4) & MASK64
         _set_graph_words(self, seed, offset, stream)

@@ -13,7 +13,7 @@ def hold(backend):
     class Holder:
         def __call__(self, stream):
             if hasattr(backend, "pause_stream"):
-                backend.pause_stream(stream._handle)
+                backend.pause_stream(stream.handle)
             else:  # a real GPU: keep the stream busy for a while
                 from cudalab._kernels.spin import gpu_sleep
 
@@ -24,7 +24,7 @@ def hold(backend):
             while paused:
                 s = paused.pop()
                 if hasattr(backend, "resume_stream"):
-                    backend.resume_stream(s._handle)
+                    backend.resume_stream(s.handle)
                 s.synchronize()
 
     h = Holder()

@@ -245,7 +245,7 @@ def test_record_stream_frees_on_the_unifying_stream_without_host_sync(make, back
     used0 = a.pool_usage()[2]
     a.record_stream(p, A)  # the allocation stream itself: ignored
     assert not a._uses
-    backend.pause_stream(B._handle)
+    backend.pause_stream(B.handle)
     try:
         a.record_stream(p, B)
         a.free(p)  # would raise on the simulator if it waited for the paused stream
@@ -256,7 +256,7 @@ def test_record_stream_frees_on_the_unifying_stream_without_host_sync(make, back
         q = a.malloc(MiB, A)  # the block is not reused while B's work is pending
         assert q != p
     finally:
-        backend.resume_stream(B._handle)
+        backend.resume_stream(B.handle)
     assert backend.stream_query(a._unifier)
     assert a.pool_usage()[2] == used0  # p went back to the pool, q is live
     r = a.malloc(MiB, A)
@@ -278,12 +278,12 @@ def test_record_stream_waits_for_every_usage_stream_and_the_allocation_stream(ma
         a.record_stream(p, s)
     a.record_stream(p, B)  # twice: one event
     for s in (A, B, C):
-        backend.pause_stream(s._handle)
+        backend.pause_stream(s.handle)
     a.free(p)
     for s in (B, C):  # still held back by the allocation stream (and the other usage one)
-        backend.resume_stream(s._handle)
+        backend.resume_stream(s.handle)
         assert a.pool_usage()[2] == used0
-    backend.resume_stream(A._handle)
+    backend.resume_stream(A.handle)
     assert a.pool_usage()[2] == used0 - 4 * MiB
 
 
@@ -296,11 +296,11 @@ def test_record_stream_on_another_device(make, backend, two_devices):
     a = make()
     p = a.malloc(MiB)
     used0 = a.pool_usage()[2]
-    backend.pause_stream(other._handle)
+    backend.pause_stream(other.handle)
     a.record_stream(p, other)
     a.free(p)
     assert a.pool_usage()[2] == used0
-    backend.resume_stream(other._handle)
+    backend.resume_stream(other.handle)
     assert a.pool_usage()[2] == used0 - MiB
 
 
@@ -311,7 +311,7 @@ def test_record_stream_then_free_on_any_backend(make, backend):
     A, B = cudalab.Stream(), cudalab.Stream()
     a = make()
     p = a.malloc(2 * MiB, A)
-    backend.memset_d8_async(0, p, 1, 2 * MiB, B._handle)
+    backend.memset_d8_async(0, p, 1, 2 * MiB, B.handle)
     a.record_stream(p, B)
     a.free(p)
     backend.synchronize(0)

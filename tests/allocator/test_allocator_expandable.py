@@ -509,7 +509,7 @@ def test_unmapping_waits_for_the_segment_stream(backend, allocs, hold):
     a = allocs(resolver=lambda: s.cuda_stream)
     p = a.malloc(20 * MiB)  # the default stream here is s
     hold(s)
-    backend.memset_d8_async(0, p, 7, 20 * MiB, s._handle)  # still queued behind the hold
+    backend.memset_d8_async(0, p, 7, 20 * MiB, s.handle)  # still queued behind the hold
     a.free(p)
     if hasattr(backend, "pause_stream"):
         # the simulator refuses to wait for a paused stream: proof that unmapping waits
@@ -602,17 +602,17 @@ def test_random_sequence_keeps_invariants(backend, conf, seed):
             elif op < 0.96 and pausable:
                 i = rng.randrange(1, 3)
                 if i in paused:
-                    backend.resume_stream(streams[i]._handle)
+                    backend.resume_stream(streams[i].handle)
                     paused.discard(i)
                 else:
-                    backend.pause_stream(streams[i]._handle)
+                    backend.pause_stream(streams[i].handle)
                     paused.add(i)
             else:
                 a.process_events()
             _check(a, live)
     finally:
         for i in paused:
-            backend.resume_stream(streams[i]._handle)
+            backend.resume_stream(streams[i].handle)
     for p in list(live):
         a.free(p)
     drain(a)

@@ -73,14 +73,14 @@ def make_machine(backend, streams, conf):
         @precondition(lambda self: pausable)
         @rule(s=st.integers(1, 3))
         def pause(self, s):
-            backend.pause_stream(streams[s]._handle)
+            backend.pause_stream(streams[s].handle)
             self.paused.add(s)
 
         @precondition(lambda self: self.paused)
         @rule(data=st.data())
         def resume(self, data):
             s = data.draw(st.sampled_from(sorted(self.paused)))
-            backend.resume_stream(streams[s]._handle)
+            backend.resume_stream(streams[s].handle)
             self.paused.discard(s)
 
         @rule()
@@ -155,7 +155,7 @@ def make_machine(backend, streams, conf):
 
         def teardown(self):
             for s in list(self.paused):
-                backend.resume_stream(streams[s]._handle)
+                backend.resume_stream(streams[s].handle)
             for p in list(self.live):
                 self.a.free(p)
             self.a.empty_cache()

@@ -248,7 +248,7 @@ def test_default_stream_pure_hits_skip_the_thread_local(monkeypatch, two_devices
 
     cudalab.init()
     a = get_allocator(0)
-    assert streams._custom == []
+    assert streams.custom_stream_tokens == []
     for _ in range(3):
         a.free(a.malloc(4096))
     assert a._hit_none
@@ -261,7 +261,7 @@ def test_default_stream_pure_hits_skip_the_thread_local(monkeypatch, two_devices
     s1 = cudalab.Stream(1)
     with cudalab.stream(s1):  # device 1 has a stream of its own current
         with cudalab.stream(cudalab.default_stream(0)):  # device 0: the default stream
-            assert streams._custom
+            assert streams.custom_stream_tokens
             p = a.malloc(4096)
     assert spy.reads >= 1 and a._memo_hits == hits + 51  # still the memo: stream 0 was current
     a.free(p)

@@ -188,9 +188,9 @@ def test_fresh_process_with_the_environment_setting(backend):
         calls = []
         def m(size, device, stream):
             calls.append(size)
-            return devices._backend().mem_alloc(device, size)
+            return devices.backend().mem_alloc(device, size)
         def f(ptr, size, device, stream):
-            devices._backend().mem_free(device, ptr)
+            devices.backend().mem_free(device, ptr)
         M.change_current_allocator(M.PluggableAllocator(m, f))
         x = cudalab.zeros((8,), "float32")
         print(M.get_allocator_backend(), calls, M.memory_allocated(), float(x.numpy().sum()))
@@ -332,7 +332,7 @@ def test_record_stream_orders_the_allocation_stream_after_usage_streams(backend,
     p = a.malloc(100, A)
     a.record_stream(p, A)  # the allocation stream: ignored
     assert not a._uses
-    backend.pause_stream(B._handle)
+    backend.pause_stream(B.handle)
     try:
         a.record_stream(p, B)
         # free_fn is called at once (no host sync) with the allocation stream, which now
@@ -341,10 +341,10 @@ def test_record_stream_orders_the_allocation_stream_after_usage_streams(backend,
         a.spec.free_fn = lambda ptr, size, dev, s: freed.append((ptr, s))
         a.free(p)
         assert freed == [(p, A.cuda_stream)]
-        assert not backend.stream_query(A._handle)
+        assert not backend.stream_query(A.handle)
     finally:
-        backend.resume_stream(B._handle)
-    assert backend.stream_query(A._handle)
+        backend.resume_stream(B.handle)
+    assert backend.stream_query(A.handle)
     backend.mem_free(0, p)
     with pytest.raises(TypeError, match="cudalab.Stream"):
         a.record_stream(a.malloc(10), 3)

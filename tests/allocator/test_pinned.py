@@ -153,7 +153,7 @@ def test_event_guard_blocks_reuse_until_copy_done(sim):
     host[...] = np.arange(n)
     p = _ptr(host)
     d = cudalab.zeros(n)
-    sim.pause_stream(s._handle)
+    sim.pause_stream(s.handle)
     try:
         with cudalab.stream(s):
             d.copy_(host, non_blocking=True)  # returns at once: the copy is held back
@@ -166,7 +166,7 @@ def test_event_guard_blocks_reuse_until_copy_done(sim):
         pinned.empty_pinned_cache()  # a pending block is not freed either
         assert pinned.pinned_memory_stats()["cached_blocks_pending"] == 1
     finally:
-        sim.resume_stream(s._handle)
+        sim.resume_stream(s.handle)
     np.testing.assert_array_equal(d.numpy(), np.arange(n))
     del other
     allocs = pinned.pinned_memory_stats()["num_host_alloc"]
@@ -185,7 +185,7 @@ def test_event_guard_device_to_host(sim):
     out = cudalab.empty_pinned(n, dtype=np.int64)
     out[...] = 0
     p = _ptr(out)
-    sim.pause_stream(s._handle)
+    sim.pause_stream(s.handle)
     try:
         d.numpy(out=out, non_blocking=True)  # d's stream is s: queued
         assert out.sum() == 0
@@ -193,7 +193,7 @@ def test_event_guard_device_to_host(sim):
         again = cudalab.empty_pinned(n, dtype=np.int64)
         assert _ptr(again) != p
     finally:
-        sim.resume_stream(s._handle)
+        sim.resume_stream(s.handle)
 
 
 def test_pageable_non_blocking_waits(sim):
@@ -201,12 +201,12 @@ def test_pageable_non_blocking_waits(sim):
     s = cudalab.Stream()
     d = cudalab.zeros(8)
     host = np.ones(8, np.float32)  # kept alive: the held-back copy still reads it
-    sim.pause_stream(s._handle)
+    sim.pause_stream(s.handle)
     try:
         with cudalab.stream(s), pytest.raises(RuntimeError, match="paused"):
             d.copy_(host, non_blocking=True)
     finally:
-        sim.resume_stream(s._handle)
+        sim.resume_stream(s.handle)
     np.testing.assert_array_equal(d.numpy(), host)
 
 

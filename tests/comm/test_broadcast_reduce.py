@@ -275,13 +275,13 @@ def test_broadcast_result_is_queued_on_the_current_stream(two, path, sim):
     s1 = cudalab.Stream(device=1)
     cudalab.set_stream(s1)
     cudalab.set_device(0)
-    sim.pause_stream(s1._handle)
+    sim.pause_stream(s1.handle)
     try:
         result = comm.broadcast(src, [1])[0]
         assert result.stream is s1  # allocated on the current stream
         assert not s1.query()  # the copy waits on the paused stream
     finally:
-        sim.resume_stream(s1._handle)
+        sim.resume_stream(s1.handle)
     np.testing.assert_array_equal(result.numpy(), host)
 
 
@@ -289,7 +289,7 @@ def test_copies_wait_for_the_source_devices_current_stream(two, copies, sim):
     src = on(0, np.zeros(32, np.float32))
     ones = on(1, np.ones(32, np.float32))
     s0 = cudalab.Stream(device=0)
-    sim.pause_stream(s0._handle)
+    sim.pause_stream(s0.handle)
     try:
         with cudalab.stream(s0):
             src.fill_(7)  # held back on device 0's current stream
@@ -297,7 +297,7 @@ def test_copies_wait_for_the_source_devices_current_stream(two, copies, sim):
             total = comm.reduce_add([src, ones], destination=1)
         assert not cudalab.current_stream(1).query()  # device 1 waits for the paused fill
     finally:
-        sim.resume_stream(s0._handle)
+        sim.resume_stream(s0.handle)
     np.testing.assert_array_equal(result.numpy(), np.full(32, 7, np.float32))
     np.testing.assert_array_equal(total.numpy(), np.full(32, 8, np.float32))
 

@@ -96,14 +96,14 @@ def test_scatter_on_given_streams(two, sim):
     host = host_array((8,), "float32")
     src = on(0, host)
     s1 = cudalab.Stream(device=1)
-    sim.pause_stream(s1._handle)
+    sim.pause_stream(s1.handle)
     try:
         pieces = comm.scatter(src, [0, 1], streams=[None, s1])
         assert pieces[1].stream is s1  # allocated and copied under s1
         assert not s1.query() and cudalab.current_stream(1).query()
         assert cudalab.current_stream(1) is cudalab.default_stream(1)  # restored
     finally:
-        sim.resume_stream(s1._handle)
+        sim.resume_stream(s1.handle)
     np.testing.assert_array_equal(pieces[1].numpy(), host[4:])
 
 
@@ -112,7 +112,7 @@ def test_scatter_on_the_current_stream(two, sim):
     s1 = cudalab.Stream(device=1)
     cudalab.set_stream(s1)
     cudalab.set_device(0)
-    sim.pause_stream(s1._handle)
+    sim.pause_stream(s1.handle)
     try:
         pieces = comm.scatter(src, [0, 1])
         assert pieces[1].stream is s1 and not s1.query()
@@ -120,7 +120,7 @@ def test_scatter_on_the_current_stream(two, sim):
         # queued so far on the destination's (the paused s1), which then waits for the copy
         assert not cudalab.current_stream(0).query()
     finally:
-        sim.resume_stream(s1._handle)
+        sim.resume_stream(s1.handle)
     np.testing.assert_array_equal(pieces[1].numpy(), np.arange(4.0, 8.0))
 
 
@@ -244,12 +244,12 @@ def test_gather_result_is_on_the_current_stream(two, sim):
     arrays = [on(0, np.ones(4)), on(1, np.zeros(4))]
     s1 = cudalab.Stream(device=1)
     cudalab.set_stream(s1)
-    sim.pause_stream(s1._handle)
+    sim.pause_stream(s1.handle)
     try:
         result = comm.gather(arrays, destination=1)
         assert result.stream is s1 and not s1.query()
     finally:
-        sim.resume_stream(s1._handle)
+        sim.resume_stream(s1.handle)
     np.testing.assert_array_equal(result.numpy(), [1, 1, 1, 1, 0, 0, 0, 0])
 
 
@@ -270,7 +270,7 @@ def _recorded_copies(backend, monkeypatch, fail_local=False):
 
     def memcpy_async(device, dst, src, nbytes, stream):
         if not inside:
-            calls.append(("local copy", device) if stream == cudalab.current_stream(device)._handle
+            calls.append(("local copy", device) if stream == cudalab.current_stream(device).handle
                          else ("local copy on", stream))
             if fail_local:
                 raise cudalab.CudaError(700, "CUDA_ERROR_ILLEGAL_ADDRESS",
@@ -313,7 +313,7 @@ def test_gather_copies_run_beside_one_another(overlapping, backend, monkeypatch)
     calls = _recorded_copies(backend, monkeypatch)
     with cudalab.stream(cudalab.Stream(device=0)):  # (not the legacy default stream)
         result = comm.gather(arrays, destination=0)
-        destination = cudalab.current_stream(0)._handle
+        destination = cudalab.current_stream(0).handle
     # torch's copy_ calls would make each copy wait for the one before; here the peer's copy
     # comes first without the destination's wait for it, then the local copies, then that
     # wait (after which the destination's stream has every copy behind it)
@@ -326,16 +326,16 @@ def test_gather_between_legacy_default_streams_copies_locally_on_a_side_stream(
         overlapping, backend, monkeypatch):
     arrays = [on(0, np.arange(4.0)), on(1, np.arange(4.0, 8.0))]
     comm.gather(arrays)
-    side = overlapping._side_stream(0)._handle
+    side = overlapping._side_stream(0).handle
     destination = cudalab.current_stream(0)
-    assert destination._null  # (the legacy default stream)
+    assert destination.is_legacy_null  # (the legacy default stream)
     calls = _recorded_copies(backend, monkeypatch)
     result = comm.gather(arrays, destination=0)
     # the side stream starts where the peer's copy starts, and the destination's stream
     # waits for both
     assert calls == [("peer copy", 1, False), ("wait", side), ("local copy on", side),
-                     ("record", side), ("wait", destination._handle),
-                     ("wait", destination._handle)]
+                     ("record", side), ("wait", destination.handle),
+                     ("wait", destination.handle)]
     np.testing.assert_array_equal(result.numpy(), np.arange(8.0))
     # a current stream of its own on the destination: its copies stay on it
     with cudalab.stream(cudalab.Stream(device=0)):
@@ -349,13 +349,13 @@ def test_a_failed_gather_copy_still_leaves_the_destination_waiting(overlapping, 
                                                                   monkeypatch):
     arrays = [on(0, np.arange(4.0)), on(1, np.arange(4.0, 8.0))]
     comm.gather(arrays)
-    side = overlapping._side_stream(0)._handle
+    side = overlapping._side_stream(0).handle
     calls = _recorded_copies(backend, monkeypatch, fail_local=True)
     with pytest.raises(cudalab.CudaError, match="the local copy failed"):
         comm.gather(arrays, destination=0)
     # the peer's copy and the side stream may still be writing into the freed result: the
     # destination's stream waits for both
-    destination = cudalab.current_stream(0)._handle
+    destination = cudalab.current_stream(0).handle
     assert calls == [("peer copy", 1, False), ("wait", side), ("local copy on", side),
                      ("record", side), ("wait", destination), ("wait", destination)]
 

@@ -9,8 +9,8 @@ from cudalab.testing import COUNTED, count_calls
 
 def test_counts_and_restores():
     cudalab.init()
-    backend = devices._backend()
-    fast = devices._fast
+    backend = devices.backend()
+    fast = devices.seam_fast_calls
     before = {n: n in vars(backend) for n in COUNTED}
     with count_calls() as counts:
         ev = cudalab.Event()
@@ -18,7 +18,7 @@ def test_counts_and_restores():
         cudalab.synchronize()
     assert counts["event_create"] == 1 and counts["event_record"] == 1
     assert counts["synchronize"] == 1
-    assert devices._fast is fast
+    assert devices.seam_fast_calls is fast
     assert {n: n in vars(backend) for n in COUNTED} == before
 
 

@@ -328,7 +328,7 @@ _SAME_RESULTS = textwrap.dedent("""
         function = kernel.get_function(0)
         args = state_backend.make_args(kernel.signature).set(x.data_ptr(), 1, 1)
         state_backend.launch(function, (1, 1, 1), (2048, 1, 1), 0,
-                             cudalab.current_stream()._handle, args)
+                             cudalab.current_stream().handle, args)
     except CudaError as exc:
         error = [exc.name, exc.call]
     cudalab.synchronize()

@@ -228,7 +228,7 @@ def test_no_clock_locking_advice_on_the_simulator():
 def test_first_timed_cell_on_the_simulator_gives_no_clock_advice(ip, monkeypatch):
     """The simulated SM clock jumps 345 -> 1980 MHz when work starts after a second idle, as
     in a notebook's first timed cell: the report gives no nvidia-smi advice."""
-    if not cudalab.devices._backend().simulated:
+    if not cudalab.devices.backend().simulated:
         pytest.skip("simulator only")
     import cudalab.magics.timed as timed_mod
 

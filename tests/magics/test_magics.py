@@ -34,7 +34,7 @@ MS = 1_000_000  # ns
 
 def _sim() -> bool:
     """Whether the tests run on the simulator (then every report must say so)."""
-    return cudalab.devices._backend().simulated
+    return cudalab.devices.backend().simulated
 
 
 def _SIM_TAG() -> str:  # noqa: N802
@@ -831,8 +831,8 @@ def test_in_flight_check_waits_when_the_gpu_is_behind(ip, driver_calls, monkeypa
     # (A lent 2 x H200 host made 12 waits in 576 repeats, so 0.11 queries per repeat.)
     per_wait = EventTimer.MAX_STRIDE.bit_length()
     assert 0 < c.get("event_query", 0) <= waits * per_wait + 1.5 / EventTimer.MAX_STRIDE, c
-    fast = devices._fast
-    monkeypatch.setattr(devices, "_fast", FastCalls(
+    fast = devices.seam_fast_calls
+    monkeypatch.setattr(devices, "seam_fast_calls", FastCalls(
         fast.event_record, lambda h: (STATUS_NOT_READY,), fast.stream_query,
         fast.event_elapsed_time))
     c = _per_repeat(ip, driver_calls, "%cuda_timed -n 1 -w 0 -r {r} pass")
@@ -850,19 +850,19 @@ def test_elapsed_times_read_by_handle_fall_back_to_the_checked_call(ip, monkeypa
     from cudalab._driver.base import FastCalls
     from cudalab.errors import CudaError
 
-    fast = devices._fast
+    fast = devices.seam_fast_calls
     seen = []
 
     def failing(a, b):
         seen.append(1)
         return (700, 0.0)
 
-    monkeypatch.setattr(devices, "_fast", FastCalls(
+    monkeypatch.setattr(devices, "seam_fast_calls", FastCalls(
         fast.event_record, fast.event_query, fast.stream_query, failing))
     res = timed(ip, "%%cuda_timed -n 1 -r 4 -w 0\ncudalab.synchronize()")
     assert len(seen) == 4 and len(res.gpu_times[0]) == 4
     assert all(t > 0 for t in res.gpu_times[0])
-    backend = devices._backend()
+    backend = devices.backend()
 
     def broken(a, b):
         raise CudaError(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access",
@@ -888,8 +888,8 @@ def test_in_flight_lag_grows_only_while_the_waits_are_short(ip, monkeypatch):
         timers.append(self)
 
     monkeypatch.setattr(T.EventTimer, "__init__", spy)
-    fast = devices._fast
-    monkeypatch.setattr(devices, "_fast", FastCalls(
+    fast = devices.seam_fast_calls
+    monkeypatch.setattr(devices, "seam_fast_calls", FastCalls(
         fast.event_record, lambda h: (STATUS_NOT_READY,), fast.stream_query,
         fast.event_elapsed_time))
     res = timed(ip, "%%cuda_timed -n 1 -w 0 -r 200\npass")
@@ -953,7 +953,7 @@ def test_watch_waits_only_when_the_end_is_not_reached(ip, driver_calls, monkeypa
     from cudalab import devices
     from cudalab._driver.base import STATUS_NOT_READY, FastCalls
 
-    fast = devices._fast
+    fast = devices.seam_fast_calls
     first = []
 
     def late(a, b):  # every other read: the end event not reached yet
@@ -963,7 +963,7 @@ def test_watch_waits_only_when_the_end_is_not_reached(ip, driver_calls, monkeypa
         return fast.event_elapsed_time(a, b)
 
     run(ip, "%cuda_memory watch on")
-    monkeypatch.setattr(devices, "_fast", FastCalls(
+    monkeypatch.setattr(devices, "seam_fast_calls", FastCalls(
         fast.event_record, fast.event_query, fast.stream_query, late))
     driver_calls.clear()
     for _ in range(4):

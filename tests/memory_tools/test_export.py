@@ -239,7 +239,7 @@ def test_history_from_recorded_run(tmp_path):
     assert live["allocated"].iloc[-1] == 3 << 20
     _check_trace(live_x)
     names = [e["args"]["name"] for e in live_x["traceEvents"] if e["name"] == "process_name"]
-    sim = cudalab.devices._backend().simulated
+    sim = cudalab.devices.backend().simulated
     assert names == ["cuda:0 (simulated)" if sim else "cuda:0"]
     xs = [e for e in live_x["traceEvents"] if e["ph"] == "X"]
     assert sorted(e["args"]["size"] for e in xs) == [4096, 3 << 20]
@@ -573,7 +573,7 @@ def test_perfetto_default_snapshot(tmp_path, monkeypatch):
     data = _load(tmp_path / "d.json")
     _check_trace(data)
     # no "cudalab" key in the snapshot: the live backend says whether it is simulated
-    sim = cudalab.devices._backend().simulated
+    sim = cudalab.devices.backend().simulated
     procs = [e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"]
     assert procs == ["cuda:0 (simulated)" if sim else "cuda:0"]
     # an explicit snapshot without the key is taken as real hardware (torch's own snapshots)

@@ -508,7 +508,7 @@ def test_record_stream_free_requested_then_completed_later(backend, priv):
     p, ln = a.malloc(4096, s1), line()
     a.record_stream(p, s2)
     if hasattr(backend, "pause_stream"):
-        backend.pause_stream(s2._handle)
+        backend.pause_stream(s2.handle)
     else:  # a real GPU: keep s2 busy for a while
         from cudalab._kernels.spin import gpu_sleep
 
@@ -520,7 +520,7 @@ def test_record_stream_free_requested_then_completed_later(backend, priv):
     assert blk["state"] == "active_pending_free"
     assert top(blk["frames"])[1] == ln  # still the allocation's stack
     if hasattr(backend, "resume_stream"):
-        backend.resume_stream(s2._handle)
+        backend.resume_stream(s2.handle)
     s2.synchronize()
     q = a.malloc(4096, s1)  # processes the completed event
     acts_p = [e["action"] for e in trace({p, q})]

@@ -1,4 +1,4 @@
-"""The RNG's raw launch (:func:`cudalab.random.launch._launch`) is a near-copy of
+"""The RNG's raw launch (:func:`cudalab.random.launch.launch_kernel`) is a near-copy of
 :meth:`cudalab._kernels.kernel.Kernel.launch`, kept for the launch-overhead rows of
 benchmarks/rng.py ("cudalab rand(1000)", "cudalab uniform_(1000)"). These tests pin the two
 together, so the two cannot drift: launched the same way, both paths must make the same
@@ -28,14 +28,14 @@ GRID, BLOCK, ARGS = (1, 1, 1), (1, 1, 1), (0,)
 
 
 def trace_both(patch) -> dict[str, list[tuple]]:
-    """Launch ``spin`` through Kernel.launch and through the RNG's ``_launch`` on a fresh
+    """Launch ``spin`` through Kernel.launch and through the RNG's ``launch_kernel`` on a fresh
     stream, recording every step each makes; ``patch(obj, name, value)`` installs the
     recorders (monkeypatch.setattr, or a plain setattr in a subprocess)."""
     s = cudalab.Stream()
     dev = s.device_index
     spin.launch(GRID, BLOCK, ARGS, stream=s)  # bind the facility's runtime names, load
     s.synchronize()
-    backend = s._b
+    backend = s.backend
     log: list[tuple] = []
     real_launch, real_sync = backend.launch_values, backend.stream_synchronize
     real_ctx = facility._ensure_context
@@ -63,7 +63,7 @@ def trace_both(patch) -> dict[str, list[tuple]]:
     try:
         for label, go in (
             ("Kernel.launch", lambda v: spin.launch(GRID, BLOCK, (v,), stream=s)),
-            ("random._launch", lambda v: rng_launch._launch(spin, dev, s, GRID, BLOCK, (v,))),
+            ("random.launch_kernel", lambda v: rng_launch.launch_kernel(spin, dev, s, GRID, BLOCK, (v,))),
         ):
             del log[:]
             go(1000)
@@ -83,7 +83,7 @@ def test_both_launch_paths_make_the_same_calls(backend, monkeypatch, blocking):
         got = trace_both(monkeypatch.setattr)
     finally:
         kernels.set_launch_blocking(old)
-    a, b = got["Kernel.launch"], got["random._launch"]
+    a, b = got["Kernel.launch"], got["random.launch_kernel"]
     assert a == b
     steps = [e[0] for e in a]
     one = ["ensure_context", "launch"] + (["synchronize"] if blocking else []) + ["observer"]
@@ -108,7 +108,7 @@ def test_both_launch_paths_honour_cuda_launch_blocking():
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     one = ["ensure_context", "launch", "synchronize", "observer"]
-    assert got == {"Kernel.launch": one + one, "random._launch": one + one}
+    assert got == {"Kernel.launch": one + one, "random.launch_kernel": one + one}
 
 
 def test_both_launch_paths_reject_a_closed_stream(backend, monkeypatch):
@@ -118,10 +118,10 @@ def test_both_launch_paths_reject_a_closed_stream(backend, monkeypatch):
     s.synchronize()
     s.close()
     launched = []
-    monkeypatch.setattr(s._b, "launch_values", lambda *a: launched.append(a))
+    monkeypatch.setattr(s.backend, "launch_values", lambda *a: launched.append(a))
     errors = []
     for go in (lambda: spin.launch(GRID, BLOCK, ARGS, stream=s),
-               lambda: rng_launch._launch(spin, dev, s, GRID, BLOCK, ARGS)):
+               lambda: rng_launch.launch_kernel(spin, dev, s, GRID, BLOCK, ARGS)):
         with pytest.raises(RuntimeError) as info:
             go()
         errors.append(str(info.value))

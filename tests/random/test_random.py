@@ -300,7 +300,7 @@ def test_split_generation_offsets(monkeypatch, fresh):
     """A tensor torch would split for 32-bit indexing: same offsets and values per half
     (checked on a small array by pretending the index limit is tiny)."""
     monkeypatch.setattr(RL, "_INT32_MAX", 4095)
-    RL._plans.clear()
+    RL.fill_plans.clear()
     try:
         n = 2000  # float32: 1 + 1999 * 4 > 4095 -> halves of 1000 (1 + 999 * 4 <= 4095)
         a = R.rand(n).numpy()
@@ -310,7 +310,7 @@ def test_split_generation_offsets(monkeypatch, fresh):
         ref2 = P.reference("uniform_f32", 1000, 1234, 8, S, (1.0, 0.0, 1.0))
         assert np.array_equal(a, np.concatenate([ref1, ref2]))
     finally:
-        RL._plans.clear()
+        RL.fill_plans.clear()
 
 
 # --------------------------------------------------------------------------- state API
@@ -1051,13 +1051,13 @@ def test_graph_safe_protocol(backend, monkeypatch):
     graph = object()
     st.register_graph(graph)
     st.capture_prologue()
-    assert st.capturing and len(RST._capturing_states) == 1
+    assert st.capturing and len(RST.capturing_states) == 1
     with _FakeCapture(backend, monkeypatch) as cap:
         a = R.rand(1000, generator=g)
         b = R.randn(5000, generator=g)
     assert g.get_offset() == 0  # eager offset untouched during capture
     inc = st.capture_epilogue()
-    assert inc == 8 and not st.capturing and len(RST._capturing_states) == 0
+    assert inc == 8 and not st.capturing and len(RST.capturing_states) == 0
     assert all(v[6] == st._graph_buf.ptr for *_, v in cap.launches)  # read from device words
     assert [v[5] for *_, v in cap.launches] == [0, 4]                 # intragraph offsets
     ref = R.Generator(0).manual_seed(77)
@@ -1106,7 +1106,7 @@ def test_graph_capture_errors(backend, monkeypatch):
     finally:
         st.capture_epilogue()
         st.unregister_graph(graph)
-    assert len(RST._capturing_states) == 0
+    assert len(RST.capturing_states) == 0
     R.rand(10, generator=g)
 
 

@@ -31,9 +31,9 @@ def paused(backend):
     """A new stream whose work is held back (simulator only); resumed at teardown."""
     b = _sim(backend)
     s = cudalab.Stream()
-    b.pause_stream(s._handle)
+    b.pause_stream(s.handle)
     yield s
-    b.resume_stream(s._handle)
+    b.resume_stream(s.handle)
 
 
 # --------------------------------------------------------------------------- creation
@@ -280,7 +280,7 @@ def test_cuda_array_interface_stream_is_waited_for(paused):
     v = _cai_view(a, shape=(8,), stream=paused.cuda_stream)  # consumer: the default stream
     assert v.stream is cudalab.current_stream()
     assert not cudalab.current_stream().query()  # waits for the producer's stream
-    cudalab.devices._backend().resume_stream(paused._handle)
+    cudalab.devices.backend().resume_stream(paused.handle)
     np.testing.assert_array_equal(v.numpy(), [5] * 8)
 
 
@@ -584,7 +584,7 @@ def test_dlpack_consumer_stream_waits(paused, backend):
         consumer = cudalab.Stream()
         cap = a.__dlpack__(stream=consumer.cuda_stream)  # producer stream: paused
     assert not consumer.query()  # the consumer's stream now waits for the paused work
-    backend.resume_stream(paused._handle)
+    backend.resume_stream(paused.handle)
     assert consumer.query()
     b = cudalab.from_dlpack(cap)
     np.testing.assert_array_equal(b.numpy(), [3, 3, 3, 3])

@@ -44,9 +44,9 @@ def test_device_index_forms():
     n = cudalab.device_count()
     last = n - 1
     for form in (last, f"cuda:{last}", cudalab.Device(last), cudalab.Device("cuda", last)):
-        assert devices._device_index(form) == last
-    assert devices._device_index(None) == cudalab.current_device()
-    assert devices._device_index("cuda") == cudalab.current_device()
+        assert devices.device_index(form) == last
+    assert devices.device_index(None) == cudalab.current_device()
+    assert devices.device_index("cuda") == cudalab.current_device()
 
 
 @pytest.mark.parametrize("bad", [99, "cuda:99"])

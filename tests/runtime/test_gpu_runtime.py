@@ -91,7 +91,7 @@ def test_no_sync_in_record_and_query():
 def test_peer_copy_between_devices():
     if cudalab.device_count() < 2:
         pytest.skip("needs two GPUs")
-    b = cudalab.devices._backend()
+    b = cudalab.devices.backend()
     n = 64 << 20
     src = np.random.default_rng(0).integers(0, 255, size=n, dtype=np.uint8)
     out = np.zeros_like(src)
@@ -100,7 +100,7 @@ def test_peer_copy_between_devices():
     try:
         b.memcpy(0, p0, src.ctypes.data, n)
         s1 = cudalab.Stream(1)
-        b.memcpy_peer_async(p1, 1, p0, 0, n, s1._handle)
+        b.memcpy_peer_async(p1, 1, p0, 0, n, s1.handle)
         s1.synchronize()
         b.memcpy(1, out.ctypes.data, p1, n)
         assert np.array_equal(src, out)

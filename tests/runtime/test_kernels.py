@@ -552,7 +552,7 @@ def test_launch_blocking_synchronizes_the_stream(backend, monkeypatch):
             fill_kernel(4).launch(1, 64, (ptr, 2, 64), stream=s)
         finally:
             cudalab.set_sync_debug_mode(0)
-        assert synced == [s._handle]
+        assert synced == [s.handle]
     finally:
         kernels.set_launch_blocking(old)
         s.synchronize()

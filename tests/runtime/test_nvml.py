@@ -328,7 +328,7 @@ def fake_devices(monkeypatch):
             return int(device.split(":")[1]) if ":" in device else 0
         return int(device)
 
-    monkeypatch.setattr(devices, "_device_index", device_index)
+    monkeypatch.setattr(devices, "device_index", device_index)
     monkeypatch.setattr(devices, "get_device_properties",
                         lambda d=None: SimpleNamespace(nvml_uuid=cuda_uuids[device_index(d)]))
 
@@ -409,7 +409,7 @@ def test_list_gpu_processes_probes_nvml_before_cuda(monkeypatch):
         raise AssertionError("CUDA was touched")
 
     monkeypatch.setattr(devices, "get_device_properties", boom)
-    monkeypatch.setattr(devices, "_device_index", boom)
+    monkeypatch.setattr(devices, "device_index", boom)
     monkeypatch.setattr(cnvml, "nvml_backend", lambda: FakeNvml({}, [], unavailable="library"))
     assert cnvml.list_gpu_processes() == "cuda driver can't be loaded, is cuda enabled?"
 

@@ -88,9 +88,9 @@ def test_current_stream_is_per_thread():
 
 
 def test_custom_stream_tokens_follow_every_thread(two_devices):
-    """streams._custom holds one token per (thread, device) whose current stream is not the
+    """streams.custom_stream_tokens holds one token per (thread, device) whose current stream is not the
     default stream: the allocator trusts an empty list to mean stream=None is handle 0."""
-    custom = streams_mod._custom
+    custom = streams_mod.custom_stream_tokens
     assert custom == []
     s0, s1 = cudalab.Stream(0), cudalab.Stream(1)
     with cudalab.stream(s0):
@@ -290,7 +290,7 @@ def test_sync_debug_mode():
 
 
 def test_streams_module_exit_flag_exists():
-    assert streams_mod._exiting is False
+    assert streams_mod.exiting is False
 
 
 def test_event_context_manager_releases_handle():
