@@ -71,6 +71,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
+from types import CodeType, ModuleType
 from typing import Any, Literal, NamedTuple
 
 from cudalab import nvtx as _nvtx
@@ -80,7 +81,8 @@ from cudalab.allocator.async_allocator import HISTORY_UNSUPPORTED
 from cudalab.allocator.hooks import CompactTrace
 from cudalab.memory_tools import history_pools as _history_pools
 from cudalab.memory_tools import stacks as _stacks
-from cudalab.memory_tools.history_ring import ACTIONS, CHUNK, HistoryRing
+from cudalab.memory_tools.history_ring import ACTIONS, CHUNK, HistoryRing, TraceEntry
+from cudalab.memory_tools.stacks import FrameCache, Stack
 from cudalab.nvtx import thread_ranges as _nvtx_ranges  # never rebound: bound once (hot)
 
 __all__ = [
@@ -202,7 +204,7 @@ class _Settings(NamedTuple):
     stacks: str | None
     max_entries: int
     level: int
-    skip: frozenset
+    skip: frozenset[str]
 
 
 class _Recorder:
@@ -212,10 +214,12 @@ class _Recorder:
 
     def __init__(self, device: int):
         self.device = device
-        self.blocks: dict[int, tuple] = {}  # live block address -> frames at allocation
-        self.segs: dict[int, tuple] = {}  # segment address -> frames at creation
-        self.pending: tuple | None = None  # (thread, frames) of a segment_alloc for its alloc
-        self.last_free: tuple | None = None  # (addr, frames) of the last free_requested
+        self.blocks: dict[int, Stack | None] = {}  # live block address -> frames at allocation
+        self.segs: dict[int, Stack | None] = {}  # segment address -> frames at creation
+        #: (thread, frames) of a segment_alloc for its alloc
+        self.pending: tuple[int, Stack] | None = None
+        #: (addr, frames, id of the freeing frame, its code) of the last free_requested
+        self.last_free: tuple[int, Stack, int, CodeType] | None = None
 
     def clear(self) -> None:
         self.blocks.clear()
@@ -226,19 +230,20 @@ class _Recorder:
 _lock = threading.RLock()
 _settings: _Settings | None = None
 _rings: dict[int, HistoryRing] = {}
-_recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # allocator -> _Recorder
-_extra: weakref.WeakSet = weakref.WeakSet()  # allocators attached by attach_allocator()
+# allocator -> _Recorder
+_recorders: weakref.WeakKeyDictionary[Any, _Recorder] = weakref.WeakKeyDictionary()
+_extra: weakref.WeakSet[Any] = weakref.WeakSet()  # allocators attached by attach_allocator()
 _hooked = False
 
 
-def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None],
+def _make_trace(rec: _Recorder, level: int, append: Callable[[TraceEntry], None],
                 ring: HistoryRing | None = None) -> CompactTrace:
     """The allocator hook ``trace(action, addr, size, stream)`` for one recorder, passing
     its entries to ``append``. With ``ring`` (whose ``young`` list ``append`` fills), the
     hook has the ring compact its young entries each time they reach a chunk."""
     now = time.time_ns
     # the ring's young entries, and when to compact them (never, without a ring)
-    young: list = ring.young if ring is not None else []
+    young: list[TraceEntry] = ring.young if ring is not None else []
     compact = ring.compact if ring is not None else _no_compact
     full = CHUNK if ring is not None else sys.maxsize
     nvtls = _nvtx_ranges
@@ -280,6 +285,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None],
 
     def trace(action: str, addr: int, size: int, stream: int) -> None:  # noqa: C901
         # called by an allocator method: cap(2) starts at that method's caller
+        fr: Stack | None  # (a local's annotation: no code)
         if action == "alloc":
             p = rec.pending
             if p is not None and p[0] == ident():
@@ -375,8 +381,8 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[tuple], None],
     return _compact(trace, pairs_with_stacks, stamp, stamp if on_free else now, nv)
 
 
-def _compact(trace: Any, pairs: Callable, now: Callable, free_now: Callable,
-             nv: Any) -> CompactTrace:
+def _compact(trace: Any, pairs: Callable[[int, int, int, Any], None], now: Callable[[], Any],
+             free_now: Callable[[], Any], nv: ModuleType) -> CompactTrace:
     """``trace`` as a :class:`~cudalab.allocator.hooks.CompactTrace`: with what the allocator
     needs to log memo pairs compactly. ``now()`` and ``free_now()`` make the alloc and free
     stamps, ``pairs(addr, size, stream, stamps)`` writes them out as entries. That is
@@ -410,13 +416,13 @@ def _ring(device: int, maxlen: int) -> HistoryRing:
     return ring
 
 
-def _appender(ring: HistoryRing, st: _Settings) -> Callable[[tuple], None]:
+def _appender(ring: HistoryRing, st: _Settings) -> Callable[[TraceEntry], None]:
     raw = ring.young.append
     meta = _metadata
     if meta:  # (only while metadata is set: the plain path appends the tuple as built)
         ring_append = raw
 
-        def raw(entry: tuple) -> None:
+        def raw(entry: TraceEntry) -> None:
             ring_append((*entry, meta))
 
     if not st.skip:
@@ -424,7 +430,7 @@ def _appender(ring: HistoryRing, st: _Settings) -> Callable[[tuple], None]:
     skip = st.skip
     put = raw
 
-    def append(entry: tuple) -> None:
+    def append(entry: TraceEntry) -> None:
         if entry[0] not in skip:
             put(entry)
 
@@ -458,8 +464,8 @@ def _detach(a: Any) -> None:
         pass
 
 
-def _targets() -> list:
-    seen = {}
+def _targets() -> list[Any]:
+    seen: dict[int, Any] = {}
     for a in list(_registry.active) + list(_extra):
         seen[id(a)] = a
     return list(seen.values())
@@ -545,7 +551,7 @@ def stop_recording(clear: bool = True) -> None:
 
 
 def _validate(enabled: Any, context: Any, stacks: Any, max_entries: Any,
-              skip_actions: Any) -> frozenset:
+              skip_actions: Any) -> frozenset[str]:
     if not (enabled is None or (isinstance(enabled, str) and enabled in _ENABLED)):
         raise ValueError(f"enabled must be one of {_choices(_ENABLED)} (or a bool for torch's "
                          f"legacy signature), got {enabled!r}")
@@ -696,7 +702,7 @@ def is_recording() -> bool:
     return _settings is not None
 
 
-def history_settings() -> dict | None:
+def history_settings() -> dict[str, Any] | None:
     """The active settings as a dict, None when recording is off."""
     st = _settings
     if st is None:
@@ -725,7 +731,7 @@ def nvtx_first_push() -> None:
         _sync_allocators()
 
 
-def raw_entries(device: int) -> list[tuple]:
+def raw_entries(device: int) -> list[TraceEntry]:
     """The raw entry tuples of ``device`` (see :data:`FIELDS`), oldest to newest."""
     _sync_allocators(device)
     ring = _rings.get(device)
@@ -740,14 +746,15 @@ def _record_snapshot(device: int, total_active: int) -> None:
     if st is None or "snapshot" in st.skip:
         return
     m = _nvtx_ranges.__dict__.get("messages") if _nvtx.ranges_used else None
-    entry: tuple = ("snapshot", 0, total_active, 0, time.time_ns(), None, m[-1] if m else None,
+    entry: TraceEntry = ("snapshot", 0, total_active, 0, time.time_ns(), None, m[-1] if m else None,
                     _cell)
     if _metadata:
         entry = (*entry, _metadata)
     _ring(device, st.max_entries).append(entry)
 
 
-def entry_to_dict(e: tuple, device: int, cache: dict | None = None) -> dict:
+def entry_to_dict(e: TraceEntry, device: int, cache: FrameCache | None = None
+                  ) -> dict[str, Any]:
     """One raw entry as torch's trace entry dict plus cudalab's device/nvtx_range/cell."""
     action = e[0]
     return {
@@ -765,7 +772,7 @@ def entry_to_dict(e: tuple, device: int, cache: dict | None = None) -> dict:
     }
 
 
-def trace_entries(device: int, cache: dict | None = None) -> list[dict]:
+def trace_entries(device: int, cache: FrameCache | None = None) -> list[dict[str, Any]]:
     """The trace of ``device`` as torch-schema dicts, oldest to newest."""
     if cache is None:
         cache = {}

@@ -20,7 +20,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
+
+from cudalab.memory_tools.history_ring import TraceEntry
 
 __all__ = ["MAX_ENDED", "clear", "hook", "note", "pool_of", "seed", "tag"]
 
@@ -31,9 +33,11 @@ _ADDR_ACTIONS = frozenset(("alloc", "free_requested", "free_completed", "segment
                            "segment_free", "segment_map", "segment_unmap"))
 
 _lock = threading.Lock()
-#: device -> segments [start, end, pool id, t0_ns, t1_ns (None while alive)], by start time;
-#: at most MAX_ENDED of them ended.
-_segments: dict[int, list[list]] = {}
+#: One remembered segment: ``[start, end, pool id, t0_ns, t1_ns (None while alive)]`` (a list:
+#: its end time is set in place).
+_Segment: TypeAlias = list[Any]
+#: device -> segments, by start time; at most MAX_ENDED of them ended.
+_segments: dict[int, list[_Segment]] = {}
 
 
 def note(device: int, addr: int, size: int, pool_id: tuple[int, int], live: bool,
@@ -89,14 +93,14 @@ def pool_of(device: int, addr: int, t_ns: int) -> tuple[int, int] | None:
     return _find(segs, addr, t_ns)
 
 
-def _find(segs: list[list], addr: int, t: int) -> tuple[int, int] | None:
+def _find(segs: list[_Segment], addr: int, t: int) -> tuple[int, int] | None:
     for s in reversed(segs):
         if s[0] <= addr < s[1] and s[3] <= t and (s[4] is None or t <= s[4]):
             return s[2]
     return None
 
 
-def tag(device: int, raw: list[tuple], dicts: list[dict]) -> None:
+def tag(device: int, raw: list[TraceEntry], dicts: list[dict[str, Any]]) -> None:
     """Add ``segment_pool_id`` to the dicts (built from the raw entries ``raw``, in the same
     order) of entries that lie in a private pool's segment."""
     with _lock:

@@ -35,11 +35,18 @@ from __future__ import annotations
 
 import threading
 from array import array
+from collections.abc import Hashable, Iterable, Sequence
 from itertools import repeat
 from operator import itemgetter
-from typing import Any
+from typing import Any, TypeAlias, cast
 
-__all__ = ["ACTIONS", "CHUNK", "HistoryRing"]
+__all__ = ["ACTIONS", "CHUNK", "HistoryRing", "TraceEntry"]
+
+#: One trace entry: ``(action, addr, size, stream, time_ns, frames, nvtx_range, cell[,
+#: user_metadata])`` (``history.FIELDS``): 8 or 9 fields of mixed types.
+TraceEntry: TypeAlias = tuple[Any, ...]
+#: One chunk: its kind (``_COLUMNS`` or ``_TUPLES``), its entry count, then its columns.
+_Chunk: TypeAlias = tuple[Any, ...]
 
 #: Every trace action, in torch's order (``history.ACTIONS``); a column stores its index.
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
@@ -63,12 +70,12 @@ class _Table:
     __slots__ = ("values", "index", "by_id", "rebuild_at")
 
     def __init__(self, by_id: bool):
-        self.values: list = []  # index -> value (invariant: index[key(values[i])] == i)
-        self.index: dict = {}  # key (id(value) or value) -> its index in values
+        self.values: list[object] = []  # index -> value (invariant: index[key(values[i])] == i)
+        self.index: dict[Hashable, int] = {}  # key (id(value) or value) -> its index in values
         self.by_id = by_id
         self.rebuild_at = _TABLE_MIN
 
-    def codes(self, column: tuple) -> array:
+    def codes(self, column: tuple[Any, ...]) -> array[int]:
         """The indices of ``column``'s values as ``array('i')``, adding new values."""
         index = self.index
         keys = tuple(map(id, column)) if self.by_id else column
@@ -82,7 +89,7 @@ class _Table:
                         j = index[k] = len(values)
                         values.append(column[i])
                     got[i] = j
-        return array("i", got)
+        return array("i", cast("list[int]", got))  # (every None was filled above)
 
 
 class HistoryRing:
@@ -106,8 +113,8 @@ class HistoryRing:
         self.maxlen = _check_maxlen(maxlen)
         #: Entry tuples not yet in a chunk, oldest first; the recorder appends here and
         #: calls compact() once it holds CHUNK entries (it may hold more than maxlen).
-        self.young: list[tuple] = []
-        self._chunks: list[tuple] = []  # oldest first (see _COLUMNS / _TUPLES)
+        self.young: list[TraceEntry] = []
+        self._chunks: list[_Chunk] = []  # oldest first (see _COLUMNS / _TUPLES)
         self._head = 0  # entries of _chunks[0] already dropped (invariant: < its length)
         self._old = 0  # entries in the chunks, less _head (invariant: <= maxlen)
         self._frames = _Table(by_id=True)
@@ -115,7 +122,7 @@ class HistoryRing:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ writing
-    def append(self, entry: tuple) -> None:
+    def append(self, entry: TraceEntry) -> None:
         """Add one entry (the recorder's own path appends to :attr:`young` inline)."""
         young = self.young
         young.append(entry)
@@ -158,7 +165,7 @@ class HistoryRing:
         self._trim()
         self._maybe_rebuild_tables()
 
-    def _columns(self, batch: list) -> tuple:
+    def _columns(self, batch: list[TraceEntry]) -> _Chunk:
         """One chunk of ``batch`` (a non-empty list of entry tuples)."""
         n = len(batch)
         try:
@@ -197,7 +204,7 @@ class HistoryRing:
         for table, cols in ((self._frames, (7,)), (self._strings, (8, 9, 10))):
             if len(table.values) <= table.rebuild_at:
                 continue
-            used: set = set()
+            used: set[int] = set()
             for c in self._chunks:
                 if c[0] == _COLUMNS:
                     for k in cols:
@@ -235,11 +242,11 @@ class HistoryRing:
     def __len__(self) -> int:
         return min(self.maxlen, self._old + len(self.young))
 
-    def entries(self) -> list[tuple]:
+    def entries(self) -> list[TraceEntry]:
         """The entries, oldest to newest, as the tuples that were appended."""
         with self._lock:
             young = self.young[:]
-            out: list[tuple] = []
+            out: list[TraceEntry] = []
             head = self._head
             frames = self._frames.values
             strings = self._strings.values
@@ -269,12 +276,13 @@ def _check_maxlen(maxlen: Any) -> int:
     return maxlen
 
 
-def _zip_padded(batch: list, width: int) -> list:
+def _zip_padded(batch: list[TraceEntry], width: int) -> list[tuple[Any, ...]]:
     """The columns of entries of 8 or ``width`` fields, the missing metadata as ``""``."""
     return list(zip(*[e if len(e) == width else (*e, "") for e in batch]))
 
 
-def _rows(c: tuple, start: int, frames: list, strings: list) -> list:
+def _rows(c: _Chunk, start: int, frames: list[object], strings: list[object]
+          ) -> list[TraceEntry]:
     """The entry tuples of chunk ``c`` from its ``start``-th."""
     if c[0] == _TUPLES:
         return list(c[2][start:])
@@ -291,7 +299,7 @@ def _rows(c: tuple, start: int, frames: list, strings: list) -> list:
     return rows
 
 
-def _lookup(codes: Any, table: Any) -> Any:
+def _lookup(codes: array[int], table: Sequence[Any]) -> Iterable[Any]:
     """The values of ``table`` at indices ``codes``, as an iterable (at C speed)."""
     if len(codes) > 1:
         first = codes[0]
@@ -301,7 +309,7 @@ def _lookup(codes: Any, table: Any) -> Any:
     return [table[i] for i in codes]
 
 
-def _ints(column: array) -> Any:
+def _ints(column: array[int]) -> Iterable[int]:
     """The values of an integer column; a constant one (the pairs of a loop: one address,
     size and stream) as one int repeated, which makes no int object per entry."""
     if len(column) > 1 and column.count(column[0]) == len(column):

@@ -12,9 +12,10 @@ import io
 import json
 import os
 from heapq import heappop, heappush
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
+from numpy.typing import NDArray
 
 from cudalab._atomic_write import atomic_write
 from cudalab._units import format_bytes
@@ -108,7 +109,9 @@ def export_perfetto(path: Any, snap: Any = None) -> str:
     return p
 
 
-def _block_lifetimes(t: TraceColumns, a: int, b: int, t0: int, t_end: int):
+def _block_lifetimes(t: TraceColumns, a: int, b: int, t0: int, t_end: int
+                     ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64],
+                                NDArray[np.bool_]]:
     """Match each ``alloc`` of device rows [a, b) to the next ``free_completed`` of its
     address. Returns numpy arrays (start_us, end_us, entry index, preexisting) where the entry
     is the alloc (or, for a free whose alloc predates the trace, the free itself)."""
@@ -143,7 +146,7 @@ def _block_lifetimes(t: TraceColumns, a: int, b: int, t0: int, t_end: int):
     return start, end, idx, pre
 
 
-def _write_perfetto(out, t: TraceColumns, simulated: bool, n_dev: int) -> None:
+def _write_perfetto(out: TextIO, t: TraceColumns, simulated: bool, n_dev: int) -> None:
     dumps = json.dumps
     other: dict[str, Any] = {"source": "cudalab memory history"}
     if t.identity is not None:
@@ -167,9 +170,9 @@ def _write_perfetto(out, t: TraceColumns, simulated: bool, n_dev: int) -> None:
     t_end = int(t.time_us.max()) - t0
     tops = t.top
     by_id: dict[int, str] = {}
-    by_key: dict[tuple, str] = {}
+    by_key: dict[tuple[Any, Any, Any], str] = {}
 
-    def frame_str(top) -> str:
+    def frame_str(top: dict[str, Any] | None) -> str:
         if top is None:
             return '""'
         v = by_id.get(id(top))

@@ -107,14 +107,14 @@ def byte_scale(peak: float) -> tuple[float, str]:
 
 
 # --------------------------------------------------------------------------- inputs
-def load(snapshot: Any = None) -> dict:
+def load(snapshot: Any = None) -> dict[str, Any]:
     """The snapshot dict for ``snapshot``: a dict (cudalab's or torch's schema) as is, a
     ``memory_snapshot()`` segment list wrapped, a path read with ``load_snapshot`` (torch's
     pickles too), ``None`` the live ``cudalab.memory._snapshot()``."""
     return resolve_snapshot(snapshot)
 
 
-def segment_pool(seg: dict) -> str:
+def segment_pool(seg: dict[str, Any]) -> str:
     """The pool of a snapshot segment as people read it: ``"small"``, ``"large"``, or a
     private pool's kind and id: ``"graph (n, 0)"`` (made by a graph capture) or
     ``"user (0, n)"`` (``graph_pool_handle()``, ``MemPool``)."""
@@ -128,8 +128,8 @@ def segment_pool(seg: dict) -> str:
     return "small" if seg.get("total_size", 0) == _SMALL_SEGMENT else "large"
 
 
-def filter_segments(snap: dict, device: int | None = None, stream: int | None = None,
-                    pool: str | None = None) -> list[dict]:
+def filter_segments(snap: dict[str, Any], device: int | None = None, stream: int | None = None,
+                    pool: str | None = None) -> list[dict[str, Any]]:
     """``snap``'s segments on ``device`` / ``stream`` / in ``pool`` ("small", "large" or a
     private pool's label), each filter None for all; sorted by device, then address."""
     out = []
@@ -178,7 +178,7 @@ def timeline(snapshot: Any = None, device: int | None = None) -> dict[int, dict[
     return out
 
 
-def _snapshot_ends(snap: dict) -> dict[int, tuple[int, int]]:
+def _snapshot_ends(snap: dict[str, Any]) -> dict[int, tuple[int, int]]:
     ends: dict[int, list[int]] = {}
     for seg in snap.get("segments") or []:
         e = ends.setdefault(seg.get("device", 0), [0, 0])
@@ -322,7 +322,7 @@ def plot_segments(snapshot: Any = None, *, device: Any = None, stream: int | Non
     segments; the ``max_segments`` largest are drawn (the title says how many were left
     out). Returns the Figure.
     """
-    snap = load(snapshot) if snapshot is not None else {"segments": _live_segments()}
+    snap: dict[str, Any] = load(snapshot) if snapshot is not None else {"segments": _live_segments()}
     dev = None if device is None else device_index(device)
     segs = filter_segments(snap, dev, stream, pool)
     n_all = len(segs)
@@ -368,17 +368,17 @@ def plot_segments(snapshot: Any = None, *, device: Any = None, stream: int | Non
     return fig
 
 
-def _live_segments() -> list[dict]:
+def _live_segments() -> list[dict[str, Any]]:
     """The live allocator's segments without appending a ``snapshot`` history entry."""
     from cudalab.allocator import registry
 
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for a in sorted(registry.active, key=lambda a: a.device):
         out.extend(a.segments())
     return out
 
 
-def save_figure(fig: Any, path: str | os.PathLike, **kwargs: Any) -> str:
+def save_figure(fig: Any, path: str | os.PathLike[str], **kwargs: Any) -> str:
     """``fig.savefig(path, **kwargs)`` for a figure from this module, written atomically (a
     failure leaves a file that was there before intact); returns the path. The format is
     ``kwargs["format"]``, else ``path``'s extension, else matplotlib's default."""

@@ -345,8 +345,8 @@ _MAX_THREAD_STACK = 1 << 30
 _stack_lock = threading.Lock()
 
 
-def container_levels(obj: Any, containers: frozenset, limit: int
-                     ) -> Iterator[tuple[list, list[type]]]:
+def container_levels(obj: Any, containers: frozenset[type], limit: int
+                     ) -> Iterator[tuple[list[Any], list[type]]]:
     """``obj``'s levels breadth first: for each, the objects the level's containers refer to
     and their types (no recursion; one C-level pass, ``gc.get_referents``, per level).
 

@@ -66,7 +66,7 @@ def _show(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _only(values: list, cls: type) -> bool:
+def _only(values: list[Any], cls: type) -> bool:
     """Whether every value is a ``cls`` (subclasses too), one C-level pass."""
     return all(issubclass(t, cls) for t in set(map(type, values)))
 
@@ -102,7 +102,8 @@ class _Where:
 Locate = Callable[[int], str]  # row index -> the row's path, e.g. "device_traces[0][12]"
 
 
-def _dicts(rows: Any, path: str, locate: Locate, where: _Where, name: str) -> list:
+def _dicts(rows: Any, path: str, locate: Locate, where: _Where, name: str
+           ) -> list[dict[str, Any]]:
     """``rows`` checked to be a list of dicts."""
     if not isinstance(rows, list):
         plural = "trace entries" if name == "trace entry" else f"{name}s"
@@ -123,7 +124,8 @@ class _Column:
 
     __slots__ = ("rows", "key", "values", "partial")
 
-    def __init__(self, rows: list, key: str, required: bool, locate: Locate, where: _Where):
+    def __init__(self, rows: list[dict[str, Any]], key: str, required: bool, locate: Locate,
+                 where: _Where):
         self.rows = rows
         self.key = key
         try:
@@ -226,9 +228,10 @@ _BLOCK_KEYS = (("address", True, "int"), ("size", True, "int"), ("state", True, 
                ("frames", False, "frames*"))
 
 
-def _check_rows(rows: list, locate: Locate, where: _Where, keys: tuple,
+def _check_rows(rows: list[dict[str, Any]], locate: Locate, where: _Where,
+                keys: tuple[tuple[str, bool, str], ...],
                 skip_bad_sizes: bool = False) -> dict[str, _Column]:
-    cols = {}
+    cols: dict[str, _Column] = {}
     for key, required, kind in keys:
         col = cols[key] = _Column(rows, key, required, locate, where)
         if kind == "int":
@@ -243,7 +246,7 @@ def _check_rows(rows: list, locate: Locate, where: _Where, keys: tuple,
 
 
 def check_trace_entries(entries: Any, path: str, what: str,
-                        keys: tuple[str, ...] | None = None) -> dict[str, list | None]:
+                        keys: tuple[str, ...] | None = None) -> dict[str, list[Any] | None]:
     """Check one device's trace entries (see the module documentation).
 
     Parameters
@@ -320,7 +323,8 @@ def _entry_locator(path: str) -> Locate:
     return locate
 
 
-def check_snapshot(snap: Any, what: str = "snapshot", *, entries: bool = True) -> dict:
+def check_snapshot(snap: Any, what: str = "snapshot", *, entries: bool = True
+                   ) -> dict[str, Any]:
     """Check ``snap`` against torch's snapshot schema (see the module documentation).
 
     Parameters

@@ -37,16 +37,38 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeAlias, TypedDict
 
 __all__ = [
+    "FrameCache",
+    "FrameDict",
+    "Stack",
+    "Stamp",
     "active_stamp",
     "capture_stack",
     "frames_to_dicts",
     "line_of",
     "stamp_implementation",
 ]
+
+#: A captured Python stack: flat, innermost first, ``(code, lasti, code, lasti, ...)`` (code
+#: objects at even indices, instruction offsets at odd ones); () when all of it is cudalab's.
+Stack: TypeAlias = tuple[Any, ...]
+#: A memo stamp with a stack: ``(time_ns, stack)``.
+Stamp: TypeAlias = tuple[int, Stack]
+#: :func:`frames_to_dicts`' cache, shared by the conversions of one snapshot: keys are
+#: ``id(stack)``, ``(id(code), lasti)`` and ``("code", id(code))``; values the converted
+#: ``(stack, frame dicts)``, a :class:`FrameDict` and the code kept alive.
+FrameCache: TypeAlias = dict[Hashable, Any]
+
+
+class FrameDict(TypedDict):
+    """One frame of a stack as torch's snapshots write it."""
+
+    filename: str
+    line: int
+    name: str
 
 _getframe: Callable[[int], Any] = sys._getframe  # (frames typed Any: f_back may be None)
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -82,14 +104,14 @@ _now = time.time_ns
 # Names of the modules whose frames are on captured stacks, by whether they are cudalab's
 # (None, a frame without a module name or beyond the stack, is in neither). Shared by
 # reference with the compiled stamp: filled in place, never rebound.
-_cud_mods: set = set()
-_other_mods: set = set()
+_cud_mods: set[str | None] = set()
+_other_mods: set[str | None] = set()
 
 
 _MARK_MAX = 256  # entries one mark keeps (a frame calling ever new code objects)
 
 
-class _Mark(dict):
+class _Mark(dict[Hashable, Any]):
     """The stacks of running frames: instruction offset -> the flat stack from the frame
     outwards, and (offset, id of a code) -> (that code, the _Mark of the frames of that
     code called from there). A frame's stack at an offset depends only on its code and on
@@ -104,7 +126,7 @@ class _Mark(dict):
         return None
 
 
-def _capture(d: int) -> tuple:
+def _capture(d: int) -> Stack:
     """The Python stack of the caller from its ``d``-th frame outwards (0: its own),
     without cudalab's own frames at its start, innermost first, as a flat tuple (code,
     lasti, code, lasti, ...). Lines are computed from lasti only when a snapshot is taken.
@@ -164,7 +186,7 @@ capture_stack = _capture
 _API_MODULE = "cudalab.memory"
 
 
-def capture_from_api(d: int) -> tuple:
+def capture_from_api(d: int) -> Stack:
     """:func:`_capture`'s stack, preceded by the frame of the :mod:`cudalab.memory` function
     the user called, when one is on the stack (its outermost one); the frames inside it are
     dropped as :func:`_capture` drops them.
@@ -190,7 +212,7 @@ def capture_from_api(d: int) -> tuple:
         if f.f_globals.get("__name__") == _API_MODULE:
             api = f  # the outermost one wins
         f = f.f_back
-    rest: tuple = ()
+    rest: Stack = ()
     if f is not None:
         li = f.f_lasti
         m = f.f_trace
@@ -206,7 +228,7 @@ def capture_from_api(d: int) -> tuple:
 # calling _capture. Its C twin, _stackstamp.c's stamp(), is the only other fast copy;
 # tests/memory_tools/test_stackstamp.py pins the two together so they cannot drift.
 if _modname is not None:
-    def _stamp() -> tuple:
+    def _stamp() -> Stamp:
         """The memo's stamp of an allocation (or of a free, when frees carry their own
         stack): ``(time, stack)``, the stack as ``_capture(2)`` makes it. The allocator
         method calls it directly. Its common case (the first frame outside cudalab has
@@ -231,7 +253,7 @@ if _modname is not None:
             pass
         return _now(), _capture(2)
 else:
-    def _stamp() -> tuple:
+    def _stamp() -> Stamp:
         """The memo's stamp of an allocation (or of a free, when frees carry their own
         stack): ``(time, stack)``. The allocator method calls it directly."""
         return _now(), _capture(2)
@@ -246,7 +268,7 @@ def _pure_python_requested() -> bool:
     return os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0")
 
 
-def _load_compiled_stamp() -> Callable[[], tuple] | None:
+def _load_compiled_stamp() -> Callable[[], Stamp] | None:
     """``cudalab.memory_tools._stackstamp.stamp`` set up over this module's state, or None where
     it is not built (another Python, no compiler at install time; see setup.py) or
     ``CUDALAB_PURE_PYTHON`` is set. It is ``_stamp`` in C over CPython's interpreter frames:
@@ -309,7 +331,7 @@ def hit_log(maxlen: int | None, now: Callable[[], Any]) -> Any:
     return _stackstamp.HitLog(bound, now, kind)
 
 
-def active_stamp() -> Callable[[], tuple]:
+def active_stamp() -> Callable[[], Stamp]:
     """The stamp that recordings started now use: ``_stamp`` (the compiled one where it is
     built, see :func:`stamp_implementation`). The history reads it when it attaches to an
     allocator, so :func:`_use_stamp` affects the recordings started after it."""
@@ -336,7 +358,7 @@ def _use_stamp(kind: str) -> None:
         raise ValueError(f"stamp must be 'python' or 'compiled', got {kind!r}")
 
 
-def _miss(f: Any, li: int, m: Any) -> tuple:
+def _miss(f: Any, li: int, m: Any) -> Stack:
     """The stack of frame ``f`` at ``li`` when its mark ``m`` (its f_trace) does not know
     it: from the mark its caller keeps for its code (then also set as its own), else by a
     walk."""
@@ -366,13 +388,13 @@ def _miss(f: Any, li: int, m: Any) -> tuple:
     return _walk(f, li)
 
 
-def _walk(f0: Any, li0: int) -> tuple:
+def _walk(f0: Any, li0: int) -> Stack:
     """The stack from frame ``f0`` (at ``li0``) outwards, up to the first frame whose mark
     knows the rest, marking the frames walked."""
-    walked: list = [f0, li0]  # frames without a cached stack, innermost first, with lasti
+    walked: list[Any] = [f0, li0]  # frames without a cached stack, innermost first, with lasti
     ap = walked.append
     f = f0.f_back
-    t: tuple = ()
+    t: Stack = ()
     while f is not None:
         li = f.f_lasti
         m = f.f_trace
@@ -423,10 +445,10 @@ def _walk(f0: Any, li0: int) -> tuple:
 # equal to it is replaced by it, so the entries of new frames at one site (a function that
 # a loop calls, deeper than the loop's frame) share one tuple, in the ring and when a
 # snapshot converts it.
-_sites: dict = {}
+_sites: dict[tuple[int, int], Stack] = {}
 
 
-def _shared(t: tuple) -> tuple:
+def _shared(t: Stack) -> Stack:
     key = (id(t[0]), t[1])
     prev = _sites.get(key)
     if prev == t:  # element identity first: cheap for equal stacks
@@ -447,7 +469,7 @@ def line_of(code: Any, lasti: int) -> int:
     return code.co_firstlineno
 
 
-def frames_to_dicts(frames: tuple | None, cache: dict | None = None) -> list[dict]:
+def frames_to_dicts(frames: Stack | None, cache: FrameCache | None = None) -> list[FrameDict]:
     """torch's frame dicts ``{"filename", "line", "name"}`` (innermost first) of a raw
     ``frames`` field. Pass the same ``cache`` dict for many conversions of one snapshot:
     identical frames then share their dict objects (and equal stacks their lists)."""
@@ -459,15 +481,16 @@ def frames_to_dicts(frames: tuple | None, cache: dict | None = None) -> list[dic
     hit = cache.get(key)
     if hit is not None and hit[0] is frames:
         return hit[1]
-    out = []
+    out: list[FrameDict] = []
     for i in range(0, len(frames), 2):
         code = frames[i]
         lasti = frames[i + 1]
         fkey = (id(code), lasti)
-        d = cache.get(fkey)
+        d: FrameDict | None = cache.get(fkey)
         if d is None:
-            d = cache[fkey] = {"filename": code.co_filename, "line": line_of(code, lasti),
+            made: FrameDict = {"filename": code.co_filename, "line": line_of(code, lasti),
                                "name": code.co_name}
+            d = cache[fkey] = made
             cache[("code", id(code))] = code  # keep the code alive while the cache is used
         out.append(d)
     cache[key] = (frames, out)

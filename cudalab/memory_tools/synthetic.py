@@ -26,7 +26,7 @@ _SYN_FUNCS = ("forward", "backward", "step", "__call__", "matmul", "attention", 
 def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, ...] = (0, 0x5A1E0),
                         seed: int = 0, cudalab_keys: bool = True, simulated: bool = True,
                         start_us: int = 1_700_000_000_000_000, oom_every: int = 50_000,
-                        snapshot_every: int = 20_000) -> dict:
+                        snapshot_every: int = 20_000) -> dict[str, Any]:
     """A self-consistent snapshot dict in torch's schema with about ``n_entries`` trace
     entries per device (for tests and benchmarks).
 
@@ -38,7 +38,7 @@ def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, 
     """
     rng = random.Random(seed)
     rnd = rng.random
-    stacks = []
+    stacks: list[list[dict[str, Any]]] = []
     for k in range(40):
         depth = 1 + k % 4
         stacks.append([{"filename": f"/home/user/proj/{_SYN_FILES[(k + j) % 5]}",
@@ -49,23 +49,26 @@ def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, 
     ranges = (None, "forward", "backward", "optimizer")
     cells = (None, "cell-1", "cell-2")
     n_streams = len(streams)
-    out_traces: list[list[dict]] = []
-    out_segments: list[dict] = []
+    out_traces: list[list[dict[str, Any]]] = []
+    out_segments: list[dict[str, Any]] = []
     for d in range(devices):
-        trace: list[dict] = []
+        trace: list[dict[str, Any]] = []
         add = trace.append
         now = start_us + d * 3
         next_addr = 0x7F0000000000 + (d << 36)
-        segs: dict[int, dict] = {}  # address -> segment
-        open_seg: dict[tuple[int, bool], dict] = {}
-        cached: dict[tuple[int, bool], list] = {}  # emptied segments kept for reuse
+        segs: dict[int, dict[str, Any]] = {}  # address -> segment
+        open_seg: dict[tuple[int, bool], dict[str, Any]] = {}
+        # emptied segments kept for reuse
+        cached: dict[tuple[int, bool], list[dict[str, Any]]] = {}
         live_addrs: list[int] = []
-        live: dict[int, tuple] = {}  # addr -> (requested, size, stream, frames, segment)
+        # addr -> (requested, size, stream, frames, segment)
+        live: dict[int, tuple[int, int, int, list[dict[str, Any]], dict[str, Any]]] = {}
         target = 200 + int(rnd() * 800)
         p_snap = 1.0 / snapshot_every if snapshot_every else -1.0
         p_oom = 1.0 / oom_every if oom_every else -1.0
 
-        def entry(action, addr, size, stream, frames):
+        def entry(action: str, addr: int, size: int, stream: int,
+                  frames: list[dict[str, Any]]) -> dict[str, Any]:
             if cudalab_keys:
                 u = rnd()
                 e = {"action": action, "addr": addr, "size": size, "stream": stream,
@@ -79,6 +82,7 @@ def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, 
             add(e)  # noqa: B023
             return e
 
+        seg: dict[str, Any] | None
         while len(trace) < n_entries:
             now += 1 + int(rnd() * 20)
             frames = stacks[int(rnd() * n_stacks)]
@@ -144,7 +148,7 @@ def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, 
             entry("alloc", addr, req, st, frames)
         out_traces.append(trace)
         # final segment state: live blocks plus the gaps between them
-        by_seg: dict[int, list] = {}
+        by_seg: dict[int, list[tuple[int, int, int, list[dict[str, Any]]]]] = {}
         for addr, (req, size, _st, fr, seg) in live.items():
             by_seg.setdefault(seg["address"], []).append((addr, size, req, fr))
         for base in sorted(segs):

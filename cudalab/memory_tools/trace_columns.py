@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from operator import itemgetter
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from cudalab import _internal
 from cudalab.identity import Identity
 from cudalab.memory_tools import history as _history
 from cudalab.memory_tools.history import ACTIONS
+from cudalab.memory_tools.history_ring import TraceEntry
 from cudalab.memory_tools.snapshot import memory_snapshot, take_snapshot
 from cudalab.memory_tools.snapshot_check import check_snapshot, check_trace_entries
-from cudalab.memory_tools.stacks import line_of
+from cudalab.memory_tools.stacks import FrameCache, FrameDict, Stack, line_of
 from cudalab.memory_tools.trace_io import load_snapshot
 
 __all__ = [
@@ -66,7 +69,7 @@ def stream_label(stream: int) -> str:
     return "stream 0 (legacy default)" if stream == 0 else f"stream 0x{stream:x}"
 
 
-def resolve_snapshot(snap: Any) -> dict:
+def resolve_snapshot(snap: Any) -> dict[str, Any]:
     """The snapshot dict to read (see the module docstring for what ``snap`` may be).
 
     A dict or segment list given is checked against torch's schema
@@ -99,7 +102,7 @@ def live_identity() -> dict[str, Any]:
     return Identity.current(allocator="cudalab").to_dict()
 
 
-def resolve_segments(snap: Any) -> dict:
+def resolve_segments(snap: Any) -> dict[str, Any]:
     """Like :func:`resolve_snapshot`, but None reads only the segments (``memory_snapshot()``)
     and this process's identity."""
     if snap is None:
@@ -125,7 +128,7 @@ def device_index(device: Any) -> int:
     raise ValueError(f"not a device: {device!r}")
 
 
-class _Codes(dict):
+class _Codes(dict[str, int]):
     """action -> small int code; unknown actions get the next code (kept in ``names``)."""
 
     def __init__(self, names: tuple[str, ...]):
@@ -139,7 +142,7 @@ class _Codes(dict):
         return code
 
 
-def int_array(values: list) -> np.ndarray:
+def int_array(values: Sequence[int]) -> NDArray[np.int64] | NDArray[np.uint64]:
     """int64, or uint64 if some value does not fit (a 64-bit handle with the top bit set)."""
     try:
         return np.array(values, dtype=np.int64)
@@ -147,7 +150,7 @@ def int_array(values: list) -> np.ndarray:
         return np.array(values, dtype=np.uint64)
 
 
-def _column(entries: list, key: str, default: Any) -> list:
+def _column(entries: list[dict[str, Any]], key: str, default: Any) -> list[Any]:
     """``[e.get(key, default) for e in entries]``, via itemgetter when every entry has it."""
     if entries and key not in entries[0]:
         return [e.get(key, default) for e in entries]
@@ -157,18 +160,19 @@ def _column(entries: list, key: str, default: Any) -> list:
         return [e.get(key, default) for e in entries]
 
 
-def _concat(parts: list) -> list:
+def _concat(parts: list[list[Any]]) -> list[Any]:
     if not parts:
         return []
     if len(parts) == 1:
         return parts[0]
-    out: list = []
+    out: list[Any] = []
     for p in parts:
         out += p
     return out
 
 
-def _dict_columns(entries: list, codes: _Codes, extras: bool, device: int = 0) -> dict:
+def _dict_columns(entries: list[dict[str, Any]], codes: _Codes, extras: bool, device: int = 0
+                  ) -> dict[str, Any]:
     """Columns of one device's torch-schema trace entry dicts, checked as they are read
     (:func:`cudalab.memory_tools.snapshot_check.check_trace_entries`: SnapshotLoadError
     naming a malformed entry)."""
@@ -177,12 +181,12 @@ def _dict_columns(entries: list, codes: _Codes, extras: bool, device: int = 0) -
     # check reads them and hands them over
     checked = check_trace_entries(entries, f"device_traces[{device}]", "snapshot")
 
-    def column(key: str, default: Any) -> list:
+    def column(key: str, default: Any) -> list[Any]:
         got = checked[key]
         return got if got is not None else [e.get(key, default) for e in entries]
 
     frames = column("frames", None)
-    cols = {
+    cols: dict[str, Any] = {
         "time_us": np.fromiter(column("time_us", 0), np.int64, n),
         "code": np.fromiter(map(codes.__getitem__, column("action", "")), np.int16, n),
         "size": np.fromiter(column("size", 0), np.int64, n),
@@ -198,16 +202,18 @@ def _dict_columns(entries: list, codes: _Codes, extras: bool, device: int = 0) -
     return cols
 
 
-def _raw_columns(entries: list, codes: _Codes, extras: bool, cache: dict) -> dict:
+def _raw_columns(entries: list[TraceEntry], codes: _Codes, extras: bool, cache: FrameCache
+                 ) -> dict[str, Any]:
     """Columns of one device's raw history tuples (``cudalab.memory_tools.history.FIELDS``:
     action, addr, size, stream, time_ns, frames, nvtx_range, cell), without building the
     trace entry dicts first."""
     n = len(entries)
 
-    def miss(frames, key):
+    def miss(frames: Stack, key: tuple[int, int]) -> FrameDict:
         code = frames[0]
-        d = cache[key] = {"filename": code.co_filename, "line": line_of(code, frames[1]),
+        d: FrameDict = {"filename": code.co_filename, "line": line_of(code, frames[1]),
                           "name": code.co_name}
+        cache[key] = d
         cache[("code", key[0])] = code  # keep the code alive while its id is a key
         return d
 
@@ -237,7 +243,7 @@ def _raw_columns(entries: list, codes: _Codes, extras: bool, cache: dict) -> dic
 _RAW_FIELDS = ("action", "addr", "size", "stream", "time_ns", "frames", "nvtx_range", "cell")
 
 
-def live_history() -> dict[int, list] | None:
+def live_history() -> dict[int, list[TraceEntry]] | None:
     """Each device's raw history tuples straight from cudalab's recorder, or None when the
     recorder stores another layout than :func:`_raw_columns` reads (then a snapshot is
     taken: the check keeps the two from drifting apart silently)."""
@@ -259,9 +265,10 @@ class TraceColumns:
                  "top", "cell", "nvtx_range", "allocated", "reserved", "names", "bounds",
                  "identity")
 
-    def __init__(self, snap: dict | None, device: int | None = None, extras: bool = True,
-                 raw: dict[int, list] | None = None):
+    def __init__(self, snap: dict[str, Any] | None, device: int | None = None,
+                 extras: bool = True, raw: dict[int, list[TraceEntry]] | None = None):
         self.identity: dict[str, Any] | None
+        sources: list[tuple[int, list[Any]]]
         if raw is not None:
             sources = sorted(raw.items())
             self.identity = live_identity()
@@ -269,8 +276,8 @@ class TraceColumns:
             sources = list(enumerate((snap or {}).get("device_traces") or []))
             self.identity = (snap or {}).get("identity")
         codes = _Codes(ACTIONS)
-        cache: dict = {}
-        parts: dict[str, list] = defaultdict(list)
+        cache: FrameCache = {}
+        parts: dict[str, list[Any]] = defaultdict(list)
         self.bounds: list[tuple[int, int, int]] = []  # (device, start, stop)
         start = 0
         for d, entries in sources:
@@ -287,7 +294,7 @@ class TraceColumns:
         self.n = start
         self.names = codes.names
 
-        def arr(key, dtype):
+        def arr(key: str, dtype: type[np.integer[Any]]) -> NDArray[Any]:
             p = parts[key]
             if not p:
                 return np.zeros(0, dtype)

@@ -44,13 +44,13 @@ GAPS = "<gaps>"
 
 
 # --------------------------------------------------------------------------- folded stacks
-def _frame_text(frame: dict) -> str:
+def _frame_text(frame: dict[str, Any]) -> str:
     """``file:line:function`` (the file's base name), as torch's ``_frame_fmt``."""
     filename = str(frame.get("filename", "?")).replace("\\", "/").split("/")[-1]
     return f"{filename}:{frame.get('line', 0)}:{frame.get('name', '?')}"
 
 
-def _write_blocks(lines: list[str], prefix: str, blocks: list[dict]) -> None:
+def _write_blocks(lines: list[str], prefix: str, blocks: list[dict[str, Any]]) -> None:
     for b in blocks:
         size = int(b.get("size", 0))
         state = b.get("state", "inactive")
@@ -64,7 +64,7 @@ def _write_blocks(lines: list[str], prefix: str, blocks: list[dict]) -> None:
             lines.append(f"{prefix};{state};{GAPS} {size - accounted}")
 
 
-def folded_segments(snapshot: dict) -> str:
+def folded_segments(snapshot: dict[str, Any]) -> str:
     """The folded-stack lines of :func:`segments` (one segment per column).
 
     Parameters
@@ -84,7 +84,7 @@ def folded_segments(snapshot: dict) -> str:
     return "\n".join(lines)
 
 
-def folded_memory(snapshot: dict) -> str:
+def folded_memory(snapshot: dict[str, Any]) -> str:
     """The folded-stack lines of :func:`memory` (the segments of a stream merged).
 
     Parameters
@@ -200,7 +200,7 @@ def flamegraph_svg(folded: str, title: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def segments(snapshot: dict) -> str:
+def segments(snapshot: dict[str, Any]) -> str:
     """torch's ``_memory_viz.segments``: the SVG of how each segment is used.
 
     Parameters
@@ -216,7 +216,7 @@ def segments(snapshot: dict) -> str:
     return flamegraph_svg(folded_segments(snapshot), "cudalab segment usage")
 
 
-def memory(snapshot: dict) -> str:
+def memory(snapshot: dict[str, Any]) -> str:
     """torch's ``_memory_viz.memory``: the SVG of what holds memory, per stream.
 
     Parameters
@@ -233,7 +233,7 @@ def memory(snapshot: dict) -> str:
 
 
 # --------------------------------------------------------------------------- files
-def _snapshot_or_now(snapshot: dict | None) -> dict:
+def _snapshot_or_now(snapshot: dict[str, Any] | None) -> dict[str, Any]:
     if snapshot is None:
         from cudalab.memory_tools.snapshot import _snapshot
 
@@ -244,7 +244,7 @@ def _snapshot_or_now(snapshot: dict | None) -> dict:
     return snapshot
 
 
-def _save_segment_usage(filename: Any = "output.svg", snapshot: dict | None = None) -> None:
+def _save_segment_usage(filename: Any = "output.svg", snapshot: dict[str, Any] | None = None) -> None:
     """Write :func:`segments`'s SVG to ``filename`` (torch's
     ``torch.cuda.memory._save_segment_usage``).
 
@@ -266,7 +266,7 @@ def _save_segment_usage(filename: Any = "output.svg", snapshot: dict | None = No
     write_bytes_atomic(filename, segments(_snapshot_or_now(snapshot)).encode())
 
 
-def _save_memory_usage(filename: Any = "output.svg", snapshot: dict | None = None) -> None:
+def _save_memory_usage(filename: Any = "output.svg", snapshot: dict[str, Any] | None = None) -> None:
     """Write :func:`memory`'s SVG to ``filename`` (torch's
     ``torch.cuda.memory._save_memory_usage``).
 

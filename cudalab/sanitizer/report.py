@@ -14,8 +14,9 @@ import linecache
 import os
 import sys
 import sysconfig
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from cudalab._units import format_bytes
 
@@ -74,11 +75,15 @@ def _is_library(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_LIBRARY_DIRS) if filename[:1] != "<" else False
 
 
-def user_frames(frames: list[dict]) -> list[dict]:
+#: A frame dict (``{"filename", "line", "name"}``, as ``stacks.frames_to_dicts`` makes).
+_Frame = TypeVar("_Frame", bound=Mapping[str, Any])
+
+
+def user_frames(frames: Sequence[_Frame]) -> list[_Frame]:
     """The user's part of a stack (innermost first): its frames up to the first one of a
     library (the standard library, site-packages, cudalab; a notebook's kernel and the
     magic that ran the cell are cut off), at least one frame."""
-    out: list[dict] = []
+    out: list[_Frame] = []
     for frame in frames:
         if out and _is_library(frame["filename"]):
             break
@@ -101,7 +106,7 @@ def _where(filename: str) -> str:
     return f'File "{filename}"'
 
 
-def format_stack(frames: list[dict]) -> str:
+def format_stack(frames: Sequence[Mapping[str, Any]]) -> str:
     """torch's frame lines (``  File "f", line n, in name`` and the source), outermost first;
     a notebook cell shows as ``Cell In[n]``."""
     out = []
@@ -145,7 +150,7 @@ class Report:
     kind: str
     allocation_ptr: int
     allocation_size: int  # bytes (0: unknown, memory allocated before the sanitizer was on)
-    allocation_stack: list[dict] | None  # None: the allocation was not seen
+    allocation_stack: list[Mapping[str, Any]] | None  # None: the allocation was not seen
     current: Access
     previous: Access
     fix: str
@@ -201,7 +206,7 @@ class StreamRaceWarning(RuntimeWarning):
     """Warned (in ``on_race="warn"`` mode) with the text of one report."""
 
 
-def _stack_html(frames: list[dict] | None) -> str:
+def _stack_html(frames: Sequence[Mapping[str, Any]] | None) -> str:
     if not frames:
         return "<i>not seen</i>"
     rows = []
