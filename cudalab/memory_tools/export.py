@@ -28,12 +28,14 @@ CSV has no place for it.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from cudalab._atomic_write import atomic_write
 from cudalab.memory_tools.history import ACTIONS
+from cudalab.memory_tools.stacks import FrameDict
 from cudalab.memory_tools.trace_columns import (
     device_index,
     int_array,
@@ -42,6 +44,11 @@ from cudalab.memory_tools.trace_columns import (
     trace_of,
 )
 from cudalab.memory_tools.trace_io import categorical
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import pandas
 
 __all__ = [
     "ACTIONS",
@@ -65,7 +72,7 @@ _HISTORY_COLUMNS = (
 )
 
 
-def _top_columns(pd, tops: list) -> dict:
+def _top_columns(pd: ModuleType, tops: list[FrameDict | None]) -> dict[str, Any]:
     """filename/line/name of each top frame (None/<NA> where an entry has no frames)."""
     no = _NO_LINE
     line = np.fromiter([t["line"] if t is not None else no for t in tops], np.int64, len(tops))
@@ -81,7 +88,7 @@ _NO_LINE = -(1 << 63)
 
 
 # --------------------------------------------------------------------------- history
-def history_frame(snap: Any = None, device: Any = None):
+def history_frame(snap: Any = None, device: Any = None) -> pandas.DataFrame:
     """One row per trace entry of ``snap`` (default: cudalab's recorded history, see
     :func:`cudalab.memory.record_history`).
 
@@ -117,7 +124,7 @@ def history_frame(snap: Any = None, device: Any = None):
     if len(t.bounds) > 1:  # interleave devices by time
         order = np.argsort(t.time_us, kind="stable")
 
-    def o(a):
+    def o(a: list[Any] | NDArray[Any]) -> Any:
         if order is None:
             return a
         if isinstance(a, list):
@@ -164,7 +171,7 @@ _SEGMENT_COLUMNS = (
 )
 
 
-def snapshot_frame(snap: Any = None):
+def snapshot_frame(snap: Any = None) -> pandas.DataFrame:
     """One row per block of ``snap``'s segments, with the segment's columns.
 
     Columns: ``device`` (int64), ``segment_address``, ``segment_total_size`` (int64),
@@ -176,8 +183,9 @@ def snapshot_frame(snap: Any = None):
     import pandas as pd
 
     s = resolve_segments(snap)
-    rows: dict[str, list] = {k: [] for k in _BLOCK_COLUMNS if k not in ("filename", "line", "name")}
-    tops: list = []
+    rows: dict[str, list[Any]] = {k: [] for k in _BLOCK_COLUMNS
+                                  if k not in ("filename", "line", "name")}
+    tops: list[FrameDict | None] = []
     for seg in s.get("segments") or []:
         blocks = seg.get("blocks") or []
         n = len(blocks)
@@ -210,7 +218,7 @@ def snapshot_frame(snap: Any = None):
     return _with_identity(pd.DataFrame(cols, columns=list(_BLOCK_COLUMNS)), s.get("identity"))
 
 
-def segments_frame(snap: Any = None):
+def segments_frame(snap: Any = None) -> pandas.DataFrame:
     """One row per segment of ``snap``.
 
     Columns: ``device`` (int64), ``address``, ``total_size``, ``allocated_size``,
@@ -223,7 +231,7 @@ def segments_frame(snap: Any = None):
     import pandas as pd
 
     s = resolve_segments(snap)
-    rows: dict[str, list] = {k: [] for k in _SEGMENT_COLUMNS}
+    rows: dict[str, list[Any]] = {k: [] for k in _SEGMENT_COLUMNS}
     for seg in s.get("segments") or []:
         blocks = seg.get("blocks") or []
         free = [b["size"] for b in blocks if b["state"] == "inactive"]
@@ -254,7 +262,7 @@ def segments_frame(snap: Any = None):
     return _with_identity(pd.DataFrame(cols, columns=list(_SEGMENT_COLUMNS)), s.get("identity"))
 
 
-def stats_frame(devices: Any = None):
+def stats_frame(devices: Any = None) -> pandas.DataFrame:
     """One row per device (index ``device``), columns exactly torch's 122 ``memory_stats()``
     keys (sorted, int64), read with ``cudalab.memory.memory_stats(d)``.
 
@@ -305,7 +313,7 @@ def _check_cells(df: Any, path: str) -> None:
                     "only text, numbers and missing values (None)")
 
 
-def save_frame(df: Any, path: str | os.PathLike, format: str | None = None) -> str:
+def save_frame(df: Any, path: str | os.PathLike[str], format: str | None = None) -> str:
     """Write one of this module's frames to ``path`` atomically: parquet or CSV.
 
     The file replaces ``path`` only once it is complete, so a failure (an unserialisable

@@ -746,7 +746,7 @@ def replay(trace: Any, config: str | AllocatorConfig | None = None, *,
 
 
 # ====================================================================================== plots
-def save_plot(results: ReplayResult | Sequence[ReplayResult], path: str | os.PathLike,
+def save_plot(results: ReplayResult | Sequence[ReplayResult], path: str | os.PathLike[str],
               title: str | None = None) -> None:
     """Save reserved (solid) and allocated (dashed) memory over the trace, one colour per
     config, as PNG or SVG (by ``path``'s extension). Needs matplotlib."""

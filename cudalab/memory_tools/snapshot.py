@@ -28,12 +28,14 @@ from typing import Any
 
 from cudalab import _internal
 from cudalab.allocator import registry as _registry
+from cudalab.allocator.base import Allocator
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig
 from cudalab.allocator.pools import check_pool_id
 from cudalab.devices import device_count
 from cudalab.identity import Identity
 from cudalab.memory_tools import history as _history
 from cudalab.memory_tools import stacks as _stacks
+from cudalab.memory_tools.stacks import FrameCache
 from cudalab.memory_tools.trace_io import dumps_snapshot
 
 __all__ = [
@@ -46,7 +48,7 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------- taking snapshots
-def allocator_settings(config: AllocatorConfig | None = None) -> dict:
+def allocator_settings(config: AllocatorConfig | None = None) -> dict[str, Any]:
     """torch's ``allocator_settings`` dict of a snapshot, for ``config`` (default: the
     process's settings)."""
     cfg = config if config is not None else _registry.allocator_config()
@@ -64,14 +66,15 @@ def allocator_settings(config: AllocatorConfig | None = None) -> dict:
     }
 
 
-def _registry_allocators() -> list:
+def _registry_allocators() -> list[Allocator]:
     return sorted(_registry.active, key=lambda a: a.device)
 
 
-def _segments_of(allocators: list, cache: dict) -> tuple[list[dict], dict[int, int]]:
+def _segments_of(allocators: list[Allocator], cache: FrameCache
+                 ) -> tuple[list[dict[str, Any]], dict[int, int]]:
     """Segments of ``allocators`` (sorted by device, then address) with frames filled in
     from the history recorders, and the active bytes per device."""
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     active: dict[int, int] = {}
     for a in allocators:
         segs = a.segments()
@@ -94,7 +97,7 @@ def _segments_of(allocators: list, cache: dict) -> tuple[list[dict], dict[int, i
     return out, active
 
 
-def memory_snapshot(mempool_id: Any = None) -> list[dict]:
+def memory_snapshot(mempool_id: Any = None) -> list[dict[str, Any]]:
     """torch's ``memory_snapshot(mempool_id=None)``: every device's segments, as plain dicts
     and lists; with ``mempool_id``, only the segments of that private pool (each segment's
     ``segment_pool_id``; ``(0, 0)`` is the default pool)."""
@@ -111,11 +114,12 @@ def memory_snapshot(mempool_id: Any = None) -> list[dict]:
     return segs
 
 
-def take_snapshot(device: Any = None, *, allocators: list | None = None) -> dict:
+def take_snapshot(device: Any = None, *, allocators: list[Allocator] | None = None
+                  ) -> dict[str, Any]:
     """torch's ``torch.cuda.memory._snapshot()`` dict (all devices; ``device`` is accepted
     and ignored, as torch's). ``allocators`` (cudalab extension) takes the segments of the
     given allocators instead of the process's (e.g. private ones over their own backend)."""
-    cache: dict = {}
+    cache: FrameCache = {}
     allocs = _registry_allocators() if allocators is None else list(allocators)
     segments, active = _segments_of(allocs, cache)
     n = device_count() if _internal.is_initialized() else 0
@@ -148,7 +152,7 @@ _snapshot = take_snapshot
 
 
 # --------------------------------------------------------------------------- writing
-def _dump_snapshot(filename: str | os.PathLike = "dump_snapshot.pickle") -> None:
+def _dump_snapshot(filename: str | os.PathLike[str] = "dump_snapshot.pickle") -> None:
     """torch's ``_dump_snapshot``: pickle :func:`_snapshot` to ``filename`` (protocol 4),
     for https://pytorch.org/memory_viz and ``torch.cuda._memory_viz``.
 
@@ -165,7 +169,7 @@ def _dump_snapshot(filename: str | os.PathLike = "dump_snapshot.pickle") -> None
     _internal.write_bytes_atomic(filename, dumps_snapshot(_snapshot()))
 
 
-def export_memory_viz(path: str | os.PathLike = "memory_snapshot.pickle") -> str:
+def export_memory_viz(path: str | os.PathLike[str] = "memory_snapshot.pickle") -> str:
     """:func:`_dump_snapshot` under a friendlier name; returns the path written. Open the
     file at https://pytorch.org/memory_viz (it is read in the browser, not uploaded)."""
     _dump_snapshot(path)

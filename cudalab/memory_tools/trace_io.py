@@ -42,7 +42,7 @@ import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -61,6 +61,9 @@ from cudalab.memory_tools.snapshot_check import (
     check_snapshot,
     check_trace_entries,
 )
+
+if TYPE_CHECKING:
+    import pandas
 
 __all__ = [
     "PICKLE_PROTOCOL",
@@ -191,7 +194,7 @@ class _PlainPickler(pickle.Pickler):
         raise _NotPlain(obj)
 
 
-def dumps_snapshot(snapshot: dict) -> bytes:
+def dumps_snapshot(snapshot: dict[str, Any]) -> bytes:
     """``snapshot`` pickled for memory_viz (plain types, protocol 4).
 
     A snapshot cudalab built (dicts, lists, tuples, str, int, float, bool, None by
@@ -259,14 +262,14 @@ def _read(path_or_file: Any, max_bytes: int | str | None) -> tuple[bytes, str]:
                     f"{type(path_or_file).__name__}")
 
 
-def _keys_text(obj: dict) -> str:
+def _keys_text(obj: dict[Any, Any]) -> str:
     """A dict's first keys for a message (text keys only: no repr of a hostile key)."""
     keys = sorted(k for k in obj if isinstance(k, str))[:8]
     others = sum(1 for k in obj if not isinstance(k, str))
     return f"{keys}" + (f" and {others} key(s) that are not text" if others else "")
 
 
-def _as_snapshot(obj: Any, what: str, check: bool = True) -> dict:
+def _as_snapshot(obj: Any, what: str, check: bool = True) -> dict[str, Any]:
     """``obj`` (unpickled) as a snapshot dict, or SnapshotLoadError saying why it is not one
     (``check``: and checked against the schema, :func:`.snapshot_check.check_snapshot`)."""
     if isinstance(obj, list) and obj and all(isinstance(s, dict) and "blocks" in s for s in obj):
@@ -289,7 +292,8 @@ def _as_snapshot(obj: Any, what: str, check: bool = True) -> dict:
     return check_snapshot(obj, what) if check else obj
 
 
-def load_snapshot(path_or_file: Any, *, max_bytes: int | str | None = None) -> dict:
+def load_snapshot(path_or_file: Any, *, max_bytes: int | str | None = None
+                  ) -> dict[str, Any]:
     """Read a memory snapshot pickle (cudalab's ``_dump_snapshot`` or torch's) safely.
 
     The unpickler refuses every reference to a class or function, so loading a file from a
@@ -342,7 +346,7 @@ class TraceArrays:
     reference: dict[str, Any] = field(default_factory=dict)
     #: (address, size) of the trace's segment_alloc entries, in order (the replay hands out
     #: these addresses again, see replay._TraceAddresses).
-    segments: list = field(default_factory=list)
+    segments: list[tuple[int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.action)
@@ -476,7 +480,7 @@ def _from_columns(source: str, actions: Sequence[Any], addrs: Any, sizes: Any,
     keep = np.flatnonzero(codes < 2)
     ignored: dict[str, int] = {}
     ref: dict[str, Any] = {}
-    seg_allocs: list = []
+    seg_allocs: list[tuple[int, int]] = []
     if len(keep) < n:
         other = np.flatnonzero(codes == 2).tolist()
         sign = []
@@ -546,7 +550,7 @@ def _sizes(values: Any) -> np.ndarray:
     return np.asarray([s if _valid_size(s) else -1 for s in values], dtype=np.int64)
 
 
-def _count_earlier(ref: dict, seg_rows: list, addrs: Any, sizes: Any,
+def _count_earlier(ref: dict[str, Any], seg_rows: list[int], addrs: Any, sizes: Any,
                    alloc_addr: np.ndarray) -> None:
     """``ref["allocs_in_earlier_segments"]``: allocations at addresses outside every segment
     the trace reserved (a history started mid-session: they reused memory reserved before
@@ -614,7 +618,7 @@ def _from_dataframe(source: str, df: Any, device: int | None) -> TraceArrays:
     return _from_columns(source, df["action"].tolist(), col("addr"), col("size"), col("stream"))
 
 
-def _from_snapshot(source: str, snap: dict, device: int) -> TraceArrays:
+def _from_snapshot(source: str, snap: dict[str, Any], device: int) -> TraceArrays:
     traces = snap.get("device_traces")
     if not isinstance(traces, list):
         raise TraceError(f"{source}: the snapshot has no 'device_traces' list (was history "
@@ -636,7 +640,7 @@ def _from_snapshot(source: str, snap: dict, device: int) -> TraceArrays:
             raise TraceError(f"{source}: the trace of device {device} is empty; devices with "
                              f"entries: {', '.join(map(str, others))} (use device=...)")
 
-    def column(key: str) -> list:
+    def column(key: str) -> list[Any]:
         got = cols[key]
         return got if got is not None else [e.get(key, 0) for e in entries]
 
@@ -728,7 +732,7 @@ def _csv_offender(column: Any, name: str) -> str:
     return f"column {name!r}"
 
 
-def read_history_csv(path: Any):
+def read_history_csv(path: Any) -> pandas.DataFrame:
     """Read a saved history frame back with the dtypes it was saved with.
 
     Parameters
