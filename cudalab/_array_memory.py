@@ -3,12 +3,15 @@
 Where an array's memory comes from and goes back to (the caching allocator), how one stream
 waits for another (events, no host sync), and the raw transfers and fills an array queues:
 host <-> device copies (asynchronous only with pinned memory from the pinned pool) and fills
-(memset when the pattern allows, else cudalab's fill kernels). :mod:`cudalab.array` holds the
-array type and the creation functions and calls these.
+(memset when the pattern allows, else cudalab's fill kernels; :func:`scalar_bytes` makes a
+fill value's bytes). :mod:`cudalab.array` holds the array type and the creation functions
+and calls these.
 """
 
 from __future__ import annotations
 
+import struct
+import sys
 import threading
 import warnings
 from typing import Any
@@ -35,6 +38,7 @@ __all__ = [
     "pinned_pool",
     "release_device_memory",
     "same_stream",
+    "scalar_bytes",
     "stream_of",
     "wait_stream",
     "waits_for_foreign",
@@ -356,6 +360,54 @@ def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stre
     if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         to_host = host == dst
         _observe.access_tracker.transfer(stream, src if to_host else dst, n, to_host, not pinned)
+
+
+#: Integer dtypes -> (itemsize, min, max, signed), and float32/float64 -> a struct packer:
+#: scalar_bytes converts a Python int or float without numpy for these (the "fills eager" and
+#: "capture, host time per launch" rows of benchmarks/graphs.py). Native byte order, as
+#: numpy's tobytes(), so the two paths cannot drift (tests/runtime/test_array.py compares them).
+_INT_BYTES = {np.dtype(t): (np.dtype(t).itemsize, int(np.iinfo(t).min), int(np.iinfo(t).max),
+                            np.issubdtype(t, np.signedinteger))
+              for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+                        np.uint64)}
+_FLOAT_PACK = {np.dtype(np.float32): struct.Struct("=f").pack,
+               np.dtype(np.float64): struct.Struct("=d").pack}
+_EXACT_INT_FLOAT = 2**53  # ints up to this convert to float64 exactly, then round once
+
+
+def scalar_bytes(value: Any, dtype: np.dtype) -> bytes:
+    """One element of ``dtype`` holding ``value``, converted as numpy converts it.
+
+    Raises
+    ------
+    ValueError
+        A value that numpy cannot store as ``dtype`` (out of range, not a number) or that is
+        not a scalar.
+    """
+    kind = type(value)
+    if kind is int:
+        spec = _INT_BYTES.get(dtype)
+        if spec is not None:
+            if spec[1] <= value <= spec[2]:
+                return value.to_bytes(spec[0], sys.byteorder, signed=spec[3])
+        elif -_EXACT_INT_FLOAT <= value <= _EXACT_INT_FLOAT:
+            pack = _FLOAT_PACK.get(dtype)
+            if pack is not None:
+                return pack(value)
+    elif kind is float:
+        pack = _FLOAT_PACK.get(dtype)
+        if pack is not None:
+            try:
+                return pack(value)
+            except OverflowError:  # beyond float32: numpy's inf, below
+                pass
+    try:
+        pattern = np.array(value, dtype=dtype).tobytes()
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"fill_: {value!r} cannot be stored as {dtype}: {exc}") from None
+    if len(pattern) != dtype.itemsize:
+        raise ValueError(f"fill_: expected a scalar, got {value!r}")
+    return pattern
 
 
 def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Stream) -> None:

@@ -24,8 +24,6 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import struct
-import sys
 from typing import Any
 
 import numpy as np
@@ -43,6 +41,7 @@ from cudalab._array_memory import (
     memory_api,
     null_context,
     release_device_memory,
+    scalar_bytes,
     stream_of,
     waits_for_foreign,
 )
@@ -95,55 +94,6 @@ def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
             return False
         acc *= d
     return True
-
-
-# --------------------------------------------------------------------------- fill values
-#: Integer dtypes -> (itemsize, min, max, signed), and float32/float64 -> a struct packer:
-#: _scalar_bytes converts a Python int or float without numpy for these (the "fills eager" and
-#: "capture, host time per launch" rows of benchmarks/graphs.py). Native byte order, as
-#: numpy's tobytes(), so the two paths cannot drift (tests/runtime/test_array.py compares them).
-_INT_BYTES = {np.dtype(t): (np.dtype(t).itemsize, int(np.iinfo(t).min), int(np.iinfo(t).max),
-                            np.issubdtype(t, np.signedinteger))
-              for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
-                        np.uint64)}
-_FLOAT_PACK = {np.dtype(np.float32): struct.Struct("=f").pack,
-               np.dtype(np.float64): struct.Struct("=d").pack}
-_EXACT_INT_FLOAT = 2**53  # ints up to this convert to float64 exactly, then round once
-
-
-def _scalar_bytes(value: Any, dtype: np.dtype) -> bytes:
-    """One element of ``dtype`` holding ``value``, converted as numpy converts it.
-
-    Raises
-    ------
-    ValueError
-        A value that numpy cannot store as ``dtype`` (out of range, not a number) or that is
-        not a scalar.
-    """
-    kind = type(value)
-    if kind is int:
-        spec = _INT_BYTES.get(dtype)
-        if spec is not None:
-            if spec[1] <= value <= spec[2]:
-                return value.to_bytes(spec[0], sys.byteorder, signed=spec[3])
-        elif -_EXACT_INT_FLOAT <= value <= _EXACT_INT_FLOAT:
-            pack = _FLOAT_PACK.get(dtype)
-            if pack is not None:
-                return pack(value)
-    elif kind is float:
-        pack = _FLOAT_PACK.get(dtype)
-        if pack is not None:
-            try:
-                return pack(value)
-            except OverflowError:  # beyond float32: numpy's inf, below
-                pass
-    try:
-        pattern = np.array(value, dtype=dtype).tobytes()
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"fill_: {value!r} cannot be stored as {dtype}: {exc}") from None
-    if len(pattern) != dtype.itemsize:
-        raise ValueError(f"fill_: expected a scalar, got {value!r}")
-    return pattern
 
 
 # --------------------------------------------------------------------------- the array
@@ -435,7 +385,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                 raise ValueError(f"fill_ only supports 0-dimension value tensor but got tensor "
                                  f"with {value.ndim} dimensions.")
             value = value.item()
-        pattern = _scalar_bytes(value, self.dtype)
+        pattern = scalar_bytes(value, self.dtype)
         if self.nbytes:
             fill(self.ptr, pattern, self.size, self.device_index,
                  _streams.current_stream(self.device_index))

@@ -313,7 +313,7 @@ _FILL_VALUES = [0, 1, -1, 7, 255, 256, -129, 2**31 - 1, -(2**31), 2**32 - 1, 2**
 def test_fill_values_convert_as_numpy_does(dtype):
     """The fast conversion of fill_ values (no numpy for Python ints and floats into the
     integer dtypes, float32 and float64) gives numpy's bytes, or numpy's error."""
-    from cudalab.array import _scalar_bytes
+    from cudalab._array_memory import scalar_bytes
 
     dt = np.dtype(dtype)
     for value in _FILL_VALUES:
@@ -325,9 +325,9 @@ def test_fill_values_convert_as_numpy_does(dtype):
                 expect = None
             if expect is None:
                 with pytest.raises(ValueError, match="cannot be stored"):
-                    _scalar_bytes(value, dt)
+                    scalar_bytes(value, dt)
             else:
-                assert _scalar_bytes(value, dt) == expect, (dtype, value)
+                assert scalar_bytes(value, dt) == expect, (dtype, value)
 
 
 def test_fill_slice_only_touches_slice():
