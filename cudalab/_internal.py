@@ -1,18 +1,25 @@
 """The named internal API: what cudalab's upper layers may use beyond the public API.
 
-The Jupyter layer (:mod:`cudalab.magics`, :mod:`cudalab.widgets`) and the tooling
-(:mod:`cudalab.memory_tools`) use cudalab's public names and this module, never another
-module's ``_private`` names (an import-linter contract and ``tests/test_layers.py`` check
-it). Everything here is documented, kept stable across refactors and tested; a name that an
-upper layer needs is added here, next to its owner's real name, rather than reached for.
+The Jupyter layer (:mod:`cudalab.magics`, :mod:`cudalab.widgets`) uses cudalab's public
+names and this module, never another module's ``_private`` names (an import-linter contract
+and ``tests/test_layers.py`` check it). The tooling (:mod:`cudalab.memory_tools`) reads no
+``_private`` name of a module outside its package either: it uses public names, this module
+and the leaves' public functions (``_units``, ``_atomic_write``); its replays drive the
+allocator through :class:`cudalab.allocator.replay_target.ReplayTarget` over
+:func:`private_simulator` (``tests/allocator/test_allocator_friends.py`` checks the
+allocator's side). Everything here is documented, kept stable across refactors and tested;
+a name that an upper layer needs is added here, next to its owner's real name, rather than
+reached for.
 
 What it offers
 --------------
 * **The runtime's state**: :func:`backend` (the initialised driver seam, typed as its
-  :class:`~cudalab._driver.base.Backend` protocol), :func:`is_initialized`,
-  :func:`device_index` (normalise a device argument), :func:`ensure_context`,
+  :class:`~cudalab._driver.base.Backend` protocol, named here as :class:`Backend`),
+  :func:`is_initialized`, :func:`device_index` (normalise a device argument), :func:`ensure_context`,
   :func:`thread_state` (the thread's current device and streams) and :func:`fast_paths`
   (the seam's unchecked hot-path callables).
+* **A private simulator**: :func:`private_simulator` (a simulator backend of the caller's
+  own, never the process's: the what-if replays run a fresh allocator over one).
 * **Raw handles**: :func:`stream_handle` and :func:`event_handle`, the opaque seam handles
   owned by a :class:`cudalab.Stream` / :class:`cudalab.Event`.
 * **Launch observers**: :data:`launch_observers`, called by every runtime kernel launch.
@@ -54,9 +61,11 @@ from typing import TYPE_CHECKING, Any
 from cudalab import _interrupts, _observe
 from cudalab import devices as _devices
 from cudalab._atomic_write import atomic_write, write_bytes_atomic
+from cudalab._driver import private_simulator
 from cudalab._driver.base import (
     STATUS_NOT_READY,
     STATUS_SUCCESS,
+    Backend,
     EventHandle,
     FastCalls,
     StreamHandle,
@@ -64,10 +73,10 @@ from cudalab._driver.base import (
 from cudalab._units import SIZE_UNITS, echo, format_bytes, format_time, parse_size
 
 if TYPE_CHECKING:
-    from cudalab._driver.base import Backend
     from cudalab._driver.cupti import KernelActivity
 
 __all__ = [
+    "Backend",
     "STATUS_NOT_READY",
     "SIZE_UNITS",
     "STATUS_SUCCESS",
@@ -95,6 +104,7 @@ __all__ = [
     "notify_collective",
     "collective_muted",
     "parse_size",
+    "private_simulator",
     "stop_delivering_interrupts_in",
     "stream_handle",
     "thread_state",

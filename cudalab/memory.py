@@ -156,7 +156,7 @@ def _reader(device: Any) -> Allocator | None:
         # some (parsed once, then cached; the readers' path with an allocator is untouched).
         allocator_config()
         return None
-    if a._pending_frees or a._memo is not None:
+    if a.pending_frees or a.memo_block is not None:
         a.sync_pending()
     return a
 
@@ -187,7 +187,7 @@ def memory_allocated(device: Any = None) -> int:
         if a is None:
             allocator_config()  # a malformed setting raises, as in every reader (see _reader)
             return 0
-        if a._pending_frees or a._memo is not None:
+        if a.pending_frees or a.memo_block is not None:
             a.sync_pending()
     else:
         a = _reader(device)
@@ -306,7 +306,7 @@ def memory_stats(device: Any = None, extended: bool = False) -> dict[str, int]:
         out = dict(out)
         if isinstance(a, DeviceCachingAllocator):
             out["largest_free_block"] = a.largest_free_block()
-            out["outstanding_events"] = a._n_events
+            out["outstanding_events"] = a.outstanding_events
         else:
             out["largest_free_block"] = out["outstanding_events"] = 0
         out["pending_free_blocks"] = a.stats.current("n_pend") if a is not None else 0
@@ -712,7 +712,7 @@ def caching_allocator_delete(mem_ptr: int) -> None:
     if _observe.access_on:  # the stream sanitizer: the free request (its allocation stream
         _observe.access_tracker.freed(mem_ptr)  # is the one seen at caching_allocator_alloc)
     for a in _active:
-        if mem_ptr in a._live:
+        if mem_ptr in a.live:
             a.free(mem_ptr)
             return
     if mem_ptr == 0 and type(mem_ptr) is int:

@@ -110,6 +110,35 @@ def _create() -> Backend:
         return _backend
 
 
+def private_simulator(device_count: int = 1, memory: int | None = None) -> Backend:
+    """A simulator backend of the caller's own, initialised: never the process's backend.
+
+    It neither creates, replaces nor commits the backend of :func:`get_backend`, and shares no
+    state with it, so a tool can model a device apart from the running program (the what-if
+    replays of :mod:`cudalab.memory_tools.replay` run a fresh allocator over one). Upper
+    layers reach it as ``cudalab._internal.private_simulator``.
+
+    Parameters
+    ----------
+    device_count : int, optional
+        Simulated devices (default 1).
+    memory : int, optional
+        Bytes of memory per device (default: the simulator's, 16 GiB).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a count or size the simulator cannot model (see ``SimulatorConfig``).
+    """
+    from cudalab._driver.sim import SimulatorBackend, SimulatorConfig
+
+    config = (SimulatorConfig(device_count=device_count) if memory is None
+              else SimulatorConfig(device_count=device_count, memory=memory))
+    sim = SimulatorBackend(config)
+    sim.init()
+    return sim
+
+
 def current_backend() -> Backend | None:
     """The backend if it was already created, else None (never creates one)."""
     return _backend

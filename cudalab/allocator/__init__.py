@@ -19,6 +19,7 @@ module                      concept
 ``expandable`` (+ ``expandable_segment``)  ``expandable_segments:True`` over the driver's VMM
 ``async_allocator``         ``backend:cudaMallocAsync`` over the driver's memory pools
 ``pools``                   private pools (CUDA graphs, MemPool): ids, routing, lifetime
+``private_pool``            a private pool's record, its id and routing filter (below ``pools``)
 ``mem_pool``                ``MemPool``'s runtime half and ``use_mem_pool``
 ``pluggable``               ``PluggableAllocator`` (torch's CUDAPluggableAllocator)
 ``uncached``                ``UncachedAllocator`` (every malloc is a driver call)
@@ -33,6 +34,7 @@ module                      concept
 ``pinned``                  the caching pinned-host pool
 ``host_stats``              the pinned pool's statistics in torch's layout
 ``hooks``                   the protocol a listener (history) attaches through
+``replay_target``           ``ReplayTarget``: the allocator's interface for trace replays
 ==========================  ================================================================
 
 Ctrl-C: every function of this package runs with interrupts deferred (see

@@ -161,9 +161,9 @@ class AsyncPoolAllocator(Allocator):
         self.config = config
         self._resolver = stream_resolver
         self._lock = threading.Lock()
-        self._live: dict[int, tuple[int, Any, int]] = {}  # ptr -> (size, stream handle, key)
+        self.live: dict[int, tuple[int, Any, int]] = {}  # ptr -> (size, stream handle, key)
         self._uses: dict[int, StreamUses] = {}  # ptr -> streams from record_stream
-        self._pending_frees: deque[int] = deque()  # sizes of frees done while the lock was busy
+        self.pending_frees: deque[int] = deque()  # sizes of frees done while the lock was busy
         self._handles: dict[int, Any] = {}  # int stream handle -> driver stream handle
         self._unifier: Any = None
         self._limit = UNLIMITED
@@ -179,7 +179,7 @@ class AsyncPoolAllocator(Allocator):
             self.set_memory_fraction(config.per_process_memory_fraction)
 
     def __repr__(self) -> str:
-        return (f"<AsyncPoolAllocator device={self.device} live={len(self._live)} "
+        return (f"<AsyncPoolAllocator device={self.device} live={len(self.live)} "
                 f"allocated={self._c.b_alloc}>")
 
     # ------------------------------------------------------------------ hot path
@@ -227,13 +227,13 @@ class AsyncPoolAllocator(Allocator):
             c.b_alloc_acc += size
         if self._uses:
             self._uses.pop(ptr, None)
-        self._live[ptr] = (size, h, key)
+        self.live[ptr] = (size, h, key)
         return ptr
 
     def free(self, ptr: int) -> None:
         """Stream-ordered free on the allocation stream (or the unifying stream after
         ``record_stream``). ValueError for a pointer that is not live here; nothing changes."""
-        rec = self._live.pop(ptr, None)
+        rec = self.live.pop(ptr, None)
         if rec is None:
             if ptr == 0 and type(ptr) is int:
                 return
@@ -248,14 +248,14 @@ class AsyncPoolAllocator(Allocator):
                     self.backend.set_context(self.device)
                 self._free_async(self.device, ptr, h)
         except BaseException:
-            self._live[ptr] = rec  # lose nothing: the pointer is still live and owned
+            self.live[ptr] = rec  # lose nothing: the pointer is still live and owned
             if uses:
                 self._uses[ptr] = uses
             raise
         lock = self._lock
         if not lock.acquire(False):
             # Busy: another thread, or a finalizer inside this thread's own allocator call.
-            self._pending_frees.append(size)
+            self.pending_frees.append(size)
             if lock.acquire(False):
                 try:
                     self._drain()
@@ -264,18 +264,18 @@ class AsyncPoolAllocator(Allocator):
             return
         try:
             self._c.b_alloc -= size
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain()
         finally:
             lock.release()
 
     # ------------------------------------------------------------------ Allocator API
     def owns(self, ptr: int) -> bool:
-        return ptr in self._live
+        return ptr in self.live
 
     def block_size(self, ptr: int) -> int:
         """The size of the live allocation at ``ptr`` (as requested: no rounding)."""
-        rec = self._live.get(ptr)
+        rec = self.live.get(ptr)
         if rec is None:
             raise bad_pointer(ptr)
         return rec[0]
@@ -302,7 +302,7 @@ class AsyncPoolAllocator(Allocator):
         raise RuntimeError(SNAPSHOT_UNSUPPORTED)
 
     def sync_pending(self) -> None:
-        if self._pending_frees:
+        if self.pending_frees:
             with self._lock:
                 self._drain()
 
@@ -312,7 +312,7 @@ class AsyncPoolAllocator(Allocator):
         reserved, reserved_high, used, used_high = self._usage()
         c = self._c
         with self._lock:
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain()
             cur, peak, acc, base = c.b_alloc, c.b_alloc_peak, c.b_alloc_acc, c.b_alloc_base
         d = _TEMPLATE.copy()
@@ -337,7 +337,7 @@ class AsyncPoolAllocator(Allocator):
     def reset_accumulated_stats(self) -> None:
         """``allocated_bytes.all.allocated``/``freed`` back to 0 (torch: no effect)."""
         with self._lock:
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain()
             c = self._c
             c.b_alloc_acc = 0
@@ -375,7 +375,7 @@ class AsyncPoolAllocator(Allocator):
         return self.backend.pool_usage(self._pool)
 
     def _drain(self) -> None:
-        dq = self._pending_frees
+        dq = self.pending_frees
         c = self._c
         while dq:
             c.b_alloc -= dq.popleft()
@@ -409,7 +409,7 @@ class AsyncPoolAllocator(Allocator):
         the driver call (so concurrent callers cannot overshoot the limit together)."""
         c = self._c
         with self._lock:
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain()
             over = c.b_alloc + size > self._limit
             if not over:
@@ -432,7 +432,7 @@ class AsyncPoolAllocator(Allocator):
             c.b_alloc_acc += size
         if self._uses:
             self._uses.pop(ptr, None)
-        self._live[ptr] = (size, h, key)
+        self.live[ptr] = (size, h, key)
         return ptr
 
     def _oom(self, size: int) -> OutOfMemoryError:

@@ -55,6 +55,29 @@ class Allocator(abc.ABC):
     cudaMallocAsync and pluggable allocators slot in as further implementations. Every one
     keeps :attr:`stats` (a :class:`~cudalab.allocator.stats.DeviceStats`) current, because the
     public getters read its counters directly.
+
+    The friend interface. Beyond the methods, these fields are read from outside
+    ``cudalab.allocator`` (by :mod:`cudalab.memory`'s getters and ``caching_allocator_delete``
+    on their hot paths, where a method call would cost more than the read), so they are
+    spelled without an underscore; they are read-only there (only the allocator writes them):
+
+    ``stats``
+        The counters (:class:`~cudalab.allocator.stats.DeviceStats`; ``small``, ``large``
+        and ``agg`` hold torch's figures).
+    ``live``
+        ``ptr -> record`` of every pointer handed out and not freed (``ptr in live`` is
+        :meth:`owns`, without the call).
+    ``pending_frees``
+        Frees that waited for the lock; while it is non-empty, or ``memo_block`` is set,
+        counters lag: call :meth:`sync_pending` before reading them.
+    ``memo_block``
+        The native allocator's pair-memo block (None for the other allocators).
+    ``outstanding_events`` (``DeviceCachingAllocator`` only)
+        ``record_stream`` events not yet seen complete (``memory_stats(extended=True)``).
+
+    Everything else with an underscore is the allocator package's own. Other private state
+    has methods: :meth:`is_locked` (graphs' finalizers), ``turn_off_pair_memo`` and
+    :class:`~cudalab.allocator.replay_target.ReplayTarget` (trace replays).
     """
 
     #: torch's backend name, as ``get_allocator_backend()`` reports it.
@@ -62,12 +85,12 @@ class Allocator(abc.ABC):
     device: int
     stats: DeviceStats
     #: Live allocations keyed by pointer (the registry finds a pointer's owner here).
-    _live: dict[int, Any]
+    live: dict[int, Any]
     #: Frees deferred while the lock was busy (the getters check it before reading).
-    _pending_frees: Any = ()
+    pending_frees: Any = ()
     #: The native allocator's pair memo (see DeviceCachingAllocator); the getters call
     #: sync_pending() first while it is set, so they never see deferred counters.
-    _memo: Any = None
+    memo_block: Any = None
     #: Watermark of allocated bytes for :func:`cudalab.memory.peak_scope` (never above the
     #: peak; a scope opening hands it to the open scopes, then lowers it to the current value).
     _mark: int = 0
@@ -77,6 +100,14 @@ class Allocator(abc.ABC):
     backend: Backend
     _lock: Any  # the device's allocator lock (a TokenLock or a threading.Lock)
     _uses: dict[int, StreamUses]  # ptr -> streams it was used on (allocators using _record_use)
+
+    def is_locked(self) -> bool:
+        """Whether the device's allocator lock is held now (by any thread).
+
+        For finalizers that must not call the allocator while it is busy (the lock is not
+        re-entrant; a finalizer may run inside this thread's own allocator call): they defer
+        their call instead (``cudalab.graphs``' pool release)."""
+        return bool(self._lock.locked())
 
     @abc.abstractmethod
     def malloc(self, size: int, stream: Any = None) -> int:
@@ -215,11 +246,11 @@ class Allocator(abc.ABC):
         self.stats.reset_accumulated()
 
     def _record_use(self, ptr: int, stream: Any, stream_field: int) -> None:
-        """``record_stream`` for allocators that keep ``_live[ptr]`` as a tuple (the
+        """``record_stream`` for allocators that keep ``live[ptr]`` as a tuple (the
         allocation stream key at ``stream_field``) and the streams a pointer was used on in
         ``_uses[ptr]``; use on the allocation stream is ignored."""
         dev, key = stream_use(stream, need_handle=True)
-        rec = self._live.get(ptr)
+        rec = self.live.get(ptr)
         if rec is None:
             raise bad_pointer(ptr)
         if dev == self.device and key == rec[stream_field]:

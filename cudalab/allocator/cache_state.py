@@ -8,7 +8,7 @@ DeviceCachingAllocator` joins them with the hot paths (cache-hit malloc and free
 
 Locking. One lock per device (``_lock``, a :class:`~cudalab.allocator.token_lock.TokenLock`)
 guards every field below, except where a comment says otherwise (the ready box of the pair
-memo, published without the lock, and ``_pending_frees``, appended to without it).
+memo, published without the lock, and ``pending_frees``, appended to without it).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class CacheState(Allocator):
     """
 
     name = "native"
-    #: Flavours that override malloc turn the pair memo off.
+    #: Flavours that override malloc turn the pair memo off (turn_off_pair_memo: one instance).
     _memo_class_ok = True
     #: Whether this class grows segments page by page (expandable_segments:True).
     _expandable = False
@@ -149,14 +149,14 @@ class CacheState(Allocator):
         #: ptr -> its ALLOCATED block, for every pointer handed out and not yet freed (a
         #: memo hit's block too). free pops it first, without the lock: a popped block has
         #: one holder.
-        self._live: dict[int, Block] = {}
+        self.live: dict[int, Block] = {}
         #: Blocks freed while the lock was busy (appended without the lock): still
         #: ALLOCATED and counted; every lock holder drains them before reading counters.
-        self._pending_frees: deque[Block] = deque()
+        self.pending_frees: deque[Block] = deque()
         #: stream -> FIFO of (event, block, event pool) for PENDING blocks;
-        #: _n_events == the total length (so the hot path tests one int).
+        #: outstanding_events == the total length (so the hot path tests one int).
         self._events: dict[Stream, deque[EventUse]] = {}
-        self._n_events = 0
+        self.outstanding_events = 0
         self._n_pending = 0  # blocks freed but awaiting events (PENDING: active, not allocated)
         self._in_sync: list[list[EventUse]] = []  # event lists being synchronised with the lock dropped
         self._event_pools: dict[int, EventPool] = {}
@@ -169,7 +169,7 @@ class CacheState(Allocator):
         # ---- the pair memo (see _establish_memo; _memo_ok is set by _apply_settings)
         self._last: Block | None = None  # the block the last malloc took by a plain best fit
         self._last_stream: Any = None  # the stream argument (or current Stream) of that malloc
-        self._memo: Block | None = None
+        self.memo_block: Block | None = None
         #: Holds the memo block while its free is deferred (a list: append and pop are
         #: atomic, so free can publish it without the lock; see free and _flush_memo).
         self._ready: list[Block] = []
@@ -217,5 +217,5 @@ class CacheState(Allocator):
         self._rounding = any(d > 1 for d in config.roundup_power2_divisions)
         self._gc_threshold = config.garbage_collection_threshold
         self._gc_on = self._set_fraction and self._gc_threshold > 0.0
-        self._memo_ok = (type(self)._memo_class_ok and not self._split_limited
+        self._memo_ok = (self._memo_class_ok and not self._split_limited
                          and not self._captures)

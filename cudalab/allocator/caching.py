@@ -102,7 +102,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
     # attributes keeps them in a dict, each access then a few ns slower); the rest (and
     # subclasses') in the instance dict.
     __slots__ = ("_take", "_give", "_hit_size", "_hit_stream", "_hit_none",
-                 "_ready", "_pending_frees", "_live", "_memo_hits", "_trace", "_memo",
+                 "_ready", "pending_frees", "live", "_memo_hits", "_trace", "memo_block",
                  "_tls_streams", "device", "_hit_log", "_hit_ap", "_hit_rec", "_hit_now", "_hit_fnow",
                  "_memo_req0", "_captures")
 
@@ -123,9 +123,9 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
                          or stream is None and self._hit_none and not _custom
                          or stream is None and self._tls_streams and (cur := _tls.streams) is not None
                          and cur[self.device] is self._hit_stream)
-                    and not self._pending_frees):
+                    and not self.pending_frees):
                 m = self._ready.pop()  # (its state is left as is: _flush_memo sets it)
-                self._live[m.ptr] = m
+                self.live[m.ptr] = m
                 self._memo_hits += 1
                 if self._trace is not None:
                     rec = self._hit_rec
@@ -154,14 +154,14 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
                 skey = stream.cuda_stream
             else:
                 skey = stream_key(stream, self.device)
-            m = self._memo
+            m = self.memo_block
             if m is not None:
                 # The pair memo: the block the last free deferred is exactly what torch's
                 # best fit would return for this request (see _establish_memo). It is in
                 # the ready box while deferred; only lock holders take it out.
                 ready = self._ready
                 if (ready and skey == self._memo_stream and self._memo_lo < size <= self._memo_hi
-                        and not self._pending_frees):
+                        and not self.pending_frees):
                     ready.pop()
                     m.state = ALLOCATED
                     if m.tfree:  # its free, deferred without the lock, left a stamp
@@ -173,7 +173,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
                     if r is not None:  # torch's split leaves the old request on the remainder
                         r.requested = m.requested
                     m.requested = size
-                    self._live[m.ptr] = m
+                    self.live[m.ptr] = m
                     self._memo_hits += 1
                     if size != self._memo_req0:
                         self._memo_req += size - self._memo_req0
@@ -192,7 +192,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
             self._last = None
             if self._captures:  # some private pool is allocated to (see allocator/pools.py)
                 return self._malloc_routed(size, skey)
-            if self._n_events or self._pending_frees:
+            if self.outstanding_events or self.pending_frees:
                 self._process_pending()
             # ---- round, pick the pool, best fit (torch's round_size / get_free_block)
             if size <= 512:
@@ -310,7 +310,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
         allocator flavour; runs under the allocator lock."""
         b.state = ALLOCATED
         b.requested = size
-        self._live[ptr] = b
+        self.live[ptr] = b
         # allocation, allocated_bytes, requested_bytes (active is derived): the pool's
         # current/peak/allocated, then the total's peak. = stats.increase(pool, code, n) for
         # the three codes, written out for the cache-hit pair rows of benchmarks/allocator.py
@@ -354,13 +354,13 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
         """Give a pointer from :meth:`malloc` back to the cache (ValueError if it is not one)."""
         # Hot path (cache-hit pair rows of benchmarks/allocator.py): the free of a memo hit
         # takes no lock; the plain free inlines the lock and torch's free request.
-        b = self._live.pop(ptr, None)
+        b = self.live.pop(ptr, None)
         if b is None:
             if ptr == 0 and type(ptr) is int:
                 return  # torch: freeing the null pointer is a no-op
             raise bad_pointer(ptr)
         box = self._ready  # read before the memo (a flush swaps the box, then clears it)
-        if b is self._memo and b.uses is None and (
+        if b is self.memo_block and b.uses is None and (
                 (trace := self._trace) is None
                 or self._hit_log is not None and b.requested == self._memo_req0):
             # A memo hit comes back: defer its free again, without the lock. Popping b from
@@ -385,7 +385,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
             self._take()  # the allocator lock, never waited for here
         except IndexError:
             # Busy: another thread, or a finalizer inside this thread's own allocator call.
-            self._pending_frees.append(b)
+            self.pending_frees.append(b)
             lock = self._lock
             if lock.acquire(False):
                 try:
@@ -394,7 +394,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
                     lock.release()
             return
         try:
-            m = self._memo
+            m = self.memo_block
             if m is not None:
                 if b is m and b.uses is None:  # a memo hit comes back (history on): defer
                     b.state = DEFERRED
@@ -409,10 +409,10 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
                             self._trace_free(b)
                     return
                 self._flush_memo()
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain_pending_frees()
             if (b is self._last and self._memo_ok and b.uses is None
-                    and not self._gc_on and not self._n_events and not self._n_pending):
+                    and not self._gc_on and not self.outstanding_events and not self._n_pending):
                 if self._establish_memo(b) and self._trace is not None:
                     self._trace_free(b)
                 return
@@ -433,11 +433,11 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
             self._give(True)
 
     def owns(self, ptr: int) -> bool:
-        return ptr in self._live
+        return ptr in self.live
 
     def block_size(self, ptr: int) -> int:
         """The (rounded) size of the live block at ``ptr``."""
-        b = self._live.get(ptr)
+        b = self.live.get(ptr)
         if b is None:
             raise bad_pointer(ptr)
         return b.size
@@ -450,7 +450,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
         """
         dev, key = stream_use(stream)
         with self._lock:
-            b = self._live.get(ptr)
+            b = self.live.get(ptr)
             if b is None:
                 raise bad_pointer(ptr)
             if dev == self.device and key == b.fl.stream:
@@ -467,7 +467,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
                 self._settle_releases()
             self._flush_memo()
             self._last = None
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain_pending_frees()
             self._release_cached_blocks()
 
@@ -496,7 +496,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
         with self._lock:
             self._flush_memo()
             self._last = None
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain_pending_frees()
             self._apply_settings(config)
         if config.per_process_memory_fraction is not None:
@@ -508,7 +508,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
         self._callbacks.append(callback)
 
     def sync_pending(self) -> None:
-        if self._pending_frees or self._memo is not None:
+        if self.pending_frees or self.memo_block is not None:
             with self._lock:
                 self._flush_memo()
                 self._drain_pending_frees()
@@ -671,15 +671,15 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
             if dq is None:
                 dq = self._events[s] = deque()
             dq.append((ev, b, evpool))
-            self._n_events += 1
+            self.outstanding_events += 1
         if b.event_count == 0:
             self._free_block(b)
 
     def _process_pending(self) -> None:
         """Deferred frees, then torch's ``process_events`` (called with the lock held)."""
-        if self._pending_frees:
+        if self.pending_frees:
             self._drain_pending_frees()
-        if not self._n_events:
+        if not self.outstanding_events:
             return
         query = self.backend.event_query
         for key in list(self._events):
@@ -689,7 +689,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
                 if not query(ev):
                     break
                 dq.popleft()
-                self._n_events -= 1
+                self.outstanding_events -= 1
                 evpool.put(ev)
                 b.event_count -= 1
                 if b.event_count == 0:
@@ -698,8 +698,8 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
                 del self._events[key]
 
     def _drain_pending_frees(self) -> None:
-        dq = self._pending_frees
-        if dq and self._memo is not None:
+        dq = self.pending_frees
+        if dq and self.memo_block is not None:
             self._flush_memo()
         while dq:
             self._free_requested(dq.popleft())

@@ -40,7 +40,7 @@ class _Bypass:
     """The methods of a native allocator while caching is off (mixed in before its class).
 
     ``_bypass_live`` (created on first use, kept across switches): pointer -> size of each
-    live allocation made while caching was off; such a pointer is never in ``_live``.
+    live allocation made while caching was off; such a pointer is never in ``live``.
     """
 
     _bypass_live: dict[int, int]

@@ -114,7 +114,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         lock = self._lock
         lock.acquire()
         try:
-            if self._n_events or self._pending_frees:
+            if self.outstanding_events or self.pending_frees:
                 self._process_pending()
             if size <= 512:
                 rs = 512
@@ -148,7 +148,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         """torch's snapshot segments: one per contiguous mapped range, ``is_expandable``."""
         with self._lock:
             self._vm_idle()
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain_pending_frees()
             heads = [b for b in self._all_blocks()
                      if b.prev is None or b.prev.state == UNMAPPED]
@@ -205,7 +205,7 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
         b: Block | None
         with self._lock:
             self._vm_idle()
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain_pending_frees()
             recount = {name: {"n_alloc": 0, "b_alloc": 0, "b_req": 0, "n_seg": 0, "b_res": 0,
                               "n_split": 0, "b_split": 0, "n_pend": 0, "b_pend": 0}
@@ -278,9 +278,9 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
                     assert getattr(pool, code) == value, (
                         f"{pool.name} pool {code} = {getattr(pool, code)}, recount {value}")
             assert self.stats.ov_seg == 0
-            assert len(self._live) + len(self._pending_frees) == (
+            assert len(self.live) + len(self.pending_frees) == (
                 recount["small"]["n_alloc"] + recount["large"]["n_alloc"])
-            assert self._n_events == sum(len(dq) for dq in self._events.values())
+            assert self.outstanding_events == sum(len(dq) for dq in self._events.values())
 
     # ------------------------------------------------------------------ search
     def _best_fit(self, rs: int, pool: BlockPool, skey: int) -> Block | None:

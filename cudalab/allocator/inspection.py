@@ -43,7 +43,7 @@ class Inspection(CacheState):
         """torch's ``memory_snapshot()`` segments of this device (plain dicts and lists)."""
         with self._lock:
             self._flush_memo()
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain_pending_frees()
             heads = [b for b in self._all_blocks() if b.prev is None]
             out: list[SegmentDict] = []
@@ -99,7 +99,7 @@ class Inspection(CacheState):
             rc["n_alloc"] += 1
             rc["b_alloc"] += b.size
             rc["b_req"] += b.requested
-            assert self._live.get(b.ptr) is b or b in self._pending_frees, \
+            assert self.live.get(b.ptr) is b or b in self.pending_frees, \
                 f"{b!r} is allocated but not live"
         elif b.state == PENDING:
             assert b.event_count > 0 or any(b is d for d, _ in self._deferred_uses), \
@@ -121,7 +121,7 @@ class Inspection(CacheState):
         """
         with self._lock:
             self._flush_memo()
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain_pending_frees()
             blocks = self._all_blocks()
             ids = {id(b) for b in blocks}
@@ -166,9 +166,9 @@ class Inspection(CacheState):
                 for code, value in rc.items():
                     assert getattr(pool, code) == value, (
                         f"{pool.name} pool {code} = {getattr(pool, code)}, recount {value}")
-            assert len(self._live) + len(self._pending_frees) == (
+            assert len(self.live) + len(self.pending_frees) == (
                 recount["small"]["n_alloc"] + recount["large"]["n_alloc"])
-            assert self._n_events == sum(len(dq) for dq in self._events.values())
+            assert self.outstanding_events == sum(len(dq) for dq in self._events.values())
 
     def _all_free_lists(self) -> list[FreeList]:
         """The free lists of the default pools, then those of every private pool."""
@@ -178,7 +178,7 @@ class Inspection(CacheState):
         return lists
 
     def _all_blocks(self) -> list[Block]:
-        blocks: list[Block] = list(self._live.values())
+        blocks: list[Block] = list(self.live.values())
         for fl in self._all_free_lists():
             blocks.extend(b for b in fl.entries.values() if b is not None)
         seen = set()
@@ -187,7 +187,7 @@ class Inspection(CacheState):
                 if id(b) not in seen and b.state == PENDING:
                     seen.add(id(b))
                     blocks.append(b)
-        blocks.extend(self._pending_frees)  # freed while the lock was busy: still allocated
+        blocks.extend(self.pending_frees)  # freed while the lock was busy: still allocated
         blocks.extend(b for b, _ in self._deferred_uses)  # freed during a capture: pending
         return blocks
 

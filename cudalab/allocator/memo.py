@@ -103,7 +103,7 @@ class PairMemo(CacheState):
         self._memo_req_max = req
         self._last = None
         b.state = DEFERRED
-        self._memo = b
+        self.memo_block = b
         self._ready.append(b)
         # With a history hook whose entries carry nothing but a stamp (the time, and the
         # stack when stacks are recorded; no NVTX range), pairs of the memo's first request
@@ -128,7 +128,7 @@ class PairMemo(CacheState):
         if log:
             # set only while the hook has the compact half (see _establish_memo)
             trace: CompactTrace | None = self._trace  # type: ignore[assignment]
-            memo = self._memo
+            memo = self.memo_block
             if trace is not None and memo is not None:
                 trace.compact(memo.ptr, self._memo_req0, self._memo_stream, log)
             log.clear()
@@ -148,13 +148,27 @@ class PairMemo(CacheState):
         if self._hit_stream is stream:
             with self._lock:
                 if self._hit_stream is stream:
-                    if self._memo is not None:
+                    if self.memo_block is not None:
                         self._flush_memo()
                     self._hit_stream = NO_STREAM
 
+    def turn_off_pair_memo(self) -> None:
+        """Defer no malloc+free pair from now on (the deferred one, if any, is done now).
+
+        For callers that read the counters after every call (a trace replay, see
+        :class:`~cudalab.allocator.replay_target.ReplayTarget`): with the memo on, a hit
+        pair leaves them as they were until the next flush. Results are the same either way;
+        the memo only saves work. Settings changed later (``reconfigure``) keep it off.
+        """
+        with self._lock:
+            self._flush_memo()
+            self._last = None
+            self._memo_class_ok = False  # (the instance's: _apply_settings reads it)
+            self._memo_ok = False
+
     def _flush_memo(self) -> None:
         """Make the memo's deferred work real (lock held); no-op without a memo."""
-        b = self._memo
+        b = self.memo_block
         if b is None:
             return
         box = self._ready
@@ -172,7 +186,7 @@ class PairMemo(CacheState):
             self._spill_log()
             self._hit_log = self._hit_ap = self._hit_rec = None
         b.tfree = 0
-        self._memo = None
+        self.memo_block = None
         self._hit_size = -1
         pool = b.fl.pool
         k = self._memo_hits

@@ -233,7 +233,7 @@ class PluggableDeviceAllocator(Allocator):
         self.config = config or AllocatorConfig()
         self._resolver = stream_resolver
         self.stats = DeviceStats(-1)
-        self._live: dict[int, tuple[int, int, Any]] = {}  # ptr -> (size, stream int, pool)
+        self.live: dict[int, tuple[int, int, Any]] = {}  # ptr -> (size, stream int, pool)
         self._uses: dict[int, StreamUses] = {}
         self._lock = threading.Lock()
         self._limited = False
@@ -273,13 +273,13 @@ class PluggableDeviceAllocator(Allocator):
                                                    "not a device pointer (int)")
         if ptr <= 0:
             raise self._bad_result(size, skey, f"returned {ptr} (out of memory?)")
-        if ptr in self._live:
+        if ptr in self.live:
             raise RuntimeError(
                 f"pluggable allocator: malloc_fn returned {ptr:#x}, which is still live "
                 f"(allocated and not freed) on device {self.device}")
         rec = (size, skey, pool)
         with self._lock:
-            self._live[ptr] = rec
+            self.live[ptr] = rec
             st.num_device_alloc += 1
             st.increase(pool, "n_seg", 1)
             st.increase(pool, "n_alloc", 1)
@@ -296,7 +296,7 @@ class PluggableDeviceAllocator(Allocator):
         return ptr
 
     def free(self, ptr: int) -> None:
-        rec = self._live.pop(ptr, None)
+        rec = self.live.pop(ptr, None)
         if rec is None:
             if ptr == 0 and type(ptr) is int:
                 return
@@ -308,7 +308,7 @@ class PluggableDeviceAllocator(Allocator):
                 self._wait_for_uses(skey, uses)
             self.spec.free_fn(ptr, size, self.device, skey)
         except BaseException:
-            self._live[ptr] = rec  # lose nothing: still live, can be freed again
+            self.live[ptr] = rec  # lose nothing: still live, can be freed again
             if uses:
                 self._uses[ptr] = uses
             raise
@@ -326,10 +326,10 @@ class PluggableDeviceAllocator(Allocator):
 
     # ------------------------------------------------------------------ Allocator API
     def owns(self, ptr: int) -> bool:
-        return ptr in self._live
+        return ptr in self.live
 
     def block_size(self, ptr: int) -> int:
-        rec = self._live.get(ptr)
+        rec = self.live.get(ptr)
         if rec is None:
             raise bad_pointer(ptr)
         return rec[0]
@@ -351,7 +351,7 @@ class PluggableDeviceAllocator(Allocator):
     def segments(self) -> list[SegmentDict]:
         """One segment per live allocation (torch's snapshot layout)."""
         with self._lock:
-            items = sorted(self._live.items())
+            items = sorted(self.live.items())
         small = self.stats.small
         return [{
             "device": self.device, "address": ptr, "total_size": size, "allocated_size": size,

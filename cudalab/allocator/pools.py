@@ -163,7 +163,7 @@ class PrivatePools(CacheState):
                 raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
             if not caps:
                 self._last = None
-                self._memo_ok = type(self)._memo_class_ok and not self._split_limited
+                self._memo_ok = self._memo_class_ok and not self._split_limited
                 deferred = self._deferred_uses
                 while deferred:  # frees that waited for the capture's end: their events now
                     b, uses = deferred.pop(0)
@@ -235,7 +235,7 @@ class PrivatePools(CacheState):
         with self._lock:
             self._settle_releases()
             self._flush_memo()
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain_pending_frees()
             self._release_freeable_pools(pid)
 
@@ -254,7 +254,7 @@ class PrivatePools(CacheState):
         with self._lock:
             self._settle_releases()
             self._flush_memo()
-            if self._pending_frees:
+            if self.pending_frees:
                 self._drain_pending_frees()
             out: dict[tuple[int, int], dict[str, Any]] = {pid: {"id": pid, "kind": pp.kind, "use_count": pp.use_count,
                          "segments": 0, "reserved_bytes": 0, "allocated_bytes": 0,
@@ -300,7 +300,7 @@ class PrivatePools(CacheState):
             self._release_locked(pid, drop)
             if drop:
                 self._flush_memo()
-                if self._pending_frees:
+                if self.pending_frees:
                     self._drain_pending_frees()
                 self._release_freeable_pools(pid)
         finally:
@@ -358,7 +358,7 @@ class PrivatePools(CacheState):
         torch's malloc with captures underway: no event polling, the routed pool's free
         lists (or the default ones when no filter matches), no release of cached blocks on a
         miss, torch's split rule unless the pool is ``no_split``."""
-        if self._pending_frees:
+        if self.pending_frees:
             self._drain_pending_frees()
         rs = round_size(size, self.config)  # (malloc's hit path inlines it)
         small = rs <= SMALL_SIZE

@@ -90,7 +90,7 @@ class SlowPath(CacheState):
             self._lock.acquire()
         if not freed:
             return None
-        if self._pending_frees or self._n_events:
+        if self.pending_frees or self.outstanding_events:
             self._process_pending()
         return self._search(rs, pool, skey)
 
@@ -215,7 +215,7 @@ class SlowPath(CacheState):
         if not self._events:
             return
         events, self._events = self._events, {}
-        self._n_events = 0
+        self.outstanding_events = 0
         pending = [item for dq in events.values() for item in dq]
         self._in_sync.append(pending)  # still visible to segments() while unlocked
         done = 0
@@ -238,7 +238,7 @@ class SlowPath(CacheState):
                     for s, dq in events.items():
                         if item in dq:
                             self._events.setdefault(s, deque()).append(item)
-                            self._n_events += 1
+                            self.outstanding_events += 1
                             break
 
     def _garbage_collect(self) -> None:

@@ -46,7 +46,7 @@ class UncachedAllocator(Allocator):
         self.config = config or AllocatorConfig()
         ms = self.config.max_split_size
         self.stats = DeviceStats(-1 if ms >= UNLIMITED else ms)
-        self._live: dict[int, tuple[int, int, Counters]] = {}
+        self.live: dict[int, tuple[int, int, Counters]] = {}
         self._lock = threading.Lock()
         self._set_fraction = False
         self._fraction = 1.0
@@ -74,7 +74,7 @@ class UncachedAllocator(Allocator):
                 exc = self._oom(size)
             raise self._observed(exc, size) from None
         with self._lock:
-            self._live[ptr] = (size, size, pool)
+            self.live[ptr] = (size, size, pool)
             st.num_device_alloc += 1
             for code in ("n_seg", "n_alloc"):
                 st.increase(pool, code, 1)
@@ -87,7 +87,7 @@ class UncachedAllocator(Allocator):
 
     def free(self, ptr: int) -> None:
         with self._lock:
-            entry = self._live.pop(ptr, None)
+            entry = self.live.pop(ptr, None)
             if entry is None:
                 if ptr == 0 and type(ptr) is int:
                     return
@@ -106,10 +106,10 @@ class UncachedAllocator(Allocator):
         self.backend.mem_free(self.device, ptr)
 
     def owns(self, ptr: int) -> bool:
-        return ptr in self._live
+        return ptr in self.live
 
     def record_stream(self, ptr: int, stream: Any) -> None:
-        if ptr not in self._live:
+        if ptr not in self.live:
             raise bad_pointer(ptr)
 
     def empty_cache(self) -> None:
@@ -126,7 +126,7 @@ class UncachedAllocator(Allocator):
 
     def segments(self) -> list[SegmentDict]:
         with self._lock:
-            items = sorted(self._live.items())
+            items = sorted(self.live.items())
         return [{
             "device": self.device, "address": ptr, "total_size": size, "allocated_size": size,
             "active_size": size, "requested_size": req, "stream": 0,

@@ -87,7 +87,7 @@ def _release_pool(device: int, pool_id: tuple[int, int], finalizing: bool) -> No
     """Give back a graph's use of its pool; from a finalizer only when the allocator's lock
     is free (else deferred, see ``_deferred_releases``)."""
     alloc = get_allocator(device)
-    if finalizing and alloc._lock.locked():
+    if finalizing and alloc.is_locked():
         _deferred_releases.append((device, pool_id))
         return
     alloc.release_pool(pool_id)

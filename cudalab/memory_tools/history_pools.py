@@ -72,7 +72,7 @@ def hook(device: int) -> Callable[[int, int, tuple[int, int], bool], None]:
 
 def seed(allocator: Any) -> None:
     """Note the private-pool segments ``allocator`` holds now (recording starts)."""
-    if not getattr(allocator, "_pools", None):
+    if not allocator.pools():  # (the allocator interface: [] when it has none)
         return
     for seg in allocator.segments():
         pid = seg.get("segment_pool_id") or (0, 0)

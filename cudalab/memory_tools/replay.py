@@ -59,15 +59,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from cudalab import _internal
 from cudalab._atomic_write import atomic_write
 from cudalab._units import GiB, MiB, format_bytes
 from cudalab.allocator.config import AllocatorConfig, parse_alloc_conf
+from cudalab.allocator.replay_target import ReplayTarget
 from cudalab.errors import OutOfMemoryError
 from cudalab.memory_tools.progress import progress_callback
 from cudalab.memory_tools.trace_io import TraceArrays, load_trace
 
 if TYPE_CHECKING:
-    from cudalab._driver.base import Backend
+    from cudalab._internal import Backend
 
 __all__ = [
     "ReplayPlan",
@@ -342,13 +344,9 @@ class ReplayResult:
 
 
 # ====================================================================================== replay
-def _simulator(device_memory: int) -> Any:
-    """A private one-device SimulatorBackend of ``device_memory`` bytes."""
-    from cudalab._driver.sim import SimulatorBackend, SimulatorConfig
-
-    sim = SimulatorBackend(SimulatorConfig(device_count=1, memory=int(device_memory)))
-    sim.init()
-    return sim
+def _simulator(device_memory: int) -> Backend:
+    """A private one-device simulator backend of ``device_memory`` bytes."""
+    return _internal.private_simulator(device_count=1, memory=int(device_memory))
 
 
 class _TraceAddresses:
@@ -362,7 +360,7 @@ class _TraceAddresses:
     traced one. The simulator still holds the memory (capacity, out-of-memory).
     """
 
-    def __init__(self, sim: Any, segments: list[tuple[int, int]]):
+    def __init__(self, sim: Backend, segments: list[tuple[int, int]]):
         self._sim = sim
         self._queue = deque(segments)
         self._real: dict[int, int] = {}  # handed-out address -> simulator address
@@ -454,49 +452,26 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
          segments: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """One replay over a fresh simulator; the raw numbers."""
     sim = _simulator(device_memory)
-    is_async = cfg.backend == "cudaMallocAsync"
-    alloc: Any  # an AsyncPoolAllocator or a native caching allocator
+    backend = (_TraceAddresses(sim, segments)
+               if segments and not cfg.expandable_segments and cfg.backend == "native" else sim)
+    target = ReplayTarget(cast("Backend", backend), cfg)
+    is_async = target.is_async
     if is_async:
-        from cudalab.allocator.async_allocator import AsyncPoolAllocator
-
-        alloc = AsyncPoolAllocator(sim, 0, cfg, stream_resolver=lambda: 0)
-        # Streams of the trace become streams of the private simulator (0, 1, 2 are the
-        # default streams there too).
-        keys: dict[int, int] = {}
-        for s in set(plan.stream):
-            keys[s] = s if s in (0, 1, 2) else sim.handle_int(sim.stream_create(0))
+        keys = {s: target.stream_key(s) for s in set(plan.stream)}
         streams = [keys[s] for s in plan.stream]
-        pool = alloc._pool
     else:
-        from cudalab.allocator.registry import native_allocator
-
-        backend = (_TraceAddresses(sim, segments) if segments and not cfg.expandable_segments
-                   else sim)
-        alloc = native_allocator(cast("Backend", backend), 0, cfg, stream_resolver=lambda: 0)
-        alloc._trace = None  # never recorded into anyone's history
-        alloc._memo_ok = False  # counters are sampled after every event
         streams = plan.stream
-
-    def allocated() -> int:
-        if is_async:
-            return alloc._c.b_alloc
-        st = alloc.stats
-        return st.small.b_alloc + st.large.b_alloc
-
-    def reserved() -> int:
-        if is_async:
-            return pool.reserved
-        st = alloc.stats
-        return st.small.b_res + st.large.b_res
-
+    allocated = target.allocated
+    reserved = target.reserved
     n = len(plan.action)
     index = plan.index
     stride = max(1, -(-n // _SAMPLES))
     t_index: list[int] = [0] if n else []
     t_res: list[int] = [0] if n else []
     t_alloc: list[int] = [0] if n else []
-    malloc = alloc.malloc
-    free = alloc.free
+    malloc = target.malloc
+    free = target.free
+    stats = target.stats
     ptrs: list[int] = [0] * (plan.n_entries or 1)
     oom_entries: list[tuple[int, int]] = []
     failed: list[int] = []
@@ -506,6 +481,9 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
     alloc_at_peak = 0
     on_plateau = False
     it = zip(plan.action, plan.size, streams, plan.slot)
+    usage = target.pool_usage
+    pool_reserved = 0  # (async) the pool's reserved bytes after the last malloc
+    pool_grown = 0  # (async) mallocs that grew the pool: its device allocations
     done = 0
     t0 = time.perf_counter()
     while done < n:
@@ -514,8 +492,8 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
         # tells whether reserved reached a new peak; while reserved stays at its peak (a
         # plateau: reserved only moves inside malloc), the largest allocated value is kept,
         # so the ratio is reserved/allocated at the busiest moment of the reserved peak.
-        if is_async:
-            c = alloc._c
+        if usage is not None:  # cudaMallocAsync: the pool's figures are a driver query
+            c = stats.large
             for a, size, s, k in islice(it, chunk):
                 if a:
                     try:
@@ -526,13 +504,18 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
                         if len(oom_entries) < _MAX_OOM_RECORDS:
                             oom_entries.append((k, size))
                         continue
-                    if pool.reserved_high != last_peak:
-                        last_peak = pool.reserved_high
+                    res, res_high, _, _ = usage()
+                    if res != pool_reserved:  # the pool grows by one device allocation
+                        if res > pool_reserved:
+                            pool_grown += 1
+                        pool_reserved = res
+                    if res_high != last_peak:
+                        last_peak = res_high
                         peak_index = k
                         alloc_at_peak = c.b_alloc
                         on_plateau = True
                     elif on_plateau and c.b_alloc > alloc_at_peak:
-                        if pool.reserved == last_peak:
+                        if res == last_peak:
                             alloc_at_peak = c.b_alloc
                             peak_index = k
                         else:
@@ -540,9 +523,9 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
                 else:
                     free(ptrs[k])
         else:
-            agg = alloc.stats.agg
-            sp = alloc.stats.small
-            lp = alloc.stats.large
+            agg = stats.agg
+            sp = stats.small
+            lp = stats.large
             for a, size, s, k in islice(it, chunk):
                 if a:
                     try:
@@ -573,16 +556,16 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
         if progress is not None:
             progress(done, n)
     elapsed = time.perf_counter() - t0
-    stats = alloc.memory_stats()
+    final = target.memory_stats()
     if is_async:
-        n_dev_alloc = len(pool.chunks)
+        n_dev_alloc = pool_grown
         n_dev_free = 0
         retries = 0
     else:
-        n_dev_alloc = stats["num_device_alloc"]
-        n_dev_free = stats["num_device_free"]
-        retries = stats["num_alloc_retries"]
-    peak_reserved = stats["reserved_bytes.all.peak"]
+        n_dev_alloc = final["num_device_alloc"]
+        n_dev_free = final["num_device_free"]
+        retries = final["num_alloc_retries"]
+    peak_reserved = final["reserved_bytes.all.peak"]
     # Insert the exact reserved peak into the timeline (samples may straddle it).
     if peak_index >= 0:
         j = int(np.searchsorted(np.asarray(t_index), peak_index, side="right"))
@@ -598,7 +581,7 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
     n_allocs = int(sum(plan.action))
     out = {
         "peak_reserved": peak_reserved,
-        "peak_allocated": stats["allocated_bytes.all.peak"],
+        "peak_allocated": final["allocated_bytes.all.peak"],
         "allocated_at_peak": alloc_at_peak,
         "peak_index": peak_index,
         "num_device_alloc": n_dev_alloc,
@@ -616,11 +599,10 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
         "timeline": (np.asarray(t_index, dtype=np.int64), np.asarray(t_res, dtype=np.int64),
                      np.asarray(t_alloc, dtype=np.int64)),
     }
-    if is_async:
-        try:
-            alloc.close()
-        except Exception:  # pragma: no cover - the private simulator is dropped anyway
-            pass
+    try:
+        target.close()
+    except Exception:  # pragma: no cover - the private simulator is dropped anyway
+        pass
     return out
 
 

@@ -53,7 +53,7 @@ def make(backend):
 
     yield factory
     for a in made:
-        for p in list(a._live):
+        for p in list(a.live):
             a.free(p)
         a.close()
 
@@ -221,8 +221,8 @@ def test_allocation_stream_is_honoured(make, backend):
         p = a.malloc(100)
     q = a.malloc(100, s)
     r = a.malloc(100)  # the default stream now
-    assert a._live[p][2] == a._live[q][2] == s.cuda_stream
-    assert a._live[r][2] == 0
+    assert a.live[p][2] == a.live[q][2] == s.cuda_stream
+    assert a.live[r][2] == 0
     other = cudalab.Stream(1) if cudalab.device_count() > 1 else None
     if other is not None:
         with pytest.raises(ValueError, match="belongs to device 1"):
@@ -488,10 +488,10 @@ def test_frees_while_the_lock_is_busy_are_applied_later(make):
     p = a.malloc(4096)
     with a._lock:  # as if a finalizer ran inside this thread's own allocator call
         a.free(p)
-        assert list(a._pending_frees) == [4096]
+        assert list(a.pending_frees) == [4096]
     assert a.stats.large.b_alloc == 4096  # applied on the next read
     assert a.memory_stats()["allocated_bytes.all.current"] == 0
-    assert not a._pending_frees
+    assert not a.pending_frees
 
 
 # --------------------------------------------------------------------------- process level
@@ -516,7 +516,7 @@ def async_registry(backend):
             A.active[:] = saved[1]
             A._config = saved[2]
         for a in made:
-            for p in list(a._live):
+            for p in list(a.live):
                 a.free(p)
             a.close()
 

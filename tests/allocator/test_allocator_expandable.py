@@ -33,7 +33,7 @@ def make(backend, conf: str = CONF, resolver=lambda: 0) -> DeviceCachingAllocato
 
 
 def drain(a) -> None:
-    for p in list(a._live):
+    for p in list(a.live):
         a.free(p)
     a.empty_cache()
     a.check_invariants()

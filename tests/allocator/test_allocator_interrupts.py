@@ -50,7 +50,7 @@ def check_after(a: DeviceCachingAllocator, exc: BaseException | None) -> None:
     p = a.malloc(5 * KiB)
     a.free(p)
     _alloc_in_thread(a)
-    for ptr in list(a._live):
+    for ptr in list(a.live):
         a.free(ptr)
     a.check_invariants()
     a.empty_cache()
@@ -130,7 +130,7 @@ def test_interrupt_at_every_line_and_bytecode(backend, deferring, name):
     for opcodes in (False, True):
         a, op = setup()
         n = count_events(op, in_allocator, opcodes)
-        for ptr in list(a._live):
+        for ptr in list(a.live):
             a.free(ptr)
         a.empty_cache()
         assert n > 5

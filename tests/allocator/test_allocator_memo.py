@@ -138,8 +138,8 @@ def test_memo_hits_and_a_hit_left_out(monkeypatch):
     for i in range(1000):
         r.malloc(1000 + i % 24, 0)
         r.free(len(r.live) - 1)
-    assert r.allocs[0]._memo is not None and r.allocs[0]._memo_hits > 990
-    assert r.allocs[1]._memo is None
+    assert r.allocs[0].memo_block is not None and r.allocs[0]._memo_hits > 990
+    assert r.allocs[1].memo_block is None
     r.malloc(1500, 0)  # a hit that stays out
     r.compare()
     s = r.allocs[0].memory_stats()
@@ -162,7 +162,7 @@ def test_pure_and_general_hits_interleave(monkeypatch, stream):
         for size in sizes[:k]:  # pairs with the memo live throughout (no read in between)
             r.malloc(size, stream)
             r.free(len(r.live) - 1)
-        assert r.allocs[0]._memo is not None
+        assert r.allocs[0].memo_block is not None
         r.malloc(4096, stream)  # a hit that stays out
         r.compare()
         r.free(0)
@@ -175,9 +175,9 @@ def test_memo_is_flushed_before_history_records(monkeypatch):
     (a, b) = _pair(monkeypatch)
     for _ in range(3):
         a.free(a.malloc(4096, 0))
-    assert a._memo is not None
+    assert a.memo_block is not None
     a.sync_pending()
-    assert a._memo is None
+    assert a.memo_block is None
     a.check_invariants()
     assert a.memory_stats()["allocation.all.allocated"] == 3
     assert cm  # the public getters call sync_pending (tests/allocator/test_allocator_stats.py)
@@ -280,8 +280,8 @@ def test_pure_hits_on_stream_none_respect_other_threads_streams():
     a = get_allocator(0)
     for _ in range(3):
         a.free(a.malloc(4096))
-    assert a._memo is not None and a._hit_none
-    memo_ptr = a._memo.ptr
+    assert a.memo_block is not None and a._hit_none
+    memo_ptr = a.memo_block.ptr
     got, errors = [], []
 
     def b():
@@ -289,7 +289,7 @@ def test_pure_hits_on_stream_none_respect_other_threads_streams():
             s = cudalab.Stream()
             with cudalab.stream(s):
                 p = a.malloc(4096)
-                got.append((p, s.cuda_stream, a._live[p].fl.stream))
+                got.append((p, s.cuda_stream, a.live[p].fl.stream))
                 a.free(p)
         except BaseException as exc:  # reported below
             errors.append(exc)
@@ -301,7 +301,7 @@ def test_pure_hits_on_stream_none_respect_other_threads_streams():
     (p, key, on) = got[0]
     assert p != memo_ptr and on == key != 0
     q = a.malloc(4096)  # the main thread is still on the default stream
-    assert a._live[q].fl.stream == 0
+    assert a.live[q].fl.stream == 0
     a.free(q)
     a.check_invariants()
 
@@ -429,7 +429,7 @@ def test_pairs_are_logged_as_times_then_written_out(monkeypatch):
     assert a._ready  # the last pair's free is deferred: its time is on the block
     log = list(a._hit_log)  # (free time, alloc time) pairs, 0 for none
     assert len(log) % 2 == 0 and all(t > 0 for t in log[1::2])
-    frees = [*log[0::2], a._memo.tfree]  # the last free's time is still on the block
+    frees = [*log[0::2], a.memo_block.tfree]  # the last free's time is still on the block
     expected = 2 * sum(1 for t in frees if t) + len(log) // 2 + 1
     r.malloc(4000, "s0")  # a general hit: the logged pairs go first, then its own entry
     assert len(logs[0]) == n + expected and not a._hit_log

@@ -71,7 +71,7 @@ def registry(backend):
             A._config = saved[2]
         A._custom = None
         for a in made:
-            for p in list(a._live):
+            for p in list(a.live):
                 try:
                     a.free(p)
                 except Exception:  # a test's deliberately failing free_fn

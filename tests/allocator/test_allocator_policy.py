@@ -43,7 +43,7 @@ def allocs(backend):
     yield factory
     for a in made:
         a.check_invariants()
-        for ptr in list(a._live):
+        for ptr in list(a.live):
             a.free(ptr)
         a.empty_cache()
         assert a.segments() == []

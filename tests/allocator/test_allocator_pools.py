@@ -46,7 +46,7 @@ def alloc(backend):
     a.check_invariants()
     for pid, _ in list(a._captures):
         a.end_allocate_to_pool(pid)
-    for ptr in list(a._live):
+    for ptr in list(a.live):
         a.free(ptr)
     for pid, pp in list(a._pools.items()):
         while pp.use_count > 0:
@@ -237,20 +237,20 @@ def test_the_pair_memo_is_off_while_routing_and_back_after(alloc):
     pid = pools.graph_pool_handle()
     alloc.free(alloc.malloc(64))
     alloc.free(alloc.malloc(4 * KiB))  # the memo is set up on the default stream
-    assert alloc._memo is not None
+    assert alloc.memo_block is not None
     alloc.begin_allocate_to_pool(pid, lambda s: True)
-    assert alloc._memo is None
+    assert alloc.memo_block is None
     p = alloc.malloc(4 * KiB)  # the same request: routed, not the memo's default block
     alloc.free(p)
     alloc.free(alloc.malloc(4 * KiB))
-    assert alloc._memo is None and pool_of(alloc, alloc.malloc(4 * KiB)) == pid
+    assert alloc.memo_block is None and pool_of(alloc, alloc.malloc(4 * KiB)) == pid
     alloc.end_allocate_to_pool(pid)
     hits = alloc._memo_hits
     x = alloc.malloc(4 * KiB)
     alloc.free(x)
     for _ in range(3):
         alloc.free(alloc.malloc(4 * KiB))
-    assert alloc._memo is not None and alloc._memo_hits >= hits + 3
+    assert alloc.memo_block is not None and alloc._memo_hits >= hits + 3
     assert pool_of(alloc, x) == (0, 0)
 
 
@@ -459,12 +459,12 @@ def test_a_record_stream_free_during_a_capture_waits_for_its_end(alloc):
     alloc.begin_allocate_to_pool(pid, on(CAPTURE))
     alloc.free(p)
     states = {b["address"]: b["state"] for s in alloc.segments() for b in s["blocks"]}
-    assert states[p] == "active_pending_free" and alloc._n_events == 0
+    assert states[p] == "active_pending_free" and alloc.outstanding_events == 0
     alloc.check_invariants()
     q = alloc.malloc(4 * KiB, OTHER)  # allocations go on; the pending block is not reused
     assert q != p
     alloc.end_allocate_to_pool(pid)
-    assert alloc._n_events == 1 and alloc._deferred_uses == []
+    assert alloc.outstanding_events == 1 and alloc._deferred_uses == []
     side.synchronize()
     alloc.process_events()
     states = {b["address"]: b["state"] for s in alloc.segments() for b in s["blocks"]}

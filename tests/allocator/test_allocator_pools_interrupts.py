@@ -78,7 +78,7 @@ def _state(a, pid) -> tuple[int, bool]:
 def _clean(a) -> None:
     for pid, _ in list(a._captures):
         a.end_allocate_to_pool(pid)
-    for ptr in list(a._live):
+    for ptr in list(a.live):
         a.free(ptr)
     for pid, pp in list(a._pools.items()):
         while pp.use_count > 0:

@@ -203,7 +203,7 @@ def test_script_states_midway(backend):
     assert result["inactive_split_bytes.large_pool.current"] == 9437184
     assert result["reserved_bytes.all.current"] == 22 * MiB
     a.check_invariants()
-    for p in list(a._live):
+    for p in list(a.live):
         a.free(p)
     a.empty_cache()
 
@@ -280,7 +280,7 @@ def test_nested_dict_matches_flat(backend):
     assert list(nested["allocation"]) == ["all", "small_pool", "large_pool"]
     assert list(nested["allocation"]["all"]) == ["current", "peak", "allocated", "freed"]
     assert nested == nested_from_flat(result)
-    for p in list(a._live):
+    for p in list(a.live):
         a.free(p)
     a.empty_cache()
 
@@ -319,7 +319,7 @@ def test_counter_invariants_hold_after_every_step(backend, conf):
              "reset_accumulated": a.reset_accumulated_stats}[op[0]]()
         a.sync_pending()
         a.stats.check_invariants()
-    for p in list(a._live):
+    for p in list(a.live):
         a.free(p)
     a.empty_cache()
     a.stats.check_invariants()
@@ -387,7 +387,7 @@ def test_memory_summary_layout(backend):
     assert torch_title == "|" + " " * 18 + "PyTorch CUDA memory summary, device ID 0" + " " * 17 + "|"
     with pytest.raises(ValueError):
         render_memory_summary(result, 0, title="cudalab2")
-    for p in list(a._live):
+    for p in list(a.live):
         a.free(p)
     a.empty_cache()
 
@@ -540,7 +540,7 @@ def test_stats_equal_torchs_for_a_longer_script(backend, conf):
     theirs = torch_out["stats"]
     diff = {k: (ours[k], theirs.get(k)) for k in STAT_KEYS if ours[k] != theirs.get(k)}
     assert diff == {}, f"torch {torch_out['version']}"
-    for p in list(a._live):
+    for p in list(a.live):
         a.free(p)
     a.empty_cache()
 
@@ -554,7 +554,7 @@ def test_memory_summary_equals_torchs(backend, abbreviated):
     ours, a = run_cudalab(backend, script)
     text = render_memory_summary(ours, 0, abbreviated, title="PyTorch")
     assert text == torch_out["summaries"][0]
-    for p in list(a._live):
+    for p in list(a.live):
         a.free(p)
     a.empty_cache()
 

@@ -98,9 +98,9 @@ def test_free_while_this_thread_holds_the_lock_is_deferred(backend):
     p = a.malloc(1000)
     with a._lock:  # as if a finalizer ran inside this thread's own allocator call
         a.free(p)  # must not deadlock
-        assert len(a._pending_frees) == 1
+        assert len(a.pending_frees) == 1
     s = a.memory_stats()  # readers apply deferred frees first
-    assert s["allocated_bytes.all.current"] == 0 and not a._pending_frees
+    assert s["allocated_bytes.all.current"] == 0 and not a.pending_frees
     with pytest.raises(ValueError, match="double free"):
         a.free(p)
     a.check_invariants()
@@ -124,9 +124,9 @@ def test_finalizer_freeing_inside_malloc_does_not_deadlock(backend):
     a._trace = lambda *args: gc.collect()
     p = a.malloc(2000)
     a._trace = None
-    assert len(a._pending_frees) == 3
+    assert len(a.pending_frees) == 3
     q = a.malloc(2000)  # the next call merges the deferred frees
-    assert not a._pending_frees
+    assert not a.pending_frees
     s = a.memory_stats()
     assert s["allocation.all.current"] == 2 and s["allocation.all.freed"] == 3
     a.free(p)
@@ -210,7 +210,7 @@ def _deferral_scenario(backend, history: bool, inject_at: int | None):
         for _ in range(3):
             a.free(a.malloc(4096, s))
     a = allocs[0]
-    assert a._memo is not None
+    assert a.memo_block is not None
     p = a.malloc(4096, s)  # a hit: the memo block is allocated
     q = allocs[1].malloc(4096, s)
     lo, hi = _lockfree_lines()

@@ -83,7 +83,7 @@ def priv(backend):
     yield factory
     for a in made:
         history.detach_allocator(a)
-        for p in list(a._live):
+        for p in list(a.live):
             a.free(p)
         a.empty_cache()
 

@@ -36,7 +36,7 @@ def alloc(backend):
     history.detach_allocator(a)
     for pid, _ in list(a._captures):
         a.end_allocate_to_pool(pid)
-    for p in list(a._live):
+    for p in list(a.live):
         a.free(p)
     for pid, pp in list(a._pools.items()):
         while pp.use_count:

@@ -87,7 +87,7 @@ def workload(backend):
     snap = cudalab.memory._snapshot(allocators=[a])
     yield a, snap, ptrs, ln
     history.detach_allocator(a)
-    for p in list(a._live):
+    for p in list(a.live):
         a.free(p)
     a.empty_cache()
 

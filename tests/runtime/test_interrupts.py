@@ -68,7 +68,7 @@ def test_without_the_wrapper_a_finalizer_loses_the_interrupt(backend):
         drop()  # (creating the allocator installs the wrapper: replaced below)
     # blocks of arrays that other tests keep alive (an IPython shell's user namespace):
     # the cleanup below must not free them under their owners
-    kept = set(cm.get_allocator(0)._live)
+    kept = set(cm.get_allocator(0).live)
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     unraisable: list = []
     old_hook = sys.unraisablehook
@@ -86,7 +86,7 @@ def test_without_the_wrapper_a_finalizer_loses_the_interrupt(backend):
     finally:
         sys.unraisablehook = old_hook
         signal.signal(signal.SIGINT, old)
-    for p in set(cm.get_allocator(0)._live) - kept:  # what the lost frees left behind
+    for p in set(cm.get_allocator(0).live) - kept:  # what the lost frees left behind
         cm.caching_allocator_delete(p)
 
 
