@@ -15,7 +15,10 @@ title turns orange at ``warn`` (80 %) and red at ``danger`` (90 %) of capacity.
 
 How it stays cheap and safe:
 
-* one daemon sampler thread per dashboard reads ``memory_stats`` and NVML every
+* one daemon sampler thread per dashboard asks its source
+  (:class:`~cudalab.memory_tools.samples.SampleSource`; by default
+  :class:`~cudalab.memory_tools.samples.CudalabSource`: ``memory_stats`` and NVML) for a
+  :class:`~cudalab.memory_tools.samples.DeviceSample` of each device every
   ``interval`` seconds into ring buffers and pushes widget updates inside ``hold_sync``, at
   most ``max_rate`` pushes per second; it never prints and never uses ``Output`` widgets (both
   misbehave from threads under ipykernel 7); errors show in the status line;
@@ -54,6 +57,7 @@ import numpy as np
 
 from cudalab import _internal
 from cudalab._internal import format_bytes
+from cudalab.memory_tools.samples import CudalabSource, DeviceSample, SampleSource
 from cudalab.widgets.dashboard_chart import _chart, _nice_max, _png
 from cudalab.widgets.dashboard_device import _Device
 
@@ -157,11 +161,16 @@ class MemoryDashboard(W.VBox):
     buffers); ``warn``/``danger``:
     fractions of capacity (reserved, or NVML's used when larger) that colour the panel;
     ``fallback``: add the static PNG/HTML picture to the display bundle; ``start``: start
-    the sampler thread now (else call :meth:`start`).
+    the sampler thread now (else call :meth:`start`); ``source``: where the samples come
+    from and what the buttons do (a :class:`~cudalab.memory_tools.samples.SampleSource`;
+    default: cudalab's allocator and NVML, :class:`~cudalab.memory_tools.samples.CudalabSource`).
+    The dashboard renders the source's samples only: it never reads an allocator or NVML.
 
     Attributes: :attr:`samples` (per device, the ring buffers as numpy arrays via
-    :meth:`history`), :attr:`latest` (per device, the last sample's values), :attr:`snapshots`
-    (what the "Take snapshot" button took).
+    :meth:`history`), :attr:`latest` (per device, the last sample's values, as
+    :meth:`DeviceSample.to_dict`), :attr:`last_samples` (per device, the last
+    :class:`~cudalab.memory_tools.samples.DeviceSample`), :attr:`snapshots` (what the
+    "Take snapshot" button took).
 
     Raises ValueError for an ``interval`` or ``max_rate`` that is NaN, infinite or outside its
     range (TypeError for one that is not a number), here and when set later.
@@ -172,7 +181,8 @@ class MemoryDashboard(W.VBox):
 
     def __init__(self, devices: Any = None, interval: float = 0.5, window: int = 600, *,
                  max_rate: float = 10.0, warn: float = 0.8, danger: float = 0.9,
-                 fallback: bool = True, start: bool = True, chart_size: tuple[int, int] = (300, 64)):
+                 fallback: bool = True, start: bool = True, chart_size: tuple[int, int] = (300, 64),
+                 source: SampleSource | None = None):
         # What close() reads, set first: ipywidgets' __del__ calls close() even on a
         # dashboard whose construction failed.
         self._closed = False
@@ -200,7 +210,8 @@ class MemoryDashboard(W.VBox):
         self._error = ""
         self._note = ""
         self._note_time = self._error_time = 0.0
-        self._devices = [_Device(d, self.window) for d in _device_indices(devices)]
+        self.source: SampleSource = CudalabSource() if source is None else source
+        self._devices = [_Device(d, self.window, self.source) for d in _device_indices(devices)]
         simulated = False
         if self._devices:
             simulated = bool(_internal.backend().simulated)
@@ -217,7 +228,8 @@ class MemoryDashboard(W.VBox):
                                tooltip="empty_cache(): release cached, unused memory",
                                layout=W.Layout(width="auto"))
         self._snap = W.Button(description="Take snapshot", icon="camera",
-                              tooltip="take cudalab.memory._snapshot() and open it below",
+                              tooltip="take a memory snapshot (cudalab.memory._snapshot()) "
+                                      "and open it below",
                               layout=W.Layout(width="auto"))
         # Weak callbacks: the buttons live in ipywidgets' registry as long as they are open,
         # and must not keep the dashboard alive through them.
@@ -370,8 +382,16 @@ class MemoryDashboard(W.VBox):
 
     @property
     def latest(self) -> dict[int, dict[str, Any]]:
-        """Per device index, the values of the last sample (bytes, %, °C, mW, MHz, counts)."""
-        return {dev.index: dict(dev.last) for dev in self._devices}
+        """Per device index, the values of the last sample (bytes, %, °C, mW, MHz, counts;
+        :meth:`DeviceSample.to_dict`)."""
+        return {dev.index: {} if dev.last is None else dev.last.to_dict()
+                for dev in self._devices}
+
+    @property
+    def last_samples(self) -> dict[int, DeviceSample | None]:
+        """Per device index, the last :class:`~cudalab.memory_tools.samples.DeviceSample`
+        (None before the first)."""
+        return {dev.index: dev.last for dev in self._devices}
 
     def history(self, device: int | None = None) -> dict[str, np.ndarray]:
         """The ring buffers of ``device`` (default: the first): time (s since the epoch),
@@ -409,9 +429,11 @@ class MemoryDashboard(W.VBox):
 
     def _device_updates(self, dev: _Device, p: dict[str, W.Widget], force_chart: bool) -> list:
         s = dev.last
-        cap = dev.capacity
-        used = s["nvml_used"]
-        frac = max(s["reserved"], used or 0) / cap if cap else 0.0
+        if s is None:  # (no sample yet: the first one failed)
+            return []
+        cap = s.capacity
+        used = s.nvml_used
+        frac = max(s.reserved, used or 0) / cap if cap else 0.0
         level = _level(frac, self.warn, self.danger)
         out: list = [(p["title"], {"value": self._title_html(dev, level, frac)}),
                      (p["mem"], {"value": self._mem_html(s, cap, level)}),
@@ -448,9 +470,9 @@ class MemoryDashboard(W.VBox):
                 f'<b>cuda:{dev.index}</b> {html.escape(dev.name)} &middot; '
                 f'{format_bytes(dev.capacity)}{badge}</div>')
 
-    def _mem_html(self, s: dict, cap: int, level: str) -> str:
-        a, r, pk = s["allocated"], s["reserved"], s["peak_allocated"]
-        other = max((s["nvml_used"] or 0) - r, 0)
+    def _mem_html(self, s: DeviceSample, cap: int, level: str) -> str:
+        a, r, pk = s.allocated, s.reserved, s.peak_allocated
+        other = max((s.nvml_used or 0) - r, 0)
         pa, pr, po, pp = (_pct(a, cap), _pct(r - a, cap), _pct(other, cap), _pct(pk, cap))
         border = {"ok": "#bbb", "warn": _WARN_C, "danger": _DANGER_C}[level]
         bar = (f'<div style="display:flex;height:12px;border:1px solid {border};position:relative;'
@@ -465,38 +487,38 @@ class MemoryDashboard(W.VBox):
                 f'allocated <b>{format_bytes(a)}</b> &middot; reserved <b>{format_bytes(r)}</b> &middot; '
                 f'peak <b>{format_bytes(pk)}</b> &middot; {_pct(r, cap):.1f}% of {format_bytes(cap)}</div>')
 
-    def _nvml_html(self, dev: _Device, s: dict) -> str:
-        if dev.nvml is None:
-            return f'<span style="color:#777">{html.escape(dev.nvml_error)}</span>'
+    def _nvml_html(self, dev: _Device, s: DeviceSample) -> str:
+        if s.nvml_error:
+            return f'<span style="color:#777">{html.escape(s.nvml_error)}</span>'
 
         def v(x: Any, fmt: str) -> str:
             return "n/a" if x is None else fmt.format(x)
 
-        return (f'<div class="cudalab-dash-nvml">util <b>{v(s["utilization"], "{}%")}</b> '
-                f'&middot; mem util {v(s["memory_utilization"], "{}%")} &middot; '
-                f'<b>{v(s["temperature"], "{} &deg;C")}</b> &middot; '
-                f'<b>{v(None if s["power_draw"] is None else s["power_draw"] / 1000, "{:.0f} W")}'
-                f'</b> &middot; SM <b>{v(s["clock_rate"], "{} MHz")}</b></div>')
+        return (f'<div class="cudalab-dash-nvml">util <b>{v(s.utilization, "{}%")}</b> '
+                f'&middot; mem util {v(s.memory_utilization, "{}%")} &middot; '
+                f'<b>{v(s.temperature, "{} &deg;C")}</b> &middot; '
+                f'<b>{v(None if s.power_draw is None else s.power_draw / 1000, "{:.0f} W")}'
+                f'</b> &middot; SM <b>{v(s.clock_rate, "{} MHz")}</b></div>')
 
-    def _counts_html(self, s: dict) -> str:
-        ooms, retries = s["num_ooms"], s["num_alloc_retries"]
+    def _counts_html(self, s: DeviceSample) -> str:
+        ooms, retries = s.num_ooms, s.num_alloc_retries
         red = f' style="color:{_DANGER_C}"'
         return (f'<div class="cudalab-dash-counts" data-ooms="{ooms}" data-retries="{retries}" '
-                f'data-allocations="{s["allocations"]}">allocations <b>{s["allocations"]:,}</b> '
-                f'live / {s["allocations_total"]:,} total &middot; segments {s["segments"]:,} '
+                f'data-allocations="{s.allocations}">allocations <b>{s.allocations:,}</b> '
+                f'live / {s.allocations_total:,} total &middot; segments {s.segments:,} '
                 f'&middot; <span{red if ooms else ""}>OOMs <b>{ooms}</b></span> &middot; '
                 f'<span{red if retries else ""}>retries <b>{retries}</b></span>'
-                f'{_pools_html(s.get("pools") or [])}</div>')
+                f'{_pools_html(list(s.pools))}</div>')
 
-    def _procs_html(self, dev: _Device, s: dict) -> str:
-        if dev.nvml is None or s["processes"] is None:
+    def _procs_html(self, dev: _Device, s: DeviceSample) -> str:
+        if s.nvml_error or s.processes is None:
             return ""
-        mine = s["process_used"]
+        mine = s.process_used
         mine_txt = "n/a" if mine is None else format_bytes(mine)
         return (f'<div class="cudalab-dash-procs">this process <b>{mine_txt}</b> &middot; '
-                f'all {s["processes"]} process{"es" if s["processes"] != 1 else ""} '
-                f'<b>{format_bytes(s["all_processes_used"] or 0)}</b> &middot; NVML used '
-                f'{format_bytes(s["nvml_used"] or 0)}</div>')
+                f'all {s.processes} process{"es" if s.processes != 1 else ""} '
+                f'<b>{format_bytes(s.all_processes_used or 0)}</b> &middot; NVML used '
+                f'{format_bytes(s.nvml_used or 0)}</div>')
 
     def _status_html(self) -> str:
         if self._paused:
@@ -530,28 +552,26 @@ class MemoryDashboard(W.VBox):
             self._status.value = self._status_html()
 
     def _on_reset(self, _: Any = None) -> None:
-        import cudalab.memory as cm
-
         for dev in self._devices:
-            cm.reset_peak_memory_stats(dev.index)
+            self.source.reset_peaks(dev.index)
         self._set_note("peaks reset")
         self.refresh()
 
-    def _on_empty(self, _: Any = None) -> None:
-        import cudalab.memory as cm
+    def _reserved(self) -> int:
+        return sum(d.last.reserved for d in self._devices if d.last is not None)
 
-        before = sum(d.last.get("reserved", 0) for d in self._devices)
-        cm.empty_cache()
+    def _on_empty(self, _: Any = None) -> None:
+        before = self._reserved()
+        self.source.release_cache()
         self.refresh()
-        after = sum(d.last.get("reserved", 0) for d in self._devices)
+        after = self._reserved()
         self._set_note(f"empty_cache released {format_bytes(max(before - after, 0))}")
         self.refresh()
 
     def _on_snapshot(self, _: Any = None) -> dict:
-        from cudalab.memory_tools.snapshot import take_snapshot
         from cudalab.widgets.snapshot_viewer import SnapshotViewer
 
-        snap = take_snapshot()
+        snap = self.source.snapshot()
         self.snapshots.append(snap)
         if self._viewer is not None:
             with contextlib.suppress(Exception):
@@ -570,10 +590,7 @@ class MemoryDashboard(W.VBox):
             return "MemoryDashboard(no CUDA device)"
         parts = []
         for dev in self._devices:
-            s = dev.last
-            parts.append(f"cuda:{dev.index} {dev.name}: allocated {format_bytes(s.get('allocated', 0))}, "
-                         f"reserved {format_bytes(s.get('reserved', 0))}, peak "
-                         f"{format_bytes(s.get('peak_allocated', 0))} of {format_bytes(dev.capacity)}")
+            parts.append(f"cuda:{dev.index} {dev.name}: {_figures_text(dev)}")
         return "MemoryDashboard(" + "; ".join(parts) + ")"
 
     def to_png(self, dpi: int = 80) -> bytes:
@@ -596,7 +613,7 @@ class MemoryDashboard(W.VBox):
             ax.step(t, h["reserved"] / div, where="post", color="#e6550d", lw=1, label="reserved")
             ax.step(t, h["allocated"] / div, where="post", color=_ALLOC_C, lw=1.2,
                     label="allocated")
-            if dev.nvml is not None:
+            if dev.has_nvml:
                 ax.step(t, h["nvml_used"] / div, where="post", color="#8c8c8c", lw=1,
                         label="NVML used")
             ax.set_ylim(0, peak / div * 1.15)
@@ -605,12 +622,10 @@ class MemoryDashboard(W.VBox):
             ax.legend(loc="upper left", fontsize=7, frameon=False, ncols=3)
             s = dev.last
             nv = ""
-            if s.get("utilization") is not None:
-                nv = (f"\nutil {s['utilization']}%, {s['temperature']} °C, "
-                      f"{(s['power_draw'] or 0) / 1000:.0f} W, SM {s['clock_rate']} MHz")
-            ax.set_title(f"cuda:{dev.index} {dev.name} — allocated {format_bytes(s.get('allocated', 0))}, "
-                         f"reserved {format_bytes(s.get('reserved', 0))}, peak "
-                         f"{format_bytes(s.get('peak_allocated', 0))} of {format_bytes(dev.capacity)}{nv}",
+            if s is not None and s.utilization is not None:
+                nv = (f"\nutil {s.utilization}%, {s.temperature} °C, "
+                      f"{(s.power_draw or 0) / 1000:.0f} W, SM {s.clock_rate} MHz")
+            ax.set_title(f"cuda:{dev.index} {dev.name} — {_figures_text(dev)}{nv}",
                          fontsize=8, loc="left")
             if i == n - 1:
                 ax.set_xlabel("seconds before the picture was taken")
@@ -654,6 +669,14 @@ class MemoryDashboard(W.VBox):
             except Exception:  # a broken matplotlib must not break the live display
                 data["text/html"] = self.to_html()
         return data
+
+
+def _figures_text(dev: _Device) -> str:
+    """``allocated X, reserved Y, peak Z of C`` from the device's last sample."""
+    s = dev.last
+    a, r, pk = (0, 0, 0) if s is None else (s.allocated, s.reserved, s.peak_allocated)
+    return (f"allocated {format_bytes(a)}, reserved {format_bytes(r)}, peak "
+            f"{format_bytes(pk)} of {format_bytes(dev.capacity)}")
 
 
 def _pools_html(pools: list[dict]) -> str:

@@ -1,0 +1,272 @@
+"""What a dashboard shows for one device at one moment: :class:`DeviceSample`, and the
+:class:`SampleSource` protocol that produces them.
+
+A view (:class:`cudalab.widgets.MemoryDashboard`) renders samples and never reads an
+allocator or NVML itself: it asks its source for a sample of each device every tick, and
+for the actions behind its buttons (reset the peaks, release the cache, take a snapshot).
+:class:`CudalabSource` is the source over cudalab's own allocator and NVML; a source over
+another allocator (torch's, CuPy's) implements the same four members and names itself and
+its allocator in each sample's :class:`~cudalab.identity.Identity`.
+
+Every sample says where it came from (``identity``: host, pid, rank, the device's index,
+UUID and name, the allocator) and when (``time``), so samples gathered from many processes
+can be told apart, and :meth:`DeviceSample.to_dict` is plain data.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+from cudalab import nvml as _nvml_api
+from cudalab.identity import Identity
+
+__all__ = ["CudalabSource", "DeviceSample", "SampleSource", "ALLOCATOR_FIGURES", "NVML_FIGURES"]
+
+#: The allocator's figures of a sample, each with the ``memory_stats()`` key it is read from
+#: (cudalab's and torch's key names).
+ALLOCATOR_FIGURES: tuple[tuple[str, str], ...] = (
+    ("allocated", "allocated_bytes.all.current"),
+    ("reserved", "reserved_bytes.all.current"),
+    ("peak_allocated", "allocated_bytes.all.peak"),
+    ("peak_reserved", "reserved_bytes.all.peak"),
+    ("requested", "requested_bytes.all.current"),
+    ("allocations", "allocation.all.current"),
+    ("allocations_total", "allocation.all.allocated"),
+    ("segments", "segment.all.current"),
+    ("num_ooms", "num_ooms"),
+    ("num_alloc_retries", "num_alloc_retries"),
+)
+#: The NVML figures of a sample (each None when NVML cannot give it).
+NVML_FIGURES: tuple[str, ...] = (
+    "utilization", "memory_utilization", "temperature", "power_draw", "clock_rate",
+    "nvml_used", "nvml_total", "processes", "process_used", "all_processes_used",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSample:
+    """One device at one moment, as a dashboard shows it.
+
+    Byte counts and counts are ints >= 0; every NVML figure is an int >= 0 or None (None
+    when NVML cannot give it, and all of them None when ``nvml_error`` is set).
+    """
+
+    #: When the sample was taken: seconds since the epoch (``time.time()``), finite.
+    time: float
+    #: The name of the :class:`SampleSource` that made it (e.g. ``"cudalab"``), non-empty.
+    source: str
+    #: Where it came from: host, pid, rank, the device (``identity.device``, never None),
+    #: its UUID and name, and the allocator the figures were read from.
+    identity: Identity
+    #: The device's total memory in bytes (the driver's, as ``total_memory``).
+    capacity: int
+    #: Bytes of live allocations now (``allocated_bytes.all.current``).
+    allocated: int
+    #: Bytes the allocator holds from the driver now (``reserved_bytes.all.current``).
+    reserved: int
+    #: The highest ``allocated`` since the last peak reset (``allocated_bytes.all.peak``).
+    peak_allocated: int
+    #: The highest ``reserved`` since the last peak reset (``reserved_bytes.all.peak``).
+    peak_reserved: int
+    #: Bytes the live allocations asked for, before rounding (``requested_bytes.all.current``).
+    requested: int
+    #: Live allocations now (``allocation.all.current``).
+    allocations: int
+    #: Allocations made since the last accumulated-statistics reset (``allocation.all.allocated``).
+    allocations_total: int
+    #: Segments (driver allocations) held now (``segment.all.current``).
+    segments: int
+    #: Out-of-memory errors raised so far (``num_ooms``).
+    num_ooms: int
+    #: Allocations that had to free the cache and retry (``num_alloc_retries``).
+    num_alloc_retries: int
+    #: The device's private pools (graph captures, ``MemPool``), each the dict of
+    #: :func:`cudalab.memory.private_pools`; empty without any (or for an allocator
+    #: without private pools).
+    pools: tuple[dict[str, Any], ...] = ()
+    #: "" when NVML answered; otherwise why it cannot be used (e.g. ``"NVML unavailable
+    #: (NvmlError)"``), and then every NVML figure below is None.
+    nvml_error: str = ""
+    #: GPU utilization, % (NVML).
+    utilization: int | None = None
+    #: Memory-controller utilization, % (NVML).
+    memory_utilization: int | None = None
+    #: Temperature, °C (NVML).
+    temperature: int | None = None
+    #: Power draw, mW (NVML).
+    power_draw: int | None = None
+    #: SM clock, MHz (NVML).
+    clock_rate: int | None = None
+    #: Bytes in use on the device by every process and the driver (NVML's memory info).
+    nvml_used: int | None = None
+    #: The device's total memory as NVML reports it, bytes.
+    nvml_total: int | None = None
+    #: How many processes use the device (NVML's process list).
+    processes: int | None = None
+    #: Bytes this process uses on the device (NVML's process list; None when NVML does not
+    #: list it or does not say).
+    process_used: int | None = None
+    #: Bytes all listed processes use on the device, summed over those NVML gives a figure for.
+    all_processes_used: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.time, (int, float)) and math.isfinite(self.time)):
+            raise ValueError(f"DeviceSample.time is {self.time!r}, expected finite seconds")
+        if self.identity.device is None:
+            raise ValueError("DeviceSample.identity names no device")
+
+    @property
+    def device(self) -> int:
+        """The device index (``identity.device``)."""
+        device = self.identity.device
+        assert device is not None  # (checked on construction)
+        return device
+
+    def to_dict(self) -> dict[str, Any]:
+        """The sample as plain data: every field by name (``identity`` as its dict, ``pools``
+        as a list of copies of its dicts) and ``device``."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["identity"] = self.identity.to_dict()
+        out["pools"] = [dict(p) for p in self.pools]
+        out["device"] = self.device
+        return out
+
+
+class SampleSource(Protocol):
+    """Where a view's samples come from, and what its buttons do."""
+
+    #: The source's name, which every sample it makes carries (``DeviceSample.source``).
+    name: str
+
+    def sample(self, device: int, now: float | None = None) -> DeviceSample:
+        """A sample of ``device`` (an index) now; ``now``: its time (default ``time.time()``),
+        so the samples of one tick share one time. Never asks anything of the view."""
+        ...
+
+    def reset_peaks(self, device: int) -> None:
+        """Reset ``device``'s peak figures (``peak_allocated``, ``peak_reserved``)."""
+        ...
+
+    def release_cache(self) -> None:
+        """Give the allocator's cached, unused memory back to the driver."""
+        ...
+
+    def snapshot(self) -> dict[str, Any]:
+        """A memory snapshot in torch's schema (what the snapshot viewer shows)."""
+        ...
+
+
+class _NvmlState:
+    """One device's NVML handle for a source: resolved once (a failure is kept as text)."""
+
+    __slots__ = ("nvml", "uuid", "error")
+
+    def __init__(self, index: int):
+        self.nvml: Any = None
+        self.uuid = ""
+        self.error = ""
+        try:
+            _, self.uuid, self.nvml = _nvml_api.resolve_device(index)
+            self.nvml.uuids()  # probe: raises when NVML cannot be used
+        except Exception as exc:  # NvmlError, NvmlUnavailableError, missing bindings
+            self.nvml = None
+            self.error = f"NVML unavailable ({type(exc).__name__})"
+
+
+class CudalabSource:
+    """Samples of cudalab's own allocator (``memory_stats()``, ``private_pools()``) and
+    NVML, for :class:`~cudalab.widgets.MemoryDashboard`.
+
+    Each device's identity, capacity and NVML handle are read once, on its first sample.
+    """
+
+    name = "cudalab"
+
+    def __init__(self) -> None:
+        self._identities: dict[int, tuple[Identity, int]] = {}
+        self._nvml: dict[int, _NvmlState] = {}
+
+    def _device(self, index: int) -> tuple[Identity, int]:
+        known = self._identities.get(index)
+        if known is None:
+            import cudalab
+
+            known = (Identity.current(device=index, allocator="cudalab"),
+                     int(cudalab.get_device_properties(index).total_memory))
+            self._identities[index] = known
+            self._nvml[index] = _NvmlState(index)
+        return known
+
+    def sample(self, device: int, now: float | None = None) -> DeviceSample:
+        """A :class:`DeviceSample` of ``device``: its ``memory_stats()`` figures, private
+        pools and NVML figures (one NVML query failing leaves the others)."""
+        import cudalab
+
+        identity, capacity = self._device(device)
+        stats = cudalab.memory_stats(device)
+        figures: dict[str, Any] = {name: stats.get(key, 0) for name, key in ALLOCATOR_FIGURES}
+        # private pools (graph captures, MemPool): [] without any, at no cost
+        figures["pools"] = tuple(cudalab.memory.private_pools(device))
+        state = self._nvml[device]
+        figures["nvml_error"] = state.error
+        if state.nvml is not None:
+            figures.update(_nvml_figures(state.nvml, state.uuid))
+        return DeviceSample(time=time.time() if now is None else now, source=self.name,
+                            identity=identity, capacity=capacity, **figures)
+
+    def reset_peaks(self, device: int) -> None:
+        """``cudalab.memory.reset_peak_memory_stats(device)``."""
+        import cudalab
+
+        cudalab.reset_peak_memory_stats(device)
+
+    def release_cache(self) -> None:
+        """``cudalab.memory.empty_cache()``."""
+        import cudalab
+
+        cudalab.empty_cache()
+
+    def snapshot(self) -> dict[str, Any]:
+        """``cudalab.memory._snapshot()``."""
+        from cudalab.memory_tools.snapshot import take_snapshot
+
+        return take_snapshot()
+
+
+def _nvml_figures(nv: Any, uuid: str) -> dict[str, Any]:
+    """The NVML figures of the device ``uuid``: those a query gave (a metric the device
+    does not support is left out; the others still read)."""
+    out: dict[str, Any] = {}
+    queries: tuple[tuple[tuple[str | None, ...], Any], ...] = (
+        (("utilization", "memory_utilization"), nv.utilization),
+        (("temperature",), nv.temperature),
+        (("power_draw",), nv.power_usage),
+        (("clock_rate",), nv.clock_sm),
+        (("nvml_total", None, "nvml_used"), nv.memory_info),
+    )
+    for keys, query in queries:
+        try:
+            value = query(uuid)
+        except Exception:  # one metric not supported: the others still read
+            continue
+        if len(keys) == 1:
+            out[keys[0] or ""] = value
+        else:
+            for k, v in zip(keys, value):
+                if k is not None:
+                    out[k] = v
+    try:
+        procs = nv.processes(uuid)
+    except Exception:
+        procs = None
+    if procs is not None:
+        pid = os.getpid()
+        out["processes"] = len(procs)
+        out["all_processes_used"] = sum(u for _, u in procs if u is not None)
+        mine = [u for p, u in procs if p == pid]
+        out["process_used"] = mine[0] if mine and mine[0] is not None else None
+    return out
