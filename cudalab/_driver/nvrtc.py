@@ -75,6 +75,17 @@ def _error_string(mod: Any, res: Any) -> str:
     return f"nvrtcResult {int(res)}"
 
 
+def available() -> bool:
+    """Whether NVRTC (the bindings and the library) can be loaded; never raises."""
+    if _mod is not None:
+        return True
+    try:
+        _load()
+    except KernelCompileError:
+        return False
+    return True
+
+
 def version() -> tuple[int, int]:
     """NVRTC's (major, minor) version, e.g. (13, 0)."""
     _nvrtc()

@@ -29,8 +29,10 @@ compute with c10::complex's arithmetic (see
 :data:`~cudalab._kernels.elementwise_source.COMPLEX_PREAMBLE`). Extra arguments are
 ``long long`` (Python int), ``bool`` or ``double`` (anything else), as in torch.
 
-On the simulator nothing is compiled: the kernel's twin is numpy, either a callable given as
-``sim=`` or the function body evaluated by :mod:`cudalab._kernels.c_expression`.
+On the simulator the kernel's twin is numpy, either a callable given as ``sim=`` or the
+function body evaluated by :mod:`cudalab._kernels.c_expression`; functions made with
+``compile_on_simulator`` (the jiterator's) are also compiled by NVRTC when it is installed,
+so a compile error is NVRTC's, as on a GPU.
 """
 
 from __future__ import annotations
@@ -55,13 +57,15 @@ from cudalab._kernels.elementwise_source import (
     c_type,
     parse_code,
 )
-from cudalab._kernels.kernel import Kernel
+from cudalab._kernels.kernel import Kernel, check_compiles
 
-__all__ = ["ElementwiseFunction", "run", "extra_value", "kernels_for", "MAX_INPUTS", "BLOCK", "MAX_GRID",
+__all__ = ["ElementwiseFunction", "run", "extra_value", "kernels_for", "MAX_INPUTS", "MAX_OUTPUTS", "BLOCK", "MAX_GRID",
            "RESULT_COMMON", "RESULT_BOOL", "RESULT_FLOAT", "RESULT_REAL"]
 
 #: torch's limit on jiterator inputs.
 MAX_INPUTS = 8
+#: torch's limit on jiterator outputs (its kernels' argument arrays hold 8 inputs + 8 outputs).
+MAX_OUTPUTS = 8
 #: Threads per block.
 BLOCK = 256
 #: The grid's cap (the driver's limit on gridDim.x); beyond it the grid-stride loops take over.
@@ -102,14 +106,19 @@ class ElementwiseFunction:
     sim
         The numpy twin, ``sim(*inputs, **extras)`` with inputs in the compute dtype; returns
         one array (or a tuple for several outputs). None: evaluate the body with numpy.
+    compile_on_simulator
+        On the simulator, compile each plan's kernel with NVRTC too (when NVRTC is
+        installed), so code that does not compile fails with NVRTC's log as on a GPU: the
+        jiterator's user code (the operators' code is compiled by the tests instead).
     """
 
     def __init__(self, code: str | Callable[[np.dtype], str], *, num_outputs: int = 1,
                  return_by_ref: bool = False, result: str = RESULT_COMMON,
                  exclude_from_promotion: Sequence[int] = (),
                  check: Callable[[np.dtype, list[np.dtype]], None] | None = None,
-                 sim: Callable[..., Any] | None = None):
+                 sim: Callable[..., Any] | None = None, compile_on_simulator: bool = False):
         self.code = code
+        self.compile_on_simulator = compile_on_simulator
         self._parsed: dict[str, ParsedCode] = {}
         if isinstance(code, str):
             self._parsed[code] = parse_code(code)
@@ -289,6 +298,9 @@ def extra_value(value: Any) -> int | float:
         return int(value)
     if isinstance(value, (complex, np.complexfloating)):
         raise TypeError(_COMPLEX_EXTRA)
+    if isinstance(value, (str, bytes, bytearray)):  # (float("2") would take it; torch raises)
+        raise TypeError(f"extra argument {value!r} must be a number, bool or int, not "
+                        f"{type(value).__name__}")
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -386,6 +398,8 @@ def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tup
         plan.kernel = make(1, len(sizes))
         plan.work = plan.n
         plan.grid = _grid(plan.work)
+    if simulated and fn.compile_on_simulator:
+        check_compiles(plan.kernel, arrays[0].device_index)  # (the GPU's vec=1 kernel's source)
     return plan
 
 

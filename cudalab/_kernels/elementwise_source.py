@@ -306,7 +306,8 @@ def build_kernel(parsed: ParsedCode, in_dtypes: Sequence[np.dtype | None], commo
     index64
         Index with 64-bit integers (needed from 2**31 elements; 32-bit otherwise).
     simulated
-        Add the simulator's twin-token parameter (the source is not compiled then).
+        Add the simulator's twin-token parameter (the source is not compiled for the
+        launch; the jiterator checks that it compiles).
     sim
         The simulator implementation registered under the kernel's name.
 

@@ -10,8 +10,10 @@ import :class:`Kernel` from here, so the facility never depends on the kernels i
   ``$CUDALAB_CACHE_DIR`` (the directory itself), else ``$XDG_CACHE_HOME/cudalab/kernels``,
   else ``~/.cache/cudalab/kernels``. Files are written atomically; a damaged file is ignored
   and rewritten; an unwritable directory leaves the cache memory-only (one warning).
-* On the simulator backend nothing is compiled (NVRTC may be absent): the kernel's numpy
+* On the simulator backend a launch compiles nothing (NVRTC may be absent): the kernel's numpy
   ``sim`` implementation is registered with the simulator under the kernel's name.
+  :func:`check_compiles` compiles one there anyway (the jiterator's check that user code
+  compiles as on a GPU).
 * Each (kernel, device, thread) keeps one pre-packed argument list, so a launch is: check
   and convert the arguments, then ``Backend.launch_values`` (``KernelArgs.set`` and
   ``Backend.launch``; one C call on the real backend).
@@ -51,6 +53,7 @@ __all__ = [
     "cache_dir",
     "cache_key",
     "get_cubin",
+    "check_compiles",
     "KernelCacheWarning",
 ]
 
@@ -165,6 +168,29 @@ def get_cubin(source: str, name: str, arch: str, options: Sequence[str] = ()) ->
         _write_cached(directory, path, cubin)
     _memory_cache[key] = cubin
     return cubin
+
+
+def check_compiles(kernel: Kernel, device: int) -> bool:
+    """Compile ``kernel`` with NVRTC for ``device``'s architecture when NVRTC is installed
+    (the simulator's check that code compiles as on a GPU; nothing is loaded).
+
+    Returns
+    -------
+    bool
+        True when it compiled (or came from the caches), False when NVRTC is not installed.
+
+    Raises
+    ------
+    cudalab.KernelCompileError
+        The source does not compile (NVRTC's log).
+    """
+    if not _nvrtc.available():
+        return False
+    from cudalab import devices
+
+    props = devices.get_device_properties(device)
+    kernel.cubin(f"sm_{props.major}{props.minor}")
+    return True
 
 
 def _reset_caches_for_tests() -> None:

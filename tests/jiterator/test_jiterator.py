@@ -32,9 +32,21 @@ def test_fused_kernel_with_default_and_overridden_extras():
     np.testing.assert_allclose(out.numpy(), x + y, rtol=1e-6)
     out = f(_up(x), _up(y), alpha=2.0, beta=-4.2)
     np.testing.assert_allclose(out.numpy(), 2.0 * x - 4.2 * y, rtol=1e-5)
-    # torch keeps a call's override for the next calls
-    assert f.kwargs_dict == {"alpha": 2.0, "beta": -4.2}
-    np.testing.assert_allclose(f(_up(x), _up(y)).numpy(), 2.0 * x - 4.2 * y, rtol=1e-5)
+    # torch copies the declared defaults on every call: an override lasts one call
+    assert f.kwargs_dict == {"alpha": 1, "beta": 1}
+    np.testing.assert_allclose(f(_up(x), _up(y)).numpy(), x + y, rtol=1e-6)
+
+
+def test_overrides_last_one_call_as_torchs_test_extra_args():
+    """torch's test_extra_args: each call's keywords start again from the declared defaults."""
+    f = jit._create_jit_fn(FUSED, alpha=1, beta=1)
+    x = np.arange(4, dtype=np.float32)
+    y = np.full(4, 10, dtype=np.float32)
+    f(_up(x), _up(y), alpha=3)
+    np.testing.assert_allclose(f(_up(x), _up(y)).numpy(), x + y)
+    f(_up(x), _up(y), beta=-1)
+    np.testing.assert_allclose(f(_up(x), _up(y), alpha=2).numpy(), 2 * x + y)
+    assert f.kwargs_dict == {"alpha": 1, "beta": 1}
 
 
 def test_broadcasting_promotion_and_python_scalars():
@@ -236,3 +248,63 @@ def test_contiguous_inputs_get_the_vectorised_kernel_and_a_grid_that_fills_the_g
     assert block == (256, 1, 1)
     assert grid == (n // vec // 256, 1, 1)  # one thread per vector: one pass over the data
     assert grid_unaligned == (-(-(n - 1) // 256), 1, 1)  # one per element
+
+
+# --------------------------------------------------------------------------- arity and outputs
+def test_too_few_or_too_many_inputs_fail_with_the_compiler_log():
+    """torch compiles ``name<T>(inputs..., extras...)``: a wrong count fails to compile, with
+    NVRTC's log (cudalab compiles on the simulator too), never a launch failure or silence."""
+    f = jit._create_jit_fn(FUSED, alpha=1, beta=1)
+    x = _up(np.ones(3, np.float32))
+    with pytest.raises(cudalab.KernelCompileError, match="no instance of function template"):
+        f(x)
+    with pytest.raises(cudalab.KernelCompileError, match="no instance of function template"):
+        f(x, x, x)
+    np.testing.assert_array_equal(f(x, x).numpy(), np.full(3, 2, np.float32))  # still works
+
+
+def test_at_most_8_outputs_as_torch():
+    with pytest.raises(ValueError, match="up to 8 outputs, got 9"):
+        jit._create_multi_output_jit_fn(
+            "template <typename T> void f(T x, T& a) { a = x; }", num_outputs=9)
+    with pytest.raises(ValueError, match="up to 8 outputs"):
+        jit._create_multi_output_jit_fn(
+            "template <typename T> void f(T x, T& a) { a = x; }", num_outputs=10**6)
+
+
+def test_an_extra_argument_named_sim_is_an_extra_argument():
+    f = jit._create_jit_fn("template <typename T> T scaled(T x, T sim) { return sim * x; }",
+                           sim=2.0)
+    assert f.kwargs_dict == {"sim": 2.0} and f.sim is None
+    x = np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(f(_up(x)).numpy(), 2 * x)
+    np.testing.assert_array_equal(f(_up(x), sim=3.0).numpy(), 3 * x)
+    np.testing.assert_array_equal(f(_up(x)).numpy(), 2 * x)
+    # a callable is still the numpy twin, here given to one call
+    np.testing.assert_array_equal(f(_up(x), sim=lambda x, sim: sim * x).numpy(), 2 * x)
+
+
+@pytest.mark.parametrize("value", ["2.0", b"2", "x"])
+def test_a_string_extra_argument_raises_type_error(value):
+    with pytest.raises(TypeError, match="must be a number"):
+        jit._create_jit_fn(FUSED, alpha=value, beta=1)
+    f = jit._create_jit_fn(FUSED, alpha=1, beta=1)
+    x = _up(np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="must be a number"):
+        f(x, x, alpha=value)
+
+
+def test_simulator_compiles_the_body_with_nvrtc_and_shows_its_log():
+    """A body that does not compile fails with NVRTC's log on the simulator as on a GPU."""
+    x = _up(np.ones(3, np.float32))
+    bad_syntax = jit._create_jit_fn("template <typename T> T f(T x) { return x +; }")
+    with pytest.raises(cudalab.KernelCompileError,
+                       match=r"(?s)jiterator_code\(1\): error: expected an expression"):
+        bad_syntax(x)
+    undefined = jit._create_jit_fn("template <typename T> T g(T x) { return x + y; }")
+    with pytest.raises(cudalab.KernelCompileError, match='identifier "y" is undefined'):
+        undefined(x)
+    # code that compiles, with a twin for the simulator, still runs
+    loops = jit._create_jit_fn("template <typename T> T h(T x) { T s = 0; for (int i = 0; "
+                               "i < 3; ++i) s += x; return s; }", sim=lambda x: 3 * x)
+    np.testing.assert_array_equal(loops(x).numpy(), np.full(3, 3, np.float32))
