@@ -154,7 +154,7 @@ def _is_device(value: Any) -> bool:
     return isinstance(value, Device) or (type(value) is int)
 
 
-def _to_args(array: ArrayState, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+def _to_args(array: ArrayState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """(device, dtype) of a ``to(...)`` call; ``"cpu"`` for the host, None for unchanged."""
     unknown = set(kwargs) - {"device", "dtype"}
     if unknown:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -221,7 +221,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     # ------------------------------------------------------------------ construction
     @classmethod
     def _wrap(cls, ptr: int, shape: tuple[int, ...], dtype: np.dtype,
-              strides: tuple[int, ...] | None, device: int, stream, base: Any,
+              strides: tuple[int, ...] | None, device: int, stream: _streams.Stream, base: Any,
               read_only: bool = False) -> DeviceArray:
         """An array over memory kept alive by ``base`` (a view, or imported memory)."""
         self = object.__new__(cls)
@@ -286,7 +286,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         return (f"DeviceArray(shape={self.shape}, dtype={self.dtype}, "
                 f"device='cuda:{self.device_index}{sim}')")
 
-    def __array__(self, *args: Any, **kwargs: Any):
+    def __array__(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise TypeError("implicit conversion of a DeviceArray to a numpy array is not allowed: "
                         "call .numpy() to copy it to the host")
 
@@ -417,7 +417,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
 
     # ------------------------------------------------------------------ interchange
     @property
-    def __cuda_array_interface__(self) -> dict:
+    def __cuda_array_interface__(self) -> dict[str, Any]:
         """CUDA Array Interface v3; ``stream`` is the current stream of the array's device
         (the consumer waits for it; 1 stands for the legacy default stream)."""
         if self.dtype.name == "bfloat16":

@@ -485,7 +485,7 @@ class CUDAGraph:
         """Keep the captured graph after instantiation, for :meth:`debug_dump`."""
         self._debug = True
 
-    def debug_dump(self, path: str | os.PathLike) -> None:
+    def debug_dump(self, path: str | os.PathLike[str]) -> None:
         """Write the graph as the driver's verbose DOT file at ``path`` (atomically).
 
         Needs :meth:`enable_debug_mode` before capture (else warns and writes nothing).
