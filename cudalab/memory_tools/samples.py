@@ -135,6 +135,73 @@ class DeviceSample:
         out["device"] = self.device
         return out
 
+    @classmethod
+    def from_dict(cls, data: Any, what: str = "sample") -> DeviceSample:
+        """Read a sample written by :meth:`to_dict` (e.g. gathered from another process),
+        checking every field.
+
+        Parameters
+        ----------
+        data : dict
+            The plain dict: ``time``, ``source``, ``identity``, ``capacity`` and the
+            allocator's figures are required; ``pools`` (default empty), ``nvml_error``
+            (default "") and the NVML figures (default None) may be missing; ``device``,
+            when present, must be ``identity['device']``; other keys are ignored.
+        what : str, optional
+            The dict's name in the messages.
+
+        Returns
+        -------
+        DeviceSample
+
+        Raises
+        ------
+        ValueError
+            A missing key, a wrong type or a value out of range (the message names it, e.g.
+            ``sample['allocated'] is a str ('1'), expected an int >= 0``).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"{what} is a {type(data).__name__}, expected a dict")
+        for key in _REQUIRED:
+            if key not in data:
+                raise ValueError(f"{what} lacks the key {key!r}")
+        identity = Identity.from_dict(data["identity"], f"{what}['identity']")
+        if identity.device is None or data.get("device", identity.device) != identity.device:
+            raise ValueError(f"{what}['device'] is {data.get('device')!r}, expected "
+                             f"identity['device'] ({identity.device!r}), an int")
+        t = data["time"]
+        if type(t) not in (int, float) or not math.isfinite(t):
+            raise ValueError(f"{what}['time'] is {t!r:.40}, expected finite seconds")
+        values: dict[str, Any] = {"time": float(t), "identity": identity}
+        for key, limit in (("source", 64), ("nvml_error", 256)):
+            text = data.get(key, "")
+            if type(text) is not str or len(text) > limit or (key == "source" and not text):
+                raise ValueError(f"{what}[{key!r}] is {text!r:.40}, expected a "
+                                 f"{'non-empty ' if key == 'source' else ''}str of at most "
+                                 f"{limit} characters")
+            values[key] = text
+        for key in ("capacity", *(name for name, _ in ALLOCATOR_FIGURES), *NVML_FIGURES):
+            value = data.get(key)
+            if value is None and key in NVML_FIGURES:
+                values[key] = None
+                continue
+            if type(value) is not int or not 0 <= value < _I63:
+                raise ValueError(f"{what}[{key!r}] is {value!r:.40}, expected an int >= 0"
+                                 f"{' or None' if key in NVML_FIGURES else ''}")
+            values[key] = value
+        pools = data.get("pools", [])
+        if not isinstance(pools, (list, tuple)) or not all(isinstance(p, dict) for p in pools):
+            raise ValueError(f"{what}['pools'] is a {type(pools).__name__}, expected a list "
+                             "of dicts")
+        values["pools"] = tuple(dict(p) for p in pools)
+        if values["nvml_error"] and any(values[k] is not None for k in NVML_FIGURES):
+            raise ValueError(f"{what} has NVML figures and an nvml_error")
+        return cls(**values)
+
+
+_I63 = 1 << 63
+_REQUIRED = ("time", "source", "identity", "capacity", *(name for name, _ in ALLOCATOR_FIGURES))
+
 
 class SampleSource(Protocol):
     """Where a view's samples come from, and what its buttons do."""

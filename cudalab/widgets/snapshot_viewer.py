@@ -207,7 +207,8 @@ class SnapshotViewer(W.VBox):
         when = ("final state" if self.history is None or self.position >= self.history.n
                 else f"state after entry {self.position} of {self.history.n}")
         self._summary.value = (
-            f'<div class="cudalab-snap-summary"><b>Memory snapshot</b>{" (simulated)" if sim else ""}: '
+            f'<div class="cudalab-snap-summary"><b>Memory snapshot</b>{" (simulated)" if sim else ""}'
+            f'{_origin_html(self.snapshot.get("identity"))}: '
             f'{shown}, {info["blocks"]:,} blocks, reserved {format_bytes(reserved)}: allocated '
             f'{format_bytes(by[0])}, pending free {format_bytes(by[1])}, inactive {format_bytes(by[2])} '
             f'&middot; {when}</div>')
@@ -405,6 +406,21 @@ class SnapshotViewer(W.VBox):
 
 
 # --------------------------------------------------------------------------- demo data
+def _origin_html(identity: Any) -> str:
+    """`` from HOST, pid P, rank R of N, DEVICE NAME`` for a snapshot's ``identity`` dict
+    (checked when the snapshot was read); "" for a snapshot without one (torch's)."""
+    if not isinstance(identity, dict):
+        return ""
+    parts = [f"{identity.get('host')}", f"pid {identity.get('pid')}"]
+    if identity.get("rank") is not None:
+        size = identity.get("world_size")
+        parts.append(f"rank {identity['rank']}" + ("" if size is None else f" of {size}"))
+    if identity.get("device_name"):
+        parts.append(f"{identity['device_name']}")
+    return (f' <span class="cudalab-snap-origin" data-pid="{html.escape(str(identity.get("pid")))}">'
+            f'from {html.escape(", ".join(parts))}</span>')
+
+
 def demo_snapshot(n_blocks: int = 10_000, *, devices: int = 1, seed: int = 0,
                    streams: tuple[int, ...] = (0, 0x5A1E0), simulated: bool = True) -> dict:
     """A consistent snapshot dict with about ``n_blocks`` blocks (allocated, pending free and

@@ -131,3 +131,39 @@ def test_the_source_does_what_the_buttons_ask(allocations):
     assert source.sample(0).reserved == cm.memory_reserved(0)
     snap = source.snapshot()
     assert set(snap) >= {"segments", "device_traces", "identity"}
+
+
+def test_from_dict_reads_back_what_to_dict_wrote():
+    cudalab.init()
+    s = CudalabSource().sample(0)
+    assert DeviceSample.from_dict(s.to_dict()) == s
+    fake = DeviceSample(time=5, source="torch", identity=Identity(
+        host="h", pid=2, version="0", allocator="torch", device=3), capacity=10,
+        nvml_error="NVML unavailable (x)", **{name: 1 for name, _ in ALLOCATOR_FIGURES})
+    assert DeviceSample.from_dict(fake.to_dict()) == fake
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"allocated": "1"}, r"sample\['allocated'\] is '1', expected an int >= 0"),
+    ({"allocated": -1}, r"sample\['allocated'\] is -1"),
+    ({"reserved": True}, r"sample\['reserved'\] is True"),
+    ({"temperature": 1.5}, r"sample\['temperature'\] is 1.5, expected an int >= 0 or None"),
+    ({"time": "now"}, r"sample\['time'\] is 'now', expected finite seconds"),
+    ({"time": math.inf}, r"sample\['time'\] is inf"),
+    ({"source": ""}, r"sample\['source'\] is '', expected a non-empty str"),
+    ({"identity": {"host": "h"}}, r"sample\['identity'\] lacks the key 'pid'"),
+    ({"device": 7}, r"sample\['device'\] is 7, expected identity\['device'\] \(0\)"),
+    ({"pools": [1]}, r"sample\['pools'\] is a list, expected a list of dicts"),
+    ({"nvml_error": "gone", "temperature": 40}, "has NVML figures and an nvml_error"),
+])
+def test_from_dict_rejects_bad_input(change, message):
+    cudalab.init()
+    d = CudalabSource().sample(0).to_dict()
+    d.update(change)
+    with pytest.raises(ValueError, match=message):
+        DeviceSample.from_dict(d)
+    d.pop("capacity")
+    with pytest.raises(ValueError):
+        DeviceSample.from_dict(d)
+    with pytest.raises(ValueError, match="sample is a list, expected a dict"):
+        DeviceSample.from_dict([d])

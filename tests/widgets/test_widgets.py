@@ -368,6 +368,11 @@ def test_snapshot_viewer_live_cudalab_snapshot(allocations):
     seg = v.segments()[0]
     v._addr.value = hex(seg["blocks"][0]["address"] + 1)
     assert f"block 0x{seg['blocks'][0]['address']:x}" in v._detail.value
+    # where it came from: the snapshot's identity
+    import os
+
+    assert f'class="cudalab-snap-origin" data-pid="{os.getpid()}"' in v._summary.value
+    assert cudalab.get_device_name(cudalab.current_device()) in v._summary.value
     v.close()
 
 
@@ -388,7 +393,20 @@ def test_snapshot_viewer_torch_format():
     assert all(s["segment_type"] == "large" for s in v.segments())
     v.position = v._scrub.max // 2
     assert "state after entry" in v._summary.value
+    assert "cudalab-snap-origin" not in v._summary.value  # torch's snapshots say nothing
     assert "entry " in v._entry.value
+    v.close()
+
+
+def test_snapshot_viewer_says_where_a_snapshot_came_from():
+    from cudalab.memory_tools.synthetic import synthetic_snapshot
+
+    snap = synthetic_snapshot(200)
+    snap["identity"] = {"host": "<b>node7</b>", "pid": 42, "rank": 1, "world_size": 2,
+                        "device": 0, "device_name": "NVIDIA H200", "version": "0.1.0",
+                        "allocator": "cudalab"}
+    v = SnapshotViewer(snap)
+    assert "from &lt;b&gt;node7&lt;/b&gt;, pid 42, rank 1 of 2, NVIDIA H200" in v._summary.value
     v.close()
 
 
