@@ -162,7 +162,7 @@ def _order_event_handle(device: int) -> Any:
     """The driver handle of this thread's ordering event of ``device`` (created on first use)."""
     event = _order_event(device)
     handle = event.handle
-    return handle if handle is not None else event._create(device)
+    return handle if handle is not None else event.create_handle(device)
 
 
 def device_copy(dst_device: int, dst: int, src_device: int, src: int, nbytes: int) -> None:

@@ -259,7 +259,7 @@ def create_event(event: Any, device: int) -> Any:
     cudalab.CudaError
         When the driver refuses to create it.
     """
-    return event._create(device)
+    return event.create_handle(device)
 
 
 # ----------------------------------------------------------------------------- raw memory

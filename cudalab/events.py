@@ -86,7 +86,12 @@ class Event:
         self._q = fast.event_query
         return b
 
-    def _create(self, device: int) -> Any:
+    def create_handle(self, device: int) -> Any:
+        """Make the driver event on ``device`` now (not at the first record) and return it.
+
+        For cudalab's layers (cross-device copies' ordering events,
+        :func:`cudalab._internal.create_event`); the event must not have a handle yet.
+        """
         b = self._bind()
         self.handle = b.event_create(device, self._flags)
         self.device_index = device
@@ -120,7 +125,7 @@ class Event:
         try:
             h = self.handle
             if h is None:
-                h = self._create(stream.device_index)
+                h = self.create_handle(stream.device_index)
             if stream.is_legacy_null:
                 # Direct read, not _internal.ensure_context(): the "Event.record" row of
                 # benchmarks/runtime.py (and %%cuda_timed's per-repeat cost, benchmarks/timing.py).
@@ -211,7 +216,7 @@ class Event:
             raise RuntimeError("ipc_handle() needs an Event created with interprocess=True")
         h = self.handle
         if h is None:
-            h = self._create(_devices.current_device())
+            h = self.create_handle(_devices.current_device())
         return self._b.ipc_event_handle(h)
 
     # ------------------------------------------------------------------ ownership

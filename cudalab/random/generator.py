@@ -55,41 +55,45 @@ class Generator:
     A new generator has torch's fixed default seed 67280421310721 and offset 0; pass it as
     ``generator=`` to the sampling functions for a stream of numbers independent of the
     default generator. Creating one does not create a CUDA context.
+
+    Two plain attributes, read-only to their readers, serve sampling's hot path without a
+    call: :attr:`device_index` (the device, set once) and :attr:`philox_state` (the
+    :class:`PhiloxState` it advances, the same object as :attr:`graph_state`).
     """
 
-    __slots__ = ("_device", "_state", "__weakref__")
+    __slots__ = ("device_index", "philox_state", "__weakref__")
 
     def __init__(self, device: Any = "cuda"):
-        self._device = _internal.device_index(device)
-        self._state = PhiloxState(self._device, DEFAULT_SEED)
+        self.device_index = _internal.device_index(device)
+        self.philox_state = PhiloxState(self.device_index, DEFAULT_SEED)
 
     @classmethod
     def _wrap(cls, device: int, state: PhiloxState) -> Generator:
         g = object.__new__(cls)
-        g._device = device
-        g._state = state
+        g.device_index = device
+        g.philox_state = state
         return g
 
     def __repr__(self) -> str:
-        return f"<cudalab.Generator cuda:{self._device}>"
+        return f"<cudalab.Generator cuda:{self.device_index}>"
 
     @property
     def device(self) -> _devices.Device:
         """The generator's device (``Device('cuda:N')``)."""
-        return _devices.Device("cuda", self._device)
+        return _devices.Device("cuda", self.device_index)
 
     @property
     def graph_state(self) -> PhiloxState:
         """The state object (seed, offset, CUDA-graph protocol) this generator uses now."""
-        return self._state
+        return self.philox_state
 
     def manual_seed(self, seed: int) -> Generator:
         """Seed with ``seed`` (64-bit; negative values wrap) and reset the offset to 0."""
         s = as_seed(seed, "Generator.manual_seed()")
-        assert_not_capturing("Generator.manual_seed()", self._device)
+        assert_not_capturing("Generator.manual_seed()", self.device_index)
         with state_lock:
-            self._state.seed = s
-            self._state.offset = 0
+            self.philox_state.seed = s
+            self.philox_state.offset = 0
         return self
 
     def seed(self) -> int:
@@ -100,13 +104,13 @@ class Generator:
 
     def initial_seed(self) -> int:
         """The seed the generator was last seeded with."""
-        return self._state.seed
+        return self.philox_state.seed
 
     def get_state(self) -> np.ndarray:
         """16 bytes: little-endian uint64 seed, int64 offset (a new numpy uint8 array)."""
-        assert_not_capturing("Generator.get_state()", self._device)
+        assert_not_capturing("Generator.get_state()", self.device_index)
         with state_lock:
-            seed, offset = self._state.seed, self._state.offset
+            seed, offset = self.philox_state.seed, self.philox_state.offset
         return state_bytes(seed, offset)
 
     def set_state(self, new_state: Any) -> Generator:
@@ -117,41 +121,41 @@ class Generator:
         return self
 
     def _set(self, seed: int, offset: int) -> None:
-        assert_not_capturing("Generator.set_state()", self._device)
+        assert_not_capturing("Generator.set_state()", self.device_index)
         with state_lock:
-            self._state.seed = seed
-            self._state.offset = offset
+            self.philox_state.seed = seed
+            self.philox_state.offset = offset
 
     def get_offset(self) -> int:
         """The Philox offset (per thread; advances by 4 * iterations per kernel)."""
-        assert_not_capturing("Generator.get_offset()", self._device)
-        return self._state.offset
+        assert_not_capturing("Generator.get_offset()", self.device_index)
+        return self.philox_state.offset
 
     def set_offset(self, offset: int) -> Generator:
         """Set the Philox offset (a multiple of 4)."""
         o = as_offset(offset, "Generator.set_offset()")
-        assert_not_capturing("Generator.set_offset()", self._device)
+        assert_not_capturing("Generator.set_offset()", self.device_index)
         with state_lock:
-            self._state.offset = o
+            self.philox_state.offset = o
         return self
 
     def clone_state(self) -> Generator:
         """A new generator on the same device with a copy of this one's state."""
-        return Generator._wrap(self._device, self._state.clone())
+        return Generator._wrap(self.device_index, self.philox_state.clone())
 
     def graphsafe_get_state(self) -> Generator:
         """A generator sharing this one's state object (for CUDA graphs, like torch)."""
-        return Generator._wrap(self._device, self._state)
+        return Generator._wrap(self.device_index, self.philox_state)
 
     def graphsafe_set_state(self, other: Generator) -> Generator:
         """Use ``other``'s state object from now on (shared, not copied)."""
         if not isinstance(other, Generator):
             raise TypeError(f"graphsafe_set_state expects a cudalab.Generator, got "
                             f"{type(other).__name__}")
-        if other._device != self._device:
-            raise ValueError(f"graphsafe_set_state: the state belongs to cuda:{other._device}, "
-                             f"this generator to cuda:{self._device}")
-        self._state = other._state
+        if other.device_index != self.device_index:
+            raise ValueError(f"graphsafe_set_state: the state belongs to cuda:{other.device_index}, "
+                             f"this generator to cuda:{self.device_index}")
+        self.philox_state = other.philox_state
         return self
 
 

@@ -43,14 +43,14 @@ def _state_for(generator: Any, dev: int) -> PhiloxState:
         if dev < len(default_generator_slots) and not (queued_calls or seed_calls):
             g = default_generator_slots[dev]
             if g is not None:
-                return g._state
-        return default_generator(dev)._state
+                return g.philox_state
+        return default_generator(dev).philox_state
     if not isinstance(generator, Generator):
         raise TypeError(f"generator must be a cudalab.Generator, got {type(generator).__name__}")
-    if generator._device != dev:
-        raise ValueError(f"the generator is on cuda:{generator._device} but the output is on "
+    if generator.device_index != dev:
+        raise ValueError(f"the generator is on cuda:{generator.device_index} but the output is on "
                          f"cuda:{dev}; use a generator of the output's device")
-    return generator._state
+    return generator.philox_state
 
 
 def _reserve_in_graph(st: PhiloxState, total: int) -> tuple[int, int]:
@@ -64,7 +64,7 @@ def _reserve_in_graph(st: PhiloxState, total: int) -> tuple[int, int]:
         raise RuntimeError("the random offsets reserved inside this CUDA graph exceed 2**32 - 1")
     off = st.offset_intragraph
     st.offset_intragraph = off + total
-    return off, st._graph_buf.ptr
+    return off, st.graph_buffer.ptr
 
 
 def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
@@ -77,7 +77,7 @@ def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
     dev = arr.device_index
     if generator is None and dev < len(default_generator_slots) and not (queued_calls or seed_calls):
         g = default_generator_slots[dev]
-        st = g._state if g is not None else _state_for(None, dev)
+        st = g.philox_state if g is not None else _state_for(None, dev)
     else:
         st = _state_for(generator, dev)
     if stream is None:  # (a new array passes its allocation stream: the current one)

@@ -134,7 +134,7 @@ def _set_graph_words(state: PhiloxState, seed: int, offset: int, stream: Any) ->
     if stream is None:
         stream = _streams.current_stream(state.device)
     launch_kernel(SET_STATE, state.device, stream, (1, 1, 1), (1, 1, 1),
-                  (state._graph_buf.ptr, seed, offset))
+                  (state.graph_buffer.ptr, seed, offset))
 
 
 class PhiloxState:
@@ -154,7 +154,7 @@ class PhiloxState:
     6. ``unregister_graph(graph)`` when the graph is destroyed.
     """
 
-    __slots__ = ("device", "seed", "offset", "capturing", "offset_intragraph", "_graph_buf",
+    __slots__ = ("device", "seed", "offset", "capturing", "offset_intragraph", "graph_buffer",
                  "_graphs")
 
     def __init__(self, device: int, seed: int, offset: int = 0):
@@ -163,7 +163,7 @@ class PhiloxState:
         self.offset = offset
         self.capturing = False
         self.offset_intragraph = 0
-        self._graph_buf: Any = None  # DeviceArray of 2 uint64: seed, base offset
+        self.graph_buffer: Any = None  # DeviceArray of 2 uint64: seed, base offset
         self._graphs: dict[int, Any] = {}  # id(graph) -> a weak reference to it
 
     def __repr__(self) -> str:
@@ -180,8 +180,8 @@ class PhiloxState:
     def register_graph(self, graph: Any) -> None:
         """Tie this state to ``graph`` (allocates the device words on first registration)."""
         assert_not_capturing("PhiloxState.register_graph()", self.device)
-        if self._graph_buf is None:
-            self._graph_buf = _array.zeros((2,), np.uint64, device=self.device)
+        if self.graph_buffer is None:
+            self.graph_buffer = _array.zeros((2,), np.uint64, device=self.device)
         try:  # weakly: the graph holds this state, and its reset()/finalizer unregisters it
             self._graphs[id(graph)] = weakref.ref(graph)
         except TypeError:  # an object without weak references
@@ -192,11 +192,11 @@ class PhiloxState:
         if self._graphs.pop(id(graph), None) is None:
             raise RuntimeError("PhiloxState.unregister_graph(): the graph is not registered")
         if not self._graphs:
-            self._graph_buf = None
+            self.graph_buffer = None
 
     def capture_prologue(self, stream: Any = None) -> None:
         """Before capture: device words := (seed, 0); offsets now count inside the graph."""
-        if self._graph_buf is None:
+        if self.graph_buffer is None:
             raise RuntimeError("PhiloxState.capture_prologue(): call register_graph() first")
         _set_graph_words(self, self.seed, 0, stream)
         with state_lock:
@@ -217,7 +217,7 @@ class PhiloxState:
         """Before a replay, on the replay stream: device words := (seed, offset), then the
         offset advances by the (4-rounded) whole-graph increment."""
         assert_not_capturing("PhiloxState.replay_prologue()", self.device)
-        if self._graph_buf is None:
+        if self.graph_buffer is None:
             raise RuntimeError("PhiloxState.replay_prologue(): no graph is registered")
         inc = operator.index(wholegraph_increment)
         if inc < 0:

@@ -166,11 +166,11 @@ def enable_from_env() -> Session | None:
 def _print_pending() -> None:
     """At exit: print the findings of frees that no later access raised (raise mode)."""
     tracker = _installed
-    if tracker is None or not tracker._pending:
+    if tracker is None or not tracker.pending:
         return
     import sys
 
-    pending, tracker._pending = tracker._pending, []
+    pending, tracker.pending = tracker.pending, []
     print(f"cudalab sanitizer: {len(pending)} finding(s) at frees after the last access:\n"
           + "\n".join(str(r) for r in pending), file=sys.stderr)
 

@@ -120,7 +120,7 @@ class Tracker:
         self.allocations: dict[int, Allocation] = {}  # start address -> allocation
         self._starts: list[int] = []  # the keys of allocations, sorted
         self.reports: list[Report] = []  # every finding, in order
-        self._pending: list[Report] = []  # findings of frees not yet raised (raise mode)
+        self.pending: list[Report] = []  # findings of frees not yet raised (raise mode)
         self.accesses = 0  # accesses checked (one per memory range per operation)
         self._lock = threading.RLock()  # (re-entrant: a finalizer may free during a check)
 
@@ -189,7 +189,7 @@ class Tracker:
             if found:
                 self.reports.extend(found)
                 if self.on_race == "raise":
-                    self._pending.extend(found)
+                    self.pending.extend(found)
                 elif self.on_race == "warn":
                     self._warn(found)
 
@@ -316,7 +316,7 @@ class Tracker:
             self.reports.extend(found)
             if self.on_race == "warn":
                 self._warn(found)
-        if self.on_race == "raise" and (found or self._pending):
+        if self.on_race == "raise" and (found or self.pending):
             self.flush(found)
 
     def flush(self, found: list[Report] | None = None) -> None:
@@ -327,8 +327,8 @@ class Tracker:
         StreamRaceError
             With the pending findings of frees and ``found``.
         """
-        errors = self._pending + (found or [])
-        self._pending = []
+        errors = self.pending + (found or [])
+        self.pending = []
         if errors and self.on_race == "raise":
             raise StreamRaceError(errors)
 

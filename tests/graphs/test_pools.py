@@ -168,7 +168,7 @@ def test_graph_memory_stats_and_use_result_after_destroy_graph(numel, pool, capt
     keys = [f"segment.{pool}.current", f"reserved_bytes.{pool}.current",
             f"active.{pool}.current", f"active_bytes.{pool}.current"]
     gc.collect()  # graphs of earlier tests: the holders are allocated by the first graph
-    first_graph = crandom.default_generators[0].graph_state._graph_buf is None
+    first_graph = crandom.default_generators[0].graph_state.graph_buffer is None
     holders = (HOLDER_BLOCKS, HOLDER_BYTES) if pool == "small_pool" and first_graph else (0, 0)
     s = cudalab.Stream()
     with cudalab.stream(s):
@@ -203,7 +203,7 @@ def test_graph_memory_stats_and_use_result_after_destroy_graph(numel, pool, capt
     gc.collect()
     cudalab.empty_cache()
     seg, res, blocks, _ = after_del
-    holders = holders if crandom.default_generators[0].graph_state._graph_buf is not None \
+    holders = holders if crandom.default_generators[0].graph_state.graph_buffer is not None \
         else (0, 0)
     assert delta() == [seg, res, blocks + holders[0], numel * 4 + holders[1]]
     assert b.numpy()[0] == 6.0  # b outlives the graph

@@ -1058,7 +1058,7 @@ def test_graph_safe_protocol(backend, monkeypatch):
     assert g.get_offset() == 0  # eager offset untouched during capture
     inc = st.capture_epilogue()
     assert inc == 8 and not st.capturing and len(RST.capturing_states) == 0
-    assert all(v[6] == st._graph_buf.ptr for *_, v in cap.launches)  # read from device words
+    assert all(v[6] == st.graph_buffer.ptr for *_, v in cap.launches)  # read from device words
     assert [v[5] for *_, v in cap.launches] == [0, 4]                 # intragraph offsets
     ref = R.Generator(0).manual_seed(77)
     for replay in range(3):
@@ -1074,7 +1074,7 @@ def test_graph_safe_protocol(backend, monkeypatch):
     cap.replay()
     assert np.array_equal(a.numpy(), R.rand(1000, generator=R.Generator(0).manual_seed(5)).numpy())
     st.unregister_graph(graph)
-    assert st._graph_buf is None
+    assert st.graph_buffer is None
     with pytest.raises(RuntimeError):
         st.unregister_graph(graph)
 
