@@ -74,6 +74,9 @@ def test_live_allocator_parquet_export_round_trip(tmp_path):
         assert paths[0] == str(tmp_path / "live_blocks.parquet")
         assert all(p.endswith(".parquet") for p in paths)
         blocks = pd.read_parquet(paths[0])
+        import os
+
+        assert blocks.attrs["identity"]["pid"] == os.getpid()  # where the file came from
         live = blocks[blocks["state"] == "active_allocated"].set_index("address")
         for p, n in zip(ptrs, sizes):
             assert p in live.index, hex(p)
