@@ -222,7 +222,10 @@ class SyncObserver(Protocol):
 _T = TypeVar("_T")
 
 #: Serialises the changes of every list with its flag (never held while an observer runs).
-_lock = threading.Lock()
+#: Re-entrant: a finalizer run by the garbage collector in the middle of a change may change
+#: a list too (``allocator.hooks`` republishes when a traced allocator is collected); every
+#: change ends by setting the flag from the list as it is then.
+_lock = threading.RLock()
 
 
 class Subscribers(list[_T], Generic[_T]):
@@ -330,7 +333,7 @@ class _AccessFanout:
 # the list (never rebound).
 #: Whether any allocator has a trace attached (each allocator reads its own ``_trace``).
 trace_on = False
-#: The traces attached, one entry per allocator traced (``allocator.hooks`` keeps it).
+#: The traces attached, one entry per allocator traced (``allocator.hooks`` writes it).
 trace_subscribers: Subscribers[AllocationTraceObserver] = Subscribers("trace")
 #: Whether a memory-access observer (the sanitizer) listens.
 access_on = False
@@ -374,8 +377,9 @@ def _unsubscribe(subscribers: Subscribers[Any], observer: object) -> bool:
 
 
 def subscribe_trace(observer: AllocationTraceObserver) -> None:
-    """Count ``observer`` as attached to one more allocator (``allocator.hooks.attach_trace``
-    calls this; it does not attach anything itself)."""
+    """Add ``observer`` to the allocation-trace list. It attaches nothing: an allocator calls
+    the trace ``allocator.hooks.attach_trace`` gave it, and that function sets this list
+    from the traces attached."""
     trace_subscribers.append(observer)
 
 

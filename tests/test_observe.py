@@ -5,6 +5,7 @@ in the middle of a change leaves the list and the flag in agreement."""
 from __future__ import annotations
 
 import ast
+import gc
 import signal
 import time
 import warnings
@@ -204,6 +205,7 @@ def test_attach_trace_is_the_allocation_trace_family():
     b = cudalab._internal.backend()
     allocator = DeviceCachingAllocator(b, 0)
     entries = []
+    before = list(_observe.trace_subscribers)
 
     def trace(action, addr, size, stream):
         entries.append(action)
@@ -211,21 +213,38 @@ def test_attach_trace_is_the_allocation_trace_family():
     def other(action, addr, size, stream):
         pass
 
-    assert not _observe.trace_on
     hooks.attach_trace(allocator, trace)
     try:
-        assert _observe.trace_on and list(_observe.trace_subscribers) == [trace]
+        assert _observe.trace_on and list(_observe.trace_subscribers) == before + [trace]
         hooks.attach_trace(allocator, other)  # replaces: the bus loses the old one
-        assert list(_observe.trace_subscribers) == [other]
+        assert list(_observe.trace_subscribers) == before + [other]
         hooks.attach_trace(allocator, trace)
         ptr = allocator.malloc(512)
         allocator.free(ptr)
     finally:
         hooks.detach_trace(allocator)
-    assert not _observe.trace_on and not _observe.trace_subscribers
+    assert list(_observe.trace_subscribers) == before
+    assert _observe.trace_on is bool(before)
     assert "alloc" in entries and "free_requested" in entries
     hooks.detach_trace(allocator)  # (no hook: nothing to undo)
     allocator.empty_cache()
+
+
+def test_an_allocator_dropped_while_traced_leaves_the_bus():
+    cudalab.init()
+    allocator = DeviceCachingAllocator(cudalab._internal.backend(), 0)
+    before = list(_observe.trace_subscribers)
+
+    def trace(action, addr, size, stream):
+        pass
+
+    hooks.attach_trace(allocator, trace)
+    assert trace in _observe.trace_subscribers and _observe.trace_on
+    del allocator
+    gc.collect()
+    assert trace not in _observe.trace_subscribers
+    assert list(_observe.trace_subscribers) == before
+    assert _observe.trace_on is bool(before)
 
 
 def test_the_sanitizer_is_a_memory_access_observer():

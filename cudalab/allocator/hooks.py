@@ -22,13 +22,15 @@ How a listener attaches
 Every allocator keeps the attribute ``_trace: AllocatorTrace | None``; None (the default)
 costs one ``is not None`` test per operation and nothing else. The attach functions keep
 the observer bus's allocation-trace family (:mod:`cudalab._observe`) in step: its list
-holds one entry per allocator traced, its flag says whether there is one. This module holds
-only types and the two attach functions; it imports nothing of cudalab but the bus, so
-every allocator module can name it.
+holds the trace of each allocator traced (recomputed from ``_attached``, also when a traced
+allocator is garbage collected), its flag says whether there is one. This module holds only
+types and the two attach functions; it imports nothing of cudalab but the bus, so every
+allocator module can name it.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -175,6 +177,21 @@ class Traceable(Protocol):
     def sync_pending(self) -> None: ...
 
 
+#: allocator -> the trace attach_trace gave it, for the allocators traced now (weak keys: an
+#: allocator dropped while traced leaves by itself). Invariant: the bus's allocation-trace
+#: list is ``list(_attached.values())`` (``_publish`` writes it after every change).
+_attached: weakref.WeakKeyDictionary[Traceable, AllocatorTrace] = weakref.WeakKeyDictionary()
+#: allocator -> the finalizer that republishes once it is garbage collected (one each).
+_watched: weakref.WeakKeyDictionary[Traceable, weakref.finalize[[], Traceable]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _publish() -> None:
+    """Set the bus's allocation-trace list (and so its flag) from :data:`_attached`; also
+    a traced allocator's finalizer (its entry is gone from ``_attached`` by then)."""
+    _observe.trace_subscribers[:] = list(_attached.values())
+
+
 def attach_trace(allocator: Traceable, trace: AllocatorTrace) -> None:
     """Make ``trace`` the allocator's hook (replacing any previous one).
 
@@ -194,15 +211,16 @@ def attach_trace(allocator: Traceable, trace: AllocatorTrace) -> None:
     Notes
     -----
     Frees deferred before the call are applied first (``sync_pending``), so they are not
-    reported to the new hook. The bus's allocation-trace list gets ``trace`` (and loses the
-    hook it replaces).
+    reported to the new hook. The bus's allocation-trace list gets ``trace`` in place of the
+    hook it replaces (and loses it when the allocator is garbage collected).
     """
     allocator.sync_pending()
-    previous = allocator._trace
     allocator._trace = trace
-    if previous is not None:
-        _observe.unsubscribe_trace(previous)
-    _observe.subscribe_trace(trace)
+    _attached[allocator] = trace
+    if allocator not in _watched:
+        watch = _watched[allocator] = weakref.finalize(allocator, _publish)
+        watch.atexit = False  # (nothing to publish at exit)
+    _publish()
 
 
 def detach_trace(allocator: Traceable) -> None:
@@ -215,7 +233,6 @@ def detach_trace(allocator: Traceable) -> None:
         A cudalab allocator; one without a hook is left as it is.
     """
     allocator.sync_pending()
-    previous = allocator._trace
     allocator._trace = None
-    if previous is not None:
-        _observe.unsubscribe_trace(previous)
+    if _attached.pop(allocator, None) is not None:
+        _publish()
