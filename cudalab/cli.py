@@ -206,8 +206,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if args.simulator:
         devices.use_simulator()  # the public one: it also forgets a probed device count
     try:
-        _driver.selected_backend_name()
-    except ValueError as exc:  # CUDALAB_SIMULATOR set to something unintelligible
+        if _driver.selected_backend_name() == "simulator":
+            _driver.get_backend()  # reads CUDALAB_SIMULATOR_DEVICES and _MEMORY (ValueError)
+    except ValueError as exc:  # CUDALAB_SIMULATOR(_*) set to something unintelligible
         print(f"cudalab: error: {exc}", file=sys.stderr)
         return 2
     info = _gather_info()

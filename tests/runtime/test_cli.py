@@ -99,6 +99,18 @@ def test_bad_simulator_variable():
     assert "CUDALAB_SIMULATOR" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("variable, value", [("CUDALAB_SIMULATOR_MEMORY", "12XB"),
+                                             ("CUDALAB_SIMULATOR_DEVICES", "two")])
+def test_bad_simulator_setting_is_one_line(variable, value):
+    """A malformed simulator setting: one clear line on stderr and status 2, no traceback."""
+    res = run_cli("info", simulator_env="1", extra_env={variable: value})
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cudalab: error: ")
+    assert f"{variable}={value!r}" in lines[0]
+
+
 def test_version_and_help(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["--version"])
