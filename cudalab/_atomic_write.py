@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-__all__ = ["atomic_write", "write_bytes_atomic"]
+__all__ = ["atomic_write", "write_bytes_atomic", "create_bytes_atomic"]
 
 #: The prefix of the temporary files (``.NAME.<random>.tmp`` beside the target).
 TEMP_PREFIX = "."
@@ -128,3 +128,74 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     """
     with atomic_write(path, "wb") as f:
         f.write(data)
+
+
+def create_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Create ``path`` holding ``data``, whole, only if nothing is there yet.
+
+    The data is written to a temporary file beside ``path``, which is then hard-linked to
+    ``path``: the link fails if ``path`` exists, so of several processes racing to create
+    one path exactly one succeeds, and no reader ever sees a partial file. Where the
+    filesystem has no hard links, the file is created with ``O_CREAT | O_EXCL`` and written
+    in place (still exclusive; a reader may see it short for a moment).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file to create. Its directory must exist.
+    data : bytes-like
+        Its content.
+
+    Raises
+    ------
+    FileExistsError
+        Something (a file, a link, a directory) is already at ``path``; it is unchanged.
+    OSError
+        The file cannot be written (nothing is left at ``path``).
+    """
+    target = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(target))
+    import tempfile  # (lazily: importing cudalab stays cheap)
+
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{TEMP_PREFIX}{name}.",
+                                   suffix=TEMP_SUFFIX)
+    except OSError as exc:  # name the target, not the temporary file
+        raise type(exc)(exc.errno, exc.strerror, target) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        try:
+            os.link(tmp, target)  # atomic, and fails when target exists
+            return
+        except FileExistsError:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target) from None
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV,
+                                 errno.EMLINK, errno.ENOSYS):
+                raise
+        _create_exclusive_in_place(target, data)
+    finally:  # any exception, KeyboardInterrupt included: no temporary file left
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def _create_exclusive_in_place(target: str, data: bytes) -> None:
+    """``O_CREAT | O_EXCL`` and write (filesystems without hard links); removed on failure."""
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        try:
+            os.unlink(target)
+        except OSError:
+            pass
+        raise

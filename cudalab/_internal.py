@@ -27,7 +27,8 @@ What it offers
   :class:`CollectiveRecord` (:func:`notify_collective` tells them; :func:`collective_muted`
   silences the inner collectives of one built on others). Both lists are views of the
   observer bus (:mod:`cudalab._observe`): its kernel-launch and collective families.
-* **Files**: :func:`atomic_write` and :func:`write_bytes_atomic` (see
+* **Files**: :func:`atomic_write`, :func:`write_bytes_atomic` and
+  :func:`create_bytes_atomic` (exclusive creation; see
   :mod:`cudalab._atomic_write`): every file cudalab writes replaces its target atomically, so
   a failed export leaves the previous file intact.
 * **Units**: :func:`parse_size`, :func:`format_bytes`, :func:`format_time` (one parser, one
@@ -60,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from cudalab import _interrupts, _observe
 from cudalab import devices as _devices
-from cudalab._atomic_write import atomic_write, write_bytes_atomic
+from cudalab._atomic_write import atomic_write, create_bytes_atomic, write_bytes_atomic
 from cudalab._driver import private_simulator
 from cudalab._driver.base import (
     STATUS_NOT_READY,
@@ -109,6 +110,7 @@ __all__ = [
     "stream_handle",
     "thread_state",
     "write_bytes_atomic",
+    "create_bytes_atomic",
 ]
 
 

@@ -272,8 +272,9 @@ def unique_id_from_file(path: str | os.PathLike, rank: int,
                         exist_ok: bool = False) -> bytes:
     """The job's unique id through a file every rank can read (a shared filesystem).
 
-    Rank 0 creates the id and writes it to ``path`` atomically (a temporary file renamed
-    over it), so no rank ever reads a partial id. Every other rank waits until ``path``
+    Rank 0 creates the id and writes it to ``path`` atomically and exclusively (a temporary
+    file hard-linked to ``path``, which fails if ``path`` exists: of several rank 0s started
+    on one path, exactly one succeeds), so no rank ever reads a partial id. Every other rank waits until ``path``
     exists, then reads it. Use a fresh path per job (e.g. one with the job's id in it): an
     id left by an earlier job names a bootstrap socket nobody serves any more. Rank 0 may
     remove the file once its :class:`~cudalab.comm.Communicator` is created (every rank has
@@ -299,7 +300,8 @@ def unique_id_from_file(path: str | os.PathLike, rank: int,
     Raises
     ------
     FileExistsError
-        Rank 0 found ``path`` already there (and ``exist_ok`` is False).
+        Rank 0 found ``path`` already there, or another process created it first (and
+        ``exist_ok`` is False).
     TimeoutError
         The file did not appear within ``timeout`` seconds.
     ValueError
@@ -332,13 +334,21 @@ def _write_id_file(target: str, exist_ok: bool) -> bytes:
     if os.path.isdir(target):
         raise IsADirectoryError(f"unique_id_from_file(): {target!r} is a directory; pass the "
                                 f"path of a file in it")
-    if not exist_ok and os.path.lexists(target):
-        raise FileExistsError(f"unique_id_from_file(): {target!r} already exists (left by an "
-                              f"earlier job?). Other ranks may read that stale id and hang: use "
-                              f"a fresh path per job, remove the file first, or pass "
-                              f"exist_ok=True to replace it")
+    stale = FileExistsError(f"unique_id_from_file(): {target!r} already exists (left by an "
+                            f"earlier job, or written by another rank 0?). Other ranks may read "
+                            f"that id and hang: use a fresh path per job, remove the file "
+                            f"first, or pass exist_ok=True to replace it")
+    if exist_ok:
+        uid = new_unique_id()
+        _internal.write_bytes_atomic(target, uid)
+        return uid
+    if os.path.lexists(target):  # (early, before making an id; the creation decides)
+        raise stale
     uid = new_unique_id()
-    _internal.write_bytes_atomic(target, uid)
+    try:
+        _internal.create_bytes_atomic(target, uid)  # exclusive: one rank 0 of several wins
+    except FileExistsError:
+        raise stale from None
     return uid
 
 

@@ -55,8 +55,8 @@ def ids(backend, monkeypatch):
 # ----------------------------------------------------------------------------- the file
 def test_rank_0_writes_the_id_atomically(ids, tmp_path, monkeypatch):
     writes = []
-    real = _internal.write_bytes_atomic
-    monkeypatch.setattr(_internal, "write_bytes_atomic",
+    real = _internal.create_bytes_atomic  # (atomic and exclusive)
+    monkeypatch.setattr(_internal, "create_bytes_atomic",
                         lambda path, data: (writes.append((path, data)), real(path, data)))
     path = tmp_path / "job.uid"
     uid = unique_id_from_file(path, 0)
@@ -115,6 +115,44 @@ def test_rank_0_refuses_a_stale_file_unless_told(ids, tmp_path):
     assert ids.made == [] and path.read_bytes() == b"s" * 128
     uid = unique_id_from_file(path, 0, exist_ok=True)
     assert path.read_bytes() == uid != b"s" * 128
+
+
+def test_rank_0s_racing_on_one_path_exactly_one_succeeds(ids, tmp_path, monkeypatch):
+    """Several rank-0 processes (here threads) started together on one path: the file is
+    created exclusively, so exactly one writes its id and the others get FileExistsError,
+    even when all of them checked the path before any wrote it."""
+    path = tmp_path / "job.uid"
+    n = 6
+    barrier = threading.Barrier(n)
+    make = ids.unique_id
+
+    def slow_id():  # every racer makes its id after all of them found no file
+        uid = make()
+        time.sleep(0.2)
+        return uid
+
+    monkeypatch.setattr(ids, "unique_id", slow_id)
+    won, refused, other = [], [], []
+
+    def racer():
+        barrier.wait()
+        try:
+            won.append(unique_id_from_file(path, 0))
+        except FileExistsError as exc:
+            refused.append(str(exc))
+        except BaseException as exc:  # pragma: no cover - reported below
+            other.append(exc)
+
+    threads = [threading.Thread(target=racer) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert other == [] and len(ids.made) == n
+    assert len(won) == 1 and len(refused) == n - 1, (won, refused)
+    assert path.read_bytes() == won[0]
+    assert all("already exists" in text for text in refused)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.uid"]  # no temporary left
 
 
 def test_a_directory_is_not_an_id_file(ids, tmp_path):

@@ -334,3 +334,22 @@ def test_numpy_values_still_export(tmp_path):
     write_bytes_atomic(tmp_path / "s.pickle", dumps_snapshot(snap))
     got = cudalab.memory.load_snapshot(tmp_path / "s.pickle")
     assert got["segments"][0]["address"] == 1 << 40
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_create_bytes_atomic_is_exclusive(tmp_path, monkeypatch, links):
+    """Exclusive creation: a new file whole, an existing one untouched (FileExistsError),
+    no temporary left; where hard links are refused, O_EXCL does the same."""
+    import errno
+
+    if not links:
+        def no_links(src, dst):
+            raise OSError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(os, "link", no_links)
+    path = tmp_path / "new.bin"
+    _atomic_write.create_bytes_atomic(path, b"first")
+    assert path.read_bytes() == b"first"
+    with pytest.raises(FileExistsError):
+        _atomic_write.create_bytes_atomic(path, b"second")
+    assert path.read_bytes() == b"first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.bin"]
