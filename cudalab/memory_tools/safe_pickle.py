@@ -16,8 +16,10 @@ Three bounds, each refused with a :class:`SnapshotLoadError` that says which:
 * **No endless input.** :func:`read_bounded` reads at most :func:`max_snapshot_bytes` bytes
   (default :data:`DEFAULT_MAX_SNAPSHOT_BYTES`, 4 GiB; the environment variable
   :data:`MAX_SNAPSHOT_BYTES_ENV`, ``CUDALAB_MAX_SNAPSHOT_BYTES``, or a ``max_bytes``
-  argument of the loaders changes it), in chunks, so ``/dev/zero`` or a gzip bomb is refused
-  once the limit is passed, not after memory ran out.
+  argument of the loaders changes it), in chunks, so a gzip bomb is refused once the limit
+  is passed. A snapshot that does not start with a pickle opcode (``/dev/zero``) is refused
+  after its first chunk (:func:`check_pickle_start`), and memory running out before the
+  limit (an address-space limit) is a SnapshotLoadError too, never a bare MemoryError.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import io
 import os
 import pickle
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import compress
 from typing import Any
 
@@ -42,6 +44,9 @@ __all__ = [
     "container_levels",
     "max_snapshot_bytes",
     "read_bounded",
+    "read_path_bounded",
+    "check_pickle_start",
+    "READ_CHUNK",
     "unpickle",
 ]
 
@@ -58,7 +63,8 @@ MAX_SNAPSHOT_BYTES_ENV = "CUDALAB_MAX_SNAPSHOT_BYTES"
 DEFAULT_MAX_SNAPSHOT_BYTES = 4 * GiB
 #: The deepest container nesting a pickle may have (snapshots nest about 6 deep).
 MAX_NESTING = 200
-_CHUNK = 16 << 20  # bytes read at a time
+#: Bytes read at a time (the most a stream that does not start like a pickle costs).
+READ_CHUNK = 16 << 20
 
 
 def max_snapshot_bytes(max_bytes: int | str | None = None) -> int:
@@ -95,26 +101,42 @@ def _too_large(what: str, limit: int) -> SnapshotLoadError:
         f"{MAX_SNAPSHOT_BYTES_ENV}, or pass max_bytes=, to read larger files)")
 
 
-def read_bounded(f: Any, what: str, limit: int) -> bytes:
+def read_bounded(f: Any, what: str, limit: int,
+                 head_check: Callable[[bytes], None] | None = None) -> bytes:
     """All of the binary file object ``f``, or SnapshotLoadError once more than ``limit``
-    bytes came (read in chunks: an endless stream costs ``limit`` bytes at most)."""
+    bytes came (read in chunks: an endless stream costs ``limit`` bytes at most), or once
+    memory runs out before that (an address-space limit below ``limit``). ``head_check``
+    is called with the first chunk (:data:`READ_CHUNK` bytes at most), to refuse a stream
+    that cannot be what is read before reading the rest."""
     parts: list[bytes] = []
     total = 0
-    while True:
-        chunk = f.read(min(_CHUNK, limit + 1 - total))
-        if isinstance(chunk, str):
-            raise SnapshotLoadError(f"cannot read {what}: open the file in binary mode ('rb')")
-        if not chunk:
-            break
-        parts.append(bytes(chunk))
-        total += len(chunk)
-        if total > limit:
-            raise _too_large(what, limit)
-    return b"".join(parts)
+    try:
+        while True:
+            chunk = f.read(min(READ_CHUNK, limit + 1 - total))
+            if isinstance(chunk, str):
+                raise SnapshotLoadError(f"cannot read {what}: open the file in binary mode "
+                                        "('rb')")
+            if not chunk:
+                break
+            if head_check is not None and not parts:
+                head_check(chunk)
+            parts.append(bytes(chunk))
+            total += len(chunk)
+            if total > limit:
+                raise _too_large(what, limit)
+        return b"".join(parts)
+    except MemoryError:
+        parts.clear()  # (the traceback keeps this frame: let the memory go now)
+        raise SnapshotLoadError(
+            f"cannot read {what}: ran out of memory after {total:,} bytes, below the limit of "
+            f"{limit:,} bytes (an endless stream, or a file larger than this process may "
+            f"hold; set {MAX_SNAPSHOT_BYTES_ENV}, or pass max_bytes=, to stop sooner)") from None
 
 
-def read_path_bounded(path: Any, what: str, limit: int) -> bytes:
-    """The file at ``path`` (checked against ``limit`` by its size first, when it has one)."""
+def read_path_bounded(path: Any, what: str, limit: int,
+                      head_check: Callable[[bytes], None] | None = None) -> bytes:
+    """The file at ``path`` (checked against ``limit`` by its size first, when it has one);
+    ``head_check`` as for :func:`read_bounded`."""
     with open(path, "rb") as f:
         try:
             size = os.fstat(f.fileno()).st_size
@@ -122,7 +144,28 @@ def read_path_bounded(path: Any, what: str, limit: int) -> bytes:
             size = 0
         if size > limit:
             raise _too_large(what, limit)
-        return read_bounded(f, what, limit)
+        return read_bounded(f, what, limit, head_check)
+
+
+_PICKLE_FIRST_BYTES: frozenset[int] | None = None  # every pickle opcode's byte, built once
+
+
+def check_pickle_start(what: str) -> Callable[[bytes], None]:
+    """A ``head_check`` for :func:`read_bounded`: SnapshotLoadError unless the data starts
+    with a pickle opcode (``/dev/zero`` is refused after its first chunk)."""
+
+    def check(head: bytes) -> None:
+        global _PICKLE_FIRST_BYTES
+        if _PICKLE_FIRST_BYTES is None:
+            import pickletools
+
+            _PICKLE_FIRST_BYTES = frozenset(op.code.encode("latin-1")[0]
+                                            for op in pickletools.opcodes)
+        if head and head[0] not in _PICKLE_FIRST_BYTES:
+            raise SnapshotLoadError(f"cannot read {what}: it is not a pickle (it starts with "
+                                    f"byte 0x{head[0]:02x}, which no pickle starts with)")
+
+    return check
 
 
 def gunzip_bounded(data: bytes, what: str, limit: int) -> bytes:

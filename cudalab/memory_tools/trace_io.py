@@ -49,6 +49,7 @@ import numpy as np
 from cudalab.memory_tools.history import ACTIONS
 from cudalab.memory_tools.safe_pickle import (
     SnapshotLoadError,
+    check_pickle_start,
     container_levels,
     gunzip_bounded,
     max_snapshot_bytes,
@@ -254,10 +255,10 @@ def _read(path_or_file: Any, max_bytes: int | str | None) -> tuple[bytes, str]:
     if hasattr(path_or_file, "read"):
         name = getattr(path_or_file, "name", None)
         what = f"snapshot {name!r}" if isinstance(name, str) else "the snapshot file object"
-        return read_bounded(path_or_file, what, limit), what
+        return read_bounded(path_or_file, what, limit, check_pickle_start(what)), what
     if isinstance(path_or_file, (str, bytes, os.PathLike)):
         what = f"snapshot {os.fsdecode(path_or_file)!r}"
-        return read_path_bounded(path_or_file, what, limit), what
+        return read_path_bounded(path_or_file, what, limit, check_pickle_start(what)), what
     raise TypeError("load_snapshot() takes a path or a binary file object, got "
                     f"{type(path_or_file).__name__}")
 

@@ -158,26 +158,76 @@ def test_many_tuples_still_load_and_deep_ones_do_not(monkeypatch):
 
 # --------------------------------------------------------------------------- size limits
 class Endless(io.RawIOBase):
-    """/dev/zero as a file object, counting what was read."""
+    """/dev/zero as a file object (or an endless run of ``fill``), counting what was read."""
 
-    def __init__(self):
+    def __init__(self, fill=b"\0"):
         self.read_bytes = 0
+        self.fill = fill
 
     def readable(self):
         return True
 
     def readinto(self, b):
         n = len(b)
-        b[:n] = bytes(n)
+        b[:n] = self.fill * n
         self.read_bytes += n
         return n
 
 
 def test_an_endless_stream_stops_at_the_limit():
-    f = Endless()
+    f = Endless(b"(")  # pickle's MARK opcode: it starts like a pickle
     with pytest.raises(SnapshotLoadError, match="larger than the limit of 1,048,576 bytes"):
         load_snapshot(f, max_bytes="1MiB")
     assert f.read_bytes <= (1 << 20) + 1
+
+
+_UNDER_AN_ADDRESS_LIMIT = """
+import io, resource, sys
+from cudalab.memory_tools.trace_io import load_snapshot
+from cudalab.memory_tools.safe_pickle import SnapshotLoadError
+
+class EndlessMarks(io.RawIOBase):  # an endless stream that starts like a pickle
+    def readable(self):
+        return True
+    def readinto(self, b):
+        b[:] = b"(" * len(b)
+        return len(b)
+
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+limit = vm + (384 << 20)  # far below the default 4 GiB budget
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+for source in ("/dev/zero", EndlessMarks()):
+    try:
+        load_snapshot(source)
+    except SnapshotLoadError as exc:
+        print("refused:", str(exc).splitlines()[0][:300])
+    except MemoryError:
+        print("bare MemoryError")
+bytearray(64 << 20)  # the process recovered its memory
+print("alive")
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero") or sys.platform != "linux",
+                    reason="needs Linux's /dev/zero and /proc")
+def test_an_endless_stream_under_an_address_space_limit_is_refused_not_a_memory_error():
+    """load_snapshot("/dev/zero") with less memory than the size budget: SnapshotLoadError
+    (at once for a stream that does not start like a pickle; when memory runs out for one
+    that does), never a bare MemoryError."""
+    r = _run_python(_UNDER_AN_ADDRESS_LIMIT)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3 and lines[2] == "alive", r.stdout
+    assert lines[0].startswith("refused:") and "not a pickle" in lines[0], lines[0]
+    assert lines[1].startswith("refused:") and "out of memory" in lines[1], lines[1]
+
+
+def test_a_stream_that_is_not_a_pickle_is_refused_after_its_first_chunk():
+    f = Endless()
+    with pytest.raises(SnapshotLoadError, match="not a pickle"):
+        load_snapshot(f)  # the default limit is 4 GiB: it stops long before
+    assert f.read_bytes <= safe_pickle.READ_CHUNK
 
 
 def test_the_limit_comes_from_the_environment(tmp_path, monkeypatch):
