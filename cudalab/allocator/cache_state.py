@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from cudalab.allocator.base import Allocator, current_stream_key
-from cudalab.allocator.blocks import Block, BlockPool, StreamUses
+from cudalab.allocator.blocks import Block, BlockPool, FreeList, StreamUses
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig, config_from_env
 from cudalab.allocator.events import EventPool
 from cudalab.allocator.stats import DeviceStats
@@ -84,16 +84,20 @@ class CacheState(Allocator):
     _all_blocks: Callable[[], list[Block]]
     _carve: Callable[[Block, int, BlockPool], Block]
     _account_alloc: Callable[[BlockPool, Block, int, int, int, int], int]
-    _alloc_block: Callable[..., Block | None]
     _detach_segment: Callable[[Block], int]
     _garbage_collect: Callable[[], None]
     _raise_oom: Callable[[int, int, int], NoReturn]
-    _release_freeable_pools: Callable[..., None]
     _settle_releases: Callable[[], None]
-    _route: Callable[[int], Any]
-    _best_fit_in: Callable[[Any, int], Block | None]
+    _route: Callable[[int], PrivatePool | None]
+    _best_fit_in: Callable[[FreeList, int], Block | None]
     _malloc_routed: Callable[[int, int], int]
     _record_use_events: Callable[[Block, StreamUses], None]
+
+    if TYPE_CHECKING:  # (the two with a default argument, as method signatures)
+        def _alloc_block(self, pool: BlockPool, skey: int, alloc_size: int, is_retry: bool,
+                         pp: PrivatePool | None = None) -> Block | None: ...
+
+        def _release_freeable_pools(self, only: tuple[int, int] | None = None) -> None: ...
 
     def __init__(self, backend: Backend, device: int = 0, config: AllocatorConfig | None = None,
                  stream_resolver: Callable[[], int] | None = None):
