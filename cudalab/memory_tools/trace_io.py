@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from cudalab.memory_tools.history import ACTIONS
 from cudalab.memory_tools.safe_pickle import (
@@ -339,9 +340,9 @@ class TraceArrays:
     :func:`load_trace` returns and :func:`cudalab.memory_tools.replay.replay` replays)."""
 
     source: str
-    action: np.ndarray  # int8: 1 alloc, 0 free
-    addr: np.ndarray  # int64 (dense ids when the addresses do not fit int64)
-    size: np.ndarray  # int64
+    action: NDArray[np.int8]  # 1 alloc, 0 free
+    addr: NDArray[np.int64]  # (dense ids when the addresses do not fit int64)
+    size: NDArray[np.int64]  # -1: not a positive integer (skipped by the replay)
     stream: list[int]
     ignored: dict[str, int] = field(default_factory=dict)
     reference: dict[str, Any] = field(default_factory=dict)
@@ -453,7 +454,7 @@ _ACTION_CODE = {"alloc": 1, "free_requested": 0, "free": 0}
 _SEGMENT_SIGN = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 
 
-def _int_array(values: Any, what: str, source: str) -> np.ndarray:
+def _int_array(values: Any, what: str, source: str) -> NDArray[np.int64]:
     try:
         arr = np.asarray(values)
         if arr.dtype.kind == "f" and np.isfinite(arr).all() and (arr == np.round(arr)).all():
@@ -532,7 +533,7 @@ def _valid_size(s: Any) -> bool:
                 and 0 < s < (1 << 62))
 
 
-def _sizes(values: Any) -> np.ndarray:
+def _sizes(values: Any) -> NDArray[np.int64]:
     """int64 sizes; -1 where a size is not a positive integer (a string such as ``"512"``,
     a fraction such as ``512.5``, a bool, a NaN, 2**70): the replay skips those entries
     (``invalid_size``). Whole floats of a numpy column (a DataFrame with gaps) count as
@@ -552,7 +553,7 @@ def _sizes(values: Any) -> np.ndarray:
 
 
 def _count_earlier(ref: dict[str, Any], seg_rows: list[int], addrs: Any, sizes: Any,
-                   alloc_addr: np.ndarray) -> None:
+                   alloc_addr: NDArray[np.int64]) -> None:
     """``ref["allocs_in_earlier_segments"]``: allocations at addresses outside every segment
     the trace reserved (a history started mid-session: they reused memory reserved before
     it, which the recorded peak does not count)."""
@@ -570,7 +571,7 @@ def _count_earlier(ref: dict[str, Any], seg_rows: list[int], addrs: Any, sizes: 
         ref["allocs_in_earlier_segments"] = n
 
 
-def _object_keys(values: Sequence[Any]) -> np.ndarray:
+def _object_keys(values: Sequence[Any]) -> NDArray[np.int64]:
     """Addresses that do not fit int64 (or are not ints): dense int ids by equality."""
     ids: dict[Any, int] = {}
     return np.asarray([ids.setdefault(v, len(ids)) for v in values], dtype=np.int64)
@@ -610,7 +611,7 @@ def _from_dataframe(source: str, df: Any, device: int | None) -> TraceArrays:
         dev = df["device"]
         df = df[(dev == device) | dev.isna()]
 
-    def col(name: str) -> np.ndarray:
+    def col(name: str) -> NDArray[Any]:
         c = df[name]
         if c.isna().any():
             c = c.fillna(0)
