@@ -24,7 +24,7 @@ module                      concept
 ``pluggable``               ``PluggableAllocator`` (torch's CUDAPluggableAllocator)
 ``uncached``                ``UncachedAllocator`` (every malloc is a driver call)
 ``caching_switch``          ``caching_allocator_enable``: caching turned off at run time
-``oom_observers``           the out-of-memory observers (torch's OOM observer hook)
+``oom_observers``           the out-of-memory observers (torch's OOM observer hook; a bus view)
 ``registry``                one allocator per device: creation (the class is chosen here)
 ``config``                  ``CUDALAB_ALLOC_CONF`` with torch's grammar
 ``stats``                   the counters behind ``memory_stats()`` and ``memory_summary()``

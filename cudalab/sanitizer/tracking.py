@@ -1,7 +1,7 @@
 """Per-allocation access records and the checks: the sanitizer's :class:`Tracker`.
 
-The tracker is what the access sites call while the sanitizer is on (the hook protocol of
-:mod:`cudalab._sanitizer_hook`). For each allocation it keeps the reads since the last
+The tracker is what the access sites call while the sanitizer is on: a memory-access
+observer of the observer bus (:class:`cudalab._observe.MemoryAccessObserver`). For each allocation it keeps the reads since the last
 write and the last writes, each with its byte range, stream and sequence number
 (:class:`~cudalab.sanitizer.report.Access`); each new access is checked against the
 overlapping previous ones with the vector clocks of
