@@ -1,9 +1,12 @@
-"""Test harness: picks the backend for the whole session, and the ``gpu`` marker.
+"""Test harness: picks the backend for the whole session, the ``gpu`` marker, and ``--shard K/N``.
 
 * ``CUDALAB_SIMULATOR=1`` (CI): the simulator; ``@pytest.mark.gpu`` tests are skipped.
 * otherwise, if a real GPU answers: the real backend, and every test runs on it.
 * otherwise the harness selects the simulator explicitly (printed in the header), so a
   developer's laptop runs the same suite as CI. The library itself never falls back.
+
+``--shard K/N`` runs a deterministic share of the test files and ``--shard-durations-out``
+records what each file took (``tests/helpers/shard.py``; ``bash .ci/gpu-run --shard 1/2``).
 """
 
 from __future__ import annotations
@@ -14,9 +17,15 @@ from tests.helpers.gpu import BACKEND as _BACKEND  # noqa: E402 - decides the ba
 from tests.helpers.gpu import HAS_GPU  # noqa: E402
 from tests.helpers.gpu import REASON as _REASON  # noqa: E402
 from tests.helpers.interrupts import deferring  # noqa: E402,F401 - the fixture, for every test
+from tests.helpers.shard import ShardPlugin, add_options  # noqa: E402
+
+
+def pytest_addoption(parser):
+    add_options(parser)  # --shard K/N, --shard-durations-out PATH
 
 
 def pytest_configure(config):
+    config.pluginmanager.register(ShardPlugin(config), "cudalab-shard")
     config.addinivalue_line("markers", "gpu: needs a real CUDA GPU (skipped on the simulator)")
     config.addinivalue_line("markers", "multigpu: needs at least two real GPUs")
 
