@@ -129,6 +129,16 @@ class NcclError(RuntimeError):
         return (type(self), (self.args[0] if self.args else "", self.code, self.name))
 
 
+class StreamDeviceError(ValueError, RuntimeError):
+    """A stream chosen for work on one device is on another: a ``streams[i]`` of
+    :mod:`cudalab.nccl` or the ``stream=`` of a :class:`cudalab.comm.Communicator` operation
+    (raised by :func:`cudalab.collective_call.check_stream`, before anything is queued).
+
+    It is a ValueError (a bad argument, as the Communicator's other checks raise) and a
+    RuntimeError (as torch.cuda.nccl's checks raise), so code catching either still does.
+    """
+
+
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel; the message carries the compiler log."""
 
@@ -154,6 +164,7 @@ __all__ = [
     "NvmlError",
     "KernelCompileError",
     "NcclError",
+    "StreamDeviceError",
     "CublasError",
 ]
 

@@ -33,21 +33,24 @@ numpy (see :mod:`cudalab._driver.sim.nccl`).
 Every collective opens an NVTX range ``nccl.<name>``, tells
 :data:`cudalab._internal.collective_observers` of it with nccl-tests' bandwidth definitions,
 and reports its reads and writes to the stream sanitizer while that is on.
+
+How it is issued: each function builds one :class:`~cudalab.collective_call.CollectiveCall`
+after torch's checks and hands it to :func:`cudalab.collective_call.issue`, the one issue
+function of every cudalab collective. For :mod:`cudalab.comm`, :func:`clique_call` builds the
+record of a collective over arrays it has checked itself (the cached clique's runner), and
+this module offers :func:`issue` and :class:`CollectiveCall` beside it (a test's stand-in
+for this module replaces all three).
 """
 
 from __future__ import annotations
 
-import atexit
 import collections.abc
+import operator
 import os
-import sys
-import threading
 import warnings
-from collections.abc import Callable
 from typing import Any
 
-from cudalab import _internal, _interrupts, _observe
-from cudalab import nvtx as _nvtx
+from cudalab import _internal
 from cudalab import streams as _streams
 from cudalab._driver.base import (
     NCCL_AVG,
@@ -65,7 +68,15 @@ from cudalab._driver.base import (
     NCCL_SUM,
     NCCL_UINT8,
 )
-from cudalab.errors import NcclError
+from cudalab.collective_call import (
+    ROUTE_CLIQUE,
+    ROUTE_NCCL,
+    CollectiveCall,
+    check_stream,
+    communicators,
+    destroy_communicators,
+    issue,
+)
 
 __all__ = [
     "SUM", "PROD", "MAX", "MIN", "AVG",
@@ -89,18 +100,6 @@ DATA_TYPES["bool"] = NCCL_UINT8
 #: DLPack device types of CUDA memory (kDLCUDA, kDLCUDAManaged).
 _DLPACK_CUDA = (2, 13)
 
-# The communicator cache: devices in rank order -> the clique's handles. Invariant: every
-# value is a complete clique of live communicators (a failed or interrupted creation is
-# never stored). Guarded by _cliques_lock for changes; reads of a present key need no lock.
-_cliques: dict[tuple[int, ...], list[Any]] = {}
-# Each cached clique's group runner (the backend's ``group_runner`` of its communicators), made
-# on first use: devices -> (the clique's list, its runner). An entry counts only while
-# _cliques holds that very list for the key (checked by identity on every use), so the two
-# cannot drift: a destroyed or re-created clique is never run through an old runner.
-_runners: dict[tuple[int, ...], tuple[list[Any], Callable[..., None]]] = {}
-_thread = _internal.thread_state()  # .device: this thread's current device (the one object)
-_cliques_lock = threading.Lock()
-_atexit_registered = False  # set (once) when the first clique is created
 # The backend whose NCCL answered (and its answer), for is_available.
 _probe: tuple[Any, bool] | None = None
 
@@ -174,13 +173,9 @@ def all_reduce(inputs: Any, outputs: Any = None, op: int = SUM, streams: Any = N
     ins, outs, stream_list, comm_list = _unpack(inputs, inputs if outputs is None else outputs,
                                                 streams, comms)
     _check_inputs(ins, outs, 1, 1)
-    dtype = _nccl_type(ins[0])
-    count = ins[0].size
-    n = len(ins)
-    _execute("all_reduce", NCCL_CALL_ALL_REDUCE, count, dtype, op, 0, ins,
-             [a.ptr for a in ins], [a.ptr for a in outs], stream_list, comm_list,
-             lambda: [((ins[i],), (outs[i],)) for i in range(n)],
-             count * ins[0].itemsize, 2 * (n - 1) / n)
+    issue(_placed("all_reduce", ins, kind=NCCL_CALL_ALL_REDUCE, count=ins[0].size,
+                  dtype=_nccl_type(ins[0]), op=op, root=0, recvs=[a.ptr for a in outs],
+                  streams=stream_list, comms=comm_list))
 
 
 def reduce(inputs: Any, output: Any = None, root: int = 0, op: int = SUM, streams: Any = None,
@@ -217,14 +212,11 @@ def reduce(inputs: Any, output: Any = None, root: int = 0, op: int = SUM, stream
     if not (isinstance(root, int) and 0 <= root < len(ins)):
         raise RuntimeError("invalid root")
     _check_inputs_rooted(ins, out, root)
-    dtype = _nccl_type(ins[0])
-    count = ins[0].size
     recvs = [0] * len(ins)
     recvs[root] = out.ptr
-    _execute("reduce", NCCL_CALL_REDUCE, count, dtype, op, root, ins, [a.ptr for a in ins],
-             recvs, stream_list, comm_list,
-             lambda: [((ins[i],), (out,) if i == root else ()) for i in range(len(ins))],
-             count * ins[0].itemsize, 1.0)
+    issue(_placed("reduce", ins, kind=NCCL_CALL_REDUCE, count=ins[0].size,
+                  dtype=_nccl_type(ins[0]), op=op, root=root, recvs=recvs, streams=stream_list,
+                  comms=comm_list))
 
 
 def broadcast(inputs: Any, root: int = 0, streams: Any = None, comms: Any = None) -> None:
@@ -244,13 +236,8 @@ def broadcast(inputs: Any, root: int = 0, streams: Any = None, comms: Any = None
     if count > MAX_COUNT:
         raise RuntimeError(f"Broadcast tensor has {count} elements, which exceeds the maximum "
                            f"NCCL supports ({MAX_COUNT})")
-
-    pointers = [a.ptr for a in ins]
-    _execute("broadcast", NCCL_CALL_BROADCAST, count, dtype, SUM, root, ins, pointers,
-             pointers, stream_list, comm_list,
-             lambda: [((ins[i],) if i == root else (), (ins[i],) if i != root else ())
-                      for i in range(len(ins))],
-             count * ins[0].itemsize, 1.0)
+    issue(_placed("broadcast", ins, kind=NCCL_CALL_BROADCAST, count=count, dtype=dtype, op=SUM,
+                  root=root, recvs=[a.ptr for a in ins], streams=stream_list, comms=comm_list))
 
 
 def all_gather(inputs: Any, outputs: Any, streams: Any = None, comms: Any = None) -> None:
@@ -261,13 +248,9 @@ def all_gather(inputs: Any, outputs: Any, streams: Any = None, comms: Any = None
     ins, outs, stream_list, comm_list = _unpack(inputs, outputs, streams, comms)
     n = len(ins)
     _check_inputs(ins, outs, n, 1)
-    dtype = _nccl_type(ins[0])
-    count = ins[0].size
-
-    _execute("all_gather", NCCL_CALL_ALL_GATHER, count, dtype, SUM, 0, ins,
-             [a.ptr for a in ins], [a.ptr for a in outs], stream_list, comm_list,
-             lambda: [((ins[i],), (outs[i],)) for i in range(n)],
-             count * n * ins[0].itemsize, (n - 1) / n)
+    issue(_placed("all_gather", ins, kind=NCCL_CALL_ALL_GATHER, count=ins[0].size,
+                  dtype=_nccl_type(ins[0]), op=SUM, root=0, recvs=[a.ptr for a in outs],
+                  streams=stream_list, comms=comm_list))
 
 
 def reduce_scatter(inputs: Any, outputs: Any, op: int = SUM, streams: Any = None,
@@ -279,157 +262,56 @@ def reduce_scatter(inputs: Any, outputs: Any, op: int = SUM, streams: Any = None
     ins, outs, stream_list, comm_list = _unpack(inputs, outputs, streams, comms)
     n = len(ins)
     _check_inputs(ins, outs, 1, n)
-    dtype = _nccl_type(ins[0])
-    count = ins[0].size // n
-
-    _execute("reduce_scatter", NCCL_CALL_REDUCE_SCATTER, count, dtype, op, 0, ins,
-             [a.ptr for a in ins], [a.ptr for a in outs], stream_list, comm_list,
-             lambda: [((ins[i],), (outs[i],)) for i in range(n)],
-             ins[0].size * ins[0].itemsize, (n - 1) / n)
+    issue(_placed("reduce_scatter", ins, kind=NCCL_CALL_REDUCE_SCATTER, count=ins[0].size // n,
+                  dtype=_nccl_type(ins[0]), op=op, root=0, recvs=[a.ptr for a in outs],
+                  streams=stream_list, comms=comm_list))
 
 
 # ------------------------------------------------------------------------------ for cudalab.comm
-#: The collectives :func:`issue_checked` takes, by name.
-_CALLS = {"all_reduce": NCCL_CALL_ALL_REDUCE, "broadcast": NCCL_CALL_BROADCAST,
-          "reduce": NCCL_CALL_REDUCE, "all_gather": NCCL_CALL_ALL_GATHER,
-          "reduce_scatter": NCCL_CALL_REDUCE_SCATTER}
+_device_of = operator.attrgetter("device_index")
+_address_of = operator.attrgetter("ptr")
 
 
-def issue_checked(name: str, ins: list[Any], outs: list[Any], root: int = 0,
-                  op: int = SUM) -> None:
-    """A collective over arrays already checked by the caller, on the current streams: for
-    :mod:`cudalab.comm`, whose public call has its own checks, NVTX range and collective
-    record. Not part of torch.cuda.nccl's API.
+def clique_call(kind: int, ins: list[Any], outs: list[Any], root: int = 0,
+                op: int = SUM) -> CollectiveCall:
+    """The :class:`~cudalab.collective_call.CollectiveCall` of a collective over arrays already
+    checked by the caller, on the current streams and the cached clique of their devices
+    (:data:`~cudalab.collective_call.ROUTE_CLIQUE`): for :mod:`cudalab.comm`, whose public
+    call has its own checks, NVTX range and collective record, and issues it with
+    :func:`issue`. Not part of torch.cuda.nccl's API.
 
-    The caller guarantees what the public functions check: every array a contiguous
-    DeviceArray, ``ins`` on pairwise distinct devices, all of one dtype, and sizes as the
-    collective needs them (:func:`is_available` and the caller's own checks). ``outs[i]`` is
-    rank ``i``'s receive array, or None for none (reduce off the root); broadcast is in
-    place (``outs`` is ``ins``). The clique of the inputs' devices is the cached one.
+    ``kind`` is an ``NCCL_CALL_*`` of the seam. The caller guarantees what the public
+    functions check: every array a contiguous DeviceArray, ``ins`` on pairwise distinct
+    devices, all of one dtype, and sizes as the collective needs them (:func:`is_available`
+    and the caller's own checks). ``outs[i]`` is rank ``i``'s receive array, or None for
+    none (reduce off the root); broadcast is in place (``outs`` is ``ins``).
 
     Raises
     ------
     RuntimeError
         The dtype has no NCCL type (before anything is launched).
-    cudalab.NcclError
-        When NCCL fails.
     """
-    call = _CALLS[name]
     first = ins[0]
     dtype = _TYPE_OF_DTYPE.get(first.dtype)
     if dtype is None:
         dtype = _nccl_type(first)
-    count = first.size // len(ins) if call == NCCL_CALL_REDUCE_SCATTER else first.size
+    count = first.size // len(ins) if kind == NCCL_CALL_REDUCE_SCATTER else first.size
     # (comprehensions, not a loop of appends: the 1 KiB reduce_add row of benchmarks/comm.py)
-    current_stream = _streams.current_stream
-    devices = tuple([a.device_index for a in ins])
-    streams = [current_stream(d) for d in devices]
-    _issue_run(_runner(devices), call, count, dtype, op, root, [a.ptr for a in ins],
-               [0 if o is None else o.ptr for o in outs], [s.handle for s in streams])
-    if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
-        for i, (stream, a, o) in enumerate(zip(streams, ins, outs)):
-            reads = [] if call == NCCL_CALL_BROADCAST and i != root else [(a.ptr, a.nbytes)]
-            writes = [] if o is None or (call == NCCL_CALL_BROADCAST and i == root) else \
-                [(o.ptr, o.nbytes)]
-            _observe.access_tracker.access(stream, reads, writes, f"nccl.{name}")
-
-
-# ------------------------------------------------------------------------------ communicators
-def destroy_communicators() -> None:
-    """Finalize and destroy every cached communicator (torch never does; cudalab can).
-
-    Each clique's ranks are finalized inside one NCCL group (finalize is collective), then
-    destroyed. The cache is emptied first, so the next collective creates fresh
-    communicators. Also runs at interpreter exit (silently). Communicators passed as
-    ``comms`` are the caller's and are not touched.
-
-    Raises
-    ------
-    cudalab.NcclError
-        The first failure (the other cliques are still destroyed; a clique that failed is
-        aborted).
-    """
-    with _cliques_lock:
-        cliques = list(_cliques.values())
-        _cliques.clear()
-        _runners.clear()
-    if not cliques:
-        return
-    nccl = _nccl()
-    first: NcclError | None = None
-    for comms in cliques:
-        try:
-            _destroy_clique(nccl, comms)
-        except NcclError as exc:
-            first = first or exc
-    if first is not None:
-        raise first
-
-
-def _destroy_clique(nccl: Any, comms: list[Any]) -> None:
-    """Finalize ``comms`` in one group, then destroy each; abort them all on failure."""
-    try:
-        nccl.group_start()
-        try:
-            for c in comms:
-                nccl.comm_finalize(c)
-        finally:
-            nccl.group_end()
-        for c in comms:
-            nccl.comm_destroy(c)
-    except NcclError:
-        for c in comms:
-            try:
-                nccl.comm_abort(c)
-            except NcclError:
-                pass  # already destroyed, or NCCL is gone: nothing more to free
-        raise
-
-
-def _communicators(nccl: Any, devices: tuple[int, ...]) -> list[Any]:
-    """The cached clique of ``devices`` (rank i = devices[i]), created on first use."""
-    comms = _cliques.get(devices)
-    return comms if comms is not None else _create_clique(nccl, devices)
-
-
-def _create_clique(nccl: Any, devices: tuple[int, ...]) -> list[Any]:
-    """Create and cache the clique of ``devices`` (Ctrl-C waits until it is cached)."""
-    global _atexit_registered
-    with _cliques_lock:
-        comms = _cliques.get(devices)
-        if comms is not None:
-            return comms
-        comms = nccl.comm_init_all(devices)
-        try:
-            _cliques[devices] = comms
-            if not _atexit_registered:
-                atexit.register(_destroy_at_exit)
-                _atexit_registered = True
-        except BaseException:
-            _cliques.pop(devices, None)
-            try:
-                _destroy_clique(nccl, comms)
-            except NcclError:
-                pass
-            raise
-    return comms
-
-
-def _destroy_at_exit() -> None:
-    """atexit: destroy the cached cliques while CUDA is still up; never raises."""
-    try:
-        if _cliques and not sys.is_finalizing() and _internal.is_initialized():
-            destroy_communicators()
-    except BaseException:
-        pass
+    # (map over C getters, not comprehensions, each a Python frame on 3.11: the 1 KiB
+    # reduce_add row of benchmarks/comm.py)
+    devices = tuple(map(_device_of, ins))
+    sends = list(map(_address_of, ins))
+    recvs = sends if outs is ins else [0 if o is None else o.ptr for o in outs]
+    streams = list(map(_streams.current_stream, devices))
+    # (positional, in field order: a third of the keywords' cost; no comms and no seam: the
+    # cached clique's runner has them)
+    return CollectiveCall(kind, count, dtype, op, root, sends, recvs, streams, devices, (),
+                          None, 0, len(ins), ROUTE_CLIQUE)
 
 
 def _forget_in_child() -> None:
-    """After fork: the parent's communicators are not the child's (never destroy them)."""
-    global _cliques_lock, _probe
-    _cliques.clear()
-    _runners.clear()
-    _cliques_lock = threading.Lock()
+    """After fork: the parent's NCCL answer is not the child's."""
+    global _probe
     _probe = None
 
 
@@ -437,86 +319,40 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
-# ------------------------------------------------------------------------------ execution
-def _execute(name: str, call: int, count: int, dtype: int, op: int, root: int,
-             ins: list[Any], sends: list[int], recvs: list[int], streams: list[Any],
-             comms: list[Any] | None,
-             accesses: Callable[[], list[tuple[tuple[Any, ...], tuple[Any, ...]]]],
-             algorithm_bytes: int, bus_factor: float) -> None:
-    """Resolve communicators and streams, issue collective ``call`` (an ``NCCL_CALL_*``) on
-    every device in one NCCL group, then tell the sanitizer and the collective observers."""
+# ------------------------------------------------------------------------------ placement
+def _placed(name: str, ins: list[Any], *, kind: int, count: int, dtype: int, op: int, root: int,
+            recvs: list[int], streams: list[Any], comms: list[Any] | None) -> CollectiveCall:
+    """The record of a public collective (:data:`ROUTE_NCCL`) over checked ``ins``: each
+    rank's stream (None: its device's current one) and communicator (None: the cached
+    clique) resolved and checked against its input's device.
+
+    Raises
+    ------
+    cudalab.NcclError
+        NCCL cannot be loaded, or the clique cannot be created.
+    RuntimeError
+        A communicator is bound to another device than its input.
+    cudalab.errors.StreamDeviceError
+        A stream is on another device than its input (a RuntimeError).
+    """
     devices = tuple([a.device_index for a in ins])
-    with _nvtx.range(f"nccl.{name}"):
-        nccl = _nccl()
-        if comms is None:
-            comms = _communicators(nccl, devices)
-        else:
-            for i, c in enumerate(comms):
-                bound = nccl.comm_device(c)
-                if bound != devices[i]:
-                    raise RuntimeError(f"communicator at index {i} is bound to device {bound}, "
-                                       f"but input {i} is on device {devices[i]}")
-        resolved = []
-        for i, s in enumerate(streams):
-            stream = _streams.current_stream(devices[i]) if s is None else s
-            if stream.device_index != devices[i]:
-                raise RuntimeError(f"stream at index {i} is on device {stream.device_index}, "
-                                   f"but input {i} is on device {devices[i]}")
-            resolved.append(stream)
-        # (the checked group call, not the clique's runner: the public functions take any
-        # op, and the seam's checks give the same errors on every backend)
-        _issue_group(nccl, call, count, dtype, op, root, sends, recvs, comms,
-                     [_internal.stream_handle(s) for s in resolved])
-        if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
-            for stream, (reads, writes) in zip(resolved, accesses()):
-                _observe.access_tracker.access(
-                    stream, [(a.ptr, a.nbytes) for a in reads],
-                    [(a.ptr, a.nbytes) for a in writes], f"nccl.{name}")
-        _internal.notify_collective(f"nccl.{name}", algorithm_bytes, len(ins), bus_factor,
-                                    devices)
-
-
-def _issue_group(nccl: Any, call: int, count: int, dtype: int, op: int, root: int,
-                 sends: list[int], recvs: list[int], comms: list[Any],
-                 handles: list[Any]) -> None:
-    """One NCCL group of the per-device calls (Ctrl-C waits until the group is closed: a
-    group cut in half would leave some ranks waiting for the others for ever), then the
-    caller's device current again (torch's guard)."""
-    current = _thread.device
-    try:
-        nccl.group_call(call, count, dtype, op, root, sends, recvs, comms, handles)
-    finally:
-        if current is not None and current >= 0:  # (one thread-local check when it is)
-            _internal.ensure_context(current)
-
-
-def _runner(devices: tuple[int, ...]) -> Callable[..., None]:
-    """The group runner of the cached clique of ``devices`` (the clique created on first use)."""
-    entry = _runners.get(devices)
-    comms = _cliques.get(devices)
-    if entry is not None and comms is not None and entry[0] is comms:
-        return entry[1]
     nccl = _nccl()
-    comms = _communicators(nccl, devices)
-    run = nccl.group_runner(comms)
-    _runners[devices] = (comms, run)
-    return run
-
-
-def _issue_run(run: Callable[..., None], call: int, count: int, dtype: int, op: int,
-               root: int, sends: list[int], recvs: list[int], handles: list[Any]) -> None:
-    """:func:`_issue_group` through a clique's runner (Ctrl-C waits, the caller's device is
-    current again afterwards)."""
-    current = _thread.device
-    try:
-        run(call, count, dtype, op, root, sends, recvs, handles)
-    finally:
-        if current is not None and current >= 0:  # (one thread-local check when it is)
-            _internal.ensure_context(current)
-
-
-_interrupts.guard(_create_clique, destroy_communicators, _destroy_clique, _issue_group,
-                  _issue_run)
+    if comms is None:
+        comms = communicators(nccl, devices)
+    else:
+        for i, c in enumerate(comms):
+            bound = nccl.comm_device(c)
+            if bound != devices[i]:
+                raise RuntimeError(f"communicator at index {i} is bound to device {bound}, "
+                                   f"but input {i} is on device {devices[i]}")
+    current_stream = _streams.current_stream
+    resolved = [current_stream(d) if s is None else
+                check_stream(s, d, f"nccl.{name}()", f"input {i}", i)
+                for i, (s, d) in enumerate(zip(streams, devices))]
+    sends = [a.ptr for a in ins]
+    # (positional, in field order: a third of the keywords' cost)
+    return CollectiveCall(kind, count, dtype, op, root, sends, recvs, resolved, devices, comms,
+                          nccl, 0, len(ins), ROUTE_NCCL)
 
 
 # ------------------------------------------------------------------------------ checks

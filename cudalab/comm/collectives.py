@@ -22,6 +22,7 @@ import numpy as np
 
 from cudalab import _internal, nvtx
 from cudalab._array_memory import device_copy
+from cudalab._driver.base import NCCL_CALL_BROADCAST, NCCL_CALL_REDUCE
 from cudalab.array import DeviceArray
 from cudalab.comm import _common
 
@@ -157,7 +158,7 @@ def broadcast_into(array: Any, outs: Sequence[DeviceArray]) -> None:
     nccl = _common.nccl_for(group)
     if nccl is not None:
         if _common.same_dtype(group):
-            nccl.issue_checked("broadcast", group, group, root=0)
+            nccl.issue(nccl.clique_call(NCCL_CALL_BROADCAST, group, group))
         else:  # the public call raises torch's error
             with _internal.collective_muted():  # the comm.* call reports itself, once
                 nccl.broadcast(group)
@@ -285,7 +286,7 @@ def sum_to_device(inputs: Sequence[Any], destination: Any) -> DeviceArray:
         if plain or _common.same_dtype(inputs):
             outs: list[Any] = [None] * len(inputs)
             outs[root] = result
-            nccl.issue_checked("reduce", inputs, outs, root=root)
+            nccl.issue(nccl.clique_call(NCCL_CALL_REDUCE, inputs, outs, root=root))
         else:  # the public call raises torch's error
             with _internal.collective_muted():  # the comm.* call reports itself, once
                 nccl.reduce(list(inputs), output=result, root=root)

@@ -45,14 +45,18 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cudalab import _internal, _interrupts, _observe
+from cudalab import _internal, _interrupts
 from cudalab import array as _array
 from cudalab import devices as _devices
 from cudalab import nccl as _nccl
-from cudalab import nvtx as _nvtx
 from cudalab import streams as _streams
 from cudalab._driver.base import (
     NCCL_AVG,
+    NCCL_CALL_ALL_GATHER,
+    NCCL_CALL_ALL_REDUCE,
+    NCCL_CALL_BROADCAST,
+    NCCL_CALL_REDUCE,
+    NCCL_CALL_REDUCE_SCATTER,
     NCCL_FLOAT32,
     NCCL_FLOAT64,
     NCCL_MAX,
@@ -62,6 +66,14 @@ from cudalab._driver.base import (
     NCCL_SUM,
     NCCL_UINT8,
     ClosedHandle,
+)
+from cudalab.collective_call import (
+    CALL_RECV,
+    CALL_SEND,
+    ROUTE_RANK,
+    CollectiveCall,
+    check_stream,
+    issue,
 )
 from cudalab.comm import rendezvous as _rendezvous
 from cudalab.comm.group_calls import group_depth
@@ -440,50 +452,39 @@ class Communicator:
                              f"{self._world_size})")
         return root
 
-    def _stream(self, stream: Any, what: str) -> tuple[_streams.Stream, Any]:
+    def _stream(self, stream: Any, what: str) -> _streams.Stream:
         if stream is None:
             s = _streams.current_stream(self._device)
         elif isinstance(stream, _streams.Stream):
-            s = stream
-            if s.device_index != self._device:
-                raise ValueError(f"{what}: the stream is on cuda:{s.device_index}, but this "
-                                 f"rank's communicator is on cuda:{self._device}")
+            s = check_stream(stream, self._device, what, "this rank's communicator")
         else:
             raise TypeError(f"{what}: stream must be a cudalab.Stream or None (the current "
                             f"stream), got {type(stream).__name__}")
         handle = _internal.stream_handle(s)
         if type(handle) is ClosedHandle:
             raise handle.error()
-        return s, handle
+        return s
 
     # ------------------------------------------------------------------ the launch
-    def _issue(self, name: str, s: _streams.Stream, reads: tuple, writes: tuple,
-               call: Any, *args: Any) -> None:
-        """``call(*args)`` (one NCCL call) on this communicator's device, inside its NVTX
-        range; the arrays it ``reads`` and ``writes`` are told to the stream sanitizer."""
-        _internal.ensure_context(self._device)
-        if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
-            _observe.access_tracker.access(s, [(a.ptr, a.nbytes) for a in reads],
-                                           [(a.ptr, a.nbytes) for a in writes], f"nccl {name}")
-        _nvtx.range_push(f"cudalab.comm.{name}")
-        try:
-            call(*args)
-        finally:
-            _nvtx.range_pop()
+    def _issue(self, kind: int, s: _streams.Stream, comm: Any, count: int, dtype: int, *,
+               send: int = 0, recv: int = 0, op: int = NCCL_SUM, root: int = 0) -> None:
+        """This rank's :class:`~cudalab.collective_call.CollectiveCall` of operation ``kind``
+        (an ``NCCL_CALL_*``, ``CALL_SEND`` or ``CALL_RECV``) on stream ``s``, issued: the NVTX
+        range ``cudalab.comm.<name>``, the sanitizer's accesses and the collective record
+        come with it (:func:`cudalab.collective_call.issue`)."""
+        # (positional, in field order: a third of the keywords' cost)
+        issue(CollectiveCall(kind, count, dtype, op, root, (send,), (recv,), (s,),
+                             (self._device,), (comm,), self._nccl, self._rank, self._world_size,
+                             ROUTE_RANK))
 
-    def _end(self, name: str, s: _streams.Stream, arrays: tuple, algorithm_bytes: int,
-             bus_factor: float) -> None:
-        for arr in arrays:  # memory from another stream must outlive the work queued here
+    @staticmethod
+    def _keep_alive(s: _streams.Stream, arrays: tuple) -> None:
+        """Memory from another stream must outlive the work queued on ``s``."""
+        for arr in arrays:
             own = arr.stream
             if own is not s and (own.cuda_stream != s.cuda_stream
                                  or own.device_index != s.device_index):
                 arr.record_stream(s)
-        _internal.notify_collective(name, algorithm_bytes, self._world_size, bus_factor,
-                                    (self._device,))
-
-    def _ring_factor(self) -> float:
-        n = self._world_size
-        return (n - 1) / n
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, send: Any, recv: Any = None, op: Any = "sum", *,
@@ -502,11 +503,10 @@ class Communicator:
         if dst.ptr != src.ptr and _overlaps(src, dst):
             raise ValueError(f"{what}: send and recv overlap without being the same buffer")
         dtype, per = _wire_type(src.dtype, code, what)
-        s, handle = self._stream(stream, what)
-        self._issue("all_reduce", s, (src,), (dst,), self._nccl.all_reduce,
-                    src.ptr, dst.ptr, src.size * per, dtype, code, comm, handle)
-        n = self._world_size
-        self._end("all_reduce", s, (src, dst), src.nbytes, 2 * (n - 1) / n)
+        s = self._stream(stream, what)
+        self._issue(NCCL_CALL_ALL_REDUCE, s, comm, src.size * per, dtype, send=src.ptr,
+                    recv=dst.ptr, op=code)
+        self._keep_alive(s, (src, dst))
         return send if recv is None else recv
 
     def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> Any:
@@ -522,10 +522,10 @@ class Communicator:
         self._same_elements(src, dst, ("send", "recv"), what, self._world_size)
         _check_own_slice(src, dst, self._rank, ("send", "recv"), what)
         dtype, per = _wire_type(src.dtype, None, what)
-        s, handle = self._stream(stream, what)
-        self._issue("all_gather", s, (src,), (dst,), self._nccl.all_gather,
-                    src.ptr, dst.ptr, src.size * per, dtype, comm, handle)
-        self._end("all_gather", s, (src, dst), dst.nbytes, self._ring_factor())
+        s = self._stream(stream, what)
+        self._issue(NCCL_CALL_ALL_GATHER, s, comm, src.size * per, dtype, send=src.ptr,
+                    recv=dst.ptr)
+        self._keep_alive(s, (src, dst))
         return recv
 
     def reduce_scatter(self, send: Any, recv: Any, op: Any = "sum", *,
@@ -543,10 +543,10 @@ class Communicator:
         self._same_elements(dst, src, ("recv", "send"), what, self._world_size)
         _check_own_slice(dst, src, self._rank, ("recv", "send"), what)
         dtype, per = _wire_type(src.dtype, code, what)
-        s, handle = self._stream(stream, what)
-        self._issue("reduce_scatter", s, (src,), (dst,), self._nccl.reduce_scatter,
-                    src.ptr, dst.ptr, dst.size * per, dtype, code, comm, handle)
-        self._end("reduce_scatter", s, (src, dst), src.nbytes, self._ring_factor())
+        s = self._stream(stream, what)
+        self._issue(NCCL_CALL_REDUCE_SCATTER, s, comm, dst.size * per, dtype, send=src.ptr,
+                    recv=dst.ptr, op=code)
+        self._keep_alive(s, (src, dst))
         return recv
 
     def broadcast(self, send: Any, recv: Any = None, root: int = 0, *,
@@ -567,11 +567,10 @@ class Communicator:
         if dst.ptr != src.ptr and _overlaps(src, dst):
             raise ValueError(f"{what}: send and recv overlap without being the same buffer")
         dtype, per = _wire_type(src.dtype, None, what)
-        s, handle = self._stream(stream, what)
-        reads = (src,) if self._rank == root else ()
-        self._issue("broadcast", s, reads, (dst,), self._nccl.broadcast,
-                    src.ptr, dst.ptr, src.size * per, dtype, root, comm, handle)
-        self._end("broadcast", s, (src, dst), src.nbytes, 1.0)
+        s = self._stream(stream, what)
+        self._issue(NCCL_CALL_BROADCAST, s, comm, src.size * per, dtype, send=src.ptr,
+                    recv=dst.ptr, root=root)
+        self._keep_alive(s, (src, dst))
         return send if recv is None else recv
 
     def reduce(self, send: Any, recv: Any = None, root: int = 0, op: Any = "sum", *,
@@ -592,11 +591,10 @@ class Communicator:
         if dst.ptr != src.ptr and _overlaps(src, dst):
             raise ValueError(f"{what}: send and recv overlap without being the same buffer")
         dtype, per = _wire_type(src.dtype, code, what)
-        s, handle = self._stream(stream, what)
-        writes = (dst,) if at_root else ()
-        self._issue("reduce", s, (src,), writes, self._nccl.reduce,
-                    src.ptr, dst.ptr, src.size * per, dtype, code, root, comm, handle)
-        self._end("reduce", s, (src, dst), src.nbytes, 1.0)
+        s = self._stream(stream, what)
+        self._issue(NCCL_CALL_REDUCE, s, comm, src.size * per, dtype, send=src.ptr,
+                    recv=dst.ptr, op=code, root=root)
+        self._keep_alive(s, (src, dst))
         return send if recv is None else recv
 
     # ------------------------------------------------------------------ point to point
@@ -616,10 +614,9 @@ class Communicator:
         peer = self._peer(peer, what)
         buf = self._buffer(array, "array", what, writable=False)
         dtype, per = _wire_type(buf.dtype, None, what)
-        s, handle = self._stream(stream, what)
-        self._issue("send", s, (buf,), (), self._nccl.send,
-                    buf.ptr, buf.size * per, dtype, peer, comm, handle)
-        self._end("send", s, (buf,), buf.nbytes, 1.0)
+        s = self._stream(stream, what)
+        self._issue(CALL_SEND, s, comm, buf.size * per, dtype, send=buf.ptr, root=peer)
+        self._keep_alive(s, (buf,))
 
     def recv(self, array: Any, peer: int, *, stream: Any = None) -> Any:
         """Receive into ``array`` what rank ``peer`` sends (same size and dtype). Returns
@@ -629,10 +626,9 @@ class Communicator:
         peer = self._peer(peer, what)
         buf = self._buffer(array, "array", what, writable=True)
         dtype, per = _wire_type(buf.dtype, None, what)
-        s, handle = self._stream(stream, what)
-        self._issue("recv", s, (), (buf,), self._nccl.recv,
-                    buf.ptr, buf.size * per, dtype, peer, comm, handle)
-        self._end("recv", s, (buf,), buf.nbytes, 1.0)
+        s = self._stream(stream, what)
+        self._issue(CALL_RECV, s, comm, buf.size * per, dtype, recv=buf.ptr, root=peer)
+        self._keep_alive(s, (buf,))
         return array
 
 

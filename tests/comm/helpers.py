@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import cudalab
+from cudalab._driver.base import NCCL_CALL_BROADCAST, NCCL_CALL_REDUCE
 from cudalab.array import DeviceArray
 
 #: dtypes the value tests run over (bfloat16 joins when ml_dtypes is installed).
@@ -54,14 +55,20 @@ class RecordingNccl:
         devices = [a.device_index for a in arrays]
         return len(set(devices)) == len(devices)
 
-    def issue_checked(self, name, ins, outs, root=0, op=SUM):
-        """cudalab.nccl's entry for cudalab.comm: the public call of that name."""
+    def clique_call(self, kind, ins, outs, root=0, op=SUM):
+        """cudalab.nccl's record builder for cudalab.comm: here a plain tuple for issue()."""
         assert len({a.dtype for a in ins}) == 1  # the caller's guarantee
-        if name == "broadcast":
+        return (kind, ins, outs, root, op)
+
+    def issue(self, call):
+        """cudalab.nccl's issue of a clique_call record: the public call of that kind."""
+        kind, ins, outs, root, op = call
+        if kind == NCCL_CALL_BROADCAST:
             assert outs is ins or list(outs) == list(ins)
             self.broadcast(ins, root=root)
         else:
-            assert name == "reduce" and all(o is None for i, o in enumerate(outs) if i != root)
+            assert kind == NCCL_CALL_REDUCE
+            assert all(o is None for i, o in enumerate(outs) if i != root)
             self.reduce(ins, output=outs[root], root=root, op=op)
 
     def broadcast(self, inputs, root=0, streams=None, comms=None):

@@ -14,7 +14,7 @@ import pytest
 import cudalab
 from cudalab.comm import communicator as communicator_module
 from cudalab.comm.communicator import Communicator, live_communicators
-from cudalab.errors import NcclError
+from cudalab.errors import NcclError, StreamDeviceError
 from tests.comm.test_communicator_fake import FakeNccl
 from tests.helpers.interrupts import count_events, interrupt_at
 
@@ -307,7 +307,9 @@ def _cases(comm):
         (lambda: comm.all_reduce(shorts), TypeError, r"NCCL cannot reduce int16"),
         (lambda: comm.all_reduce(x16[0:8], x16[4:12]), ValueError,
          r"overlap without being the same buffer"),
-        (lambda: comm.all_reduce(x, stream=side), ValueError, r"the stream is on cuda:1"),
+        (lambda: comm.all_reduce(x, stream=side), StreamDeviceError,
+         r"^Communicator.all_reduce\(\): the stream is on cuda:1, but this rank's communicator "
+         r"is on cuda:0$"),
         (lambda: comm.all_reduce(x, stream=0), TypeError, r"stream must be a cudalab.Stream"),
         (lambda: comm.all_reduce(x, stream=closed_stream), RuntimeError, r"closed"),
         (lambda: comm.all_gather(x, x), ValueError,

@@ -1,5 +1,5 @@
 """The plain-case paths of cudalab.comm (contiguous arrays cut or joined along dimension 0,
-reduce_add and broadcast through ``cudalab.nccl.issue_checked``): they must be taken where
+reduce_add and broadcast through ``cudalab.nccl.clique_call``, the cached clique's runner): they must be taken where
 they apply, give what the general paths give (numpy is the reference), keep torch's stream
 ordering, and report to the stream sanitizer what they read and write."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab import comm, nccl
+from cudalab import collective_call, comm, nccl
 from cudalab.comm import scatter_gather
 from cudalab.sanitizer import StreamRaceError
 
@@ -21,7 +21,7 @@ def spies(monkeypatch):
     """Count the calls of the plain-case paths."""
     calls = {"scatter": 0, "gather": 0, "nccl": []}
     scatter_rows, gather_rows = scatter_gather._scatter_rows, scatter_gather._gather_rows
-    issue_checked = nccl.issue_checked
+    clique_call = nccl.clique_call
 
     def spy_scatter(*args):
         calls["scatter"] += 1
@@ -32,13 +32,13 @@ def spies(monkeypatch):
         calls["gather"] += result is not None
         return result
 
-    def spy_issue(name, *args, **kwargs):
-        calls["nccl"].append(name)
-        return issue_checked(name, *args, **kwargs)
+    def spy_issue(kind, *args, **kwargs):
+        calls["nccl"].append(collective_call.CALL_NAMES[kind])
+        return clique_call(kind, *args, **kwargs)
 
     monkeypatch.setattr(scatter_gather, "_scatter_rows", spy_scatter)
     monkeypatch.setattr(scatter_gather, "_gather_rows", spy_gather)
-    monkeypatch.setattr(nccl, "issue_checked", spy_issue)
+    monkeypatch.setattr(nccl, "clique_call", spy_issue)
     return calls
 
 
@@ -120,7 +120,7 @@ def test_gather_rows_errors_are_torchs(two):
 
 
 # --------------------------------------------------------------------------- NCCL branches
-def test_reduce_add_and_broadcast_go_through_issue_checked(two, spies):
+def test_reduce_add_and_broadcast_go_through_clique_call(two, spies):
     if not nccl.is_available([on(0, np.ones(1)), on(1, np.ones(1))]):
         pytest.skip("NCCL is not loadable here")
     x0, x1 = on(0, np.arange(4.0)), on(1, np.full(4, 10.0))

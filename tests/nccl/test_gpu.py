@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab import _internal, nccl
+from cudalab import _internal, collective_call, nccl
 from cudalab._driver.base import NCCL_FLOAT32, NCCL_SUM, NCCL_UNIQUE_ID_SIZE
 from cudalab.errors import NcclError
 
@@ -51,7 +51,7 @@ def test_real_comm_init_all_keeps_the_context_and_names_ranks(gpus):
         y = cudalab.ones(1)  # still allocates on device 1
         assert y.device_index == 1 and x.device_index == 1
     finally:
-        nccl._destroy_clique(n, comms)  # (finalize in one group, then destroy each)
+        collective_call.destroy_clique(n, comms)  # (finalize in one group, then destroy each)
     with pytest.raises(NcclError, match="destroyed"):
         n.comm_rank(comms[0])
     cudalab.set_device(0)
@@ -74,7 +74,7 @@ def test_real_seam_all_reduce_and_bad_arguments(gpus):
         with pytest.raises(NcclError, match="expected 128 bytes"):
             n.comm_init_rank(0, 2, b"short", 0)
     finally:
-        nccl._destroy_clique(n, comms)  # (finalize in one group, then destroy each)
+        collective_call.destroy_clique(n, comms)  # (finalize in one group, then destroy each)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int64", "uint8"])

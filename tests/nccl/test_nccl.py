@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab import _internal, _observe, nccl
+from cudalab import _internal, _observe, collective_call, nccl
 from cudalab import nvtx as cudalab_nvtx
-from cudalab.errors import NcclError
+from cudalab.errors import NcclError, StreamDeviceError
 from tests.helpers.gpu import HAS_GPU
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -242,8 +242,11 @@ def test_non_arrays_are_type_errors(two):
 
 def test_stream_on_the_wrong_device_is_refused_before_launch(two):
     arrays = [_dev(np.ones(2, np.float32), d) for d in two]
-    with pytest.raises(RuntimeError, match="stream at index 1 is on device 0"):
+    with pytest.raises(RuntimeError, match=r"^nccl.all_reduce\(\): the stream at index 1 is on "
+                                           r"cuda:0, but input 1 is on cuda:1$") as info:
         nccl.all_reduce(arrays, streams=[None, cudalab.Stream(0)])
+    # the one stream check of the collectives (Communicator's too): a ValueError as well
+    assert type(info.value) is StreamDeviceError and isinstance(info.value, ValueError)
     assert arrays[0].numpy().tolist() == [1, 1]
 
 
@@ -289,20 +292,20 @@ def test_simulated_version(two):
 def test_communicator_cache(two):
     arrays = [_dev(np.ones(2, np.float32), d) for d in two]
     nccl.all_reduce(arrays)
-    first = nccl._cliques[(0, 1)]
+    first = collective_call.cached_cliques()[(0, 1)]
     nccl.all_reduce(arrays)
-    assert nccl._cliques[(0, 1)] is first
+    assert collective_call.cached_cliques()[(0, 1)] is first
     nccl.all_reduce(arrays[::-1])
-    reverse = nccl._cliques[(1, 0)]
-    assert reverse is not first and len(nccl._cliques) == 2
+    reverse = collective_call.cached_cliques()[(1, 0)]
+    assert reverse is not first and len(collective_call.cached_cliques()) == 2
     n = _internal.backend().nccl()
     assert [n.comm_device(c) for c in reverse] == [1, 0]
     nccl.destroy_communicators()
-    assert nccl._cliques == {}
+    assert collective_call.cached_cliques() == {}
     with pytest.raises(NcclError, match="destroyed"):
         n.comm_rank(first[0])
     nccl.all_reduce(arrays)  # fresh communicators
-    assert nccl._cliques[(0, 1)] is not first
+    assert collective_call.cached_cliques()[(0, 1)] is not first
     assert arrays[0].numpy().tolist() == [16.0, 16.0]
 
 
@@ -313,12 +316,12 @@ def test_user_communicators(two):
         arrays = [_dev(np.full(2, 3.0, np.float32), d) for d in two]
         nccl.all_reduce(arrays, comms=comms)
         assert arrays[1].numpy().tolist() == [6.0, 6.0]
-        assert (0, 1) not in nccl._cliques
+        assert (0, 1) not in collective_call.cached_cliques()
         with pytest.raises(RuntimeError, match="communicator at index 0 is bound to device 0, "
                                                "but input 0 is on device 1"):
             nccl.all_reduce(arrays[::-1], comms=comms)
     finally:
-        nccl._destroy_clique(n, comms)  # (finalize in one group, then destroy each)
+        collective_call.destroy_clique(n, comms)  # (finalize in one group, then destroy each)
 
 
 # ------------------------------------------------------------------------------ streams
@@ -406,7 +409,7 @@ def test_sanitizer_sees_the_accesses(two, monkeypatch):
 def test_four_simulated_devices_in_a_subprocess():
     script = textwrap.dedent("""
         import numpy as np, cudalab
-        from cudalab import nccl
+        from cudalab import collective_call, nccl
         devs = range(4)
         host = [np.arange(8, dtype=np.float32) * (d + 1) for d in devs]
         a = [cudalab.asarray(h, device=d) for h, d in zip(host, devs)]
@@ -424,7 +427,7 @@ def test_four_simulated_devices_in_a_subprocess():
         assert all(x.numpy().tolist() == host[3].tolist() for x in b)
         nccl.reduce(b[::-1], root=0, op=nccl.AVG)
         assert b[3].numpy().tolist() == host[3].tolist()
-        print("ok", sorted(nccl._cliques))
+        print("ok", sorted(collective_call.cached_cliques()))
     """)
     env = dict(os.environ, CUDALAB_SIMULATOR="1", CUDALAB_SIMULATOR_DEVICES="4")
     res = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
