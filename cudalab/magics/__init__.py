@@ -121,8 +121,11 @@ class CudaLabMagics(Magics):
         hist = sys.modules.get("cudalab.memory_tools.history")
         if hist is not None:
             cell_id = getattr(info, "cell_id", None)
-            shell: Any = self.shell
-            hist.set_current_cell(cell_id if cell_id else f"In[{shell.execution_count}]")
+            if not cell_id:
+                from cudalab.magics.timed_compile import running_cell_number
+
+                cell_id = f"In[{running_cell_number(self.shell)}]"
+            hist.set_current_cell(cell_id)
 
     # ----------------------------------------------------------------- magics
     @no_var_expand

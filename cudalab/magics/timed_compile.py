@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import ast
 import copy
+import sys
 import time
 from typing import Any
 
-__all__ = ["compile_repeat", "compile_single"]
+__all__ = ["compile_repeat", "compile_single", "running_cell_number"]
 
 _perf = time.perf_counter
 
@@ -63,9 +64,36 @@ assert _TEMPLATE_ONCE != _TEMPLATE
 assert f"        {REPEAT_COUNTER} = _cl_end({REPEAT_COUNTER}, _cl_t0)\n" in _TEMPLATE
 
 
+def running_cell_number(shell: Any) -> int:
+    """The number IPython gives the cell that runs now: N for ``In[N]``, as its tracebacks
+    and history name it.
+
+    ``shell.execution_count`` is not it in every IPython: IPython 9 (since its
+    ipython/ipython#15088) advances it to N+1 *before* cell N runs, older ones after. The
+    number IPython itself uses is the running cell's ``ExecutionResult.execution_count``:
+    the displayhook holds that result while the cell's code runs, and ``run_cell_async``
+    has it as its local ``result`` from before ``pre_run_cell`` (the callback where the
+    displayhook does not hold it yet). Failing both (a shell that runs cells another way),
+    ``shell.execution_count``.
+    """
+    count = getattr(getattr(getattr(shell, "displayhook", None), "exec_result", None),
+                    "execution_count", None)
+    if isinstance(count, int):
+        return count
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "run_cell_async" and id(frame.f_locals.get("self")) == id(shell):
+            count = getattr(frame.f_locals.get("result"), "execution_count", None)
+            if isinstance(count, int):
+                return count
+            break
+        frame = frame.f_back  # type: ignore[assignment]  # (None ends the loop)
+    return int(shell.execution_count)
+
+
 def _parse(shell: Any, source: str) -> tuple[ast.Module, str]:
     transformed = shell.transform_cell(source)
-    name = shell.compile.cache(transformed, shell.execution_count, raw_code=source)
+    name = shell.compile.cache(transformed, running_cell_number(shell), raw_code=source)
     tree = shell.compile.ast_parse(transformed, filename=name)
     tree = shell.transform_ast(tree)
     return tree, name

@@ -210,9 +210,13 @@ def _stack_html(frames: Sequence[Mapping[str, Any]] | None) -> str:
     if not frames:
         return "<i>not seen</i>"
     rows = []
-    for frame in frames[:4]:
-        rows.append(f"{html.escape(frame['filename'])}:{frame['line']} "
-                    f"<code>{html.escape(frame['name'])}</code>")
+    for frame in frames[:4]:  # as format_stack: a notebook cell is "Cell In[n]", with the line
+        row = (f"{html.escape(_where(frame['filename']))}, line {frame['line']}, in "
+               f"<code>{html.escape(frame['name'])}</code>")
+        source = linecache.getline(frame["filename"], frame["line"]).strip()
+        if source:
+            row += f"<br>&nbsp;&nbsp;<code>{html.escape(source)}</code>"
+        rows.append(row)
     return "<br>".join(rows)
 
 

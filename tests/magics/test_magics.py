@@ -586,6 +586,25 @@ def test_watch_and_mark_interleaved(ip):
     assert "(+8.0 MiB in cell)" in out
 
 
+def test_a_failing_timed_cell_and_the_history_name_the_cell_ipython_numbers(ip):
+    """Issue 36 item 9: code of In[N] is 'Cell In[N]' in %%cuda_timed's traceback and 'In[N]'
+    in history's cell column, though IPython 9 advanced ``execution_count`` to N+1 before
+    the cell ran."""
+    r, out, _t, _h = run(ip, "%%cuda_timed\nx_ = 1\n1/0")
+    n = r.execution_count
+    assert isinstance(r.error_in_exec, ZeroDivisionError)
+    assert f"Cell In[{n}], line 2" in out and f"Cell In[{n + 1}]" not in out, out
+    run(ip, "%cuda_memory history start")
+    try:
+        r, _o, _t, _h = run(ip, "h9_ = cudalab.empty((999,), dtype='uint8'); del h9_")
+        n = r.execution_count
+    finally:
+        run(ip, "%cuda_memory history stop")
+    df = run(ip, "%cuda_memory history frame")[0].result
+    cells = set(df.loc[df["size"] == 999, "cell"].astype(str))
+    assert f"In[{n}]" in cells and f"In[{n + 1}]" not in cells, cells
+
+
 def test_history_start_stop_save_frame(ip, tmp_path):
     r, out, _t, _h = run(ip, "%cuda_memory history start --max-entries 1000")
     assert "recording" in out and "max_entries=1,000" in out

@@ -70,6 +70,20 @@ def test_a_racy_cell_shows_the_findings_table(ip):
     assert not sanitizer.is_enabled()
 
 
+def test_stacks_name_the_cell_as_ipython_numbers_it_with_the_line_in_text_and_html(ip):
+    """Issue 36 items 9-10: the running cell is In[N] for the cell IPython numbers N (IPython
+    9 has already advanced ``shell.execution_count`` to N+1 while it runs), and the HTML
+    table names it as the text does, with the line and its source (not the kernel's file)."""
+    r, texts, htmls = run(ip, "%%cuda_sanitize\n" + RACY)
+    n = r.execution_count
+    assert f"  Cell In[{n}], line 4, in <module>\n    a.fill_(1)\n" in texts[0]
+    assert f"Cell In[{n + 1}]" not in texts[0]
+    html = htmls[0]
+    assert f"Cell In[{n}], line 4" in html and f"Cell In[{n}], line 6" in html
+    assert "<code>a.fill_(1)</code>" in html and "<code>a = cudalab.empty(64)</code>" in html
+    assert "ipython-input" not in html and f"Cell In[{n + 1}]" not in html
+
+
 def test_a_clean_cell_says_so_and_keeps_its_output(ip):
     r, texts, htmls = run(ip, "%%cuda_sanitize\n" + CLEAN)
     assert r.success and r.result == 64.0  # the cell's last expression
