@@ -174,3 +174,97 @@ def test_ci_runs_the_readme_command_which_builds_the_site():
     sphinx = next(i for i, step in enumerate(steps) if "sphinx-build" in step)
     assert any("mypy" in step for step in steps[:sphinx]), "build the site after mypy"
     assert any("pytest" in step for step in steps[sphinx + 1:]), "build the site before pytest"
+
+
+# --------------------------------------------------------------------------- issue 36 item 15
+def test_magics_limits_do_not_deny_the_graph_mode():
+    text = (ROOT / "docs" / "magics.md").read_text(encoding="utf-8")
+    limits = text[text.index("## Limits"):]
+    assert "### `--graph`" in text
+    assert "CUDA-graph mode" not in limits and "No CUDA-graph" not in limits
+
+
+def test_the_comm_example_runs_without_warnings():
+    """docs/comm.md's first example, run as written, warns nothing (``destination=-1`` is
+    deprecated, as in torch: a FutureWarning)."""
+    import warnings
+
+    import cudalab
+
+    if cudalab.device_count() < 2:
+        pytest.skip("the example uses two devices")
+    text = (ROOT / "docs" / "comm.md").read_text(encoding="utf-8")
+    example = re.findall(r"```python\n(.*?)\n```", text, flags=re.S)[0]
+    assert "destination=-1" not in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        namespace: dict = {}
+        exec(compile(example, "docs/comm.md", "exec"), namespace)  # noqa: S102
+    assert namespace["back"].tolist() == list(range(8))
+
+
+def test_the_readme_extras_table_lists_every_extra():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "project"]["optional-dependencies"]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = [line for line in readme.splitlines() if line.startswith("| `.[")]
+    listed = {name for row in rows for name in re.findall(r"`\.\[(\w+)\]`", row.split("|")[1])}
+    assert sorted(set(extras) - listed) == [], "extras missing from the README's table"
+
+
+def _documented_modules() -> set[str]:
+    modules = set()
+    for page in (ROOT / "docs" / "api").glob("*.md"):
+        modules |= set(re.findall(r"\.\. (?:currentmodule|automodule):: (\S+)",
+                                  page.read_text(encoding="utf-8")))
+    return modules
+
+
+def test_notebooks_import_only_documented_public_names():
+    """Every ``from cudalab... import name`` in the notebooks names a module of the API
+    reference (docs/api) and a name in its ``__all__``."""
+    import importlib
+    import json
+
+    documented = _documented_modules()
+    bad = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            for line in "".join(cell["source"]).splitlines():
+                m = re.match(r"\s*from (cudalab[\w.]*) import ([\w, ]+)", line)
+                if not m:
+                    continue
+                module = importlib.import_module(m.group(1))
+                exported = set(getattr(module, "__all__", ()))
+                for name in (n.strip() for n in m.group(2).split(",")):
+                    if f"{m.group(1)}.{name}" in documented:  # a documented submodule
+                        continue
+                    if m.group(1) not in documented or name not in exported:
+                        bad.append(f"{path.name}: from {m.group(1)} import {name}")
+    assert bad == []
+
+
+def test_the_site_css_wraps_and_pads_the_tables():
+    """The site's CSS: the differences table's cells wrap their code (they overlapped), API
+    tables wrap and scroll (clipped), notebook output tables have padding and scroll
+    sideways (the sanitizer's was cut off on the right)."""
+    css = (ROOT / "docs" / "_static" / "cudalab.css").read_text(encoding="utf-8")
+    rules: dict[str, str] = collections.defaultdict(str)
+    for sels, body in re.findall(r"([^{}]+)\{([^}]*)\}", re.sub(r"/\*.*?\*/", "", css,
+                                                                 flags=re.S)):
+        for sel in sels.split(","):
+            rules[sel.strip()] += body
+
+    def rule(selector: str) -> str:
+        assert selector in rules, f"no CSS rule for {selector}"
+        return rules[selector]
+
+    assert "overflow-wrap: anywhere" in rule("table.torch-names span.pre")
+    assert "white-space: normal" in rule("table.autosummary td:first-child")
+    assert "overflow-x: auto" in rule(".bd-content .pst-scrollable-table-container")
+    assert "padding" in rule("div.cell_output .output.text_html table td")
+    assert "overflow-x: auto" in rule("div.cell_output .output.text_html")

@@ -7,7 +7,8 @@ once into a :class:`cudalab.CUDAGraph` (with :class:`cudalab.graph`, on the same
 device's time per iteration, which includes the gaps while the host is still launching) and
 with the host clock around each iteration (the host's cost). The report gives both, the
 launches per replay (the graph's kernel nodes), the host time a replay saves per iteration
-and whether the graph pays off. A cell that cannot be captured is reported with the
+and whether the graph pays off (on a GPU only: the simulator's device times are simulated,
+so it gives no verdict). A cell that cannot be captured is reported with the
 operation that broke the capture (its eager timing is still shown).
 
 Only the public API and :mod:`cudalab._internal` are used.
@@ -77,14 +78,18 @@ class GraphTimedResult:
 
     @property
     def speedup(self) -> float | None:
-        """Eager time per iteration / replay time per iteration (device clock)."""
-        if self.graph_time is None or self.graph_time <= 0:
+        """Eager time per iteration / replay time per iteration (device clock); None on the
+        simulator (its device times are simulated: no ratio of them means anything)."""
+        if self.simulated or self.graph_time is None or self.graph_time <= 0:
             return None
         return self.eager_time / self.graph_time
 
     @property
-    def pays_off(self) -> bool:
-        """Whether a replay is faster than an eager iteration (by 5 % or more)."""
+    def pays_off(self) -> bool | None:
+        """Whether a replay is faster than an eager iteration (by 5 % or more); None on the
+        simulator, which gives no verdict from simulated times."""
+        if self.simulated:
+            return None
         return self.graph_time is not None and \
             self.graph_time <= PAYS_OFF_RATIO * self.eager_time
 
@@ -109,7 +114,10 @@ class GraphTimedResult:
                   f"  host time saved per iteration: {self._t(saved)}" if saved >= 0 else
                   f"  host time lost per iteration: {self._t(-saved)}"]
         speed = self.speedup
-        if self.pays_off:
+        if self.simulated:
+            lines.append("  no verdict (the device times are simulated): time the cell on "
+                         "a GPU to see whether capturing it pays off")
+        elif self.pays_off:
             lines.append(f"  the graph pays off: {speed:.3g}x faster per iteration")
         else:
             ratio = f" ({speed:.3g}x)" if speed is not None else ""

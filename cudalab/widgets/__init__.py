@@ -10,7 +10,8 @@ Jupyter extension builds on: see docs/widgets.md).
   details, device / stream / pool filters, an active-memory timeline with a scrubber to see
   the allocator state at any entry, and parquet / memory_viz / Perfetto exports (also
   ``%cuda_memory snapshot``);
-* :func:`close_all` — stop and close every live dashboard (``%unload_ext cudalab`` calls it).
+* :func:`close_all` — stop and close every live dashboard (``%unload_ext cudalab`` calls it);
+* :func:`demo_snapshot` — a synthetic snapshot of any size, to try the viewer with.
 
 The names load lazily: ``import cudalab`` (and ``import cudalab.widgets``) does not import
 ipywidgets; the first use of ``MemoryDashboard`` or ``SnapshotViewer`` does. See
@@ -23,11 +24,12 @@ import importlib
 import sys
 from typing import Any
 
-__all__ = ["MemoryDashboard", "SnapshotViewer", "close_all", "live_dashboards"]
+__all__ = ["MemoryDashboard", "SnapshotViewer", "close_all", "demo_snapshot", "live_dashboards"]
 
 _LAZY = {
     "MemoryDashboard": "cudalab.widgets.dashboard",
     "SnapshotViewer": "cudalab.widgets.snapshot_viewer",
+    "demo_snapshot": "cudalab.widgets.snapshot_viewer",
 }
 
 

@@ -74,12 +74,35 @@ def test_graph_mode_names_the_operation_that_breaks_the_capture(ip):
 
 def test_graph_mode_verdict():
     common = dict(repeats=10, warmup=1, eager_host=2e-4, launches=100, nodes=100,
-                  capture_error=None, device_name="cuda:0 (x)", simulated=True, precision=3)
+                  capture_error=None, device_name="cuda:0 (x)", simulated=False, precision=3)
     fast = GraphTimedResult(eager_time=1e-3, graph_time=1e-4, graph_host=1e-5, **common)
     assert fast.pays_off and fast.speedup == pytest.approx(10)
     assert "the graph pays off: 10x faster per iteration" in fast.report()
     slow = GraphTimedResult(eager_time=1e-3, graph_time=1e-3, graph_host=1e-5, **common)
     assert not slow.pays_off and "does not pay off" in slow.report()
+
+
+def test_no_verdict_from_simulated_times():
+    """Issue 36 item 14: simulated device times say nothing of a GPU (they flipped between
+    2.41x and 0.87x from run to run): the simulator's report gives no verdict and no ratio."""
+    common = dict(repeats=10, warmup=1, eager_host=2e-4, launches=100, nodes=100,
+                  capture_error=None, device_name="cuda:0 (x)", simulated=True, precision=3)
+    for graph_time in (1e-4, 1e-3):
+        res = GraphTimedResult(eager_time=1e-3, graph_time=graph_time, graph_host=1e-5,
+                               **common)
+        text = res.report()
+        assert res.pays_off is None and res.speedup is None
+        assert "the graph pays off" not in text and "does not pay off" not in text
+        assert "x faster" not in text and "no verdict" in text and "simulated" in text
+
+
+def test_graph_mode_on_the_simulator_gives_no_verdict(ip):
+    r, texts = run(ip, "%%cuda_timed --graph -r 5 -w 1\nfor v in range(5):\n    buf.fill_(v)\n")
+    assert r.success, r.error_in_exec
+    if cudalab.get_device_properties(0).simulated:
+        assert "no verdict" in texts[0] and "pays off:" not in texts[0]
+    else:
+        assert "pays off" in texts[0] and "no verdict" not in texts[0]
 
 
 def test_graph_needs_a_cell(ip):
