@@ -241,13 +241,22 @@ class Subscribers(list[_T], Generic[_T]):
         self.family = family
 
     def _agree(self) -> None:
-        """Set the family's flag (and the access fan-out) from the list; lock held."""
+        """Set the family's flag (and the access fan-out) from the list; lock held. The
+        tracker is set before the flag turns on and cleared after it turns off (a site in
+        another thread that reads the flag just before the last observer leaves may still
+        find no tracker, as with the sanitizer's switch before the bus)."""
         on = len(self) > 0
-        globals()[self.family + "_on"] = on
         if self.family == "access":
             global access_tracker
-            access_tracker = (None if not on else self[0] if len(self) == 1
-                              else _AccessFanout(tuple(access_subscribers)))
+            if on:
+                access_tracker = (self[0] if len(self) == 1
+                                  else _AccessFanout(tuple(access_subscribers)))
+                globals()["access_on"] = True
+            else:
+                globals()["access_on"] = False
+                access_tracker = None
+            return
+        globals()[self.family + "_on"] = on
 
     def append(self, observer: _T, /) -> None:
         with _lock:
