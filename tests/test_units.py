@@ -163,13 +163,13 @@ SAME_TEXTS = [("1g", GiB), ("512MiB", 512 * MiB), ("2GB", 2 * 10**9), ("1.5 GiB"
 @pytest.mark.parametrize("text, expected", SAME_TEXTS)
 def test_same_size_in_cuda_memory_threshold(text, expected):
     pytest.importorskip("IPython")
-    from cudalab.magics.memory_args import _parse
+    from cudalab.magics.memory_args import parse_memory_args
 
-    assert _parse(f"watch on --threshold {text.replace(' ', '')}").threshold == expected
+    assert parse_memory_args(f"watch on --threshold {text.replace(' ', '')}").threshold == expected
     number, _, unit = text.partition(" ")
     if unit:  # "--threshold 1.5 GiB": the unit as a separate word
-        assert _parse(f"watch on --threshold {number} {unit}").threshold == expected
-    assert _parse(f"watch on --threshold={text.replace(' ', '')}").threshold == expected
+        assert parse_memory_args(f"watch on --threshold {number} {unit}").threshold == expected
+    assert parse_memory_args(f"watch on --threshold={text.replace(' ', '')}").threshold == expected
 
 
 @pytest.mark.parametrize("text, expected", SAME_TEXTS)
@@ -207,7 +207,7 @@ def test_bad_sizes_are_rejected_by_every_input(monkeypatch, capsys):
     pytest.importorskip("IPython")
     from IPython.core.error import UsageError
 
-    from cudalab.magics.memory_args import _parse
+    from cudalab.magics.memory_args import parse_memory_args
 
     with pytest.raises(UsageError, match="--threshold"):
-        _parse("watch on --threshold 1zb")
+        parse_memory_args("watch on --threshold 1zb")

@@ -143,7 +143,7 @@ def test_magic_options_echo_a_prefix():
     pytest.importorskip("IPython")
     from IPython.core.error import UsageError
 
-    from cudalab.magics.memory_args import _parse
+    from cudalab.magics.memory_args import parse_memory_args
     from cudalab.magics.timed_options import parse_options
 
     long = "--" + "x" * 20_000
@@ -151,5 +151,5 @@ def test_magic_options_echo_a_prefix():
         parse_options(f"{long} pass")
     assert len(str(info.value)) < 300
     with pytest.raises(UsageError, match=r"\(20,002 characters\)") as info:
-        _parse(long)
+        parse_memory_args(long)
     assert len(str(info.value)) < 300
