@@ -55,6 +55,10 @@ from collections.abc import Iterator
 
 import pytest
 
+# (their budgets time a server, its kernel and Chromium together: no other test runs beside them
+# under the README's two pytest-xdist workers)
+pytestmark = pytest.mark.alone
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = os.environ.get("CUDALAB_CHROMIUM", "/usr/bin/chromium")
