@@ -98,8 +98,8 @@ def test_nccl_that_cannot_load_raises_its_error(backend, monkeypatch):
         Communicator(0, 1, UID)
 
 
-def test_construction_passes_device_size_id_and_rank_and_keeps_the_current_device(fake):
-    cudalab.set_device(0)
+def test_construction_passes_device_size_id_and_rank_and_keeps_the_current_device(fake, two):
+    cudalab.set_device(0)  # (two: skips where there is no device 1, as on one GPU)
     comm = Communicator(1, 2, bytearray(UID), device=1)
     assert fake.calls[0][:2] == ("comm_init_rank", (1, 2, UID, 1))
     assert (comm.rank, comm.world_size, comm.device, comm.closed) == (1, 2, 1, False)
@@ -108,21 +108,21 @@ def test_construction_passes_device_size_id_and_rank_and_keeps_the_current_devic
     assert comm in live_communicators()
 
 
-def test_the_device_defaults_to_the_current_device(fake):
+def test_the_device_defaults_to_the_current_device(fake, two):
     with cudalab.device(1):
         comm = Communicator(0, 2, UID)
     assert comm.device == 1
     assert fake.calls[0][1][0] == 1
 
 
-def test_from_env_reads_torchrun_variables_and_the_hex_id(fake):
+def test_from_env_reads_torchrun_variables_and_the_hex_id(fake, two):
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDALAB_NCCL_UNIQUE_ID": UID.hex()}
     comm = Communicator.from_env(environ=env)
     assert (comm.rank, comm.world_size, comm.device) == (1, 2, 1)
     assert fake.calls[0][1] == (1, 2, UID, 1)
 
 
-def test_from_env_without_local_rank_uses_the_current_device(fake):
+def test_from_env_without_local_rank_uses_the_current_device(fake, two):
     env = {"RANK": "0", "WORLD_SIZE": "2"}
     with cudalab.device(1):
         comm = Communicator.from_env(unique_id=UID, environ=env)
@@ -279,21 +279,17 @@ class _Strided:
 def _cases(comm):
     x = cudalab.zeros(8)
     x16 = cudalab.zeros(16)
-    other = cudalab.zeros(8, device=1)
     ints = cudalab.zeros(8, dtype="int32")
     flags = cudalab.zeros(8, dtype="bool")
     cplx = cudalab.zeros(8, dtype="complex64")
     shorts = cudalab.zeros(8, dtype="int16")
     strided = _Strided(x16)
-    side = cudalab.Stream(device=1)
     closed_stream = cudalab.Stream(device=0)
     closed_stream.close()
     return [
         (lambda: comm.all_reduce(np.zeros(8, np.float32)), TypeError,
          r"send must be a cudalab.DeviceArray or a CUDA array .* got ndarray; host memory"),
         (lambda: comm.all_reduce([1.0, 2.0]), TypeError, r"got list"),
-        (lambda: comm.all_reduce(other), ValueError,
-         r"send is on cuda:1, but this rank's communicator is on cuda:0"),
         (lambda: comm.all_reduce(strided), ValueError, r"send must be C-contiguous"),
         (lambda: comm.all_reduce(x, ints), TypeError, r"send and recv must have the same dtype"),
         (lambda: comm.all_reduce(x, x16), ValueError,
@@ -307,9 +303,6 @@ def _cases(comm):
         (lambda: comm.all_reduce(shorts), TypeError, r"NCCL cannot reduce int16"),
         (lambda: comm.all_reduce(x16[0:8], x16[4:12]), ValueError,
          r"overlap without being the same buffer"),
-        (lambda: comm.all_reduce(x, stream=side), StreamDeviceError,
-         r"^Communicator.all_reduce\(\): the stream is on cuda:1, but this rank's communicator "
-         r"is on cuda:0$"),
         (lambda: comm.all_reduce(x, stream=0), TypeError, r"stream must be a cudalab.Stream"),
         (lambda: comm.all_reduce(x, stream=closed_stream), RuntimeError, r"closed"),
         (lambda: comm.all_gather(x, x), ValueError,
@@ -339,6 +332,28 @@ def _cases(comm):
 def test_every_bad_operation_argument_raises_before_nccl(fake):
     comm = _rank0_of_2(fake)
     for call, error, match in _cases(comm):
+        with pytest.raises(error, match=match):
+            call()
+    assert fake.collective_calls() == []
+
+
+def _cases_on_another_device(comm):
+    """The cases that need a second device: a buffer and a stream of device 1."""
+    x = cudalab.zeros(8)
+    other = cudalab.zeros(8, device=1)
+    side = cudalab.Stream(device=1)
+    return [
+        (lambda: comm.all_reduce(other), ValueError,
+         r"send is on cuda:1, but this rank's communicator is on cuda:0"),
+        (lambda: comm.all_reduce(x, stream=side), StreamDeviceError,
+         r"^Communicator.all_reduce\(\): the stream is on cuda:1, but this rank's communicator "
+         r"is on cuda:0$"),
+    ]
+
+
+def test_a_buffer_or_stream_of_another_device_raises_before_nccl(fake, two):
+    comm = _rank0_of_2(fake)
+    for call, error, match in _cases_on_another_device(comm):
         with pytest.raises(error, match=match):
             call()
     assert fake.collective_calls() == []
