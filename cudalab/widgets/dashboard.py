@@ -58,8 +58,8 @@ import numpy as np
 from cudalab import _internal
 from cudalab._internal import format_bytes
 from cudalab.memory_tools.samples import CudalabSource, DeviceSample, SampleSource
-from cudalab.widgets.dashboard_chart import _chart, _nice_max, _png
-from cudalab.widgets.dashboard_device import _Device
+from cudalab.widgets.dashboard_chart import draw_chart, nice_max, palette_png
+from cudalab.widgets.dashboard_device import DashboardDevice
 
 __all__ = ["MemoryDashboard", "close_all", "live_dashboards"]
 
@@ -211,7 +211,7 @@ class MemoryDashboard(W.VBox):
         self._note = ""
         self._note_time = self._error_time = 0.0
         self.source: SampleSource = CudalabSource() if source is None else source
-        self._devices = [_Device(d, self.window, self.source) for d in _device_indices(devices)]
+        self._devices = [DashboardDevice(d, self.window, self.source) for d in _device_indices(devices)]
         simulated = False
         if self._devices:
             simulated = bool(_internal.backend().simulated)
@@ -427,7 +427,7 @@ class MemoryDashboard(W.VBox):
                 for k, v in values.items():
                     setattr(w, k, v)
 
-    def _device_updates(self, dev: _Device, p: dict[str, W.Widget], force_chart: bool) -> list:
+    def _device_updates(self, dev: DashboardDevice, p: dict[str, W.Widget], force_chart: bool) -> list:
         s = dev.last
         if s is None:  # (no sample yet: the first one failed)
             return []
@@ -446,9 +446,9 @@ class MemoryDashboard(W.VBox):
             dev.chart_time = now
             arrays = dev.arrays()
             top = max((float(a.max()) for a in arrays.values() if a.size), default=0.0)
-            dev.ymax = _nice_max(top * 1.05)
+            dev.ymax = nice_max(top * 1.05)
             w, h = self.chart_size
-            png = _png(_chart(arrays, self.window, dev.ymax, cap, w, h))
+            png = palette_png(draw_chart(arrays, self.window, dev.ymax, cap, w, h))
             if png != dev.last_png:
                 dev.last_png = png
                 out.append((p["chart"], {"value": png}))
@@ -459,7 +459,7 @@ class MemoryDashboard(W.VBox):
                                           f'{format_bytes(ymax)}, last {span_txt}&nbsp;</span>'}))
         return out
 
-    def _title_html(self, dev: _Device, level: str, frac: float) -> str:
+    def _title_html(self, dev: DashboardDevice, level: str, frac: float) -> str:
         badge = ""
         if level != "ok":
             color = _DANGER_C if level == "danger" else _WARN_C
@@ -487,7 +487,7 @@ class MemoryDashboard(W.VBox):
                 f'allocated <b>{format_bytes(a)}</b> &middot; reserved <b>{format_bytes(r)}</b> &middot; '
                 f'peak <b>{format_bytes(pk)}</b> &middot; {_pct(r, cap):.1f}% of {format_bytes(cap)}</div>')
 
-    def _nvml_html(self, dev: _Device, s: DeviceSample) -> str:
+    def _nvml_html(self, dev: DashboardDevice, s: DeviceSample) -> str:
         if s.nvml_error:
             return f'<span style="color:#777">{html.escape(s.nvml_error)}</span>'
 
@@ -510,7 +510,7 @@ class MemoryDashboard(W.VBox):
                 f'<span{red if retries else ""}>retries <b>{retries}</b></span>'
                 f'{_pools_html(list(s.pools))}</div>')
 
-    def _procs_html(self, dev: _Device, s: DeviceSample) -> str:
+    def _procs_html(self, dev: DashboardDevice, s: DeviceSample) -> str:
         if s.nvml_error or s.processes is None:
             return ""
         mine = s.process_used
@@ -640,7 +640,7 @@ class MemoryDashboard(W.VBox):
         rows = []
         w, h = self.chart_size
         for dev, p in zip(self._devices, self._panels):
-            png = dev.last_png or _png(np.zeros((h, w), np.uint8))
+            png = dev.last_png or palette_png(np.zeros((h, w), np.uint8))
             b64 = base64.b64encode(png).decode("ascii")
             rows.append(f'<div style="margin:4px 0">{p["title"].value}'
                         f'<div style="display:flex;gap:10px"><img src="data:image/png;base64,{b64}"'
@@ -671,7 +671,7 @@ class MemoryDashboard(W.VBox):
         return data
 
 
-def _figures_text(dev: _Device) -> str:
+def _figures_text(dev: DashboardDevice) -> str:
     """``allocated X, reserved Y, peak Z of C`` from the device's last sample."""
     s = dev.last
     a, r, pk = (0, 0, 0) if s is None else (s.allocated, s.reserved, s.peak_allocated)

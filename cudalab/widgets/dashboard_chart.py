@@ -9,7 +9,8 @@ import zlib
 
 import numpy as np
 
-__all__ = ["_chart", "_png"]
+#: The names :mod:`cudalab.widgets.dashboard` draws its sparklines with.
+__all__ = ["draw_chart", "nice_max", "palette_png"]
 
 # Chart colours (palette PNG indices).
 _PALETTE = (
@@ -23,7 +24,7 @@ _PALETTE = (
     (214, 39, 40),    # 7 capacity line
 )
 
-def _png(indices: np.ndarray, palette: tuple = _PALETTE) -> bytes:
+def palette_png(indices: np.ndarray, palette: tuple = _PALETTE) -> bytes:
     """A palette PNG (colour type 3, 8 bits) of ``indices`` (H x W uint8)."""
     h, w = indices.shape
     raw = np.zeros((h, w + 1), np.uint8)  # filter byte 0 per row
@@ -38,7 +39,7 @@ def _png(indices: np.ndarray, palette: tuple = _PALETTE) -> bytes:
             + chunk(b"IEND", b""))
 
 
-def _nice_max(v: float) -> float:
+def nice_max(v: float) -> float:
     """The smallest of 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8 x 1024^k (or 2^k below 1 KiB)
     that is >= v: a y-axis top that changes rarely."""
     v = max(float(v), 1024.0)
@@ -79,7 +80,7 @@ def _columns(values: np.ndarray, window: int, width: int) -> tuple[np.ndarray, n
     return np.minimum(lo, prev), np.maximum(hi, prev), c0
 
 
-def _chart(series: dict[str, np.ndarray], window: int, ymax: float, capacity: int | None,
+def draw_chart(series: dict[str, np.ndarray], window: int, ymax: float, capacity: int | None,
            width: int = 300, height: int = 64) -> np.ndarray:
     """The palette-index image of the time series (areas for allocated/reserved, lines for
     all three, a dotted red line at the capacity when it is on the scale)."""

@@ -1,5 +1,5 @@
 """One device of :class:`~cudalab.widgets.MemoryDashboard`: the ring buffers of its samples
-and its last sample (:class:`_Device`).
+and its last sample (:class:`DashboardDevice`).
 
 The figures come from the dashboard's
 :class:`~cudalab.memory_tools.samples.SampleSource` as
@@ -15,10 +15,11 @@ import numpy as np
 
 from cudalab.memory_tools.samples import DeviceSample, SampleSource
 
-__all__ = ["_Device"]
+#: The one name, for :mod:`cudalab.widgets.dashboard`.
+__all__ = ["DashboardDevice"]
 
 
-class _Device:
+class DashboardDevice:
     """One device's ring buffers, last sample and chart state."""
 
     def __init__(self, index: int, window: int, source: SampleSource):

@@ -9,8 +9,4 @@ DEBT: frozenset[str] = frozenset({
     'cudalab/memory_tools/history.py: cudalab.memory_tools.stacks._capture',
     'cudalab/memory_tools/snapshot.py: cudalab.memory_tools.history._record_snapshot',
     'cudalab/memory_tools/usage_plots.py: cudalab.memory_tools.snapshot._snapshot',
-    'cudalab/widgets/dashboard.py: cudalab.widgets.dashboard_chart._chart',
-    'cudalab/widgets/dashboard.py: cudalab.widgets.dashboard_chart._nice_max',
-    'cudalab/widgets/dashboard.py: cudalab.widgets.dashboard_chart._png',
-    'cudalab/widgets/dashboard.py: cudalab.widgets.dashboard_device._Device',
 })

@@ -24,7 +24,7 @@ W = pytest.importorskip("ipywidgets")
 
 from cudalab.widgets import close_all, live_dashboards  # noqa: E402
 from cudalab.widgets.dashboard import MemoryDashboard  # noqa: E402
-from cudalab.widgets.dashboard_chart import _png  # noqa: E402
+from cudalab.widgets.dashboard_chart import palette_png  # noqa: E402
 from cudalab.widgets.snapshot_history import SnapshotHistory  # noqa: E402
 from cudalab.widgets.snapshot_viewer import SnapshotViewer, demo_snapshot  # noqa: E402
 
@@ -208,7 +208,7 @@ def test_thread_never_prints(monkeypatch, capfd):
         raise RuntimeError("sensor exploded")
 
     d = MemoryDashboard(devices=0, interval=0.02)
-    monkeypatch.setattr(dashboard_device._Device, "sample", boom)
+    monkeypatch.setattr(dashboard_device.DashboardDevice, "sample", boom)
     assert _wait(lambda: "sensor exploded" in d._error)
     monkeypatch.undo()
     d.refresh()
@@ -332,11 +332,11 @@ def test_sparkline_png_decodes():
 
     import numpy as np
 
-    from cudalab.widgets.dashboard_chart import _chart
+    from cudalab.widgets.dashboard_chart import draw_chart
 
-    img = _chart({"allocated": np.arange(50.0), "reserved": np.arange(50.0) * 2,
+    img = draw_chart({"allocated": np.arange(50.0), "reserved": np.arange(50.0) * 2,
                   "nvml_used": np.full(50, 120.0)}, 600, 128.0, 100, 300, 64)
-    im = PIL.open(io.BytesIO(_png(img)))
+    im = PIL.open(io.BytesIO(palette_png(img)))
     assert im.size == (300, 64) and im.mode == "P"
     assert (np.asarray(im) == img).all()
 
