@@ -47,7 +47,8 @@ What it offers
   runs with Ctrl-C deferred: bookkeeping an interrupt must not cut in half) and
   :func:`deliver_interrupts_in` / :func:`stop_delivering_interrupts_in` (the user's code
   that such code runs, where Ctrl-C is delivered at once), :func:`deliver_owed_interrupt`
-  (a safe point: raise a deferred Ctrl-C now).
+  (a safe point: raise a deferred Ctrl-C now), :func:`install_interrupts` and
+  :func:`unhook_interrupts_from` (the IPython extension's load and unload).
 
 Nothing here creates a CUDA context on import, and importing it is cheap.
 """
@@ -107,6 +108,8 @@ __all__ = [
     "parse_size",
     "private_simulator",
     "stop_delivering_interrupts_in",
+    "install_interrupts",
+    "unhook_interrupts_from",
     "stream_handle",
     "thread_state",
     "write_bytes_atomic",
@@ -385,6 +388,18 @@ def stop_delivering_interrupts_in(code: Any) -> None:
         The compiled user code.
     """
     _interrupts.close_code(code)
+
+
+def install_interrupts() -> bool:
+    """Make cudalab's Ctrl-C wrapper the SIGINT handler (main thread; in IPython it also puts
+    itself back before every cell); see :func:`cudalab._interrupts.install`."""
+    return _interrupts.install()
+
+
+def unhook_interrupts_from(shell: Any) -> None:
+    """Take the Ctrl-C wrapper's ``pre_run_cell`` callback off ``shell`` when loading the
+    extension registered it; see :func:`cudalab._interrupts.unhook_ipython`."""
+    _interrupts.unhook_ipython(shell)
 
 
 def deliver_owed_interrupt() -> None:

@@ -49,8 +49,9 @@ from collections.abc import Callable, Iterable
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["install", "installed", "guard", "guard_files", "guard_imports", "open_code",
-           "close_code", "deferring", "deliver_owed", "POLL_SECONDS", "SWITCH_SECONDS"]
+__all__ = ["install", "installed", "unhook_ipython", "guard", "guard_files", "guard_imports",
+           "open_code", "close_code", "deferring", "deliver_owed", "POLL_SECONDS",
+           "SWITCH_SECONDS"]
 
 #: How often the helper thread looks at the main thread while an interrupt is owed.
 POLL_SECONDS = 0.0002
@@ -277,12 +278,29 @@ def install() -> bool:
     return True
 
 
+#: The shells :func:`_pre_run_cell` is registered with (each once).
 _hooked_shells: list[Any] = []
+#: Those of :data:`_hooked_shells` where it was registered while IPython loaded an extension
+#: (``%load_ext cudalab`` importing cudalab, or the extension's own load): the extension's
+#: unload takes it away again (:func:`unhook_ipython`); one registered before stays.
+_hooked_by_extension: list[Any] = []
 
 
 def _pre_run_cell(*_info: Any) -> None:
     """IPython's ``pre_run_cell`` event: put the wrapper back (ipykernel resets SIGINT)."""
     install()
+
+
+def _loading_an_extension() -> bool:
+    """Whether IPython's extension manager is on the stack (loading or reloading one)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in ("_load_extension", "load_extension", "reload_extension") and \
+                code.co_filename.replace("\\", "/").endswith("IPython/core/extensions.py"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]  # (None ends the loop)
+    return False
 
 
 def _hook_ipython() -> None:
@@ -301,3 +319,19 @@ def _hook_ipython() -> None:
     except Exception:
         return
     _hooked_shells.append(shell)
+    if _loading_an_extension():
+        _hooked_by_extension.append(shell)
+
+
+def unhook_ipython(shell: Any) -> None:
+    """Take :func:`_pre_run_cell` off ``shell`` if an extension load registered it (the
+    extension's unload: IPython's callbacks end as they were before ``%load_ext``); a
+    registration from before the load stays. A later :func:`install` registers it again."""
+    if not any(s is shell for s in _hooked_by_extension):
+        return
+    _hooked_by_extension[:] = [s for s in _hooked_by_extension if s is not shell]
+    _hooked_shells[:] = [s for s in _hooked_shells if s is not shell]
+    try:
+        shell.events.unregister("pre_run_cell", _pre_run_cell)
+    except Exception:  # (already gone: someone else removed it)
+        pass

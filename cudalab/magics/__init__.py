@@ -316,16 +316,25 @@ def load_ipython_extension(ipython: Any) -> CudaLabMagics:
     magics = CudaLabMagics(shell=ipython)
     ipython.register_magics(magics)
     _instances[id(ipython)] = magics
+    from cudalab import _internal
+
+    _internal.install_interrupts()  # (once per shell: hooks it if a former unload took it off)
     return magics
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Undo :func:`load_ipython_extension` (idempotent): hooks, watch, peak scopes, history
-    started by the magic, flush buffers and the magics themselves."""
+    started by the magic, flush buffers and the magics themselves. IPython's callbacks end as
+    they were before ``%load_ext``: the Ctrl-C wrapper's ``pre_run_cell`` callback goes too
+    when loading the extension registered it (``%load_ext cudalab`` in a shell that had not
+    imported cudalab), and stays when it was there before."""
     magics = _instances.pop(id(ipython), None)
     if magics is None or magics.shell is not ipython:
         return
     magics.close()
+    from cudalab import _internal
+
+    _internal.unhook_interrupts_from(ipython)
     manager = getattr(ipython, "magics_manager", None)
     if manager is not None:
         for kind, table in magics.magics.items():

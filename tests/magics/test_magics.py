@@ -196,6 +196,61 @@ def test_load_unload_clean_and_idempotent(shell):
     assert len(shell.events.callbacks["pre_run_cell"]) == n_pre
 
 
+_CALLBACKS_RESTORED = """
+from IPython.core.interactiveshell import InteractiveShell
+ip = InteractiveShell.instance()
+
+def callbacks():
+    return {event: list(fns) for event, fns in ip.events.callbacks.items()}
+
+def cudalab_hooks():
+    return sorted(f"{event}:{getattr(fn, '__module__', '')}" for event, fns in
+                  ip.events.callbacks.items() for fn in fns
+                  if str(getattr(fn, "__module__", "")).startswith("cudalab"))
+
+before = callbacks()
+ip.run_line_magic("load_ext", "cudalab")  # a fresh shell: this imports cudalab
+loaded = cudalab_hooks()
+ip.run_cell("import cudalab\\nx = cudalab.zeros(4)\\ny = x + 1")
+ip.run_line_magic("unload_ext", "cudalab")
+print("fresh", callbacks() == before, cudalab_hooks(), loaded)
+ip.run_line_magic("load_ext", "cudalab")  # loaded again: every hook is back
+again = cudalab_hooks()
+ip.run_line_magic("unload_ext", "cudalab")
+print("again", callbacks() == before, again == loaded)
+"""
+
+_CALLBACKS_KEPT = """
+import cudalab  # imported before the extension: its Ctrl-C hook is not the extension's
+from IPython.core.interactiveshell import InteractiveShell
+ip = InteractiveShell.instance()
+cudalab._interrupts.install()
+before = {event: list(fns) for event, fns in ip.events.callbacks.items()}
+ip.run_line_magic("load_ext", "cudalab")
+ip.run_cell("x = cudalab.zeros(4)")
+ip.run_line_magic("unload_ext", "cudalab")
+print("kept", {event: list(fns) for event, fns in ip.events.callbacks.items()} == before,
+      any(fn.__module__ == "cudalab._interrupts" for fn in ip.events.callbacks["pre_run_cell"]))
+"""
+
+
+def test_unload_restores_ipythons_callbacks_exactly():
+    """Issue 36 item 26: %load_ext then %unload_ext leaves IPython's callbacks as they were:
+    in a fresh shell no cudalab callback is left (the Ctrl-C hook that importing cudalab
+    for the extension registered included); one that was there before the load stays."""
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", _CALLBACKS_RESTORED], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    fresh, again = r.stdout.splitlines()[-2:]
+    assert fresh.startswith("fresh True [] [") and "pre_run_cell:cudalab._interrupts" in fresh, fresh
+    assert again == "again True True", again
+    r = subprocess.run([sys.executable, "-c", _CALLBACKS_KEPT], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "kept True True", r.stdout
+
+
 def test_load_does_not_touch_cuda_or_numpy():
     code = ("import sys\nfrom IPython.core.interactiveshell import InteractiveShell\n"
             "ip = InteractiveShell.instance()\nimport time; t = time.perf_counter()\n"
