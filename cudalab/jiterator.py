@@ -148,8 +148,9 @@ class _JittedFunction:
         sim = None
         extras, extra_args, extra_types = self._extras, self._extra_args, self._extra_types
         if kwargs:
-            if "sim" in kwargs and callable(kwargs["sim"]):
-                sim = kwargs.pop("sim")
+            if "sim" in kwargs and (callable(kwargs["sim"]) or (
+                    kwargs["sim"] is None and "sim" not in self.kwargs_dict)):
+                sim = kwargs.pop("sim")  # a twin for this call (None: the function's own)
             if kwargs:
                 for key in kwargs:
                     if key not in self.kwargs_dict:

@@ -282,6 +282,9 @@ def test_an_extra_argument_named_sim_is_an_extra_argument():
     np.testing.assert_array_equal(f(_up(x)).numpy(), 2 * x)
     # a callable is still the numpy twin, here given to one call
     np.testing.assert_array_equal(f(_up(x), sim=lambda x, sim: sim * x).numpy(), 2 * x)
+    # without an extra named sim, sim=None still means "no twin for this call"
+    g = jit._create_jit_fn("template <typename T> T twice(T x) { return x + x; }")
+    np.testing.assert_array_equal(g(_up(x), sim=None).numpy(), 2 * x)
 
 
 @pytest.mark.parametrize("value", ["2.0", b"2", "x"])
