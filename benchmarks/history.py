@@ -5,7 +5,9 @@
   ``stacks=None`` and ``stacks="python"``, next to ``torch.empty``+drop with torch's
   ``_record_memory_history`` off and on (``stacks="python"``, and torch's default
   ``stacks="all"``, Python and C++ frames); the loops run in a function 4 frames deep, 22
-  frames deeper, and in an IPython cell; with the compiled stamp built
+  frames deeper, and in an IPython cell (through ``InteractiveShell.run_cell``); each also
+  with the allocation in a user's function and its ``del`` on the next line (the free's stack
+  differs from the allocation's, each call a new frame), torch beside; with the compiled stamp built
   (``cudalab.memory_tools._stackstamp``), ``stacks="python"`` is timed with it and with the
   pure-Python stamp, alternating;
 * steady state of a long recording: the added cost per ``empty``+drop pair once the ring
@@ -70,6 +72,24 @@ _took.append(_pc() - _t0)
 """
 
 
+# A user's function allocating on one line and freeing on another: the free's stack differs
+# from the allocation's, and each call is a new frame (issue 37, section 2).
+_ALLOC_DEL = """\
+def alloc_del(n):
+    x = {make}
+    del x
+"""
+FUNC = "cudalab empty in a function, del on the next line"
+TORCH_FUNC = "torch.empty in a function, del on the next line"
+
+
+def _user_function(src: str, ns: dict):
+    """The function ``alloc_del(n)`` of ``src``, compiled as a user's module's code."""
+    g = {"__name__": "__main__", **ns}
+    exec(compile(src, "<benchmark user code>", "exec"), g)
+    return g["alloc_del"]
+
+
 def _script_loop(op: str, ns: dict):
     """A function ``loop(k)`` running the statement ``op`` k times; its seconds."""
     ns = {"__name__": "__main__", "_pc": time.perf_counter, **ns}
@@ -108,12 +128,17 @@ def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
     have_torch = torch is not None and torch.cuda.is_available()
     size = 4096
     ops = {"cudalab caching_allocator_alloc+delete": "_f(_a(_s))",
-           "cudalab empty+drop": "_e(_n)"}
+           "cudalab empty+drop": "_e(_n)",
+           FUNC: "_g(_n)"}
     ns = dict(_f=cm.caching_allocator_delete, _a=cm.caching_allocator_alloc,
               _e=cudalab.empty, _s=size, _n=size // 4)
+    ns["_g"] = _user_function(_ALLOC_DEL.format(make="_e(n)"), ns)
     if have_torch:
         ops["torch.empty+drop"] = '_te(_s, dtype=_u, device="cuda")'
         ns.update(_te=torch.empty, _u=torch.uint8)
+        ops[TORCH_FUNC] = "_tg(_s)"
+        ns["_tg"] = _user_function(
+            _ALLOC_DEL.format(make='_te(n, dtype=_u, device="cuda")'), ns)
     loops = {}
     for name, op in ops.items():
         if where == "cell":
@@ -155,7 +180,7 @@ def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
     for mode, kw, use in modes:
         start = nothing if kw is None else ours_on(kw, use)
         stop = nothing if kw is None else ours_off
-        for name in ("cudalab caching_allocator_alloc+delete", "cudalab empty+drop"):
+        for name in ("cudalab caching_allocator_alloc+delete", "cudalab empty+drop", FUNC):
             cases[(mode, name)] = (loops[name], start, stop)
     if have_torch:
         torch.empty(1, device="cuda")
@@ -173,6 +198,9 @@ def history_cost(n: int, rounds: int, sim: bool, where: str) -> dict | None:
         # torch's default (_record_memory_history() with no arguments): Python and C++
         # frames; cudalab's "all" is its Python frames, the stacks=python rows above
         cases[("stacks=all", "torch.empty+drop")] = (tl, torch_on("all"), torch_off)
+        tf = loops[TORCH_FUNC]
+        cases[("off", TORCH_FUNC)] = (tf, nothing, nothing)
+        cases[("stacks=python", TORCH_FUNC)] = (tf, torch_on("python"), torch_off)
     samples: dict = {k: [] for k in cases}
     stops: list[float] = []
     for loop, start, stop in cases.values():  # warm-up
@@ -408,7 +436,7 @@ def _history_table(res: dict, where: str, stamp: str) -> Table:
         for k, v in row.items():
             t.add(f"{k} [{mode}]", v)
     ours_modes = [m for m in ("stacks=None", "stacks=python", PURE) if m in added]
-    for k in ("cudalab caching_allocator_alloc+delete", "cudalab empty+drop"):
+    for k in ("cudalab caching_allocator_alloc+delete", "cudalab empty+drop", FUNC):
         for mode in ours_modes:
             t.add(f"added: {k} [{mode}]", added[mode][k], "µs",
                   "median of per-round differences" + ("; bound <= 0.3" if mode == "stacks=None"
@@ -427,6 +455,15 @@ def _history_table(res: dict, where: str, stamp: str) -> Table:
                 ours = added[ours_mode]["cudalab empty+drop"]
                 t.add(f"ratio cudalab empty+drop [{label}] / torch [{mode}] added",
                       ours / theirs if theirs else None, "×", note)
+    theirs = added.get("stacks=python", {}).get(TORCH_FUNC)
+    if theirs is not None:
+        t.add(f"added: {TORCH_FUNC} [stacks=python]", theirs)
+        for ours_mode, label in (("stacks=python", f"python, {stamp} stamp"),
+                                 (PURE, "python, pure-Python stamp")):
+            if ours_mode in added:
+                ours = added[ours_mode][FUNC]
+                t.add(f"ratio {FUNC} [{label}] / torch [stacks=python] added",
+                      ours / theirs if theirs else None, "×", "bound <= 0.5")
     return t
 
 
