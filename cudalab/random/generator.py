@@ -27,6 +27,7 @@ from cudalab.random.state import (
     as_offset,
     as_seed,
     assert_not_capturing,
+    capturing_now,
     nondeterministic_seed,
     parse_state,
     state_bytes,
@@ -88,9 +89,19 @@ class Generator:
         return self.philox_state
 
     def manual_seed(self, seed: int) -> Generator:
-        """Seed with ``seed`` (64-bit; negative values wrap) and reset the offset to 0."""
+        """Seed with ``seed`` (64-bit; negative values wrap) and reset the offset to 0.
+
+        During a capture (torch's ``CUDAGeneratorImpl::set_current_seed``): the seed the
+        generator already has changes nothing (the offset is kept); another one raises
+        RuntimeError.
+        """
         s = as_seed(seed, "Generator.manual_seed()")
-        assert_not_capturing("Generator.manual_seed()", self.device_index)
+        if capturing_now(self.device_index):
+            if s != self.philox_state.seed:
+                raise RuntimeError("CUDAGeneratorImpl::set_current_seed can be called during "
+                                   "stream capture only if new seed is the same as the "
+                                   "original seed.")
+            return self
         with state_lock:
             self.philox_state.seed = s
             self.philox_state.offset = 0

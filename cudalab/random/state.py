@@ -128,6 +128,13 @@ def assert_not_capturing(what: str, device: int) -> None:
                                "captured into a CUDA graph")
 
 
+def capturing_now(device: int) -> bool:
+    """Whether the current stream of ``device`` is being captured (checked only while some
+    generator is capturing: no driver call otherwise)."""
+    return bool(capturing_states) and _devices.is_initialized() and \
+        stream_capturing(_streams.current_stream(device))
+
+
 def _set_graph_words(state: PhiloxState, seed: int, offset: int, stream: Any) -> None:
     from cudalab._kernels.philox import SET_STATE
 

@@ -128,10 +128,35 @@ def test_unregistered_generator_in_capture_is_refused_and_recovers():
 
 
 def test_manual_seed_during_capture_is_refused():
+    cudalab.manual_seed(5)
     g = cudalab.CUDAGraph()
-    with pytest.raises(RuntimeError, match="captured into a CUDA graph"), cudalab.graph(g):
+    with pytest.raises(RuntimeError, match="set_current_seed can be called during stream "
+                       "capture only if new seed is the same as the original seed"), \
+            cudalab.graph(g):
         cudalab.rand(N)
         crandom.default_generators[0].manual_seed(1)
+    assert crandom.default_generators[0].initial_seed() == 5
+
+
+def test_manual_seed_during_capture_with_the_same_seed_is_a_no_op():
+    # torch's CUDAGeneratorImpl::set_current_seed: the same seed during a capture changes
+    # nothing (the offset is not reset either), so replays match the eager calls.
+    cudalab.manual_seed(7)
+    cudalab.rand(N)  # warm up
+    cudalab.manual_seed(7)
+    g = cudalab.CUDAGraph()
+    with cudalab.graph(g):
+        x = cudalab.rand(N)
+        cudalab.manual_seed(7)
+        crandom.default_generators[0].manual_seed(7)
+        y = cudalab.rand(N)
+    assert crandom.default_generators[0].initial_seed() == 7
+    g.replay()
+    got = x.numpy().copy(), y.numpy().copy()
+    cudalab.manual_seed(7)
+    want = cudalab.rand(N).numpy(), cudalab.rand(N).numpy()
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 def test_reset_unregisters_the_generator_states():
