@@ -65,9 +65,10 @@ class CudaGraphs(CudaMemory):
 
     def stream_end_capture(self, stream: StreamHandle) -> GraphHandle:
         err, graph = drv.cuStreamEndCapture(stream)
-        if not err or int(err) != 908:  # 908: wrong thread, the capture goes on
-            with _count_lock:
-                self._captures_active = max(0, self._captures_active - 1)
+        # Every outcome ends the capture, 908 (another thread ended a GLOBAL or THREAD_LOCAL
+        # capture) included: torch sees the stream no longer capturing after it.
+        with _count_lock:
+            self._captures_active = max(0, self._captures_active - 1)
         return check((err, graph), "cuStreamEndCapture")
 
     def stream_capture_info(self, stream: StreamHandle) -> tuple[int, int]:

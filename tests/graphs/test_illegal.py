@@ -196,3 +196,52 @@ def test_empty_graph_capture_on_a_stream_used_before():
     with cudalab.graph(g, stream=s):
         add(a, a, 1)
     assert g.node_kinds() == ["kernel"]
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local"])
+def test_capture_end_from_another_thread_raises_and_ends_the_capture(mode):
+    """torch: cudaErrorStreamCaptureWrongThread; the stream is no longer capturing,
+    synchronize() works and the process captures again (issue 36, item 17)."""
+    a = _ones()
+    s = cudalab.Stream()
+    g = cudalab.CUDAGraph()
+    with cudalab.stream(s):
+        g.capture_begin(capture_error_mode=mode)
+        add(a, a, 1)
+
+        def end():
+            with cudalab.stream(s):
+                g.capture_end()
+
+        err = _in_thread(end)
+        assert isinstance(err, cudalab.StreamCaptureError) and err.code == 908, err
+        assert not cudalab.is_current_stream_capturing()
+        assert "state=empty" in repr(g)
+        with pytest.raises(RuntimeError, match="before capture_begin"):
+            g.capture_end()
+    cudalab.synchronize()
+    cudalab.memory.empty_cache()
+    g2 = cudalab.CUDAGraph()
+    with cudalab.graph(g2):
+        add(a, a, 1)
+    before = a.numpy()[0]
+    g2.replay()
+    assert a.numpy()[0] == before + 1
+
+
+def test_capture_end_from_another_thread_works_in_relaxed_mode():
+    a = _ones()
+    s = cudalab.Stream()
+    g = cudalab.CUDAGraph()
+    with cudalab.stream(s):
+        g.capture_begin(capture_error_mode="relaxed")
+        add(a, a, 1)
+
+        def end():
+            with cudalab.stream(s):
+                g.capture_end()
+
+        assert _in_thread(end) is None
+        assert not cudalab.is_current_stream_capturing()
+    g.replay()
+    assert a.numpy()[0] == 2.0

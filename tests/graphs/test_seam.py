@@ -234,7 +234,16 @@ def test_end_from_another_thread_is_refused_unless_relaxed(dev):
     t.start()
     t.join()
     assert isinstance(box[0], StreamCaptureError) and box[0].code == 908
-    b.graph_destroy(b.stream_end_capture(s))
+    assert not b.stream_is_capturing(s)  # the capture is over (as on a GPU)
+    with pytest.raises(StreamCaptureError) as info:
+        b.stream_end_capture(s)
+    assert info.value.code == 903
+    b.stream_begin_capture(s, CAPTURE_MODE_RELAXED)
+    b.memset_d8_async(0, ptr, 1, 4, s)
+    t = threading.Thread(target=lambda: box.append(_try(b.stream_end_capture, s)))
+    t.start()
+    t.join()
+    b.graph_destroy(box[1])
 
 
 def _try(fn, *args):

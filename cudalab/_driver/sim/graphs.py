@@ -22,7 +22,10 @@ nowhere; a thread in RELAXED mode is never refused. A refused call invalidates t
 that forbade it: their later operations and their end raise 901 (INVALIDATED), and ending
 them still takes their streams out of capture mode. An asynchronous copy to or from
 pageable host memory cannot be captured. cuMemAlloc is allowed, as under torch's RELAXED
-guard (the allocation is not captured). Not modelled: the legacy stream's implicit
+guard (the allocation is not captured). Ending a GLOBAL or THREAD_LOCAL capture from
+another thread than the one that began it raises 908 (WRONG_THREAD) and, as on a GPU (torch
+sees the stream no longer capturing after it), takes the capture's streams out of capture
+mode all the same; a RELAXED capture may be ended from any thread. Not modelled: the legacy stream's implicit
 synchronisation with a capturing blocking stream (906).
 """
 
@@ -178,12 +181,13 @@ class SimGraphs(SimulatorCore):
         cap = s.capture
         if cap is None or cap.origin is not s:
             raise capture_error(903, call)
-        if cap.mode != CAPTURE_MODE_RELAXED and cap.thread != threading.get_ident():
-            raise capture_error(908, call)
         for t in cap.streams:
             t.capture = None
         cap.ended = True
         self._captures.pop(cap.id, None)
+        if cap.mode != CAPTURE_MODE_RELAXED and cap.thread != threading.get_ident():
+            # As the driver (and torch over it) does: the error, and the capture is over.
+            raise capture_error(908, call)
         if cap.status != CAPTURE_STATUS_ACTIVE:
             raise capture_error(901, call, cap.reason)
         unjoined = [t for t in cap.streams[1:] if cap.tails.get(t, 0) > cap.joined.get(t, 0)]
