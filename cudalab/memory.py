@@ -375,8 +375,7 @@ def memory_snapshot(mempool_id: Any = None) -> list[dict]:
 
     if not _active and _internal.is_initialized():
         allocator_config()  # a malformed setting raises, as in every reader (see _reader)
-    if _internal.is_initialized():
-        _streams.refuse_during_capture("cudalab.memory.memory_snapshot()")
+    # (allowed during a capture, as torch: it reads the allocator's books, queues nothing)
     return snapshot_all_devices(mempool_id)
 
 

@@ -513,8 +513,8 @@ def stream(stream: Stream | None) -> StreamContext:
 
 def refuse_during_capture(operation: str) -> None:
     """Raise :class:`~cudalab.StreamCaptureError` naming ``operation`` when the current
-    stream is being captured into a CUDA graph (``empty_cache()``, ``memory_snapshot()``:
-    the allocator's cache and its snapshot are not touched mid-capture).
+    stream is being captured into a CUDA graph (``empty_cache()``: the allocator's cache is
+    not touched mid-capture).
 
     The capture is invalidated the way the driver invalidates it for any refused call (a
     stream query on the capturing stream), so the error reads as for ``synchronize()``, and

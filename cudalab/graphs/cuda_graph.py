@@ -124,9 +124,13 @@ def capture_mode(capture_error_mode: Any) -> int:
     return mode
 
 
-def _pool_id(pool: Any) -> tuple[int, int]:
-    """A pool id from ``pool=``: a ``(int, int)`` handle or a MemPool (its ``.id``)."""
+def _pool_id(pool: Any) -> tuple[int, int] | None:
+    """A pool id from ``pool=``: a ``(int, int)`` handle or a MemPool (its ``.id``); None for
+    ``(0, 0)``, which torch's ``capture_begin`` takes as "no pool" (a new private one)."""
     pid = getattr(pool, "id", pool)
+    if isinstance(pid, (tuple, list)) and len(pid) == 2 and all(
+            type(x) is int and x == 0 for x in pid):
+        return None
     return check_pool_id(pid, "pool")
 
 
@@ -197,7 +201,8 @@ class CUDAGraph:
         ----------
         pool : tuple of (int, int), MemPool or None, optional
             Share the private memory pool of this id (``other_graph.pool()``,
-            :func:`graph_pool_handle`, a ``MemPool``) instead of a new one.
+            :func:`graph_pool_handle`, a ``MemPool``) instead of a new one; None or
+            ``(0, 0)`` (as torch): a new one.
         capture_error_mode : {"global", "thread_local", "relaxed"}, optional
             Which threads' unsafe calls (synchronize, query, ...) the capture refuses while
             it runs, as the driver's ``cudaStreamCaptureMode`` defines.

@@ -51,13 +51,8 @@ def _empty_cache(a, ev):
     cudalab.memory.empty_cache()
 
 
-def _memory_snapshot(a, ev):
-    cudalab.memory.memory_snapshot()
-
-
 ILLEGAL = [
     (_empty_cache, "cudalab.memory.empty_cache()"),
-    (_memory_snapshot, "cudalab.memory.memory_snapshot()"),
     (_synchronize, "cudalab.synchronize()"),
     (_event_query, "Event.query()"),
     (_event_synchronize, "Event.synchronize()"),

@@ -251,3 +251,37 @@ def test_a_graph_collected_inside_the_allocator_defers_its_pool_release():
     assert _use_count(pid) == 0
     cudalab.empty_cache()
     assert not _pool_segments(pid)
+
+
+@pytest.mark.parametrize("pool", [(0, 0), [0, 0]])
+def test_pool_zero_zero_means_no_pool(pool):
+    """torch's capture_begin treats the id (0, 0) as "no pool": the graph gets a new private
+    pool of its own (issue 36, item 24)."""
+    a = cudalab.array.full((256,), 1.0, np.float32)
+    g = cudalab.CUDAGraph()
+    with cudalab.graph(g, pool=pool):
+        b = add_new(a, 1)
+    assert g.pool() != (0, 0) and g.pool()[0] > 0
+    g.replay()
+    assert b.numpy()[0] == 2.0
+    g2 = cudalab.CUDAGraph()
+    s = cudalab.Stream()
+    with cudalab.stream(s):
+        g2.capture_begin(pool=pool)
+        add_new(a, 1)
+        g2.capture_end()
+    assert g2.pool() not in ((0, 0), g.pool())
+
+
+def test_memory_snapshot_during_a_capture_returns_the_segments():
+    """torch returns the segments and the capture stays valid (issue 36, item 20)."""
+    a = cudalab.array.full((256,), 1.0, np.float32)
+    g = cudalab.CUDAGraph()
+    with cudalab.graph(g):
+        b = add_new(a, 1)
+        during = cudalab.memory_snapshot()
+        assert cudalab.is_current_stream_capturing()
+    pooled = [s for s in during if tuple(s["segment_pool_id"]) == g.pool()]
+    assert pooled, during
+    g.replay()
+    assert b.numpy()[0] == 2.0
