@@ -3,8 +3,8 @@
 Where an array's memory comes from and goes back to (the caching allocator), how one stream
 waits for another (events, no host sync), and the raw transfers and fills an array queues:
 host <-> device copies (asynchronous only with pinned memory from the pinned pool) and fills
-(memset when the pattern allows, else cudalab's fill kernels; :func:`scalar_bytes` makes a
-fill value's bytes). :mod:`cudalab.array` holds the array type and the creation functions
+(eagerly memset when the pattern allows, else cudalab's fill kernels; always the kernels
+while a graph is being captured; :func:`scalar_bytes` makes a fill value's bytes). :mod:`cudalab.array` holds the array type and the creation functions
 and calls these.
 """
 
@@ -418,9 +418,19 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
     if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         _observe.access_tracker.access(stream, (), ((ptr, nbytes),), "fill")
     itemsize = len(pattern)
+    if _streams.open_captures and itemsize <= 8:  # (one global read while no graph captures)
+        # Some stream is capturing a graph: a kernel node replays for a fraction of a memset
+        # node's host cost (torch's fill_ is a kernel too); legal on any stream. Narrow items
+        # are widened to 8 bytes where the address and size allow (8 bytes stored a thread).
+        if itemsize < 8 and not (ptr | nbytes) & 7:
+            pattern, count = pattern * (8 // itemsize), nbytes >> 3
+        fill_with_kernel(ptr, pattern, count, stream)  # (it makes the context current)
+        return
     byte_uniform = pattern.count(pattern[0]) == itemsize
     if not byte_uniform and (itemsize == 8 or itemsize == 2):
-        fill_with_kernel(ptr, pattern, count, stream)  # (it makes the context current)
+        if itemsize == 2 and not (ptr | nbytes) & 7:
+            pattern, count = pattern * 4, nbytes >> 3
+        fill_with_kernel(ptr, pattern, count, stream)
         return
     null_context(stream)
     if byte_uniform:

@@ -383,6 +383,12 @@ _defaults_lock = threading.Lock()
 #: lets the allocator's cache hit skip the thread-local lookup. Threads that end with a
 #: stream current leave their token: the hint stays conservative, never wrong.
 custom_stream_tokens: list[None] = []
+#: The captures in progress through :class:`cudalab.CUDAGraph`, by capture id: the graph
+#: being captured, added once its stream capture has begun and removed when it ends or is
+#: abandoned (by :mod:`cudalab.graphs.cuda_graph`, its ``_capturing``, under its lock).
+#: Elsewhere only read for emptiness, one global read: empty means no stream is capturing
+#: into a CUDAGraph (``DeviceArray.fill_`` then may queue memsets, which replay slowly).
+open_captures: dict[int, Any] = {}
 
 
 def _put(cur: list, idx: int, s: Stream | None) -> None:

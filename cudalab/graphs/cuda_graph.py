@@ -99,8 +99,9 @@ def _release_deferred() -> None:
         get_allocator(device).release_pool(pool_id)
 
 
-#: Graphs being captured, by capture id (torch's capture-id map; guarded by ``_map_lock``).
-_capturing: dict[int, CUDAGraph] = {}
+#: Graphs being captured, by capture id (torch's capture-id map; guarded by ``_map_lock``):
+#: the streams module's map, whose emptiness the fills read (``cudalab.streams.open_captures``).
+_capturing: dict[int, CUDAGraph] = _streams.open_captures
 _map_lock = threading.Lock()
 
 
