@@ -15,7 +15,15 @@ Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
 * those 1,000 tiny fill kernels launched eagerly vs replayed as one graph: time per 1,000
   from events on the stream (goal: replay >= 5x faster);
 * peak reserved bytes in the private pool for the same sequence of allocations and frees
-  inside a capture (goal: equal to torch's).
+  inside a capture (goal: equal to torch's);
+* ``fill_`` by dtype: 1,000 ``x.fill_(value)`` of one 1,024-element array of float32
+  (``1.0``, a uniform 4-byte pattern), float16 (``1.0``), uint8 (``7``, byte-uniform) and
+  int64 (``5``), eager and captured into one graph: the eager GPU time per 1,000 (events),
+  the eager host time, the replay's GPU time (events), the host time of one ``replay()``
+  with the queue drained between rounds, replay + synchronize, and the graph's speed-up
+  over eager (goals: every cudalab row <= torch's, the graph >= 5x eager); and cudalab's
+  eager fills through the fill kernel (what a fill takes during a capture), beside its
+  eager memset (which of the two an eager fill should take, per dtype).
 
 On the simulator every number is labelled simulated and torch is skipped.
 
@@ -24,6 +32,7 @@ On the simulator every number is labelled simulated and torch is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
@@ -177,6 +186,109 @@ def bench_cudalab(table: Table, results: dict, rounds: dict, quick: bool) -> Non
     cudalab.synchronize()
 
 
+# --------------------------------------------------------------------------- fill_ by dtype
+#: (dtype name, value) of the fill_ rows: a uniform 4-byte pattern, a 2-byte one, a
+#: byte-uniform one, an 8-byte one.
+FILL_CASES = (("float32", 1.0), ("float16", 1.0), ("uint8", 7), ("int64", 5))
+FILL_ELEMENTS = 1024
+
+
+def _drained_replay_seconds(stream_context, stream, graph, n: int) -> float:
+    """Host seconds of ``graph.replay()`` alone, summed over ``n`` replays on ``stream``, the
+    queue drained (synchronize) before each, outside the timed window."""
+    total = 0.0
+    with stream_context(stream):
+        for _ in range(n):
+            stream.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            total += time.perf_counter() - t0
+        stream.synchronize()
+    return total
+
+
+def _replay_sync_seconds(stream_context, stream, graph, n: int) -> float:
+    """Seconds of ``graph.replay()`` then ``stream.synchronize()``, summed over ``n`` rounds."""
+    total = 0.0
+    with stream_context(stream):
+        stream.synchronize()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            graph.replay()
+            stream.synchronize()
+            total += time.perf_counter() - t0
+    return total
+
+
+def _eager_host_seconds(stream, fills) -> float:
+    """Host seconds to queue ``fills()`` (the queue drained before, outside the window)."""
+    stream.synchronize()
+    t0 = time.perf_counter()
+    fills()
+    t = time.perf_counter() - t0
+    stream.synchronize()
+    return t
+
+
+def bench_dtype_fills(lib: str, api: dict, table: Table, results: dict, rounds: dict,
+                      quick: bool, tag: str = "") -> list:
+    """The fill_ rows of one library (``api``: its ``zeros(dtype_name)``, ``Stream``,
+    ``stream`` context, ``CUDAGraph``, ``Event``, and optionally ``kernel_fills`` (a
+    context in which cudalab's eager fills take the kernel)); the host-time rounds go to
+    ``rounds`` (interleaved with the other library's in main). Returns what must stay alive
+    until the rounds ran (the graphs)."""
+    repeat = 3 if quick else 7
+    replays = 2 if quick or tag else 20
+    keep = []
+    s = api["Stream"]()
+
+    def events():
+        return api["Event"](enable_timing=True), api["Event"](enable_timing=True)
+
+    for name, value in FILL_CASES:
+        x = api["zeros"](name)
+        api["synchronize"]()
+
+        def fills(n=KERNELS, x=x, value=value):
+            for _ in range(n):
+                x.fill_(value)
+
+        with api["stream"](s):
+            fills(10)  # loads the kernel
+            s.synchronize()
+            g = _capture(api["CUDAGraph"], fills)
+            g.replay()
+            s.synchronize()
+            eager = _event_seconds(events, fills, repeat)
+            replay = _event_seconds(events, g.replay, repeat)
+            eager_host = statistics.median(_eager_host_seconds(s, fills) for _ in range(repeat))
+            kernel_eager = None
+            if "kernel_fills" in api:
+                with api["kernel_fills"]():
+                    kernel_eager = _event_seconds(events, fills, repeat)
+        keep.append(g)
+        key = f"{lib}_fill_{name}"
+        table.add(f"{lib} {KERNELS} fill_ {name} eager, GPU{tag}", eager * 1e6, "µs")
+        table.add(f"{lib} {KERNELS} fill_ {name} eager, host{tag}", eager_host * 1e6, "µs")
+        table.add(f"{lib} {KERNELS} fill_ {name} replay, GPU{tag}", replay * 1e6, "µs",
+                  f"{eager / replay:.1f}x faster than eager (goal >= 5x)")
+        results[f"{key}_eager_us"] = eager * 1e6
+        results[f"{key}_eager_host_us"] = eager_host * 1e6
+        results[f"{key}_replay_gpu_us"] = replay * 1e6
+        results[f"{key}_graph_speedup"] = eager / replay
+        if kernel_eager is not None:
+            table.add(f"{lib} {KERNELS} fill_ {name} eager through the fill kernel, GPU{tag}",
+                      kernel_eager * 1e6, "µs", f"{kernel_eager / eager:.2f}x the eager fill_")
+            results[f"{key}_eager_kernel_us"] = kernel_eager * 1e6
+        rounds[f"{lib} fill_ {name}: replay() host time, queue drained"] = (
+            functools.partial(_drained_replay_seconds, api["stream"], s, g, replays), replays,
+            f"{key}_replay_host_us")
+        rounds[f"{lib} fill_ {name}: replay + synchronize"] = (
+            functools.partial(_replay_sync_seconds, api["stream"], s, g, replays), replays,
+            f"{key}_replay_sync_us")
+    return keep
+
+
 # ------------------------------------------------------------------------------------- torch
 def bench_torch(torch, table: Table, results: dict, rounds: dict, quick: bool) -> None:
     repeat = 3 if quick else 7
@@ -237,6 +349,68 @@ def bench_torch(torch, table: Table, results: dict, rounds: dict, quick: bool) -
     torch.cuda.synchronize()
 
 
+def cudalab_fill_api():
+    """What :func:`bench_dtype_fills` needs of cudalab."""
+    import numpy as np
+
+    import cudalab
+    from cudalab import streams
+
+    @contextlib.contextmanager
+    def kernel_fills():
+        # An entry in the open-capture map: eager fills take the fill kernel as they do while
+        # a graph captures (key -1: never a capture id).
+        streams.open_captures[-1] = None
+        try:
+            yield
+        finally:
+            del streams.open_captures[-1]
+
+    return {"zeros": lambda name: cudalab.array.zeros((FILL_ELEMENTS,), np.dtype(name)),
+            "Stream": cudalab.Stream, "stream": cudalab.stream, "CUDAGraph": cudalab.CUDAGraph,
+            "Event": cudalab.Event, "synchronize": cudalab.synchronize,
+            "kernel_fills": kernel_fills}
+
+
+def torch_fill_api(torch):
+    """What :func:`bench_dtype_fills` needs of torch."""
+    return {"zeros": lambda name: torch.zeros(FILL_ELEMENTS, dtype=getattr(torch, name),
+                                              device="cuda"),
+            "Stream": torch.cuda.Stream, "stream": torch.cuda.stream,
+            "CUDAGraph": torch.cuda.CUDAGraph, "Event": torch.cuda.Event,
+            "synchronize": torch.cuda.synchronize}
+
+
+def fill_rows(torch, table: Table, results: dict, quick: bool, simulated: bool) -> None:
+    """The fill_ by dtype rows, cudalab's and torch's host-time rounds interleaved (the
+    garbage collector off during each), then cudalab / torch for each (goal: <= 1)."""
+    tag = " (simulated)" if simulated else ""
+    rounds: dict = {}
+    keep = bench_dtype_fills("cudalab", cudalab_fill_api(), table, results, rounds, quick, tag)
+    if torch is not None:
+        keep += bench_dtype_fills("torch", torch_fill_api(torch), table, results, rounds, quick)
+    samples = interleaved_rounds({name: entry[0] for name, entry in rounds.items()},
+                                 3 if quick or simulated else 15, gc_off=True)
+    for name, values in samples.items():
+        _fn, per, key = rounds[name]
+        us = statistics.median(values) / per * 1e6
+        table.add(name + (tag if name.startswith("cudalab") else ""), us, "µs",
+                  f"min {min(values) / per * 1e6:.3f} µs")
+        results[key] = us
+    del keep
+    if torch is None:
+        return
+    for name, _value in FILL_CASES:
+        for what, suffix in (("eager, GPU", "eager_us"), ("eager, host", "eager_host_us"),
+                             ("replay, GPU", "replay_gpu_us"),
+                             ("replay() host time, queue drained", "replay_host_us"),
+                             ("replay + synchronize", "replay_sync_us")):
+            ratio = (results[f"cudalab_fill_{name}_{suffix}"]
+                     / results[f"torch_fill_{name}_{suffix}"])
+            results[f"ratio_fill_{name}_{suffix}"] = ratio
+            table.add(f"fill_ {name} {what}, cudalab / torch", ratio, "x", "(goal: <= 1)")
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     import cudalab
@@ -275,6 +449,8 @@ def main() -> None:
                 ratio = results[f"cudalab_{key}"] / results[f"torch_{key}"]
                 results[f"ratio_{key}"] = ratio
                 table.add(f"{what}, cudalab / torch", ratio, "x", "(goal: <= 1)")
+    fill_rows(torch if torch is not None and torch.cuda.is_available() else None, table,
+              results, args.quick, props.simulated)
     print(table.render())
     from cudalab import _internal
 
