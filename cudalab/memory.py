@@ -601,7 +601,9 @@ def _set_allocator_settings(settings: str) -> None:
     ``torch.cuda.memory._set_allocator_settings``).
 
     ``settings`` uses the ``CUDALAB_ALLOC_CONF`` grammar (:func:`parse_alloc_conf`); the keys
-    it names change, the others keep their values. Existing allocators apply the new size
+    it names change; as in torch, ``max_split_size_mb``, ``roundup_power2_divisions`` and
+    ``garbage_collection_threshold`` go back to their defaults when it leaves them out, and
+    the other keys keep their values. Existing allocators apply the new size
     rules (``max_split_size_mb``, ``max_non_split_rounding_mb``, ``large_segment_size_mb``,
     ``roundup_power2_divisions``), ``garbage_collection_threshold`` and
     ``per_process_memory_fraction`` from their next allocation; allocators created later

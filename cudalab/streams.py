@@ -517,6 +517,19 @@ def stream(stream: Stream | None) -> StreamContext:
     return StreamContext(stream)
 
 
+def is_capturing(stream: Stream) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph (``cuStreamIsCapturing``).
+
+    The legacy null stream is the current context's stream, and the driver refuses the
+    query with ``CUDA_ERROR_INVALID_CONTEXT`` on a thread where no context is current (after
+    ``cudalab.init()`` alone, or on a new thread): its device's context is made current
+    first, as for every other call on the null stream.
+    """
+    if stream.is_legacy_null:
+        _devices.ensure_context(stream.device_index)
+    return bool(stream.backend.stream_is_capturing(stream.handle))
+
+
 def refuse_during_capture(operation: str) -> None:
     """Raise :class:`~cudalab.StreamCaptureError` naming ``operation`` when the current
     stream is being captured into a CUDA graph (``empty_cache()``: the allocator's cache is
@@ -528,7 +541,7 @@ def refuse_during_capture(operation: str) -> None:
     stream = current_stream()
     handle = stream.handle
     backend = stream.backend
-    if not backend.stream_is_capturing(handle):
+    if not is_capturing(stream):
         return
     try:
         backend.stream_query(handle)  # refused while capturing: the driver invalidates it

@@ -453,9 +453,18 @@ _KEY_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: The keys torch's ``parseArgs`` resets to their defaults on every parse, so a settings
+#: string applied at run time that leaves one out sets it back to its default (torch's
+#: test_allocator_settings: "should have reset the power2 divisions now"); every other key
+#: keeps its value when not named.
+RESET_ON_EACH_PARSE = ("max_split_size_mb", "roundup_power2_divisions",
+                       "garbage_collection_threshold")
+
+
 def merge_settings(base: AllocatorConfig, update: AllocatorConfig) -> AllocatorConfig:
-    """``base`` with the keys given in ``update`` applied, as torch's ``parseArgs`` applies
-    a settings string at run time (keys not named keep their values).
+    """``base`` with the settings string ``update`` applied, as torch's ``parseArgs``
+    applies one at run time: the keys of :data:`RESET_ON_EACH_PARSE` take ``update``'s
+    values (their defaults when it does not name them); other keys not named keep theirs.
 
     Parameters
     ----------
@@ -471,13 +480,14 @@ def merge_settings(base: AllocatorConfig, update: AllocatorConfig) -> AllocatorC
         ``last_allocator_settings`` is the last string applied).
     """
     values: dict[str, Any] = {}
-    for key in update.keys:
+    for key in (*RESET_ON_EACH_PARSE, *update.keys):
         for name in _KEY_FIELDS[key]:
             values[name] = getattr(update, name)
     if "large_segment_size_mb" in update.keys and "max_non_split_rounding_mb" not in update.keys:
         # the parser ties the default rounding slack to the segment size
         values["max_non_split_rounding_size"] = update.max_non_split_rounding_size
-    keys = tuple(dict.fromkeys(base.keys + update.keys))
+    kept = tuple(k for k in base.keys if k not in RESET_ON_EACH_PARSE)
+    keys = tuple(dict.fromkeys(kept + update.keys))
     return replace(base, text=update.text, source=update.source, keys=keys, **values)
 
 

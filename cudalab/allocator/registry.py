@@ -265,7 +265,9 @@ def set_allocator_settings(settings: str) -> AllocatorConfig:
     Parameters
     ----------
     settings : str
-        Settings in the ``CUDALAB_ALLOC_CONF`` grammar; only the keys it names change.
+        Settings in the ``CUDALAB_ALLOC_CONF`` grammar; the keys it names change, and
+        those of ``config.RESET_ON_EACH_PARSE`` it leaves out go back to their defaults
+        (as torch's ``parseArgs``).
 
     Returns
     -------

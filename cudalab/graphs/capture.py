@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from cudalab import _internal
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab.graphs.cuda_graph import CUDAGraph, capture_mode
@@ -25,8 +24,7 @@ def is_current_stream_capturing() -> bool:
     """
     if not _devices.is_initialized():
         return False
-    s = _streams.current_stream()
-    return bool(_internal.backend().stream_is_capturing(_internal.stream_handle(s)))
+    return _streams.is_capturing(_streams.current_stream())
 
 
 class graph:  # noqa: N801 - torch's name

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from cudalab import _internal
 from cudalab import array as _array
 from cudalab import devices as _devices
 from cudalab import streams as _streams
@@ -117,7 +116,7 @@ capturing_states: set[PhiloxState] = set()
 def stream_capturing(stream: _streams.Stream) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph (only asked while some
     generator captures)."""
-    return bool(_internal.backend().stream_is_capturing(_internal.stream_handle(stream)))
+    return _streams.is_capturing(stream)
 
 
 def assert_not_capturing(what: str, device: int) -> None:

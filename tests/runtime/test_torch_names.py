@@ -264,9 +264,12 @@ def test_set_allocator_settings_changes_the_running_allocator(registry):  # noqa
     assert cfg.garbage_collection_threshold == 0.5 and cfg.text.startswith("max_split")
     a = registry.get_allocator(0)
     assert a._max_split == 128 * MiB and a._split_limited
-    cm._set_allocator_settings("roundup_power2_divisions:4")  # other keys keep their values
+    cm._set_allocator_settings("roundup_power2_divisions:4")
     cfg = registry.allocator_config()
-    assert cfg.max_split_size == 128 * MiB and cfg.roundup_power2_divisions[0] == 4
+    # torch's parseArgs resets max_split_size, roundup_power2_divisions and
+    # garbage_collection_threshold to their defaults when a string leaves them out
+    assert cfg.max_split_size == registry.AllocatorConfig().max_split_size
+    assert cfg.garbage_collection_threshold == 0.0 and cfg.roundup_power2_divisions[0] == 4
     with pytest.raises(RuntimeError, match="backend"):
         cm._set_allocator_settings("backend:cudaMallocAsync")
     with pytest.raises(RuntimeError, match="expandable_segments"):
@@ -277,6 +280,34 @@ def test_set_allocator_settings_changes_the_running_allocator(registry):  # noqa
         cm._set_allocator_settings(128)  # type: ignore[arg-type]
     assert registry.allocator_config() == cfg  # failed calls changed nothing
     cm.caching_allocator_delete(p)
+
+
+def test_set_allocator_settings_resets_the_keys_torch_resets(registry):  # noqa: F811
+    """torch's test_allocator_settings: after "roundup_power2_divisions:4", the string
+    "garbage_collection_threshold:0.5,max_split_size_mb:40" "should have reset the power2
+    divisions", so an 84 MiB request takes 84 MiB again (96 MiB with 4 divisions)."""
+    cudalab.init()
+    nbytes = 84 * MiB
+    cm._set_allocator_settings("roundup_power2_divisions:4,release_lock_on_cudamalloc:True")
+    cm.empty_cache()
+    start = cm.memory_stats()["reserved_bytes.all.current"]
+    x = cudalab.empty((nbytes,), dtype=np.uint8)
+    assert cm.memory_stats()["reserved_bytes.all.current"] - start == 96 * MiB
+    del x
+    cm._set_allocator_settings("garbage_collection_threshold:0.5,max_split_size_mb:40")
+    cm.empty_cache()
+    start = cm.memory_stats()["reserved_bytes.all.current"]
+    y = cudalab.empty((nbytes,), dtype=np.uint8)
+    assert cm.memory_stats()["reserved_bytes.all.current"] - start == nbytes
+    del y
+    cfg = registry.allocator_config()
+    assert cfg.roundup_power2_divisions == registry.AllocatorConfig().roundup_power2_divisions
+    assert cfg.max_split_size == 40 * MiB and cfg.garbage_collection_threshold == 0.5
+    assert cfg.release_lock_on_cudamalloc  # torch keeps the keys it does not reset
+    cm._set_allocator_settings("")
+    cfg = registry.allocator_config()
+    assert cfg.max_split_size == registry.AllocatorConfig().max_split_size
+    assert cfg.garbage_collection_threshold == 0.0 and cfg.release_lock_on_cudamalloc
 
 
 def test_set_allocator_settings_before_the_first_allocation(registry):  # noqa: F811

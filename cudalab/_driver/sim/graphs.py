@@ -200,7 +200,13 @@ class SimGraphs(SimulatorCore):
         return (CAPTURE_STATUS_NONE, 0) if cap is None else (cap.status, cap.id)
 
     def stream_is_capturing(self, stream: StreamHandle) -> bool:
-        return self.stream_of(stream, "cuStreamIsCapturing").capture is not None
+        s = self.stream_of(stream, "cuStreamIsCapturing")
+        if s.is_null and getattr(self._tls, "device", None) is None:
+            # The legacy null stream (handle 0) is the current context's: with no context
+            # current on this thread the driver answers CUDA_ERROR_INVALID_CONTEXT.
+            raise CudaError(201, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context",
+                            call="cuStreamIsCapturing")
+        return s.capture is not None
 
     def thread_exchange_capture_mode(self, mode: int) -> int:
         m = self._capture_mode(mode, "cuThreadExchangeStreamCaptureMode")
