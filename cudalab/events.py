@@ -18,6 +18,7 @@ from cudalab._driver.base import (
     EVENT_DEFAULT,
     EVENT_DISABLE_TIMING,
     EVENT_INTERPROCESS,
+    EVENT_RECORD_EXTERNAL,
     IPC_HANDLE_SIZE,
     STATUS_NOT_READY,
 )
@@ -38,13 +39,17 @@ class Event:
         blocking: :meth:`synchronize` blocks the thread in the driver instead of spinning.
         interprocess: the event can be shared with other processes via :meth:`ipc_handle`
             (incompatible with ``enable_timing``, a CUDA rule).
+        external: recorded while its stream is captured into a CUDA graph, the record
+            becomes a node of the graph (``cudaEventRecordExternal``): each replay records
+            the event, e.g. to time the replay (torch's ``external``). Outside a capture, an
+            ordinary record.
 
     The event owns its driver handle: ``close()`` (or leaving a ``with Event() as e:``
     block) releases it now, otherwise garbage collection does (never during interpreter
     exit).
     """
 
-    __slots__ = ("handle", "_flags", "enable_timing", "blocking", "interprocess",
+    __slots__ = ("handle", "_flags", "enable_timing", "blocking", "interprocess", "external",
                  "device_index", "_b", "_rec", "_q", "__weakref__")
 
     #: The driver event, opaque, for the seam's calls (read by the runtime's layers on hot
@@ -57,7 +62,7 @@ class Event:
     _q: Callable[[Any], tuple]  # the seam's unchecked event_query (hot path)
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False):
+                 interprocess: bool = False, external: bool = False):
         if interprocess and enable_timing:
             raise ValueError("an interprocess Event cannot have enable_timing=True (CUDA requires "
                              "interprocess events to disable timing)")
@@ -70,6 +75,7 @@ class Event:
         self.enable_timing = bool(enable_timing)
         self.blocking = bool(blocking)
         self.interprocess = bool(interprocess)
+        self.external = bool(external)
         self.handle = None
         self.device_index = -1
         self._b = None  # type: ignore[assignment]  # unbound until the first handle
@@ -82,7 +88,7 @@ class Event:
         b = self._b = _internal.backend()
         fast = _internal.fast_paths()
         assert fast is not None  # set together with the backend at init
-        self._rec = fast.event_record
+        self._rec = _external_record(b) if self.external else fast.event_record
         self._q = fast.event_query
         return b
 
@@ -267,6 +273,18 @@ class Event:
     def __repr__(self) -> str:
         where = f"cuda:{self.device_index}" if self.handle is not None else "uninitialized"
         return f"<cudalab.Event {where} timing={self.enable_timing}>"
+
+
+def _external_record(b: Backend) -> Callable[[Any, Any], tuple]:
+    """The record call of an ``external`` event, with the status-call shape of the fast
+    ``event_record`` (it raises the driver's error itself, so it always returns ``(0,)``)."""
+    record = b.event_record_with_flags
+
+    def record_external(event: Any, stream: Any) -> tuple:
+        record(event, stream, EVENT_RECORD_EXTERNAL)
+        return (0,)
+
+    return record_external
 
 
 def _not_a_stream(what: str, stream: Any) -> TypeError:

@@ -98,7 +98,7 @@ from cudalab._driver.nvml_seam import Nvml
 __all__ = [
     # this module: the backend and its flags
     "Backend", "STREAM_DEFAULT", "STREAM_NON_BLOCKING", "EVENT_DEFAULT", "EVENT_BLOCKING_SYNC",
-    "EVENT_DISABLE_TIMING", "EVENT_INTERPROCESS", "IPC_HANDLE_SIZE", "CAPTURE_MODE_GLOBAL",
+    "EVENT_DISABLE_TIMING", "EVENT_INTERPROCESS", "EVENT_RECORD_EXTERNAL", "IPC_HANDLE_SIZE", "CAPTURE_MODE_GLOBAL",
     "CAPTURE_MODE_THREAD_LOCAL", "CAPTURE_MODE_RELAXED", "CAPTURE_STATUS_NONE",
     "CAPTURE_STATUS_ACTIVE", "CAPTURE_STATUS_INVALIDATED", "GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH",
     "GRAPH_INSTANTIATE_USE_NODE_PRIORITY", "GRAPH_NODE_KINDS",
@@ -129,6 +129,11 @@ EVENT_DEFAULT = 0
 EVENT_BLOCKING_SYNC = 1
 EVENT_DISABLE_TIMING = 2
 EVENT_INTERPROCESS = 4
+
+#: cuEventRecordWithFlags' CU_EVENT_RECORD_EXTERNAL: recorded during a stream capture, the
+#: record becomes an event-record node of the graph (each launch records the event) instead
+#: of a dependency inside the capture; outside a capture, an ordinary record.
+EVENT_RECORD_EXTERNAL = 1
 
 #: Size in bytes of an IPC event or memory handle (CUipcEventHandle, CUipcMemHandle).
 IPC_HANDLE_SIZE = 64
@@ -398,6 +403,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def event_record(self, event: EventHandle, stream: StreamHandle) -> None:
         """Record ``event`` on ``stream``. Hot path: no allocation, no logging."""
+
+    @abc.abstractmethod
+    def event_record_with_flags(self, event: EventHandle, stream: StreamHandle,
+                                flags: int) -> None:
+        """Record ``event`` on ``stream`` with CU_EVENT_RECORD_* ``flags``
+        (:data:`EVENT_RECORD_EXTERNAL`: an event-record node when ``stream`` captures)."""
 
     @abc.abstractmethod
     def event_query(self, event: EventHandle) -> bool:

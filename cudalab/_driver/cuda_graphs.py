@@ -2,6 +2,7 @@
 
 The graph concern of the real backend (a mixin of :class:`cudalab._driver.cuda.CudaBackend`):
 cuStreamBeginCapture / EndCapture / GetCaptureInfo, cuThreadExchangeStreamCaptureMode,
+cuEventRecordWithFlags (external event-record nodes),
 cuGraphInstantiate (torch's flags), cuGraphLaunch, the node kinds and cuGraphDebugDotPrint.
 Failures of the capture rules arrive as :class:`cudalab.errors.StreamCaptureError`
 (``cuda_error`` maps codes 900-908 to it).
@@ -31,7 +32,7 @@ from cudalab._driver.cuda_api import (
     drv,
 )
 from cudalab._driver.cuda_memory import CudaMemory
-from cudalab._driver.handles import GraphExecHandle, GraphHandle, StreamHandle
+from cudalab._driver.handles import EventHandle, GraphExecHandle, GraphHandle, StreamHandle
 
 #: cuGraphDebugDotPrint's CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE (torch's cudaGraphDebugDotFlagsVerbose).
 _DOT_FLAGS_VERBOSE = 1
@@ -70,6 +71,10 @@ class CudaGraphs(CudaMemory):
         with _count_lock:
             self._captures_active = max(0, self._captures_active - 1)
         return check((err, graph), "cuStreamEndCapture")
+
+    def event_record_with_flags(self, event: EventHandle, stream: StreamHandle,
+                                flags: int) -> None:
+        check(drv.cuEventRecordWithFlags(event, stream, int(flags)), "cuEventRecordWithFlags")
 
     def stream_capture_info(self, stream: StreamHandle) -> tuple[int, int]:
         res = check(drv.cuStreamGetCaptureInfo(stream), "cuStreamGetCaptureInfo")

@@ -502,6 +502,8 @@ def test_every_call_passes_argument_conversion(monkeypatch):
         ("event_destroy", "", 0, lambda: b.event_destroy(e1)),
         ("event_record", "", 0, lambda: b.event_record(e1, s)),
         ("event_record", "null stream", 0, lambda: b.event_record(e1, b.null_stream(0))),
+        ("event_record_with_flags", "", 0,
+         lambda: b.event_record_with_flags(e1, s, base.EVENT_RECORD_EXTERNAL)),
         ("event_query", "", 0, lambda: b.event_query(e1)),
         ("event_synchronize", "", 0, lambda: b.event_synchronize(e1)),
         ("event_elapsed_time", "", 0, lambda: b.event_elapsed_time(e1, e2)),

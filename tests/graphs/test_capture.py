@@ -431,3 +431,37 @@ def test_graphs_without_allocations_add_nothing_to_a_replay():
     with count_calls(names) as calls:
         g2.replay()
     assert dict(calls) == {"graph_launch": 1, "event_record": 1, "stream_wait_event": 1}
+
+
+def test_graph_timing_with_external_events():
+    """torch's test_graph_timing: events made with ``external=True`` recorded inside the
+    capture become event-record nodes; each replay records them (issue 36, item 5)."""
+    x = cudalab.array.full((1 << 16,), 1.0, np.float32)
+    add(x, x, 0)  # warm up
+    g = cudalab.CUDAGraph(keep_graph=True)
+    start_event = cudalab.Event(enable_timing=True, external=True)
+    end_event = cudalab.Event(enable_timing=True, external=True)
+    assert start_event.external and not cudalab.Event().external
+    with cudalab.graph(g):
+        start_event.record()
+        add(x, x, 1)
+        end_event.record()
+    assert g.node_kinds() == ["event_record", "kernel", "event_record"]
+    cudalab.synchronize()
+    g.replay()
+    cudalab.synchronize()
+    assert start_event.query() and end_event.query()
+    assert start_event.elapsed_time(end_event) >= 0
+    assert x.numpy()[0] == 2.0
+    g.replay()
+    end_event.synchronize()
+    assert x.numpy()[0] == 3.0
+
+
+def test_external_event_outside_a_capture_records_as_usual():
+    s = cudalab.Stream()
+    a, b = cudalab.Event(enable_timing=True, external=True), cudalab.Event(enable_timing=True)
+    a.record(s)
+    b.record(s)
+    b.synchronize()
+    assert a.query() and a.elapsed_time(b) >= 0

@@ -6,7 +6,9 @@ a :class:`_Capture`), every operation submitted to it (kernels, copies, fills; s
 on a capturing stream becomes a dependency inside the capture; a stream that waits on such
 an event joins the capture (a fork), and must be joined back (the origin, or another stream
 of the capture, waits on an event recorded after its last operation) before the capture
-ends. :meth:`graph_instantiate` copies the recorded operations; :meth:`graph_launch` runs
+ends. An event recorded with ``EVENT_RECORD_EXTERNAL`` (:meth:`event_record_with_flags`)
+becomes an event-record node instead: each launch records it, in its place among the nodes.
+:meth:`graph_instantiate` copies the recorded operations; :meth:`graph_launch` runs
 them in capture order, in the launch stream's order.
 
 The driver's rules (``CUDA_ERROR_STREAM_CAPTURE_*``) hold: the null stream cannot capture;
@@ -44,10 +46,17 @@ from cudalab._driver.base import (
     CAPTURE_STATUS_ACTIVE,
     CAPTURE_STATUS_INVALIDATED,
     CAPTURE_STATUS_NONE,
+    EVENT_RECORD_EXTERNAL,
     GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH,
     GRAPH_INSTANTIATE_USE_NODE_PRIORITY,
 )
-from cudalab._driver.handles import GraphExecHandle, GraphHandle, OpaqueHandle, StreamHandle
+from cudalab._driver.handles import (
+    EventHandle,
+    GraphExecHandle,
+    GraphHandle,
+    OpaqueHandle,
+    StreamHandle,
+)
 from cudalab._driver.sim.core import SimulatorCore, invalid_handle, invalid_value
 from cudalab._driver.sim.handles import SimEvent, SimStream, next_handle
 from cudalab._driver.sim.heap import FAKE_BASE
@@ -141,14 +150,16 @@ class _Graph(OpaqueHandle):
 
 
 class _GraphExec(OpaqueHandle):
-    """An executable graph: a copy of its graph's operations."""
+    """An executable graph: a copy of its graph's operations; ``records`` are the events of
+    its event-record nodes, in node order (each launch records them)."""
 
-    __slots__ = ("handle", "device", "ops", "destroyed")
+    __slots__ = ("handle", "device", "ops", "records", "destroyed")
 
     def __init__(self, graph: _Graph):
         self.handle = next_handle()
         self.device = graph.device
         self.ops = tuple(graph.ops)
+        self.records = tuple(args[0] for kind, _fn, args in self.ops if kind == "event_record")
         self.destroyed = False
 
     def __int__(self) -> int:
@@ -232,7 +243,34 @@ class SimGraphs(SimulatorCore):
         s = self.stream_of(stream, call)
         if s.device != graph_exec.device:
             raise invalid_value(call, "the graph was captured on another device")
+        if graph_exec.records:  # event-record nodes: each record is requested now
+            epochs = []
+            for ev in graph_exec.records:
+                ev.epoch += 1
+                ev.rec_stream = s
+                epochs.append(ev.epoch)
+            self.submit(s, self._graph_op, (graph_exec, tuple(epochs)))
+            return
         self.submit(s, self._graph_op, (graph_exec,))
+
+    def event_record_with_flags(self, event: EventHandle, stream: StreamHandle,
+                                flags: int) -> None:
+        call = "cuEventRecordWithFlags"
+        f = operator.index(flags)
+        if f < 0 or f & ~EVENT_RECORD_EXTERNAL:
+            raise invalid_value(call, f"unknown event record flags {f}")
+        s = self.stream_of(stream, call)
+        cap = s.capture
+        if not f or cap is None:
+            self.event_record(event, stream)
+            return
+        ev = self._event(event, call)
+        if ev.device != s.device:
+            raise invalid_handle(call, "event and stream belong to different devices")
+        if cap.status != CAPTURE_STATUS_ACTIVE:
+            raise capture_error(901, call, cap.reason)
+        cap.ops.append(("event_record", self._record_op, (ev, 0)))  # (epoch: at each launch)
+        cap.tails[s] = len(cap.ops)
 
     def graph_destroy(self, graph: GraphHandle) -> None:
         self._graph(graph, "cuGraphDestroy").destroyed = True
@@ -368,6 +406,14 @@ class SimGraphs(SimulatorCore):
                                 "captured")
 
     # -- operations (run in stream order)
-    def _graph_op(self, graph_exec: _GraphExec) -> None:
+    def _graph_op(self, graph_exec: _GraphExec, epochs: tuple[int, ...] = ()) -> None:
+        if epochs:  # event-record nodes record the epochs their launch requested
+            pending = iter(epochs)
+            for kind, fn, args in graph_exec.ops:
+                if kind == "event_record":
+                    fn(args[0], next(pending))
+                else:
+                    fn(*args)
+            return
         for _kind, fn, args in graph_exec.ops:
             fn(*args)
