@@ -154,6 +154,65 @@ is_cudalab(_PyInterpreterFrame *f)
 #endif
 }
 
+/* f's instruction offset, as frame.f_lasti gives it (-1 before its first instruction). */
+static inline int
+lasti_of(_PyInterpreterFrame *f)
+{
+    int lasti = _PyInterpreterFrame_LASTI(f);
+    return lasti < 0 ? -1 : lasti * (int)sizeof(_Py_CODEUNIT);
+}
+
+/* mark[key] for an int key, borrowed; NULL when it is not there (an error may be set). */
+static inline PyObject *
+mark_get(PyObject *mark, int key)
+{
+    PyObject *k = PyLong_FromLong(key);
+    if (k == NULL) {
+        return NULL;
+    }
+    PyObject *v = PyDict_GetItemWithError(mark, k);
+    Py_DECREF(k);
+    return v;
+}
+
+/* The stack of f (a frame with code, outside cudalab) from the mark its caller keeps for
+ * the frames of f's code called from its current instruction (stacks._miss's first case),
+ * borrowed; NULL when that does not know it (an error may be set). A function called in a
+ * loop is a new frame each call, without a frame object or mark of its own: this finds its
+ * stack at each of its instructions (the allocation's line, the free's line) with two
+ * dictionary lookups and no frame object, where the slow path makes one and walks. */
+static PyObject *
+from_callers_mark(_PyInterpreterFrame *f)
+{
+    _PyInterpreterFrame *c = caller_of(f);
+    if (c == NULL || c->frame_obj == NULL || !FRAME_HAS_CODE(c)) {
+        return NULL;
+    }
+    PyObject *mc = c->frame_obj->f_trace;
+    if (mc == NULL || Py_TYPE(mc) != mark_type) {
+        return NULL;
+    }
+    /* the key stacks._walk files that mark under: (caller's offset, id(code)) */
+    PyObject *cli = PyLong_FromLong(lasti_of(c));
+    PyObject *id = cli == NULL ? NULL : PyLong_FromVoidPtr((void *)FRAME_CODE(f));
+    PyObject *key = id == NULL ? NULL : PyTuple_New(2);
+    if (key == NULL) {
+        Py_XDECREF(cli);
+        Py_XDECREF(id);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(key, 0, cli);
+    PyTuple_SET_ITEM(key, 1, id);
+    PyObject *e = PyDict_GetItemWithError(mc, key); /* (code, shared mark), borrowed */
+    Py_DECREF(key);
+    if (e == NULL || !PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 2
+            || PyTuple_GET_ITEM(e, 0) != (PyObject *)FRAME_CODE(f)
+            || Py_TYPE(PyTuple_GET_ITEM(e, 1)) != mark_type) {
+        return NULL;
+    }
+    return mark_get(PyTuple_GET_ITEM(e, 1), lasti_of(f));
+}
+
 PyDoc_STRVAR(stamp_doc,
 "stamp() -> (time_ns, stack)\n\n"
 "The stamp of an allocation or free for stacks._stamp's callers: the allocator method\n"
@@ -179,20 +238,18 @@ stamp(PyObject *module, PyObject *Py_UNUSED(ignored))
     while (f != NULL && (c = is_cudalab(f)) == 1) {
         f = caller_of(f);
     }
-    if (f == NULL || c != 0 || f->frame_obj == NULL || !FRAME_HAS_CODE(f)) {
+    if (f == NULL || c != 0 || !FRAME_HAS_CODE(f)) {
         PyErr_Clear();
         return slow_stamp();
     }
-    PyObject *mark = f->frame_obj->f_trace;
-    if (mark == NULL || Py_TYPE(mark) != mark_type) {
-        return slow_stamp();
+    PyObject *stack = NULL;
+    PyObject *mark = f->frame_obj != NULL ? f->frame_obj->f_trace : NULL;
+    if (mark != NULL && Py_TYPE(mark) == mark_type) {
+        stack = mark_get(mark, lasti_of(f));
     }
-    PyObject *key = PyLong_FromLong(PyFrame_GetLasti(f->frame_obj));
-    if (key == NULL) {
-        return NULL;
+    if (stack == NULL) {
+        stack = from_callers_mark(f);
     }
-    PyObject *stack = PyDict_GetItemWithError(mark, key); /* borrowed */
-    Py_DECREF(key);
     if (stack == NULL) {
         PyErr_Clear();
         return slow_stamp();

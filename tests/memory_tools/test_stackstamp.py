@@ -239,13 +239,21 @@ def test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_mis
         assert top(stacks.frames_to_dicts(got[0])) == (
             HERE, ln, "test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_miss")
 
-        def fresh():  # a new frame each call, no mark yet: the slow path each time
-            return _allocator_method(_stackstamp.stamp)[1]
+        def fresh():  # a new frame each call, without a frame object or mark of its own
+            a = _allocator_method(_stackstamp.stamp)[1]  # (an allocation, then a free on
+            b = _allocator_method(_stackstamp.stamp)[1]  # another line: another stack)
+            return a, b
 
         fs = []
-        for _ in range(2):
+        for _ in range(4):
             fs.append(fresh())
-        assert calls == [1, 1, 1] and fs[0] is fs[1]  # (equal stacks of one site: one tuple)
+        # only the first call takes the slow path, at each of its lines; the later calls'
+        # frames find their stacks through the mark of the loop's frame, their caller
+        assert calls == [1, 1, 1]
+        assert all(a is fs[0][0] and b is fs[0][1] for a, b in fs)
+        assert fs[0][0] != fs[0][1] and fs[0][0][2:] == fs[0][1][2:]
+        assert [d["name"] for d in stacks.frames_to_dicts(fs[0][0])[:2]] == [
+            "fresh", "test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_miss"]
     finally:
         _stackstamp.setup(*shared, stacks._capture)
 
