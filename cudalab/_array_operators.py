@@ -198,7 +198,7 @@ def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
     elif op == "pow" and _is_complex_square(inputs):
         op, inputs = "mul", [inputs[0], inputs[0]]  # torch: a complex ** 2.0 is base * base
     elif op == "mul" and isinstance(inputs[1], _SCALARS) and isinstance(
-            inputs[0], OperatorsMixin) and (inputs[0].dtype.kind == "c" or isinstance(inputs[1], (complex, np.complexfloating))):
+            inputs[0], OperatorsMixin) and (inputs[0].element_dtype.kind == "c" or isinstance(inputs[1], (complex, np.complexfloating))):
         # torch multiplies by a scalar as scalar * array (opmath_symmetric_gpu_kernel_with_
         # scalars); complex products differ in the last bits with the operand order
         inputs = [inputs[1], inputs[0]]
@@ -251,7 +251,7 @@ def where(condition: Any, input: Any, other: Any) -> Any:
     TypeError
         ``condition`` is not a bool DeviceArray, or an operand is not a DeviceArray or scalar.
     """
-    if not isinstance(condition, OperatorsMixin) or condition.dtype != np.bool_:
+    if not isinstance(condition, OperatorsMixin) or condition.element_dtype != np.bool_:
         got = tp.torch_name(condition.dtype) if isinstance(condition, OperatorsMixin) else \
             type(condition).__name__
         raise TypeError(f"where expected condition to be a boolean tensor, but got a tensor "
@@ -391,9 +391,9 @@ class OperatorsMixin:
             An unsupported dtype.
         """
         dt = normalize_dtype(dtype, default=None)
-        if dt == self.dtype and not copy:
+        if dt == self.element_dtype and not copy:
             return self
-        _warn_if_discarding(self.dtype, dt)
+        _warn_if_discarding(self.element_dtype, dt)
         return run(OPERATIONS["copy"], [self], out_dtype=dt, empty=_array_state.output)[0]
 
 

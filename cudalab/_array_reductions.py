@@ -147,10 +147,10 @@ class ReductionsMixin:
         TypeError, IndexError
             A bad ``dim``, as for :meth:`sum`.
         """
-        if self.dtype.kind not in "fc" and self.dtype.name != "bfloat16":
+        if self.element_dtype.kind not in "fc" and self.element_dtype.name != "bfloat16":
             raise RuntimeError("mean(): could not infer output dtype. Input dtype must be "
                                "either a floating point or complex dtype. Got: "
-                               f"{torch_dtype_name(self.dtype)}")
+                               f"{torch_dtype_name(self.element_dtype)}")
         return _reduction(self, "mean", _dims_arg("mean", dim, axis, self.ndim, True), keepdim)
 
     def max(self: ArrayState, dim: Any = None, keepdim: bool = False, *,
@@ -241,8 +241,8 @@ def _reduction(array: ArrayState, op: str, dims: tuple[int, ...] | None, keepdim
     rk = _reduce_module()
     ndim = array.ndim
     axes = tuple(range(ndim)) if dims is None else dims
-    dtype = array.dtype
-    shape = list(array.shape)
+    dtype = array.element_dtype
+    shape = list(array.dims)
     itemsize = dtype.itemsize
     strides = list(array.strides)
     complex_input = dtype.kind == "c"

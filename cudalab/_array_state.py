@@ -15,6 +15,7 @@ attribute read and the call.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from cudalab.streams import Stream
 
 __all__ = [
+    "ArraySize",
     "ArrayState",
     "ArrayT",
     "NewArray",
@@ -40,20 +42,35 @@ class ArrayState(Protocol):
     """What the parts of a DeviceArray read and call on one another.
 
     The attributes are :class:`~cudalab.array.DeviceArray`'s fields (plain slots, public for
-    speed: read them, never assign them; only the array's constructors do).
+    speed: read them, never assign them; only the array's constructors do); ``shape``,
+    ``dtype``, ``nbytes`` and ``base`` are their read-only user names (a property each:
+    cudalab's code reads the fields).
     """
 
     ptr: int  # device address of the first element; 0 for an empty array
-    shape: tuple[int, ...]  # the dimensions (ints >= 0)
-    dtype: np.dtype  # a supported dtype (cudalab._dtypes.SUPPORTED_DTYPES)
+    dims: tuple[int, ...]  # the shape: the dimensions (ints >= 0)
+    element_dtype: np.dtype  # the dtype: a supported one (cudalab._dtypes.SUPPORTED_DTYPES)
     strides_or_none: tuple[int, ...] | None  # bytes; None exactly when C-contiguous
     device_index: int  # the device holding the memory (a valid index)
     stream: Stream  # the stream the memory was allocated on (or imported with)
-    base: Any  # what keeps the memory alive: None for an array owning it
-    nbytes: int  # size * dtype.itemsize
-    size: int  # the product of shape
+    owner: Any  # the base: what keeps the memory alive, None for an array owning it
+    byte_count: int  # nbytes: element_count * element_dtype.itemsize
+    element_count: int  # numpy's size: the product of dims
     contiguous: bool  # strides_or_none is None
     read_only: bool  # imported read-only (DLPack): never written
+
+    # The user-facing names of dims, element_dtype, byte_count, owner (read-only)
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def base(self) -> Any: ...
 
     @property
     def strides(self) -> tuple[int, ...]: ...
@@ -128,7 +145,7 @@ def require_contiguous(array: ArrayState, what: str) -> None:
     """Raise ValueError (naming ``what``) unless ``array`` is C-contiguous."""
     if not array.contiguous:
         raise ValueError(f"{what} needs a C-contiguous DeviceArray; this one has shape "
-                         f"{array.shape} and strides {array.strides}")
+                         f"{array.dims} and strides {array.strides}")
 
 
 def require_writable(array: ArrayState, what: str) -> None:
@@ -138,3 +155,28 @@ def require_writable(array: ArrayState, what: str) -> None:
         raise ValueError(f"{what}: this DeviceArray was imported read-only (DLPack "
                          "read-only flag) and cannot be written")
     require_contiguous(array, what)
+
+
+class ArraySize(int):
+    """``DeviceArray.size``: the number of elements (an int, numpy's ``size``), callable as
+    torch's ``size()`` (the shape) and ``size(dim)`` (one dimension, negative from the end)."""
+
+    def __new__(cls, count: int, shape: tuple[int, ...]) -> ArraySize:
+        self = super().__new__(cls, count)
+        self.shape = shape  # the array's dimensions (what size() returns)
+        return self
+
+    def __call__(self, dim: Any = None) -> Any:
+        shape = self.shape
+        if dim is None:
+            return shape
+        dim = operator.index(dim)
+        n = len(shape)
+        low, high = (-n, n - 1) if n else (-1, 0)
+        if not low <= dim <= high:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{low}, "
+                             f"{high}], but got {dim})")
+        return shape[dim] if n else 1
+
+    def __reduce__(self) -> Any:
+        return (int, (int(self),))

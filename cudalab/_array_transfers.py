@@ -58,9 +58,9 @@ class TransfersMixin:
             return self.numpy()
         itemsize = self.itemsize
         lo = hi = 0
-        for size, stride in zip(self.shape, self.strides):
+        for size, stride in zip(self.dims, self.strides):
             if size == 0:
-                return np.empty(self.shape, self.dtype)
+                return np.empty(self.dims, self.element_dtype)
             step = (size - 1) * stride
             lo, hi = (lo + step, hi) if step < 0 else (lo, hi + step)
         span = np.empty(hi - lo + itemsize, np.uint8)
@@ -70,7 +70,7 @@ class TransfersMixin:
         host = span.__array_interface__["data"][0]
         host_transfer(self.device_index, host, self.ptr + lo, span.nbytes, stream, host,
                       False, "DeviceArray.cpu")
-        view = np.ndarray(self.shape, self.dtype, buffer=span, offset=-lo, strides=self.strides)
+        view = np.ndarray(self.dims, self.element_dtype, buffer=span, offset=-lo, strides=self.strides)
         return np.ascontiguousarray(view)
 
     def tolist(self: ArrayState) -> Any:
@@ -79,7 +79,7 @@ class TransfersMixin:
         A 0-d array gives a scalar. bfloat16 elements become floats. Waits for the copy.
         """
         host = self.cpu()
-        return host.astype(_host_dtype(self.dtype), copy=False).tolist()
+        return host.astype(_host_dtype(self.element_dtype), copy=False).tolist()
 
     def item(self: ArrayState) -> Any:
         """The value of a one-element array as a Python scalar (waits for the copy).
@@ -89,11 +89,34 @@ class TransfersMixin:
         RuntimeError
             The array does not have exactly one element (torch's message).
         """
-        if self.size != 1:
-            raise RuntimeError(f"a Tensor with {self.size} elements cannot be converted to "
+        if self.element_count != 1:
+            raise RuntimeError(f"a Tensor with {self.element_count} elements cannot be converted to "
                                "Scalar")
         host = self.cpu().reshape(-1)
-        return host.astype(_host_dtype(self.dtype), copy=False)[0].item()
+        return host.astype(_host_dtype(self.element_dtype), copy=False)[0].item()
+
+    # Python scalars of a one-element array, as torch's (and numpy's, CuPy's): each reads
+    # the element (a host sync), as item() does.
+    def __float__(self: ArrayState) -> float:
+        return float(self.item())
+
+    def __int__(self: ArrayState) -> int:
+        return int(self.item())
+
+    def __complex__(self: ArrayState) -> complex:
+        return complex(self.item())
+
+    def __bool__(self: ArrayState) -> bool:
+        if self.element_count != 1:
+            amount = "more than one value" if self.element_count else "no values"
+            raise RuntimeError(f"Boolean value of Tensor with {amount} is ambiguous")
+        return bool(self.item())
+
+    def __index__(self: ArrayState) -> int:
+        if self.element_count != 1 or self.element_dtype.kind not in "iu":
+            raise TypeError("only integer tensors of a single element can be converted to an "
+                            "index")
+        return int(self.item())
 
     def zero_(self: ArrayT) -> ArrayT:
         """Set every element to zero (a memset on the current stream). Returns self."""
@@ -135,7 +158,7 @@ class TransfersMixin:
         out = self
         if dtype is not None:
             dt = normalize_dtype(dtype)
-            if dt != self.dtype:
+            if dt != self.element_dtype:
                 out = self.astype(dt)
         if device is not None:
             dev = device_index(device)
@@ -143,7 +166,7 @@ class TransfersMixin:
                 moved = _array_state.output(out.shape, out.dtype, dev, stream_of(dev))
                 out = moved.copy_(out, non_blocking=non_blocking)
         if copy and out is self:
-            out = _array_state.output(self.shape, self.dtype, self.device_index,
+            out = _array_state.output(self.dims, self.element_dtype, self.device_index,
                                       stream_of(self.device_index)).copy_(self)
         return out
 

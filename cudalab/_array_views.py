@@ -27,7 +27,7 @@ __all__ = ["ViewsMixin"]
 def _view(array: ArrayT, ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> ArrayT:
     """A C-contiguous view of ``array``'s memory from ``ptr`` (``array``'s device, stream and
     read-only flag; its base, or itself, keeps the memory alive)."""
-    base = array if array.base is None else array.base
+    base = array if array.owner is None else array.owner
     return _array_state.wrap(ptr, shape, dtype, None, array.device_index, array.stream, base,
                              array.read_only)
 
@@ -37,23 +37,30 @@ class ViewsMixin:
 
     __slots__ = ()
 
-    def view(self: ArrayT, dtype: Any) -> ArrayT:
-        """The same memory seen as ``dtype`` (the last axis rescales, like numpy)."""
-        dt = normalize_dtype(dtype)
-        if dt == self.dtype:
-            return _view(self, self.ptr, self.shape, dt)
+    def view(self: ArrayT, *shape_or_dtype: Any) -> ArrayT:
+        """The same memory with another shape or dtype, as torch's ``view``.
+
+        ``view(dtype)``: seen as ``dtype`` (the last axis rescales, like numpy).
+        ``view(*shape)`` / ``view(shape)`` (ints, one of them may be -1): :meth:`reshape`.
+        """
+        if len(shape_or_dtype) != 1 or isinstance(
+                shape_or_dtype[0], (int, np.integer, tuple, list)):
+            return self.reshape(*shape_or_dtype)
+        dt = normalize_dtype(shape_or_dtype[0])
+        if dt == self.element_dtype:
+            return _view(self, self.ptr, self.dims, dt)
         require_contiguous(self, "DeviceArray.view(dtype)")
-        old, new = self.dtype.itemsize, dt.itemsize
-        if not self.shape:
+        old, new = self.element_dtype.itemsize, dt.itemsize
+        if not self.dims:
             if old != new:
-                raise ValueError(f"cannot view a 0-d {self.dtype} array as {dt}: the item "
+                raise ValueError(f"cannot view a 0-d {self.element_dtype} array as {dt}: the item "
                                  "sizes differ")
             return _view(self, self.ptr, (), dt)
-        last = self.shape[-1] * old
+        last = self.dims[-1] * old
         if last % new:
-            raise ValueError(f"cannot view {self.dtype} as {dt}: the last axis is {last} bytes, "
+            raise ValueError(f"cannot view {self.element_dtype} as {dt}: the last axis is {last} bytes, "
                              f"not a multiple of {new}")
-        return _view(self, self.ptr, self.shape[:-1] + (last // new,), dt)
+        return _view(self, self.ptr, self.dims[:-1] + (last // new,), dt)
 
     def reshape(self: ArrayT, *shape: Any) -> ArrayT:
         """A view with a new shape (one dimension may be -1); the array must be contiguous."""
@@ -73,14 +80,14 @@ class ViewsMixin:
             raise ValueError(f"reshape: invalid dimension in {tuple(dims)}")
         if unknown:
             known = math.prod(d for d in dims if d != -1)
-            if known == 0 or self.size % known:
-                raise ValueError(f"cannot reshape array of size {self.size} into shape "
+            if known == 0 or self.element_count % known:
+                raise ValueError(f"cannot reshape array of size {self.element_count} into shape "
                                  f"{tuple(dims)}")
-            dims[unknown[0]] = self.size // known
+            dims[unknown[0]] = self.element_count // known
         new = tuple(dims)
-        if math.prod(new) != self.size:
-            raise ValueError(f"cannot reshape array of size {self.size} into shape {new}")
-        return _view(self, self.ptr, new, self.dtype)
+        if math.prod(new) != self.element_count:
+            raise ValueError(f"cannot reshape array of size {self.element_count} into shape {new}")
+        return _view(self, self.ptr, new, self.element_dtype)
 
     def __getitem__(self: ArrayT, key: Any) -> ArrayT:
         """Basic indexing along the first axis: ``a[i]`` and ``a[start:stop]`` (step 1) are
@@ -91,12 +98,12 @@ class ViewsMixin:
                                  "(one integer or one slice)")
             key = key[0]
         if key is Ellipsis:
-            return _view(self, self.ptr, self.shape, self.dtype)
-        if not self.shape:
+            return _view(self, self.ptr, self.dims, self.element_dtype)
+        if not self.dims:
             raise IndexError("a 0-d DeviceArray cannot be indexed")
         require_contiguous(self, "DeviceArray indexing")
-        n = self.shape[0]
-        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        n = self.dims[0]
+        row = math.prod(self.dims[1:]) * self.element_dtype.itemsize
         if isinstance(key, slice):
             start, stop, step = key.indices(n)
             if step != 1:
@@ -105,7 +112,7 @@ class ViewsMixin:
             # torch: a view starts at its offset even when empty (base[5:] of 5 elements
             # has data_ptr() base + 5 * itemsize), so pointer arithmetic on views agrees
             ptr = self.ptr + start * row
-            return _view(self, ptr, (length,) + self.shape[1:], self.dtype)
+            return _view(self, ptr, (length,) + self.dims[1:], self.element_dtype)
         if isinstance(key, (bool, np.bool_)):
             raise TypeError("boolean indices are not supported")
         try:
@@ -118,7 +125,7 @@ class ViewsMixin:
         if not 0 <= i < n:
             raise IndexError(f"index {operator.index(key)} is out of bounds for axis 0 with "
                              f"size {n}")
-        return _view(self, self.ptr + i * row, self.shape[1:], self.dtype)
+        return _view(self, self.ptr + i * row, self.dims[1:], self.element_dtype)
 
     def narrow(self: ArrayT, dim: int, start: int, length: int) -> ArrayT:
         """A view of ``length`` elements from ``start`` along ``dim`` (torch's ``narrow``).
@@ -145,7 +152,7 @@ class ViewsMixin:
         RuntimeError
             ``start``/``length`` outside the dimension (torch's text).
         """
-        ndim = len(self.shape)
+        ndim = len(self.dims)
         if ndim == 0:
             raise RuntimeError("narrow() cannot be applied to a 0-dim tensor.")
         dim = operator.index(dim)
@@ -153,7 +160,7 @@ class ViewsMixin:
             raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, "
                              f"{ndim - 1}], but got {dim})")
         dim %= ndim
-        size = self.shape[dim]
+        size = self.dims[dim]
         start, length = operator.index(start), operator.index(length)
         if not -size <= start <= size:
             raise IndexError(f"start out of range (expected to be in range of [{-size}, "
@@ -165,14 +172,14 @@ class ViewsMixin:
         if start > size - length:
             raise RuntimeError(f"start ({start}) + length ({length}) exceeds dimension size "
                                f"({size}).")
-        shape = self.shape[:dim] + (length,) + self.shape[dim + 1:]
-        base = self if self.base is None else self.base
+        shape = self.dims[:dim] + (length,) + self.dims[dim + 1:]
+        base = self if self.owner is None else self.owner
         if dim == 0 and self.strides_or_none is None:  # a contiguous slice: no strides to compute
             # (the 1 KiB scatter and gather rows of benchmarks/comm.py)
-            ptr = self.ptr + start * (self.nbytes // size) if length else self.ptr
-            return _array_state.wrap(ptr, shape, self.dtype, None, self.device_index,
+            ptr = self.ptr + start * (self.byte_count // size) if length else self.ptr
+            return _array_state.wrap(ptr, shape, self.element_dtype, None, self.device_index,
                                      self.stream, base, self.read_only)
         strides = self.strides
         ptr = self.ptr + start * strides[dim] if length else self.ptr
-        return _array_state.wrap(ptr, shape, self.dtype, strides, self.device_index,
+        return _array_state.wrap(ptr, shape, self.element_dtype, strides, self.device_index,
                                  self.stream, base, self.read_only)

@@ -16,7 +16,7 @@ import numpy as np
 
 from cudalab._units import echo
 
-__all__ = ["SUPPORTED_DTYPES", "normalize_dtype", "normalize_shape", "size_args"]
+__all__ = ["SUPPORTED_DTYPES", "default_dtype_of", "normalize_dtype", "normalize_shape", "size_args"]
 
 #: dtypes a DeviceArray can hold (bfloat16 too when ml_dtypes is installed).
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
@@ -219,3 +219,17 @@ def size_args(what: str, size: tuple, dtype: Any) -> tuple[Any, Any]:
         return size[0], dt
     args = ", ".join(map(repr, size))
     raise TypeError(f"{what}({args}): {expected}")
+
+
+def default_dtype_of(value: Any) -> np.dtype:
+    """torch's dtype for ``full``'s scalar: bool, int64, the default float32, complex64 (numpy
+    scalars that are Python numbers too, such as np.float64, count as those)."""
+    if isinstance(value, (bool, np.bool_)):
+        return np.dtype(np.bool_)
+    if isinstance(value, int) and not isinstance(value, np.generic):
+        return np.dtype(np.int64)
+    if isinstance(value, float):  # (np.float64 is a float)
+        return np.dtype(np.float32)
+    if isinstance(value, complex):  # (np.complex128 is a complex)
+        return np.dtype(np.complex64)
+    return np.asarray(value).dtype

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -47,10 +47,16 @@ from cudalab._array_memory import (
 )
 from cudalab._array_operators import OperatorsMixin, converting_copy, where
 from cudalab._array_reductions import ReductionsMixin
-from cudalab._array_state import register, require_contiguous, require_writable
+from cudalab._array_state import ArraySize, register, require_contiguous, require_writable
 from cudalab._array_transfers import TransfersMixin
 from cudalab._array_views import ViewsMixin
-from cudalab._dtypes import SUPPORTED_DTYPES, normalize_dtype, normalize_shape, size_args
+from cudalab._dtypes import (
+    SUPPORTED_DTYPES,
+    default_dtype_of,
+    normalize_dtype,
+    normalize_shape,
+    size_args,
+)
 from cudalab._kernels.kernel import register_pointer_type
 
 __all__ = [
@@ -105,18 +111,25 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     ``_array_transfers``, ``_array_reductions`` and ``_array_views``, each typed against
     :class:`cudalab._array_state.ArrayState` (the fields below).
 
-    ``DeviceArray(shape, dtype=float32, device=None)`` is :func:`cudalab.empty`. Besides
+    ``DeviceArray(shape, dtype=float32, device=None)`` is :func:`cudalab.empty`. The names
+    torch and numpy users know are read-only, as torch's: ``shape``, ``dtype``, ``size``
+    (numpy's int, also callable as torch's ``size()`` / ``size(dim)``), ``nbytes``, ``base``,
     ``strides`` (bytes), ``device`` (a :class:`cudalab.Device`, ``cuda:N``), ``ndim`` and
-    ``itemsize``, its attributes are plain fields, read directly on the hot paths (kernel
-    launches, collectives, the elementwise machinery, the random samplers): **read them,
-    never assign them** (only the constructors do).
+    ``itemsize``; assigning one raises AttributeError. The other attributes are plain
+    fields, read directly on the hot paths (kernel launches, collectives, the elementwise
+    machinery, the random samplers): **read them, never assign them** (only the
+    constructors do). ``dims``, ``element_dtype``, ``element_count``, ``byte_count`` and
+    ``owner`` are the fields behind ``shape``, ``dtype``, ``size``, ``nbytes`` and ``base``
+    (one slot read, for cudalab's hot paths).
 
     Attributes
     ----------
     ptr : int
         Device address of the first element (0 for an empty array), :meth:`data_ptr`.
-    shape : tuple of int
-    dtype : numpy.dtype
+    dims : tuple of int
+        The shape (``shape`` reads it).
+    element_dtype : numpy.dtype
+        The dtype (``dtype`` reads it).
     strides_or_none : tuple of int or None
         The strides in bytes when the layout is not C-contiguous, else None (``strides``
         computes them).
@@ -124,28 +137,33 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         The index of the device holding the memory.
     stream : Stream
         The stream the memory was allocated on (and :meth:`numpy` copies on).
-    base : object or None
+    owner : object or None
         What keeps a view's (or an imported array's) memory alive; None for an array
-        owning its memory.
-    nbytes, size : int
+        owning its memory (``base`` reads it).
+    byte_count, element_count : int
+        The number of bytes and of elements (``nbytes`` and ``size`` read them).
     contiguous : bool
         C-contiguous (:meth:`is_contiguous`).
     read_only : bool
         Imported read-only (DLPack's flag): writes are refused.
     """
 
-    __slots__ = ("ptr", "shape", "dtype", "strides_or_none", "device_index", "stream", "base",
-                 "nbytes", "size", "contiguous", "read_only", "_owns", "_alloc", "__weakref__")
+    __slots__ = ("ptr", "dims", "element_dtype", "strides_or_none", "device_index", "stream",
+                 "owner", "byte_count", "element_count", "contiguous", "read_only", "_owns",
+                 "_alloc", "__weakref__")
 
-    ptr: int  # device address of the first element; 0 when nbytes is 0
-    shape: tuple[int, ...]  # ints >= 0
-    dtype: np.dtype  # one of SUPPORTED_DTYPES
+    # The fields (assigned only by the constructors). The names torch and numpy users know
+    # (shape, dtype, size, nbytes, base) are read-only properties over them, below: a
+    # user's ``a.shape = (3, 2)`` raises AttributeError, as torch's does.
+    ptr: int  # device address of the first element; 0 when byte_count is 0
+    dims: tuple[int, ...]  # the shape: ints >= 0
+    element_dtype: np.dtype  # the dtype: one of SUPPORTED_DTYPES
     strides_or_none: tuple[int, ...] | None  # None exactly when C-contiguous
     device_index: int  # a valid device index
     stream: _streams.Stream  # where the memory was allocated (or imported), never None
-    base: Any  # None exactly for an array owning its memory (then _owns until freed)
-    nbytes: int  # size * dtype.itemsize
-    size: int  # math.prod(shape)
+    owner: Any  # the base: None exactly for an array owning its memory (then _owns until freed)
+    byte_count: int  # nbytes: element_count * element_dtype.itemsize
+    element_count: int  # numpy's size: math.prod(dims)
     contiguous: bool  # strides_or_none is None
     read_only: bool  # DLPack's read-only flag; False for arrays cudalab allocated
     _owns: bool  # the block at ptr is ours to free (then _alloc is its allocator)
@@ -178,14 +196,14 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                 _observe.access_tracker.allocated(self.ptr, nbytes, stream)
         else:
             self.ptr = 0
-        self.shape = shape
-        self.dtype = dtype
+        self.dims = shape
+        self.element_dtype = dtype
         self.strides_or_none = None  # C-contiguous: computed on demand
         self.device_index = device
         self.stream = stream
-        self.base = None
-        self.nbytes = nbytes
-        self.size = size
+        self.owner = None
+        self.byte_count = nbytes
+        self.element_count = size
         self.contiguous = True
         self.read_only = False
 
@@ -231,24 +249,58 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         if strides is not None and _is_c_contiguous(shape, strides, itemsize):
             strides = None
         self.ptr = ptr
-        self.shape = shape
-        self.dtype = dtype
+        self.dims = shape
+        self.element_dtype = dtype
         self.strides_or_none = strides
         self.device_index = device
         self.stream = stream
-        self.base = base
-        self.nbytes = size * itemsize
-        self.size = size
+        self.owner = base
+        self.byte_count = size * itemsize
+        self.element_count = size
         self.contiguous = strides is None
         self.read_only = read_only
         return self
 
     # ------------------------------------------------------------------ attributes
+    # The user names of the fields: read-only, one C-level getter each (attrgetter, no
+    # Python frame). cudalab's own code reads the fields.
+    if TYPE_CHECKING:
+        @property
+        def shape(self) -> tuple[int, ...]: ...
+
+        @property
+        def dtype(self) -> np.dtype: ...
+
+        @property
+        def nbytes(self) -> int: ...
+
+        @property
+        def base(self) -> Any: ...
+    else:
+        shape = property(operator.attrgetter("dims"), doc="The dimensions (read-only).")
+        dtype = property(operator.attrgetter("element_dtype"),
+                         doc="The numpy dtype of the elements (read-only).")
+        nbytes = property(operator.attrgetter("byte_count"),
+                          doc="The number of bytes of the elements (read-only).")
+        base = property(operator.attrgetter("owner"),
+                        doc="What keeps a view's memory alive; None for an array owning its "
+                            "memory (read-only).")
+
+    @property
+    def size(self) -> ArraySize:
+        """The number of elements, an int (numpy's ``size``) that torch's ``size()`` and
+        ``size(dim)`` can also call (read-only)."""
+        return ArraySize(self.element_count, self.dims)
+
+    def numel(self) -> int:
+        """The number of elements (torch's ``numel()``)."""
+        return self.element_count
+
     @property
     def strides(self) -> tuple[int, ...]:
         """Strides in bytes (numpy's convention)."""
         s = self.strides_or_none
-        return _c_strides(self.shape, self.dtype.itemsize) if s is None else s
+        return _c_strides(self.dims, self.element_dtype.itemsize) if s is None else s
 
     @property
     def device(self) -> _devices.Device:
@@ -262,11 +314,11 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
 
     @property
     def ndim(self) -> int:
-        return len(self.shape)
+        return len(self.dims)
 
     @property
     def itemsize(self) -> int:
-        return self.dtype.itemsize
+        return self.element_dtype.itemsize
 
     def data_ptr(self) -> int:
         """Device address of the first element (torch's name)."""
@@ -277,13 +329,13 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         return self.contiguous
 
     def __len__(self) -> int:
-        if not self.shape:
+        if not self.dims:
             raise TypeError("len() of a 0-d DeviceArray")
-        return self.shape[0]
+        return self.dims[0]
 
     def __repr__(self) -> str:
         sim = " (simulated)" if _internal.backend().simulated else ""
-        return (f"DeviceArray(shape={self.shape}, dtype={self.dtype}, "
+        return (f"DeviceArray(shape={self.dims}, dtype={self.element_dtype}, "
                 f"device='cuda:{self.device_index}{sim}')")
 
     def __array__(self, *args: Any, **kwargs: Any) -> NoReturn:
@@ -293,8 +345,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     # ------------------------------------------------------------------ checks
     def _allocation_ptr(self) -> int:
         """Address of the allocator block behind this array (0: not cudalab's memory)."""
-        root = self if self.base is None else self.base
-        if type(root) is DeviceArray and root.base is None:
+        root = self if self.owner is None else self.owner
+        if type(root) is DeviceArray and root.owner is None:
             return root.ptr
         return 0
 
@@ -308,11 +360,11 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         """
         require_contiguous(self, "DeviceArray.numpy()")
         if out is None:
-            out = np.empty(self.shape, self.dtype)
+            out = np.empty(self.dims, self.element_dtype)
             non_blocking = False
         else:
             check_host_operand(out, self, "DeviceArray.numpy(out=...)", writable=True)
-        n = self.nbytes
+        n = self.byte_count
         if n == 0:
             return out
         stream = self.stream
@@ -342,10 +394,10 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             if foreign is not None:
                 return self._copy_from_device(foreign)
             src = np.asarray(src)
-        if src.dtype != self.dtype or src.shape != self.shape:
-            src = np.ascontiguousarray(np.broadcast_to(src.astype(self.dtype), self.shape))
+        if src.dtype != self.element_dtype or src.shape != self.dims:
+            src = np.ascontiguousarray(np.broadcast_to(src.astype(self.element_dtype), self.dims))
         check_host_operand(src, self, "DeviceArray.copy_()", writable=False)
-        n = self.nbytes
+        n = self.byte_count
         if n == 0:
             return self
         host = src.__array_interface__["data"][0]
@@ -354,17 +406,17 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         return self
 
     def _copy_from_device(self, src: DeviceArray) -> DeviceArray:
-        if (src.ptr == self.ptr and src.device_index == self.device_index and src.dtype == self.dtype
-                and src.shape == self.shape and src.strides_or_none == self.strides_or_none):
+        if (src.ptr == self.ptr and src.device_index == self.device_index and src.dtype == self.element_dtype
+                and src.shape == self.dims and src.strides_or_none == self.strides_or_none):
             # the same memory (a[k] += 1 assigns the view to itself), as torch. (_strides is
             # None exactly for C-contiguous layouts, so equal layouts compare equal.)
             return self
-        if src.shape != self.shape or src.dtype != self.dtype or not src.contiguous:
+        if src.dims != self.dims or src.element_dtype != self.element_dtype or not src.contiguous:
             if src.device_index != self.device_index:  # to this device first, then convert there
                 src = src.to(self.device_index) if src.contiguous else src.astype(src.dtype).to(
                     self.device_index)
             return converting_copy(self, src)  # casts and broadcasts (torch's copy_)
-        n = self.nbytes
+        n = self.byte_count
         if n:
             device_copy(self.device_index, self.ptr, src.device_index, src.ptr, n)
         return self
@@ -387,9 +439,9 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                 raise ValueError(f"fill_ only supports 0-dimension value tensor but got tensor "
                                  f"with {value.ndim} dimensions.")
             value = value.item()
-        pattern = scalar_bytes(value, self.dtype)
-        if self.nbytes:
-            fill(self.ptr, pattern, self.size, self.device_index,
+        pattern = scalar_bytes(value, self.element_dtype)
+        if self.byte_count:
+            fill(self.ptr, pattern, self.element_count, self.device_index,
                  _streams.current_stream(self.device_index))
         return self
 
@@ -411,7 +463,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             target.fill_(value)
             return
         if not isinstance(value, (DeviceArray, np.ndarray)):
-            value = foreign_cuda_array(value) or np.asarray(value, dtype=target.dtype)
+            foreign = foreign_cuda_array(value)  # (not ``or``: a DeviceArray has torch's bool())
+            value = foreign if foreign is not None else np.asarray(value, dtype=target.dtype)
         if isinstance(value, np.ndarray):
             value = np.ascontiguousarray(
                 np.broadcast_to(value.astype(target.dtype, copy=False), target.shape))
@@ -422,13 +475,13 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """CUDA Array Interface v3; ``stream`` is the current stream of the array's device
         (the consumer waits for it; 1 stands for the legacy default stream)."""
-        if self.dtype.name == "bfloat16":
+        if self.element_dtype.name == "bfloat16":
             raise AttributeError("a bfloat16 DeviceArray has no __cuda_array_interface__ "
                                  "(the interface has no typestr for it): use DLPack")
         s = stream_of(self.device_index).cuda_stream
         return {
-            "shape": self.shape,
-            "typestr": self.dtype.str,
+            "shape": self.dims,
+            "typestr": self.element_dtype.str,
             "data": (self.ptr, self.read_only),
             "version": 3,
             "strides": self.strides_or_none,
@@ -458,7 +511,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                              "the DLPack protocol; use 1 for the legacy default stream")
         src = self
         if copy:
-            src = empty(self.shape, dtype=self.dtype, device=self.device_index)
+            src = empty(self.dims, dtype=self.element_dtype, device=self.device_index)
             src.copy_(self)
         if stream != -1:
             foreign_waits_for(_LEGACY_STREAM if stream is None else stream,
@@ -614,8 +667,9 @@ def full(size: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> D
     fill_value
         A Python or numpy scalar.
     dtype, device
-        As for :func:`empty`; the dtype defaults to numpy's for the value (int64, float64,
-        complex128, bool).
+        As for :func:`empty`; the dtype defaults to torch's for the value: float32 (torch's
+        default dtype) for a float, complex64 for a complex, int64 for an int, bool for a
+        bool; a numpy scalar that is not a Python number (``np.float16(1)``) keeps its dtype.
 
     Raises
     ------
@@ -634,7 +688,7 @@ def full(size: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> D
         raise TypeError(f"full: fill_value must be a scalar (a Python or numpy number or "
                         f"bool), got {type(fill_value).__name__}")
     if dtype is None:
-        dtype = np.asarray(fill_value).dtype
+        dtype = default_dtype_of(fill_value)
     return DeviceArray(size, dtype, device).fill_(fill_value)
 
 

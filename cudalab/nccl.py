@@ -173,7 +173,7 @@ def all_reduce(inputs: Any, outputs: Any = None, op: int = SUM, streams: Any = N
     ins, outs, stream_list, comm_list = _unpack(inputs, inputs if outputs is None else outputs,
                                                 streams, comms)
     _check_inputs(ins, outs, 1, 1)
-    issue(_placed("all_reduce", ins, kind=NCCL_CALL_ALL_REDUCE, count=ins[0].size,
+    issue(_placed("all_reduce", ins, kind=NCCL_CALL_ALL_REDUCE, count=ins[0].element_count,
                   dtype=_nccl_type(ins[0]), op=op, root=0, recvs=[a.ptr for a in outs],
                   streams=stream_list, comms=comm_list))
 
@@ -214,7 +214,7 @@ def reduce(inputs: Any, output: Any = None, root: int = 0, op: int = SUM, stream
     _check_inputs_rooted(ins, out, root)
     recvs = [0] * len(ins)
     recvs[root] = out.ptr
-    issue(_placed("reduce", ins, kind=NCCL_CALL_REDUCE, count=ins[0].size,
+    issue(_placed("reduce", ins, kind=NCCL_CALL_REDUCE, count=ins[0].element_count,
                   dtype=_nccl_type(ins[0]), op=op, root=root, recvs=recvs, streams=stream_list,
                   comms=comm_list))
 
@@ -232,7 +232,7 @@ def broadcast(inputs: Any, root: int = 0, streams: Any = None, comms: Any = None
     comm_list = _unpack_comms(comms, len(ins))
     _check_inputs(ins, ins, 1, 1)
     dtype = _nccl_type(ins[0])
-    count = ins[0].size
+    count = ins[0].element_count
     if count > MAX_COUNT:
         raise RuntimeError(f"Broadcast tensor has {count} elements, which exceeds the maximum "
                            f"NCCL supports ({MAX_COUNT})")
@@ -248,7 +248,7 @@ def all_gather(inputs: Any, outputs: Any, streams: Any = None, comms: Any = None
     ins, outs, stream_list, comm_list = _unpack(inputs, outputs, streams, comms)
     n = len(ins)
     _check_inputs(ins, outs, n, 1)
-    issue(_placed("all_gather", ins, kind=NCCL_CALL_ALL_GATHER, count=ins[0].size,
+    issue(_placed("all_gather", ins, kind=NCCL_CALL_ALL_GATHER, count=ins[0].element_count,
                   dtype=_nccl_type(ins[0]), op=SUM, root=0, recvs=[a.ptr for a in outs],
                   streams=stream_list, comms=comm_list))
 
@@ -262,7 +262,7 @@ def reduce_scatter(inputs: Any, outputs: Any, op: int = SUM, streams: Any = None
     ins, outs, stream_list, comm_list = _unpack(inputs, outputs, streams, comms)
     n = len(ins)
     _check_inputs(ins, outs, 1, n)
-    issue(_placed("reduce_scatter", ins, kind=NCCL_CALL_REDUCE_SCATTER, count=ins[0].size // n,
+    issue(_placed("reduce_scatter", ins, kind=NCCL_CALL_REDUCE_SCATTER, count=ins[0].element_count // n,
                   dtype=_nccl_type(ins[0]), op=op, root=0, recvs=[a.ptr for a in outs],
                   streams=stream_list, comms=comm_list))
 
@@ -292,10 +292,12 @@ def clique_call(kind: int, ins: list[Any], outs: list[Any], root: int = 0,
         The dtype has no NCCL type (before anything is launched).
     """
     first = ins[0]
-    dtype = _TYPE_OF_DTYPE.get(first.dtype)
+    dtype = _TYPE_OF_DTYPE.get(first.element_dtype)
     if dtype is None:
         dtype = _nccl_type(first)
-    count = first.size // len(ins) if kind == NCCL_CALL_REDUCE_SCATTER else first.size
+    count = first.element_count
+    if kind == NCCL_CALL_REDUCE_SCATTER:
+        count //= len(ins)
     # (comprehensions, not a loop of appends: the 1 KiB reduce_add row of benchmarks/comm.py)
     # (map over C getters, not comprehensions, each a Python frame on 3.11: the 1 KiB
     # reduce_add row of benchmarks/comm.py)
@@ -472,26 +474,28 @@ def _check_one(a: Any, dtype: Any) -> None:
     if isinstance(a, _HostArray):
         raise RuntimeError("input and output elements have to be cuda dense Tensors")
     if a.dtype != dtype:
-        raise RuntimeError("all inputs and outputs must be of the same Tensor dtype")
+        raise RuntimeError(f"all inputs and outputs must be of the same Tensor dtype (got "
+                           f"{dtype} and {a.dtype})")
     if not a.is_contiguous():
         raise RuntimeError("all inputs and outputs have to be contiguous")
 
 
 def _check_tensor(a: Any, out: Any, input_multiplier: int, output_multiplier: int,
                   numel: int, dtype: Any) -> None:
-    if (type(a) is _DeviceArray and a.dtype == dtype and a.contiguous and a.size == numel
-            and (out is None or type(out) is _DeviceArray and out.dtype == dtype
+    if (type(a) is _DeviceArray and a.element_dtype == dtype and a.contiguous
+            and a.element_count == numel
+            and (out is None or type(out) is _DeviceArray and out.element_dtype == dtype
                  and out.contiguous and out.device_index == a.device_index
-                 and out.size * output_multiplier == numel * input_multiplier)):
+                 and out.element_count * output_multiplier == numel * input_multiplier)):
         return  # every check passed in one expression (the 1 KiB rows of benchmarks/comm.py)
     _check_one(a, dtype)
-    if a.size != numel:
+    if a.element_count != numel:
         raise RuntimeError("all inputs must have the same number of elements")
     if out is not None:
         _check_one(out, dtype)
         if a.device_index != out.device_index:
             raise RuntimeError("input and output must be on the same device")
-        if out.size * output_multiplier != numel * input_multiplier:
+        if out.element_count * output_multiplier != numel * input_multiplier:
             raise RuntimeError("output must be of size input_size * size_multiplier")
 
 
@@ -501,7 +505,7 @@ def _reference(ins: list[Any]) -> tuple[int, Any]:
     first = ins[0]
     if isinstance(first, _HostArray):
         raise RuntimeError("input and output elements have to be cuda dense Tensors")
-    return first.size, first.dtype
+    return first.element_count, first.element_dtype
 
 
 def _check_inputs(ins: list[Any], outs: list[Any], input_multiplier: int,
@@ -536,7 +540,7 @@ _TYPE_OF_DTYPE: dict[Any, int] = {}  # numpy dtype -> DATA_TYPES[dtype.name], fi
 
 
 def _nccl_type(a: Any) -> int:
-    dtype = a.dtype
+    dtype = a.element_dtype
     code = _TYPE_OF_DTYPE.get(dtype)  # dtype.name is slow Python in numpy: looked up once
     if code is None:
         code = DATA_TYPES.get(dtype.name)

@@ -181,7 +181,7 @@ class _Plan:
 
 
 def _operand_key(x: Any) -> Any:
-    return (x.dtype, x.shape, x.strides_or_none)  # (strides_or_none: None when C-contiguous)
+    return (x.element_dtype, x.dims, x.strides_or_none)  # (strides_or_none: None when C-contiguous)
 
 
 def _broadcast_shapes(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -321,9 +321,9 @@ def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tup
         if _is_scalar(x):
             operands.append((tp.scalar_dtype(x), tp.WRAPPED))
         else:
-            operands.append((x.dtype, tp.DIMENSIONED if x.shape else tp.ZERO_DIM))
+            operands.append((x.element_dtype, tp.DIMENSIONED if x.dims else tp.ZERO_DIM))
     common = tp.result_type(operands)
-    in_dtypes: list[np.dtype | None] = [None if _is_scalar(x) else x.dtype for x in inputs]
+    in_dtypes: list[np.dtype | None] = [None if _is_scalar(x) else x.element_dtype for x in inputs]
     for dt in [common, *(d for d in in_dtypes if d is not None)]:
         c_type(dt)  # a dtype without a C++ type: a clear TypeError now
     if fn.check is not None:
@@ -333,14 +333,14 @@ def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tup
     result = np.dtype(np.bool_) if fn.result == RESULT_BOOL else common
     if fn.result == RESULT_REAL and common.kind == "c":
         result = np.dtype(f"float{common.itemsize * 4}")
-    shape = _broadcast_shapes([x.shape for x in arrays] + [o.shape for o in outs or ()])
+    shape = _broadcast_shapes([x.dims for x in arrays] + [o.dims for o in outs or ()])
     if outs is not None:
-        out_dtypes = [o.dtype for o in outs]
+        out_dtypes = [o.element_dtype for o in outs]
         for o in outs:
-            if out_dtype is None and not tp.can_cast(result, o.dtype):  # (copies convert)
+            if out_dtype is None and not tp.can_cast(result, o.element_dtype):  # (copies convert)
                 raise RuntimeError(f"result type {tp.torch_name(result)} can't be cast to the "
                                    f"desired output type {tp.torch_name(o.dtype)}")
-            if o.shape != shape:
+            if o.dims != shape:
                 raise RuntimeError(f"output with shape {list(o.shape)} doesn't match the "
                                    f"broadcast shape {list(shape)}")
         out_strides = [list(o.strides) for o in outs]
@@ -349,9 +349,9 @@ def _build_plan(fn: ElementwiseFunction, inputs: Sequence[Any], extra_kinds: tup
         out_strides = [_c_strides(shape, dt.itemsize) for dt in out_dtypes]
     for dt in out_dtypes:
         c_type(dt)
-    in_strides = [_broadcast_strides(shape, x.shape, x.strides) for x in arrays]
+    in_strides = [_broadcast_strides(shape, x.dims, x.strides) for x in arrays]
     sizes, strides = _merge_dims(shape, out_strides + in_strides)
-    op_dtypes = out_dtypes + [x.dtype for x in arrays]
+    op_dtypes = out_dtypes + [x.element_dtype for x in arrays]
     contiguous = len(sizes) == 0 or (len(sizes) == 1 and all(
         s[0] == dt.itemsize for s, dt in zip(strides, op_dtypes)))
     parsed = fn.parsed(common)
@@ -471,7 +471,7 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
             key_parts.append(type(x) if type(x) in _PYTHON_SCALARS else _scalar_key(x))
             continue
         arrays.append(x)
-        key_parts.append((x.dtype, x.shape, strides))
+        key_parts.append((x.element_dtype, x.dims, strides))
         if device != x.device_index:
             if device >= 0:
                 raise RuntimeError(

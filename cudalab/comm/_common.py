@@ -217,7 +217,7 @@ def new_like(array: Any, device: int) -> DeviceArray:
     """A new C-contiguous array of ``array``'s shape and dtype on ``device`` (a valid index):
     :func:`empty_on` for a DeviceArray; a host array's dtype is checked by ``empty``."""
     if isinstance(array, DeviceArray):
-        return empty_on(array.shape, array.dtype, device)
+        return empty_on(array.dims, array.element_dtype, device)
     return empty(tuple(array.shape), dtype=array.dtype, device=device)
 
 

@@ -150,7 +150,7 @@ def broadcast_into(array: Any, outs: Sequence[DeviceArray]) -> None:
         return
     if len(outs) == 1 and _one_peer_copy(array, outs[0]):
         out = outs[0]
-        nbytes = array.nbytes
+        nbytes = array.byte_count
         if nbytes:
             device_copy(out.device_index, out.ptr, array.device_index, array.ptr, nbytes)
         return
@@ -171,7 +171,7 @@ def _one_peer_copy(array: Any, out: DeviceArray) -> bool:
     """Whether ``array`` reaches ``out`` as one direct peer copy: both contiguous device
     arrays of one dtype on two devices with peer access (enabled here, once per pair)."""
     return (type(array) is DeviceArray and array.is_contiguous() and out.is_contiguous()
-            and array.dtype == out.dtype and array.device_index != out.device_index
+            and array.element_dtype == out.element_dtype and array.device_index != out.device_index
             and _internal.enable_peer_access(out.device_index, array.device_index))
 
 
@@ -253,10 +253,10 @@ def _plain_root(inputs: Sequence[Any], destination: int) -> int | None:
     wrong (and a dtype mismatch is NCCL's error to raise)."""
     if not inputs or type(inputs[0]) is not DeviceArray:
         return None
-    shape, dtype = inputs[0].shape, inputs[0].dtype
+    shape, dtype = inputs[0].dims, inputs[0].element_dtype
     root = None
     for i, a in enumerate(inputs):
-        if type(a) is not DeviceArray or a.shape != shape or a.dtype != dtype:
+        if type(a) is not DeviceArray or a.dims != shape or a.element_dtype != dtype:
             return None
         if a.device_index == destination:
             root = i
@@ -282,7 +282,7 @@ def sum_to_device(inputs: Sequence[Any], destination: Any) -> DeviceArray:
     nccl = _common.nccl_for(inputs, checked=plain)
     if nccl is not None:
         first = inputs[root]
-        result = _common.empty_on(first.shape, first.dtype, dest)
+        result = _common.empty_on(first.dims, first.element_dtype, dest)
         if plain or _common.same_dtype(inputs):
             outs: list[Any] = [None] * len(inputs)
             outs[root] = result

@@ -162,7 +162,7 @@ def _scatter_to_devices(array: Any, devices: list[int], chunk_sizes: Iterable[in
                                f"{len(sizes)}")
     dim = _common.wrap_dim(dim, array.ndim)
     if (sizes is None and streams is None and dim == 0 and type(array) is DeviceArray
-            and array.contiguous and array.shape):
+            and array.contiguous and array.dims):
         return _scatter_rows(array, devices)
     if sizes is None:
         if array.ndim == 0:
@@ -188,9 +188,9 @@ def _scatter_rows(array: DeviceArray, devices: list[int]) -> tuple[Any, ...]:
     """:func:`_scatter_to_devices` for a contiguous DeviceArray cut along dimension 0 into
     ``chunk`` pieces with no streams: each piece is a run of bytes, copied without building
     its view (the 1 KiB scatter row of benchmarks/comm.py)."""
-    shape = array.shape
+    shape = array.dims
     rows = shape[0]
-    row_bytes = array.nbytes // rows if rows else 0
+    row_bytes = array.byte_count // rows if rows else 0
     source = array.device_index
     results: list[Any] = []
     start = 0
@@ -198,7 +198,7 @@ def _scatter_rows(array: DeviceArray, devices: list[int]) -> tuple[Any, ...]:
         if device == source:
             results.append(array.narrow(0, start, size))
         else:
-            piece = _common.empty_on((size, *shape[1:]), array.dtype, device)
+            piece = _common.empty_on((size, *shape[1:]), array.element_dtype, device)
             nbytes = size * row_bytes
             if nbytes:
                 device_copy(device, piece.ptr, source, array.ptr + start * row_bytes, nbytes)
@@ -307,22 +307,22 @@ def _gather_rows(arrays: list[Any], dim: Any, destination: Any) -> DeviceArray |
     first = arrays[0]
     if type(first) is not DeviceArray:
         return None
-    shape, dtype = first.shape, first.dtype
+    shape, dtype = first.dims, first.element_dtype
     if type(dim) is not int or not shape or not (dim == 0 or dim == -len(shape)):
         return None
     rest = shape[1:]
     total = 0
     for a in arrays:
-        if (type(a) is not DeviceArray or not a.contiguous or a.dtype != dtype
-                or len(a.shape) != len(shape) or a.shape[1:] != rest):
+        if (type(a) is not DeviceArray or not a.contiguous or a.element_dtype != dtype
+                or len(a.dims) != len(shape) or a.dims[1:] != rest):
             return None
-        total += a.shape[0]
+        total += a.dims[0]
     device = _internal.device_index(destination)
     result = _common.empty_on((total, *rest), dtype, device)
     offset = result.ptr
     copies = []
     for a in arrays:
-        nbytes = a.nbytes
+        nbytes = a.byte_count
         copies.append((offset, a.device_index, a.ptr, nbytes))
         offset += nbytes
     device_copies(device, copies)  # (at once, not one after another as torch's copy_ calls)

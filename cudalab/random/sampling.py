@@ -71,7 +71,7 @@ def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
               generator: Any, stream: Any = None) -> None:
     """Fill ``arr`` (contiguous, writable) with torch's values for ``kernel`` and ``params``,
     on the current stream of its device, advancing the generator like torch."""
-    n = arr.size
+    n = arr.element_count
     if not n:
         return
     dev = arr.device_index
@@ -82,9 +82,9 @@ def _generate(arr: _array.DeviceArray, kernel: Any, unroll: int, params: tuple,
         st = _state_for(generator, dev)
     if stream is None:  # (a new array passes its allocation stream: the current one)
         stream = _current_stream(dev)
-    plan = fill_plans.get((dev, n, arr.dtype.itemsize, unroll))
+    plan = fill_plans.get((dev, n, arr.element_dtype.itemsize, unroll))
     if plan is None:
-        plan = fill_plan(dev, n, arr.dtype.itemsize, unroll)
+        plan = fill_plan(dev, n, arr.element_dtype.itemsize, unroll)
     total, steps = plan
     gstate = 0
     with state_lock:

@@ -204,7 +204,8 @@ def test_torch_error_messages(two):
         (lambda: nccl.all_reduce([f32[0], np.zeros(4, np.float32)]),
          "input and output elements have to be cuda dense Tensors"),
         (lambda: nccl.all_reduce([f32[0], cudalab.zeros(4, dtype=np.float64, device=1)]),
-         "all inputs and outputs must be of the same Tensor dtype"),
+         "all inputs and outputs must be of the same Tensor dtype \\(got float32 and "
+         "float64\\)"),
         (lambda: nccl.all_reduce([f32[0], _strided(cudalab.zeros(8, device=1))]),
          "all inputs and outputs have to be contiguous"),
         (lambda: nccl.all_reduce([f32[0], cudalab.zeros(5, device=1)]),

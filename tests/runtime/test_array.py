@@ -63,7 +63,7 @@ def test_zeros_ones_full():
     np.testing.assert_array_equal(cudalab.zeros((2, 3)).numpy(), np.zeros((2, 3), np.float32))
     np.testing.assert_array_equal(cudalab.ones(4, dtype="int16").numpy(), np.ones(4, np.int16))
     f = cudalab.full((2, 2), 7.5)
-    assert f.dtype == np.float64  # numpy's default for a Python float
+    assert f.dtype == np.float32  # torch's default dtype for a Python float (issue 36, 11)
     np.testing.assert_array_equal(f.numpy(), np.full((2, 2), 7.5))
     assert cudalab.full(3, 2).dtype == np.int64
     assert cudalab.full(3, True).dtype == np.bool_
@@ -403,6 +403,7 @@ def test_view_errors():
 
 
 def test_view_keeps_owner_alive():
+    gc.collect()  # (arrays an earlier test left in reference cycles are freed first)
     before = cudalab.memory_allocated()
     a = cudalab.asarray(np.arange(1000, dtype=np.int64))
     during = cudalab.memory_allocated()
