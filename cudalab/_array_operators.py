@@ -179,7 +179,7 @@ _SCALARS = (bool, int, float, complex, np.generic)
 
 
 def _dtype_of(x: Any) -> np.dtype:
-    return x.dtype if isinstance(x, OperatorsMixin) else tp.scalar_dtype(x)
+    return x.element_dtype if isinstance(x, OperatorsMixin) else tp.scalar_dtype(x)
 
 
 def _is_operand(x: Any) -> bool:
@@ -203,7 +203,7 @@ def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
         # scalars); complex products differ in the last bits with the operand order
         inputs = [inputs[1], inputs[0]]
     elif op == "div" and isinstance(inputs[1], _SCALARS) and isinstance(inputs[0], OperatorsMixin):
-        reciprocal = _complex_reciprocal(inputs[0].dtype, inputs[1])
+        reciprocal = _complex_reciprocal(inputs[0].element_dtype, inputs[1])
         if reciprocal is not None:  # torch: a complex divided by a scalar is a * (1 / b)
             op, inputs = "mul", [inputs[0], reciprocal]
     if out is not None:
@@ -217,7 +217,7 @@ def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
 
 def _is_complex_square(inputs: list[Any]) -> bool:
     base, exponent = inputs
-    return (isinstance(base, OperatorsMixin) and base.dtype.kind == "c" and isinstance(exponent, _SCALARS)
+    return (isinstance(base, OperatorsMixin) and base.element_dtype.kind == "c" and isinstance(exponent, _SCALARS)
             and not isinstance(exponent, bool) and exponent == 2)
 
 
@@ -252,7 +252,7 @@ def where(condition: Any, input: Any, other: Any) -> Any:
         ``condition`` is not a bool DeviceArray, or an operand is not a DeviceArray or scalar.
     """
     if not isinstance(condition, OperatorsMixin) or condition.element_dtype != np.bool_:
-        got = tp.torch_name(condition.dtype) if isinstance(condition, OperatorsMixin) else \
+        got = tp.torch_name(condition.element_dtype) if isinstance(condition, OperatorsMixin) else \
             type(condition).__name__
         raise TypeError(f"where expected condition to be a boolean tensor, but got a tensor "
                         f"with dtype {got}")
@@ -310,7 +310,7 @@ class OperatorsMixin:
     """Elementwise operators of :class:`cudalab.DeviceArray` (see the module notes)."""
 
     __slots__ = ()
-    dtype: np.dtype  # (for the type checker: DeviceArray's field, which _dtype_of reads)
+    element_dtype: np.dtype  # (for the type checker: DeviceArray's field, _dtype_of reads it)
     __hash__ = object.__hash__  # __eq__ below is elementwise, as in torch; hashing stays by id
 
     __add__, __radd__, __iadd__ = _binary_method("add")

@@ -207,7 +207,7 @@ def _extreme(array: ArrayState, what: str, dim: Any, axis: Any, keepdim: bool) -
         raise RuntimeError(f"{what}(): does not support complex input")
     dims = _dims_arg(what, dim, axis, array.ndim, False)
     if dims is None:
-        if array.size == 0:
+        if array.element_count == 0:
             raise RuntimeError(
                 f"{what}(): Expected reduction dim to be specified for input.numel() == 0. "
                 "Specify the reduction dim with the 'dim' argument.")

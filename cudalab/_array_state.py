@@ -73,6 +73,9 @@ class ArrayState(Protocol):
     def base(self) -> Any: ...
 
     @property
+    def size(self) -> int: ...
+
+    @property
     def strides(self) -> tuple[int, ...]: ...
 
     @property
@@ -91,6 +94,10 @@ class ArrayState(Protocol):
     def numpy(self, out: np.ndarray | None = None, non_blocking: bool = False) -> np.ndarray: ...
 
     def cpu(self) -> np.ndarray: ...
+
+    def item(self) -> Any: ...
+
+    def reshape(self: ArrayT, *shape: Any) -> ArrayT: ...
 
     def fill_(self: ArrayT, value: Any) -> ArrayT: ...
 
@@ -160,6 +167,8 @@ def require_writable(array: ArrayState, what: str) -> None:
 class ArraySize(int):
     """``DeviceArray.size``: the number of elements (an int, numpy's ``size``), callable as
     torch's ``size()`` (the shape) and ``size(dim)`` (one dimension, negative from the end)."""
+
+    shape: tuple[int, ...]  # the array's dimensions (what size() returns)
 
     def __new__(cls, count: int, shape: tuple[int, ...]) -> ArraySize:
         self = super().__new__(cls, count)
