@@ -181,11 +181,12 @@ def device_copy(dst_device: int, dst: int, src_device: int, src: int, nbytes: in
     """
     if src_device == dst_device:
         stream = _streams.current_stream(dst_device)
+        null_context(stream)
+        stream.backend.memcpy_async(dst_device, dst, src, nbytes, stream.handle)
+        # (the sanitizer is told once the copy is queued: a race raises after it, as torch's)
         if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
             _observe.access_tracker.access(stream, ((src, nbytes),), ((dst, nbytes),),
                                            "copy (device to device)")
-        null_context(stream)
-        stream.backend.memcpy_async(dst_device, dst, src, nbytes, stream.handle)
         return
     # (The source's stream copies, as torch's copy_: a copy engine pushing to the peer has
     # less latency than the destination's pulling, about 1.5 µs per small copy on 2 x H200.)
@@ -199,14 +200,17 @@ def device_copy(dst_device: int, dst: int, src_device: int, src: int, nbytes: in
                          _order_event_handle(dst_device))
         return
     wait_stream(stream, dst_stream)
-    if _observe.access_on:
-        _observe.access_tracker.access(stream, ((src, nbytes),), ((dst, nbytes),), "copy (peer)")
     null_context(stream)
     if peer:
         b.memcpy_async(src_device, dst, src, nbytes, stream.handle)
     else:  # the driver stages it through the host
         b.memcpy_peer_async(dst, dst_device, src, src_device, nbytes, stream.handle)
-    wait_stream(dst_stream, stream)
+    try:
+        if _observe.access_on:  # (told once the copy is queued, as above)
+            _observe.access_tracker.access(stream, ((src, nbytes),), ((dst, nbytes),),
+                                           "copy (peer)")
+    finally:
+        wait_stream(dst_stream, stream)  # (also when the sanitizer raises: the copy is queued)
 
 
 #: device_copies lets copies run at once only when they move at least this many bytes in
@@ -415,8 +419,6 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
     b = stream.backend
     h = stream.handle
     nbytes = count * len(pattern)
-    if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
-        _observe.access_tracker.access(stream, (), ((ptr, nbytes),), "fill")
     itemsize = len(pattern)
     if _streams.open_captures and itemsize <= 8:  # (one global read while no graph captures)
         # Some stream is capturing a graph: a kernel node replays for a fraction of a memset
@@ -425,35 +427,36 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
         if itemsize < 8 and not (ptr | nbytes) & 7:
             pattern, count = pattern * (8 // itemsize), nbytes >> 3
         fill_with_kernel(ptr, pattern, count, stream)  # (it makes the context current)
-        return
-    byte_uniform = pattern.count(pattern[0]) == itemsize
-    if not byte_uniform and (itemsize == 8 or itemsize == 2):
+    elif not (byte_uniform := pattern.count(pattern[0]) == itemsize) and (
+            itemsize == 8 or itemsize == 2):
         if itemsize == 2 and not (ptr | nbytes) & 7:
             pattern, count = pattern * 4, nbytes >> 3
         fill_with_kernel(ptr, pattern, count, stream)
-        return
-    null_context(stream)
-    if byte_uniform:
+    elif byte_uniform:
+        null_context(stream)
         b.memset_d8_async(device, ptr, pattern[0], nbytes, h)
-        return
-    if itemsize == 4 and ptr % 4 == 0:
+    elif itemsize == 4 and ptr % 4 == 0:
+        null_context(stream)
         b.memset_d32_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
-        return
-    if itemsize == 16:
+    elif itemsize == 16:
         if pattern[:8] == pattern[8:]:
             fill_with_kernel(ptr, pattern[:8], 2 * count, stream)
-            return
-        # Two different 8-byte halves (complex128 with re != im): write one element, then
-        # double the filled prefix with device-to-device copies (log2(count) copies).
-        fill_with_kernel(ptr, pattern[:8], 1, stream)
-        fill_with_kernel(ptr + 8, pattern[8:], 1, stream)
-        done = 1
-        while done < count:
-            step = min(done, count - done)
-            b.memcpy_async(device, ptr + done * 16, ptr, step * 16, h)
-            done += step
-        return
-    fill_with_kernel(ptr, pattern, count, stream)
+        else:
+            # Two different 8-byte halves (complex128 with re != im): write one element,
+            # then double the filled prefix with device-to-device copies (log2(count) copies).
+            fill_with_kernel(ptr, pattern[:8], 1, stream)
+            fill_with_kernel(ptr + 8, pattern[8:], 1, stream)
+            done = 1
+            while done < count:
+                step = min(done, count - done)
+                b.memcpy_async(device, ptr + done * 16, ptr, step * 16, h)
+                done += step
+    else:
+        fill_with_kernel(ptr, pattern, count, stream)
+    # The stream sanitizer (one flag read while it is off) is told once the fill is queued:
+    # in raise mode a race raises after the fill, as torch's CSAN (which runs the operation).
+    if _observe.access_on:
+        _observe.access_tracker.access(stream, (), ((ptr, nbytes),), "fill")
 
 
 def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stream) -> None:

@@ -83,6 +83,39 @@ def test_raise_mode_raises_from_the_racing_operation():
     assert not sanitizer.is_enabled()
 
 
+def _racing_fill(a, b):
+    a.fill_(2)
+
+
+def _racing_copy(a, b):
+    a.copy_(b)
+
+
+def _racing_complex_fill(a, b):
+    a.view(np.complex128).fill_(2 + 1j)  # (memset, kernels and copies: the longest path)
+
+
+@pytest.mark.parametrize("operation", [_racing_fill, _racing_copy, _racing_complex_fill])
+def test_raise_mode_runs_the_racing_operation_then_raises(operation):
+    """torch's CSAN runs the racing operation, then raises; kernels already did (issue 36,
+    item 22)."""
+    cudalab.init()
+    a = cudalab.zeros(64, dtype=np.float64)
+    b = cudalab.full((64,), 2.0, dtype=np.float64)
+    cudalab.synchronize()
+    expected = b.numpy() if operation is not _racing_complex_fill else \
+        np.full(32, 2 + 1j).view(np.float64)
+    with pytest.raises(sanitizer.StreamRaceError):  # noqa: PT012
+        with sanitizer.sanitize():
+            s1, s2 = cudalab.Stream(), cudalab.Stream()
+            with cudalab.stream(s1):
+                a.fill_(1)
+            with cudalab.stream(s2):
+                operation(a, b)
+    cudalab.synchronize()
+    np.testing.assert_array_equal(a.numpy(), expected)
+
+
 def test_raise_mode_raises_a_free_finding_at_the_end_of_the_block():
     cudalab.init()
     with pytest.raises(sanitizer.StreamRaceError) as info:  # noqa: PT012
