@@ -394,10 +394,10 @@ def device_count() -> int:
     """Number of usable devices; 0 when there is no driver or GPU (never raises).
 
     Like torch, this does not initialise CUDA on the real backend: it asks NVML and parses
-    ``CUDA_VISIBLE_DEVICES``, falling back to the driver only if NVML cannot answer. Like
-    torch, the count is not cached before CUDA is initialised, so a change of
-    ``CUDA_VISIBLE_DEVICES`` before then is seen (the simulator fixes the devices it shows
-    when it is created). After initialisation the count is fixed.
+    ``CUDA_VISIBLE_DEVICES``, falling back to the driver only if NVML cannot answer (the
+    driver reads the variable once per process). Like torch, the count is not cached before
+    CUDA is initialised, so a change of ``CUDA_VISIBLE_DEVICES`` before then is seen (the
+    simulator is made anew for it). After initialisation the count is fixed.
     """
     if initialized:
         return _count
@@ -406,9 +406,12 @@ def device_count() -> int:
         if n is not None:
             return n
     try:
-        seam = _driver.get_backend()
-        seam.init()
-        return seam.device_count()
+        with _init_lock:  # (not while lazy_init commits the backend that probe may replace)
+            if initialized:
+                return _count
+            seam = _driver.probe()
+            seam.init()
+            return seam.device_count()
     except (DriverNotFoundError, CudaError, OSError):
         return 0
 

@@ -139,6 +139,16 @@ class StreamDeviceError(ValueError, RuntimeError):
     """
 
 
+class AllocatorSettingsError(ValueError, RuntimeError):
+    """Allocator settings that do not parse (``CUDALAB_ALLOC_CONF``,
+    ``PYTORCH_CUDA_ALLOC_CONF``, ``memory._set_allocator_settings``): the message names the
+    option, the bad value and the accepted form, after torch's own words where torch has them.
+
+    It is a ValueError (a bad value) and a RuntimeError (as torch's ``TORCH_CHECK`` in its
+    settings parser raises, which torch's tests assert), so code catching either still does.
+    """
+
+
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel; the message carries the compiler log."""
 
@@ -165,6 +175,7 @@ __all__ = [
     "KernelCompileError",
     "NcclError",
     "StreamDeviceError",
+    "AllocatorSettingsError",
     "CublasError",
 ]
 

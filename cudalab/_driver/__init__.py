@@ -94,6 +94,26 @@ def get_backend() -> Backend:
     return _create()
 
 
+def probe() -> Backend:
+    """The backend that a device count before CUDA is initialised asks: :func:`get_backend`,
+    except that a simulator that was only probed (not committed), made under another
+    ``CUDA_VISIBLE_DEVICES``, is made anew; it holds no handles yet. torch does not fix the
+    count before CUDA is initialised, so a change of the variable before then is seen.
+    """
+    global _backend
+    backend = _backend
+    if backend is not None and not _committed and backend.name == "simulator":
+        from cudalab._driver.sim import SimulatorBackend
+        from cudalab._driver.sim.config import visible_devices_from_env
+
+        if (isinstance(backend, SimulatorBackend)
+                and backend.config.visible_devices != visible_devices_from_env()):
+            with _lock:
+                if _backend is backend and not _committed:
+                    _backend = None
+    return get_backend()
+
+
 def _create() -> Backend:
     global _backend
     with _lock:

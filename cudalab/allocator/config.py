@@ -7,8 +7,9 @@ settings carry over). The grammar is torch's (``c10/core/AllocatorConfig.{h,cpp}
 in brackets (``roundup_power2_divisions:[256:1,512:2,>:8]``), whitespace ignored.
 
 Where torch is lax (``stoull`` accepts ``"20abc"``, a missing ``:`` is silently skipped) this
-parser is strict: every malformed item raises :class:`ValueError` naming the option, the bad
-value and the accepted form. Parsing is pure: nothing changes until a whole string has
+parser is strict: every malformed item raises :class:`~cudalab.errors.AllocatorSettingsError`
+(a ValueError, and a RuntimeError as torch raises) naming the option, the bad value and the
+accepted form. Parsing is pure: nothing changes until a whole string has
 parsed, so a bad string leaves the running allocator exactly as it was.
 
 ``CUDALAB_NO_MEMORY_CACHING`` (or torch's ``PYTORCH_NO_CUDA_MEMORY_CACHING``) set to anything
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cudalab._units import KiB, MiB, echo
+from cudalab.errors import AllocatorSettingsError
 
 __all__ = [
     "AllocatorConfig",
@@ -141,16 +143,18 @@ class _Parser:
         self.i = 0
 
     # errors ---------------------------------------------------------------
-    def error(self, key: str | None, bad: str, form: str, torch_text: str = "") -> ValueError:
-        """The ValueError for ``bad`` where ``form`` was expected (echoing a readable prefix
+    def error(self, key: str | None, bad: str, form: str,
+              torch_text: str = "") -> AllocatorSettingsError:
+        """The error for ``bad`` where ``form`` was expected (echoing a readable prefix
         of it and of the settings); ``torch_text``, torch's own message for the same
         mistake, leads when given (cudalab's explanation follows)."""
         where = f"{self.source}={echo(self.text)}"
         lead = f"{torch_text} (" if torch_text else ""
         tail = ")" if torch_text else ""
         if key is None:
-            return ValueError(f"{lead}{where}: {bad}; expected {form}{tail}")
-        return ValueError(f"{lead}{where}: invalid {key} value {echo(bad)}; expected {form}{tail}")
+            return AllocatorSettingsError(f"{lead}{where}: {bad}; expected {form}{tail}")
+        return AllocatorSettingsError(
+            f"{lead}{where}: invalid {key} value {echo(bad)}; expected {form}{tail}")
 
     # token access ---------------------------------------------------------
     def peek(self) -> str | None:
@@ -334,9 +338,9 @@ def parse_alloc_conf(text: str | None, source: str = "parse_alloc_conf") -> Allo
 
     Raises
     ------
-    ValueError
+    AllocatorSettingsError
         For an unknown key or a malformed value, naming the option, the bad value and the
-        accepted form.
+        accepted form (a ValueError, and a RuntimeError as torch raises).
     TypeError
         When ``text`` is not a str.
     """
@@ -416,7 +420,7 @@ def parse_alloc_conf(text: str | None, source: str = "parse_alloc_conf") -> Allo
             p.expect_colon(key, form)
             values[key] = p.uint(key, form)
         else:
-            raise ValueError(
+            raise AllocatorSettingsError(
                 f"{p.source}={echo(p.text)}: unknown option {echo(key)}; accepted options are "
                 + ", ".join(KNOWN_KEYS)
             )

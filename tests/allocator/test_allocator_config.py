@@ -11,6 +11,7 @@ from cudalab.allocator.config import (
     no_caching_from_env,
     parse_alloc_conf,
 )
+from cudalab.errors import AllocatorSettingsError
 
 MiB = 1024 * 1024
 
@@ -133,6 +134,31 @@ def test_invalid_settings_read_as_torchs_first(text, torch_text):
     with pytest.raises(ValueError) as info:
         parse_alloc_conf(text, source="CUDALAB_ALLOC_CONF")
     assert str(info.value).startswith(torch_text + " (CUDALAB_ALLOC_CONF=")
+
+
+@pytest.mark.parametrize("text", [
+    # torch's test_allocator_settings: each raises RuntimeError (TORCH_CHECK) in torch
+    "foo:1,bar:2",
+    "garbage_collection_threshold:1.2",
+    "max_split_size_mb:2",
+    "release_lock_on_cudamalloc:none",
+    "pinned_use_cuda_host_register:none",
+    "pinned_num_register_threads:none",
+    "pinned_num_register_threads:1024",
+])
+def test_invalid_settings_raise_torchs_runtime_error_too(text):
+    """A bad value is refused as torch refuses it (RuntimeError, which torch's tests
+    assert) and is a ValueError too, naming the option and the value."""
+    with pytest.raises(RuntimeError) as info:
+        parse_alloc_conf(text, source="_set_allocator_settings")
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, AllocatorSettingsError)
+    option = text.split(":")[0]
+    assert option in str(info.value)
+    if text == "release_lock_on_cudamalloc:none":
+        assert str(info.value).startswith(
+            "Expected a single True/False argument for release_lock_on_cudamalloc")
+        assert "'none'" in str(info.value) and "True or False" in str(info.value)
 
 
 @pytest.mark.parametrize("spelling", ["true", "false", "TRUE", "1", "0", "yes", "on", ""])

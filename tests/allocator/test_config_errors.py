@@ -54,7 +54,7 @@ def test_every_reader_raises_a_malformed_setting():
     res = _run(code, "bogus_option:1")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    expected = ("ValueError: CUDALAB_ALLOC_CONF='bogus_option:1': unknown option "
+    expected = ("AllocatorSettingsError: CUDALAB_ALLOC_CONF='bogus_option:1': unknown option "
                 "'bogus_option'")
     for name in READERS:
         assert out[name].startswith(expected), (name, out[name])

@@ -172,6 +172,32 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
                           text=True, env=full_env, timeout=120)
 
 
+def test_device_count_rereads_cuda_visible_devices_until_initialised():
+    """torch does not cache the count before CUDA is initialised: a change of
+    CUDA_VISIBLE_DEVICES before then is seen (issue 36 item 8), and the count init uses."""
+    r = _run("""
+        import os, cudalab
+        os.environ.pop('CUDA_VISIBLE_DEVICES', None)
+        counts = [cudalab.device_count()]
+        os.environ['CUDA_VISIBLE_DEVICES'] = '1'
+        counts.append(cudalab.device_count())
+        os.environ['CUDA_VISIBLE_DEVICES'] = ''
+        counts.append(cudalab.device_count())
+        os.environ['CUDA_VISIBLE_DEVICES'] = '1,0'
+        counts.append(cudalab.device_count())
+        os.environ['CUDA_VISIBLE_DEVICES'] = '1'
+        counts.append(cudalab.device_count())
+        cudalab.init()
+        counts.append(cudalab.device_count())
+        counts.append(cudalab.get_device_properties(0).pci_bus_id)  # physical device 1's
+        os.environ['CUDA_VISIBLE_DEVICES'] = '0,1'
+        counts.append(cudalab.device_count())  # fixed once initialised
+        print(counts)
+    """, CUDALAB_SIMULATOR="1", CUDALAB_SIMULATOR_DEVICES="2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[2, 1, 0, 2, 1, 1, '0000:19:00.0', 1]"
+
+
 def test_import_creates_no_context_and_is_lazy():
     r = _run("""
         import sys, cudalab

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from cudalab._driver.visible_devices import parse_visible_devices as _parse_visible
 from cudalab._units import GiB, MiB, TiB, echo, parse_size
 
-__all__ = ["SimulatorConfig", "parse_visible_devices", "device_uuid", "MAX_DEVICES",
-           "MIN_MEMORY", "MAX_MEMORY"]
+__all__ = ["SimulatorConfig", "parse_visible_devices", "visible_devices_from_env", "device_uuid",
+           "MAX_DEVICES", "MIN_MEMORY", "MAX_MEMORY"]
 
 #: Most simulated devices (and the most CUDALAB_SIMULATOR_DEVICES accepts).
 MAX_DEVICES = 64
@@ -125,13 +125,21 @@ class SimulatorConfig:
         env = os.environ if environ is None else environ
         return cls(device_count=_read_device_count(env.get(_DEVICES_ENV)),
                    memory=_read_memory(env.get(_MEMORY_ENV)),
-                   visible_devices=env.get(_VISIBLE_ENV))
+                   visible_devices=visible_devices_from_env(env))
 
     def visible(self) -> list[int]:
         """Physical indices of the visible devices, in CUDA ordinal order."""
         if self.visible_devices is None:
             return list(range(self.device_count))
         return parse_visible_devices(self.visible_devices, self.device_count)
+
+
+def visible_devices_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` value in ``environ`` (default ``os.environ``), as
+    :attr:`SimulatorConfig.visible_devices` keeps it: a simulator made now would show these
+    devices (torch re-reads the variable until CUDA is initialised)."""
+    env = os.environ if environ is None else environ
+    return env.get(_VISIBLE_ENV)
 
 
 def _read_device_count(raw: str | None) -> int:
