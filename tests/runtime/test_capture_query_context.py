@@ -18,6 +18,7 @@ import pytest
 import cudalab
 from cudalab.errors import CudaError
 
+
 def _in_fresh_thread(fn: Callable[[], object]) -> list[BaseException]:
     """Run ``fn`` in a new thread (no context is current there); the exceptions it raised."""
     errors: list[BaseException] = []
