@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cudalab import _internal, _interrupts, _observe
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from cudalab.streams import Stream
 
 __all__ = [
-    "CollectiveCall", "issue", "check_stream", "communicators", "cached_cliques",
+    "CollectiveCall", "build", "issue", "check_stream", "communicators", "cached_cliques",
     "destroy_clique", "destroy_communicators",
     "ROUTE_NCCL", "ROUTE_CLIQUE", "ROUTE_RANK", "CALL_SEND", "CALL_RECV", "CALL_NAMES",
     "TYPE_BYTES",
@@ -85,7 +86,6 @@ ROUTE_RANK = 2
 _RANGES = (tuple("nccl." + n for n in CALL_NAMES), (), tuple("cudalab.comm." + n for n in CALL_NAMES))
 _RECORDS = (tuple("nccl." + n for n in CALL_NAMES), (), CALL_NAMES)
 _ACCESS_LABELS = tuple("nccl." + n for n in CALL_NAMES)
-_stream_handle = _internal.stream_handle
 
 
 class CollectiveCall(NamedTuple):
@@ -96,9 +96,10 @@ class CollectiveCall(NamedTuple):
     a single-process clique, or a Communicator's one rank.
 
     A frozen record with ``__slots__ = ()``: a NamedTuple rather than a frozen dataclass,
-    because it is built on the collectives' hot paths: built positionally it costs 0.3 µs,
-    a frozen slotted dataclass of these 14 fields 1.8 µs (the 1 KiB rows of
-    benchmarks/comm.py). :func:`issue` unpacks it in one step, in field order.
+    because it is built on the collectives' hot paths: :func:`build` makes one in 0.14 µs,
+    the NamedTuple's ``__new__`` in 0.28, a frozen slotted dataclass of these 14 fields in
+    1.8 (the 1 KiB rows of benchmarks/comm.py). :func:`issue` unpacks it in one step, in
+    field order.
     """
 
     kind: int  # the operation: an NCCL_CALL_* of the seam; CALL_SEND, CALL_RECV on ROUTE_RANK
@@ -117,12 +118,23 @@ class CollectiveCall(NamedTuple):
     route: int  # ROUTE_NCCL, ROUTE_CLIQUE or ROUTE_RANK: how it is issued and reported
 
 
+#: ``build((kind, elements, dtype, op, root, sends, recvs, streams, devices, comms, seam, rank,
+#: nranks, route))``: a :class:`CollectiveCall` from its fields in order, made by tuple's own
+#: constructor: half the cost of the NamedTuple's ``__new__`` (a Python function), for the
+#: builders on the hot paths (``tests/nccl/test_collective_call.py`` checks what they build).
+build: Callable[[tuple[Any, ...]], CollectiveCall] = partial(tuple.__new__, CollectiveCall)
+
+
 def issue(call: CollectiveCall) -> None:
     """Issue ``call`` on its route; tell the stream sanitizer what each entry reads and writes
     and (routes NCCL and RANK) the collective observers, inside the route's NVTX range.
 
     The one way a collective of cudalab reaches NCCL (see the module docstring). The
-    caller's current device is current again afterwards.
+    caller's current device is current again afterwards. Ctrl-C waits while it runs (a
+    group cut in half would leave some ranks waiting for the others for ever, a range
+    open), except in a Communicator rank's own NCCL call (:func:`_issue_rank`, which may
+    wait for its peers) and in the collective observers (:func:`_notify`): it is delivered
+    there at once.
 
     Raises
     ------
@@ -130,43 +142,58 @@ def issue(call: CollectiveCall) -> None:
         When NCCL fails (nothing is reported then).
     """
     kind, count, dtype, op, root, sends, recvs, streams, devices, comms, seam, _, _, route = call
+    current = _thread.device  # (put back after the group calls: torch's device guard)
     if route == ROUTE_CLIQUE:  # (first: the 1 KiB reduce_add row of benchmarks/comm.py)
         entry = _runners.get(devices)  # (_runner's hit, inline: one Python frame less)
         run = entry[1] if entry is not None and entry[0] is _cliques.get(devices) else \
             _runner(devices)
-        _issue_run(run, kind, count, dtype, op, root, sends, recvs,
-                   list(map(_stream_handle, streams)))
+        try:
+            run(kind, count, dtype, op, root, sends, recvs, [s.handle for s in streams])
+        finally:
+            if current is not None and current >= 0:  # (one thread-local check when it is)
+                _internal.ensure_context(current)
         if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
             _report_accesses(call)
         return
     _nvtx.range_push(_RANGES[route][kind])
     try:
-        if route == ROUTE_RANK:  # one rank: its own NCCL call (not guarded: it may wait)
-            send, recv, comm, handle = sends[0], recvs[0], comms[0], _stream_handle(streams[0])
-            _internal.ensure_context(devices[0])
-            if kind == NCCL_CALL_ALL_REDUCE:
-                seam.all_reduce(send, recv, count, dtype, op, comm, handle)
-            elif kind == NCCL_CALL_BROADCAST:
-                seam.broadcast(send, recv, count, dtype, root, comm, handle)
-            elif kind == NCCL_CALL_REDUCE:
-                seam.reduce(send, recv, count, dtype, op, root, comm, handle)
-            elif kind == NCCL_CALL_ALL_GATHER:
-                seam.all_gather(send, recv, count, dtype, comm, handle)
-            elif kind == NCCL_CALL_REDUCE_SCATTER:
-                seam.reduce_scatter(send, recv, count, dtype, op, comm, handle)
-            elif kind == CALL_SEND:
-                seam.send(send, count, dtype, root, comm, handle)
-            else:
-                seam.recv(recv, count, dtype, root, comm, handle)
+        if route == ROUTE_RANK:
+            _issue_rank(seam, kind, count, dtype, op, root, sends[0], recvs[0], comms[0],
+                        streams[0].handle, devices[0])
         else:  # torch.cuda.nccl: the seam's checked group call (any op; the same errors everywhere)
-            _issue_group(seam, kind, count, dtype, op, root, sends, recvs, comms,
-                         list(map(_stream_handle, streams)))
+            try:
+                seam.group_call(kind, count, dtype, op, root, sends, recvs, comms,
+                                [s.handle for s in streams])
+            finally:
+                if current is not None and current >= 0:
+                    _internal.ensure_context(current)
         if _observe.access_on:
             _report_accesses(call)
         if _internal.collective_observers:  # (the figures only when someone listens)
             _notify(call, _RECORDS[route][kind])
     finally:
         _nvtx.range_pop()
+
+
+def _issue_rank(seam: Any, kind: int, count: int, dtype: int, op: int, root: int, send: int,
+                recv: int, comm: Any, handle: Any, device: int) -> None:
+    """One Communicator rank's NCCL call of operation ``kind`` on ``device`` (Ctrl-C is
+    delivered here at once: the call may wait for the other ranks)."""
+    _internal.ensure_context(device)
+    if kind == NCCL_CALL_ALL_REDUCE:
+        seam.all_reduce(send, recv, count, dtype, op, comm, handle)
+    elif kind == NCCL_CALL_BROADCAST:
+        seam.broadcast(send, recv, count, dtype, root, comm, handle)
+    elif kind == NCCL_CALL_REDUCE:
+        seam.reduce(send, recv, count, dtype, op, root, comm, handle)
+    elif kind == NCCL_CALL_ALL_GATHER:
+        seam.all_gather(send, recv, count, dtype, comm, handle)
+    elif kind == NCCL_CALL_REDUCE_SCATTER:
+        seam.reduce_scatter(send, recv, count, dtype, op, comm, handle)
+    elif kind == CALL_SEND:
+        seam.send(send, count, dtype, root, comm, handle)
+    else:
+        seam.recv(recv, count, dtype, root, comm, handle)
 
 
 def _report_accesses(call: CollectiveCall) -> None:
@@ -230,35 +257,7 @@ def check_stream(stream: Stream, device: int, what: str, owner: str,
     return stream
 
 
-# ------------------------------------------------------------------------------ group calls
 _thread = _internal.thread_state()  # .device: this thread's current device (the one object)
-
-
-def _issue_group(nccl: Any, call: int, count: int, dtype: int, op: int, root: int,
-                 sends: Sequence[int], recvs: Sequence[int], comms: Sequence[Any],
-                 handles: list[Any]) -> None:
-    """One NCCL group of the per-device calls (Ctrl-C waits until the group is closed: a
-    group cut in half would leave some ranks waiting for the others for ever), then the
-    caller's device current again (torch's guard)."""
-    current = _thread.device
-    try:
-        nccl.group_call(call, count, dtype, op, root, sends, recvs, comms, handles)
-    finally:
-        if current is not None and current >= 0:  # (one thread-local check when it is)
-            _internal.ensure_context(current)
-
-
-def _issue_run(run: Callable[..., None], call: int, count: int, dtype: int, op: int,
-               root: int, sends: Sequence[int], recvs: Sequence[int],
-               handles: list[Any]) -> None:
-    """:func:`_issue_group` through a clique's runner (Ctrl-C waits, the caller's device is
-    current again afterwards)."""
-    current = _thread.device
-    try:
-        run(call, count, dtype, op, root, sends, recvs, handles)
-    finally:
-        if current is not None and current >= 0:  # (one thread-local check when it is)
-            _internal.ensure_context(current)
 
 
 # ------------------------------------------------------------------------------ cliques
@@ -406,5 +405,6 @@ def _forget_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
-_interrupts.guard(_create_clique, destroy_communicators, destroy_clique, _issue_group,
-                  _issue_run)
+_interrupts.guard(issue, _create_clique, destroy_communicators, destroy_clique)
+_interrupts.open_code(_issue_rank.__code__)
+_interrupts.open_code(_notify.__code__)

@@ -45,12 +45,12 @@ for this module replaces all three).
 from __future__ import annotations
 
 import collections.abc
-import operator
 import os
 import warnings
 from typing import Any
 
 from cudalab import _internal
+from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab._driver.base import (
     NCCL_AVG,
@@ -72,6 +72,7 @@ from cudalab.collective_call import (
     ROUTE_CLIQUE,
     ROUTE_NCCL,
     CollectiveCall,
+    build,
     check_stream,
     communicators,
     destroy_communicators,
@@ -115,10 +116,15 @@ def is_available(arrays: Any) -> bool:
     devices = set()
     try:
         for obj in arrays:
-            a = obj if type(obj) is _DeviceArray else _device_array(obj)
-            if a is None or not a.is_contiguous():
-                return False
-            device = a.device_index
+            if type(obj) is _DeviceArray:  # (its field, not is_contiguous(): the 1 KiB rows)
+                if not obj.contiguous:
+                    return False
+                device = obj.device_index
+            else:
+                a = _device_array(obj)
+                if a is None or not a.is_contiguous():
+                    return False
+                device = a.device_index
             if device in devices:
                 return False
             devices.add(device)
@@ -268,10 +274,6 @@ def reduce_scatter(inputs: Any, outputs: Any, op: int = SUM, streams: Any = None
 
 
 # ------------------------------------------------------------------------------ for cudalab.comm
-_device_of = operator.attrgetter("device_index")
-_address_of = operator.attrgetter("ptr")
-
-
 def clique_call(kind: int, ins: list[Any], outs: list[Any], root: int = 0,
                 op: int = SUM) -> CollectiveCall:
     """The :class:`~cudalab.collective_call.CollectiveCall` of a collective over arrays already
@@ -299,16 +301,15 @@ def clique_call(kind: int, ins: list[Any], outs: list[Any], root: int = 0,
     if kind == NCCL_CALL_REDUCE_SCATTER:
         count //= len(ins)
     # (comprehensions, not a loop of appends: the 1 KiB reduce_add row of benchmarks/comm.py)
-    # (map over C getters, not comprehensions, each a Python frame on 3.11: the 1 KiB
-    # reduce_add row of benchmarks/comm.py)
-    devices = tuple(map(_device_of, ins))
-    sends = list(map(_address_of, ins))
+    # (comprehensions, not a loop of appends: the 1 KiB reduce_add row of benchmarks/comm.py)
+    current_stream = _streams.current_stream
+    devices = tuple([a.device_index for a in ins])
+    sends = [a.ptr for a in ins]
     recvs = sends if outs is ins else [0 if o is None else o.ptr for o in outs]
-    streams = list(map(_streams.current_stream, devices))
-    # (positional, in field order: a third of the keywords' cost; no comms and no seam: the
-    # cached clique's runner has them)
-    return CollectiveCall(kind, count, dtype, op, root, sends, recvs, streams, devices, (),
-                          None, 0, len(ins), ROUTE_CLIQUE)
+    streams = [current_stream(d) for d in devices]
+    # (no comms and no seam: the cached clique's runner has them)
+    return build((kind, count, dtype, op, root, sends, recvs, streams, devices, (), None, 0,
+                  len(ins), ROUTE_CLIQUE))
 
 
 def _forget_in_child() -> None:
@@ -352,9 +353,8 @@ def _placed(name: str, ins: list[Any], *, kind: int, count: int, dtype: int, op:
                 check_stream(s, d, f"nccl.{name}()", f"input {i}", i)
                 for i, (s, d) in enumerate(zip(streams, devices))]
     sends = [a.ptr for a in ins]
-    # (positional, in field order: a third of the keywords' cost)
-    return CollectiveCall(kind, count, dtype, op, root, sends, recvs, resolved, devices, comms,
-                          nccl, 0, len(ins), ROUTE_NCCL)
+    return build((kind, count, dtype, op, root, sends, recvs, resolved, devices, comms, nccl, 0,
+                  len(ins), ROUTE_NCCL))
 
 
 # ------------------------------------------------------------------------------ checks
@@ -366,7 +366,7 @@ def _nccl() -> Any:
 def _nccl_loadable() -> bool:
     global _probe
     try:
-        b = _internal.backend()
+        b = _devices.backend()  # (not _internal's wrapper: one frame less, the 1 KiB rows)
     except Exception:  # no driver, no device: no NCCL either
         return False
     probe = _probe

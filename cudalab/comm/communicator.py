@@ -71,7 +71,7 @@ from cudalab.collective_call import (
     CALL_RECV,
     CALL_SEND,
     ROUTE_RANK,
-    CollectiveCall,
+    build,
     check_stream,
     issue,
 )
@@ -118,9 +118,17 @@ def _reduction(op: Any, what: str) -> int:
                      f"NCCL's number for it (0-4), got {_internal.echo(op)}")
 
 
+_UNSEEN = object()
+# numpy dtype -> its NCCL type in cudalab.nccl.DATA_TYPES (None: none), filled on first use.
+_NATIVE_TYPES: dict[np.dtype, Any] = {}
+
+
 def _wire_type(dtype: np.dtype, op: int | None, what: str) -> tuple[int, int]:
     """(NCCL type, NCCL elements per array element) for moving (``op`` None) or reducing."""
-    native = _nccl.DATA_TYPES.get(dtype.name)  # the one dtype table (bool travels as bytes)
+    native = _NATIVE_TYPES.get(dtype, _UNSEEN)
+    if native is _UNSEEN:  # the one dtype table (bool travels as bytes), read once per dtype:
+        # numpy's dtype.name is slow Python (the 1 KiB Communicator rows)
+        native = _NATIVE_TYPES[dtype] = _nccl.DATA_TYPES.get(dtype.name)
     if op is None:  # data movement: any dtype, as its own type, its parts or its bytes
         if native is not None:
             return native, 1
@@ -428,7 +436,7 @@ class Communicator:
         if not arr.contiguous:
             raise ValueError(f"{what}: {role} must be C-contiguous; it has shape {arr.shape} "
                              f"and strides {arr.strides}")
-        if writable:
+        if writable and arr.read_only:  # (raises; the message built only then)
             _array.require_writable(arr, f"{what} {role}")
         return arr
 
@@ -460,7 +468,7 @@ class Communicator:
         else:
             raise TypeError(f"{what}: stream must be a cudalab.Stream or None (the current "
                             f"stream), got {type(stream).__name__}")
-        handle = _internal.stream_handle(s)
+        handle = s.handle
         if type(handle) is ClosedHandle:
             raise handle.error()
         return s
@@ -472,10 +480,8 @@ class Communicator:
         (an ``NCCL_CALL_*``, ``CALL_SEND`` or ``CALL_RECV``) on stream ``s``, issued: the NVTX
         range ``cudalab.comm.<name>``, the sanitizer's accesses and the collective record
         come with it (:func:`cudalab.collective_call.issue`)."""
-        # (positional, in field order: a third of the keywords' cost)
-        issue(CollectiveCall(kind, count, dtype, op, root, (send,), (recv,), (s,),
-                             (self._device,), (comm,), self._nccl, self._rank, self._world_size,
-                             ROUTE_RANK))
+        issue(build((kind, count, dtype, op, root, (send,), (recv,), (s,), (self._device,),
+                     (comm,), self._nccl, self._rank, self._world_size, ROUTE_RANK)))
 
     @staticmethod
     def _keep_alive(s: _streams.Stream, arrays: tuple) -> None:

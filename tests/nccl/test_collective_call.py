@@ -16,6 +16,7 @@ from cudalab.collective_call import CollectiveCall, check_stream
 from cudalab.comm import communicator as communicator_module
 from cudalab.errors import StreamDeviceError
 from tests.comm.test_communicator_fake import FakeNccl
+from tests.helpers.interrupts import count_events, frames_of, interrupt_at
 
 
 @pytest.fixture
@@ -142,3 +143,35 @@ def test_the_sanitizer_sees_what_each_rank_reads_and_writes(two, monkeypatch):
         (0, [(a[0].ptr, 16)], [(gathered[0].ptr, 32)], "nccl.all_gather"),
         (1, [(a[1].ptr, 16)], [(gathered[1].ptr, 32)], "nccl.all_gather"),
     ]
+
+
+def _in_issue(frame):
+    return frame.f_code is collective_call.issue.__code__
+
+
+@pytest.mark.parametrize("via", ["nccl", "comm"])
+def test_ctrl_c_anywhere_in_issue_waits_until_the_collective_is_whole(two, deferring, via):
+    """The group is issued on every rank, the caller's device is current again and no NVTX
+    range is left open: then the KeyboardInterrupt comes."""
+    cudalab.set_device(1)
+    a = [cudalab.asarray(np.ones(4, np.float32), device=d) for d in two]
+
+    def op():
+        if via == "nccl":
+            nccl.all_reduce(a)  # ROUTE_NCCL
+        else:
+            cudalab.comm.reduce_add(a, destination=0)  # ROUTE_CLIQUE
+
+    op()  # (the clique and its runner exist: every run takes the same lines)
+    n = count_events(op, _in_issue)
+    assert n >= 5
+    for k in range(1, n + 1):
+        before = a[1].numpy().tolist()
+        _, exc, tripped = interrupt_at(op, _in_issue, k)
+        assert tripped and isinstance(exc, KeyboardInterrupt), k
+        assert not any(f.f_code is collective_call.issue.__code__
+                       for f in frames_of(exc.__traceback__)), k  # raised after issue ended
+        if via == "nccl":
+            assert a[1].numpy().tolist() == [2 * x for x in before], k
+        assert cudalab.current_device() == 1 and cudalab.nvtx.current_ranges() == ()
+    cudalab.set_device(0)
