@@ -59,7 +59,16 @@ def count_calls(names: tuple[str, ...] = COUNTED) -> Iterator[collections.Counte
     for name in names:
         setattr(backend, name, wrap(name, getattr(backend, name)))
     if fast is not None:
-        devices.seam_fast_calls = fast.replaced(**{n: wrap(n, getattr(fast, n)) for n in STATUS_CALLS})
+        calls = {n: wrap(n, getattr(fast, n)) for n in STATUS_CALLS}
+        batch = fast.event_elapsed_times
+        if batch is not None:  # many cuEventElapsedTime calls in one: counted one by one
+
+            def elapsed_times(starts: Any, ends: Any) -> Any:
+                counts["event_elapsed_time"] += len(starts)
+                return batch(starts, ends)
+
+            calls["event_elapsed_times"] = elapsed_times
+        devices.seam_fast_calls = fast.replaced(**calls)
     try:
         yield counts
     finally:

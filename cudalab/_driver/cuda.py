@@ -166,6 +166,11 @@ def _bind_fastcall(driver_version: int) -> None:
     fastcall.setup(*addresses, cuda_error)
     for name in C_TWINS:
         setattr(FAST, name, getattr(fastcall, name))
+    elapsed = entry_point(b"cuEventElapsedTime", driver_version)
+    if elapsed:  # (apart: a driver without it keeps the others)
+        fastcall.bind_event_elapsed_time(elapsed)
+    else:
+        FAST.event_elapsed_times = None
     # the C twin of cuEventRecord returns the bindings' (CUresult,): a status call as they are
     FAST.event_record = fastcall.event_record
 

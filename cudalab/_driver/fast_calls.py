@@ -8,7 +8,9 @@ backend has one registry, from :meth:`Backend.fast_calls`:
 * the real backend's is :data:`cudalab._driver.cuda_api.FAST`, process-wide (the C
   extension it binds is), filled with ``cuda.bindings``' own functions and, once
   :meth:`CudaBackend.init` has bound them, the C twins of :mod:`cudalab._driver.fastcall`;
-* the simulator's (the default of :meth:`Backend.fast_calls`) wraps its checked methods.
+* the simulator's (the default of :meth:`Backend.fast_calls`) wraps its checked methods
+  (and gives ``event_elapsed_times`` as a loop over its checked elapsed time, so
+  %cuda_timed reads its times the same way on both).
 
 Two kinds of fields:
 
@@ -16,9 +18,11 @@ Two kinds of fields:
   ``cudalab._internal.fast_paths()``: each returns a tuple ``(status, *outs)`` and never
   raises for a driver error; a status other than :data:`STATUS_SUCCESS` and
   :data:`STATUS_NOT_READY` becomes an exception with :meth:`Backend.status_error`;
-* the *C twins* (:data:`C_TWINS`), read inside the real backend only: None where the
+* the *C twins* (:data:`C_TWINS`), read inside the real backend only (but for
+  ``event_elapsed_times``, which %cuda_timed reads where it is not None): None where the
   extension is not built, the driver did not give the entry points, ``CUDALAB_FASTCALL=0``
-  turned them off, or the backend is the simulator (then the bindings' wrappers are used).
+  turned them off, or the backend is the simulator (then the bindings' wrappers are used;
+  the simulator's ``event_elapsed_times`` is its own loop, see above).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ STATUS_NOT_READY = 600
 STATUS_CALLS = ("event_record", "event_query", "stream_query", "event_elapsed_time")
 #: The real backend's C twins, None where not bound.
 C_TWINS = ("launch_kernel", "stream_wait_event", "ctx_get_current", "ctx_set_current",
-           "memcpy_async", "ordered_copy")
+           "memcpy_async", "ordered_copy", "event_elapsed_times")
 
 Dim3 = tuple[int, int, int]
 
@@ -65,7 +69,10 @@ class FastCalls:
     current context's address (None on failure); ``ordered_copy(dst, src, nbytes,
     copy_context, copy_stream, copy_event, peer_context, peer_stream, peer_event[, join])``
     makes a copy between two devices with torch's two-way ordering and returns None or the
-    failed call's ``(name, CUresult)``. When bound, ``event_record`` is the C twin of the
+    failed call's ``(name, CUresult)``; ``event_elapsed_times(starts, ends)`` reads many
+    event pairs in one call and returns ``(0, [ms, ...])`` or, at the first failed pair,
+    ``(CUresult, [the times before it])`` (read by the layer above, where it is not None:
+    %cuda_timed's GPU times; the "%%cuda_timed per-repeat overhead" rows). When bound, ``event_record`` is the C twin of the
     bindings' (same ``(CUresult,)`` result). Rows they exist for: "capture, host time per
     launch" of benchmarks/graphs.py, "host/call" of benchmarks/jiterator.py, the launch and
     event rows of benchmarks/timing.py, and the 1 KiB rows of benchmarks/comm.py.
@@ -91,6 +98,8 @@ class FastCalls:
         self.ctx_set_current: Callable[[int], int] | None = None
         self.memcpy_async: Callable[[int, int, int, StreamHandle], int] | None = None
         self.ordered_copy: Callable[..., tuple[str, int] | None] | None = None
+        # (bound apart from the others: None where the driver does not give its entry point)
+        self.event_elapsed_times: Callable[[Any, Any], tuple[int, list[float]]] | None = None
 
     def replaced(self, **calls: Callable[..., Any] | None) -> FastCalls:
         """A copy with the named fields replaced (the counters of :mod:`cudalab.testing` and
@@ -137,5 +146,18 @@ def checked_fast_calls(event_record: Callable[[EventHandle, StreamHandle], None]
             last.exc = exc
             return (exc.code, 0.0)
 
-    return FastCalls(guarded(event_record), guarded(event_query), guarded(stream_query),
-                     elapsed)
+    def elapsed_times(starts: Any, ends: Any) -> tuple[int, list[float]]:
+        times: list[float] = []
+        append = times.append
+        try:
+            for start, end in zip(starts, ends):
+                append(event_elapsed_time(start, end))
+        except CudaError as exc:
+            last.exc = exc
+            return (exc.code, times)
+        return (STATUS_SUCCESS, times)
+
+    registry = FastCalls(guarded(event_record), guarded(event_query), guarded(stream_query),
+                         elapsed)
+    registry.event_elapsed_times = elapsed_times  # (the C twin's contract, in Python)
+    return registry

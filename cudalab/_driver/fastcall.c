@@ -26,6 +26,10 @@
  * error), launches, and raises the backend's CudaError for a failed launch. Handles are anything
  * int() accepts (cuda.bindings' CUfunction / CUstream / CUevent, or ints); None is NULL.
  *
+ * event_elapsed_times reads many pairs of events in one call (cuEventElapsedTime, bound apart
+ * by bind_event_elapsed_time): %%cuda_timed's GPU times after its loop, one bindings call per
+ * repeat before (the "%%cuda_timed per-repeat overhead" rows of benchmarks/timing.py).
+ *
  * The GIL is released around each driver call, as cuda.bindings does: a launch can block
  * while the stream's queue is full, and a host function queued on that stream (a Python
  * callback) may need the GIL to drain it.
@@ -55,6 +59,7 @@ typedef CUresult_t (*ctx_get_current_fn)(void **context);
 typedef CUresult_t (*ctx_set_current_fn)(void *context);
 typedef CUresult_t (*memcpy_async_fn)(unsigned long long dst, unsigned long long src,
                                       size_t nbytes, void *stream);
+typedef CUresult_t (*event_elapsed_time_fn)(float *milliseconds, void *start, void *end);
 
 /* Set once by setup(); NULL until then (the calls then raise RuntimeError). */
 static launch_kernel_fn launch_kernel_ptr = NULL;
@@ -64,6 +69,8 @@ static two_handles_fn graph_launch_ptr = NULL; /* (graph_exec, stream) */
 static ctx_get_current_fn ctx_get_current_ptr = NULL;
 static ctx_set_current_fn ctx_set_current_ptr = NULL;
 static memcpy_async_fn memcpy_async_ptr = NULL;
+/* cuEventElapsedTime, given by bind_event_elapsed_time() (apart from setup(): optional). */
+static event_elapsed_time_fn event_elapsed_time_ptr = NULL;
 /* error_for(code, call) -> the exception to raise for a failed call (cuda_api._error); set by
  * setup(), owned here. */
 static PyObject *error_for = NULL;
@@ -597,6 +604,104 @@ PyDoc_STRVAR(setup_doc,
 "by cudalab._driver.cuda; a later call replaces them.");
 
 /* The entry points setup() takes, in its order (error_for follows them). */
+PyDoc_STRVAR(event_elapsed_times_doc,
+"event_elapsed_times(starts, ends) -> (int, list)\n\n"
+"cuEventElapsedTime(&ms, starts[i], ends[i]) for every i: two sequences of event handles of\n"
+"one length, converted first, then the driver called for each pair with the GIL released\n"
+"once. Returns (0, [ms, ...]) or, at the first failed call, (its CUresult, [the times\n"
+"before it]). %%cuda_timed reads its repeats' GPU times with it (one call per run, not one\n"
+"bindings call per repeat: the \"%%cuda_timed per-repeat overhead\" rows of\n"
+"benchmarks/timing.py).");
+
+static PyObject *
+event_elapsed_times(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *starts = NULL, *ends = NULL, *list = NULL, *out = NULL;
+    void **handles = NULL;
+    float *times = NULL;
+    Py_ssize_t n, count = 0;
+    CUresult_t status = 0;
+    event_elapsed_time_fn call = event_elapsed_time_ptr;
+    if (check_arity(nargs, 2, "event_elapsed_times") < 0) {
+        return NULL;
+    }
+    starts = PySequence_Fast(args[0], "event_elapsed_times(): starts must be a sequence");
+    if (starts == NULL) {
+        return NULL;
+    }
+    ends = PySequence_Fast(args[1], "event_elapsed_times(): ends must be a sequence");
+    if (ends == NULL) {
+        goto done;
+    }
+    n = PySequence_Fast_GET_SIZE(starts);
+    if (PySequence_Fast_GET_SIZE(ends) != n) {
+        PyErr_SetString(PyExc_ValueError, "event_elapsed_times(): starts and ends differ in length");
+        goto done;
+    }
+    handles = PyMem_Malloc(sizeof(void *) * 2 * (size_t)(n ? n : 1));
+    times = PyMem_Malloc(sizeof(float) * (size_t)(n ? n : 1));
+    if (handles == NULL || times == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (handle_address(PySequence_Fast_GET_ITEM(starts, i), &handles[2 * i]) < 0 ||
+            handle_address(PySequence_Fast_GET_ITEM(ends, i), &handles[2 * i + 1]) < 0) {
+            goto done;
+        }
+    }
+    if (call == NULL) {
+        not_set_up("event_elapsed_times");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (; count < n; count++) {
+        status = call(&times[count], handles[2 * count], handles[2 * count + 1]);
+        if (status != 0) {
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    list = PyList_New(count);
+    if (list == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *value = PyFloat_FromDouble((double)times[i]);
+        if (value == NULL) {
+            Py_CLEAR(list);
+            goto done;
+        }
+        PyList_SET_ITEM(list, i, value);
+    }
+    out = Py_BuildValue("(iN)", status, list); /* (steals list, even on failure) */
+done:
+    PyMem_Free(handles);
+    PyMem_Free(times);
+    Py_XDECREF(starts);
+    Py_XDECREF(ends);
+    return out;
+}
+
+PyDoc_STRVAR(bind_event_elapsed_time_doc,
+"bind_event_elapsed_time(cuEventElapsedTime) -> None\n\n"
+"Give event_elapsed_times() the driver's entry point (a nonzero int address), apart from\n"
+"setup(): a driver without it leaves the other calls bound.");
+
+static PyObject *
+bind_event_elapsed_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *address;
+    if (check_arity(nargs, 1, "bind_event_elapsed_time") < 0) {
+        return NULL;
+    }
+    if (entry_point_addresses(args, 1, &address) < 0) {
+        return NULL;
+    }
+    event_elapsed_time_ptr = (event_elapsed_time_fn)address;
+    Py_RETURN_NONE;
+}
+
 #define SETUP_ENTRY_POINTS 7
 
 static PyObject *
@@ -638,6 +743,10 @@ static PyMethodDef methods[] = {
      ctx_set_current_doc},
     {"memcpy_async", (PyCFunction)(void (*)(void))memcpy_async, METH_FASTCALL, memcpy_async_doc},
     {"ordered_copy", (PyCFunction)(void (*)(void))ordered_copy, METH_FASTCALL, ordered_copy_doc},
+    {"event_elapsed_times", (PyCFunction)(void (*)(void))event_elapsed_times, METH_FASTCALL,
+     event_elapsed_times_doc},
+    {"bind_event_elapsed_time", (PyCFunction)(void (*)(void))bind_event_elapsed_time,
+     METH_FASTCALL, bind_event_elapsed_time_doc},
     {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL, setup_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -646,7 +755,7 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     "cudalab._driver.fastcall",
     "cuLaunchKernel, cuEventRecord, cuStreamWaitEvent, cuGraphLaunch, cuCtxGetCurrent, "
-    "cuCtxSetCurrent and cuMemcpyAsync called from C, and ordered_copy (see "
+    "cuCtxSetCurrent and cuMemcpyAsync called from C, ordered_copy and event_elapsed_times (see "
     "cudalab/_driver/cuda.py).",
     -1,
     methods,

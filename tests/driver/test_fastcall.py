@@ -67,6 +67,61 @@ def test_a_closed_handle_raises_its_own_error():
         fastcall.stream_wait_event(closed, 0, 0)
 
 
+def test_elapsed_times_check_their_arguments_first():
+    times = fastcall.event_elapsed_times
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        times([1])
+    with pytest.raises(TypeError, match="starts must be a sequence"):
+        times(5, [1])
+    with pytest.raises(ValueError, match="differ in length"):
+        times([1], [2, 3])
+    with pytest.raises(TypeError, match="a driver handle must be"):
+        times(["x"], [1])
+    with pytest.raises(TypeError, match="addresses as ints"):
+        fastcall.bind_event_elapsed_time("a")
+    with pytest.raises(ValueError, match="address is 0"):
+        fastcall.bind_event_elapsed_time(0)
+
+
+# cuEventElapsedTime stood in for by a ctypes callback: each pair read in order, the times as
+# the driver gives them, and a failure stops there with the times before it.
+_FAKE_ELAPSED = textwrap.dedent("""
+    import ctypes, json
+    from cudalab._driver import fastcall
+    calls = []
+    def elapsed(out, start, end):
+        calls.append([start or 0, end or 0])
+        if start == 0x66:
+            return 700
+        out[0] = ((end or 0) - (start or 0)) / 4.0
+        return 0
+    f = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p,
+                         ctypes.c_void_p)(elapsed)
+    try:
+        fastcall.event_elapsed_times([1], [2])
+    except RuntimeError as exc:
+        before = str(exc)
+    fastcall.bind_event_elapsed_time(ctypes.cast(f, ctypes.c_void_p).value)
+    ok = fastcall.event_elapsed_times([0x10, 0x20, 0x30], [0x12, 0x2A, 0x31])
+    n_ok = len(calls)
+    failed = fastcall.event_elapsed_times((0x10, 0x66, 0x30), (0x12, 0x70, 0x31))
+    empty = fastcall.event_elapsed_times([], [])
+    print("RESULT " + json.dumps([before, ok, n_ok, failed, calls[n_ok:], empty]))
+""")
+
+
+def test_elapsed_times_read_every_pair_and_stop_at_a_failure():
+    out = subprocess.run([sys.executable, "-c", _FAKE_ELAPSED], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    before, ok, n_ok, failed, failed_calls, empty = json.loads(line[len("RESULT "):])
+    assert "setup() has not given" in before
+    assert ok == [0, [0.5, 2.5, 0.25]] and n_ok == 3
+    assert failed == [700, [0.5]] and failed_calls == [[0x10, 0x12], [0x66, 0x70]]
+    assert empty == [0, []]
+
+
 def test_setup_refuses_bad_addresses_without_changing_anything():
     with pytest.raises(TypeError, match="addresses as ints"):
         fastcall.setup("a", 1, 2, 3, 4, 5, 6, print)
@@ -289,6 +344,7 @@ def test_the_real_backend_binds_it():
     assert C.FAST.ctx_set_current is fastcall.ctx_set_current
     assert C.FAST.memcpy_async is fastcall.memcpy_async
     assert C.FAST.ordered_copy is fastcall.ordered_copy
+    assert C.FAST.event_elapsed_times is fastcall.event_elapsed_times
     ctx = _internal.backend()._context_ints[0]
     assert fastcall.ctx_set_current(ctx) == 0 and fastcall.ctx_get_current() == ctx
 
@@ -425,3 +481,32 @@ def test_peer_copies_and_nccl_groups_same_with_and_without_it():
         np.testing.assert_array_equal(run["copies"][1], x)
         assert run["all_reduce"] == [[3.0] * 8, [3.0] * 8]
     assert runs["1"] == dict(runs["0"], ordered_copy=True, group_call=True)
+
+
+@pytest.mark.gpu
+def test_elapsed_times_match_the_bindings():
+    """The batch gives what cuda.bindings' cuEventElapsedTime gives, pair by pair, and its
+    status for an event never recorded."""
+    import cudalab
+    from cudalab import _internal
+    from cudalab._driver import cuda_api as A
+
+    cudalab.init()
+    batch = _internal.fast_paths().event_elapsed_times
+    if batch is None or os.environ.get("CUDALAB_FASTCALL", "1") == "0":
+        pytest.skip("event_elapsed_times is not bound here")
+    events = [cudalab.Event(enable_timing=True) for _ in range(5)]
+    x = cudalab.zeros(1 << 20, dtype="float32")
+    for ev in events:
+        x.fill_(1.5)
+        ev.record()
+    events[-1].synchronize()
+    handles = [_internal.event_handle(ev) for ev in events]
+    status, times = batch(handles[:-1], handles[1:])
+    expected = [A.cuEventElapsedTime(a, b) for a, b in zip(handles[:-1], handles[1:])]
+    assert status == 0 and times == [ms for _err, ms in expected]
+    never = cudalab.Event(enable_timing=True)
+    _internal.create_event(never, 0)
+    err, _ms = A.cuEventElapsedTime(handles[0], _internal.event_handle(never))
+    status, times = batch([handles[0], handles[0]], [handles[1], _internal.event_handle(never)])
+    assert status == int(err) != 0 and times == [expected[0][1]]

@@ -947,6 +947,43 @@ def test_elapsed_times_read_by_handle_fall_back_to_the_checked_call(ip, monkeypa
         timed(ip, "%%cuda_timed -n 1 -r 4 -w 0\npass")
 
 
+def test_elapsed_times_read_in_one_batch_fall_back_to_the_checked_call(ip, monkeypatch):
+    """Where the registry has ``event_elapsed_times`` (the real backend's C call, the
+    simulator's loop), a run's times are read in one call of it, not one call per repeat;
+    a failed status makes the timer read every time again through the checked call."""
+    from cudalab import devices
+    from cudalab._driver.base import FastCalls
+
+    fast = devices.seam_fast_calls
+    assert fast.event_elapsed_times is not None  # the simulator's own loop
+    batches, single = [], []
+
+    def one(a, b):
+        single.append(1)
+        return fast.event_elapsed_time(a, b)
+
+    def batch(starts, ends):
+        batches.append(len(starts))
+        return fast.event_elapsed_times(starts, ends)
+
+    registry = FastCalls(fast.event_record, fast.event_query, fast.stream_query, one)
+    registry.event_elapsed_times = batch
+    monkeypatch.setattr(devices, "seam_fast_calls", registry)
+    res = timed(ip, "%%cuda_timed -n 1 -r 6 -w 0\ncudalab.synchronize()")
+    assert batches == [6] and not single
+    assert len(res.gpu_times[0]) == 6 and all(t > 0 for t in res.gpu_times[0])
+
+    def failing(starts, ends):
+        batches.append(len(starts))
+        return (700, [])
+
+    registry.event_elapsed_times = failing
+    batches.clear()
+    res = timed(ip, "%%cuda_timed -n 1 -r 4 -w 0\ncudalab.synchronize()")
+    assert batches == [4] and len(res.gpu_times[0]) == 4
+    assert all(t > 0 for t in res.gpu_times[0])  # read again, checked: never a time of 0
+
+
 def test_in_flight_lag_grows_only_while_the_waits_are_short(ip, monkeypatch):
     """A wait on repeat k - lag that returns within the GPU's latency means nothing was
     behind: the lag doubles up to MAX_LAG. Longer waits keep two repeats in flight."""
