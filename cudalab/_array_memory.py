@@ -21,6 +21,7 @@ import numpy as np
 from cudalab import _internal, _interrupts, _observe
 from cudalab import streams as _streams
 from cudalab._array_state import ArrayState
+from cudalab._dtypes import SUPPORTED_DTYPES
 from cudalab._kernels.fill import FILL_KERNELS
 from cudalab.allocator import registry as _registry
 from cudalab.errors import StreamCaptureError, name_operation
@@ -28,6 +29,7 @@ from cudalab.errors import StreamCaptureError, name_operation
 __all__ = [
     "allocator_of",
     "check_host_operand",
+    "converts_on_device",
     "device_copies",
     "device_copy",
     "fill",
@@ -40,10 +42,13 @@ __all__ = [
     "same_stream",
     "scalar_bytes",
     "stream_of",
+    "stranded",
     "wait_stream",
     "waits_for_foreign",
 ]
 
+#: The dtypes a DeviceArray holds, as a set (a host source of one converts on the device).
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 #: The registry's per-device allocators (the list object itself: never replaced).
 _allocators = _registry.allocators
 
@@ -343,11 +348,49 @@ def check_host_operand(arr: np.ndarray, dev: ArrayState, what: str, writable: bo
         raise ValueError(f"{what}: the host array is read-only")
 
 
+#: Host buffers of copies that were queued but whose wait failed (the stream raised, or
+#: Ctrl-C), as (stream, buffer): each buffer is kept alive until its stream has run all its
+#: work, so the copy never touches freed memory. Pruned when another one is added.
+stranded: list[tuple[_streams.Stream, Any]] = []
+
+
+def _strand(stream: _streams.Stream, buffer: Any) -> None:
+    """Keep ``buffer`` alive until ``stream`` is idle (a copy touching it may still be
+    queued there), dropping the buffers of streams already idle."""
+    still = []
+    for entry in stranded:
+        try:
+            idle = entry[0].backend.stream_query(entry[0].handle)
+        except Exception:  # a closed or broken stream: keep the buffer (a leak, not a crash)
+            idle = False
+        if not idle:
+            still.append(entry)
+    still.append((stream, buffer))
+    stranded[:] = still
+
+
+def converts_on_device(src: np.ndarray, shape: tuple[int, ...]) -> bool:
+    """Whether a copy of host ``src`` into an array of ``shape`` (and another dtype or shape)
+    uploads ``src`` as it is and converts it on the device, in stream order: a C-contiguous
+    source of a supported dtype that numpy broadcasts to ``shape`` (else it is converted on
+    the host, which also says why a shape does not fit)."""
+    if not src.flags.c_contiguous or src.dtype not in _SUPPORTED:
+        return False
+    try:
+        return np.broadcast_shapes(src.shape, shape) == shape
+    except ValueError:
+        return False
+
+
 def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stream, host: int,
-                   non_blocking: bool, what: str) -> None:
+                   non_blocking: bool, what: str, buffer: Any = None) -> None:
     """Copy ``n`` bytes between the device and host address ``host`` (``dst`` or ``src``) on
     ``stream``. Waits for it, unless ``non_blocking`` and ``host`` is pinned memory from the
-    pinned pool, which then records the use so the buffer is not reused too early."""
+    pinned pool, which then records the use so the buffer is not reused too early.
+
+    ``buffer`` is the object owning the host memory: when the wait fails (raises, or is
+    interrupted) with the copy queued, it is kept alive until the stream is idle, so the copy
+    cannot write into (or read) memory freed meanwhile."""
     pinned = non_blocking and pinned_pool()._lookup(host, n)
     if not pinned:
         if _observe.sync_on:  # before queuing: in "error" mode nothing is left in flight
@@ -358,7 +401,11 @@ def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stre
         if pinned:
             pinned_pool().record_use(host, stream)
         else:
-            stream.backend.stream_synchronize(stream.handle)
+            try:
+                stream.backend.stream_synchronize(stream.handle)
+            except BaseException:
+                _strand(stream, buffer)
+                raise
     except StreamCaptureError as exc:
         raise name_operation(exc, f"{what} (a copy to pageable host memory)") from exc
     if _observe.access_on:  # the stream sanitizer (one flag read while it is off)

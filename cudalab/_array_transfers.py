@@ -69,7 +69,7 @@ class TransfersMixin:
             stream = stream_of(self.device_index)
         host = span.__array_interface__["data"][0]
         host_transfer(self.device_index, host, self.ptr + lo, span.nbytes, stream, host,
-                      False, "DeviceArray.cpu")
+                      False, "DeviceArray.cpu", span)
         view = np.ndarray(self.dims, self.element_dtype, buffer=span, offset=-lo, strides=self.strides)
         return np.ascontiguousarray(view)
 

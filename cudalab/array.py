@@ -34,6 +34,7 @@ from cudalab import streams as _streams
 from cudalab._array_memory import (
     allocator_of,
     check_host_operand,
+    converts_on_device,
     device_copy,
     fill,
     foreign_waits_for,
@@ -372,7 +373,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             stream = stream_of(self.device_index)
         host = out.__array_interface__["data"][0]
         host_transfer(self.device_index, host, self.ptr, n, stream, host, non_blocking,
-                       "DeviceArray.numpy")
+                       "DeviceArray.numpy", out)
         return out
 
     def copy_(self, src: Any, non_blocking: bool = False) -> DeviceArray:
@@ -395,6 +396,14 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                 return self._copy_from_device(foreign)
             src = np.asarray(src)
         if src.dtype != self.element_dtype or src.shape != self.dims:
+            if self.byte_count and converts_on_device(src, self.dims):
+                # Convert on the device, in stream order: the host buffer is read when the
+                # stream reaches the copy (a pinned buffer an earlier queued copy writes),
+                # never converted on the host at once (issue 36, item 1).
+                raw = DeviceArray._output(src.shape, src.dtype, self.device_index,
+                                          stream_of(self.device_index))
+                raw.copy_(src, non_blocking)
+                return converting_copy(self, raw)  # casts and broadcasts (torch's copy_)
             src = np.ascontiguousarray(np.broadcast_to(src.astype(self.element_dtype), self.dims))
         check_host_operand(src, self, "DeviceArray.copy_()", writable=False)
         n = self.byte_count
@@ -402,7 +411,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             return self
         host = src.__array_interface__["data"][0]
         host_transfer(self.device_index, self.ptr, host, n, stream_of(self.device_index), host,
-                       non_blocking, "DeviceArray.copy_ (host to device)")
+                       non_blocking, "DeviceArray.copy_ (host to device)", src)
         return self
 
     def _copy_from_device(self, src: DeviceArray) -> DeviceArray:
