@@ -4,9 +4,10 @@
 A view (:class:`cudalab.widgets.MemoryDashboard`) renders samples and never reads an
 allocator or NVML itself: it asks its source for a sample of each device every tick, and
 for the actions behind its buttons (reset the peaks, release the cache, take a snapshot).
-:class:`CudalabSource` is the source over cudalab's own allocator and NVML; a source over
-another allocator (torch's, CuPy's) implements the same four members and names itself and
-its allocator in each sample's :class:`~cudalab.identity.Identity`.
+:class:`cudalab.memory_sources.CudalabSource` is the source over cudalab's own allocator and
+NVML (a module above :mod:`cudalab.memory`, whose figures it reads); a source over another
+allocator (torch's, CuPy's) implements the same four members and names itself and its
+allocator in each sample's :class:`~cudalab.identity.Identity`.
 
 Every sample says where it came from (``identity``: host, pid, rank, the device's index,
 UUID and name, the allocator) and when (``time``), so samples gathered from many processes
@@ -16,15 +17,12 @@ can be told apart, and :meth:`DeviceSample.to_dict` is plain data.
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-from cudalab import nvml as _nvml_api
 from cudalab.identity import Identity
 
-__all__ = ["CudalabSource", "DeviceSample", "SampleSource", "ALLOCATOR_FIGURES", "NVML_FIGURES"]
+__all__ = ["DeviceSample", "SampleSource", "ALLOCATOR_FIGURES", "NVML_FIGURES"]
 
 #: The allocator's figures of a sample, each with the ``memory_stats()`` key it is read from
 #: (cudalab's and torch's key names).
@@ -225,115 +223,3 @@ class SampleSource(Protocol):
     def snapshot(self) -> dict[str, Any]:
         """A memory snapshot in torch's schema (what the snapshot viewer shows)."""
         ...
-
-
-class _NvmlState:
-    """One device's NVML handle for a source: resolved once (a failure is kept as text)."""
-
-    __slots__ = ("nvml", "uuid", "error")
-
-    def __init__(self, index: int):
-        self.nvml: Any = None
-        self.uuid = ""
-        self.error = ""
-        try:
-            _, self.uuid, self.nvml = _nvml_api.resolve_device(index)
-            self.nvml.uuids()  # probe: raises when NVML cannot be used
-        except Exception as exc:  # NvmlError, NvmlUnavailableError, missing bindings
-            self.nvml = None
-            self.error = f"NVML unavailable ({type(exc).__name__})"
-
-
-class CudalabSource:
-    """Samples of cudalab's own allocator (``memory_stats()``, ``private_pools()``) and
-    NVML, for :class:`~cudalab.widgets.MemoryDashboard`.
-
-    Each device's identity, capacity and NVML handle are read once, on its first sample.
-    """
-
-    name = "cudalab"
-
-    def __init__(self) -> None:
-        self._identities: dict[int, tuple[Identity, int]] = {}
-        self._nvml: dict[int, _NvmlState] = {}
-
-    def _device(self, index: int) -> tuple[Identity, int]:
-        known = self._identities.get(index)
-        if known is None:
-            import cudalab
-
-            known = (Identity.current(device=index, allocator="cudalab"),
-                     int(cudalab.get_device_properties(index).total_memory))
-            self._identities[index] = known
-            self._nvml[index] = _NvmlState(index)
-        return known
-
-    def sample(self, device: int, now: float | None = None) -> DeviceSample:
-        """A :class:`DeviceSample` of ``device``: its ``memory_stats()`` figures, private
-        pools and NVML figures (one NVML query failing leaves the others)."""
-        import cudalab
-
-        identity, capacity = self._device(device)
-        stats = cudalab.memory_stats(device)
-        figures: dict[str, Any] = {name: stats.get(key, 0) for name, key in ALLOCATOR_FIGURES}
-        # private pools (graph captures, MemPool): [] without any, at no cost
-        figures["pools"] = tuple(cudalab.memory.private_pools(device))
-        state = self._nvml[device]
-        figures["nvml_error"] = state.error
-        if state.nvml is not None:
-            figures.update(_nvml_figures(state.nvml, state.uuid))
-        return DeviceSample(time=time.time() if now is None else now, source=self.name,
-                            identity=identity, capacity=capacity, **figures)
-
-    def reset_peaks(self, device: int) -> None:
-        """``cudalab.memory.reset_peak_memory_stats(device)``."""
-        import cudalab
-
-        cudalab.reset_peak_memory_stats(device)
-
-    def release_cache(self) -> None:
-        """``cudalab.memory.empty_cache()``."""
-        import cudalab
-
-        cudalab.empty_cache()
-
-    def snapshot(self) -> dict[str, Any]:
-        """``cudalab.memory._snapshot()``."""
-        from cudalab.memory_tools.snapshot import take_snapshot
-
-        return take_snapshot()
-
-
-def _nvml_figures(nv: Any, uuid: str) -> dict[str, Any]:
-    """The NVML figures of the device ``uuid``: those a query gave (a metric the device
-    does not support is left out; the others still read)."""
-    out: dict[str, Any] = {}
-    queries: tuple[tuple[tuple[str | None, ...], Any], ...] = (
-        (("utilization", "memory_utilization"), nv.utilization),
-        (("temperature",), nv.temperature),
-        (("power_draw",), nv.power_usage),
-        (("clock_rate",), nv.clock_sm),
-        (("nvml_total", None, "nvml_used"), nv.memory_info),
-    )
-    for keys, query in queries:
-        try:
-            value = query(uuid)
-        except Exception:  # one metric not supported: the others still read
-            continue
-        if len(keys) == 1:
-            out[keys[0] or ""] = value
-        else:
-            for k, v in zip(keys, value):
-                if k is not None:
-                    out[k] = v
-    try:
-        procs = nv.processes(uuid)
-    except Exception:
-        procs = None
-    if procs is not None:
-        pid = os.getpid()
-        out["processes"] = len(procs)
-        out["all_processes_used"] = sum(u for _, u in procs if u is not None)
-        mine = [u for p, u in procs if p == pid]
-        out["process_used"] = mine[0] if mine and mine[0] is not None else None
-    return out

@@ -17,7 +17,7 @@ How it stays cheap and safe:
 
 * one daemon sampler thread per dashboard asks its source
   (:class:`~cudalab.memory_tools.samples.SampleSource`; by default
-  :class:`~cudalab.memory_tools.samples.CudalabSource`: ``memory_stats`` and NVML) for a
+  :class:`~cudalab.memory_sources.CudalabSource`: ``memory_stats`` and NVML) for a
   :class:`~cudalab.memory_tools.samples.DeviceSample` of each device every
   ``interval`` seconds into ring buffers and pushes widget updates inside ``hold_sync``, at
   most ``max_rate`` pushes per second; it never prints and never uses ``Output`` widgets (both
@@ -57,7 +57,8 @@ import numpy as np
 
 from cudalab import _internal
 from cudalab._internal import format_bytes
-from cudalab.memory_tools.samples import CudalabSource, DeviceSample, SampleSource
+from cudalab.memory_sources import CudalabSource
+from cudalab.memory_tools.samples import DeviceSample, SampleSource
 from cudalab.widgets.dashboard_chart import draw_chart, nice_max, palette_png
 from cudalab.widgets.dashboard_device import DashboardDevice
 
@@ -163,7 +164,7 @@ class MemoryDashboard(W.VBox):
     ``fallback``: add the static PNG/HTML picture to the display bundle; ``start``: start
     the sampler thread now (else call :meth:`start`); ``source``: where the samples come
     from and what the buttons do (a :class:`~cudalab.memory_tools.samples.SampleSource`;
-    default: cudalab's allocator and NVML, :class:`~cudalab.memory_tools.samples.CudalabSource`).
+    default: cudalab's allocator and NVML, :class:`~cudalab.memory_sources.CudalabSource`).
     The dashboard renders the source's samples only: it never reads an allocator or NVML.
 
     Attributes: :attr:`samples` (per device, the ring buffers as numpy arrays via

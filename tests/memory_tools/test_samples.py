@@ -1,5 +1,6 @@
-"""cudalab.memory_tools.samples: DeviceSample records and CudalabSource, the source of the
-memory dashboard (its figures are memory_stats()'s, its identity says where they came from)."""
+"""cudalab.memory_tools.samples' DeviceSample records and cudalab.memory_sources'
+CudalabSource, the source of the memory dashboard (its figures are memory_stats()'s, its
+identity says where they came from)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import pytest
 import cudalab
 import cudalab.memory as cm
 from cudalab.identity import Identity
+from cudalab.memory_sources import CudalabSource
 from cudalab.memory_tools.samples import (
     ALLOCATOR_FIGURES,
     NVML_FIGURES,
-    CudalabSource,
     DeviceSample,
     SampleSource,
 )
@@ -82,13 +83,13 @@ def test_nvml_figures_on_the_simulator(allocations):
 
 
 def test_an_unusable_nvml_leaves_every_nvml_figure_none(monkeypatch):
-    from cudalab.memory_tools import samples
+    from cudalab import memory_sources
 
     def broken(index):
         raise RuntimeError("no NVML here")
 
     cudalab.init()
-    monkeypatch.setattr(samples._nvml_api, "resolve_device", broken)
+    monkeypatch.setattr(memory_sources._nvml_api, "resolve_device", broken)
     s = CudalabSource().sample(0)
     assert s.nvml_error == "NVML unavailable (RuntimeError)"
     assert all(getattr(s, name) is None for name in NVML_FIGURES)
