@@ -77,6 +77,8 @@ static PyObject *error_for = NULL;
 /* Interned attribute names of a CudaKernelArgs (created at import). */
 static PyObject *str_native = NULL;
 static PyObject *str_set = NULL;
+/* (0,): event_record's answer for CUDA_SUCCESS (created at import, immutable, never freed). */
+static PyObject *success_tuple = NULL;
 
 static int
 unsigned_of(PyObject *value, unsigned int *out, const char *what)
@@ -210,6 +212,9 @@ event_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     CUresult_t result;
     if (call_two_handles(args, nargs, "event_record", event_record_ptr, &result) < 0) {
         return NULL;
+    }
+    if (result == 0) { /* the common answer: one shared (0,), no format parsed, no tuple made */
+        return Py_NewRef(success_tuple);
     }
     return Py_BuildValue("(i)", result);
 }
@@ -772,6 +777,9 @@ PyInit_fastcall(void)
         return NULL;
     }
     if (str_set == NULL && (str_set = PyUnicode_InternFromString("set")) == NULL) {
+        return NULL;
+    }
+    if (success_tuple == NULL && (success_tuple = Py_BuildValue("(i)", 0)) == NULL) {
         return NULL;
     }
     return PyModule_Create(&module_def);

@@ -84,7 +84,8 @@ def test_elapsed_times_check_their_arguments_first():
 
 
 # cuEventElapsedTime stood in for by a ctypes callback: each pair read in order, the times as
-# the driver gives them, and a failure stops there with the times before it.
+# the driver gives them, and a failure stops there with the times before it; and
+# event_record's answers (a fake cuEventRecord).
 _FAKE_ELAPSED = textwrap.dedent("""
     import ctypes, json
     from cudalab._driver import fastcall
@@ -106,20 +107,32 @@ _FAKE_ELAPSED = textwrap.dedent("""
     n_ok = len(calls)
     failed = fastcall.event_elapsed_times((0x10, 0x66, 0x30), (0x12, 0x70, 0x31))
     empty = fastcall.event_elapsed_times([], [])
-    print("RESULT " + json.dumps([before, ok, n_ok, failed, calls[n_ok:], empty]))
+    # event_record: (0,) on success (one shared tuple), (CUresult,) on failure
+    P = ctypes.c_void_p
+    record = ctypes.CFUNCTYPE(ctypes.c_int, P, P)(lambda event, stream: 0 if event else 400)
+    unused = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 0)
+    entry = [ctypes.cast(unused, P).value] * 7
+    entry[1] = ctypes.cast(record, P).value
+    fastcall.setup(*entry, lambda code, call: None)
+    records = [fastcall.event_record(1, 2), fastcall.event_record(0, 2)]
+    shared = fastcall.event_record(1, 2) is fastcall.event_record(3, 4)
+    print("RESULT " + json.dumps([before, ok, n_ok, failed, calls[n_ok:], empty, records,
+                                  shared]))
 """)
 
 
-def test_elapsed_times_read_every_pair_and_stop_at_a_failure():
+def test_elapsed_times_read_every_pair_and_stop_at_a_failure_and_record_answers():
     out = subprocess.run([sys.executable, "-c", _FAKE_ELAPSED], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    before, ok, n_ok, failed, failed_calls, empty = json.loads(line[len("RESULT "):])
+    before, ok, n_ok, failed, failed_calls, empty, records, shared = json.loads(
+        line[len("RESULT "):])
     assert "setup() has not given" in before
     assert ok == [0, [0.5, 2.5, 0.25]] and n_ok == 3
     assert failed == [700, [0.5]] and failed_calls == [[0x10, 0x12], [0x66, 0x70]]
     assert empty == [0, []]
+    assert records == [[0], [400]] and shared
 
 
 def test_setup_refuses_bad_addresses_without_changing_anything():
