@@ -48,6 +48,7 @@ from cudalab._driver.base import (
     GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH,
     GRAPH_INSTANTIATE_USE_NODE_PRIORITY,
 )
+from cudalab._kernels.fill import FILL_KERNELS
 from cudalab.allocator.pools import check_pool_id, new_graph_pool_id
 from cudalab.allocator.registry import get_allocator
 from cudalab.random import Generator, PhiloxState
@@ -103,6 +104,20 @@ def _release_deferred() -> None:
 #: the streams module's map, whose emptiness the fills read (``cudalab.streams.open_captures``).
 _capturing: dict[int, CUDAGraph] = _streams.open_captures
 _map_lock = threading.Lock()
+
+
+def _load_fill_kernels(backend: Any, device: int) -> None:
+    """Load the fill kernels on ``device`` before a capture begins: ``fill_`` takes them
+    while a graph captures (a kernel node replays far cheaper than a memset node), also for
+    the patterns an eager warm-up fills with a memset, and a module load is best kept out of
+    the capture (after the first capture on a device: four dictionary reads). A device whose
+    kernels cannot load (no NVRTC) still captures what needs none; its fills then fail in
+    the capture as any kernel would."""
+    for kernel in FILL_KERNELS.values():
+        try:
+            kernel.get_function(device, backend)
+        except Exception:  # noqa: BLE001 - see the docstring
+            return
 
 
 def capture_mode(capture_error_mode: Any) -> int:
@@ -238,6 +253,7 @@ class CUDAGraph:
             self._states[default_state] = 0
         for st in self._states:
             st.capture_prologue(stream)
+        _load_fill_kernels(b, dev)
         self._backend, self._device, self._stream, self._mode = b, dev, stream, mode
         self._pool = new_graph_pool_id() if pid is None else pid
         capture_id = [0]  # read by the filter: set once the capture has begun

@@ -106,3 +106,36 @@ def test_an_eager_fill_beside_a_capture_is_right():
     np.testing.assert_array_equal(other.numpy(), np.full(256, 3.0, np.float32))
     g.replay()
     np.testing.assert_array_equal(a.numpy(), np.full(256, 1.0, np.float32))
+
+
+def test_the_fill_kernels_load_before_the_capture(monkeypatch):
+    """A fill in a capture takes a kernel even where an eager warm-up took a memset: the
+    kernels are loaded at capture_begin, so no module load happens inside the capture."""
+    from cudalab import _internal
+    from cudalab._kernels.fill import FILL_KERNELS
+
+    backend = _internal.backend()
+    for kernel in FILL_KERNELS.values():  # as in a process that never launched them
+        monkeypatch.setattr(kernel, "_functions", {})
+        monkeypatch.setattr(kernel, "_tls", type(kernel._tls)())
+    loads = []
+    load = backend.module_load
+
+    def spy(device, image):
+        loads.append(bool(streams.open_captures))
+        return load(device, image)
+
+    monkeypatch.setattr(backend, "module_load", spy)
+    a = cudalab.array.zeros((256,), np.float32)
+    a.fill_(1.0)  # the eager warm-up: a memset, no kernel
+    assert loads == []
+    s = _side_stream()
+    g = cudalab.CUDAGraph(keep_graph=True)
+    with cudalab.stream(s):
+        g.capture_begin()
+        a.fill_(2.0)
+        g.capture_end()
+    assert g.node_kinds() == ["kernel"]
+    assert len(loads) == len(FILL_KERNELS) and not any(loads)  # all before the capture
+    g.replay()
+    np.testing.assert_array_equal(a.numpy(), np.full(256, 2.0, np.float32))
