@@ -51,6 +51,9 @@ __all__ = [
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 #: The registry's per-device allocators (the list object itself: never replaced).
 _allocators = _registry.allocators
+#: The captures in progress (``cudalab.streams.open_captures``, the dict itself: never
+#: replaced); a fill reads only whether it is empty.
+_open_captures = _streams.open_captures
 
 #: The fill kernel's launch shape: 256 threads per block, at most 8192 blocks (grid-stride).
 _FILL_BLOCK = 256
@@ -467,7 +470,7 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
     h = stream.handle
     nbytes = count * len(pattern)
     itemsize = len(pattern)
-    if _streams.open_captures and itemsize <= 8:  # (one global read while no graph captures)
+    if _open_captures and itemsize <= 8:  # (one global read while no graph captures)
         # Some stream is capturing a graph: a kernel node replays for a fraction of a memset
         # node's host cost (torch's fill_ is a kernel too); legal on any stream. Narrow items
         # are widened to 8 bytes where the address and size allow (8 bytes stored a thread).

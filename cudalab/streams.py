@@ -388,6 +388,7 @@ custom_stream_tokens: list[None] = []
 #: abandoned (by :mod:`cudalab.graphs.cuda_graph`, its ``_capturing``, under its lock).
 #: Elsewhere only read for emptiness, one global read: empty means no stream is capturing
 #: into a CUDAGraph (``DeviceArray.fill_`` then may queue memsets, which replay slowly).
+#: The dict itself is never replaced (its readers bind it).
 open_captures: dict[int, Any] = {}
 
 
