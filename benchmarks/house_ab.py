@@ -1,4 +1,4 @@
-"""The house's hot paths in two checkouts side by side: before/after tables for a refactor.
+"""Hot-path benchmark of two checkouts side by side: before/after tables for a refactor.
 
 Rows (µs per operation, cudalab's public API only, so an older BEFORE checkout runs them too):
 

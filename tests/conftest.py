@@ -7,15 +7,15 @@
 
 ``--shard K/N`` runs a deterministic share of the test files and ``--shard-durations-out``
 records what each file took (``tests/helpers/shard.py``; ``bash .ci/gpu-run --shard 1/2``).
-Under pytest-xdist a test marked ``alone`` runs with no other test beside it
-(``tests/helpers/alone.py``).
+Under pytest-xdist ``with run_lock.alone():`` runs a block of a test with no other test
+beside it (``tests/helpers/alone.py``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers.alone import hold  # noqa: E402
+from tests.helpers.alone import RunLock  # noqa: E402
 from tests.helpers.gpu import BACKEND as _BACKEND  # noqa: E402 - decides the backend first
 from tests.helpers.gpu import HAS_GPU  # noqa: E402
 from tests.helpers.gpu import REASON as _REASON  # noqa: E402
@@ -31,8 +31,6 @@ def pytest_configure(config):
     config.pluginmanager.register(ShardPlugin(config), "cudalab-shard")
     config.addinivalue_line("markers", "gpu: needs a real CUDA GPU (skipped on the simulator)")
     config.addinivalue_line("markers", "multigpu: needs at least two real GPUs")
-    config.addinivalue_line("markers", "alone: runs with no other test beside it under pytest-xdist "
-                            "(a time budget over several processes; tests/helpers/alone.py)")
 
 
 def pytest_report_header(config):
@@ -47,10 +45,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _alone_or_shared(request, tmp_path_factory):
-    """Under pytest-xdist, an ``alone`` test runs with no other test beside it."""
-    with hold(tmp_path_factory.getbasetemp().parent, request.node.get_closest_marker("alone") is not None):
-        yield
+def run_lock(tmp_path_factory):
+    """The run's lock, held shared by every test; ``with run_lock.alone():`` runs a block with
+    no other test beside it under pytest-xdist (tests/helpers/alone.py)."""
+    lock = RunLock(tmp_path_factory.getbasetemp().parent)
+    try:
+        yield lock
+    finally:
+        lock.release()
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""``@pytest.mark.alone`` (tests/helpers/alone.py): under pytest-xdist no other test runs while
-an ``alone`` test does; without the lock they do overlap (so the check can fail)."""
+"""``run_lock.alone()`` (tests/helpers/alone.py): under pytest-xdist no other test runs while a
+test is inside it; without the lock they do overlap (so the check can fail)."""
 
 from __future__ import annotations
 
@@ -16,22 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 _CONFTEST = """
 import os
 import pytest
-from tests.helpers.alone import hold
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "alone: runs alone")
+from tests.helpers.alone import RunLock
 
 @pytest.fixture(autouse=True)
-def _alone_or_shared(request, tmp_path_factory):
-    if os.environ.get("ALONE_OFF"):
-        yield
-        return
-    with hold(tmp_path_factory.getbasetemp().parent, request.node.get_closest_marker("alone") is not None):
-        yield
+def run_lock(tmp_path_factory):
+    lock = RunLock(tmp_path_factory.getbasetemp().parent)
+    yield lock
+    lock.release()
 """
 
 _TESTS = """
-import json, os, time
+import contextlib, json, os, time
 import pytest
 
 def _span(name, seconds):
@@ -40,9 +35,11 @@ def _span(name, seconds):
     with open(os.path.join(os.environ["SPANS"], f"{{name}}.json"), "w") as f:
         json.dump([t0, time.time()], f)
 
-{alone}
-def test_{name}(i):
-    _span(f"{name}{{i}}", {seconds})
+@pytest.mark.parametrize("i", range({n}))
+def test_{name}(i, run_lock):
+    time.sleep(0.05)  # (outside the block: the test runs beside others until it enters)
+    with (run_lock.alone() if {alone} and not os.environ.get("ALONE_OFF") else contextlib.nullcontext()):
+        _span(f"{name}{{i}}", {seconds})
 """
 
 
@@ -72,10 +69,7 @@ def test_an_alone_test_runs_with_no_other_beside_it(tmp_path):
     pytest.importorskip("xdist", reason="pytest-xdist is not installed (the dev extra brings it)")
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "conftest.py").write_text(_CONFTEST)
-    params = "@pytest.mark.parametrize('i', range({n}))"
-    (tmp_path / "t" / "test_alone.py").write_text(_TESTS.format(
-        name="alone", seconds=0.6, alone=params.format(n=2) + "\n@pytest.mark.alone"))
-    (tmp_path / "t" / "test_other.py").write_text(_TESTS.format(
-        name="other", seconds=0.15, alone=params.format(n=12)))
+    (tmp_path / "t" / "test_alone.py").write_text(_TESTS.format(name="alone", seconds=0.6, alone=True, n=2))
+    (tmp_path / "t" / "test_other.py").write_text(_TESTS.format(name="other", seconds=0.15, alone=False, n=12))
     assert _overlaps(*_spans(tmp_path, off=False)) == 0
     assert _overlaps(*_spans(tmp_path, off=True)) > 0  # the check can fail

@@ -55,10 +55,6 @@ from collections.abc import Iterator
 
 import pytest
 
-# (their budgets time a server, its kernel and Chromium together: no other test runs beside them
-# under the README's two pytest-xdist workers)
-pytestmark = pytest.mark.alone
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = os.environ.get("CUDALAB_CHROMIUM", "/usr/bin/chromium")
@@ -336,19 +332,23 @@ def _kernel_scenario(kind: str, tmp_path: pathlib.Path) -> None:
             raise
 
 
-def test_dashboard_and_viewer_in_jupyterlab(tmp_path):
+# (Each test runs its scenario with run_lock.alone(): the budgets time a server, its kernel and
+# Chromium together, so no other test runs beside them under the README's pytest-xdist workers.)
+def test_dashboard_and_viewer_in_jupyterlab(tmp_path, run_lock):
     _requirements("jupyterlab", "ipykernel")
-    _kernel_scenario("jupyterlab", tmp_path)
+    with run_lock.alone():
+        _kernel_scenario("jupyterlab", tmp_path)
 
 
-def test_dashboard_and_viewer_in_notebook7(tmp_path):
+def test_dashboard_and_viewer_in_notebook7(tmp_path, run_lock):
     _requirements("notebook", "ipykernel")
     import notebook
 
     major = int(notebook.__version__.split(".")[0])
     if major < 7:
         pytest.skip(f"notebook {notebook.__version__} is not Notebook 7 (pip install 'notebook>=7')")
-    _kernel_scenario("notebook7", tmp_path)
+    with run_lock.alone():
+        _kernel_scenario("notebook7", tmp_path)
 
 
 # --------------------------------------------------------------------------- html-manager
@@ -395,10 +395,15 @@ def _wait(cond, timeout: float = 10.0, what: str = "") -> None:
         time.sleep(0.02)
 
 
-def test_dashboard_and_viewer_in_html_manager(tmp_path):
+def test_dashboard_and_viewer_in_html_manager(tmp_path, run_lock):
     """VS Code's widget renderer, not VS Code: see the module docstring."""
     _requirements()
     dist, version = _html_manager()
+    with run_lock.alone():
+        _html_manager_scenario(tmp_path, dist, version)
+
+
+def _html_manager_scenario(tmp_path: pathlib.Path, dist: pathlib.Path, version: str) -> None:
     from ipywidgets.embed import dependency_state, embed_minimal_html
 
     import cudalab

@@ -27,6 +27,8 @@ def graph_and_user_pool():
     """A MemPool holding 4 KiB and a graph pool (kept) holding 1 KiB, both on device 0,
     recorded from the start; yields (user id, graph id)."""
     cudalab.init()
+    gc.collect()
+    cm.empty_cache()  # pools earlier tests left freeable (use count 0, a cached segment): gone
     cm._record_memory_history(None)
     a = get_allocator(0)
     rec = cm.record_history()
