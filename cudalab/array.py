@@ -58,6 +58,7 @@ from cudalab._dtypes import (
     normalize_shape,
     size_args,
 )
+from cudalab._kernels.elementwise import check_overlap
 from cudalab._kernels.kernel import register_pointer_type
 
 __all__ = [
@@ -427,6 +428,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             return converting_copy(self, src)  # casts and broadcasts (torch's copy_)
         n = self.byte_count
         if n:
+            if src.device_index == self.device_index:
+                check_overlap(self, (src,))  # (b[1:].copy_(b[:-1]): torch's error)
             device_copy(self.device_index, self.ptr, src.device_index, src.ptr, n)
         return self
 

@@ -59,7 +59,7 @@ from cudalab._kernels.elementwise_source import (
 )
 from cudalab._kernels.kernel import Kernel, check_compiles
 
-__all__ = ["ElementwiseFunction", "run", "extra_value", "kernels_for", "MAX_INPUTS", "MAX_OUTPUTS", "BLOCK", "MAX_GRID",
+__all__ = ["ElementwiseFunction", "run", "check_overlap", "extra_value", "kernels_for", "MAX_INPUTS", "MAX_OUTPUTS", "BLOCK", "MAX_GRID",
            "RESULT_COMMON", "RESULT_BOOL", "RESULT_FLOAT", "RESULT_REAL"]
 
 #: torch's limit on jiterator inputs.
@@ -500,6 +500,8 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
                 for dt in plan.out_dtypes]
     else:
         outs = list(out)
+        for o in outs:
+            check_overlap(o, arrays)
     if plan.n == 0:
         return outs
     ptrs: list[int | float] = [plan.n]
@@ -531,14 +533,40 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
     return outs
 
 
+#: torch's error for an operation whose input partly overlaps the memory it writes.
+OVERLAP_MESSAGE = ("unsupported operation: some elements of the input tensor and the "
+                   "written-to tensor refer to a single memory location. Please clone() the "
+                   "tensor before performing the operation.")
+
+
+def check_overlap(written: Any, inputs: Sequence[Any]) -> None:
+    """Raise torch's RuntimeError when an array of ``inputs`` shares some, but not exactly
+    all, of the memory ``written`` is written through (``c[1:] += c[:-1]``): the result would
+    depend on the order the GPU's threads run in. The same memory seen the same way
+    (``a += a``) is allowed, as in torch."""
+    if not written.byte_count:
+        return
+    start, length = _extent(written)
+    end = start + length
+    for x in inputs:
+        if x is written or not x.byte_count:
+            continue
+        low, size = _extent(x)
+        if low < end and start < low + size and not (
+                x.ptr == written.ptr and x.dims == written.dims
+                and x.strides_or_none == written.strides_or_none
+                and x.element_dtype.itemsize == written.element_dtype.itemsize):
+            raise RuntimeError(OVERLAP_MESSAGE)
+
+
 def _extent(x: Any) -> tuple[int, int]:
     """``(first byte, bytes)`` that array ``x`` spans (views: from its lowest to its highest
     element), the range an elementwise kernel reads or writes, for the stream sanitizer."""
     if x.contiguous:
-        return x.ptr, x.nbytes
-    itemsize = x.dtype.itemsize
+        return x.ptr, x.byte_count
+    itemsize = x.element_dtype.itemsize
     low = high = 0
-    for n, st in zip(x.shape, x.strides):
+    for n, st in zip(x.dims, x.strides):
         if n == 0:
             return x.ptr, 0
         if st < 0:
@@ -584,8 +612,8 @@ class _Spec:
     """A stand-in operand for :func:`kernels_for`: an array's layout without memory."""
 
     def __init__(self, dtype: np.dtype, strided: bool, large: bool):
-        self.dtype = dtype
-        self.shape = (2**26, 32) if large else (64, 32)
+        self.dtype = self.element_dtype = dtype
+        self.shape = self.dims = (2**26, 32) if large else (64, 32)
         self.contiguous = not strided
         self.strides = (dtype.itemsize, self.shape[0] * dtype.itemsize) if strided else (
             32 * dtype.itemsize, dtype.itemsize)
