@@ -51,7 +51,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, NamedTuple, Protocol, Self, SupportsIndex, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, SupportsIndex, TypeVar
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; the package supports 3.10
+    from typing import Self
 
 __all__ = [
     "FAMILIES",
