@@ -45,7 +45,7 @@ from cudalab._kernels.elementwise import (
     run,
 )
 
-__all__ = ["OperatorsMixin", "where", "OPERATIONS", "DISCARD_IMAGINARY"]
+__all__ = ["OperatorsMixin", "where", "OPERATIONS", "DISCARD_IMAGINARY", "DtypeNotImplementedError"]
 
 
 def _code(name: str, params: str, body: str, returns: str = "T") -> str:
@@ -61,11 +61,17 @@ def _by_category(float_code: str, int_code: str, complex_code: str | None = None
     return code
 
 
+class DtypeNotImplementedError(NotImplementedError, TypeError):
+    """torch's "not implemented for 'ComplexFloat'" error: a NotImplementedError, as torch's
+    (its dispatch raises c10::NotImplementedError), and a TypeError, as cudalab's was."""
+
+
 def _refuse(op: str, kinds: tuple[int, ...]) -> Any:
     """A dtype check raising torch's "not implemented for" error outside ``kinds``."""
     def check(common: np.dtype, dtypes: list[np.dtype]) -> None:
         if tp.category(common) not in kinds:
-            raise TypeError(f'"{op}_cuda" not implemented for \'{tp.torch_name(common)}\'')
+            raise DtypeNotImplementedError(
+                f'"{op}_cuda" not implemented for \'{tp.torch_name(common)}\'')
     return check
 
 
@@ -186,6 +192,15 @@ def _is_operand(x: Any) -> bool:
     return isinstance(x, _OPERANDS)
 
 
+def _negative_integer_power(inputs: list[Any]) -> bool:
+    """``int_array ** -n``: an integer array to a negative integer scalar (torch refuses it;
+    an integer array of exponents is computed, as torch's)."""
+    base, exponent = inputs
+    return (isinstance(base, OperatorsMixin) and base.element_dtype.kind in "iu"
+            and isinstance(exponent, (int, np.integer)) and not isinstance(exponent, bool)
+            and exponent < 0)
+
+
 def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
     if op == "sub":
         bools = [_dtype_of(x) == np.bool_ for x in inputs]
@@ -195,8 +210,11 @@ def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
             raise RuntimeError(_SUB_ONE_BOOL)
     elif op == "neg" and inputs[0].dtype == np.bool_:
         raise RuntimeError(_NEG_BOOL)
-    elif op == "pow" and _is_complex_square(inputs):
-        op, inputs = "mul", [inputs[0], inputs[0]]  # torch: a complex ** 2.0 is base * base
+    elif op == "pow":
+        if _is_complex_square(inputs):
+            op, inputs = "mul", [inputs[0], inputs[0]]  # torch: a complex ** 2.0 is base * base
+        elif _negative_integer_power(inputs):
+            raise RuntimeError("Integers to negative integer powers are not allowed.")
     elif op == "mul" and isinstance(inputs[1], _SCALARS) and isinstance(
             inputs[0], OperatorsMixin) and (inputs[0].element_dtype.kind == "c" or isinstance(inputs[1], (complex, np.complexfloating))):
         # torch multiplies by a scalar as scalar * array (opmath_symmetric_gpu_kernel_with_

@@ -202,7 +202,18 @@ class ReductionsMixin:
 
 
 # --------------------------------------------------------------------------- checks
+def _keepdim(what: str, keepdim: Any) -> bool:
+    """``keepdim`` as a bool: a Python or numpy bool, else TypeError (torch's argument
+    parser takes nothing else)."""
+    if keepdim is True or keepdim is False:
+        return keepdim
+    if isinstance(keepdim, np.bool_):
+        return bool(keepdim)
+    raise TypeError(f"{what}(): argument 'keepdim' must be bool, not {type(keepdim).__name__}")
+
+
 def _extreme(array: ArrayState, what: str, dim: Any, axis: Any, keepdim: bool) -> Any:
+    keepdim = _keepdim(what, keepdim)
     if array.dtype.kind == "c":
         raise RuntimeError(f"{what}(): does not support complex input")
     dims = _dims_arg(what, dim, axis, array.ndim, False)
@@ -238,6 +249,7 @@ def _reduction(array: ArrayState, op: str, dims: tuple[int, ...] | None, keepdim
                with_indices: bool = False) -> Any:
     """Reduce ``dims`` (None: all) of ``array`` with ``op`` ("sum", "mean",
     "max", "min")."""
+    keepdim = _keepdim(op, keepdim)
     rk = _reduce_module()
     ndim = array.ndim
     axes = tuple(range(ndim)) if dims is None else dims

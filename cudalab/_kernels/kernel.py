@@ -415,7 +415,16 @@ class Kernel:
 
     # ----------------------------------------------------------------- compile and load
     def cubin(self, arch: str = "sm_90") -> bytes:
-        """The CUBIN image for ``arch`` (compiled once, then from the caches)."""
+        """The CUBIN image for ``arch`` (compiled once, then from the caches).
+
+        Raises
+        ------
+        TypeError
+            ``arch`` is not a string such as ``"sm_90"``.
+        """
+        if not isinstance(arch, str):
+            raise TypeError(f"Kernel.cubin: arch must be an architecture string such as "
+                            f"'sm_90', got {arch!r}")
         return get_cubin(self.source, self.name, arch, self.options)
 
     def get_function(self, device: int, backend: Backend | None = None) -> Any:

@@ -22,6 +22,7 @@ later step run on the current streams.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -102,6 +103,19 @@ def reorder_like(arrays: Sequence[Any], order: Sequence[Any]) -> list[Any]:
     return [next(iterators[a.dtype]) for a in order]
 
 
+def _buffer_size(size: Any) -> int:
+    """``buffer_size`` as an int >= 0 (torch's is a C++ size_t): TypeError for a non-integer,
+    ValueError for a negative one."""
+    try:
+        size = operator.index(size)
+    except TypeError:
+        raise TypeError(f"buffer_size must be an int (bytes), got "
+                        f"{type(size).__name__}") from None
+    if size < 0:
+        raise ValueError(f"buffer_size must be >= 0 (bytes), got {size}")
+    return size
+
+
 # --------------------------------------------------------------------------- broadcast
 def broadcast_coalesced(arrays: Iterable[DeviceArray], devices: Iterable[Any],
                         buffer_size: int = DEFAULT_BUFFER_SIZE) -> list[list[DeviceArray]]:
@@ -128,6 +142,8 @@ def broadcast_coalesced(arrays: Iterable[DeviceArray], devices: Iterable[Any],
     RuntimeError
         An array is not on ``devices[0]`` (``All tensors must be on devices[0]: 0``), or a
         device index is negative.
+    TypeError, ValueError
+        ``buffer_size`` is not an int, or is negative.
 
     Notes
     -----
@@ -135,6 +151,7 @@ def broadcast_coalesced(arrays: Iterable[DeviceArray], devices: Iterable[Any],
     uses it). Reported to the collective observers once, as ``"comm.broadcast_coalesced"``
     with S = the bytes of all the arrays and bus factor 1.
     """
+    buffer_size = _buffer_size(buffer_size)
     with nvtx.range("comm.broadcast_coalesced"):
         devices = _common.parse_devices(devices)
         arrays = list(arrays)
@@ -190,6 +207,7 @@ def reduce_add_coalesced(inputs: Iterable[Iterable[DeviceArray]], destination: A
     where torch uses it). Reported to the collective observers once, as
     ``"comm.reduce_add_coalesced"`` with S = the bytes of one device's list and bus factor 1.
     """
+    buffer_size = _buffer_size(buffer_size)
     with nvtx.range("comm.reduce_add_coalesced"):
         lists = [list(per_device) for per_device in inputs]
         dest = _internal.device_index(destination)

@@ -11,6 +11,7 @@ Results come from the caching allocator; copies run on the current streams (scat
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -149,13 +150,23 @@ def scatter(array: Any, devices: Iterable[Any] | None = None,
     return results
 
 
+def _chunk_size(size: Any) -> int:
+    """One of ``chunk_sizes`` as an int: an integer (Python's or numpy's), else TypeError
+    (torch: a tuple of ints; 2.5 is not truncated to 2)."""
+    try:
+        return operator.index(size)
+    except TypeError:
+        raise TypeError(f"scatter(): argument 'chunk_sizes' must be a sequence of ints, but "
+                        f"found an element of type {type(size).__name__}") from None
+
+
 def _scatter_to_devices(array: Any, devices: list[int], chunk_sizes: Iterable[int] | None,
                         dim: int, streams: Sequence[Any] | None) -> tuple[Any, ...]:
     if not devices:
         raise RuntimeError("Expected at least one device to scatter to")
     sizes = None
     if chunk_sizes is not None:
-        sizes = [int(s) for s in chunk_sizes]
+        sizes = [_chunk_size(s) for s in chunk_sizes]
         if len(sizes) != len(devices):
             raise RuntimeError(f"Expected devices and chunk_sizes to be of same length, but got "
                                f"len(devices) = {len(devices)} and len(chunk_sizes) = "
