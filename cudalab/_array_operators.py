@@ -198,7 +198,7 @@ def _negative_integer_power(inputs: list[Any]) -> bool:
     base, exponent = inputs
     return (isinstance(base, OperatorsMixin) and base.element_dtype.kind in "iu"
             and isinstance(exponent, (int, np.integer)) and not isinstance(exponent, bool)
-            and exponent < 0)
+            and bool(exponent < 0))
 
 
 def _apply(op: str, inputs: list[Any], out: Any = None) -> Any:
