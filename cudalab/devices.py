@@ -249,6 +249,11 @@ _init_lock = threading.RLock()
 #: True once CUDA is initialised in this process (False again in a forked child); while
 #: True, :func:`backend` returns at once and :data:`seam_fast_calls` is set.
 initialized = False
+#: True while :data:`initialized` is and the process sees exactly one device: the current
+#: device is then 0 in every thread (set_device accepts no other), so the hot paths skip
+#: the per-thread read (cudalab.memory's caching_allocator_alloc). Set and cleared with
+#: initialized (init, the child of a fork).
+sole_device = False
 _in_bad_fork = False
 _count = 0  # valid after init
 _props: list[DeviceProperties | None] = []
@@ -263,10 +268,10 @@ _SIMULATOR_HINT = "To run without a GPU, set CUDALAB_SIMULATOR=1 or call cudalab
 
 
 def _after_fork_in_child() -> None:
-    global initialized, _in_bad_fork
+    global initialized, _in_bad_fork, sole_device
     if initialized:
         _in_bad_fork = True
-        initialized = False
+        initialized = sole_device = False
 
 
 if hasattr(os, "register_at_fork"):
@@ -292,7 +297,7 @@ def lazy_init() -> None:
 
 
 def _do_init() -> None:
-    global initialized, _count, _props, _backend_obj, seam_fast_calls
+    global initialized, _count, _props, _backend_obj, seam_fast_calls, sole_device
     if initialized:
         return
     if _in_bad_fork:
@@ -313,6 +318,7 @@ def _do_init() -> None:
     seam_fast_calls = seam.fast_calls()
     _count = count
     _props = [None] * count
+    sole_device = count == 1
     initialized = True
 
 

@@ -98,13 +98,21 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
     (:class:`~cudalab.allocator.inspection.Inspection`). The hot paths are here.
     """
 
-    # What the cache hit and the memo's free read live in slots (an instance with this many
-    # attributes keeps them in a dict, each access then a few ns slower); the rest (and
-    # subclasses') in the instance dict.
+    # What the cache hit and the memo's free read live in slots; so do the memo's other
+    # fields and the flags of the plain paths, so that the instance dict keeps at most 30
+    # names (CPython's limit for an object's attributes to stay inline, in the class's shared
+    # keys). Past it the object's dict is materialised, and then no method call on the
+    # allocator (``a.malloc(...)``, ``a.free(...)`` in cudalab.memory's torch-style pair)
+    # can be specialised by the interpreter: each looks the method up in full (~40 ns).
+    # tests/allocator/test_pair_fast_path.py keeps it so. The rest (and subclasses') in
+    # the instance dict.
     __slots__ = ("_take", "_give", "_hit_size", "_hit_stream", "_hit_none",
                  "_ready", "pending_frees", "live", "_memo_hits", "_trace", "memo_block",
                  "_tls_streams", "device", "_hit_log", "_hit_ap", "_hit_rec", "_hit_now", "_hit_fnow",
-                 "_memo_req0", "_captures")
+                 "_memo_req0", "_captures",
+                 "_memo_stream", "_memo_rem", "_memo_lo", "_memo_hi", "_memo_req", "_memo_req_max",
+                 "_memo_split", "_memo_ok", "_last", "_last_stream", "_gc_on", "_lock",
+                 "outstanding_events", "_n_pending", "_rounding", "_default_stream")
 
     # ------------------------------------------------------------------ public API
     def malloc(self, size: Any, stream: Any = None) -> int:

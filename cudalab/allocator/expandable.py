@@ -77,6 +77,11 @@ class ExpandableCachingAllocator(DeviceCachingAllocator):
     of these when the settings ask for expandable segments.
     """
 
+    # Its own fields in slots, so that its instance dict keeps at most 30 names, as
+    # DeviceCachingAllocator's (see there: past that, no method call on it is specialised).
+    __slots__ = ("_resolver_is_current", "_vm_cond", "_vm_busy", "_xsegs", "_xseg_starts",
+                 "_unmapped", "_pages", "_vm_total")
+
     _memo_class_ok = False  # its own malloc does not know the pair memo
     _expandable = True
 
