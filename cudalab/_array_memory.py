@@ -21,7 +21,7 @@ import numpy as np
 from cudalab import _internal, _interrupts, _observe
 from cudalab import streams as _streams
 from cudalab._array_state import ArrayState
-from cudalab._dtypes import SUPPORTED_DTYPES
+from cudalab._dtypes import FLOAT8_NAMES, SUPPORTED_DTYPES
 from cudalab._kernels.fill import FILL_KERNELS
 from cudalab.allocator import registry as _registry
 from cudalab.errors import StreamCaptureError, name_operation
@@ -372,13 +372,14 @@ def _strand(stream: _streams.Stream, buffer: Any) -> None:
     stranded[:] = still
 
 
-def converts_on_device(src: np.ndarray, shape: tuple[int, ...]) -> bool:
+def converts_on_device(src: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> bool:
     """Whether a copy of host ``src`` into an array of ``shape`` (and another dtype or shape)
-    uploads ``src`` as it is and converts it on the device, in stream order: a C-contiguous
-    source of a supported dtype that numpy broadcasts to ``shape`` (else it is converted on
-    the host, which also says why a shape does not fit)."""
-    if not src.flags.c_contiguous or src.dtype not in _SUPPORTED:
-        return False
+    uploads ``src`` as it is and converts it to ``dtype`` on the device, in stream order: a
+    C-contiguous source of a supported dtype that numpy broadcasts to ``shape``, and a
+    ``dtype`` with conversion kernels (else it is converted on the host, which also says why
+    a shape does not fit)."""
+    if not src.flags.c_contiguous or src.dtype not in _SUPPORTED or dtype.name in FLOAT8_NAMES:
+        return False  # (float8 has no conversion kernel: numpy's on the host)
     try:
         return np.broadcast_shapes(src.shape, shape) == shape
     except ValueError:

@@ -16,7 +16,7 @@ import numpy as np
 
 from cudalab._units import echo
 
-__all__ = ["SUPPORTED_DTYPES", "default_dtype_of", "normalize_dtype", "normalize_shape", "size_args"]
+__all__ = ["FLOAT8_NAMES", "SUPPORTED_DTYPES", "default_dtype_of", "normalize_dtype", "normalize_shape", "size_args"]
 
 #: dtypes a DeviceArray can hold (bfloat16 too when ml_dtypes is installed).
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
@@ -26,11 +26,26 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
 )
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 #: dtype arguments already seen (np.float32, "float32", np.dtype(...)) -> their dtype.
-#: Invariant: every value is in ``_SUPPORTED`` or is ml_dtypes' bfloat16; at most 256 entries.
+#: Invariant: every value is in ``_SUPPORTED`` or is ml_dtypes' bfloat16 or float8 (FLOAT8_NAMES);
+#: at most 256 entries.
 _DTYPE_CACHE: dict[Any, np.dtype] = {d: d for d in SUPPORTED_DTYPES}
 _FLOAT32 = np.dtype(np.float32)
 _SUPPORTED_TEXT = ("bool, int8, int16, int32, int64, uint8, uint16, uint32, uint64, float16, "
-                   "float32, float64, complex64, complex128, bfloat16 (with ml_dtypes)")
+                   "float32, float64, complex64, complex128, bfloat16, float8_e4m3fn and "
+                   "float8_e5m2 (with ml_dtypes)")
+
+
+#: ml_dtypes' float8 types an array holds (created, copied, broadcast by NCCL; no math).
+FLOAT8_NAMES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _ml_dtype(name: str) -> np.dtype:
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(f"dtype {name!r} needs the optional 'ml_dtypes' package "
+                        f"(pip install ml_dtypes); numpy has no {name} of its own") from None
+    return np.dtype(getattr(ml_dtypes, name))
 
 
 def _bfloat16() -> np.dtype:
@@ -73,8 +88,12 @@ def normalize_dtype(dtype: Any, default: np.dtype | None = _FLOAT32) -> np.dtype
         if default is None:
             raise TypeError("a dtype is required")
         return default
-    if isinstance(dtype, str) and dtype.strip().lower() in ("bfloat16", "bf16"):
-        return _bfloat16()
+    if isinstance(dtype, str):
+        spelled = dtype.strip().lower()
+        if spelled in ("bfloat16", "bf16"):
+            return _bfloat16()
+        if spelled in FLOAT8_NAMES:
+            return _ml_dtype(spelled)
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -83,7 +102,8 @@ def normalize_dtype(dtype: Any, default: np.dtype | None = _FLOAT32) -> np.dtype
     if dt in _SUPPORTED:
         _remember_dtype(dtype, dt)
         return dt
-    if dt.name == "bfloat16" and dt.itemsize == 2:  # ml_dtypes' (numpy has none of its own)
+    if dt.itemsize <= 2 and (dt.name == "bfloat16" or dt.name in FLOAT8_NAMES):
+        # ml_dtypes' (numpy has none of its own)
         _remember_dtype(dtype, dt)
         return dt
     raise TypeError(f"unsupported dtype {dt}; cudalab arrays support {_SUPPORTED_TEXT}")

@@ -397,7 +397,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
                 return self._copy_from_device(foreign)
             src = np.asarray(src)
         if src.dtype != self.element_dtype or src.shape != self.dims:
-            if self.byte_count and converts_on_device(src, self.dims):
+            if self.byte_count and converts_on_device(src, self.dims, self.element_dtype):
                 # Convert on the device, in stream order: the host buffer is read when the
                 # stream reaches the copy (a pinned buffer an earlier queued copy writes),
                 # never converted on the host at once (issue 36, item 1).

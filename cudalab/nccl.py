@@ -59,8 +59,6 @@ from cudalab._driver.base import (
     NCCL_CALL_BROADCAST,
     NCCL_CALL_REDUCE,
     NCCL_CALL_REDUCE_SCATTER,
-    NCCL_FLOAT8E4M3,
-    NCCL_FLOAT8E5M2,
     NCCL_MAX,
     NCCL_MIN,
     NCCL_NUMPY_NAMES,
@@ -94,8 +92,7 @@ MAX_COUNT = (1 << 64) - 1
 
 #: numpy dtype name -> NCCL data type (torch's map, plus uint32 and uint64; bool is bytes, so
 #: SUM of bools is > 1). The one table: ``cudalab.comm.Communicator`` reads it too.
-DATA_TYPES = {name: code for code, name in NCCL_NUMPY_NAMES.items()
-              if code not in (NCCL_FLOAT8E4M3, NCCL_FLOAT8E5M2)}  # (DeviceArray has no float8)
+DATA_TYPES = {name: code for code, name in NCCL_NUMPY_NAMES.items()}  # (float8: ml_dtypes')
 DATA_TYPES["bool"] = NCCL_UINT8
 
 #: DLPack device types of CUDA memory (kDLCUDA, kDLCUDAManaged).
