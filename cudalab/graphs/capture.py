@@ -4,13 +4,20 @@
 
 from __future__ import annotations
 
+import os as _os
 from typing import Any
 
+from cudalab import _interrupts
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab.graphs.cuda_graph import CUDAGraph, capture_mode
 
 __all__ = ["graph", "is_current_stream_capturing"]
+
+# Ctrl-C is deferred while this module's code runs (cudalab._interrupts): entering and leaving
+# ``with cudalab.graph(g):`` is never left half done (a capture begun that the block never
+# ends, the capture stream left current); the KeyboardInterrupt comes in the caller's code.
+_interrupts.guard_files([_os.path.abspath(__file__)])
 
 
 def is_current_stream_capturing() -> bool:
@@ -33,6 +40,8 @@ class graph:  # noqa: N801 - torch's name
     On entry: synchronize, ``empty_cache()``, make the capture stream current and begin the
     capture; on exit (also when the block raises) end the capture and restore the stream.
     When the block raised, its exception propagates (the failed capture_end is noted on it).
+    Ctrl-C is deferred while the entry and the exit run: a KeyboardInterrupt comes before the
+    capture begins or in the block (whose exit ends the capture), never half-way.
 
     Parameters
     ----------
@@ -77,6 +86,9 @@ class graph:  # noqa: N801 - torch's name
 
         _devices.synchronize()
         empty_cache()
+        # A safe point: a Ctrl-C that came during the waits above is raised now, before the
+        # capture begins (later ones come in the block, whose exit ends the capture).
+        _interrupts.deliver_owed()
         self._stream_ctx.__enter__()
         try:
             self.cuda_graph.capture_begin(self.pool[0] if self.pool else None,

@@ -36,7 +36,7 @@ import threading
 import warnings
 from typing import Any
 
-from cudalab import _internal
+from cudalab import _internal, _interrupts
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab._driver.base import (
@@ -77,6 +77,12 @@ STATE_READY = "ready"
 _EMPTY_GRAPH_WARNING = ("The CUDA Graph is empty. This usually means that the graph was "
                         "attempted to be captured on wrong device or stream.")
 _DEBUG_WARNING = "CUDA Graphs debug not enabled, set with [graph].enable_debug_mode()"
+
+# Ctrl-C is deferred while this module's code runs (cudalab._interrupts): capture_begin() and
+# capture_end() (the driver's capture, the allocator's routing to the private pool, the
+# capture-id map and its lock, the generator states' capture mode), reset() and replay()
+# either happen whole or not at all; the KeyboardInterrupt comes in the caller's code.
+_interrupts.guard_files([os.path.abspath(__file__)])
 
 #: (device, pool id) of private pools whose graph was collected while that device's
 #: allocator lock was held (the garbage collector can run a finalizer inside the allocator,
