@@ -152,7 +152,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
 
     __slots__ = ("ptr", "dims", "element_dtype", "strides_or_none", "device_index", "stream",
                  "owner", "byte_count", "element_count", "contiguous", "read_only", "_owns",
-                 "_alloc", "__weakref__")
+                 "_alloc", "_size_view", "__weakref__")
 
     # The fields (assigned only by the constructors). The names torch and numpy users know
     # (shape, dtype, size, nbytes, base) are read-only properties over them, below: a
@@ -170,6 +170,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     read_only: bool  # DLPack's read-only flag; False for arrays cudalab allocated
     _owns: bool  # the block at ptr is ours to free (then _alloc is its allocator)
     _alloc: Any  # the allocator the block came from (set while _owns)
+    _size_view: ArraySize  # ``size``, made on its first read (unset until then)
 
     def __init__(self, shape: Any, dtype: Any = np.float32, device: Any = None):
         self._owns = False
@@ -292,7 +293,11 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     def size(self) -> ArraySize:
         """The number of elements, an int (numpy's ``size``) that torch's ``size()`` and
         ``size(dim)`` can also call (read-only)."""
-        return ArraySize(self.element_count, self.dims)
+        try:
+            return self._size_view
+        except AttributeError:
+            view = self._size_view = ArraySize(self.element_count, self.dims)
+            return view
 
     def numel(self) -> int:
         """The number of elements (torch's ``numel()``)."""

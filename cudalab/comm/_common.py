@@ -232,10 +232,10 @@ def flat_buffer(arrays: Sequence[DeviceArray]) -> DeviceArray:
             only = only.astype(only.dtype)
         return only.reshape(-1)
     first = arrays[0]
-    flat = empty(sum(a.size for a in arrays), dtype=first.dtype, device=first.device_index)
+    flat = empty(sum(a.element_count for a in arrays), dtype=first.element_dtype, device=first.device_index)
     offset = 0
     for a in arrays:
-        n = a.size
+        n = a.element_count
         if n:
             flat[offset:offset + n].reshape(a.shape).copy_(a)
         offset += n

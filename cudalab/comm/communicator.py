@@ -152,15 +152,15 @@ def _wire_type(dtype: np.dtype, op: int | None, what: str) -> tuple[int, int]:
 
 
 def _overlaps(a: _array.DeviceArray, b: _array.DeviceArray) -> bool:
-    return (a.nbytes > 0 and b.nbytes > 0 and a.ptr < b.ptr + b.nbytes
-            and b.ptr < a.ptr + a.nbytes)
+    return (a.byte_count > 0 and b.byte_count > 0 and a.ptr < b.ptr + b.byte_count
+            and b.ptr < a.ptr + a.byte_count)
 
 
 def _check_own_slice(part: _array.DeviceArray, whole: _array.DeviceArray, rank: int,
                      names: tuple[str, str], what: str) -> None:
     """In place, ``part`` (named ``names[0]``) must be this rank's slice of ``whole``
     (``names[1]``): any other overlap is refused (all_gather's send, reduce_scatter's recv)."""
-    if _overlaps(part, whole) and part.ptr != whole.ptr + rank * part.nbytes:
+    if _overlaps(part, whole) and part.ptr != whole.ptr + rank * part.byte_count:
         raise ValueError(f"{what}: {names[0]} overlaps {names[1]} but is not this rank's slice "
                          f"of it (in place needs {names[0]} = {names[1]}[rank * n:(rank + 1) * n])")
 
@@ -444,10 +444,10 @@ class Communicator:
     def _same_elements(first: _array.DeviceArray, second: _array.DeviceArray,
                        names: tuple[str, str], what: str, factor: int = 1) -> None:
         """``second`` has ``first``'s dtype and ``factor`` times its elements."""
-        if first.dtype != second.dtype:
+        if first.element_dtype != second.element_dtype:
             raise TypeError(f"{what}: {names[0]} and {names[1]} must have the same dtype, got "
                             f"{first.dtype} and {second.dtype}")
-        if second.size != factor * first.size:
+        if second.element_count != factor * first.element_count:
             times = "" if factor == 1 else f"world_size ({factor}) x "
             raise ValueError(f"{what}: {names[1]} must hold {times}{names[0]}'s {first.size} "
                              f"elements = {factor * first.size}, got {second.size} (shape "
@@ -508,7 +508,7 @@ class Communicator:
         self._same_elements(src, dst, ("send", "recv"), what)
         if dst.ptr != src.ptr and _overlaps(src, dst):
             raise ValueError(f"{what}: send and recv overlap without being the same buffer")
-        dtype, per = _wire_type(src.dtype, code, what)
+        dtype, per = _wire_type(src.element_dtype, code, what)
         s = self._stream(stream, what)
         self._issue(NCCL_CALL_ALL_REDUCE, s, comm, src.size * per, dtype, send=src.ptr,
                     recv=dst.ptr, op=code)
@@ -527,9 +527,9 @@ class Communicator:
         dst = self._buffer(recv, "recv", what, writable=True)
         self._same_elements(src, dst, ("send", "recv"), what, self._world_size)
         _check_own_slice(src, dst, self._rank, ("send", "recv"), what)
-        dtype, per = _wire_type(src.dtype, None, what)
+        dtype, per = _wire_type(src.element_dtype, None, what)
         s = self._stream(stream, what)
-        self._issue(NCCL_CALL_ALL_GATHER, s, comm, src.size * per, dtype, send=src.ptr,
+        self._issue(NCCL_CALL_ALL_GATHER, s, comm, src.element_count * per, dtype, send=src.ptr,
                     recv=dst.ptr)
         self._keep_alive(s, (src, dst))
         return recv
@@ -548,9 +548,9 @@ class Communicator:
         dst = self._buffer(recv, "recv", what, writable=True)
         self._same_elements(dst, src, ("recv", "send"), what, self._world_size)
         _check_own_slice(dst, src, self._rank, ("recv", "send"), what)
-        dtype, per = _wire_type(src.dtype, code, what)
+        dtype, per = _wire_type(src.element_dtype, code, what)
         s = self._stream(stream, what)
-        self._issue(NCCL_CALL_REDUCE_SCATTER, s, comm, dst.size * per, dtype, send=src.ptr,
+        self._issue(NCCL_CALL_REDUCE_SCATTER, s, comm, dst.element_count * per, dtype, send=src.ptr,
                     recv=dst.ptr, op=code)
         self._keep_alive(s, (src, dst))
         return recv
@@ -572,9 +572,9 @@ class Communicator:
         self._same_elements(src, dst, ("send", "recv"), what)
         if dst.ptr != src.ptr and _overlaps(src, dst):
             raise ValueError(f"{what}: send and recv overlap without being the same buffer")
-        dtype, per = _wire_type(src.dtype, None, what)
+        dtype, per = _wire_type(src.element_dtype, None, what)
         s = self._stream(stream, what)
-        self._issue(NCCL_CALL_BROADCAST, s, comm, src.size * per, dtype, send=src.ptr,
+        self._issue(NCCL_CALL_BROADCAST, s, comm, src.element_count * per, dtype, send=src.ptr,
                     recv=dst.ptr, root=root)
         self._keep_alive(s, (src, dst))
         return send if recv is None else recv
@@ -596,9 +596,9 @@ class Communicator:
         self._same_elements(src, dst, ("send", "recv"), what)
         if dst.ptr != src.ptr and _overlaps(src, dst):
             raise ValueError(f"{what}: send and recv overlap without being the same buffer")
-        dtype, per = _wire_type(src.dtype, code, what)
+        dtype, per = _wire_type(src.element_dtype, code, what)
         s = self._stream(stream, what)
-        self._issue(NCCL_CALL_REDUCE, s, comm, src.size * per, dtype, send=src.ptr,
+        self._issue(NCCL_CALL_REDUCE, s, comm, src.element_count * per, dtype, send=src.ptr,
                     recv=dst.ptr, op=code, root=root)
         self._keep_alive(s, (src, dst))
         return send if recv is None else recv
@@ -619,9 +619,9 @@ class Communicator:
         comm = self._open("send()")
         peer = self._peer(peer, what)
         buf = self._buffer(array, "array", what, writable=False)
-        dtype, per = _wire_type(buf.dtype, None, what)
+        dtype, per = _wire_type(buf.element_dtype, None, what)
         s = self._stream(stream, what)
-        self._issue(CALL_SEND, s, comm, buf.size * per, dtype, send=buf.ptr, root=peer)
+        self._issue(CALL_SEND, s, comm, buf.element_count * per, dtype, send=buf.ptr, root=peer)
         self._keep_alive(s, (buf,))
 
     def recv(self, array: Any, peer: int, *, stream: Any = None) -> Any:
@@ -631,9 +631,9 @@ class Communicator:
         comm = self._open("recv()")
         peer = self._peer(peer, what)
         buf = self._buffer(array, "array", what, writable=True)
-        dtype, per = _wire_type(buf.dtype, None, what)
+        dtype, per = _wire_type(buf.element_dtype, None, what)
         s = self._stream(stream, what)
-        self._issue(CALL_RECV, s, comm, buf.size * per, dtype, recv=buf.ptr, root=peer)
+        self._issue(CALL_RECV, s, comm, buf.element_count * per, dtype, recv=buf.ptr, root=peer)
         self._keep_alive(s, (buf,))
         return array
 
