@@ -115,7 +115,7 @@ def test_recorded_trace_is_the_workload(small_trace):
 
     cudalab.memory._record_memory_history(max_entries=1_000_000)
     try:
-        ragged_inference_workload(allocate, lambda h: live.pop(h) and None, **SMALL)
+        ragged_inference_workload(allocate, lambda h: live.pop(h) is None, **SMALL)  # (no bool() of an array: torch raises for more than one element)
         snapshot = cudalab.memory._snapshot()
     finally:
         cudalab.memory._record_memory_history(None)
