@@ -123,6 +123,18 @@ slow_stamp(void)
     return make_stamp(PyObject_CallOneArg(capture, one));
 }
 
+#if PY_VERSION_HEX < 0x030C0000
+/* 3.11: the answer of `internal` by code object, so that a frame costs a pointer compare
+ * rather than a dictionary lookup of its file name. A code object's file name never
+ * changes and `internal` only gains names, so an answer stays true; each slot holds a
+ * strong reference to its code, so its address is not reused while it is cached. */
+#define CODE_SLOTS 256
+static struct {
+    PyObject *code; /* NULL or a code object (strong) */
+    int flag;       /* internal[code.co_filename] for it: 1 or 0 */
+} code_flags[CODE_SLOTS];
+#endif
+
 /* 1: f is one of cudalab's frames, 0: it is not, -1: not known here (the slow path decides). */
 static inline int
 is_cudalab(_PyInterpreterFrame *f)
@@ -146,11 +158,20 @@ is_cudalab(_PyInterpreterFrame *f)
     if (!FRAME_HAS_CODE(f)) {
         return -1;
     }
+    PyObject *code = (PyObject *)FRAME_CODE(f);
+    size_t slot = ((uintptr_t)code >> 4) % CODE_SLOTS;
+    if (code_flags[slot].code == code) {
+        return code_flags[slot].flag;
+    }
     PyObject *flag = PyDict_GetItemWithError(internal, FRAME_CODE(f)->co_filename);
     if (flag == NULL) {
         return -1;
     }
-    return flag == Py_True ? 1 : 0;
+    PyObject *old = code_flags[slot].code;
+    code_flags[slot].code = Py_NewRef(code);
+    code_flags[slot].flag = flag == Py_True ? 1 : 0;
+    Py_XDECREF(old); /* (last: the slot is consistent should this free anything) */
+    return code_flags[slot].flag;
 #endif
 }
 
@@ -181,6 +202,23 @@ mark_get(PyObject *mark, int key)
  * loop is a new frame each call, without a frame object or mark of its own: this finds its
  * stack at each of its instructions (the allocation's line, the free's line) with two
  * dictionary lookups and no frame object, where the slow path makes one and walks. */
+static PyObject *callers_mark_lookup(PyObject *mc, int cl, PyObject *code, int li);
+
+/* The answers of from_callers_mark by (caller's mark, caller's offset, code, offset), so
+ * that a repeated site (a function called in a loop, at its allocation's line and at its
+ * free's) costs one compare of four fields. The stack of a frame at an offset is fixed by
+ * those four (a mark is shared only by frames whose stacks are equal at every offset), so
+ * an answer stays true; each slot holds strong references to its mark, code and stack, so
+ * their addresses are not reused while cached (at most SITE_SLOTS of each kept alive). */
+#define SITE_SLOTS 64
+static struct {
+    PyObject *mark;  /* NULL or the caller's mark (strong) */
+    PyObject *code;  /* the frame's code (strong) */
+    int cli;         /* the caller's offset */
+    int li;          /* the frame's offset */
+    PyObject *stack; /* the stack found (strong) */
+} sites[SITE_SLOTS];
+
 static PyObject *
 from_callers_mark(_PyInterpreterFrame *f)
 {
@@ -192,9 +230,36 @@ from_callers_mark(_PyInterpreterFrame *f)
     if (mc == NULL || Py_TYPE(mc) != mark_type) {
         return NULL;
     }
+    PyObject *code = (PyObject *)FRAME_CODE(f);
+    int cl = lasti_of(c), li = lasti_of(f);
+    size_t slot = (((uintptr_t)mc >> 4) ^ ((uintptr_t)code >> 4) ^ ((size_t)cl * 31u)
+                   ^ ((size_t)li * 131u)) % SITE_SLOTS;
+    if (sites[slot].mark == mc && sites[slot].code == code && sites[slot].cli == cl
+            && sites[slot].li == li) {
+        return sites[slot].stack;
+    }
+    PyObject *stack = callers_mark_lookup(mc, cl, code, li);
+    if (stack != NULL) {
+        PyObject *om = sites[slot].mark, *oc = sites[slot].code, *os = sites[slot].stack;
+        sites[slot].mark = Py_NewRef(mc);
+        sites[slot].code = Py_NewRef(code);
+        sites[slot].cli = cl;
+        sites[slot].li = li;
+        sites[slot].stack = Py_NewRef(stack);
+        Py_XDECREF(om); /* (last: the slot is consistent should these free anything) */
+        Py_XDECREF(oc);
+        Py_XDECREF(os);
+    }
+    return stack;
+}
+
+/* mc[(cl, id(code))][1][li]: the uncached lookup of from_callers_mark, borrowed. */
+static PyObject *
+callers_mark_lookup(PyObject *mc, int cl, PyObject *code, int li)
+{
     /* the key stacks._walk files that mark under: (caller's offset, id(code)) */
-    PyObject *cli = PyLong_FromLong(lasti_of(c));
-    PyObject *id = cli == NULL ? NULL : PyLong_FromVoidPtr((void *)FRAME_CODE(f));
+    PyObject *cli = PyLong_FromLong(cl);
+    PyObject *id = cli == NULL ? NULL : PyLong_FromVoidPtr((void *)code);
     PyObject *key = id == NULL ? NULL : PyTuple_New(2);
     if (key == NULL) {
         Py_XDECREF(cli);
@@ -206,11 +271,11 @@ from_callers_mark(_PyInterpreterFrame *f)
     PyObject *e = PyDict_GetItemWithError(mc, key); /* (code, shared mark), borrowed */
     Py_DECREF(key);
     if (e == NULL || !PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 2
-            || PyTuple_GET_ITEM(e, 0) != (PyObject *)FRAME_CODE(f)
+            || PyTuple_GET_ITEM(e, 0) != code
             || Py_TYPE(PyTuple_GET_ITEM(e, 1)) != mark_type) {
         return NULL;
     }
-    return mark_get(PyTuple_GET_ITEM(e, 1), lasti_of(f));
+    return mark_get(PyTuple_GET_ITEM(e, 1), li);
 }
 
 PyDoc_STRVAR(stamp_doc,
