@@ -28,6 +28,7 @@ fallbacks: the table warns, and ``--build`` builds them in BEFORE first.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -226,12 +227,14 @@ def child(rounds: int, quick: bool, sim: bool) -> dict:
         out["stamp"] = stacks.stamp_implementation()
     except Exception as exc:  # an old checkout
         out["stamp"] = f"n/a ({type(exc).__name__})"
-    try:
-        import cudalab._driver._fastcall  # noqa: F401
-
+    out["fastcall"] = "not built"
+    for name in ("cudalab._driver.fastcall", "cudalab._driver._fastcall"):  # (renamed in issue 35)
+        try:
+            importlib.import_module(name)
+        except Exception:
+            continue
         out["fastcall"] = "compiled"
-    except Exception:
-        out["fastcall"] = "not built"
+        break
     loops, hooks = _loops(sim)
     syncs = [cudalab.synchronize]  # after each timed loop (untimed): no row pays for another's queue
     if "torch" in loops:

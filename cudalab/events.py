@@ -279,9 +279,16 @@ def _external_record(b: Backend) -> Callable[[Any, Any], tuple]:
     """The record call of an ``external`` event, with the status-call shape of the fast
     ``event_record`` (it raises the driver's error itself, so it always returns ``(0,)``)."""
     record = b.event_record_with_flags
+    plain = b.event_record
+    capturing = b.stream_is_capturing
 
     def record_external(event: Any, stream: Any) -> tuple:
-        record(event, stream, EVENT_RECORD_EXTERNAL)
+        # The driver refuses the external flag outside a capture (CUDA_ERROR_ILLEGAL_STATE,
+        # seen on an H200): there the event records as any other (torch's behaviour).
+        if capturing(stream):
+            record(event, stream, EVENT_RECORD_EXTERNAL)
+        else:
+            plain(event, stream)
         return (0,)
 
     return record_external

@@ -310,6 +310,9 @@ class CUDAGraph:
         if stream != self._stream:
             raise RuntimeError("Capture must end on the same stream it began on.")
         b = self._backend
+        # The capture may end on another thread (relaxed mode), where no context need be
+        # current: instantiating the graph needs the capture device's (seen on an H200).
+        _devices.ensure_context(self._device)
         try:
             g = b.stream_end_capture(_internal.stream_handle(stream))
         except BaseException:

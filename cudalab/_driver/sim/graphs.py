@@ -7,7 +7,8 @@ on a capturing stream becomes a dependency inside the capture; a stream that wai
 an event joins the capture (a fork), and must be joined back (the origin, or another stream
 of the capture, waits on an event recorded after its last operation) before the capture
 ends. An event recorded with ``EVENT_RECORD_EXTERNAL`` (:meth:`event_record_with_flags`)
-becomes an event-record node instead: each launch records it, in its place among the nodes.
+becomes an event-record node instead: each launch records it, in its place among the nodes;
+outside a capture the flag is refused with ``CUDA_ERROR_ILLEGAL_STATE``, as the driver does.
 :meth:`graph_instantiate` copies the recorded operations; :meth:`graph_launch` runs
 them in capture order, in the launch stream's order.
 
@@ -231,6 +232,11 @@ class SimGraphs(SimulatorCore):
                           | GRAPH_INSTANTIATE_USE_NODE_PRIORITY) -> GraphExecHandle:
         call = "cuGraphInstantiate"
         g = self._graph(graph, call)
+        if getattr(self._tls, "device", None) is None:
+            # As the driver (seen on an H200): instantiating needs a current context, which
+            # a thread that only ended a capture (relaxed mode) need not have.
+            raise CudaError(201, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context",
+                            call=call)
         f = operator.index(flags)
         if f < 0 or f & ~_ALL_FLAGS:
             raise invalid_value(call, f"unknown instantiate flags {f}")
@@ -261,9 +267,12 @@ class SimGraphs(SimulatorCore):
             raise invalid_value(call, f"unknown event record flags {f}")
         s = self.stream_of(stream, call)
         cap = s.capture
-        if not f or cap is None:
+        if not f:
             self.event_record(event, stream)
             return
+        if cap is None:  # as the driver (seen on an H200): the flag needs a capturing stream
+            raise CudaError(401, "CUDA_ERROR_ILLEGAL_STATE",
+                            "an external event record needs a capturing stream", call=call)
         ev = self._event(event, call)
         if ev.device != s.device:
             raise invalid_handle(call, "event and stream belong to different devices")
