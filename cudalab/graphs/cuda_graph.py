@@ -51,6 +51,7 @@ from cudalab._driver.base import (
 from cudalab._kernels.fill import FILL_KERNELS
 from cudalab.allocator.pools import check_pool_id, new_graph_pool_id
 from cudalab.allocator.registry import get_allocator
+from cudalab.errors import CudaError
 from cudalab.random import Generator, PhiloxState
 from cudalab.random.generator import all_default_generators
 
@@ -87,6 +88,8 @@ _interrupts.guard_files([os.path.abspath(__file__)])
 #: (device, pool id) of private pools whose graph was collected while that device's
 #: allocator lock was held (the garbage collector can run a finalizer inside the allocator,
 #: and the lock is not re-entrant): released at the next capture_begin() or reset().
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+
 _deferred_releases: list[tuple[int, tuple[int, int]]] = []
 
 
@@ -310,9 +313,6 @@ class CUDAGraph:
         if stream != self._stream:
             raise RuntimeError("Capture must end on the same stream it began on.")
         b = self._backend
-        # The capture may end on another thread (relaxed mode), where no context need be
-        # current: instantiating the graph needs the capture device's (seen on an H200).
-        _devices.ensure_context(self._device)
         try:
             g = b.stream_end_capture(_internal.stream_handle(stream))
         except BaseException:
@@ -386,7 +386,15 @@ class CUDAGraph:
         if self._exec is not None:
             b.graph_exec_destroy(self._exec)
             self._exec = None
-        self._exec = b.graph_instantiate(self._graph, INSTANTIATE_FLAGS)
+        try:
+            self._exec = b.graph_instantiate(self._graph, INSTANTIATE_FLAGS)
+        except CudaError as exc:
+            if exc.code != _INVALID_CONTEXT:
+                raise
+            # Ended on a thread where no context is current (a relaxed capture ended on
+            # another thread): instantiating needs the capture device's (seen on an H200).
+            _devices.ensure_context(self._device)
+            self._exec = b.graph_instantiate(self._graph, INSTANTIATE_FLAGS)
         self._state = STATE_READY
 
     def replay(self) -> None:
