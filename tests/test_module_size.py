@@ -16,7 +16,6 @@ LIMIT = 800
 #: Modules over the limit while they are being split (issue 35 split ``_driver/base.py`` and
 #: ``array.py``); must be empty. A stale entry fails.
 DEBT: frozenset[str] = frozenset({
-    "cudalab/memory.py",  # 811 lines since 931c097 (the torch-style pair's path): to be split
 })
 
 

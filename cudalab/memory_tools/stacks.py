@@ -183,12 +183,13 @@ capture_stack = _capture
 
 #: The module whose functions are torch.cuda.memory's: torch writes those in Python, so
 #: torch's stacks show their frames (``empty_cache`` on a ``segment_free``, say).
-_API_MODULE = "cudalab.memory"
+_API_MODULES = frozenset({"cudalab.memory", "cudalab.memory_control"})  # (memory re-exports the second)
 
 
 def capture_from_api(d: int) -> Stack:
     """:func:`_capture`'s stack, preceded by the frame of the :mod:`cudalab.memory` function
-    the user called, when one is on the stack (its outermost one); the frames inside it are
+    the user called (or of :mod:`cudalab.memory_control`, whose functions it re-exports),
+    when one is on the stack (its outermost one); the frames inside it are
     dropped as :func:`_capture` drops them.
 
     torch's stacks keep the frames of its Python API (``torch.cuda.memory.empty_cache``,
@@ -209,7 +210,7 @@ def capture_from_api(d: int) -> Stack:
             flag = internal[fn] = _is_internal(fn)
         if not flag:
             break
-        if f.f_globals.get("__name__") == _API_MODULE:
+        if f.f_globals.get("__name__") in _API_MODULES:
             api = f  # the outermost one wins
         f = f.f_back
     rest: Stack = ()
