@@ -8,12 +8,12 @@
  *
  * What: stamp() does exactly what stacks._stamp's common case does, and nothing else:
  * skip the frames of cudalab's modules (stacks._cud_mods; on 3.11, where frames have no
- * module name to read cheaply, stacks._internal by file name, as stacks._capture does
+ * module name to read cheaply, stacks._internal by file name, as stacks.capture_stack does
  * there), then return (time_ns, stack) when the first other frame's mark (its f_trace, a
  * stacks._Mark) knows the stack at its current instruction. Anything else (a module not
  * classified yet, a frame without a frame object or mark, a new instruction) is left to
- * stacks._capture, called as _capture(1): called from C, _capture's caller is the
- * allocator method itself, so its depth 1 is where the Python stamp's _capture(2) starts.
+ * stacks.capture_stack, called as capture_stack(1): called from C, capture_stack's caller is the
+ * allocator method itself, so its depth 1 is where the Python stamp's capture_stack(2) starts.
  *
  * One of the two fast copies of the stamp (the other is stacks._stamp), kept for the
  * benchmark row stacks="python" of benchmarks/history.py; tests/memory_tools/
@@ -77,7 +77,7 @@ static PyObject *cud_mods;   /* set: names of cudalab's modules (3.12+) */
 static PyObject *other_mods; /* set: names of other modules (3.12+) */
 static PyObject *internal;   /* dict: co_filename -> inside the cudalab package (3.11) */
 static PyTypeObject *mark_type;
-static PyObject *capture;    /* stacks._capture */
+static PyObject *capture;    /* stacks.capture_stack */
 static PyObject *one;        /* the int 1 */
 
 /* The frame that called f, skipping incomplete frames as sys._getframe and f_back do. */
@@ -116,7 +116,7 @@ make_stamp(PyObject *stack)
     return r;
 }
 
-/* The slow path: the stack from stacks._capture(1). */
+/* The slow path: the stack from stacks.capture_stack(1). */
 static PyObject *
 slow_stamp(void)
 {
@@ -325,7 +325,7 @@ stamp(PyObject *module, PyObject *Py_UNUSED(ignored))
 PyDoc_STRVAR(setup_doc,
 "setup(cud_mods, other_mods, internal, mark_type, capture)\n\n"
 "Give the module the state of cudalab.memory_tools.stacks: the sets of module names\n"
-"(cudalab's, others'), the co_filename -> bool dict, the _Mark type and _capture. The\n"
+"(cudalab's, others'), the co_filename -> bool dict, the _Mark type and capture_stack. The\n"
 "objects are kept, not copied: stacks.py fills them in place and never rebinds them.");
 
 static PyObject *

@@ -276,7 +276,7 @@ def _make_trace(rec: _Recorder, level: int, append: Callable[[TraceEntry], None]
 
     blocks = rec.blocks
     segs = rec.segs
-    cap = _stacks._capture
+    cap = _stacks.capture_stack
     cap_api = _stacks.capture_from_api  # frees' stacks keep the API frame, as torch's
     getframe = sys._getframe
     ident = threading.get_ident
@@ -740,7 +740,7 @@ def raw_entries(device: int) -> list[TraceEntry]:
     return ring.entries()
 
 
-def _record_snapshot(device: int, total_active: int) -> None:
+def record_snapshot(device: int, total_active: int) -> None:
     """torch: taking a snapshot appends a ``snapshot`` entry (size = active bytes)."""
     st = _settings
     if st is None or "snapshot" in st.skip:

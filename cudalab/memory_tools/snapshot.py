@@ -108,7 +108,7 @@ def memory_snapshot(mempool_id: Any = None) -> list[dict[str, Any]]:
     segs, active = _segments_of(_registry_allocators(), {})
     if _history.is_recording():
         for dev, total in sorted(active.items()):
-            _history._record_snapshot(dev, total)
+            _history.record_snapshot(dev, total)
     if mempool_id is not None:
         segs = [s for s in segs if s.get("segment_pool_id", (0, 0)) == mempool_id]
     return segs
@@ -132,7 +132,7 @@ def take_snapshot(device: Any = None, *, allocators: list[Allocator] | None = No
     # the snapshot's own trace ends with the last allocator event, not with itself.
     if _history.is_recording():
         for dev, total in sorted(active.items()):
-            _history._record_snapshot(dev, total)
+            _history.record_snapshot(dev, total)
     config = None
     if allocators is not None and allocs and isinstance(getattr(allocs[0], "config", None),
                                                          AllocatorConfig):

@@ -16,7 +16,7 @@ nothing is cached while a trace function (a debugger, coverage) is set, and a fr
 
 Three entry points, one stack:
 
-* :func:`_capture` ``(d)``: the general walk, used by the history's trace hook.
+* :func:`capture_stack` ``(d)``: the general walk, used by the history's trace hook.
 * ``_stamp()``: the memo's stamp ``(time, stack)`` of an allocation or free, its common case
   written out (benchmark row ``stacks="python"`` of ``benchmarks/history.py``).
 * its C twin ``cudalab.memory_tools._stackstamp.stamp`` (CPython 3.11-3.13, built optionally
@@ -24,7 +24,7 @@ Three entry points, one stack:
   instead of making frame objects for cudalab's own, for the same stacks at less than half
   the cost. It reads this module's state (:data:`_cud_mods`, :data:`_other_mods`,
   :data:`_internal`, :class:`_Mark`) by reference, given once through its ``setup()``, and
-  falls back to :func:`_capture`. ``tests/memory_tools/test_stackstamp.py`` pins the two
+  falls back to :func:`capture_stack`. ``tests/memory_tools/test_stackstamp.py`` pins the two
   stamps together, so they cannot drift, and every history test runs with both.
 
 :func:`stamp_implementation` says which stamp is used.
@@ -126,7 +126,7 @@ class _Mark(dict[Hashable, Any]):
         return None
 
 
-def _capture(d: int) -> Stack:
+def capture_stack(d: int) -> Stack:
     """The Python stack of the caller from its ``d``-th frame outwards (0: its own),
     without cudalab's own frames at its start, innermost first, as a flat tuple (code,
     lasti, code, lasti, ...). Lines are computed from lasti only when a snapshot is taken.
@@ -178,8 +178,8 @@ def _capture(d: int) -> Stack:
 
 
 #: The stack of the caller's first frame outside cudalab, outwards (``capture_stack(0)``),
-#: as :func:`_capture` makes it: the public name for other tools (the stream sanitizer).
-capture_stack = _capture
+#: as :func:`capture_stack` makes it: the public name for other tools (the stream sanitizer).
+capture_stack = capture_stack
 
 #: The module whose functions are torch.cuda.memory's: torch writes those in Python, so
 #: torch's stacks show their frames (``empty_cache`` on a ``segment_free``, say).
@@ -187,10 +187,10 @@ _API_MODULES = frozenset({"cudalab.memory", "cudalab.memory_control"})  # (memor
 
 
 def capture_from_api(d: int) -> Stack:
-    """:func:`_capture`'s stack, preceded by the frame of the :mod:`cudalab.memory` function
+    """:func:`capture_stack`'s stack, preceded by the frame of the :mod:`cudalab.memory` function
     the user called (or of :mod:`cudalab.memory_control`, whose functions it re-exports),
     when one is on the stack (its outermost one); the frames inside it are
-    dropped as :func:`_capture` drops them.
+    dropped as :func:`capture_stack` drops them.
 
     torch's stacks keep the frames of its Python API (``torch.cuda.memory.empty_cache``,
     ``caching_allocator_delete``), so a free's stack in memory_viz shows what released the
@@ -226,12 +226,12 @@ def capture_from_api(d: int) -> Stack:
 
 # The memo's stamp. Hot path (benchmarks/history.py row stacks="python"): one call per memo
 # hit while recording with stacks, so its common case is written out here rather than
-# calling _capture. Its C twin, _stackstamp.c's stamp(), is the only other fast copy;
+# calling capture_stack. Its C twin, _stackstamp.c's stamp(), is the only other fast copy;
 # tests/memory_tools/test_stackstamp.py pins the two together so they cannot drift.
 if _modname is not None:
     def _stamp() -> Stamp:
         """The memo's stamp of an allocation (or of a free, when frees carry their own
-        stack): ``(time, stack)``, the stack as ``_capture(2)`` makes it. The allocator
+        stack): ``(time, stack)``, the stack as ``capture_stack(2)`` makes it. The allocator
         method calls it directly. Its common case (the first frame outside cudalab has
         a mark that knows its stack) is written out here: no further call."""
         d = 2
@@ -250,14 +250,14 @@ if _modname is not None:
                     t = m.get(f.f_lasti)
                     if t is not None:
                         return _now(), t
-        except TypeError:  # an unhashable module name: _capture copes
+        except TypeError:  # an unhashable module name: capture_stack copes
             pass
-        return _now(), _capture(2)
+        return _now(), capture_stack(2)
 else:
     def _stamp() -> Stamp:
         """The memo's stamp of an allocation (or of a free, when frees carry their own
         stack): ``(time, stack)``. The allocator method calls it directly."""
-        return _now(), _capture(2)
+        return _now(), capture_stack(2)
 
 
 _py_stamp = _stamp
@@ -286,7 +286,7 @@ def _load_compiled_stamp() -> Callable[[], Stamp] | None:
         if api != 2:
             raise TypeError(f"API {api!r}, expected 2")
         # The objects are shared, not copied: they are filled in place and never rebound.
-        _stackstamp.setup(_cud_mods, _other_mods, _internal, _Mark, _capture)
+        _stackstamp.setup(_cud_mods, _other_mods, _internal, _Mark, capture_stack)
     except Exception as exc:  # noqa: BLE001  (a stale build must not break recording)
         warnings.warn(f"cudalab.memory_tools._stackstamp ({_stackstamp.__file__}) is not usable, "
                       f"using the pure-Python stamp: {exc}. Reinstall cudalab to rebuild it.",

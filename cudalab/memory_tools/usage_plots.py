@@ -235,9 +235,9 @@ def memory(snapshot: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- files
 def _snapshot_or_now(snapshot: dict[str, Any] | None) -> dict[str, Any]:
     if snapshot is None:
-        from cudalab.memory_tools.snapshot import _snapshot
+        from cudalab.memory_tools.snapshot import take_snapshot
 
-        return _snapshot()
+        return take_snapshot()
     if not isinstance(snapshot, dict):
         raise TypeError(f"snapshot must be a snapshot dict (cudalab.memory._snapshot()), got "
                         f"{type(snapshot).__name__}")

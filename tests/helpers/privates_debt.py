@@ -6,7 +6,4 @@ reason) ``tests/test_privates.py``'s ``ALLOWED``.
 """
 
 DEBT: frozenset[str] = frozenset({
-    'cudalab/memory_tools/history.py: cudalab.memory_tools.stacks._capture',
-    'cudalab/memory_tools/snapshot.py: cudalab.memory_tools.history._record_snapshot',
-    'cudalab/memory_tools/usage_plots.py: cudalab.memory_tools.snapshot._snapshot',
 })

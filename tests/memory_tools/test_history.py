@@ -195,7 +195,7 @@ def _allocs_with_real_stacks(entries, got, action="alloc"):
 
 
 def test_cached_stacks_are_the_real_stacks(priv):
-    """Frames cache their stacks (see stacks._capture): callers that come and go at reused
+    """Frames cache their stacks (see stacks.capture_stack): callers that come and go at reused
     addresses, recursion, generators resumed from different places, two lines of one frame
     and another thread must all still get their real stack."""
     a = priv()

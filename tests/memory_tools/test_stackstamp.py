@@ -49,7 +49,7 @@ needs_compiled = pytest.mark.skipif(stacks._c_stamp is None,
 @pytest.mark.parametrize("first", ["python", "compiled"])
 def test_the_compiled_stamp_gives_the_python_stamps_stacks(first):
     """At one place of one frame both stamps give one stack object, whichever walks first
-    (the compiled one then takes stacks._capture's path, from the right depth), and it is
+    (the compiled one then takes stacks.capture_stack's path, from the right depth), and it is
     the real stack; at a new instruction too."""
     stamps = {"python": stacks._py_stamp, "compiled": stacks._c_stamp}
     order = [stamps[first], stamps["python" if first == "compiled" else "compiled"]]
@@ -82,7 +82,7 @@ def test_the_compiled_stamp_gives_the_python_stamps_stacks(first):
 @needs_compiled
 def test_the_compiled_stamp_from_a_bare_thread_and_under_a_tracer():
     """A thread's outermost frame, and frames a trace function owns (no mark): the compiled
-    stamp falls back to stacks._capture and still gives the real stack."""
+    stamp falls back to stacks.capture_stack and still gives the real stack."""
     out = []
 
     def body():
@@ -185,7 +185,7 @@ def test_a_fitting_compiled_stamp_gets_the_shared_state_and_the_switch_turns_it_
     monkeypatch.delenv("CUDALAB_PURE_PYTHON", raising=False)
     assert stacks._load_compiled_stamp() == fake.stamp
     assert fake.given == (stacks._cud_mods, stacks._other_mods, stacks._internal,
-                          stacks._Mark, stacks._capture)
+                          stacks._Mark, stacks.capture_stack)
     assert all(a is b for a, b in zip(fake.given, (stacks._cud_mods, stacks._other_mods)))
     monkeypatch.setenv("CUDALAB_PURE_PYTHON", "0")  # (0 or empty: not set)
     assert stacks._load_compiled_stamp() == fake.stamp
@@ -199,7 +199,7 @@ def test_the_compiled_setup_checks_its_arguments():
     from cudalab.memory_tools import _stackstamp
 
     good = (stacks._cud_mods, stacks._other_mods, stacks._internal, stacks._Mark,
-            stacks._capture)
+            stacks.capture_stack)
     try:
         for i, bad in [(0, []), (1, frozenset()), (2, set()), (3, dict), (3, int), (4, 5)]:
             args = list(good)
@@ -218,7 +218,7 @@ def test_the_compiled_setup_checks_its_arguments():
 
 @needs_compiled
 def test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_miss():
-    """Its common case (a loop at one place) needs no call to stacks._capture: only the
+    """Its common case (a loop at one place) needs no call to stacks.capture_stack: only the
     first stamp at each place and the frames without a mark do."""
     from cudalab.memory_tools import _stackstamp
 
@@ -226,7 +226,7 @@ def test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_mis
 
     def counting(d):
         calls.append(d)
-        return stacks._capture(d + 1)  # (one more frame: this one)
+        return stacks.capture_stack(d + 1)  # (one more frame: this one)
 
     shared = (stacks._cud_mods, stacks._other_mods, stacks._internal, stacks._Mark)
     _stackstamp.setup(*shared, counting)
@@ -255,7 +255,7 @@ def test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_mis
         assert [d["name"] for d in stacks.frames_to_dicts(fs[0][0])[:2]] == [
             "fresh", "test_the_compiled_stamp_reads_the_marks_and_calls_capture_only_when_they_miss"]
     finally:
-        _stackstamp.setup(*shared, stacks._capture)
+        _stackstamp.setup(*shared, stacks.capture_stack)
 
 
 # ------------------------------------------------------------ random call structures
