@@ -4,6 +4,7 @@ and a history started mid-session says why replay/recorded exceeds 1."""
 
 from __future__ import annotations
 
+import gc
 import gzip
 import importlib
 import json
@@ -40,6 +41,12 @@ def history_files(tmp_path):
     ``%cuda_memory history save`` paths write it: .pickle, .csv, .json, .json.gz."""
     pytest.importorskip("pandas")
     cudalab.init()
+    # Arrays of earlier tests that the collector frees mid-recording would add a free to one
+    # export and not the other (the order of test files decides): collect them first, and
+    # keep the collector off until the files are written.
+    gc.collect()
+    gc_was_on = gc.isenabled()
+    gc.disable()
     cm.empty_cache()
     before = [cm.caching_allocator_alloc(5 * MiB) for _ in range(4)]  # 2 live, 2 cached
     for p in before[2:]:
@@ -60,6 +67,8 @@ def history_files(tmp_path):
         cm.export_perfetto(paths["json.gz"])
     finally:
         cm._record_memory_history(None)
+        if gc_was_on:
+            gc.enable()
         for p in [before[1], *live]:
             cm.caching_allocator_delete(p)
         cm.empty_cache()
