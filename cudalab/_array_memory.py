@@ -386,6 +386,15 @@ def converts_on_device(src: np.ndarray, shape: tuple[int, ...], dtype: np.dtype)
         return False
 
 
+def wait_for_pinned_source(src: np.ndarray, device: int) -> None:
+    """Before a host source is converted on the host (by numpy, at once): when it lies in
+    pinned memory, wait for ``device``'s current stream, so the read sees what an earlier
+    queued copy writes there (a device-to-pinned copy with ``non_blocking=True``), as a
+    conversion on the device, in stream order, would (issue 36, item 1)."""
+    if pinned_pool().is_pinned(src):
+        stream_of(device).synchronize()
+
+
 def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stream, host: int,
                    non_blocking: bool, what: str, buffer: Any = None) -> None:
     """Copy ``n`` bytes between the device and host address ``host`` (``dst`` or ``src``) on

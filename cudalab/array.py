@@ -44,6 +44,7 @@ from cudalab._array_memory import (
     release_device_memory,
     scalar_bytes,
     stream_of,
+    wait_for_pinned_source,
     waits_for_foreign,
 )
 from cudalab._array_operators import OperatorsMixin, converting_copy, where
@@ -390,9 +391,8 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
         Runs on the current stream of this array's device; a source on another device is
         copied as torch copies it, on the source device's current stream, after the work
         queued so far on this array's device's current stream, which then waits for the copy.
-        Host sources: waits for the copy unless ``non_blocking`` and the source is pinned
-        memory (see the module notes). Device sources never block the host.
-        """
+        Host sources: waits unless ``non_blocking`` with pinned memory (the module notes; a
+        conversion numpy does on the host waits too). Device sources never block the host."""
         require_writable(self, "DeviceArray.copy_()")
         if isinstance(src, DeviceArray):
             return self._copy_from_device(src)
@@ -403,13 +403,12 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             src = np.asarray(src)
         if src.dtype != self.element_dtype or src.shape != self.dims:
             if self.byte_count and converts_on_device(src, self.dims, self.element_dtype):
-                # Convert on the device, in stream order: the host buffer is read when the
-                # stream reaches the copy (a pinned buffer an earlier queued copy writes),
-                # never converted on the host at once (issue 36, item 1).
+                # Convert on the device, in stream order (reads a pinned buffer when queued copies did)
                 raw = DeviceArray._output(src.shape, src.dtype, self.device_index,
                                           stream_of(self.device_index))
                 raw.copy_(src, non_blocking)
                 return converting_copy(self, raw)  # casts and broadcasts (torch's copy_)
+            wait_for_pinned_source(src, self.device_index)  # converted on the host
             src = np.ascontiguousarray(np.broadcast_to(src.astype(self.element_dtype), self.dims))
         check_host_operand(src, self, "DeviceArray.copy_()", writable=False)
         n = self.byte_count
@@ -483,6 +482,7 @@ class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
             foreign = foreign_cuda_array(value)  # (not ``or``: a DeviceArray has torch's bool())
             value = foreign if foreign is not None else np.asarray(value, dtype=target.dtype)
         if isinstance(value, np.ndarray):
+            wait_for_pinned_source(value, target.device_index)  # (numpy converts it at once)
             value = np.ascontiguousarray(
                 np.broadcast_to(value.astype(target.dtype, copy=False), target.shape))
         target.copy_(value)

@@ -85,25 +85,48 @@ _DEBUG_WARNING = "CUDA Graphs debug not enabled, set with [graph].enable_debug_m
 # either happen whole or not at all; the KeyboardInterrupt comes in the caller's code.
 _interrupts.guard_files([os.path.abspath(__file__)])
 
-#: (device, pool id) of private pools whose graph was collected while that device's
-#: allocator lock was held (the garbage collector can run a finalizer inside the allocator,
-#: and the lock is not re-entrant): released at the next capture_begin() or reset().
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
+#: (device, pool id) of private pools whose graph was collected while that device's
+#: allocator lock was held (the garbage collector can run a finalizer inside the allocator,
+#: and the lock is not re-entrant) or while a capture was open (releasing a pool may free
+#: segments, and cuMemFree would invalidate the capture): released by ``_release_deferred``
+#: once no capture is open (the next capture_begin(), the end of a capture, reset()).
 _deferred_releases: list[tuple[int, tuple[int, int]]] = []
+
+#: (backend, executable graph or None, graph or None, event or None) of graphs collected
+#: while a capture was open: destroying them then is a "potentially unsafe" call that
+#: invalidates the capture (cuGraphExecDestroy during a global capture raises
+#: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED on an H200, and the capture's next launch 901).
+#: Destroyed by ``_release_deferred`` once no capture is open.
+_deferred_destroys: list[tuple[Any, Any, Any, Any]] = []
 
 
 def _release_pool(device: int, pool_id: tuple[int, int], finalizing: bool) -> None:
     """Give back a graph's use of its pool; from a finalizer only when the allocator's lock
-    is free (else deferred, see ``_deferred_releases``)."""
+    is free and no capture is open (else deferred, see ``_deferred_releases``)."""
     alloc = get_allocator(device)
-    if finalizing and alloc.is_locked():
+    if finalizing and (_capturing or alloc.is_locked()):
         _deferred_releases.append((device, pool_id))
         return
     alloc.release_pool(pool_id)
 
 
 def _release_deferred() -> None:
+    """Destroy what finalizers deferred (``_deferred_destroys``, ``_deferred_releases``),
+    unless a capture is open (then it waits for the capture's end). The destroys came from
+    finalizers, which never raise: a driver error destroying one is dropped as theirs was."""
+    if _capturing:
+        return
+    while _deferred_destroys:
+        backend, graph_exec, graph, event = _deferred_destroys.pop()
+        for destroy, handle in ((backend.graph_exec_destroy, graph_exec),
+                                (backend.graph_destroy, graph), (backend.event_destroy, event)):
+            if handle is not None:
+                try:
+                    destroy(handle)
+                except Exception:  # noqa: BLE001 - a finalizer's destroy, deferred
+                    pass
     while _deferred_releases:
         device, pool_id = _deferred_releases.pop()
         get_allocator(device).release_pool(pool_id)
@@ -322,6 +345,8 @@ class CUDAGraph:
             _capturing.pop(self._capture_id, None)
         self._capture_id = 0
         self._end_routing()
+        if _deferred_destroys or _deferred_releases:
+            _release_deferred()
         for st in self._states:
             self._states[st] = st.capture_epilogue()
         # A state the graph draws nothing from needs no refresh before a replay (its words
@@ -362,7 +387,7 @@ class CUDAGraph:
         finally:
             for st in self._states:
                 st.capture_epilogue()
-            self.reset()
+            self.reset()  # (reset() releases what finalizers deferred, once no capture is open)
 
     # ------------------------------------------------------------------ executable
     def instantiate(self) -> None:
@@ -451,7 +476,16 @@ class CUDAGraph:
 
     def _teardown(self, finalizing: bool) -> None:
         b = self._backend
+        # A finalizer that runs while a capture is open (the collector runs anywhere) must
+        # not destroy driver objects then: it would invalidate the capture. It hands them to
+        # _release_deferred, which destroys them once no capture is open.
+        defer = finalizing and bool(_capturing)
         try:
+            if defer:
+                ex, g, ev = self._exec, self._graph, self._join_event
+                self._exec = self._graph = self._join_event = None
+                if ex is not None or g is not None or ev is not None:
+                    _deferred_destroys.append((b, ex, g, ev))
             if self._exec is not None:
                 ex, self._exec = self._exec, None
                 b.graph_exec_destroy(ex)

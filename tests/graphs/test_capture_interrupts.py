@@ -102,7 +102,7 @@ def test_interrupt_at_every_line_of_a_capture(deferring, setup):
         op, finish = setup()
         swallowed: list[BaseException] = []
         old_hook = sys.unraisablehook
-        sys.unraisablehook = lambda u: swallowed.append(u.exc_value)
+        sys.unraisablehook = lambda u, out=swallowed: out.append(u.exc_value)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # (an interrupted capture may be empty)

@@ -253,6 +253,31 @@ def test_a_graph_collected_inside_the_allocator_defers_its_pool_release():
     assert not _pool_segments(pid)
 
 
+def test_a_graph_collected_during_another_capture_leaves_it_valid():
+    """The collector may finalize a graph while another one captures (in a notebook, any
+    allocation can run it): destroying its executable then (cuGraphExecDestroy, refused in a
+    global capture) would invalidate the capture, whose next launch fails with 901. The
+    finalizer defers the destroys and the pool release to the capture's end (seen on an
+    H200 by tests/graphs/test_capture_interrupts.py)."""
+    a = cudalab.array.full((1000,), 1.0, np.float32)
+    add_new(a, 0)
+    old = cudalab.CUDAGraph()
+    with cudalab.graph(old):
+        add_new(a, 1)
+    old_pid = old.pool()
+    old.cycle = old  # only the garbage collector frees it
+    del old
+    g = cudalab.CUDAGraph()
+    with cudalab.graph(g):
+        gc.collect()  # the old graph's finalizer runs inside this capture
+        assert _use_count(old_pid) == 1  # its pool is released after the capture
+        out = add_new(a, 2)  # the capture is still valid
+    assert _use_count(old_pid) == 0
+    g.replay()
+    cudalab.synchronize()
+    assert out.numpy()[0] == 3.0
+
+
 @pytest.mark.parametrize("pool", [(0, 0), [0, 0]])
 def test_pool_zero_zero_means_no_pool(pool):
     """torch's capture_begin treats the id (0, 0) as "no pool": the graph gets a new private

@@ -16,8 +16,8 @@ The driver's rules (``CUDA_ERROR_STREAM_CAPTURE_*``) hold: the null stream canno
 synchronising or querying a capturing stream, or an event last recorded in a capture, is
 refused whatever the mode, and so is synchronising the whole device while one of its
 streams captures (from any thread, as the driver does); the other "potentially unsafe" calls
-(stream and event synchronize and query, synchronous copies and fills, cuMemFree) are
-refused as
+(stream and event synchronize and query, synchronous copies and fills, cuMemFree,
+cuGraphExecDestroy) are refused as
 ``cuStreamBeginCapture``'s mode and the thread's interaction mode
 (:meth:`thread_exchange_capture_mode`) define: GLOBAL captures forbid them in every thread
 whose mode is GLOBAL, THREAD_LOCAL captures only in the capturing thread, RELAXED captures
@@ -288,6 +288,10 @@ class SimGraphs(SimulatorCore):
         if type(graph_exec) is not _GraphExec or graph_exec.destroyed:
             raise invalid_handle("cuGraphExecDestroy",
                                  f"{graph_exec!r} is not a live executable graph")
+        if self._captures:
+            # "potentially unsafe" during a capture (an H200 refuses it with 900 in a global
+            # capture, invalidating the capture)
+            self._refuse_in_capture("cuGraphExecDestroy")
         graph_exec.destroyed = True  # a launch already queued still runs (it holds the ops)
 
     def graph_node_count(self, graph: GraphHandle) -> int:
