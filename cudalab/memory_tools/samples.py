@@ -6,7 +6,8 @@ allocator or NVML itself: it asks its source for a sample of each device every t
 for the actions behind its buttons (reset the peaks, release the cache, take a snapshot).
 :class:`cudalab.memory_sources.CudalabSource` is the source over cudalab's own allocator and
 NVML (a module above :mod:`cudalab.memory`, whose figures it reads); a source over another
-allocator (torch's, CuPy's) implements the same four members and names itself and its
+allocator (:mod:`cudalab.memory_sources`: ``torch``, ``cupy``, and ``process`` for the memory
+no allocator accounts for) implements the same four members and names itself and its
 allocator in each sample's :class:`~cudalab.identity.Identity`.
 
 Every sample says where it came from (``identity``: host, pid, rank, the device's index,
@@ -110,12 +111,24 @@ class DeviceSample:
     process_used: int | None = None
     #: Bytes all listed processes use on the device, summed over those NVML gives a figure for.
     all_processes_used: int | None = None
+    #: A sentence the view shows beside the figures, "" without: e.g. that cudalab's
+    #: allocator backs CuPy (so its arrays are counted in the ``cudalab`` source), that a
+    #: figure is a bound, or that the source went away. At most 512 characters.
+    note: str = ""
+    #: The source's own counts that have no field here, as ``(name, value)`` pairs in a
+    #: fixed order (e.g. CuPy's ``("free_blocks", n)``): names non-empty str of at most 64
+    #: characters, values ints >= 0; empty for most sources.
+    extra: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.time, (int, float)) and math.isfinite(self.time)):
             raise ValueError(f"DeviceSample.time is {self.time!r}, expected finite seconds")
         if self.identity.device is None:
             raise ValueError("DeviceSample.identity names no device")
+        if type(self.note) is not str or len(self.note) > _NOTE_LIMIT:
+            raise ValueError(f"DeviceSample.note is {self.note!r:.40}, expected a str of at "
+                             f"most {_NOTE_LIMIT} characters")
+        _check_extra(self.extra, "DeviceSample.extra")
 
     @property
     def device(self) -> int:
@@ -130,6 +143,7 @@ class DeviceSample:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["identity"] = self.identity.to_dict()
         out["pools"] = [dict(p) for p in self.pools]
+        out["extra"] = dict(self.extra)
         out["device"] = self.device
         return out
 
@@ -143,7 +157,8 @@ class DeviceSample:
         data : dict
             The plain dict: ``time``, ``source``, ``identity``, ``capacity`` and the
             allocator's figures are required; ``pools`` (default empty), ``nvml_error``
-            (default "") and the NVML figures (default None) may be missing; ``device``,
+            (default ""), ``note`` (default ""), ``extra`` (a dict of names to ints,
+            default empty) and the NVML figures (default None) may be missing; ``device``,
             when present, must be ``identity['device']``; other keys are ignored.
         what : str, optional
             The dict's name in the messages.
@@ -171,7 +186,7 @@ class DeviceSample:
         if type(t) not in (int, float) or not math.isfinite(t):
             raise ValueError(f"{what}['time'] is {t!r:.40}, expected finite seconds")
         values: dict[str, Any] = {"time": float(t), "identity": identity}
-        for key, limit in (("source", 64), ("nvml_error", 256)):
+        for key, limit in (("source", 64), ("nvml_error", 256), ("note", _NOTE_LIMIT)):
             text = data.get(key, "")
             if type(text) is not str or len(text) > limit or (key == "source" and not text):
                 raise ValueError(f"{what}[{key!r}] is {text!r:.40}, expected a "
@@ -192,12 +207,34 @@ class DeviceSample:
             raise ValueError(f"{what}['pools'] is a {type(pools).__name__}, expected a list "
                              "of dicts")
         values["pools"] = tuple(dict(p) for p in pools)
+        extra = data.get("extra", {})
+        if not isinstance(extra, dict) or len(extra) > 64:
+            raise ValueError(f"{what}['extra'] is a {type(extra).__name__}, expected a dict "
+                             "of at most 64 names")
+        values["extra"] = tuple(extra.items())
+        _check_extra(values["extra"], f"{what}['extra']")
         if values["nvml_error"] and any(values[k] is not None for k in NVML_FIGURES):
             raise ValueError(f"{what} has NVML figures and an nvml_error")
         return cls(**values)
 
 
 _I63 = 1 << 63
+_NOTE_LIMIT = 512
+
+
+def _check_extra(extra: Any, what: str) -> None:
+    """ValueError naming ``what`` unless ``extra`` is a tuple of ``(name, int >= 0)`` pairs."""
+    if type(extra) is not tuple:
+        raise ValueError(f"{what} is a {type(extra).__name__}, expected a tuple of pairs")
+    for pair in extra:
+        if type(pair) is not tuple or len(pair) != 2:
+            raise ValueError(f"{what} holds {pair!r:.40}, expected (name, count) pairs")
+        name, value = pair
+        if type(name) is not str or not 0 < len(name) <= 64:
+            raise ValueError(f"{what} has the name {name!r:.40}, expected a non-empty str of "
+                             "at most 64 characters")
+        if type(value) is not int or not 0 <= value < _I63:
+            raise ValueError(f"{what}[{name!r}] is {value!r:.40}, expected an int >= 0")
 _REQUIRED = ("time", "source", "identity", "capacity", *(name for name, _ in ALLOCATOR_FIGURES))
 
 

@@ -89,7 +89,7 @@ def test_an_unusable_nvml_leaves_every_nvml_figure_none(monkeypatch):
         raise RuntimeError("no NVML here")
 
     cudalab.init()
-    monkeypatch.setattr(memory_sources._nvml_api, "resolve_device", broken)
+    monkeypatch.setattr(memory_sources.cudalab_source._nvml_api, "resolve_device", broken)
     s = CudalabSource().sample(0)
     assert s.nvml_error == "NVML unavailable (RuntimeError)"
     assert all(getattr(s, name) is None for name in NVML_FIGURES)

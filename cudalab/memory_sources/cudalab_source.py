@@ -1,12 +1,7 @@
-"""Sources of :class:`~cudalab.memory_tools.samples.DeviceSample` records over real
-allocators: :class:`CudalabSource`, over cudalab's own allocator (``cudalab.memory``'s
-``memory_stats()`` and ``private_pools()``) and NVML.
-
-This module sits just above :mod:`cudalab.memory` in the layers (``pyproject.toml``): the
-record and the :class:`~cudalab.memory_tools.samples.SampleSource` protocol stay in
-:mod:`cudalab.memory_tools` (below the memory API), and the sources that read the memory API,
-or another library's allocator (torch's, CuPy's, to come), live here, so no lower layer
-reaches up to ``cudalab.memory`` through the package.
+"""The ``cudalab`` source: :class:`CudalabSource`, over cudalab's own allocator
+(``cudalab.memory``'s ``memory_stats()`` and ``private_pools()``) and NVML; and what every
+source shares: a device's identity, capacity and NVML handle (:class:`DeviceFacts`) and the
+NVML figures of a sample (:func:`nvml_figures`).
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ from cudalab.identity import Identity
 from cudalab.memory_tools.samples import ALLOCATOR_FIGURES, DeviceSample
 from cudalab.memory_tools.snapshot import take_snapshot
 
-__all__ = ["CudalabSource", "NvmlState", "nvml_figures"]
+__all__ = ["CudalabSource", "DeviceFacts", "NvmlState", "nvml_figures"]
 
 
 class NvmlState:
@@ -42,6 +37,43 @@ class NvmlState:
             self.error = f"NVML unavailable ({type(exc).__name__})"
 
 
+class DeviceFacts:
+    """What a source reads once per device, on its first sample: the device's
+    :class:`~cudalab.identity.Identity` naming the source's allocator, its capacity (the
+    driver's ``total_memory``, bytes) and its NVML handle (:class:`NvmlState`).
+
+    The identity and capacity come from cudalab's driver (the same device numbering as
+    torch's and CuPy's: the process's, after ``CUDA_VISIBLE_DEVICES``), so the samples of
+    every source of a device carry the same UUID.
+    """
+
+    __slots__ = ("allocator", "_known")
+
+    def __init__(self, allocator: str):
+        #: The allocator the identities name (``Identity.allocator``), non-empty.
+        self.allocator = allocator
+        self._known: dict[int, tuple[Identity, int, NvmlState]] = {}
+
+    def get(self, index: int) -> tuple[Identity, int, NvmlState]:
+        """``(identity, capacity, nvml state)`` of device ``index``, read on first use."""
+        known = self._known.get(index)
+        if known is None:
+            known = (Identity.current(device=index, allocator=self.allocator),
+                     int(_devices.get_device_properties(index).total_memory),
+                     NvmlState(index))
+            self._known[index] = known
+        return known
+
+    def nvml(self, index: int) -> dict[str, Any]:
+        """The NVML figures of device ``index`` with ``nvml_error`` (every figure missing
+        when NVML cannot be used)."""
+        state = self.get(index)[2]
+        figures: dict[str, Any] = {"nvml_error": state.error}
+        if state.nvml is not None:
+            figures.update(nvml_figures(state.nvml, state.uuid))
+        return figures
+
+
 class CudalabSource:
     """Samples of cudalab's own allocator (``memory_stats()``, ``private_pools()``) and
     NVML, for :class:`~cudalab.widgets.MemoryDashboard`.
@@ -52,32 +84,23 @@ class CudalabSource:
     name = "cudalab"
 
     def __init__(self) -> None:
-        self._identities: dict[int, tuple[Identity, int]] = {}
-        self._nvml: dict[int, NvmlState] = {}
-
-    def _device(self, index: int) -> tuple[Identity, int]:
-        known = self._identities.get(index)
-        if known is None:
-            known = (Identity.current(device=index, allocator="cudalab"),
-                     int(_devices.get_device_properties(index).total_memory))
-            self._identities[index] = known
-            self._nvml[index] = NvmlState(index)
-        return known
+        self._facts = DeviceFacts("cudalab")
 
     def sample(self, device: int, now: float | None = None) -> DeviceSample:
         """A :class:`DeviceSample` of ``device``: its ``memory_stats()`` figures, private
         pools and NVML figures (one NVML query failing leaves the others)."""
-        identity, capacity = self._device(device)
+        identity, capacity, _ = self._facts.get(device)
         stats = _memory.memory_stats(device)
         figures: dict[str, Any] = {name: stats.get(key, 0) for name, key in ALLOCATOR_FIGURES}
         # private pools (graph captures, MemPool): [] without any, at no cost
         figures["pools"] = tuple(_memory.private_pools(device))
-        state = self._nvml[device]
-        figures["nvml_error"] = state.error
-        if state.nvml is not None:
-            figures.update(nvml_figures(state.nvml, state.uuid))
+        figures.update(self._facts.nvml(device))
         return DeviceSample(time=time.time() if now is None else now, source=self.name,
                             identity=identity, capacity=capacity, **figures)
+
+    def reserved(self, device: int) -> int:
+        """Bytes cudalab's allocator holds on ``device`` now (``memory_reserved``)."""
+        return int(_memory.memory_reserved(device))
 
     def reset_peaks(self, device: int) -> None:
         """``cudalab.memory.reset_peak_memory_stats(device)``."""

@@ -1,0 +1,159 @@
+"""The ``cupy`` source: :class:`CupySource`, samples of CuPy's default memory pools.
+
+CuPy is read from ``sys.modules`` only (imported when the user names the source:
+:func:`cupy_module` with ``explicit=True``). A sample reads the default ``MemoryPool``
+(``used_bytes()`` as allocated, ``total_bytes()`` as reserved, ``n_free_blocks()``) and the
+default ``PinnedMemoryPool`` (``n_free_blocks()``; it has no byte counters). CuPy's pool
+keeps no peaks, counts no allocations, segments or out-of-memory errors: the sample's peaks
+are the highest figures *this source's samples saw* (a lower bound of the true peak; reset
+by :meth:`CupySource.reset_peaks`), and those counts are 0 (its ``note`` says so).
+
+When cudalab's caching allocator backs CuPy (``cupy.cuda.set_allocator(
+cudalab.memory.cupy_allocator)``, :mod:`cudalab.interop`), CuPy's arrays are cudalab's
+allocations and the ``cudalab`` source counts them; the CuPy pool then holds only what it
+had before, and the sample's note says so rather than counting anything twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from typing import Any
+
+from cudalab.memory_sources.cudalab_source import DeviceFacts
+from cudalab.memory_sources.unavailable import SourceUnavailableError
+from cudalab.memory_tools.samples import DeviceSample
+
+__all__ = ["CupySource", "cupy_module", "cupy_backing"]
+
+_NO_COUNTS = ("CuPy's pool keeps no peaks nor allocation counts: the peaks are the highest "
+              "figures sampled")
+
+
+def cupy_module(explicit: bool = False) -> Any:
+    """The user's CuPy module, or None (only when ``explicit`` is False and CuPy is not
+    imported); ``explicit``: import it when installed. SourceUnavailableError when
+    ``explicit`` and CuPy is not installed."""
+    cupy = sys.modules.get("cupy")
+    if cupy is not None or not explicit:
+        return cupy
+    try:
+        return importlib.import_module("cupy")
+    except ImportError as exc:
+        raise SourceUnavailableError(
+            "cupy", f"this process has no CuPy: it is not installed in this Python ({exc})"
+        ) from None
+
+
+def cupy_backing(cupy: Any) -> str:
+    """Which allocator CuPy allocates device memory from now: ``"pool"`` (its default
+    ``MemoryPool``), ``"cudalab"`` (:func:`cudalab.interop.cupy_allocator`) or ``"other"``
+    (RMM, a user's pool, ...)."""
+    try:
+        current = cupy.cuda.get_allocator()
+        if current == cupy.get_default_memory_pool().malloc:
+            return "pool"
+    except Exception:  # an older CuPy without get_allocator: the default pool
+        return "pool"
+    interop = sys.modules.get("cudalab.interop")  # (a layer above: read, never imported)
+    ours = getattr(interop, "cupy_allocator", None)
+    if ours is not None and (current is ours or getattr(current, "__wrapped__", None) is ours):
+        return "cudalab"
+    return "other"
+
+
+class CupySource:
+    """Samples of CuPy's default memory pool, for every memory view (see the module).
+
+    Parameters
+    ----------
+    cupy : module, optional
+        The CuPy module (default: :func:`cupy_module` with ``explicit=True``).
+    nvml : bool, optional
+        Add the device's NVML figures to each sample (default True).
+
+    Raises
+    ------
+    SourceUnavailableError
+        CuPy is not installed, or cannot use CUDA here.
+    """
+
+    name = "cupy"
+
+    def __init__(self, cupy: Any = None, nvml: bool = True):
+        cupy = cupy_module(explicit=True) if cupy is None else cupy
+        try:
+            available = bool(cupy.cuda.is_available())
+        except Exception:
+            available = False
+        if not available:
+            raise SourceUnavailableError("cupy", "CuPy cannot use CUDA here "
+                                                 "(cupy.cuda.is_available() is False)")
+        self._cupy = cupy
+        self._nvml = bool(nvml)
+        self._facts = DeviceFacts("cupy")
+        #: device -> [highest used, highest total] seen by this source's samples
+        self._peaks: dict[int, list[int]] = {}
+
+    def pool_figures(self, device: int) -> tuple[int, int, int]:
+        """``(used_bytes, total_bytes, n_free_blocks)`` of the default pool on ``device``
+        (CuPy's pool answers for the calling thread's current device: the device is made
+        current for the call when it is another)."""
+        cupy = self._cupy
+        pool = cupy.get_default_memory_pool()
+        if cupy.cuda.runtime.getDevice() == device:
+            return int(pool.used_bytes()), int(pool.total_bytes()), int(pool.n_free_blocks())
+        with cupy.cuda.Device(device):
+            return int(pool.used_bytes()), int(pool.total_bytes()), int(pool.n_free_blocks())
+
+    def sample(self, device: int, now: float | None = None) -> DeviceSample:
+        """A :class:`DeviceSample` of CuPy's default pools on ``device``."""
+        used, total, free_blocks = self.pool_figures(device)
+        identity, capacity, _ = self._facts.get(device)
+        peaks = self._peaks.setdefault(device, [0, 0])
+        peaks[0], peaks[1] = max(peaks[0], used), max(peaks[1], total)
+        try:
+            pinned_free = int(self._cupy.get_default_pinned_memory_pool().n_free_blocks())
+        except Exception:
+            pinned_free = 0
+        backing = cupy_backing(self._cupy)
+        note = _NO_COUNTS
+        if backing == "cudalab":
+            note = ("cudalab's allocator backs CuPy (cudalab.interop.cupy_allocator): CuPy's "
+                    "arrays are counted in the 'cudalab' source; these are CuPy's own pool's "
+                    "figures, not counted twice")
+        elif backing == "other":
+            note = ("CuPy allocates through another allocator (cupy.cuda.set_allocator): its "
+                    "arrays are not in these figures of CuPy's default pool")
+        figures: dict[str, Any] = {
+            "allocated": used, "reserved": total, "peak_allocated": peaks[0],
+            "peak_reserved": peaks[1], "requested": used, "allocations": 0,
+            "allocations_total": 0, "segments": 0, "num_ooms": 0, "num_alloc_retries": 0,
+            "note": note,
+            "extra": (("free_blocks", free_blocks), ("pinned_free_blocks", pinned_free)),
+        }
+        if self._nvml:
+            figures.update(self._facts.nvml(device))
+        return DeviceSample(time=time.time() if now is None else now, source=self.name,
+                            identity=identity, capacity=capacity, **figures)
+
+    def reserved(self, device: int) -> int:
+        """Bytes CuPy's default pool holds on ``device`` now (``total_bytes()``)."""
+        return self.pool_figures(device)[1]
+
+    def reset_peaks(self, device: int) -> None:
+        """Start this source's sampled peaks of ``device`` again from the figures now
+        (CuPy keeps no peaks of its own: nobody else's figure changes)."""
+        used, total, _ = self.pool_figures(device)
+        self._peaks[device] = [used, total]
+
+    def release_cache(self) -> None:
+        """``free_all_blocks()`` of CuPy's default pool and pinned pool."""
+        self._cupy.get_default_memory_pool().free_all_blocks()
+        self._cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+    def snapshot(self) -> dict[str, Any]:
+        """SourceUnavailableError: CuPy's pool gives no per-block state to snapshot."""
+        raise SourceUnavailableError("cupy", "CuPy's pool gives no per-block state: a snapshot "
+                                             "needs the 'cudalab' or 'torch' source")

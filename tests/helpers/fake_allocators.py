@@ -1,0 +1,274 @@
+"""Small fakes of ``torch`` (``torch.cuda``'s memory API) and ``cupy`` (its default pools),
+to put into ``sys.modules`` on the simulator: the memory sources read them as they read the
+real libraries (``cudalab.memory_sources``).
+
+The fake allocators keep torch's counters by their rules (a current figure, its peak since
+the last reset, the totals; reserved in 2 MiB segments), so a test compares a source's figures
+with the fake's own ``memory_stats()`` and never with hard-coded numbers.
+
+::
+
+    torch = FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    ptr = torch.cuda.alloc(3 << 20)
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from typing import Any
+
+__all__ = ["FakeTorch", "FakeCupy", "SEGMENT"]
+
+#: The fake torch's segment size: reserved grows by whole segments.
+SEGMENT = 2 << 20
+_COUNTERS = ("allocated_bytes", "reserved_bytes", "requested_bytes", "allocation", "segment",
+             "active_bytes", "active")
+
+
+class _Device:
+    def __init__(self) -> None:
+        self.current = dict.fromkeys(_COUNTERS, 0)
+        self.peak = dict.fromkeys(_COUNTERS, 0)
+        self.allocated = dict.fromkeys(_COUNTERS, 0)
+        self.freed = dict.fromkeys(_COUNTERS, 0)
+        self.blocks: dict[int, tuple[int, int]] = {}  # address -> (size, requested)
+        self.num_ooms = 0
+        self.num_alloc_retries = 0
+
+    def add(self, key: str, amount: int) -> None:
+        self.current[key] += amount
+        if amount > 0:
+            self.allocated[key] += amount
+            self.peak[key] = max(self.peak[key], self.current[key])
+        else:
+            self.freed[key] -= amount
+
+
+class FakeTorchCuda(types.ModuleType):
+    """``torch.cuda``: is_available, is_initialized, memory_stats (flat and nested),
+    memory_allocated/reserved, max_memory_allocated/reserved, reset_peak_memory_stats,
+    empty_cache, current_stream, memory._snapshot / _record_memory_history; ``alloc`` and
+    ``free`` drive the fake allocator."""
+
+    def __init__(self, available: bool = True, initialized: bool = True, devices: int = 1):
+        super().__init__("torch.cuda")
+        self.available = available
+        self.initialized = initialized and available
+        self.devices = [_Device() for _ in range(devices)]
+        self._addresses = itertools.count(0x7F0000000000, SEGMENT)
+        self.calls: list[str] = []  # the names of the mutating calls made (resets, ...)
+        self.memory = types.ModuleType("torch.cuda.memory")
+        self.memory._snapshot = self._snapshot
+        self.memory._record_memory_history = self._record_memory_history
+        self.history: dict[str, Any] | None = None
+        self.stream = types.SimpleNamespace(cuda_stream=0)
+
+    # ------------------------------------------------------------------ the allocator
+    def alloc(self, nbytes: int, device: int = 0) -> int:
+        d = self.devices[device]
+        size = -(-nbytes // 512) * 512
+        held = d.current["reserved_bytes"] - d.current["allocated_bytes"]
+        if size > held:
+            grow = -(-(size - held) // SEGMENT) * SEGMENT
+            d.add("reserved_bytes", grow)
+            d.add("segment", 1)
+        address = next(self._addresses)
+        d.blocks[address] = (size, nbytes)
+        for key, amount in (("allocated_bytes", size), ("requested_bytes", nbytes),
+                            ("allocation", 1), ("active_bytes", size), ("active", 1)):
+            d.add(key, amount)
+        return address
+
+    def free(self, address: int, device: int = 0) -> None:
+        d = self.devices[device]
+        size, nbytes = d.blocks.pop(address)
+        for key, amount in (("allocated_bytes", size), ("requested_bytes", nbytes),
+                            ("allocation", 1), ("active_bytes", size), ("active", 1)):
+            d.add(key, -amount)
+
+    # ------------------------------------------------------------------ torch.cuda's API
+    def is_available(self) -> bool:
+        return self.available
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def device_count(self) -> int:
+        return len(self.devices)
+
+    def _index(self, device: Any) -> int:
+        return 0 if device is None else int(getattr(device, "index", device))
+
+    def memory_stats_as_nested_dict(self, device: Any = None) -> dict:
+        return self.nested_stats(device)
+
+    def nested_stats(self, device: Any = None) -> dict:
+        if not self.initialized:
+            return {}
+        d = self.devices[self._index(device)]
+        out: dict[str, Any] = {}
+        for key in _COUNTERS:
+            figures = {"current": d.current[key], "peak": d.peak[key],
+                       "allocated": d.allocated[key], "freed": d.freed[key]}
+            out[key] = {pool: dict(figures) for pool in ("all", "large_pool", "small_pool")}
+        out["num_ooms"] = d.num_ooms
+        out["num_alloc_retries"] = d.num_alloc_retries
+        return out
+
+    def memory_stats(self, device: Any = None) -> dict:
+        flat: dict[str, Any] = {}
+
+        def walk(prefix: str, node: Any) -> None:
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                flat[prefix] = node
+
+        walk("", self.nested_stats(device))
+        return dict(sorted(flat.items()))
+
+    def memory_allocated(self, device: Any = None) -> int:
+        return self.devices[self._index(device)].current["allocated_bytes"]
+
+    def memory_reserved(self, device: Any = None) -> int:
+        return self.devices[self._index(device)].current["reserved_bytes"]
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return self.devices[self._index(device)].peak["allocated_bytes"]
+
+    def max_memory_reserved(self, device: Any = None) -> int:
+        return self.devices[self._index(device)].peak["reserved_bytes"]
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self.calls.append("reset_peak_memory_stats")
+        d = self.devices[self._index(device)]
+        d.peak = dict(d.current)
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty_cache")
+        for d in self.devices:
+            keep = -(-d.current["allocated_bytes"] // SEGMENT) * SEGMENT
+            if d.current["reserved_bytes"] > keep:
+                d.add("reserved_bytes", keep - d.current["reserved_bytes"])
+
+    def current_stream(self, device: Any = None) -> Any:
+        return self.stream
+
+    def get_allocator_backend(self) -> str:
+        return "native"
+
+    def _snapshot(self, device: Any = None) -> dict:
+        segments = []
+        for index, d in enumerate(self.devices):
+            for address, (size, requested) in d.blocks.items():
+                segments.append({
+                    "device": index, "address": address, "total_size": SEGMENT,
+                    "allocated_size": size, "active_size": size, "requested_size": requested,
+                    "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
+                    "is_expandable": False, "frames": [],
+                    "blocks": [{"address": address, "size": size, "requested_size": requested,
+                                "state": "active_allocated", "frames": []}]})
+        return {"segments": segments, "device_traces": [[] for _ in self.devices],
+                "allocator_settings": {}, "external_annotations": []}
+
+    def _record_memory_history(self, enabled: Any = "all", context: Any = "all",
+                               stacks: str = "all", max_entries: int = 1 << 62,
+                               **kwargs: Any) -> None:
+        self.calls.append("_record_memory_history")
+        self.history = None if enabled is None else {
+            "enabled": enabled, "context": context, "stacks": stacks,
+            "max_entries": max_entries, **kwargs}
+
+
+class FakeTorch(types.ModuleType):
+    """``torch`` with a :class:`FakeTorchCuda` as ``torch.cuda``."""
+
+    def __init__(self, **cuda: Any):
+        super().__init__("torch")
+        self.cuda = FakeTorchCuda(**cuda)
+        self.__version__ = "2.11.0+fake"
+
+
+class _FakePool:
+    """CuPy's default ``MemoryPool`` for one device: used and total bytes, free blocks."""
+
+    def __init__(self) -> None:
+        self.used: dict[int, int] = {}
+        self.total: dict[int, int] = {}
+        self.device = 0  # set by the fake cupy before each call (its current device)
+        self.freed_all = 0
+
+    def used_bytes(self) -> int:
+        return self.used.get(self.device, 0)
+
+    def total_bytes(self) -> int:
+        return self.total.get(self.device, 0)
+
+    def n_free_blocks(self) -> int:
+        return 1 if self.total_bytes() > self.used_bytes() else 0
+
+    def free_all_blocks(self, stream: Any = None) -> None:
+        self.freed_all += 1
+        self.total[self.device] = self.used.get(self.device, 0)
+
+    def malloc(self, nbytes: int) -> Any:  # (its identity is what get_allocator compares)
+        raise NotImplementedError
+
+
+class FakeCupy(types.ModuleType):
+    """``cupy`` with ``cuda.is_available``, ``cuda.runtime.getDevice``, ``cuda.Device``,
+    ``cuda.get_allocator`` / ``set_allocator``, ``get_default_memory_pool`` and
+    ``get_default_pinned_memory_pool``; ``alloc`` / ``free`` drive the pool (whole 512-byte
+    blocks; the pool's total never shrinks until ``free_all_blocks``)."""
+
+    def __init__(self, available: bool = True):
+        super().__init__("cupy")
+        self.pool = _FakePool()
+        self.pinned = types.SimpleNamespace(n_free_blocks=lambda: 2, freed=[],
+                                            free_all_blocks=lambda: None)
+        self._current = 0
+        self._allocator: Any = self.pool.malloc
+        fake = self
+
+        class Device:
+            def __init__(self, index: int):
+                self.index = index
+
+            def __enter__(self) -> Any:
+                self.previous = fake._current
+                fake._current = fake.pool.device = self.index
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                fake._current = fake.pool.device = self.previous
+
+        self.cuda = types.SimpleNamespace(
+            is_available=lambda: available,
+            runtime=types.SimpleNamespace(getDevice=lambda: fake._current),
+            Device=Device,
+            get_allocator=lambda: fake._allocator,
+            set_allocator=self._set_allocator,
+            get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+        )
+
+    def _set_allocator(self, allocator: Any = None) -> None:
+        self._allocator = self.pool.malloc if allocator is None else allocator
+
+    def get_default_memory_pool(self) -> _FakePool:
+        return self.pool
+
+    def get_default_pinned_memory_pool(self) -> Any:
+        return self.pinned
+
+    def alloc(self, nbytes: int, device: int = 0) -> int:
+        size = -(-nbytes // 512) * 512
+        used = self.pool.used.get(device, 0) + size
+        self.pool.used[device] = used
+        self.pool.total[device] = max(self.pool.total.get(device, 0), used)
+        return size
+
+    def free(self, size: int, device: int = 0) -> None:
+        self.pool.used[device] -= size

@@ -1,0 +1,93 @@
+"""The torch and CuPy sources over the real libraries, on a GPU (skipped on the simulator and
+where torch or CuPy is not installed; the fakes' tests are tests/memory_tools/test_sources.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import cudalab
+from cudalab.memory_sources import CupySource, TorchSource, resolve_sources
+from cudalab.memory_tools.samples import ALLOCATOR_FIGURES
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this torch has no CUDA")
+    torch.zeros(1, device="cuda")  # initialise torch's CUDA
+    return torch
+
+
+@pytest.fixture
+def cupy():
+    cupy = pytest.importorskip("cupy")
+    if not cupy.cuda.is_available():
+        pytest.skip("CuPy has no CUDA here")
+    return cupy
+
+
+def test_torch_sample_is_memory_stats_exactly(torch):
+    keep = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1000, 3 << 20, 50 << 20)]
+    del keep[1]
+    peak_before = torch.cuda.max_memory_allocated()
+    source = TorchSource(torch)
+    s = source.sample(0)
+    flat = torch.cuda.memory_stats(0)
+    for name, key in ALLOCATOR_FIGURES:
+        assert getattr(s, name) == flat.get(key, 0), name
+    assert s.allocated == torch.cuda.memory_allocated(0) > 50 << 20
+    assert torch.cuda.max_memory_allocated() == peak_before  # never reset
+    assert s.capacity == torch.cuda.get_device_properties(0).total_memory
+    theirs = str(torch.cuda.get_device_properties(0).uuid).lower().removeprefix("gpu-")
+    assert s.identity.device_uuid.lower().endswith(theirs)
+    assert s.process_used is not None and s.process_used >= s.reserved
+    snap = source.snapshot()
+    assert sum(seg["total_size"] for seg in snap["segments"]) == s.reserved
+    del keep
+
+
+def test_cupy_sample_is_the_pool(cupy):
+    pool = cupy.get_default_memory_pool()
+    a = cupy.empty(4_000_000, dtype=cupy.uint8)
+    b = cupy.empty(4000, dtype=cupy.uint8)
+    del a
+    s = CupySource(cupy).sample(0)
+    assert (s.allocated, s.reserved) == (pool.used_bytes(), pool.total_bytes())
+    assert dict(s.extra)["free_blocks"] == pool.n_free_blocks()
+    del b
+
+
+def test_cupy_backed_by_cudalab_is_not_counted_twice(cupy):
+    import cudalab.memory as cm
+
+    cudalab.init()
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    before_pool = pool.total_bytes()
+    cupy.cuda.set_allocator(cm.cupy_allocator)
+    try:
+        before = cm.memory_allocated(0)
+        x = cupy.ones(1 << 20, dtype=cupy.float32)
+        s = CupySource(cupy).sample(0)
+        assert "cudalab's allocator backs CuPy" in s.note
+        assert s.reserved == before_pool  # CuPy's own pool did not grow
+        assert cm.memory_allocated(0) - before >= x.nbytes  # cudalab counts the array
+        del x
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+
+
+def test_auto_with_torch_and_cupy(torch, cupy):
+    cudalab.init()
+    cupy.empty(1 << 20, dtype=cupy.uint8)
+    names = [s.name for s in resolve_sources("auto")]
+    assert names == ["cudalab", "torch", "cupy", "process"]
+    samples = [s.sample(0) for s in resolve_sources("auto")]
+    process = samples[-1]
+    held = sum(s.reserved for s in samples[:-1])
+    assert process.process_used is not None
+    assert process.reserved == max(process.process_used - held, 0)
+    assert process.reserved > 100 << 20  # at least the CUDA context
