@@ -249,6 +249,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 result = rp.replay(args.trace, args.conf, device_memory=memory,
                                    device=args.device, progress=progress)
                 results = [result]
+            elif getattr(args, "search", False):
+                at = importlib.import_module("cudalab.memory_tools.autotune")
+                capacities = [parse_size(c, allow_zero=False) for c in args.capacity]
+                if memory is not None:
+                    capacities.insert(0, memory)
+                table = at.autotune(args.trace, capacities or None, args.conf or None,
+                                    device=args.device, workers=args.workers,
+                                    progress=progress)
+                results = [r for r in table.attrs["results"] if r is not None]
             else:
                 table = wi.what_if(args.trace, args.conf or None, device_memory=memory,
                                    device=args.device, progress=progress)
@@ -262,6 +271,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(f"cudalab {name}: error: {text[0] if text else type(exc).__name__}",
               file=sys.stderr)
         return 2
+    if name == "what-if" and getattr(args, "search", False):
+        if args.json:
+            print(json.dumps(_search_json(table), indent=2))
+        else:
+            print(at.format_autotune(table, top=args.top))
+            if args.plot:
+                print(f"plot saved to {args.plot}")
+        return 0
     if args.json:
         if name == "replay":
             print(json.dumps(result.to_dict(), indent=2))
@@ -278,6 +295,27 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"plot saved to {args.plot}")
     return 0
+
+
+def _search_json(table: Any) -> dict[str, Any]:
+    """``what-if --search --json``: the autotuner's frame as plain values."""
+    rows = []
+    for row in table.to_dict("records"):
+        rows.append({k: (None if _missing(v) else (v.item() if hasattr(v, "item") else v))
+                     for k, v in row.items()})
+    rec = dict(table.attrs.get("recommendation") or {})
+    return {"source": table.attrs.get("source"), "entries": table.attrs.get("entries"),
+            "capacities": table.attrs.get("capacities"),
+            "capacity_note": table.attrs.get("capacity_note"),
+            "refused": table.attrs.get("refused"), "replays": table.attrs.get("replays"),
+            "elapsed_s": table.attrs.get("elapsed_s"), "recommendation": rec, "rows": rows}
+
+
+def _missing(value: Any) -> bool:
+    try:
+        return bool(value != value) or type(value).__name__ == "NAType"  # NaN, pd.NA
+    except (TypeError, ValueError):
+        return False
 
 
 # ---------------------------------------------------------------------------------- parser
@@ -322,6 +360,20 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--conf", action="append", default=[], metavar="CONF",
                            help="a setting to try instead of the default search (repeatable; "
                                 "the defaults are always the baseline)")
+            p.add_argument("--search", action="store_true",
+                           help="the autotuner: replay a grid of settings wider than the "
+                                "default search (expandable_segments x max_split_size_mb x "
+                                "roundup_power2_divisions, cudaMallocAsync, memory fractions) "
+                                "at each --capacity, in parallel, and recommend one line for "
+                                "PYTORCH_CUDA_ALLOC_CONF / CUDALAB_ALLOC_CONF")
+            p.add_argument("--capacity", action="append", default=[], metavar="SIZE",
+                           help="with --search: a device size to model (repeatable; default: "
+                                "the trace's own device when it records it)")
+            p.add_argument("--workers", type=int, default=None, metavar="N",
+                           help="with --search: worker processes (default: the CPUs; 1 is "
+                                "serial)")
+            p.add_argument("--top", type=int, default=10, metavar="N",
+                           help="with --search: rows shown per capacity (default 10)")
             p.add_argument("--target", type=float, default=None, metavar="RATIO",
                            help="a goal for peak reserved / peak allocated (e.g. 1.10): say "
                                 "which settings reach it, or which comes closest")

@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # the tooling's names, loaded on first use by __getattr__ (se
         reset_accumulated_host_memory_stats,
         reset_peak_host_memory_stats,
     )
+    from cudalab.memory_tools.autotune import autotune
     from cudalab.memory_tools.export import (
         history_frame,
         segments_frame,
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # the tooling's names, loaded on first use by __getattr__ (se
     from cudalab.memory_tools.what_if import what_if
 
 __all__ = [
+    "autotune",
     "PeakScope",
     "peak_scope",
     "private_pools",
@@ -661,6 +663,7 @@ _LAZY = {
     **{name: _TOOLING + "export" for name in (
         "history_frame", "segments_frame", "snapshot_frame", "stats_frame")},
     "export_perfetto": _TOOLING + "perfetto",
+    "autotune": _TOOLING + "autotune",
     **{name: _TOOLING + "history" for name in (
         "HistoryRecording", "record_history", "_record_memory_history")},
     **{name: _TOOLING + "plot" for name in ("plot_segments", "plot_timeline")},

@@ -22,6 +22,8 @@ Modules, lowest first (each imports only those above it):
 * :mod:`~cudalab.memory_tools.replay` (one replay on a private simulator),
   :mod:`~cudalab.memory_tools.what_if` (a ranked sweep of settings) with
   :mod:`~cudalab.memory_tools.what_if_grid` (its bounded search),
+  :mod:`~cudalab.memory_tools.autotune` (the autotuner: a wide grid × device capacities)
+  over :mod:`~cudalab.memory_tools.replay_workers` (replays in parallel processes),
   :mod:`~cudalab.memory_tools.progress` (their progress bar);
 * :mod:`~cudalab.memory_tools.synthetic` — synthetic snapshots and a ragged-batch
   inference workload for tests and benchmarks.

@@ -31,7 +31,7 @@ from cudalab.allocator import registry as _registry
 from cudalab.allocator.base import Allocator
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig
 from cudalab.allocator.pools import check_pool_id
-from cudalab.devices import device_count
+from cudalab.devices import device_count, get_device_properties
 from cudalab.identity import Identity
 from cudalab.memory_tools import history as _history
 from cudalab.memory_tools import stacks as _stacks
@@ -143,6 +143,9 @@ def take_snapshot(device: Any = None, *, allocators: list[Allocator] | None = No
         "allocator_settings": allocator_settings(config),
         "external_annotations": [],
         "identity": Identity.current(allocator="cudalab").to_dict(),
+        # cudalab's: each device's total memory (what the autotuner models), [] before CUDA
+        "device_memory": [int(get_device_properties(d).total_memory)
+                          for d in range(device_count() if _internal.is_initialized() else 0)],
     }
 
 

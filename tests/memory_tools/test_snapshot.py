@@ -108,7 +108,9 @@ def walk(obj, path="snapshot"):
 def test_snapshot_schema(workload):
     a, snap, ptrs, ln = workload
     assert set(snap) == {"segments", "device_traces", "allocator_settings",
-                         "external_annotations", "identity"}
+                         "external_annotations", "identity", "device_memory"}
+    assert snap["device_memory"] == [cudalab.get_device_properties(d).total_memory
+                                     for d in range(cudalab.device_count())]
     assert snap["external_annotations"] == []
     segs = snap["segments"]
     assert [s["address"] for s in segs] == sorted(s["address"] for s in segs)
