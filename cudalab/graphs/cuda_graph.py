@@ -303,19 +303,29 @@ class CUDAGraph:
                 return True
             return False
 
+        # Registered under a key no capture id takes before the capture begins (its id is
+        # known only after): a finalizer the collector runs in between sees a capture open
+        # and defers its driver destroys (_teardown), which would invalidate this capture.
+        beginning = -id(self)
+        with _map_lock:
+            _capturing[beginning] = self
         try:
             try:
-                get_allocator(dev).begin_allocate_to_pool(self._pool, in_this_capture)
-                self._routed = self._holds_pool = True
-            except NotImplementedError:
-                pass  # an allocator without private pools (cudaMallocAsync, pluggable, ...)
-            b.stream_begin_capture(handle, mode)
-        except BaseException:
-            self._abandon()
-            raise
-        capture_id[0] = self._capture_id = b.stream_capture_info(handle)[1]
-        with _map_lock:
-            _capturing[self._capture_id] = self
+                try:
+                    get_allocator(dev).begin_allocate_to_pool(self._pool, in_this_capture)
+                    self._routed = self._holds_pool = True
+                except NotImplementedError:
+                    pass  # an allocator without private pools (cudaMallocAsync, pluggable, ...)
+                b.stream_begin_capture(handle, mode)
+            except BaseException:
+                self._abandon()
+                raise
+            capture_id[0] = self._capture_id = b.stream_capture_info(handle)[1]
+            with _map_lock:
+                _capturing[self._capture_id] = self
+        finally:
+            with _map_lock:
+                _capturing.pop(beginning, None)
         self._state = STATE_CAPTURING
 
     def capture_end(self) -> None:

@@ -278,6 +278,38 @@ def test_a_graph_collected_during_another_capture_leaves_it_valid():
     assert out.numpy()[0] == 3.0
 
 
+def test_a_graph_collected_as_a_capture_begins_leaves_it_valid(monkeypatch):
+    """The same between the driver's begin of a capture and its registration (its id is
+    known only after the begin): on an H200 the collector ran there, in the interrupt
+    machinery's allocations, and the finalizer's cuGraphExecDestroy invalidated it."""
+    from cudalab import _internal
+
+    a = cudalab.array.full((1000,), 1.0, np.float32)
+    add_new(a, 0)
+    old = cudalab.CUDAGraph()
+    with cudalab.graph(old):
+        add_new(a, 1)
+    old.cycle = old
+    del old
+    backend = _internal.backend()
+    info = backend.stream_capture_info
+    collected = []
+
+    def capture_info_after_a_collection(handle):
+        if not collected:
+            collected.append(gc.collect())  # the old graph's finalizer runs here
+        return info(handle)
+
+    monkeypatch.setattr(backend, "stream_capture_info", capture_info_after_a_collection)
+    g = cudalab.CUDAGraph()
+    with cudalab.graph(g):
+        out = add_new(a, 2)
+    assert collected and collected[0] > 0
+    g.replay()
+    cudalab.synchronize()
+    assert out.numpy()[0] == 3.0
+
+
 @pytest.mark.parametrize("pool", [(0, 0), [0, 0]])
 def test_pool_zero_zero_means_no_pool(pool):
     """torch's capture_begin treats the id (0, 0) as "no pool": the graph gets a new private
