@@ -1,4 +1,4 @@
-"""The compiled parts of cudalab: three optional accelerators, each with a pure-Python twin.
+"""The compiled parts of cudalab: four optional accelerators, each with a pure-Python twin.
 
 Everything else is in pyproject.toml. The extensions are optional: without a compiler or
 headers the install still succeeds and cudalab uses the Python twin (same results, slower).
@@ -12,7 +12,11 @@ headers the install still succeeds and cudalab uses the Python twin (same result
 * ``cudalab._driver.ncclcall`` makes a single-process clique's NCCL group (start, one call
   per rank, end) in one C call; ``cudalab._driver.nccl`` falls back to nccl4py's wrappers.
 
-``CUDALAB_PURE_PYTHON=1`` builds neither.
+* ``cudalab.memory_tools._tracescan`` reads a snapshot pickle's trace into numpy columns
+  without a dict per entry (public C API only); ``cudalab.memory_tools.trace_index`` falls
+  back to the restricted unpickler and a Python loop (same columns, more memory).
+
+``CUDALAB_PURE_PYTHON=1`` builds none.
 """
 
 import os
@@ -32,7 +36,9 @@ def _extensions() -> list:
     extensions = [Extension("cudalab._driver.fastcall", ["cudalab/_driver/fastcall.c"],
                             depends=shared, optional=True),
                   Extension("cudalab._driver.ncclcall", ["cudalab/_driver/ncclcall.c"],
-                            depends=shared, optional=True)]
+                            depends=shared, optional=True),
+                  Extension("cudalab.memory_tools._tracescan",
+                            ["cudalab/memory_tools/_tracescan.c"], optional=True)]
     if (3, 11) <= sys.version_info[:2] <= (3, 13):
         include = sysconfig.get_paths()["include"]
         extensions.append(Extension("cudalab.memory_tools._stackstamp",
