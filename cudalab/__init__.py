@@ -119,7 +119,7 @@ _LAZY: dict[str, str] = {
     },
 }
 _SUBMODULES = {"blas", "memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
-               "random", "interop", "jiterator", "sanitizer", "graphs", "comm", "nccl"}
+               "random", "interop", "jiterator", "sanitizer", "graphs", "comm", "nccl", "cluster"}
 
 
 def __getattr__(name: str) -> Any:
@@ -139,6 +139,11 @@ _interrupts.guard(__getattr__)
 # only then: without it `import cudalab` does not load it).
 if _os.environ.get("CUDALAB_SANITIZER", "") not in ("", "0"):
     importlib.import_module("cudalab.sanitizer").enable_from_env()
+
+# CUDALAB_CLUSTER=<directory>: this process publishes its memory there for a notebook to
+# watch (cudalab.cluster.serve; pyzmq and the publisher load only then).
+if _os.environ.get("CUDALAB_CLUSTER", "").strip():
+    importlib.import_module("cudalab.cluster.publisher").serve_from_env()
 
 
 def load_ipython_extension(ipython: Any) -> None:

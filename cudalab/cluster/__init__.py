@@ -1,0 +1,51 @@
+"""Every rank's allocator, live, in one notebook: publishing, watching and gathering.
+
+* Inside a job: :func:`gather` collects every rank's records (``stats``, ``history_tail``,
+  ``snapshot``) to one rank over the job's own engine (MPI through mpi4py, or
+  ``torch.distributed`` when the job uses it), decoded by the bounded loader.
+* Watching a job: ranks started with ``CUDALAB_CLUSTER=<directory>`` (or calling
+  :func:`serve`) publish their samples at 2 Hz over ZeroMQ, signed with the key of their
+  connection file; :func:`watch` returns a :class:`ClusterWatch` of one job's ranks
+  (latest samples, lost ranks, least headroom, peaks, snapshots and histories on request);
+  ``%cuda_memory cluster <directory>`` and :class:`cudalab.widgets.ClusterDashboard` show it.
+
+Modules: :mod:`~cudalab.cluster.signing` (HMAC-SHA256 over the frames),
+:mod:`~cudalab.cluster.connection` (connection files, jobs, stale files),
+:mod:`~cudalab.cluster.wire` (bounded message decoding), :mod:`~cudalab.cluster.records`
+(what a rank tells: :class:`RankRecords`), :mod:`~cudalab.cluster.publisher` (the rank's
+thread), :mod:`~cudalab.cluster.watch` (the notebook's side), :mod:`~cudalab.cluster.gathering`
+(inside a job). Names load on first use (pyzmq only when publishing or watching).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_OWNERS = {
+    "serve": "cudalab.cluster.publisher",
+    "Publisher": "cudalab.cluster.publisher",
+    "watch": "cudalab.cluster.watch",
+    "ClusterWatch": "cudalab.cluster.watch",
+    "Headroom": "cudalab.cluster.watch",
+    "PeakRow": "cudalab.cluster.watch",
+    "gather": "cudalab.cluster.gathering",
+    "RankRecords": "cudalab.cluster.records",
+    "ConnectionInfo": "cudalab.cluster.connection",
+    "job_id": "cudalab.cluster.connection",
+}
+
+__all__ = list(_OWNERS)
+
+
+def __getattr__(name: str) -> Any:
+    owner = _OWNERS.get(name)
+    if owner is None:
+        raise AttributeError(f"module 'cudalab.cluster' has no attribute {name!r}")
+    value = getattr(importlib.import_module(owner), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,344 @@
+"""A rank publishing its allocator to whoever watches: :func:`serve` and :class:`Publisher`.
+
+One daemon thread per publishing process owns two ZeroMQ sockets, bound to localhost unless
+an address is given, and a connection file in the cluster directory
+(:mod:`cudalab.cluster.connection`):
+
+* a PUB socket: every ``interval`` seconds (0.5: 2 Hz) the thread takes a
+  :class:`~cudalab.memory_tools.samples.DeviceSample` of each device the rank uses from its
+  source (:func:`cudalab.cluster.records.rank_source`) and publishes them, signed. A PUB
+  socket drops what nobody reads, the high-water mark is a few messages and every send is
+  non-blocking: a slow or absent watcher costs the rank nothing but the sampling. A rank
+  that uses no device yet still publishes an empty list, as a heartbeat;
+* a ROUTER socket answering signed requests for the rank's records (``stats``, ``samples``,
+  ``history_tail``, ``snapshot``: :mod:`cudalab.cluster.records`); a request whose signature
+  is wrong is dropped, counted, and nothing in it is decoded.
+
+The thread issues no collective and lets no exception out (a failed tick is counted and
+its text published in the next header). It stops, closes its sockets without lingering and
+removes its connection file on :meth:`Publisher.stop`, at interpreter exit (a Ctrl-C that
+ends the program, which ``mpirun`` forwards to every rank, runs the exit handlers), and is
+forgotten in a forked child.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+from typing import Any
+
+from cudalab.cluster import records as _records
+from cudalab.cluster import wire
+from cudalab.cluster.connection import CLUSTER_ENV, ConnectionInfo, job_id, rank_number
+from cudalab.cluster.signing import Signer, new_key
+from cudalab.identity import Identity
+from cudalab.memory_tools.samples import SampleSource
+
+__all__ = ["Publisher", "serve", "serve_from_env", "publishers", "stop_all",
+           "DEFAULT_INTERVAL", "SEND_HWM"]
+
+#: Seconds between two samples (2 Hz).
+DEFAULT_INTERVAL = 0.5
+#: Messages a PUB socket queues per watcher before it drops (a watcher that does not read).
+SEND_HWM = 4
+#: The longest the thread sleeps before it looks at its stop flag (seconds).
+_WAKE = 0.1
+_lock = threading.Lock()
+_publishers: dict[str, Publisher] = {}  # by directory (realpath)
+
+
+class Publisher:
+    """One process publishing its samples into one cluster directory (see the module
+    documentation). Build it with :func:`serve`."""
+
+    def __init__(self, directory: str | os.PathLike[str], address: str = "127.0.0.1",
+                 interval: float = DEFAULT_INTERVAL, source: SampleSource | None = None,
+                 job: str | None = None):
+        if not isinstance(address, str) or not address:
+            raise ValueError(f"serve(): address must be a non-empty str, got {address!r:.40}")
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
+                0.01 <= interval <= 3600):
+            raise ValueError(f"serve(): interval is {interval!r:.40}, expected seconds in "
+                             "[0.01, 3600]")
+        #: The cluster directory.
+        self.directory = os.path.realpath(os.fspath(directory))
+        #: The address the sockets are bound to.
+        self.address = address
+        #: Seconds between two samples.
+        self.interval = float(interval)
+        #: The job's name (:func:`~cudalab.cluster.connection.job_id`).
+        self.job = job if job is not None else job_id()
+        self._source = source
+        self._signer = Signer(new_key())
+        self._identity = Identity.current()
+        #: The connection file's record (None until started).
+        self.info: ConnectionInfo | None = None
+        #: Sample messages published, and ticks whose sampling or sending failed.
+        self.published = 0
+        self.failed = 0
+        #: Requests answered.
+        self.answered = 0
+        self.last_error = ""
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._owner = os.getpid()
+
+    # ------------------------------------------------------------------ control
+    @property
+    def rejected(self) -> int:
+        """Requests dropped for a wrong signature."""
+        return self._signer.rejected
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, timeout: float = 10.0) -> Publisher:
+        """Bind the sockets, write the connection file and start publishing; returns self.
+
+        Raises
+        ------
+        RuntimeError
+            pyzmq is missing, or the sockets could not be bound (the message says why).
+        """
+        try:
+            import zmq  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError("cudalab.cluster needs pyzmq: pip install 'cudalab[cluster]' "
+                               f"({exc})") from None
+        self._thread = threading.Thread(target=self._run, name="cudalab-cluster-publisher",
+                                        daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout)
+        if self._startup_error is not None:
+            raise RuntimeError(f"serve(): cannot publish into {self.directory!r}: "
+                               f"{self._startup_error}") from self._startup_error
+        if not self._ready.is_set():
+            raise RuntimeError(f"serve(): the publisher did not start within {timeout} s")
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop publishing, close the sockets and remove the connection file (idempotent)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self._remove_file()
+
+    def _remove_file(self) -> None:
+        info = self.info
+        if info is not None and info.path and os.getpid() == self._owner:
+            with contextlib.suppress(OSError):
+                os.unlink(info.path)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        import zmq
+
+        context = zmq.Context()
+        sockets: list[Any] = []
+        try:
+            try:
+                pub = context.socket(zmq.PUB)
+                sockets.append(pub)
+                pub.setsockopt(zmq.SNDHWM, SEND_HWM)
+                pub.setsockopt(zmq.LINGER, 0)
+                router = context.socket(zmq.ROUTER)
+                sockets.append(router)
+                router.setsockopt(zmq.LINGER, 0)
+                router.setsockopt(zmq.SNDHWM, SEND_HWM)
+                router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+                host = f"[{self.address}]" if ":" in self.address else self.address
+                if ":" in self.address:
+                    pub.setsockopt(zmq.IPV6, 1)
+                    router.setsockopt(zmq.IPV6, 1)
+                pub_port = pub.bind_to_random_port(f"tcp://{host}")
+                req_port = router.bind_to_random_port(f"tcp://{host}")
+                info = ConnectionInfo(job=self.job, rank=rank_number(self._identity),
+                                      address=self.address, publish_port=pub_port,
+                                      request_port=req_port, key=self._signer.key,
+                                      identity=self._identity, started=time.time())
+                path = info.write(self.directory)
+                self.info = dataclasses.replace(info, path=path)
+            except BaseException as exc:  # noqa: BLE001 - handed to start()
+                self._startup_error = exc
+                return
+            finally:
+                self._ready.set()
+            self._loop(zmq, pub, router)
+        finally:
+            for s in sockets:
+                with contextlib.suppress(Exception):
+                    s.close(linger=0)
+            with contextlib.suppress(Exception):
+                context.term()
+            self._remove_file()
+
+    def _loop(self, zmq: Any, pub: Any, router: Any) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = max(next_tick + self.interval, now)
+                    self._publish(zmq, pub)
+                wait = min(_WAKE, max(0.0, next_tick - time.monotonic()))
+                if poller.poll(wait * 1000):
+                    self._answer(zmq, router)
+            except Exception as exc:  # noqa: BLE001 - nothing escapes the thread
+                self.failed += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+                time.sleep(_WAKE)
+
+    def _sample(self) -> list[Any]:
+        source = self._source if self._source is not None else _records.rank_source()
+        now = time.time()
+        return [source.sample(d, now) for d in _records.source_devices(source)]
+
+    def _publish(self, zmq: Any, pub: Any) -> None:
+        try:
+            payload = wire.encode_samples(self._sample())
+        except Exception as exc:  # noqa: BLE001 - a heartbeat still goes out
+            self.failed += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            payload = b"[]"
+        info = self.info
+        assert info is not None
+        head = wire.header("samples", job=self.job, rank=info.rank, pid=info.pid,
+                           seq=self.published, time=time.time(), dropped=self.failed,
+                           rejected=self._signer.rejected, error=self.last_error)
+        try:
+            pub.send_multipart(self._signer.wrap([head, payload]), flags=zmq.NOBLOCK)
+            self.published += 1
+        except zmq.Again:  # nobody reads fast enough: dropped
+            self.failed += 1
+
+    def _answer(self, zmq: Any, router: Any) -> None:
+        for _ in range(16):  # a bounded batch per wake
+            try:
+                message = router.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(message) < 2:
+                continue
+            peer, frames = message[0], self._signer.unwrap(message[1:])
+            if frames is None or len(frames) != 2:
+                continue  # a wrong signature: dropped (counted by the signer)
+            try:
+                request = wire.decode_header(frames[0], "request", "request")
+                what = _records.check_what(request["what"], "request")
+                tail = _records.check_tail(request["tail"], "request")
+            except (ValueError, TypeError) as exc:
+                self._reply(zmq, router, peer, "", b"", f"bad request: {exc}")
+                continue
+            try:
+                payload = _records.encode(_records.collect(what, self._source, tail))
+                error = ""
+            except Exception as exc:  # noqa: BLE001 - the watcher hears why
+                payload, error = b"", f"{type(exc).__name__}: {exc}"[:1000]
+            self._reply(zmq, router, peer, request["id"], payload, error)
+
+    def _reply(self, zmq: Any, router: Any, peer: bytes, request_id: str, payload: bytes,
+               error: str) -> None:
+        head = wire.header("reply", id=request_id, error=error)
+        try:
+            router.send_multipart([peer, *self._signer.wrap([head, payload])],
+                                  flags=zmq.NOBLOCK, copy=False)
+            self.answered += 1
+        except zmq.ZMQError:  # the watcher left, or does not read: dropped
+            self.failed += 1
+
+
+def serve(directory: str | os.PathLike[str] | None = None, address: str = "127.0.0.1",
+          interval: float = DEFAULT_INTERVAL, source: SampleSource | None = None,
+          job: str | None = None) -> Publisher:
+    """Publish this process's samples into ``directory`` until it exits (one publisher per
+    directory and process: a second call returns the running one).
+
+    Parameters
+    ----------
+    directory : str or os.PathLike, optional
+        The cluster directory (created if needed). Default: the environment variable
+        ``CUDALAB_CLUSTER``.
+    address : str
+        The address the sockets bind to (default ``127.0.0.1``: this host only; give the
+        host's address, or ``"*"``, to be watched from another host).
+    interval : float
+        Seconds between samples (default 0.5: 2 Hz).
+    source : SampleSource, optional
+        Where the samples come from (default :func:`cudalab.cluster.records.rank_source`).
+    job : str, optional
+        The job's name (default :func:`cudalab.cluster.connection.job_id`).
+
+    Returns
+    -------
+    Publisher
+
+    Raises
+    ------
+    ValueError
+        No directory given and ``CUDALAB_CLUSTER`` is unset, or a bad argument.
+    RuntimeError
+        pyzmq is missing or the sockets cannot be bound.
+    """
+    if directory is None:
+        directory = os.environ.get(CLUSTER_ENV, "").strip()
+        if not directory:
+            raise ValueError("serve(): no directory given and the environment variable "
+                             f"{CLUSTER_ENV} is not set")
+    key = os.path.realpath(os.fspath(directory))
+    with _lock:
+        running = _publishers.get(key)
+        if running is not None and running.running:
+            return running
+        publisher = Publisher(key, address, interval, source, job).start()
+        _publishers[key] = publisher
+        return publisher
+
+
+def serve_from_env() -> Publisher | None:
+    """``serve()`` into ``$CUDALAB_CLUSTER`` when it is set (``import cudalab`` calls it);
+    a failure is a warning, never an exception out of the import."""
+    directory = os.environ.get(CLUSTER_ENV, "").strip()
+    if not directory:
+        return None
+    try:
+        return serve(directory, address=os.environ.get("CUDALAB_CLUSTER_ADDRESS", "127.0.0.1"))
+    except Exception as exc:  # noqa: BLE001 - never break the import
+        import warnings
+
+        warnings.warn(f"cudalab: {CLUSTER_ENV}={directory!r} but this process cannot publish "
+                      f"its memory: {exc}", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def publishers() -> list[Publisher]:
+    """The publishers of this process."""
+    with _lock:
+        return list(_publishers.values())
+
+
+def stop_all() -> None:
+    """Stop every publisher of this process (at exit)."""
+    with _lock:
+        running = list(_publishers.values())
+        _publishers.clear()
+    for p in running:
+        p.stop()
+
+
+def _forget_in_child() -> None:
+    _publishers.clear()
+
+
+atexit.register(stop_all)
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -1,0 +1,282 @@
+"""What one rank tells the others: :class:`RankRecords` (its identity, each device's
+``memory_stats()``, its samples, the tail of its allocation history, its snapshot), and the
+bytes they travel as.
+
+A rank builds its records with :func:`collect` (plain data: dicts, lists, str, int, float,
+None) and :func:`encode` pickles them with the highest protocol; the receiver decodes
+them with :func:`decode`, which never unpickles plainly: the bytes are bounded in size
+(:func:`cudalab.memory_tools.safe_pickle.max_snapshot_bytes`), loaded by the restricted,
+nesting-bounded unpickler (:func:`cudalab.memory_tools.safe_pickle.unpickle`: no classes,
+no functions) and every part is checked (the snapshot by
+:func:`~cudalab.memory_tools.snapshot_check.check_snapshot`, history entries by
+:func:`~cudalab.memory_tools.snapshot_check.check_trace_entries`, samples by
+:meth:`DeviceSample.from_dict`, identities by :meth:`Identity.from_dict`). Anything
+malformed is a :class:`~cudalab.memory_tools.safe_pickle.SnapshotLoadError` (a
+ValueError) naming the rank and the part.
+
+The records come from the rank's :class:`~cudalab.memory_tools.samples.SampleSource`
+(:func:`rank_source`): cudalab's own allocator, or the allocator of a library the process
+already uses when :mod:`cudalab.memory_sources` has a source for it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cudalab.identity import Identity
+from cudalab.memory_tools.safe_pickle import SnapshotLoadError, max_snapshot_bytes, unpickle
+from cudalab.memory_tools.samples import DeviceSample, SampleSource
+from cudalab.memory_tools.snapshot_check import check_snapshot, check_trace_entries
+
+__all__ = ["WHAT", "DEFAULT_TAIL", "RankRecords", "rank_source", "source_devices", "collect",
+           "encode", "decode", "check_what"]
+
+#: The parts a rank can be asked for.
+WHAT: tuple[str, ...] = ("stats", "samples", "history_tail", "snapshot")
+#: How many of the newest history entries per device ``history_tail`` holds by default.
+DEFAULT_TAIL = 100_000
+#: The most history entries per device a request may ask for.
+MAX_TAIL = 10_000_000
+_STAT_LIMIT = 1 << 63
+
+
+def check_what(what: Any, where: str) -> tuple[str, ...]:
+    """``what`` (one part's name or an iterable of them) as a tuple of names of
+    :data:`WHAT`; ValueError naming the unknown one, TypeError for a non-str."""
+    names = (what,) if isinstance(what, str) else tuple(what)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"{where}: what= names parts as str, got {type(name).__name__}")
+        if name not in WHAT:
+            raise ValueError(f"{where}: unknown part {name!r}; the parts are "
+                             f"{', '.join(map(repr, WHAT))}")
+    if not names:
+        raise ValueError(f"{where}: what= names no part; the parts are "
+                         f"{', '.join(map(repr, WHAT))}")
+    return names
+
+
+def check_tail(tail: Any, where: str) -> int:
+    """``tail`` as an int in [0, MAX_TAIL], or TypeError/ValueError."""
+    if isinstance(tail, bool) or not isinstance(tail, int):
+        raise TypeError(f"{where}: tail must be an int, got {type(tail).__name__}")
+    if not 0 <= tail <= MAX_TAIL:
+        raise ValueError(f"{where}: tail is {tail}, expected 0 <= tail <= {MAX_TAIL:,}")
+    return tail
+
+
+@dataclass(frozen=True, slots=True)
+class RankRecords:
+    """One rank's records, as gathered or fetched (every part checked on arrival)."""
+
+    #: The rank's process (host, pid, rank, world size; no device), never None.
+    identity: Identity
+    #: Each device's ``memory_stats()`` (str keys, int values >= 0 or any int for the
+    #: few signed keys), by device index; empty when not asked for.
+    stats: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
+    #: One sample per device the rank uses, in device order; empty when not asked for.
+    samples: tuple[DeviceSample, ...] = ()
+    #: The newest history entries of each device (torch's trace-entry dicts, oldest
+    #: first), by device index; empty when not asked for or not recording.
+    history_tail: Mapping[int, list[dict[str, Any]]] = field(default_factory=dict)
+    #: The rank's snapshot in torch's schema, checked; None when not asked for.
+    snapshot: dict[str, Any] | None = None
+
+    @property
+    def rank(self) -> int | None:
+        """The rank (``identity.rank``)."""
+        return self.identity.rank
+
+    def peaks(self) -> dict[int, int]:
+        """Each device's ``allocated_bytes.all.peak`` from :attr:`stats` (or the samples'
+        peaks when stats were not asked for)."""
+        if self.stats:
+            return {d: int(s.get("allocated_bytes.all.peak", 0)) for d, s in self.stats.items()}
+        return {s.device: s.peak_allocated for s in self.samples}
+
+
+# ----------------------------------------------------------------------------- the rank's side
+def rank_source() -> SampleSource:
+    """The source of this process's records: a torch source when torch's allocator is in use
+    here (``torch`` in ``sys.modules`` with CUDA initialised) and
+    :mod:`cudalab.memory_sources` offers one, else cudalab's own
+    (:class:`~cudalab.memory_sources.CudalabSource`)."""
+    from cudalab import memory_sources
+
+    torch = sys.modules.get("torch")
+    torch_source = getattr(memory_sources, "TorchSource", None)
+    if torch is not None and torch_source is not None:
+        try:
+            if torch.cuda.is_initialized():
+                return torch_source()  # type: ignore[no-any-return]
+        except Exception:  # a torch without CUDA: cudalab's own
+            pass
+    return memory_sources.CudalabSource()
+
+
+def source_devices(source: SampleSource) -> list[int]:
+    """The devices ``source`` has figures for now, ascending: its ``devices()`` when it has
+    one; for cudalab's, the devices with an allocator (never initialises CUDA)."""
+    devices = getattr(source, "devices", None)
+    if callable(devices):
+        return sorted(int(d) for d in devices())
+    if source.name == "cudalab":
+        from cudalab.allocator import registry
+
+        return [i for i, a in enumerate(list(registry.allocators)) if a is not None]
+    return []
+
+
+def _stats(source: SampleSource, device: int) -> dict[str, int]:
+    stats = getattr(source, "memory_stats", None)
+    if callable(stats):
+        return dict(stats(device))
+    from cudalab import memory
+
+    return dict(memory.memory_stats(device))
+
+
+def _history_tail(source: SampleSource, devices: Iterable[int], tail: int,
+                  snapshot: dict[str, Any] | None) -> dict[int, list[dict[str, Any]]]:
+    if source.name != "cudalab":  # another allocator: its snapshot's traces
+        snap = snapshot if snapshot is not None else source.snapshot()
+        traces = snap.get("device_traces", [])
+        return {d: list(t[-tail:] if tail else []) for d, t in enumerate(traces) if t}
+    from cudalab.memory_tools import history
+
+    out: dict[int, list[dict[str, Any]]] = {}
+    cache: dict[Any, Any] = {}
+    for d in sorted(set(devices) | set(history.devices_with_history())):
+        raw = history.raw_entries(d)
+        if raw and tail:
+            out[d] = [history.entry_to_dict(e, d, cache) for e in raw[-tail:]]
+    return out
+
+
+def collect(what: Iterable[str] = ("stats", "samples"), source: SampleSource | None = None,
+            tail: int = DEFAULT_TAIL) -> dict[str, Any]:
+    """This rank's records as plain data (what :func:`encode` sends).
+
+    Parameters
+    ----------
+    what : iterable of str
+        The parts (:data:`WHAT`).
+    source : SampleSource, optional
+        Where the figures come from (default :func:`rank_source`).
+    tail : int
+        The newest history entries per device for ``history_tail``.
+
+    Returns
+    -------
+    dict
+        ``identity`` and each part asked for.
+    """
+    parts = check_what(what, "collect()")
+    tail = check_tail(tail, "collect()")
+    src = rank_source() if source is None else source
+    devices = source_devices(src)
+    out: dict[str, Any] = {"identity": Identity.current(allocator=src.name).to_dict()}
+    snapshot = src.snapshot() if "snapshot" in parts else None
+    if "stats" in parts:
+        out["stats"] = {d: _stats(src, d) for d in devices}
+    if "samples" in parts:
+        import time
+
+        now = time.time()
+        out["samples"] = [src.sample(d, now).to_dict() for d in devices]
+    if "history_tail" in parts:
+        out["history_tail"] = _history_tail(src, devices, tail, snapshot)
+    if snapshot is not None:
+        out["snapshot"] = snapshot
+    return out
+
+
+def encode(records: Mapping[str, Any]) -> bytes:
+    """``records`` (plain data, as :func:`collect` makes) as bytes: a pickle of plain data
+    only (the receiver's unpickler refuses anything else)."""
+    return pickle.dumps(dict(records), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+# ----------------------------------------------------------------------------- the receiver's side
+def decode(data: bytes, what: str = "rank records", max_bytes: int | str | None = None
+           ) -> RankRecords:
+    """Records sent by :func:`encode`, bounded and checked (see the module documentation).
+
+    Parameters
+    ----------
+    data : bytes
+        The payload.
+    what : str
+        Its name in the messages (e.g. ``"rank 3's records"``).
+    max_bytes : int or str, optional
+        The largest payload accepted (default
+        :func:`~cudalab.memory_tools.safe_pickle.max_snapshot_bytes`).
+
+    Raises
+    ------
+    SnapshotLoadError
+        Too large, not a plain-data pickle, nested too deeply, or a part malformed.
+    """
+    limit = max_snapshot_bytes(max_bytes)
+    if len(data) > limit:
+        raise SnapshotLoadError(f"cannot read {what}: {len(data):,} bytes, more than the "
+                                f"limit of {limit:,} (set CUDALAB_MAX_SNAPSHOT_BYTES)")
+    raw = unpickle(bytes(data), what)
+    if not isinstance(raw, dict):
+        raise SnapshotLoadError(f"{what} is a {type(raw).__name__}, expected a dict")
+    try:
+        identity = Identity.from_dict(raw.get("identity"), f"{what}: identity")
+        stats = _check_stats(raw.get("stats", {}), what)
+        samples = raw.get("samples", [])
+        if not isinstance(samples, list):
+            raise ValueError(f"{what}: samples is a {type(samples).__name__}, expected a list")
+        checked = tuple(DeviceSample.from_dict(s, f"{what}: samples[{i}]")
+                        for i, s in enumerate(samples))
+        history = _check_history(raw.get("history_tail", {}), what)
+        snapshot = raw.get("snapshot")
+        if snapshot is not None:
+            check_snapshot(snapshot, f"{what}: snapshot")
+    except SnapshotLoadError:
+        raise
+    except ValueError as exc:
+        raise SnapshotLoadError(str(exc)) from None
+    return RankRecords(identity=identity, stats=stats, samples=checked, history_tail=history,
+                       snapshot=snapshot)
+
+
+def _device_key(key: Any, what: str) -> int:
+    if type(key) is not int or not 0 <= key < (1 << 31):
+        raise ValueError(f"{what} has the device key {key!r:.40}, expected an int >= 0")
+    return key
+
+
+def _check_stats(stats: Any, what: str) -> dict[int, dict[str, int]]:
+    if not isinstance(stats, dict):
+        raise ValueError(f"{what}: stats is a {type(stats).__name__}, expected a dict")
+    out: dict[int, dict[str, int]] = {}
+    for key, values in stats.items():
+        d = _device_key(key, f"{what}: stats")
+        if not isinstance(values, dict):
+            raise ValueError(f"{what}: stats[{d}] is a {type(values).__name__}, expected a dict")
+        for name, value in values.items():
+            if type(name) is not str or type(value) is not int or not (
+                    -_STAT_LIMIT <= value < _STAT_LIMIT):
+                raise ValueError(f"{what}: stats[{d}][{name!r:.60}] is {value!r:.40}, "
+                                 "expected an int (str keys)")
+        out[d] = values
+    return out
+
+
+def _check_history(history: Any, what: str) -> dict[int, list[dict[str, Any]]]:
+    if not isinstance(history, dict):
+        raise ValueError(f"{what}: history_tail is a {type(history).__name__}, expected a dict")
+    out: dict[int, list[dict[str, Any]]] = {}
+    for key, entries in history.items():
+        d = _device_key(key, f"{what}: history_tail")
+        check_trace_entries(entries, f"history_tail[{d}]", what)
+        out[d] = entries
+    return out

@@ -1,0 +1,80 @@
+"""Rank processes for the cluster tests: :class:`Ranks` starts ``rank_worker.py`` processes
+on the simulator, publishing into one directory as one job, and ends them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORKER = Path(__file__).resolve().parent / "rank_worker.py"
+ROOT = WORKER.parents[2]
+
+
+def rank_env(directory: Path, job: str, rank: int, world: int) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE"):
+        env.pop(name, None)
+    env.update(CUDALAB_SIMULATOR="1", CUDALAB_CLUSTER=str(directory), CUDALAB_CLUSTER_JOB=job,
+               RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               PYTHONPATH=str(ROOT))
+    return env
+
+
+class Ranks:
+    """``world`` rank processes of job ``job`` publishing into ``directory``."""
+
+    def __init__(self, directory: Path, job: str, world: int, mib: float = 1.0):
+        self.directory = directory
+        self.job = job
+        self.processes = [
+            subprocess.Popen([sys.executable, str(WORKER), "--mib", str(mib)],
+                             env=rank_env(directory, job, r, world), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(world)]
+        for p in self.processes:
+            line = p.stdout.readline()  # type: ignore[union-attr]
+            if line.strip() != "ready":
+                self.close()
+                raise RuntimeError(f"a rank did not start: {line!r} "
+                                   f"{p.stderr.read() if p.stderr else ''}")
+
+    def command(self, rank: int, text: str) -> None:
+        p = self.processes[rank]
+        p.stdin.write(text + "\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        assert p.stdout.readline().strip() == "done"  # type: ignore[union-attr]
+
+    def kill(self, rank: int) -> None:
+        self.processes[rank].kill()
+        self.processes[rank].wait(10)
+
+    def interrupt(self, rank: int) -> tuple[int, str, str]:
+        p = self.processes[rank]
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=10)
+        return p.returncode, out, err
+
+    def close(self) -> None:
+        for p in self.processes:
+            if p.poll() is None:
+                p.kill()
+        for p in self.processes:
+            try:
+                p.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+
+
+def wait_for(condition, timeout: float, step: float = 0.05):
+    """Poll ``condition()`` until it is truthy (returned) or ``timeout`` seconds passed
+    (returns its last value)."""
+    end = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > end:
+            return value
+        time.sleep(step)

@@ -1,0 +1,77 @@
+"""One rank of the cluster tests and benchmark, as a process of its own.
+
+    CUDALAB_CLUSTER=DIR RANK=r WORLD_SIZE=n python tests/cluster/rank_worker.py [--mib M]
+
+Allocates ``(rank + 1) * M`` MiB (M = 1 by default) with history recording on, publishes
+(``CUDALAB_CLUSTER`` makes ``import cudalab`` serve), prints ``ready`` and reads commands
+from stdin, one per line: ``alloc <bytes>`` (keeps one more array), ``free`` (drops those),
+``quit`` (exits 0). Ctrl-C (SIGINT) prints ``interrupted`` and exits 130; the exit handlers
+stop the publisher and remove its connection file. A watchdog ends it after 120 s.
+
+    python tests/cluster/rank_worker.py --gather [--mib M]      (under mpirun)
+
+gathers every rank's stats, history tail and snapshot to rank 0 over MPI and checks the
+gathered peaks against each rank's own ``memory_stats()`` (sent along by every rank's own
+printout: rank 0 prints ``peaks <json>`` of the gathered ones, each rank ``own <rank>
+<peak>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import cudalab  # noqa: E402
+from cudalab import memory  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib", type=float, default=1.0)
+    parser.add_argument("--gather", action="store_true")
+    parser.add_argument("--engine", default="auto")
+    args = parser.parse_args()
+    faulthandler.dump_traceback_later(120, exit=True)
+    rank = int(os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+    memory.record_history()
+    kept = [cudalab.zeros(int((rank + 1) * args.mib * (1 << 20)) // 4, dtype="float32")]
+    scratch = cudalab.zeros(1000)
+    del scratch
+    if args.gather:
+        from cudalab.cluster import gather
+
+        got = gather(engine=args.engine)
+        print(f"own {rank} {memory.memory_stats(0)['allocated_bytes.all.peak']}", flush=True)
+        if got is not None:
+            print("peaks " + json.dumps({k: r.peaks()[0] for k, r in got.items()}), flush=True)
+            print("tails " + json.dumps({k: len(r.history_tail.get(0, []))
+                                         for k, r in got.items()}), flush=True)
+            print("snapshots " + json.dumps({k: len(r.snapshot["segments"])  # type: ignore[index]
+                                             for k, r in got.items()}), flush=True)
+        return 0
+    print("ready", flush=True)
+    try:
+        for line in sys.stdin:
+            command = line.split()
+            if not command:
+                continue
+            if command[0] == "alloc":
+                kept.append(cudalab.zeros(int(command[1]) // 4, dtype="float32"))
+            elif command[0] == "free":
+                del kept[1:]
+            elif command[0] == "quit":
+                return 0
+            print("done", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
