@@ -218,7 +218,7 @@ class CudaLabMagics(Magics):
 
     @line_magic
     def cuda_memory(self, line: str = "") -> Any:
-        """GPU memory of cudalab's caching allocator.
+        """GPU memory of cudalab's caching allocator, and of torch's and CuPy's.
 
         Usage::
 
@@ -230,10 +230,11 @@ class CudaLabMagics(Magics):
           %cuda_memory diff [-d DEV]        what changed since the mark, with the peak since it
           %cuda_memory reset-peaks [-d DEV] reset the allocator's peak statistics (global!)
           %cuda_memory empty-cache          release cached, unused memory to the driver
-          %cuda_memory watch on [--threshold BYTES] [-d DEV]
-                                            after every cell, one line: Δallocated, Δreserved,
-                                            the peak inside the cell (scoped: nobody's
-                                            max_memory_allocated is reset) and GPU time
+          %cuda_memory watch on [--threshold BYTES] [-d DEV] [--source SRC]
+                                            after every cell, one line per allocator:
+                                            Δallocated, Δreserved, the peak inside the cell
+                                            (nobody's max_memory_allocated is reset) and GPU
+                                            time
           %cuda_memory watch off
           %cuda_memory history start [--max-entries N] [--context C] [--stacks S]
                                             record every allocator's history; C: state,
@@ -248,7 +249,10 @@ class CudaLabMagics(Magics):
           %cuda_memory snapshot view [PATH] the snapshot viewer widget (live, or of a pickle)
           %cuda_memory dashboard [-d DEV]   the live dashboard (cudalab.widgets.MemoryDashboard)
 
-        BYTES accepts units: 1048576, 1MiB, 64 KiB, 1.5GB. Python variables expand as in
+        SRC (--source) is the allocator a view reads: cudalab, torch, cupy, process (the
+        process's memory no allocator accounts for, from NVML) or auto (the default: every
+        allocator present in the process, each labelled); torch and CuPy are read only when
+        imported. BYTES accepts units: 1048576, 1MiB, 64 KiB, 1.5GB. Python variables expand as in
         other line magics: %cuda_memory snapshot {path}. A ``#`` that starts a word (outside
         quotes) starts a comment: %cuda_memory snapshot  # the viewer.
         """

@@ -24,6 +24,7 @@ from cudalab.magics.memory_args import (
     is_simulated,
     parse_memory_args,
     resolve_device,
+    resolve_sources,
 )
 from cudalab.magics.memory_pools import pools_data, pools_html, pools_text
 from cudalab.magics.memory_report import (
@@ -81,29 +82,56 @@ class MemoryState:
         self.magics = magics
         self.marks: dict[int, MemoryMark] = {}
         self.watch: MemoryWatch | None = None
+        self.library_watch: Any = None  # LibraryWatches: torch's and CuPy's lines
+        self.watch_source: str | None = None  # the --source of the watch that is on
         self.history: Any = None  # HistoryRecording started by the magic
 
-    def watch_on(self, device: int | None, threshold: int) -> str:
-        if self.watch is not None:
-            self.watch.threshold = threshold
-            self.watch.device = device
+    def watch_on(self, device: int | None, threshold: int, source: str = "auto") -> str:
+        """Turn the watch on for ``source``: ``cudalab`` (cudalab's line), ``torch`` or
+        ``cupy`` (that library's line), ``auto`` (cudalab's, and torch's and CuPy's while
+        they are imported)."""
+        from cudalab.magics.memory_watch_sources import LibraryWatches
+
+        if self.watch_source == source:  # already on: new threshold and device
+            for w in (self.watch, self.library_watch):
+                if w is not None:
+                    w.threshold, w.device = threshold, device
             return f"cudalab watch: already on; threshold {format_bytes(threshold)}"
-        w = MemoryWatch(self.magics, device, threshold)
-        self.magics._add_hook("pre_run_cell", w.pre)
-        self.magics._add_hook("post_run_cell", w.post)
-        self.watch = w
+        turned = "on"
+        if self.watch_source is not None:
+            self.watch_off()
+            turned = "on again"
+        if source in ("cudalab", "auto"):
+            w = MemoryWatch(self.magics, device, threshold)
+            self.magics._add_hook("pre_run_cell", w.pre)
+            self.magics._add_hook("post_run_cell", w.post)
+            self.watch = w
+        if source != "cudalab":
+            names = None if source == "auto" else (source,)
+            lib = LibraryWatches(names, device, threshold, self.magics, self.watch)
+            self.magics._add_hook("pre_run_cell", lib.pre)
+            self.magics._add_hook("post_run_cell", lib.post)
+            self.library_watch = lib
+        self.watch_source = source
         where = f"cuda:{device}" if device is not None else "the current device"
         thr = f"changes of at least {format_bytes(threshold)}" if threshold > 0 else "every cell"
-        return f"cudalab watch: on for {where}, reporting {thr} (scoped peaks; no thread)"
+        what = {"auto": "cudalab's allocator, and torch's and CuPy's while imported",
+                "cudalab": "cudalab's allocator"}.get(source, f"{source}'s allocator")
+        return (f"cudalab watch: {turned} for {what} on {where}, reporting {thr} (peaks read, "
+                "never reset; no thread)")
 
     def watch_off(self) -> str:
-        w = self.watch
-        if w is None:
+        w, lib = self.watch, self.library_watch
+        if w is None and lib is None:
             return "cudalab watch: already off"
-        self.magics._remove_hook("pre_run_cell", w.pre)
-        self.magics._remove_hook("post_run_cell", w.post)
-        w.stop()
-        self.watch = None
+        if w is not None:
+            self.magics._remove_hook("pre_run_cell", w.pre)
+            self.magics._remove_hook("post_run_cell", w.post)
+            w.stop()
+        if lib is not None:
+            self.magics._remove_hook("pre_run_cell", lib.pre)
+            self.magics._remove_hook("post_run_cell", lib.post)
+        self.watch = self.library_watch = self.watch_source = None
         return "cudalab watch: off"
 
     def mark(self, device: int) -> MemoryMark:
@@ -117,7 +145,7 @@ class MemoryState:
         return m
 
     def close(self) -> None:
-        if self.watch is not None:
+        if self.watch_source is not None:
             self.watch_off()
         for m in self.marks.values():
             if m.scope is not None and m.scope.running:
@@ -384,9 +412,12 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
         st = _state(magics)
         word = args.words[0].lower() if args.words else "on"
         if word in ("on", "start"):
+            source = args.source or "auto"
+            if source != "auto":  # a UsageError when the source cannot be had
+                resolve_sources(args, "%cuda_memory watch", ("cudalab", "torch", "cupy", "auto"))
             device = None if args.device is None else resolve_device(args.device)
             thr = magics.watch_threshold if args.threshold is None else args.threshold
-            print(st.watch_on(device, thr))
+            print(st.watch_on(device, thr, source))
         elif word in ("off", "stop"):
             print(st.watch_off())
         else:

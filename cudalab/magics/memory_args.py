@@ -17,11 +17,12 @@ from cudalab import _internal
 #: The names the other ``%cuda_memory`` modules (memory, memory_report, memory_pools,
 #: memory_watch) use.
 __all__ = ["MemoryArgs", "device_label", "devices_module", "is_simulated", "parse_memory_args",
-           "resolve_device", "strip_comment"]
+           "resolve_device", "resolve_sources", "strip_comment"]
 
 
 class MemoryArgs:
-    __slots__ = ("command", "words", "device", "threshold", "max_entries", "context", "stacks")
+    __slots__ = ("command", "words", "device", "threshold", "max_entries", "context", "stacks",
+                 "source")
 
     def __init__(self) -> None:
         self.command = "summary"
@@ -31,6 +32,9 @@ class MemoryArgs:
         self.max_entries: int | None = None
         self.context: str | None = None
         self.stacks: str | None = None
+        #: ``--source``: a name of :data:`cudalab.memory_sources.SOURCE_NAMES` (lower case),
+        #: or None when not given.
+        self.source: str | None = None
 
 
 _COMMANDS = ("summary", "stats", "pools", "diff", "mark", "reset-peaks", "empty-cache", "watch",
@@ -87,7 +91,8 @@ def parse_memory_args(line: str) -> MemoryArgs:
     while i < len(tokens):
         tok = tokens[i]
         name, eq, inline = tok.partition("=")
-        if name in ("-d", "--device", "--threshold", "--max-entries", "--context", "--stacks"):
+        if name in ("-d", "--device", "--threshold", "--max-entries", "--context", "--stacks",
+                    "--source"):
             if eq:
                 value = inline
             else:
@@ -117,6 +122,8 @@ def parse_memory_args(line: str) -> MemoryArgs:
                                      f"got {_internal.echo(value)}") from None
             elif name == "--context":
                 args.context = value
+            elif name == "--source":
+                args.source = _source_name(value)
             else:
                 args.stacks = value
         elif tok.startswith("-") and len(tok) > 1:
@@ -136,6 +143,35 @@ def parse_memory_args(line: str) -> MemoryArgs:
         args.words = positional[1:]
     return args
 
+
+
+def _source_name(value: str) -> str:
+    """``--source``'s value, checked against the known names (a UsageError listing them)."""
+    from cudalab.memory_sources import SOURCE_NAMES
+
+    name = value.strip().lower()
+    if name not in SOURCE_NAMES:
+        raise UsageError(f"%cuda_memory: unknown --source {_internal.echo(value)}; use one of "
+                         f"{', '.join(SOURCE_NAMES)}")
+    return name
+
+
+def resolve_sources(args: MemoryArgs, what: str, allowed: tuple[str, ...] | None = None) -> Any:
+    """The sources ``--source`` names (default ``auto``) for the view ``what`` (e.g.
+    ``"%cuda_memory dashboard"``), as :func:`cudalab.memory_sources.resolve_sources` gives
+    them; a UsageError saying why a source cannot be had (no torch, torch without CUDA
+    initialised, ...) or that ``what`` does not take it (``allowed``)."""
+    from cudalab.memory_sources import SourceUnavailableError
+    from cudalab.memory_sources import resolve_sources as resolve
+
+    name = args.source or "auto"
+    if allowed is not None and name not in allowed:
+        raise UsageError(f"{what}: --source {name} is not available here; use one of "
+                         f"{', '.join(allowed)}")
+    try:
+        return resolve(name)
+    except SourceUnavailableError as exc:
+        raise UsageError(f"{what} --source {name}: {exc.reason}") from None
 
 
 def devices_module() -> Any:

@@ -61,6 +61,10 @@ class MemoryWatch:
         self._Event = Event
         self._PeakScope = PeakScope
         self._scopes: dict[int, Any] = {}  # one PeakScope per device, restarted every cell
+        #: True while torch's or CuPy's lines are printed too (``--source auto``): a cell that
+        #: leaves cudalab's allocator unchanged (no allocation above the start) prints no
+        #: cudalab line.
+        self.idle_quiet = False
 
     def pre(self, info: Any = None) -> None:
         if getattr(info, "silent", False):
@@ -122,6 +126,9 @@ class MemoryWatch:
         over = peak - start_alloc
         if thr > 0 and abs(d_alloc) < thr and abs(d_res) < thr and over < thr:
             self.last_line = None  # nothing printed: no end event, no wait
+            return
+        if self.idle_quiet and not (d_alloc or d_res or over):
+            self.last_line = None  # cudalab's allocator idle beside torch's or CuPy's lines
             return
         key = (scope.device, d_alloc, d_res, peak, over)
         if key == self._head_key and self._sim is not None:

@@ -157,6 +157,29 @@ class FakeTorchCuda(types.ModuleType):
     def current_stream(self, device: Any = None) -> Any:
         return self.stream
 
+    def current_device(self) -> int:
+        return 0
+
+    class Event:
+        """``torch.cuda.Event``: host-clock times (the fake has no GPU work)."""
+
+        def __init__(self, enable_timing: bool = False):
+            self.time: float | None = None
+
+        def record(self, stream: Any = None) -> None:
+            import time
+
+            self.time = time.perf_counter()
+
+        def synchronize(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return self.time is not None
+
+        def elapsed_time(self, end: Any) -> float:
+            return (end.time - self.time) * 1e3
+
     def get_allocator_backend(self) -> str:
         return "native"
 

@@ -1,0 +1,199 @@
+"""``%cuda_memory ... --source``: the watch's torch and CuPy lines and the sources' errors, on
+small fakes of torch and CuPy in sys.modules (tests/helpers/fake_allocators.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing import globalipapp
+from IPython.utils.capture import capture_output
+
+import cudalab
+from cudalab.magics.memory_watch_sources import cell_peak
+from tests.helpers.fake_allocators import FakeCupy, FakeTorch
+
+
+@pytest.fixture(scope="module")
+def shell():
+    return globalipapp.get_ipython()
+
+
+@pytest.fixture
+def ip(shell):
+    cudalab.init()
+    shell.run_line_magic("load_ext", "cudalab")
+    yield shell
+    shell.run_line_magic("unload_ext", "cudalab")
+
+
+@pytest.fixture
+def torch(monkeypatch, shell):
+    fake = FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    shell.user_ns["torch"] = fake
+    yield fake
+    shell.user_ns.pop("torch", None)
+
+
+@pytest.fixture
+def cupy(monkeypatch, shell):
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    shell.user_ns["cupy"] = fake
+    yield fake
+    shell.user_ns.pop("cupy", None)
+
+
+def run(sh, src):
+    with capture_output() as cap:
+        r = sh.run_cell(src, store_history=True)
+    return r, cap.stdout
+
+
+def _last(sh, name):
+    """The last cell's exact figures of ``name``'s watch line."""
+    return sh.magics_manager.registry["CudaLabMagics"]._memory.library_watch.last[name]
+
+
+def _lines(out: str, label: str) -> list[str]:
+    return [x for x in out.splitlines() if x.startswith(f"[cudalab watch {label}")]
+
+
+# ------------------------------------------------------------------ the cell's peak
+@pytest.mark.parametrize("counters, expected", [
+    # (start, end, start_peak, end_peak, allocated, freed) -> (peak, exact)
+    ((10, 30, 50, 50, 20, 0), (30, True)),     # only allocations: the end
+    ((10, 5, 50, 70, 80, 85), (70, True)),     # the global peak rose in the cell
+    ((10, 10, 50, 50, 30, 30), (40, False)),   # start + allocated, below the global peak
+    ((10, 10, 25, 25, 30, 30), (25, False)),   # the global peak is the tighter bound
+    ((20, 20, 20, 20, 0, 0), (20, True)),      # nothing happened
+    ((10, 10, 50, 50, 5, -3), (50, False)),    # the cumulative counters were reset
+])
+def test_cell_peak(counters, expected):
+    assert cell_peak(*counters) == expected
+
+
+# ------------------------------------------------------------------ torch's line
+def test_torch_watch_deltas_are_memory_stats_deltas(ip, torch):
+    big = torch.cuda.alloc(64 << 20)
+    torch.cuda.free(big)  # a global peak above what the cells reach
+    peak_before = torch.cuda.max_memory_allocated()
+    r, out = run(ip, "%cuda_memory watch on --source torch")
+    assert r.success and "torch's allocator" in out
+    cells = ["a_ = torch.cuda.alloc(3 << 20)",
+             "b_ = torch.cuda.alloc(5 << 20); torch.cuda.free(b_)",
+             "torch.cuda.free(a_)",
+             "x_ = 1"]
+    for cell in cells:
+        before = torch.cuda.memory_stats(0)
+        r, out = run(ip, cell)
+        after = torch.cuda.memory_stats(0)
+        (line,) = _lines(out, "torch cuda:0")
+        cell_figures = _last(ip, "torch")
+        assert cell_figures.line() == line
+        for name, key in (("allocated_delta", "allocated_bytes.all.current"),
+                          ("reserved_delta", "reserved_bytes.all.current")):
+            assert getattr(cell_figures, name) == after[key] - before[key], (cell, line)
+        assert "GPU " in line and "wall" in line and not _lines(out, "cuda:0")
+    run(ip, "%cuda_memory watch off")
+    assert torch.cuda.max_memory_allocated() == peak_before
+    assert "reset_peak_memory_stats" not in torch.cuda.calls
+
+
+def test_torch_watch_peak_exact_or_bound(ip, torch):
+    run(ip, "%cuda_memory watch on --source torch")
+    r, out = run(ip, "p_ = torch.cuda.alloc(4 << 20)")  # only allocations: exact
+    (line,) = _lines(out, "torch")
+    assert "peak 4.0 MiB (+4.0 MiB in cell)" in line
+    r, out = run(ip, "q_ = torch.cuda.alloc(8 << 20); torch.cuda.free(q_)")  # a new global peak
+    (line,) = _lines(out, "torch")
+    assert "peak 12.0 MiB (+8.0 MiB in cell)" in line
+    r, out = run(ip, "q_ = torch.cuda.alloc(2 << 20); torch.cuda.free(q_)")  # below it: a bound
+    (line,) = _lines(out, "torch")
+    assert "peak ≤ 6.0 MiB (≤ +2.0 MiB in cell)" in line
+    run(ip, "torch.cuda.free(p_)")
+    run(ip, "%cuda_memory watch off")
+
+
+def test_torch_watch_threshold(ip, torch):
+    torch.cuda.free(torch.cuda.alloc(1 << 20))  # a cached segment: the cell's 1 MiB fits in it
+    run(ip, "%cuda_memory watch on --source torch --threshold 2MiB")
+    r, out = run(ip, "s_ = torch.cuda.alloc(1 << 20)")
+    assert not _lines(out, "torch")
+    r, out = run(ip, "t_ = torch.cuda.alloc(3 << 20)")
+    assert len(_lines(out, "torch")) == 1
+    run(ip, "%cuda_memory watch off")
+
+
+def test_auto_watch_shows_torch_and_quiets_an_idle_cudalab(ip, torch):
+    r, out = run(ip, "%cuda_memory watch on")
+    assert "and torch's and CuPy's while imported" in out
+    r, out = run(ip, "u_ = torch.cuda.alloc(1 << 20)")
+    assert len(_lines(out, "torch")) == 1 and not _lines(out, "cuda:0")
+    r, out = run(ip, "import cudalab; v_ = cudalab.empty((3 << 20,), dtype='uint8')")
+    assert len(_lines(out, "cuda:0")) == 1 and "Δallocated +3.0 MiB" in _lines(out, "cuda:0")[0]
+    run(ip, "del v_")
+    run(ip, "%cuda_memory watch off")
+
+
+def test_auto_watch_picks_up_torch_imported_later(ip, monkeypatch, shell):
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    run(ip, "%cuda_memory watch on")
+    r, out = run(ip, "y_ = 1")
+    assert not _lines(out, "torch")
+    fake = FakeTorch(initialized=False)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    shell.user_ns["torch"] = fake
+    r, out = run(ip, "torch.cuda.initialized = True; w_ = torch.cuda.alloc(2 << 20)")
+    (line,) = _lines(out, "torch")
+    assert "Δallocated +2.0 MiB" in line and "GPU n/a" in line  # no start event before init
+    run(ip, "%cuda_memory watch off")
+    shell.user_ns.pop("torch", None)
+
+
+def test_torch_going_away_is_said_not_raised(ip, torch):
+    run(ip, "%cuda_memory watch on --source torch")
+
+    def gone(device=None):
+        raise RuntimeError("torch's allocator is gone")
+
+    torch.cuda.memory_stats_as_nested_dict = gone
+    r, out = run(ip, "z_ = 1")
+    assert r.success and "[cudalab watch torch] not readable: RuntimeError" in out
+    run(ip, "%cuda_memory watch off")
+
+
+# ------------------------------------------------------------------ CuPy's line
+def test_cupy_watch_deltas_are_the_pools(ip, cupy):
+    run(ip, "%cuda_memory watch on --source cupy")
+    pool = cupy.get_default_memory_pool()
+    for cell in ("c1_ = cupy.alloc(4_000_000)", "cupy.free(c1_); c2_ = cupy.alloc(1000)",
+                 "pool_ = cupy.get_default_memory_pool(); pool_.free_all_blocks()"):
+        used, total = pool.used_bytes(), pool.total_bytes()
+        r, out = run(ip, cell)
+        (line,) = _lines(out, "cupy cuda:0")
+        cell_figures = _last(ip, "cupy")
+        assert cell_figures.line() == line
+        assert cell_figures.allocated_delta == pool.used_bytes() - used
+        assert cell_figures.reserved_delta == pool.total_bytes() - total
+    run(ip, "%cuda_memory watch off")
+
+
+# ------------------------------------------------------------------ errors
+def test_source_errors_say_which(ip, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    r, out = run(ip, "%cuda_memory watch on --source torch")
+    assert isinstance(r.error_in_exec, UsageError)
+    assert "--source torch: this process has no torch" in str(r.error_in_exec)
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch(initialized=False))
+    r, out = run(ip, "%cuda_memory watch on --source torch")
+    assert "torch.cuda.is_initialized() is False" in str(r.error_in_exec)
+    r, out = run(ip, "%cuda_memory watch on --source tensorflow")
+    assert "unknown --source 'tensorflow'; use one of cudalab, torch, cupy, process, auto" in \
+        str(r.error_in_exec)
+    r, out = run(ip, "%cuda_memory watch on --source process")
+    assert "--source process is not available here" in str(r.error_in_exec)
+    r, out = run(ip, "%cuda_memory watch off")
+    assert "already off" in out
