@@ -139,7 +139,7 @@ def test_auto_watch_shows_torch_and_quiets_an_idle_cudalab(ip, torch):
 
 
 def test_auto_watch_picks_up_torch_imported_later(ip, monkeypatch, shell):
-    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # not imported (restored afterwards)
     run(ip, "%cuda_memory watch on")
     r, out = run(ip, "y_ = 1")
     assert not _lines(out, "torch")
