@@ -54,8 +54,8 @@ def main() -> int:
             print("snapshots " + json.dumps({k: len(r.snapshot["segments"])  # type: ignore[index]
                                              for k, r in got.items()}), flush=True)
         return 0
-    print("ready", flush=True)
     try:
+        print("ready", flush=True)  # (in the try: a Ctrl-C right after it is the rank's too)
         for line in sys.stdin:
             command = line.split()
             if not command:
