@@ -41,6 +41,7 @@ from cudalab.errors import (
     CublasError,
     CudaError,
     CudaUnavailableError,
+    CufftError,
     DriverNotFoundError,
     KernelCompileError,
     NcclError,
@@ -111,6 +112,10 @@ _LAZY: dict[str, str] = {
                      "bernoulli_")
     },
     "current_blas_handle": "cudalab.blas",
+    # matmul over cuBLAS and its precision settings (torch.matmul, torch.*_float32_matmul_precision)
+    "matmul": "cudalab._array_matmul",
+    **{name: "cudalab.matmul_precision" for name in ("set_float32_matmul_precision",
+                                                    "get_float32_matmul_precision")},
     # NVML (torch units)
     **{
         name: "cudalab.nvml"
@@ -118,8 +123,9 @@ _LAZY: dict[str, str] = {
                      "list_gpu_processes", "device_memory_used")
     },
 }
-_SUBMODULES = {"blas", "memory", "nvtx", "nvml", "kernels", "array", "widgets", "magics", "cli",
-               "random", "interop", "jiterator", "sanitizer", "graphs", "comm", "nccl", "cluster"}
+_SUBMODULES = {"blas", "fft", "backends", "memory", "nvtx", "nvml", "kernels", "array", "widgets",
+               "magics", "cli", "random", "interop", "jiterator", "sanitizer", "graphs", "comm",
+               "nccl", "cluster"}
 
 
 def __getattr__(name: str) -> Any:
@@ -161,7 +167,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "CublasError", "CudaError", "CudaUnavailableError", "Device", "DeviceProperties",
+    "CublasError", "CudaError", "CufftError", "CudaUnavailableError", "Device", "DeviceProperties",
     "DriverNotFoundError", "Event", "ExternalStream", "KernelCompileError", "NcclError", "NvmlError", "OutOfMemoryError", "Stream",
     "StreamCaptureError",
     "StreamContext", "can_device_access_peer", "check_error", "current_device",

@@ -31,6 +31,7 @@ import numpy as np
 from cudalab import _dlpack, _internal, _interrupts, _observe
 from cudalab import devices as _devices
 from cudalab import streams as _streams
+from cudalab._array_matmul import MatmulMixin
 from cudalab._array_memory import (
     allocator_of,
     check_host_operand,
@@ -63,8 +64,7 @@ from cudalab._kernels.elementwise import check_overlap
 from cudalab._kernels.kernel import register_pointer_type
 
 __all__ = [
-    "DeviceArray",
-    "empty",
+    "DeviceArray", "empty",
     "zeros",
     "ones",
     "full",
@@ -106,7 +106,7 @@ def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
 
 
 # --------------------------------------------------------------------------- the array
-class DeviceArray(OperatorsMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
+class DeviceArray(OperatorsMixin, MatmulMixin, TransfersMixin, ReductionsMixin, ViewsMixin):
     """An n-dimensional array in device memory (C-contiguous unless imported otherwise).
 
     Operators, transfers (``cpu``, ``to``...), reductions (``sum``...) and views

@@ -3,21 +3,25 @@
 As torch does: one handle per (device, thread), created lazily on the first call from that
 thread with that device current, and bound to the current stream of the current device on
 **every** call (``cublasSetStream``), so work queued through it is ordered with cudalab's
-work on that stream. Handles are destroyed when the process exits. cudalab sets no cuBLAS
-workspace (torch gives cuBLAS one from its allocator; cuBLAS then uses its own).
+work on that stream. Handles are destroyed when the process exits. ``cudalab.matmul``
+uses the same handles through :func:`bound_handle` (on the simulator too, where the
+seam's numpy BLAS stands in) and gives them a workspace from cudalab's caching allocator,
+as torch does (``CUBLAS_WORKSPACE_CONFIG``).
 
 The library is loaded by :mod:`cudalab._driver.cublas` through ``cuda.pathfinder`` (part of
 cuda-bindings 13), which finds the cuBLAS of the ``nvidia-cublas`` wheel (the ``cublas``
 extra) or the one torch's CUDA wheels bring; see that module for why this dependency.
 
 On the simulator there is no cuBLAS: :func:`current_blas_handle` raises
-:class:`cudalab.CublasError` saying so (a fake handle would crash the first cuBLAS call).
+:class:`cudalab.CublasError` saying so (a fake handle would crash the first cuBLAS call
+made through ctypes).
 """
 
 from __future__ import annotations
 
 import atexit
 import threading
+from typing import Any
 
 from cudalab import _internal
 from cudalab import devices as _devices
@@ -25,12 +29,12 @@ from cudalab import streams as _streams
 from cudalab._driver import cublas as _cublas
 from cudalab.errors import CublasError
 
-__all__ = ["current_blas_handle"]
+__all__ = ["BoundHandle", "bound_handle", "current_blas_handle"]
 
-_tls = threading.local()  # .handles: {device index: cuBLAS handle} of this thread
+_tls = threading.local()  # .handles: {device index: BoundHandle} of this thread
 _lock = threading.Lock()
-#: Every handle created, as (device, handle), for destruction at exit. Guarded by ``_lock``.
-_created: list[tuple[int, int]] = []
+#: Every handle created, for destruction at exit. Guarded by ``_lock``.
+_created: list[BoundHandle] = []
 
 
 def current_blas_handle() -> int:
@@ -56,29 +60,67 @@ def current_blas_handle() -> int:
                           "real GPU is needed; the simulator was chosen by "
                           "CUDALAB_SIMULATOR=1 or cudalab.use_simulator())")
     device = _devices.current_device()
+    bound = bound_handle(device)
+    stream = _streams.current_stream(device)
+    _cublas.set_stream(bound.handle, stream.cuda_stream)
+    # the caller may change the handle's settings: matmul sets them all again next time
+    bound.stream = bound.workspace = bound.math_mode = None
+    return bound.handle
+
+
+class BoundHandle:
+    """One (device, thread)'s BLAS handle and the settings last given to it, so that
+    ``cudalab.matmul`` makes a call only for a setting that changes (None: unknown).
+
+    ``blas`` is the backend's :class:`~cudalab._driver.blas_seam.Blas`; ``handle`` its handle
+    (an int, never 0 on cuBLAS); ``stream`` the ``cuda_stream`` int, ``workspace`` the
+    (address, bytes) pair and ``math_mode`` the ``cublasMath_t`` last set, each None
+    when unknown (just created, or handed to a user by :func:`current_blas_handle`).
+    """
+
+    __slots__ = ("blas", "handle", "device", "stream", "workspace", "math_mode")
+
+    def __init__(self, blas: Any, handle: int, device: int) -> None:
+        self.blas = blas
+        self.handle = handle
+        self.device = device
+        self.stream: int | None = None
+        self.workspace: tuple[int, int] | None = None
+        self.math_mode: int | None = None
+
+
+def bound_handle(device: int) -> BoundHandle:
+    """The BLAS handle of ``device`` for this thread, created on first use (with ``device``'s
+    context current). On the simulator it is the seam's simulated BLAS's handle.
+
+    Raises
+    ------
+    cudalab.CublasError
+        cuBLAS cannot be loaded (the message says what to install).
+    """
     handles = getattr(_tls, "handles", None)
     if handles is None:
         handles = _tls.handles = {}
-    handle = handles.get(device)
-    if handle is None:
+    bound = handles.get(device)
+    if bound is None:
         _internal.ensure_context(device)  # cuBLAS attaches to the current context
-        handle = _cublas.create()
-        handles[device] = handle
+        blas = _internal.backend().blas()
+        bound = BoundHandle(blas, blas.create(device), device)
+        handles[device] = bound
         with _lock:
             if not _created:
                 atexit.register(_destroy_all)
-            _created.append((device, handle))
-    _cublas.set_stream(handle, _streams.current_stream(device).cuda_stream)
-    return handle
+            _created.append(bound)
+    return bound
 
 
 def _destroy_all() -> None:
     """Destroy every handle (at exit; errors of a driver already shutting down are ignored)."""
     with _lock:
         created, _created[:] = list(_created), []
-    for device, handle in created:
+    for bound in created:
         try:
-            _internal.ensure_context(device)
-            _cublas.destroy(handle)
+            _internal.ensure_context(bound.device)
+            bound.blas.destroy(bound.handle)
         except Exception:
             pass

@@ -164,6 +164,17 @@ class CublasError(RuntimeError):
         self.status = status
 
 
+class CufftError(RuntimeError):
+    """cuFFT is missing (the message names the ``fft`` extra), or a cuFFT call failed (the
+    message names the call and its ``cufftResult``).
+
+    ``result`` is the ``cufftResult`` value (None when the library could not be loaded).
+    """
+
+    def __init__(self, message: str, result: int | None = None):
+        super().__init__(message)
+        self.result = result
+
 
 __all__ = [
     "CudaError",
@@ -177,5 +188,6 @@ __all__ = [
     "StreamDeviceError",
     "AllocatorSettingsError",
     "CublasError",
+    "CufftError",
 ]
 

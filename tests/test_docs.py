@@ -38,7 +38,13 @@ LISTED_IN = {
     "torch.cuda.__all__ and torch.cuda.memory.__all__",
     "private (not in __all__)",
     "attribute",
+    "CUDA semantics notes",  # torch.backends.cuda, torch.fft, torch.matmul: the notes' sections
 }
+#: The prefixes of the names the table lists: torch.cuda's, and the switches and functions
+#: torch's "CUDA semantics" notes describe beside them (TF32, the cuFFT plan cache).
+NAME_PREFIXES = ("torch.cuda.", "torch.backends.cuda.", "torch.fft.")
+NOTES_NAMES = {"torch.matmul", "torch.set_float32_matmul_precision",
+               "torch.get_float32_matmul_precision"}
 
 
 def _rows() -> list[dict[str, str]]:
@@ -89,7 +95,7 @@ def test_names_file_is_well_formed():
     assert ROWS, f"{NAMES_CSV.name} is empty"
     for row in ROWS:
         name = row["torch_name"]
-        assert name.startswith("torch.cuda."), name
+        assert name.startswith(NAME_PREFIXES) or name in NOTES_NAMES, name
         assert row["listed_in"] in LISTED_IN, f"{name}: listed_in {row['listed_in']!r}"
         assert row["pending"] in ("", "1"), f"{name}: pending {row['pending']!r}"
         assert row["cudalab"] or row["note"], f"{name}: no equivalent and no note saying why"

@@ -41,6 +41,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, SupportsInt, cast
 
+from cudalab._driver.blas_seam import Blas
 from cudalab._driver.device_info import DeviceInfo
 from cudalab._driver.fast_calls import (
     STATUS_NOT_READY,
@@ -48,6 +49,7 @@ from cudalab._driver.fast_calls import (
     FastCalls,
     checked_fast_calls,
 )
+from cudalab._driver.fft_seam import Fft
 from cudalab._driver.handles import (
     ClosedHandle,
     CommHandle,
@@ -111,7 +113,7 @@ __all__ = [
     "ClosedHandle", "CommHandle", "ContextHandle", "DeviceHandle", "EventHandle",
     "FunctionHandle", "GraphExecHandle", "GraphHandle", "MemoryPoolHandle", "ModuleHandle",
     "PhysicalMemoryHandle", "StreamHandle", "FastCalls", "STATUS_SUCCESS", "STATUS_NOT_READY",
-    "DeviceInfo", "KernelArgs", "SimKernel", "Nvml", "Nccl", "GroupRunner", "NCCL_AVG",
+    "DeviceInfo", "KernelArgs", "SimKernel", "Nvml", "Nccl", "Blas", "Fft", "GroupRunner", "NCCL_AVG",
     "NCCL_BFLOAT16", "NCCL_CALL_ALL_GATHER", "NCCL_CALL_ALL_REDUCE", "NCCL_CALL_BROADCAST",
     "NCCL_CALL_NAMES", "NCCL_CALL_REDUCE", "NCCL_CALL_REDUCE_SCATTER", "NCCL_FLOAT8E4M3",
     "NCCL_FLOAT8E5M2", "NCCL_FLOAT16", "NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_INT8",
@@ -617,3 +619,16 @@ class Backend(abc.ABC):
         """The collective library beside this driver (NCCL over ``nccl4py``'s raw bindings,
         or the simulator's numpy cliques). Raises :class:`cudalab.NcclError` with a readable
         message when NCCL cannot be loaded (e.g. ``nccl4py`` is not installed)."""
+
+    # ---------------------------------------------------------------- cuBLAS and cuFFT
+    @abc.abstractmethod
+    def blas(self) -> Blas:
+        """The BLAS library beside this driver (cuBLAS through ctypes, or the simulator's
+        numpy GEMM). Its calls raise :class:`cudalab.CublasError` with a readable message
+        when cuBLAS cannot be loaded."""
+
+    @abc.abstractmethod
+    def fft(self) -> Fft:
+        """The FFT library beside this driver (cuFFT through ctypes, or the simulator's
+        ``numpy.fft``). Its calls raise :class:`cudalab.CufftError` naming the ``fft`` extra
+        when cuFFT cannot be loaded."""

@@ -6,10 +6,12 @@ dependency) and finds the cuBLAS that the NVIDIA wheels install (``nvidia-cublas
 no new Python package is needed: the ``cublas`` extra only adds the library wheel.
 nvmath-python's bindings would add a large package for the four calls cudalab makes.
 
-Only what :mod:`cudalab.blas` needs is declared: ``cublasCreate_v2``, ``cublasDestroy_v2``,
-``cublasSetStream_v2``, ``cublasGetStream_v2`` and ``cublasSgemm_v2`` (tests run a GEMM
-through a handle). Handles and stream handles are plain ints. Every failing call raises
-:class:`cudalab.errors.CublasError` naming the call and cuBLAS's status string.
+Only what :mod:`cudalab.blas` and ``cudalab.matmul`` need is declared: ``cublasCreate_v2``,
+``cublasDestroy_v2``, ``cublasSetStream_v2``, ``cublasGetStream_v2``, ``cublasSgemm_v2``
+(tests run a GEMM through a handle), ``cublasSetWorkspace_v2``, ``cublasSetMathMode``,
+``cublasGemmEx`` and ``cublasGemmStridedBatchedEx``. Handles and stream handles are plain
+ints. Every failing call raises :class:`cudalab.errors.CublasError` naming the call and
+cuBLAS's status string. :class:`RealBlas` is the seam's :class:`~.blas_seam.Blas` over them.
 """
 
 from __future__ import annotations
@@ -18,9 +20,17 @@ import ctypes
 import threading
 from typing import Any
 
+from cudalab._driver.blas_seam import (
+    COMPUTE_16F,
+    COMPUTE_64F,
+    CUDA_C_32F,
+    CUDA_C_64F,
+    Blas,
+)
+from cudalab._driver.handles import StreamHandle
 from cudalab.errors import CublasError
 
-__all__ = ["create", "destroy", "get_stream", "library", "set_stream", "sgemm"]
+__all__ = ["RealBlas", "create", "destroy", "get_stream", "library", "set_stream", "sgemm"]
 
 INSTALL_HINT = ("install cuBLAS with `pip install nvidia-cublas` (CUDA 13) or "
                 "`pip install cudalab[cublas]`; torch's CUDA wheels bring one too")
@@ -72,13 +82,20 @@ def _load() -> Any:
         if lib is None:
             raise CublasError(f"cuBLAS was found by cuda.pathfinder but cannot be opened; "
                               f"{INSTALL_HINT}")
-        vp, i32 = ctypes.c_void_p, ctypes.c_int
+        vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         for name, args in (
             ("cublasCreate_v2", (ctypes.POINTER(vp),)),
             ("cublasDestroy_v2", (vp,)),
             ("cublasSetStream_v2", (vp, vp)),
             ("cublasGetStream_v2", (vp, ctypes.POINTER(vp))),
             ("cublasSgemm_v2", (vp, i32, i32, i32, i32, i32, vp, vp, i32, vp, i32, vp, vp, i32)),
+            ("cublasSetWorkspace_v2", (vp, vp, ctypes.c_size_t)),
+            ("cublasSetMathMode", (vp, i32)),
+            ("cublasGemmEx", (vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, vp, i32, i32, vp,
+                              vp, i32, i32, i32, i32)),
+            ("cublasGemmStridedBatchedEx", (vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, i64,
+                                            vp, i32, i32, i64, vp, vp, i32, i32, i64, i32, i32,
+                                            i32)),
         ):
             fn = getattr(lib, name)
             fn.argtypes = args
@@ -143,3 +160,70 @@ def sgemm(handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: 
         ctypes.c_void_p(handle), transa, transb, m, n, k, ctypes.byref(al), ctypes.c_void_p(a),
         lda, ctypes.c_void_p(b), ldb, ctypes.byref(be), ctypes.c_void_p(c), ldc),
         "cublasSgemm_v2")
+
+
+def _scalar(value: complex, data_type: int, compute_type: int) -> Any:
+    """``value`` as the host scalar cuBLAS reads for ``compute_type`` (a ctypes object)."""
+    if compute_type == COMPUTE_16F:
+        import numpy as np
+
+        return ctypes.c_uint16(int(np.float16(value.real).view(np.uint16)))
+    if compute_type == COMPUTE_64F:
+        if data_type == CUDA_C_64F:
+            return (ctypes.c_double * 2)(value.real, value.imag)
+        return ctypes.c_double(value.real)
+    if data_type == CUDA_C_32F:
+        return (ctypes.c_float * 2)(value.real, value.imag)
+    return ctypes.c_float(value.real)
+
+
+class RealBlas(Blas):
+    """The seam's BLAS over cuBLAS (loaded on the first call that needs it)."""
+
+    def __init__(self) -> None:
+        #: (value, data type, compute type) -> its ctypes scalar: alpha and beta are nearly
+        #: always 1 and 0, so the GEMM's hot path builds none.
+        self._scalars: dict[tuple[complex, int, int], Any] = {}
+
+    def create(self, device: int) -> int:
+        return create()
+
+    def destroy(self, handle: int) -> None:
+        destroy(handle)
+
+    def set_stream(self, handle: int, stream: StreamHandle) -> None:
+        set_stream(handle, int(stream))  # type: ignore[call-overload]
+
+    def set_workspace(self, handle: int, ptr: int, nbytes: int) -> None:
+        _check(library().cublasSetWorkspace_v2(handle, ptr or None, nbytes),
+               "cublasSetWorkspace_v2")
+
+    def set_math_mode(self, handle: int, mode: int) -> None:
+        _check(library().cublasSetMathMode(handle, mode), "cublasSetMathMode")
+
+    def _scalar(self, value: complex, data_type: int, compute_type: int) -> Any:
+        key = (value, data_type, compute_type)
+        scalar = self._scalars.get(key)
+        if scalar is None:
+            scalar = self._scalars[key] = _scalar(value, data_type, compute_type)
+        return scalar
+
+    def gemm(self, handle: int, transa: int, transb: int, m: int, n: int, k: int,
+             alpha: complex, a: int, lda: int, stride_a: int, b: int, ldb: int, stride_b: int,
+             beta: complex, c: int, ldc: int, stride_c: int, batch: int, data_type: int,
+             compute_type: int, algo: int) -> None:
+        lib = _lib if _lib is not None else library()
+        al = ctypes.byref(self._scalar(alpha, data_type, compute_type))
+        be = ctypes.byref(self._scalar(beta, data_type, compute_type))
+        if batch == 1:
+            status = lib.cublasGemmEx(handle, transa, transb, m, n, k, al, a, data_type, lda,
+                                      b, data_type, ldb, be, c, data_type, ldc, compute_type,
+                                      algo)
+            if status:
+                _check(status, "cublasGemmEx")
+            return
+        status = lib.cublasGemmStridedBatchedEx(
+            handle, transa, transb, m, n, k, al, a, data_type, lda, stride_a, b, data_type, ldb,
+            stride_b, be, c, data_type, ldc, stride_c, batch, compute_type, algo)
+        if status:
+            _check(status, "cublasGemmStridedBatchedEx")

@@ -49,7 +49,9 @@ from cudalab._driver.base import (
     EVENT_DISABLE_TIMING,
     IPC_HANDLE_SIZE,
     STREAM_NON_BLOCKING,
+    Blas,
     DeviceInfo,
+    Fft,
     KernelArgs,
     Nccl,
     Nvml,
@@ -214,6 +216,8 @@ class CudaBackend(CudaGraphs):
         self._granularity: dict[int, int] = {}
         self._nvml: Nvml | None = None  # created on first use
         self._nccl: Nccl | None = None  # created on first use (imports nccl4py)
+        self._blas: Blas | None = None  # created on first use (cuBLAS loads on its first call)
+        self._fft: Fft | None = None  # created on first use (cuFFT loads on its first call)
 
     # ------------------------------------------------------------ lifecycle and identity
     def init(self) -> None:
@@ -665,6 +669,29 @@ class CudaBackend(CudaGraphs):
                 if self._nccl is None:
                     self._nccl = RealNccl(self)
                 inst = self._nccl
+        return inst
+
+    # ----------------------------------------------------------------- cuBLAS, cuFFT
+    def blas(self) -> Blas:
+        inst = self._blas
+        if inst is None:
+            from cudalab._driver.cublas import RealBlas
+
+            with self._lock:
+                if self._blas is None:
+                    self._blas = RealBlas()
+                inst = self._blas
+        return inst
+
+    def fft(self) -> Fft:
+        inst = self._fft
+        if inst is None:
+            from cudalab._driver.cufft import RealFft
+
+            with self._lock:
+                if self._fft is None:
+                    self._fft = RealFft()
+                inst = self._fft
         return inst
 
     def handle_int(self, handle: SupportsInt | None) -> int:

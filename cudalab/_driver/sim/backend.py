@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import SupportsInt
 
-from cudalab._driver.base import DeviceInfo, Nccl
+from cudalab._driver.base import Blas, DeviceInfo, Fft, Nccl
 from cudalab._driver.sim.config import SimulatorConfig
 from cudalab._driver.sim.core import invalid_device
 from cudalab._driver.sim.events import SimEvents
@@ -50,6 +50,8 @@ class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels, Sim
         super().__init__(config)
         self._nvml: SimulatedNvml | None = None  # created on first use
         self._nccl: Nccl | None = None  # created on first use
+        self._blas: Blas | None = None  # created on first use
+        self._fft: Fft | None = None  # created on first use
 
     # ------------------------------------------------------------ lifecycle and identity
     def init(self) -> None:
@@ -144,3 +146,17 @@ class SimulatorBackend(SimStreams, SimEvents, SimMemory, SimVmm, SimKernels, Sim
             self._nccl = SimulatedNccl(self)
         return self._nccl
 
+    # ------------------------------------------------------------ cuBLAS and cuFFT
+    def blas(self) -> Blas:
+        if self._blas is None:
+            from cudalab._driver.sim.blas import SimulatedBlas
+
+            self._blas = SimulatedBlas(self)
+        return self._blas
+
+    def fft(self) -> Fft:
+        if self._fft is None:
+            from cudalab._driver.sim.fft import SimulatedFft
+
+            self._fft = SimulatedFft(self)
+        return self._fft
