@@ -65,11 +65,17 @@ if TYPE_CHECKING:  # the tooling's names, loaded on first use by __getattr__ (se
     from cudalab.memory_tools.plot import plot_segments, plot_timeline
     from cudalab.memory_tools.replay import ReplayResult, ReplayWarning, replay
     from cudalab.memory_tools.snapshot import export_memory_viz
+    from cudalab.memory_tools.trace_diff import TraceDiff, diff
+    from cudalab.memory_tools.trace_index import TraceIndex, open_trace
     from cudalab.memory_tools.trace_io import SnapshotLoadError, load_snapshot, read_history_csv
     from cudalab.memory_tools.what_if import what_if
 
 __all__ = [
     "autotune",
+    "diff",
+    "open_trace",
+    "TraceDiff",
+    "TraceIndex",
     "PeakScope",
     "peak_scope",
     "private_pools",
@@ -669,6 +675,8 @@ _LAZY = {
     **{name: _TOOLING + "plot" for name in ("plot_segments", "plot_timeline")},
     **{name: _TOOLING + "replay" for name in ("ReplayResult", "ReplayWarning", "replay")},
     "what_if": _TOOLING + "what_if",
+    **{name: _TOOLING + "trace_diff" for name in ("diff", "TraceDiff")},
+    **{name: _TOOLING + "trace_index" for name in ("open_trace", "TraceIndex")},
     **{name: _TOOLING + "snapshot" for name in ("export_memory_viz", "_dump_snapshot", "_snapshot")},
     **{name: _TOOLING + "trace_io" for name in (
         "SnapshotLoadError", "load_snapshot", "read_history_csv")},

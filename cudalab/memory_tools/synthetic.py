@@ -11,12 +11,17 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
 
-__all__ = ["BATCHING_CONTINUOUS", "BATCHING_STATIC", "ragged_inference_trace", "ragged_inference_workload", "synthetic_snapshot"]
+__all__ = ["BATCHING_CONTINUOUS", "BATCHING_STATIC", "SINK_CHUNK", "ragged_inference_trace",
+           "ragged_inference_workload", "synthetic_snapshot", "write_synthetic_pickle"]
+
+#: Entries per call of ``synthetic_snapshot``'s ``sink``.
+SINK_CHUNK = 65_536
 
 
 _SYN_FILES = ("train.py", "model.py", "layers.py", "optim.py", "data.py")
@@ -26,9 +31,15 @@ _SYN_FUNCS = ("forward", "backward", "step", "__call__", "matmul", "attention", 
 def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, ...] = (0, 0x5A1E0),
                         seed: int = 0, cudalab_keys: bool = True, simulated: bool = True,
                         start_us: int = 1_700_000_000_000_000, oom_every: int = 50_000,
-                        snapshot_every: int = 20_000) -> dict[str, Any]:
+                        snapshot_every: int = 20_000,
+                        sink: Callable[[int, list[dict[str, Any]]], Any] | None = None,
+                        ) -> dict[str, Any]:
     """A self-consistent snapshot dict in torch's schema with about ``n_entries`` trace
     entries per device (for tests and benchmarks).
+
+    ``sink`` (for traces too large to hold as dicts, see :func:`write_synthetic_pickle`):
+    called as ``sink(device, entries)`` with each device's entries in order, in chunks of
+    :data:`SINK_CHUNK`, which are then dropped (the snapshot's traces are empty lists).
 
     A bump allocator per (stream, pool) carves 512-B-rounded blocks out of 2 MiB small and
     >= 20 MiB large segments; frees are random; an emptied segment is sometimes released;
@@ -54,6 +65,7 @@ def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, 
     for d in range(devices):
         trace: list[dict[str, Any]] = []
         add = trace.append
+        flushed = 0
         now = start_us + d * 3
         next_addr = 0x7F0000000000 + (d << 36)
         segs: dict[int, dict[str, Any]] = {}  # address -> segment
@@ -83,7 +95,11 @@ def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, 
             return e
 
         seg: dict[str, Any] | None
-        while len(trace) < n_entries:
+        while flushed + len(trace) < n_entries:
+            if sink is not None and len(trace) >= SINK_CHUNK:
+                sink(d, trace[:])
+                flushed += len(trace)
+                trace.clear()  # (add is trace.append: the same list)
             now += 1 + int(rnd() * 20)
             frames = stacks[int(rnd() * n_stacks)]
             r = rnd()
@@ -146,6 +162,10 @@ def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, 
             live[addr] = (req, size, st, frames, seg)
             live_addrs.append(addr)
             entry("alloc", addr, req, st, frames)
+        if sink is not None:
+            if trace:
+                sink(d, trace[:])
+            trace = []
         out_traces.append(trace)
         # final segment state: live blocks plus the gaps between them
         by_seg: dict[int, list[tuple[int, int, int, list[dict[str, Any]]]]] = {}
@@ -187,6 +207,57 @@ def synthetic_snapshot(n_entries: int, *, devices: int = 1, streams: tuple[int, 
     if cudalab_keys:
         snap["cudalab"] = {"simulated": simulated}
     return snap
+
+
+def write_synthetic_pickle(path: str | os.PathLike[str], n_entries: int, *,
+                           torch_frames: bool = True, **options: Any) -> int:
+    """Write :func:`synthetic_snapshot`'s snapshot to ``path`` without holding its entries
+    (memory stays at one chunk of :data:`SINK_CHUNK` entries, so a 10M-entry, ~1 GB trace
+    fits on a small machine). ``torch_frames``: a new frames list per entry, as torch's own
+    pickles have; ``options`` are :func:`synthetic_snapshot`'s. Returns the bytes written.
+
+    The file is a plain-data pickle of protocol 2 (memo indices explicit, so each chunk is
+    pickled on its own and spliced in: the chunk's list becomes a DUP of the device's trace
+    list, which its APPENDS then fill), with the device traces before the other keys.
+    """
+    import pickle
+
+    def body(obj: Any) -> bytes:
+        data = pickle.dumps(obj, protocol=2)
+        assert data[:2] == b"\x80\x02" and data[-1:] == b"."
+        return data[2:-1]
+
+    written = 0
+    state = {"device": -1}
+    with open(path, "wb") as out:
+
+        def emit(data: bytes) -> None:
+            nonlocal written
+            out.write(data)
+            written += len(data)
+
+        def sink(d: int, entries: list[dict[str, Any]]) -> None:
+            if torch_frames:
+                entries = [dict(e, frames=list(e["frames"])) for e in entries]
+            if d != state["device"]:
+                if state["device"] >= 0:
+                    emit(b"a")  # the previous device's list goes into the outer list
+                emit(b"]")  # this device's list, kept on the stack
+                state["device"] = d
+            chunk = body(entries)
+            assert chunk[:1] == b"]"
+            emit(b"2" + chunk[1:] + b"0")  # DUP the trace list, fill it, POP the copy
+
+        # {"device_traces": [[...], ...], <the other keys>}
+        emit(b"\x80\x02}(X\r\x00\x00\x00device_traces]")
+        snap = synthetic_snapshot(n_entries, sink=sink, **options)
+        if state["device"] >= 0:
+            emit(b"a")
+        emit(b"u")  # outer["device_traces"] = the outer list
+        rest = body({k: v for k, v in snap.items() if k != "device_traces"})
+        assert rest[:1] == b"}"
+        emit(rest[1:] + b".")  # (its BINPUT and SETITEMS batches go into the outer dict)
+    return written
 
 
 # ====================================================================== ragged inference

@@ -1,0 +1,234 @@
+"""The diff of two runs: ``cudalab.memory.diff(a, b)``.
+
+Each run's trace (a path read with :func:`~cudalab.memory_tools.trace_index.open_trace`, a
+snapshot dict, or a :class:`~cudalab.memory_tools.trace_index.TraceIndex`) gives its peak
+allocated and peak reserved bytes and, at each peak, the live blocks (at the peak
+allocated moment) and the live segments (at the peak reserved moment) grouped by source
+line: the innermost user frame of the stack that allocated them
+(:mod:`~cudalab.memory_tools.user_frames`: IPython's frames do not count). The diff is
+``b - a`` per line, the top 20 by size of the change, and the lines that appear only in
+``b`` (appeared) or only in ``a`` (vanished). Lines are matched by ``file:line
+(function)`` with the file's last path part, so two checkouts of one project compare.
+
+Two traces from different devices (name or memory size), from different allocators
+(torch's and cudalab's) or one simulated and one not are still compared, and
+:attr:`TraceDiff.notes` says so.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cudalab._internal import format_bytes
+from cudalab.memory_tools.trace_index import TraceIndex, index_snapshot, open_trace
+from cudalab.memory_tools.trace_views import TraceViews
+
+__all__ = ["LineDelta", "TraceDiff", "diff", "peak_by_line"]
+
+
+@dataclass(frozen=True, slots=True)
+class LineDelta:
+    """One source line's bytes at the peak in each run."""
+
+    line: str  # "file:line (function)"
+    a: int  # bytes in run a at its peak (>= 0)
+    b: int  # bytes in run b at its peak (>= 0)
+
+    @property
+    def delta(self) -> int:
+        """``b - a``."""
+        return self.b - self.a
+
+
+@dataclass(frozen=True, slots=True)
+class TraceDiff:
+    """``cudalab.memory.diff(a, b)``'s answer (see the module documentation)."""
+
+    peak_allocated: tuple[int, int]  # (a, b) bytes
+    peak_reserved: tuple[int, int]  # (a, b) bytes
+    allocated_lines: list[LineDelta]  # top lines by |delta| at the peak allocated moment
+    reserved_lines: list[LineDelta]  # the same for the segments live at the peak reserved
+    appeared: list[LineDelta]  # lines live at b's peak only, largest first
+    vanished: list[LineDelta]  # lines live at a's peak only, largest first
+    notes: list[str] = field(default_factory=list)  # differences of origin, said plainly
+    names: tuple[str, str] = ("a", "b")
+
+    @property
+    def allocated_delta(self) -> int:
+        """Peak allocated bytes of b minus a."""
+        return self.peak_allocated[1] - self.peak_allocated[0]
+
+    @property
+    def reserved_delta(self) -> int:
+        """Peak reserved bytes of b minus a."""
+        return self.peak_reserved[1] - self.peak_reserved[0]
+
+    def to_frame(self) -> Any:
+        """The allocated lines as a pandas DataFrame (line, a, b, delta)."""
+        import pandas as pd
+
+        return pd.DataFrame([(d.line, d.a, d.b, d.delta) for d in self.allocated_lines],
+                            columns=["line", "a", "b", "delta"])
+
+    def __repr__(self) -> str:
+        a, b = self.names
+        out = [f"diff {a} -> {b}: peak allocated {format_bytes(self.peak_allocated[0])} -> "
+               f"{format_bytes(self.peak_allocated[1])} ({_signed(self.allocated_delta)}), "
+               f"peak reserved {format_bytes(self.peak_reserved[0])} -> "
+               f"{format_bytes(self.peak_reserved[1])} ({_signed(self.reserved_delta)})"]
+        out += [f"  note: {n}" for n in self.notes]
+        out += [f"  {_signed(d.delta):>12}  {d.line}" for d in self.allocated_lines[:10]]
+        return "\n".join(out)
+
+    def _repr_html_(self) -> str:
+        a, b = (html.escape(n) for n in self.names)
+
+        def table(title: str, rows: list[LineDelta]) -> str:
+            if not rows:
+                return f"<p><b>{title}</b>: none</p>"
+            body = "".join(
+                f"<tr><td style='text-align:left'>{html.escape(d.line)}</td>"
+                f"<td>{format_bytes(d.a)}</td><td>{format_bytes(d.b)}</td>"
+                f"<td style='color:{'#c0392b' if d.delta > 0 else '#1e8449'}'>"
+                f"{_signed(d.delta)}</td></tr>" for d in rows)
+            return (f"<p><b>{title}</b></p><table><tr><th>source line</th><th>{a}</th>"
+                    f"<th>{b}</th><th>change</th></tr>{body}</table>")
+
+        notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
+        return (f"<div class='cudalab-diff'><p>peak allocated {format_bytes(self.peak_allocated[0])}"
+                f" → {format_bytes(self.peak_allocated[1])} (<b>{_signed(self.allocated_delta)}"
+                f"</b>); peak reserved {format_bytes(self.peak_reserved[0])} → "
+                f"{format_bytes(self.peak_reserved[1])} (<b>{_signed(self.reserved_delta)}</b>)"
+                f"</p>{f'<ul>{notes}</ul>' if notes else ''}"
+                + table("at the peak allocated moment, by source line", self.allocated_lines)
+                + table("appeared", self.appeared[:10]) + table("vanished", self.vanished[:10])
+                + table("at the peak reserved moment (segments), by source line",
+                        self.reserved_lines[:10]) + "</div>")
+
+
+def _signed(n: int) -> str:
+    return ("+" if n > 0 else "−" if n < 0 else "±") + format_bytes(abs(n))
+
+
+def _as_views(x: Any) -> tuple[TraceViews, str]:
+    if isinstance(x, TraceViews):
+        return x, x.index.source
+    if isinstance(x, TraceIndex):
+        return TraceViews(x), x.source
+    if isinstance(x, (str, os.PathLike)):
+        return TraceViews(open_trace(x)), os.path.basename(os.fspath(x))
+    if isinstance(x, dict):
+        return TraceViews(index_snapshot(x)), "snapshot"
+    raise TypeError(f"diff() takes paths, snapshot dicts or TraceIndex objects, not "
+                    f"{type(x).__name__}")
+
+
+def peak_by_line(views: TraceViews, device: int | None = None
+                 ) -> tuple[int, int, dict[str, int], dict[str, int]]:
+    """``(peak allocated, peak reserved, bytes by line at the first, at the second)`` of
+    one device's trace (default: the device with the highest peak allocated)."""
+    if device is None and views.bounds:
+        device = max(views.bounds, key=lambda t: int(views.allocated[t[1]:t[2]].max()))[0]
+    d, a, b = views.device_range(device)
+    if b == a:
+        return 0, 0, {}, {}
+    alloc_row = a + int(np.argmax(views.allocated[a:b]))
+    res_row = a + int(np.argmax(views.reserved[a:b]))
+    m = views.live_mask(alloc_row)
+    by_alloc = _by_line(views, views.block_stack[m], views.block_size[m])
+    s = ((views.seg_row <= res_row) & (views.seg_end > res_row) & (views.seg_device == d))
+    seg_stack = views.index.stack[views.seg_row[s]]
+    by_res = _by_line(views, seg_stack, views.seg_size[s])
+    return (int(views.allocated[alloc_row]), int(views.reserved[res_row]), by_alloc, by_res)
+
+
+def _by_line(views: TraceViews, stacks: Any, sizes: Any) -> dict[str, int]:
+    lines = np.where(stacks >= 0, views.stack_line[np.maximum(stacks, 0)], -1)
+    if not len(lines):
+        return {}
+    uniq, inv = np.unique(lines, return_inverse=True)
+    nbytes = np.bincount(inv, weights=sizes, minlength=len(uniq))
+    out: dict[str, int] = {}
+    for f, nb in zip(uniq.tolist(), nbytes.tolist()):
+        label = views.line_label(int(f))
+        out[label] = out.get(label, 0) + int(nb)
+    return out
+
+
+def _origin_notes(a: TraceViews, b: TraceViews, names: tuple[str, str]) -> list[str]:
+    notes = []
+    ia, ib = a.index.identity or {}, b.index.identity or {}
+    sa, sb = a.index.snapshot or {}, b.index.snapshot or {}
+
+    def allocator(ident: dict[str, Any], snap: dict[str, Any]) -> str:
+        if ident.get("allocator"):
+            return str(ident["allocator"])
+        return "cudalab" if "cudalab" in snap else "torch"
+
+    for key, what in (("device_name", "devices"), ("device_uuid", None)):
+        va, vb = ia.get(key), ib.get(key)
+        if va and vb and va != vb and what:
+            notes.append(f"the runs are from different {what}: {names[0]} on {va}, "
+                         f"{names[1]} on {vb}")
+    ma, mb = sa.get("device_memory"), sb.get("device_memory")
+    if isinstance(ma, int) and isinstance(mb, int) and ma != mb:
+        notes.append(f"the devices' memory differs: {format_bytes(ma)} vs {format_bytes(mb)}")
+    al, bl = allocator(ia, sa), allocator(ib, sb)
+    if al != bl:
+        notes.append(f"the runs come from different sources: {names[0]} from {al}'s "
+                     f"allocator, {names[1]} from {bl}'s")
+    sim_a = bool((sa.get("cudalab") or {}).get("simulated"))
+    sim_b = bool((sb.get("cudalab") or {}).get("simulated"))
+    if sim_a != sim_b:
+        which = names[0] if sim_a else names[1]
+        notes.append(f"{which} was recorded on cudalab's simulator, the other on a device")
+    return notes
+
+
+def diff(a: Any, b: Any, *, top: int = 20, device: int | None = None,
+         names: tuple[str, str] | None = None) -> TraceDiff:
+    """The diff of two runs' memory (see the module documentation).
+
+    Parameters
+    ----------
+    a, b : str, os.PathLike, dict or TraceIndex
+        The runs: snapshot pickles, snapshot dicts or indexes already read.
+    top : int, optional
+        Lines kept by size of the change (default 20).
+    device : int, optional
+        The device compared in each (default: each trace's device with the highest peak).
+    names : (str, str), optional
+        What to call the runs (default: the file names).
+
+    Returns
+    -------
+    TraceDiff
+        The peaks, the lines that changed most, the lines that appeared or vanished, and
+        notes on the runs' origins.
+    """
+    va, na = _as_views(a)
+    vb, nb = _as_views(b)
+    if names is None:
+        names = (na, nb) if na != nb else ("a", "b")
+    pa_alloc, pa_res, a_lines, a_res = peak_by_line(va, device)
+    pb_alloc, pb_res, b_lines, b_res = peak_by_line(vb, device)
+
+    def deltas(x: dict[str, int], y: dict[str, int]) -> list[LineDelta]:
+        rows = [LineDelta(k, x.get(k, 0), y.get(k, 0)) for k in set(x) | set(y)]
+        rows = [r for r in rows if r.delta]
+        rows.sort(key=lambda r: (-abs(r.delta), r.line))
+        return rows
+
+    appeared = sorted((LineDelta(k, 0, v) for k, v in b_lines.items() if k not in a_lines),
+                      key=lambda r: (-r.b, r.line))
+    vanished = sorted((LineDelta(k, v, 0) for k, v in a_lines.items() if k not in b_lines),
+                      key=lambda r: (-r.a, r.line))
+    return TraceDiff(peak_allocated=(pa_alloc, pb_alloc), peak_reserved=(pa_res, pb_res),
+                     allocated_lines=deltas(a_lines, b_lines)[:top],
+                     reserved_lines=deltas(a_res, b_res)[:top], appeared=appeared,
+                     vanished=vanished, notes=_origin_notes(va, vb, names), names=names)
