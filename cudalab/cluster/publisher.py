@@ -16,9 +16,13 @@ an address is given, and a connection file in the cluster directory
 
 The thread issues no collective and lets no exception out (a failed tick is counted and
 its text published in the next header). It stops, closes its sockets without lingering and
-removes its connection file on :meth:`Publisher.stop`, at interpreter exit (a Ctrl-C that
-ends the program, which ``mpirun`` forwards to every rank, runs the exit handlers), and is
-forgotten in a forked child.
+removes its connection file on :meth:`Publisher.stop` and at interpreter exit (a Ctrl-C
+that raises KeyboardInterrupt and ends the program runs the exit handlers), and is
+forgotten in a forked child. Launchers turn a Ctrl-C into SIGTERM for their ranks (Open
+MPI 5's ``mpirun`` and torchrun do), which ends a process without its exit handlers: while
+SIGTERM has its default action, :func:`serve` (called in the main thread) installs a handler
+that removes the connection files, puts the default action back and sends the signal again,
+so the process still ends by SIGTERM, as it would have, and leaves no file behind.
 """
 
 from __future__ import annotations
@@ -302,7 +306,8 @@ def serve(directory: str | os.PathLike[str] | None = None, address: str = "127.0
             return running
         publisher = Publisher(key, address, interval, source, job).start()
         _publishers[key] = publisher
-        return publisher
+    _install_sigterm()
+    return publisher
 
 
 def serve_from_env() -> Publisher | None:
@@ -334,6 +339,30 @@ def stop_all() -> None:
         _publishers.clear()
     for p in running:
         p.stop()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM while publishing: remove the connection files, then end by SIGTERM."""
+    import signal
+
+    for p in list(_publishers.values()):
+        p._stop.set()
+        p._remove_file()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm() -> None:
+    """Install :func:`_on_sigterm` when SIGTERM has its default action (main thread only)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # not allowed here: the exit handlers still clean up
+        pass
 
 
 def _forget_in_child() -> None:

@@ -35,9 +35,16 @@ def main() -> int:
     parser.add_argument("--mib", type=float, default=1.0)
     parser.add_argument("--gather", action="store_true")
     parser.add_argument("--engine", default="auto")
+    parser.add_argument("--backend", default="gloo", help="torch.distributed's, for --engine torch")
+    parser.add_argument("--hold", action="store_true",
+                        help="publish until Ctrl-C (no stdin: under mpirun only rank 0 has one)")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(120, exit=True)
     rank = int(os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+    if args.engine == "torch":  # the job already uses torch.distributed
+        import torch.distributed as dist
+
+        dist.init_process_group(args.backend)
     memory.record_history()
     kept = [cudalab.zeros(int((rank + 1) * args.mib * (1 << 20)) // 4, dtype="float32")]
     scratch = cudalab.zeros(1000)
@@ -47,6 +54,7 @@ def main() -> int:
 
         got = gather(engine=args.engine)
         print(f"own {rank} {memory.memory_stats(0)['allocated_bytes.all.peak']}", flush=True)
+        print(f"device {rank} {cudalab.get_device_name(0)}", flush=True)
         if got is not None:
             print("peaks " + json.dumps({k: r.peaks()[0] for k, r in got.items()}), flush=True)
             print("tails " + json.dumps({k: len(r.history_tail.get(0, []))
@@ -56,6 +64,11 @@ def main() -> int:
         return 0
     try:
         print("ready", flush=True)  # (in the try: a Ctrl-C right after it is the rank's too)
+        if args.hold:
+            import time
+
+            while True:
+                time.sleep(0.05)
         for line in sys.stdin:
             command = line.split()
             if not command:

@@ -4,6 +4,7 @@ the faults (a killed rank, a forged message, stale files, two jobs, Ctrl-C)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -226,6 +227,18 @@ def test_ctrl_c_stops_every_rank_cleanly(tmp_path):
             assert code == 130 and "interrupted" in out, (code, out, err)
             assert "Traceback" not in err and "Exception" not in err, err
         assert list(tmp_path.glob("*.json")) == []  # each removed its connection file
+    finally:
+        ranks.close()
+
+
+def test_sigterm_ends_a_rank_as_before_and_removes_its_file(tmp_path):
+    """mpirun and torchrun turn Ctrl-C into SIGTERM for their ranks."""
+    ranks = Ranks(tmp_path, "job-t", 2)
+    try:
+        ranks.processes[0].send_signal(signal.SIGTERM)
+        assert ranks.processes[0].wait(10) == -signal.SIGTERM  # still ended by the signal
+        assert [p.name for p in tmp_path.glob("*.json")] == [
+            p.name for p in tmp_path.glob("rank-1-*.json")]
     finally:
         ranks.close()
 

@@ -1,0 +1,142 @@
+"""cudalab.cluster on the real GPU: ranks under ``mpirun -n 2`` gathering over MPI and
+publishing to a watch (then stopped by a Ctrl-C that mpirun forwards), and ranks under
+``torchrun --nproc-per-node 2`` gathering over torch.distributed.
+
+The launcher: ``CUDALAB_MPIRUN`` (a command line, e.g. ``/tmp/mpi/bin/mpirun``), else an
+``mpirun`` beside this Python or on PATH. Both ranks share the host's GPUs (one H200 is
+enough: MPI and gloo move the bytes, not NCCL).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.helpers import ROOT, WORKER, wait_for
+
+pytestmark = pytest.mark.gpu
+
+
+def _mpirun() -> list[str] | None:
+    text = os.environ.get("CUDALAB_MPIRUN", "").strip()
+    if text:
+        launcher = shlex.split(text)
+    else:
+        here = Path(sys.executable).parent / "mpirun"
+        found = str(here) if here.exists() else shutil.which("mpirun")
+        if found is None:
+            return None
+        launcher = [found]
+    return [*launcher, "--oversubscribe"]
+
+
+def _mpi_env(launcher: list[str], **extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), NCCL_NVLS_ENABLE="0",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra)
+    env.pop("CUDALAB_SIMULATOR", None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    prefix = Path(launcher[0]).resolve().parent.parent
+    if (prefix / "lib").is_dir():  # an MPI outside the system's library path (/tmp/mpi)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [str(prefix / "lib"), os.environ.get("LD_LIBRARY_PATH")]))
+        env["OPAL_PREFIX"] = str(prefix)
+    return env
+
+
+def _exports(env: dict[str, str]) -> list[str]:
+    names = ["PYTHONPATH", "LD_LIBRARY_PATH", "NCCL_NVLS_ENABLE", "CUDALAB_CLUSTER",
+             "CUDALAB_CLUSTER_JOB"]
+    return [arg for n in names if n in env for arg in ("-x", n)]
+
+
+needs_mpi = pytest.mark.skipif(_mpirun() is None or importlib.util.find_spec("mpi4py") is None,
+                               reason="needs mpi4py and an mpirun (CUDALAB_MPIRUN)")
+
+
+def _check_gather_output(out: str, world: int) -> None:
+    lines = out.splitlines()
+    own = {int(x.split()[1]): int(x.split()[2]) for x in lines if x.startswith("own ")}
+    names = [x.split(None, 2)[2] for x in lines if x.startswith("device ")]
+    peaks = json.loads(next(x[6:] for x in lines if x.startswith("peaks ")))
+    snaps = json.loads(next(x[10:] for x in lines if x.startswith("snapshots ")))
+    assert sorted(own) == list(range(world)), out
+    assert {int(k): v for k, v in peaks.items()} == own, out  # byte-exact
+    assert all(v >= 1 for v in snaps.values()), out
+    assert names and not any("simulated" in n for n in names), names
+
+
+@needs_mpi
+def test_mpirun_ranks_gather_over_mpi():
+    launcher = _mpirun()
+    assert launcher is not None
+    env = _mpi_env(launcher)
+    res = subprocess.run([*launcher, *_exports(env), "-n", "2", sys.executable, str(WORKER),
+                          "--gather", "--engine", "mpi", "--mib", "64"],
+                         env=env, capture_output=True, text=True, timeout=90)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    _check_gather_output(res.stdout, 2)
+
+
+@needs_mpi
+def test_mpirun_ranks_publish_and_stop_on_ctrl_c(tmp_path):
+    from cudalab.cluster import watch
+
+    launcher = _mpirun()
+    assert launcher is not None
+    env = _mpi_env(launcher, CUDALAB_CLUSTER=str(tmp_path))
+    job = subprocess.Popen([*launcher, *_exports(env), "-n", "2", sys.executable, str(WORKER),
+                            "--hold", "--mib", "32"], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    w = watch(tmp_path)
+    try:
+        # (a rank publishes an empty heartbeat until it has allocated)
+        assert wait_for(lambda: [len(v) for v in w.samples().values()] == [1, 1], 30), (
+            w, job.poll())
+        samples = w.samples()
+        assert sorted(samples) == [0, 1]
+        for rank, per_device in samples.items():
+            s = per_device[0]
+            assert s.identity.rank == rank and "simulated" not in (s.identity.device_name or "")
+            assert s.allocated >= (rank + 1) * 32 << 20
+            assert s.nvml_error == "" and s.nvml_used is not None  # NVML on the real GPU
+        assert w.job is not None and w.job.startswith("mpi:")
+        got = w.fetch(("snapshot", "stats"))
+        assert sorted(got) == [0, 1], w.fetch_errors
+        assert all(r.stats[0]["allocated_bytes.all.peak"] == samples[k][0].peak_allocated
+                   for k, r in got.items())
+        time.sleep(0.2)
+        os.killpg(job.pid, signal.SIGINT)  # a terminal's Ctrl-C: mpirun sends its ranks SIGTERM
+        out, err = job.communicate(timeout=30)
+        assert "Traceback" not in err, err
+        assert list(tmp_path.glob("*.json")) == [], "a rank left its connection file"
+        assert wait_for(lambda: w.lost() == [0, 1], 3)
+    finally:
+        w.close()
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_torchrun_ranks_gather_over_torch_distributed():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), NCCL_NVLS_ENABLE="0")
+    env.pop("CUDALAB_SIMULATOR", None)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(WORKER), "--gather", "--engine", "torch",
+                          "--backend", "gloo", "--mib", "64"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    _check_gather_output(res.stdout, 2)
