@@ -145,6 +145,10 @@ def main() -> None:
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--no-diff", action="store_true")
     p.add_argument("--dir", default=None, help="where the trace files go (default: a temp dir)")
+    p.add_argument("--trace", default=None,
+                   help="a trace of --entries entries written already (write_synthetic_pickle)")
+    p.add_argument("--diff-files", nargs=2, default=None,
+                   help="two trace files written already, for the diff")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -160,11 +164,14 @@ def main() -> None:
                   f"({os.cpu_count()} CPUs; C reader: {scanner_available()})")
     results: dict = {"entries": n}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        path = os.path.join(tmp, "trace.pickle")
+        path = args.trace or os.path.join(tmp, "trace.pickle")
         t = time.perf_counter()
-        size = write_synthetic_pickle(path, n, seed=0)
-        table.add("write the synthetic trace (setup)", time.perf_counter() - t, "s",
-                  f"{size / 1e6:.0f} MB, {size / n:.0f} B/entry")
+        if args.trace:
+            size = os.path.getsize(path)
+        else:
+            size = write_synthetic_pickle(path, n, seed=0)
+            table.add("write the synthetic trace (setup)", time.perf_counter() - t, "s",
+                      f"{size / 1e6:.0f} MB, {size / n:.0f} B/entry")
         results["file_bytes"] = size
         got = _run_child("open", path)
         results["open"] = got
@@ -207,10 +214,14 @@ def main() -> None:
                               f"RSS {got['rss'] / 1e6:.0f} MB ({got['rss'] / size:.1f}x)")
         if not args.no_diff:
             half = max(1000, n // 2)
-            pa, pb = os.path.join(tmp, "a.pickle"), os.path.join(tmp, "b.pickle")
-            os.remove(path)
-            write_synthetic_pickle(pa, half, seed=1)
-            write_synthetic_pickle(pb, half, seed=2)
+            if args.diff_files:
+                pa, pb = args.diff_files
+            else:
+                pa, pb = os.path.join(tmp, "a.pickle"), os.path.join(tmp, "b.pickle")
+                if not args.trace:
+                    os.remove(path)
+                write_synthetic_pickle(pa, half, seed=1)
+                write_synthetic_pickle(pb, half, seed=2)
             got = _run_child("diff", pa, pb)
             results["diff"] = got
             if "error" in got:

@@ -15,10 +15,11 @@ import os
 import sys
 import sysconfig
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from cudalab._units import format_bytes
+from cudalab.memory_tools.user_frames import is_tool_frame
 
 __all__ = [
     "Access",
@@ -135,6 +136,9 @@ class Access:
     #: The user's frames, innermost first: raw frames in the tracker's records, frame dicts
     #: (``{"filename", "line", "name"}``) in a :class:`Report`.
     stack: Any = ()
+    #: In a :class:`Report`, the frames beyond the user's (IPython's, ipykernel's, the
+    #: libraries'), innermost first: folded in the HTML, one click away; empty in records.
+    folded: Any = ()
 
     def describe(self) -> str:
         verb = "reading from" if self.type == READ else "writing to"
@@ -155,6 +159,8 @@ class Report:
     previous: Access
     fix: str
     simulated: bool = False  # found on the simulator (the text says so)
+    #: The allocation's frames beyond the user's (folded in the HTML), innermost first.
+    allocation_folded: list[Mapping[str, Any]] = field(default_factory=list)
 
     @property
     def title(self) -> str:
@@ -206,24 +212,39 @@ class StreamRaceWarning(RuntimeWarning):
     """Warned (in ``on_race="warn"`` mode) with the text of one report."""
 
 
-def _stack_html(frames: Sequence[Mapping[str, Any]] | None) -> str:
-    if not frames:
-        return "<i>not seen</i>"
+def _frame_rows(frames: Sequence[Mapping[str, Any]]) -> list[str]:
     rows = []
-    for frame in frames[:4]:  # as format_stack: a notebook cell is "Cell In[n]", with the line
+    for frame in frames:  # as format_stack: a notebook cell is "Cell In[n]", with the line
         row = (f"{html.escape(_where(frame['filename']))}, line {frame['line']}, in "
                f"<code>{html.escape(frame['name'])}</code>")
         source = linecache.getline(frame["filename"], frame["line"]).strip()
         if source:
             row += f"<br>&nbsp;&nbsp;<code>{html.escape(source)}</code>"
         rows.append(row)
-    return "<br>".join(rows)
+    return rows
+
+
+def _stack_html(frames: Sequence[Mapping[str, Any]] | None,
+                folded: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The user's frames (four at most), then the rest (IPython's, ipykernel's, the
+    libraries') folded in a ``<details>``: one click away."""
+    if not frames:
+        return "<i>not seen</i>"
+    text = "<br>".join(_frame_rows(frames[:4]))
+    rest = [*frames[4:], *folded]
+    if rest:
+        tool = sum(1 for f in rest if is_tool_frame(f))
+        what = f", {tool} of IPython/ipykernel" if tool else ""
+        text += (f"<details class='cudalab-folded'><summary>{len(rest)} more frame"
+                 f"{'s' if len(rest) != 1 else ''} (folded{what})</summary>"
+                 + "<br>".join(_frame_rows(rest[:40])) + "</details>")
+    return text
 
 
 def _access_html(access: Access) -> str:
     verb = "reads" if access.type == READ else "writes"
     return (f"<b>{html.escape(stream_name(access.stream))}</b> {verb}<br>"
-            f"{html.escape(access.operation)}<br>{_stack_html(access.stack)}")
+            f"{html.escape(access.operation)}<br>{_stack_html(access.stack, access.folded)}")
 
 
 def html_table(reports: list[Report], accesses: int) -> str:
@@ -252,7 +273,7 @@ def html_table(reports: list[Report], accesses: int) -> str:
         rows.append(
             f"<tr style='vertical-align:top'><td>{i}</td><td>{html.escape(r.title)}</td>"
             f"<td><code>{r.allocation_ptr:#x}</code> ({size})<br>"
-            f"{_stack_html(r.allocation_stack)}</td>"
+            f"{_stack_html(r.allocation_stack, r.allocation_folded)}</td>"
             f"<td>{_access_html(r.current)}</td><td>{_access_html(r.previous)}</td>"
             f"<td>{html.escape(r.fix)}</td></tr>")
     return (f"<p><b>{len(reports)} finding{'s' if len(reports) != 1 else ''}</b> "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import warnings
 from bisect import bisect_right, insort
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cudalab.memory_tools.stacks import capture_stack, frames_to_dicts
@@ -300,11 +300,13 @@ class Tracker:
         from cudalab import _internal  # (CUDA is initialised: an access was queued)
 
         cache: dict = {}
+        alloc_frames: list[Mapping[str, Any]] | None = (
+            None if alloc.stack is None else list(frames_to_dicts(alloc.stack, cache)))
+        alloc_user = None if alloc_frames is None else user_frames(alloc_frames)
         return Report(kind, alloc.ptr, alloc.size if alloc.stream is not None else 0,
-                      None if alloc.stack is None
-                      else user_frames(frames_to_dicts(alloc.stack, cache)),
-                      _with_frames(current, cache), _with_frames(previous, cache), fix,
-                      _internal.backend().simulated)
+                      alloc_user, _with_frames(current, cache), _with_frames(previous, cache),
+                      fix, _internal.backend().simulated,
+                      allocation_folded=(alloc_frames or [])[len(alloc_user or []):])
 
     def _warn(self, found: list[Report]) -> None:
         for report in found:
@@ -334,6 +336,9 @@ class Tracker:
 
 
 def _with_frames(access: Access, cache: dict) -> Access:
-    """A copy of ``access`` whose stack is frame dicts (the record keeps raw frames)."""
+    """A copy of ``access`` whose stack is frame dicts (the record keeps raw frames): the
+    user's, and the rest folded."""
+    frames = frames_to_dicts(access.stack, cache)
+    user = user_frames(frames)
     return Access(access.type, access.seq, access.stream, access.operation, access.start,
-                  access.end, user_frames(frames_to_dicts(access.stack, cache)))
+                  access.end, user, frames[len(user):])

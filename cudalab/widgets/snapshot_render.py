@@ -12,6 +12,7 @@ import numpy as np
 from cudalab._internal import format_bytes
 from cudalab.memory_tools.plot import STATE_COLORS, STATE_LABELS, segment_pool
 from cudalab.memory_tools.trace_columns import stream_label
+from cudalab.memory_tools.user_frames import first_user_frame
 
 #: ``render_segment_map`` for everyone; the rest for :mod:`cudalab.widgets.snapshot_viewer`,
 #: which draws its timeline and frames with them.
@@ -168,8 +169,8 @@ def render_segment_map(segments: list[dict], width: int = 640, max_rows: int = 8
 def _block_tip(b: dict, seg: dict) -> str:
     if b.get("gap"):
         return f"free gap 0x{b['address']:x}: {format_bytes(b['size'])}"
-    fr = b.get("frames") or []
-    top = f"; {frame_text(fr[0])}" if fr else ""
+    user = first_user_frame(b.get("frames") or [])
+    top = f"; {frame_text(user)}" if user else ""
     return (f"block 0x{b['address']:x}: {format_bytes(b['size'])} ({b.get('requested_size', 0):,} B "
             f"requested), {STATE_LABELS.get(b.get('state', ''), b.get('state'))}, "
             f"{stream_label(b.get('stream', seg.get('stream', 0)))}{top}")

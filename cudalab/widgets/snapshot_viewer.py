@@ -53,6 +53,7 @@ from cudalab.memory_tools.plot import (
     segment_pool,
 )
 from cudalab.memory_tools.trace_columns import stream_label
+from cudalab.memory_tools.user_frames import fold_frames, is_tool_frame
 from cudalab.widgets.snapshot_history import SnapshotHistory
 from cudalab.widgets.snapshot_render import (
     LABEL_WIDTH,
@@ -66,6 +67,15 @@ __all__ = ["SnapshotViewer", "demo_snapshot"]
 
 _SMALL_SEGMENT = 2 << 20
 _ALL = "all"  # the filters' "no filter" value (a Dropdown shows None as an empty box)
+
+
+def _folded_html(frames: list[dict], folded: int) -> str:
+    """The notebook machinery's frames of a stack, in a ``<details>`` (one click away)."""
+    hidden = "".join(f"<div>{html.escape(frame_text(x))}</div>" for x in frames
+                     if is_tool_frame(x))
+    return (f"<details class='cudalab-folded' style='display:inline'><summary>{folded} "
+            f"IPython/ipykernel frame{'s' if folded != 1 else ''} folded</summary>{hidden}"
+            "</details>")
 
 
 # --------------------------------------------------------------------------- the widget
@@ -231,8 +241,10 @@ class SnapshotViewer(W.VBox):
             txt = "before the first entry"
         else:
             e = h.entries[i - 1]
-            fr = e.get("frames") or []
-            stack = "".join(f"<br>&nbsp;&nbsp;{html.escape(frame_text(x))}" for x in fr[:8])
+            shown, folded = fold_frames(e.get("frames") or [])
+            stack = "".join(f"<br>&nbsp;&nbsp;{html.escape(frame_text(x))}" for x in shown[:8])
+            if folded:
+                stack += _folded_html(e.get("frames") or [], folded)
             extra = (f", device free {format_bytes(e['device_free'])}" if "device_free" in e else "")
             t_rel = (int(h.time_us[i - 1]) - int(h.time_us[0])) / 1e6
             txt = (f"entry {i - 1}: <b>{html.escape(str(e.get('action')))}</b> cuda:{int(h.dev[i - 1])} "
@@ -316,8 +328,11 @@ class SnapshotViewer(W.VBox):
 
     def _block_detail(self, b: dict, seg: dict) -> str:
         fr = b.get("frames") or []
-        stack = "".join(f"<li>{html.escape(frame_text(x))}</li>" for x in fr) or "<li>(no frames: "\
+        shown, folded = fold_frames(fr)
+        stack = "".join(f"<li>{html.escape(frame_text(x))}</li>" for x in shown) or "<li>(no frames: "\
             "record history with a context to capture stacks)</li>"
+        if folded:
+            stack += f"<li style='list-style:none'>{_folded_html(fr, folded)}</li>"
         return (f'<div class="cudalab-snap-detail" style="font-size:12px">'
                 f'<b>block 0x{b["address"]:x}</b> &middot; {STATE_LABELS.get(b.get("state", ""), b.get("state"))}'
                 f' &middot; size {b["size"]:,} B ({format_bytes(b["size"])}) &middot; requested '
