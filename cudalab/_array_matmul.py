@@ -37,7 +37,7 @@ import os
 import re
 import threading
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -69,11 +69,42 @@ from cudalab.matmul_precision import SETTINGS
 
 __all__ = ["MatmulMixin", "clear_workspaces", "matmul", "workspace_size"]
 
-_BFLOAT16_NAME = "bfloat16"
-#: dtype name -> cudaDataType_t.
-_DATA_TYPES = {"float16": CUDA_R_16F, _BFLOAT16_NAME: CUDA_R_16BF, "float32": CUDA_R_32F,
-               "float64": CUDA_R_64F, "complex64": CUDA_C_32F, "complex128": CUDA_C_64F}
+#: The kinds of GEMM the settings treat alike (``_Plan.kind``).
+_SINGLE, _HALF, _BFLOAT16, _DOUBLE = 0, 1, 2, 3
+#: dtype -> (cudaDataType_t, kind); bfloat16 joins when first seen (ml_dtypes is optional).
+_DATA_TYPES: dict[np.dtype, tuple[int, int]] = {
+    np.dtype(np.float16): (CUDA_R_16F, _HALF), np.dtype(np.float32): (CUDA_R_32F, _SINGLE),
+    np.dtype(np.float64): (CUDA_R_64F, _DOUBLE), np.dtype(np.complex64): (CUDA_C_32F, _SINGLE),
+    np.dtype(np.complex128): (CUDA_C_64F, _DOUBLE)}
 _BYTE = np.dtype(np.uint8)
+#: The most plans kept (the cache is emptied when full: a few shapes recur in real code).
+_MAX_PLANS = 1024
+
+
+class _Plan(NamedTuple):
+    """One cached GEMM: the result and the cuBLAS call for operands of one shape and layout
+    (the key: both operands' dims, strides and dtype). cuBLAS computes C^T = op(B^T) op(A^T)
+    column-major, so its ``A`` is ``other`` and its ``B`` is ``input``."""
+
+    shape: tuple[int, ...]  # the result's shape
+    dtype: np.dtype  # the result's dtype (the operands')
+    data_type: int  # cudaDataType_t of all three matrices
+    kind: int  # _SINGLE, _HALF, _BFLOAT16 or _DOUBLE: which settings apply
+    trans_other: int  # OP_N or OP_T for other (cuBLAS's A)
+    trans_input: int  # OP_N or OP_T for input (cuBLAS's B)
+    m: int  # cuBLAS's m: the result's columns (our n), > 0
+    n: int  # cuBLAS's n: the result's rows in one batch entry (our m, or batch * m folded), > 0
+    k: int  # the shared dimension, > 0
+    ld_other: int  # leading dimension of other's matrices (elements)
+    stride_other: int  # elements between other's batch entries (0: broadcast)
+    ld_input: int  # leading dimension of input's matrices (elements)
+    stride_input: int  # elements between input's batch entries (0: broadcast)
+    batch: int  # GEMMs in the call, > 0 (1: cublasGemmEx)
+
+
+#: (input dims, strides, dtype, other dims, strides, dtype) -> its plan; only operands read in
+#: place (no copy) and products that are not empty have one.
+_plans: dict[tuple[Any, ...], _Plan] = {}
 
 #: (handle, stream int) -> the workspace array (kept alive here). Guarded by ``_lock``.
 _workspaces: dict[tuple[int, int], Any] = {}
@@ -116,32 +147,38 @@ def clear_workspaces() -> None:
     del dropped  # freed here, outside the lock
 
 
+class _Workspace(NamedTuple):
+    """One (handle, stream)'s workspace."""
+
+    array: Any  # the uint8 DeviceArray holding it; None for 0 bytes
+    span: tuple[int, int]  # (address, bytes), what cublasSetWorkspace is given; (0, 0) for none
+
+
 def _workspace(bound: Any, device: int, stream: Any) -> tuple[int, int]:
     key = (bound.handle, stream.cuda_stream)
-    array = _workspaces.get(key)
-    if array is None:
-        size = _sizes.get(device)
-        if size is None:
-            size = _sizes[device] = workspace_size(device)
-        array = _array_state.output((size,), _BYTE, device, stream) if size else None
-        with _lock:
-            _workspaces[key] = array
-    return (0, 0) if array is None else (array.ptr, array.byte_count)
+    size = _sizes.get(device)
+    if size is None:
+        size = _sizes[device] = workspace_size(device)
+    array = _array_state.output((size,), _BYTE, device, stream) if size else None
+    workspace = _Workspace(array, (0, 0) if array is None else (array.ptr, size))
+    with _lock:
+        _workspaces[key] = workspace
+    return workspace.span
 
 
-def _math(dtype_name: str) -> tuple[int, int, int]:
-    """(compute type, math mode, algorithm) for ``dtype_name`` under the current settings."""
+def _math(kind: int) -> tuple[int, int, int]:
+    """(compute type, math mode, algorithm) for a GEMM of ``kind`` under the settings now."""
     settings = SETTINGS
-    if dtype_name in ("float32", "complex64"):
+    if kind == _SINGLE:
         if settings.tf32:
             return COMPUTE_32F_FAST_TF32, MATH_TF32_TENSOR_OP, GEMM_DEFAULT
         return COMPUTE_32F, MATH_DEFAULT, GEMM_DEFAULT
-    if dtype_name == "float16":
+    if kind == _HALF:
         mode = MATH_DEFAULT if settings.allow_fp16_reduced_precision_reduction else \
             MATH_DISALLOW_REDUCED_PRECISION_REDUCTION
         compute = COMPUTE_16F if settings.allow_fp16_accumulation else COMPUTE_32F
         return compute, mode, GEMM_DEFAULT_TENSOR_OP
-    if dtype_name == _BFLOAT16_NAME:
+    if kind == _BFLOAT16:
         mode = MATH_DEFAULT if settings.allow_bf16_reduced_precision_reduction else \
             MATH_DISALLOW_REDUCED_PRECISION_REDUCTION
         return COMPUTE_32F, mode, GEMM_DEFAULT_TENSOR_OP
@@ -202,8 +239,29 @@ def matmul(input: Any, other: Any, *, out: Any = None) -> Any:
     cudalab.CublasError
         cuBLAS cannot be loaded or the call failed.
     """
-    _check_operand(input, "input")
-    _check_operand(other, "other")
+    if not isinstance(input, MatmulMixin) or not isinstance(other, MatmulMixin):
+        _check_operand(input, "input")
+        _check_operand(other, "other")
+    plan = _plans.get((input.dims, input.strides_or_none, input.element_dtype, other.dims,
+                       other.strides_or_none, other.element_dtype))
+    device = input.device_index
+    if plan is None or out is not None or other.device_index != device:
+        return _matmul(input, other, out)
+    stream = _streams.current_stream(device)
+    result = _array_state.output(plan.shape, plan.dtype, device, stream)
+    _launch(plan, input.ptr, other.ptr, result.ptr, device, stream)
+    return result
+
+
+def _dtype_entry(dtype: np.dtype) -> tuple[int, int] | None:
+    entry = _DATA_TYPES.get(dtype)
+    if entry is None and dtype.name == "bfloat16":
+        entry = _DATA_TYPES[dtype] = (CUDA_R_16BF, _BFLOAT16)
+    return entry
+
+
+def _matmul(input: Any, other: Any, out: Any) -> Any:
+    """:func:`matmul` with every check, making (and caching) the plan."""
     a_dims, b_dims = input.dims, other.dims
     a_nd, b_nd = len(a_dims), len(b_dims)
     if a_nd == 0 or b_nd == 0:
@@ -216,11 +274,11 @@ def matmul(input: Any, other: Any, *, out: Any = None) -> Any:
     if other.element_dtype != dtype:
         raise TypeError(f"matmul: input and other must have the same dtype, got {dtype} "
                         f"(input) and {other.element_dtype} (other)")
-    dtype_name = dtype.name
-    data_type = _DATA_TYPES.get(dtype_name)
-    if data_type is None:
+    entry = _dtype_entry(dtype)
+    if entry is None:
         raise TypeError(f"matmul: dtype {dtype} of input and other is not supported "
                         f"(float16, bfloat16, float32, float64, complex64, complex128)")
+    data_type, kind = entry
     device = input.device_index
     if other.device_index != device:
         raise ValueError(f"matmul: expected all arrays on the same device, but input is on "
@@ -267,46 +325,59 @@ def matmul(input: Any, other: Any, *, out: Any = None) -> Any:
         return result
     if k == 0:
         return result.fill_(0)
+    cacheable = True
     layout_a = _layout(a, m, k)
     if layout_a is None:
-        a = a.astype(dtype)
+        a, cacheable = a.astype(dtype), False
         layout_a = _layout(a, m, k)
     layout_b = _layout(b, k, n)
     if layout_b is None:
-        b = b.astype(dtype)
+        b, cacheable = b.astype(dtype), False
         layout_b = _layout(b, k, n)
     assert layout_a is not None and layout_b is not None  # a copy is C-contiguous
     col_a, lda, stride_a = layout_a
     col_b, ldb, stride_b = layout_b
-    if batch_a == 1:
-        stride_a = 0
-    if batch_b == 1:
-        stride_b = 0
-    compute, mode, algo = _math(dtype_name)
+    plan = _Plan(shape, dtype, data_type, kind, OP_T if col_b else OP_N, OP_T if col_a else OP_N,
+                 n, m, k, ldb, 0 if batch_b == 1 else stride_b, lda,
+                 0 if batch_a == 1 else stride_a, batch)
+    if cacheable and (a_nd > 1 or input.contiguous) and (b_nd > 1 or other.contiguous):
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[(input.dims, input.strides_or_none, dtype, other.dims, other.strides_or_none,
+                dtype)] = plan
+    _launch(plan, a.ptr, b.ptr, result.ptr, device, stream)
+    return result
+
+
+def _launch(plan: _Plan, a: int, b: int, c: int, device: int, stream: Any) -> None:
+    """Queue ``plan``'s GEMM of ``input`` at ``a`` and ``other`` at ``b`` into ``c`` on
+    ``stream``, through this thread's handle of ``device``."""
+    compute, mode, algo = _math(plan.kind)
     bound = _blas.bound_handle(device)
     blas, handle = bound.blas, bound.handle
-    if bound.stream != stream.cuda_stream:
+    stream_int = stream.cuda_stream
+    if bound.stream != stream_int:
         blas.set_stream(handle, stream.handle)
-        bound.stream = stream.cuda_stream
-    workspace = _workspaces.get((handle, stream.cuda_stream))
-    span = (0, 0) if workspace is None else (workspace.ptr, workspace.byte_count)
+        bound.stream = stream_int
+    workspace = _workspaces.get((handle, stream_int))
     if workspace is None:
         span = _workspace(bound, device, stream)
+    else:
+        span = workspace.span
     if bound.workspace != span:
         blas.set_workspace(handle, span[0], span[1])
         bound.workspace = span
     if bound.math_mode != mode:
         blas.set_math_mode(handle, mode)
         bound.math_mode = mode
-    # row-major C = A B is column-major C^T = B^T A^T: cuBLAS's A is our b, its B our a
-    blas.gemm(handle, OP_T if col_b else OP_N, OP_T if col_a else OP_N, n, m, k, 1, b.ptr, ldb,
-              stride_b, a.ptr, lda, stride_a, 0, result.ptr, n, m * n, batch, data_type,
-              compute, algo)
+    m, n = plan.m, plan.n
+    blas.gemm(handle, plan.trans_other, plan.trans_input, m, n, plan.k, 1, b, plan.ld_other,
+              plan.stride_other, a, plan.ld_input, plan.stride_input, 0, c, m, m * n,
+              plan.batch, plan.data_type, compute, algo)
     if _observe.launch_on:
-        name = "cublasGemmEx" if batch == 1 else "cublasGemmStridedBatchedEx"
+        name = "cublasGemmEx" if plan.batch == 1 else "cublasGemmStridedBatchedEx"
         for observer in tuple(_observe.launch_subscribers):
             observer(name, device, stream, (1, 1, 1), (1, 1, 1))
-    return result
 
 
 class MatmulMixin:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from cudalab import _array_state, _internal, _observe
 from cudalab import streams as _streams
 from cudalab._array_operators import converting_copy
 from cudalab._driver.fft_seam import C2C, C2R, D2Z, FORWARD, INVERSE, R2C, Z2D, Z2Z
-from cudalab.array import DeviceArray, empty, zeros
+from cudalab.array import DeviceArray, zeros
 from cudalab.fft.plan_cache import plan_cache
 
 __all__ = ["fft", "fft2", "fftn", "ifft", "ifft2", "ifftn", "irfft", "irfftn", "rfft", "rfftn"]
@@ -35,6 +35,7 @@ _NORMS = (None, "backward", "forward", "ortho")
 _COMPLEX_OF: dict[np.dtype, np.dtype] = {np.dtype(np.float32): np.dtype(np.complex64),
                                           np.dtype(np.float64): np.dtype(np.complex128)}
 _REAL_OF: dict[np.dtype, np.dtype] = {c: r for r, c in _COMPLEX_OF.items()}
+_BYTE = np.dtype(np.uint8)
 _EXEC_NAMES = {C2C: "cufftExecC2C", Z2Z: "cufftExecZ2Z", R2C: "cufftExecR2C",
                D2Z: "cufftExecD2Z", C2R: "cufftExecC2R", Z2D: "cufftExecZ2D"}
 
@@ -133,10 +134,19 @@ def _permuted(x: DeviceArray, order: Sequence[int]) -> DeviceArray:
     return view.astype(x.element_dtype)
 
 
-def _execute(x: DeviceArray, signal: tuple[int, ...], fft_type: int, direction: int,
-             out_dtype: np.dtype) -> DeviceArray:
-    """One plan over the last ``len(signal)`` dimensions of the C-contiguous ``x``; the
-    output's last dimensions hold the transform (``signal`` sizes, halved for R2C)."""
+class _Call(NamedTuple):
+    """One planned transform of a C-contiguous array: the plan cache's key and the output."""
+
+    key: tuple[Any, ...]  # the plan cache's key (type, sizes, layouts, batch)
+    shape: tuple[int, ...]  # the output's shape
+    dtype: np.dtype  # the output's dtype
+    fft_type: int  # the cufftType
+    direction: int  # FORWARD or INVERSE (read for C2C / Z2Z)
+    empty: bool  # nothing to transform (an empty batch)
+
+
+def _call(x: DeviceArray, signal: tuple[int, ...], fft_type: int, direction: int,
+          out_dtype: np.dtype) -> _Call:
     rank = len(signal)
     batch_shape = x.dims[:-rank]
     in_embed = x.dims[-rank:]
@@ -144,28 +154,41 @@ def _execute(x: DeviceArray, signal: tuple[int, ...], fft_type: int, direction: 
         out_embed = signal[:-1] + (signal[-1] // 2 + 1,)
     else:
         out_embed = signal
-    out = empty(batch_shape + out_embed, dtype=out_dtype, device=x.device_index)
     batch = math.prod(batch_shape)
-    if batch == 0 or out.element_count == 0:
-        return out
-    device = x.device_index
     key = (fft_type, signal, in_embed, 1, math.prod(in_embed), out_embed, 1,
            math.prod(out_embed), batch)
-    cache = plan_cache(device)
-    plan, uncached = cache.lookup(key)
+    return _Call(key, batch_shape + out_embed, out_dtype, fft_type, direction,
+                 batch == 0 or math.prod(out_embed) == 0)
+
+
+def _run(x: DeviceArray, call: _Call) -> DeviceArray:
+    """Queue ``call`` on ``x`` (C-contiguous, of the shape it was planned for)."""
+    device = x.device_index
+    stream = _streams.current_stream(device)
+    out = _array_state.output(call.shape, call.dtype, device, stream)
+    if call.empty:
+        return out
+    plan, uncached = plan_cache(device).lookup(call.key)
     try:
-        stream = _streams.current_stream(device)
-        work = empty(plan.work_size, dtype=np.uint8, device=device) if plan.work_size else None
+        work = _array_state.output((plan.work_size,), _BYTE, device, stream) \
+            if plan.work_size else None
         _internal.ensure_context(device)
-        plan.fft.execute(plan.plan, stream.handle, 0 if work is None else work.ptr, fft_type,
-                         x.ptr, out.ptr, direction)
+        plan.fft.execute(plan.plan, stream.handle, 0 if work is None else work.ptr,
+                         call.fft_type, x.ptr, out.ptr, call.direction)
         if _observe.launch_on:
             for observer in tuple(_observe.launch_subscribers):
-                observer(_EXEC_NAMES[fft_type], device, stream, (1, 1, 1), (1, 1, 1))
+                observer(_EXEC_NAMES[call.fft_type], device, stream, (1, 1, 1), (1, 1, 1))
     finally:
         if uncached:
             plan.destroy()
     return out
+
+
+def _execute(x: DeviceArray, signal: tuple[int, ...], fft_type: int, direction: int,
+             out_dtype: np.dtype) -> DeviceArray:
+    """One plan over the last ``len(signal)`` dimensions of the C-contiguous ``x``; the
+    output's last dimensions hold the transform (``signal`` sizes, halved for R2C)."""
+    return _run(x, _call(x, signal, fft_type, direction, out_dtype))
 
 
 def _transform(x: DeviceArray, dims: tuple[int, ...], kind: str, forward: bool,
@@ -220,12 +243,62 @@ def _transform(x: DeviceArray, dims: tuple[int, ...], kind: str, forward: bool,
     return _permuted(y, inverse)
 
 
-def _scale(y: DeviceArray, norm: str, forward: bool, size: int) -> DeviceArray:
+def _factor(norm: str, forward: bool, size: int) -> float | None:
+    """The scale torch applies for ``norm`` (None: none)."""
     if norm == "ortho":
-        y *= 1.0 / math.sqrt(size)
-    elif (norm == "forward") == forward and size != 1:
-        y *= 1.0 / size
+        return 1.0 / math.sqrt(size)
+    if (norm == "forward") == forward and size != 1:
+        return 1.0 / size
+    return None
+
+
+def _scale(y: DeviceArray, norm: str, forward: bool, size: int) -> DeviceArray:
+    factor = _factor(norm, forward, size)
+    if factor is not None:
+        y *= factor
     return y
+
+
+#: (function, its size / dim / norm arguments, the input's dims, strides and dtype) -> the
+#: one plan and scale of a call that needs no copy (a contiguous input of the right dtype,
+#: transformed over its last one to three dimensions at their sizes): the plan-cache hit's
+#: short path. Emptied when it holds _MAX_FAST entries.
+_fast: dict[tuple[Any, ...], tuple[_Call, float | None]] = {}
+_MAX_FAST = 1024
+
+
+def _fast_call(head: tuple[Any, ...], x: Any) -> DeviceArray | None:
+    """The transform by the short path, or None when it has no entry for this call."""
+    if type(x) is not DeviceArray:
+        return None
+    try:
+        entry = _fast.get((head, x.dims, x.strides_or_none, x.element_dtype))
+    except TypeError:  # an unhashable argument (a list for s or dim)
+        return None
+    if entry is None:
+        return None
+    y = _run(x, entry[0])
+    if entry[1] is not None:
+        y *= entry[1]
+    return y
+
+
+def _remember(head: tuple[Any, ...] | None, input: Any, x: DeviceArray, dims: tuple[int, ...],
+              signal: tuple[int, ...], fft_type: int, direction: int, out_dtype: np.dtype,
+              factor: float | None) -> None:
+    """Give the short path this call when it needed no copy (``x`` is ``input``)."""
+    ndim = len(x.dims)
+    if head is None or x is not input or not x.contiguous or not 1 <= len(dims) <= 3 \
+            or dims != tuple(range(ndim - len(dims), ndim)):
+        return
+    try:
+        key = (head, x.dims, x.strides_or_none, x.element_dtype)
+        hash(key)
+    except TypeError:
+        return
+    if len(_fast) >= _MAX_FAST:
+        _fast.clear()
+    _fast[key] = (_call(x, signal, fft_type, direction, out_dtype), factor)
 
 
 def _finish(y: DeviceArray, out: Any, name: str) -> DeviceArray:
@@ -238,7 +311,7 @@ def _finish(y: DeviceArray, out: Any, name: str) -> DeviceArray:
 
 
 def _c2c(name: str, input: Any, s: Any, dim: Any, norm: Any, out: Any, forward: bool,
-         default_all: bool) -> DeviceArray:
+         default_all: bool, head: tuple[Any, ...] | None = None) -> DeviceArray:
     x = _input(input, name)
     mode = _norm(norm, name)
     dims, sizes = _dims(x, s, dim, name, default_all)
@@ -247,11 +320,14 @@ def _c2c(name: str, input: Any, s: Any, dim: Any, norm: Any, out: Any, forward: 
     n = tuple(x.dims[d] if v is None else v for d, v in zip(dims, sizes))
     x = _resize(x, dims, n)
     y = _transform(x, dims, "c2c", forward) if dims else x.astype(x.element_dtype)
+    double = x.element_dtype == np.dtype(np.complex128)
+    _remember(head, input, x, dims, n, Z2Z if double else C2C, FORWARD if forward else INVERSE,
+              x.element_dtype, _factor(mode, forward, math.prod(n)))
     return _finish(_scale(y, mode, forward, math.prod(n)), out, name)
 
 
 def _r2c(name: str, input: Any, s: Any, dim: Any, norm: Any, out: Any,
-         default_all: bool) -> DeviceArray:
+         default_all: bool, head: tuple[Any, ...] | None = None) -> DeviceArray:
     x = _input(input, name)
     if x.element_dtype.kind == "c":
         raise TypeError(f"{name} expects a real input array, but got {x.element_dtype}")
@@ -262,6 +338,9 @@ def _r2c(name: str, input: Any, s: Any, dim: Any, norm: Any, out: Any,
     n = tuple(x.dims[d] if v is None else v for d, v in zip(dims, sizes))
     x = _resize(x, dims, n)
     y = _transform(x, dims, "r2c", True)
+    double = x.element_dtype == np.dtype(np.float64)
+    _remember(head, input, x, dims, n, D2Z if double else R2C, FORWARD,
+              _COMPLEX_OF[x.element_dtype], _factor(mode, True, math.prod(n)))
     return _finish(_scale(y, mode, True, math.prod(n)), out, name)
 
 
@@ -317,21 +396,36 @@ def fft(input: Any, n: int | None = None, dim: int = -1, norm: str | None = None
     cudalab.CufftError
         cuFFT cannot be loaded (the message names the ``fft`` extra) or a call failed.
     """
-    return _c2c("fft", input, None if n is None else (n,), (dim,), norm, out, True, False)
+    head = ("fft", n, dim, norm)
+    if out is None:
+        y = _fast_call(head, input)
+        if y is not None:
+            return y
+    return _c2c("fft", input, None if n is None else (n,), (dim,), norm, out, True, False, head)
 
 
 def ifft(input: Any, n: int | None = None, dim: int = -1, norm: str | None = None, *,
          out: Any = None) -> DeviceArray:
     """The 1-D inverse transform (torch.fft.ifft); arguments as :func:`fft` (``"backward"``
     divides by ``n``)."""
-    return _c2c("ifft", input, None if n is None else (n,), (dim,), norm, out, False, False)
+    head = ("ifft", n, dim, norm)
+    if out is None:
+        y = _fast_call(head, input)
+        if y is not None:
+            return y
+    return _c2c("ifft", input, None if n is None else (n,), (dim,), norm, out, False, False, head)
 
 
 def rfft(input: Any, n: int | None = None, dim: int = -1, norm: str | None = None, *,
          out: Any = None) -> DeviceArray:
     """The 1-D transform of real ``input``: the ``n // 2 + 1`` non-negative frequencies
     (torch.fft.rfft); arguments as :func:`fft`; complex input raises TypeError."""
-    return _r2c("rfft", input, None if n is None else (n,), (dim,), norm, out, False)
+    head = ("rfft", n, dim, norm)
+    if out is None:
+        y = _fast_call(head, input)
+        if y is not None:
+            return y
+    return _r2c("rfft", input, None if n is None else (n,), (dim,), norm, out, False, head)
 
 
 def irfft(input: Any, n: int | None = None, dim: int = -1, norm: str | None = None, *,
@@ -344,32 +438,57 @@ def irfft(input: Any, n: int | None = None, dim: int = -1, norm: str | None = No
 def fft2(input: Any, s: Sequence[int] | None = None, dim: Sequence[int] = (-2, -1),
          norm: str | None = None, *, out: Any = None) -> DeviceArray:
     """The 2-D transform over ``dim`` (torch.fft.fft2); ``s`` sizes as ``n`` of :func:`fft`."""
-    return _c2c("fft2", input, s, dim, norm, out, True, False)
+    head = ("fft2", s, dim, norm)
+    if out is None:
+        y = _fast_call(head, input)
+        if y is not None:
+            return y
+    return _c2c("fft2", input, s, dim, norm, out, True, False, head)
 
 
 def ifft2(input: Any, s: Sequence[int] | None = None, dim: Sequence[int] = (-2, -1),
           norm: str | None = None, *, out: Any = None) -> DeviceArray:
     """The 2-D inverse transform (torch.fft.ifft2)."""
-    return _c2c("ifft2", input, s, dim, norm, out, False, False)
+    head = ("ifft2", s, dim, norm)
+    if out is None:
+        y = _fast_call(head, input)
+        if y is not None:
+            return y
+    return _c2c("ifft2", input, s, dim, norm, out, False, False, head)
 
 
 def fftn(input: Any, s: Sequence[int] | None = None, dim: Sequence[int] | None = None,
          norm: str | None = None, *, out: Any = None) -> DeviceArray:
     """The n-D transform (torch.fft.fftn): over ``dim``, or the last ``len(s)`` dimensions,
     or all of them."""
-    return _c2c("fftn", input, s, dim, norm, out, True, True)
+    head = ("fftn", s, dim, norm)
+    if out is None:
+        y = _fast_call(head, input)
+        if y is not None:
+            return y
+    return _c2c("fftn", input, s, dim, norm, out, True, True, head)
 
 
 def ifftn(input: Any, s: Sequence[int] | None = None, dim: Sequence[int] | None = None,
           norm: str | None = None, *, out: Any = None) -> DeviceArray:
     """The n-D inverse transform (torch.fft.ifftn)."""
-    return _c2c("ifftn", input, s, dim, norm, out, False, True)
+    head = ("ifftn", s, dim, norm)
+    if out is None:
+        y = _fast_call(head, input)
+        if y is not None:
+            return y
+    return _c2c("ifftn", input, s, dim, norm, out, False, True, head)
 
 
 def rfftn(input: Any, s: Sequence[int] | None = None, dim: Sequence[int] | None = None,
           norm: str | None = None, *, out: Any = None) -> DeviceArray:
     """The n-D transform of real ``input``, the last of ``dim`` halved (torch.fft.rfftn)."""
-    return _r2c("rfftn", input, s, dim, norm, out, True)
+    head = ("rfftn", s, dim, norm)
+    if out is None:
+        y = _fast_call(head, input)
+        if y is not None:
+            return y
+    return _r2c("rfftn", input, s, dim, norm, out, True, head)
 
 
 def irfftn(input: Any, s: Sequence[int] | None = None, dim: Sequence[int] | None = None,

@@ -272,3 +272,19 @@ def test_gpu_irfftn_matches_torch_and_keeps_its_input():
     torch.cuda.synchronize()
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(spectrum.cpu(), copy)
+
+
+def test_the_short_path_of_repeated_calls_keeps_their_arguments_apart():
+    x = _signal((4, 16), np.complex64)
+    r = _signal((4, 16), np.float32)
+    dx, dr = cudalab.asarray(x), cudalab.asarray(r)
+    for _ in range(2):  # the second round takes the short path
+        _close(cudalab.fft.fft(dx), np.fft.fft(x), np.complex64)
+        _close(cudalab.fft.fft(dx, norm="ortho"), np.fft.fft(x, norm="ortho"), np.complex64)
+        _close(cudalab.fft.ifft(dx), np.fft.ifft(x), np.complex64)
+        _close(cudalab.fft.fft(dx, dim=0), np.fft.fft(x, axis=0), np.complex64)
+        _close(cudalab.fft.fft2(dx, norm="forward"), np.fft.fft2(x, norm="forward"),
+               np.complex64)
+        _close(cudalab.fft.rfft(dr), np.fft.rfft(r), np.float32)
+        _close(cudalab.fft.rfftn(dr), np.fft.rfftn(r), np.float32)
+        _close(cudalab.fft.fft(dr), np.fft.fft(r), np.float32)

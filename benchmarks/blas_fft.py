@@ -1,0 +1,236 @@
+"""Matmul and FFT benchmark: cudalab.matmul / cudalab.fft beside torch in the same run.
+
+Measures, on one GPU (issue 42's numbers):
+
+* matmul TFLOPS of 4096 x 4096 and a batched (32, 1024, 1024) product, float32 with TF32 off
+  and on, float16 and bfloat16 (goal >= 0.95x torch), and whether the results equal torch's
+  (bit-equal for float16 / bfloat16, the same cublasGemmEx call; the largest difference
+  otherwise);
+* the host time of one small (64 x 64) float32 matmul, ``a @ b`` with its output allocated
+  (goal <= torch's);
+* FFT GB/s (bytes read + written over GPU time) of c2c 2**24 complex64, r2c 2**24 float32 and
+  a 2-D c2c 4096 x 4096 complex64 (goal >= 0.95x torch.fft);
+* the host time of an FFT whose plan is in the cache (goal <= torch's), and of one with
+  ``cufft_plan_cache.max_size = 0``, which builds its plan every call (both libraries).
+
+    python benchmarks/blas_fft.py [--json out.json] [--quick]
+
+torch is imported lazily and its columns are skipped without it. On the simulator only the
+host costs mean anything (the GEMMs and FFTs are numpy).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout works uninstalled
+from _harness import Table, environment, interleaved, optional_import, parse_args, write_json  # noqa: E402
+
+
+def _gpu_seconds(run, start, end, reps: int, warmup: int = 2) -> float:
+    """Median GPU seconds of ``run()`` between two timing events (one pair per repetition)."""
+    for _ in range(warmup):
+        run()
+    end.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:  # noqa: C901 - one table, section by section
+    args = parse_args(__doc__.splitlines()[0])
+    import numpy as np
+
+    import cudalab
+    import cudalab._internal
+
+    cudalab.init()
+    backend = cudalab._internal.backend()
+    sim = backend.simulated
+    name = cudalab.get_device_name(0)
+    torch = None if sim else optional_import("torch")
+    if torch is not None and not torch.cuda.is_available():
+        torch = None
+    quick = args.quick or sim
+    reps = 3 if sim else (5 if quick else 20)
+    t = Table(f"cudalab matmul / FFT benchmark — {name} ({backend.name})")
+    results: dict = {"env": environment(backend.name, name), "tflops": {}, "gbps": {},
+                     "us": {}, "equal": {}}
+    ours_timer = (cudalab.Event(enable_timing=True), cudalab.Event(enable_timing=True))
+    torch_timer = None
+    if torch is not None:
+        torch_timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    rng = np.random.default_rng(0)
+    settings = cudalab.backends.cuda.matmul
+
+    # ------------------------------------------------------------------ matmul TFLOPS
+    ml_dtypes = optional_import("ml_dtypes")  # bfloat16 arrays need it
+    shapes = [((4096, 4096), (4096, 4096)), ((32, 1024, 1024), (32, 1024, 1024))]
+    if sim:
+        shapes = [((256, 256), (256, 256)), ((4, 128, 128), (4, 128, 128))]
+    modes = [("float32", False), ("float32", True), ("float16", False)]
+    if ml_dtypes is not None:
+        modes.append(("bfloat16", False))
+    else:
+        t.add("matmul bfloat16", None, "", "skipped: ml_dtypes is not installed")
+    for a_shape, b_shape in shapes:
+        m, k = a_shape[-2:]
+        n = b_shape[-1]
+        batch = a_shape[0] if len(a_shape) == 3 else 1
+        flops = 2.0 * batch * m * n * k
+        label_shape = "x".join(map(str, a_shape))
+        host_a = rng.standard_normal(a_shape).astype(np.float32)
+        host_b = rng.standard_normal(b_shape).astype(np.float32)
+        for dtype_name, tf32 in modes:
+            dtype = ml_dtypes.bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name)
+            a = cudalab.asarray(host_a.astype(dtype))
+            b = cudalab.asarray(host_b.astype(dtype))
+            settings.allow_tf32 = tf32
+            label = f"matmul {label_shape} {dtype_name}{' TF32' if tf32 else ''}"
+            out = cudalab.matmul(a, b)
+            ours = flops / _gpu_seconds(lambda a=a, b=b, out=out: cudalab.matmul(a, b, out=out), *ours_timer,
+                                        reps) / 1e12
+            results["tflops"][f"cudalab {label}"] = ours
+            note = "simulator: numpy, not meaningful" if sim else ""
+            if torch is not None:
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
+                tout = torch.matmul(ta, tb)
+                theirs = flops / _gpu_seconds(lambda ta=ta, tb=tb, tout=tout: torch.matmul(ta, tb, out=tout),
+                                              *torch_timer, reps) / 1e12
+                results["tflops"][f"torch {label}"] = theirs
+                cudalab.matmul(a, b, out=out)
+                torch.matmul(ta, tb, out=tout)
+                torch.cuda.synchronize()
+                mine = torch.from_dlpack(out)
+                same = bool(torch.equal(mine, tout))
+                diff = float((mine.float() - tout.float()).abs().max())
+                scale = float(tout.float().abs().max())
+                results["equal"][label] = {"bit_equal": same, "max_abs_diff": diff,
+                                           "max_abs": scale}
+                note = (f"torch {theirs:.1f} TFLOPS, {ours / theirs:.2f}x (goal >= 0.95x); "
+                        f"{'bit-equal' if same else f'max diff {diff:.3g} of {scale:.3g}'}")
+                del ta, tb, tout, mine
+            t.add(label, ours, "TFLOPS", note)
+            del a, b, out
+    settings.allow_tf32 = False
+    if torch is not None:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    # ------------------------------------------------------------------ matmul host time
+    number = 500 if sim else (2000 if quick else 10000)
+    small_a = cudalab.asarray(rng.standard_normal((64, 64)).astype(np.float32))
+    small_b = cudalab.asarray(rng.standard_normal((64, 64)).astype(np.float32))
+
+    def loop_ours(count, a=small_a, b=small_b):
+        for _ in range(count):
+            a @ b
+
+    loops = {"cudalab a @ b (64x64)": loop_ours}
+    if torch is not None:
+        tsa, tsb = torch.from_dlpack(small_a), torch.from_dlpack(small_b)
+
+        def loop_torch(count, a=tsa, b=tsb):
+            for _ in range(count):
+                a @ b
+
+        loops["torch a @ b (64x64)"] = loop_torch
+    host = interleaved(loops, number=number, rounds=5 if quick else 9)
+    cudalab.synchronize()
+    for label, seconds in host.items():
+        results["us"][label] = seconds * 1e6
+        note = ""
+        if label.startswith("cudalab") and "torch a @ b (64x64)" in host:
+            note = f"{seconds / host['torch a @ b (64x64)']:.2f}x torch (goal <= 1x)"
+        t.add(label, seconds * 1e6, "µs", note)
+
+    # ------------------------------------------------------------------ FFT GB/s
+    size = 1 << (16 if sim else 24)
+    side = 256 if sim else 4096
+    cases = [
+        ("fft c2c complex64", "fft", (size,), np.complex64, {}),
+        ("rfft r2c float32", "rfft", (size,), np.float32, {}),
+        (f"fft2 c2c {side}x{side} complex64", "fft2", (side, side), np.complex64, {}),
+    ]
+    for label, fn, shape, dtype, kwargs in cases:
+        host_x = rng.standard_normal(shape)
+        if np.dtype(dtype).kind == "c":
+            host_x = host_x + 1j * rng.standard_normal(shape)
+        x = cudalab.asarray(host_x.astype(dtype))
+        ours_fn = getattr(cudalab.fft, fn)
+        y = ours_fn(x, **kwargs)
+        moved = x.nbytes + y.nbytes
+        ours = moved / _gpu_seconds(lambda f=ours_fn, x=x, kw=kwargs: f(x, **kw), *ours_timer,
+                                    reps) / 1e9
+        results["gbps"][f"cudalab {label}"] = ours
+        note = "simulator: numpy, not meaningful" if sim else ""
+        if torch is not None:
+            tx = torch.from_dlpack(x)
+            tfn = getattr(torch.fft, fn)
+            theirs = moved / _gpu_seconds(lambda f=tfn, x=tx, kw=kwargs: f(x, **kw), *torch_timer, reps) / 1e9
+            results["gbps"][f"torch {label}"] = theirs
+            ty = tfn(tx, **kwargs)
+            mine = torch.from_dlpack(getattr(cudalab.fft, fn)(x, **kwargs))
+            torch.cuda.synchronize()
+            diff = float((mine - ty).abs().max() / ty.abs().max())
+            results["equal"][label] = {"bit_equal": bool(torch.equal(mine, ty)),
+                                       "max_rel_diff": diff}
+            note = (f"torch.fft {theirs:.0f} GB/s, {ours / theirs:.2f}x (goal >= 0.95x); "
+                    f"{'bit-equal' if torch.equal(mine, ty) else f'max rel diff {diff:.2g}'}")
+            del tx, ty, mine
+        t.add(label, ours, "GB/s", note)
+        del x, y
+
+    # ------------------------------------------------------------------ FFT host time
+    small = cudalab.asarray((rng.standard_normal(256) + 0j).astype(np.complex64))
+    cache = cudalab.backends.cuda.cufft_plan_cache
+
+    def fft_ours(count, x=small, f=cudalab.fft.fft):
+        for _ in range(count):
+            f(x)
+
+    loops = {"cudalab fft(256) plan-cache hit": fft_ours}
+    if torch is not None:
+        tsmall = torch.from_dlpack(small)
+
+        def fft_torch(count, x=tsmall, f=torch.fft.fft):
+            for _ in range(count):
+                f(x)
+
+        loops["torch fft(256) plan-cache hit"] = fft_torch
+    host = interleaved(loops, number=number, rounds=5 if quick else 9)
+    for label, seconds in host.items():
+        results["us"][label] = seconds * 1e6
+        note = ""
+        if label.startswith("cudalab") and "torch fft(256) plan-cache hit" in host:
+            note = f"{seconds / host['torch fft(256) plan-cache hit']:.2f}x torch (goal <= 1x)"
+        t.add(label, seconds * 1e6, "µs", note)
+    cache.max_size = 0
+    if torch is not None:
+        torch.backends.cuda.cufft_plan_cache.max_size = 0
+    loops = {"cudalab fft(256) max_size=0": fft_ours}
+    if torch is not None:
+        loops["torch fft(256) max_size=0"] = fft_torch
+    host = interleaved(loops, number=max(50, number // 20), rounds=3)
+    for label, seconds in host.items():
+        results["us"][label] = seconds * 1e6
+        t.add(label, seconds * 1e6, "µs", f"every call builds a plan (cache size "
+              f"{cache.size if label.startswith('cudalab') else torch.backends.cuda.cufft_plan_cache.size})")
+    cache.max_size = 4096
+    if torch is not None:
+        torch.backends.cuda.cufft_plan_cache.max_size = 4096
+    cudalab.synchronize()
+    print(t.render())
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
