@@ -136,6 +136,7 @@ class TraceViews:
                 self.bounds.append((int(ix.device[a]), a, b))
         # each stack's innermost user frame (the "line" it is attributed to)
         self.stack_line = self._stack_lines()
+        self._pyramid: tuple[Any, ...] | None = None
 
     # ----------------------------------------------------------------------- labels
     def _stack_lines(self) -> NDArray[np.int32]:
@@ -256,11 +257,33 @@ class TraceViews:
         return out
 
     # ----------------------------------------------------------------------- timeline
+    #: Rows per block of the timeline's summary level (:meth:`tile` reads blocks, not rows,
+    #: for windows of more than :data:`PYRAMID_FROM` rows per bin).
+    PYRAMID_BLOCK = 1024
+    PYRAMID_FROM = 4  # blocks per bin at least
+
+    def _blocks(self) -> tuple[Any, ...]:
+        """Per block of :data:`PYRAMID_BLOCK` rows: allocated min and max, reserved max,
+        and whether the cell changes inside (built once)."""
+        if self._pyramid is None:
+            b = self.PYRAMID_BLOCK
+            idx = np.arange(0, self.index.n, b)
+            cell = self.index.cell
+            change = np.zeros(self.index.n, bool)
+            change[1:] = cell[1:] != cell[:-1]
+            self._pyramid = (np.minimum.reduceat(self.allocated, idx),
+                             np.maximum.reduceat(self.allocated, idx),
+                             np.maximum.reduceat(self.reserved, idx),
+                             np.flatnonzero(change))
+        return self._pyramid
+
     def tile(self, start: int, stop: int, bins: int = 1000) -> dict[str, Any]:
         """The timeline of rows ``[start, stop)`` (one device's) in at most ``bins`` bins:
         ``rows`` (each bin's first row), ``alloc_min``/``alloc_max`` and
         ``reserved_max`` (bytes), ``cells`` (``[(row, cell text), ...]`` where the cell
-        changes) and ``time_us`` of each bin's first row."""
+        changes, at most ``bins``) and ``time_us`` of each bin's first row. A window of
+        many rows per bin is summarised from blocks of :data:`PYRAMID_BLOCK` rows (bin edges
+        then fall on block edges), so a tile costs the same at any zoom."""
         start = max(0, start)
         stop = min(self.index.n, stop)
         n = max(0, stop - start)
@@ -268,17 +291,37 @@ class TraceViews:
             return {"rows": [], "alloc_min": [], "alloc_max": [], "reserved_max": [],
                     "time_us": [], "cells": []}
         k = min(bins, n)
-        edges = start + (np.arange(k + 1, dtype=np.int64) * n) // k
-        first = edges[:-1]
-        a = self.allocated[start:stop]
-        r = self.reserved[start:stop]
-        idx = first - start
-        amin = np.minimum.reduceat(a, idx)
-        amax = np.maximum.reduceat(a, idx)
-        rmax = np.maximum.reduceat(r, idx)
-        cell = self.index.cell[start:stop]
-        change = np.flatnonzero(np.diff(cell)) + 1
-        marks = np.concatenate(([0], change))[:bins]
+        cell = self.index.cell
+        if n // self.PYRAMID_BLOCK >= k * self.PYRAMID_FROM:
+            b = self.PYRAMID_BLOCK
+            lo_min, lo_max, r_max, changes = self._blocks()
+            b0, b1 = start // b, -(-stop // b)
+            nb = b1 - b0
+            k = min(k, nb)
+            bedges = b0 + (np.arange(k + 1, dtype=np.int64) * nb) // k
+            bidx = bedges[:-1] - b0
+            amin = np.minimum.reduceat(lo_min[b0:b1], bidx)
+            amax = np.maximum.reduceat(lo_max[b0:b1], bidx)
+            rmax = np.maximum.reduceat(r_max[b0:b1], bidx)
+            first = np.maximum(bedges[:-1] * b, start)
+            lo, hi = np.searchsorted(changes, [start + 1, stop])
+            at = changes[lo:hi]
+            if len(at) > bins:
+                at = at[np.linspace(0, len(at) - 1, bins).astype(np.int64)]
+            marks = np.concatenate(([start], at)) - start
+        else:
+            edges = start + (np.arange(k + 1, dtype=np.int64) * n) // k
+            first = edges[:-1]
+            a = self.allocated[start:stop]
+            r = self.reserved[start:stop]
+            idx = first - start
+            amin = np.minimum.reduceat(a, idx)
+            amax = np.maximum.reduceat(a, idx)
+            rmax = np.maximum.reduceat(r, idx)
+            c = cell[start:stop]
+            change = np.flatnonzero(np.diff(c)) + 1
+            marks = np.concatenate(([0], change))[:bins]
+        cell = cell[start:stop]
         strings = self.index.strings
         cells = [(int(start + i), strings[c] if c >= 0 else None)
                  for i, c in zip(marks.tolist(), cell[marks].tolist())]

@@ -10,6 +10,9 @@ Jupyter extension builds on: see docs/widgets.md).
   details, device / stream / pool filters, an active-memory timeline with a scrubber to see
   the allocator state at any entry, and parquet / memory_viz / Perfetto exports (also
   ``%cuda_memory snapshot``);
+* :class:`SnapshotExplorer` — a trace of any size (1 GB opens in seconds): a tiled timeline
+  with cell markers, the live set at a clicked moment (by source line, stack, stream, pool,
+  cell; the segment map then), search, and the diff of two runs;
 * :func:`close_all` — stop and close every live dashboard (``%unload_ext cudalab`` calls it);
 * :func:`demo_snapshot` — a synthetic snapshot of any size, to try the viewer with.
 
@@ -24,11 +27,13 @@ import importlib
 import sys
 from typing import Any
 
-__all__ = ["MemoryDashboard", "SnapshotViewer", "close_all", "demo_snapshot", "live_dashboards"]
+__all__ = ["MemoryDashboard", "SnapshotExplorer", "SnapshotViewer", "close_all", "demo_snapshot",
+           "live_dashboards"]
 
 _LAZY = {
     "MemoryDashboard": "cudalab.widgets.dashboard",
     "SnapshotViewer": "cudalab.widgets.snapshot_viewer",
+    "SnapshotExplorer": "cudalab.widgets.explorer",
     "demo_snapshot": "cudalab.widgets.snapshot_viewer",
 }
 

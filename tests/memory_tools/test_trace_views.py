@@ -110,6 +110,19 @@ def test_tiles_keep_every_peak_in_a_bounded_number_of_bins(views):
     assert small["rows"] == list(range(a, a + 10))
 
 
+def test_coarse_tiles_come_from_the_block_summary_and_keep_the_peaks(snap, monkeypatch):
+    views = TraceViews(index_snapshot(snap))
+    monkeypatch.setattr(views, "PYRAMID_BLOCK", 16)
+    d, a, b = views.device_range(0)
+    tile = views.tile(a, b, bins=50)  # 6000 rows: 375 blocks, 7 per bin
+    assert len(tile["rows"]) == 50 and tile["rows"][0] == a
+    assert max(tile["alloc_max"]) == int(views.allocated[a:b].max())
+    assert max(tile["reserved_max"]) == int(views.reserved[a:b].max())
+    fine = views.tile(a, a + 500, bins=50)  # few rows per bin: the rows themselves
+    assert fine["rows"][:3] == [a, a + 10, a + 20]
+    assert {r for r, _ in tile["cells"]} <= set(range(a, b))
+
+
 def test_search_by_text_address_and_size(snap, views):
     entries = [e for t in snap["device_traces"] for e in t]
     found = views.search("OPTIM.py")
