@@ -259,6 +259,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                                     progress=progress)
                 results = [r for r in table.attrs["results"] if r is not None]
             else:
+                _check_trace_source(args.trace, args.source)
                 table = wi.what_if(args.trace, args.conf or None, device_memory=memory,
                                    device=args.device, progress=progress)
                 results = table.attrs["results"]
@@ -295,6 +296,22 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"plot saved to {args.plot}")
     return 0
+
+
+def _check_trace_source(path: str, source: str) -> None:
+    """ValueError unless the trace file ``path`` is ``source``'s (``auto``: any). A snapshot
+    names its allocator in its ``identity`` (cudalab writes one; torch's own dumps have none
+    and count as torch's); a history CSV names none and is accepted."""
+    if source == "auto" or path.lower().endswith(".csv"):
+        return
+    from cudalab.memory_tools.trace_io import load_snapshot
+
+    snap = load_snapshot(path)
+    identity = snap.get("identity") if isinstance(snap, dict) else None
+    allocator = identity.get("allocator") if isinstance(identity, dict) else "torch"
+    if allocator != source:
+        raise ValueError(f"{path} is {allocator}'s trace (its identity says so), not "
+                         f"{source}'s (--source {source}); use --source auto to replay it")
 
 
 def _search_json(table: Any) -> dict[str, Any]:
@@ -374,6 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 "serial)")
             p.add_argument("--top", type=int, default=10, metavar="N",
                            help="with --search: rows shown per capacity (default 10)")
+            p.add_argument("--source", choices=("cudalab", "torch", "auto"), default="auto",
+                           help="the allocator whose trace TRACE must be: cudalab (a snapshot "
+                                "whose identity names cudalab) or torch (torch's _dump_snapshot "
+                                "or '%%cuda_memory history save X.pickle --source torch'); "
+                                "auto (default) replays any")
             p.add_argument("--target", type=float, default=None, metavar="RATIO",
                            help="a goal for peak reserved / peak allocated (e.g. 1.10): say "
                                 "which settings reach it, or which comes closest")

@@ -241,7 +241,8 @@ class CudaLabMagics(Magics):
                                             alloc, all (default) or none; S: python, all
                                             (default) or none
           %cuda_memory history stop         stop recording (what was recorded stays readable)
-          %cuda_memory history save PATH    .csv, .json (Perfetto) or a memory_viz pickle
+          %cuda_memory history save PATH    .csv, .parquet, .json (Perfetto) or a memory_viz
+                                            pickle
           %cuda_memory history frame        the recorded history as a DataFrame
           %cuda_memory snapshot             the snapshot viewer of the live allocator
           %cuda_memory snapshot dict        the snapshot dict (torch's _snapshot() schema)
@@ -249,9 +250,12 @@ class CudaLabMagics(Magics):
           %cuda_memory snapshot view [PATH] the snapshot viewer widget (live, or of a pickle)
           %cuda_memory dashboard [-d DEV]   the live dashboard (cudalab.widgets.MemoryDashboard)
 
-        SRC (--source) is the allocator a view reads: cudalab, torch, cupy, process (the
-        process's memory no allocator accounts for, from NVML) or auto (the default: every
-        allocator present in the process, each labelled); torch and CuPy are read only when
+        watch, history, snapshot and dashboard take --source SRC, the allocator the view
+        reads: cudalab, torch, cupy, process (the process's memory no allocator accounts
+        for, from NVML) or auto (the default: every allocator present in the process, each
+        labelled; for a snapshot or trace, torch's when the process runs torch and cudalab
+        holds nothing). history records only the allocator named (default cudalab; --source
+        torch drives torch's _record_memory_history). torch and CuPy are read only when
         imported. BYTES accepts units: 1048576, 1MiB, 64 KiB, 1.5GB. Python variables expand as in
         other line magics: %cuda_memory snapshot {path}. A ``#`` that starts a word (outside
         quotes) starts a comment: %cuda_memory snapshot  # the viewer.

@@ -85,6 +85,7 @@ class MemoryState:
         self.library_watch: Any = None  # LibraryWatches: torch's and CuPy's lines
         self.watch_source: str | None = None  # the --source of the watch that is on
         self.history: Any = None  # HistoryRecording started by the magic
+        self.torch_history: Any = None  # TorchHistory: torch's recording, driven by the magic
 
     def watch_on(self, device: int | None, threshold: int, source: str = "auto") -> str:
         """Turn the watch on for ``source``: ``cudalab`` (cudalab's line), ``torch`` or
@@ -186,12 +187,34 @@ def _settings_text(s: dict | None) -> str:
             f"max_entries={cap}{skip}")
 
 
+def _history_source(args: MemoryArgs) -> str:
+    """The allocator ``history`` acts on: ``--source`` (default ``cudalab``: a recording costs
+    the recorded allocator time, so only the one named is started; ``auto`` is torch when the
+    process runs torch and cudalab's allocator holds nothing)."""
+    from cudalab.memory_tools.libraries import auto_snapshot_source
+
+    name = args.source or "cudalab"
+    if name == "auto":
+        name = auto_snapshot_source()
+    if name in ("cupy", "process"):
+        what = "CuPy's pool" if name == "cupy" else "the process's remainder"
+        raise UsageError(f"%cuda_memory history --source {name}: {what} keeps no trace; use "
+                         "--source cudalab or torch")
+    return name
+
+
 def _history(magics: Any, args: MemoryArgs) -> Any:
     import cudalab.memory as cm
     from cudalab.memory_tools import history as hist
 
     st = _state(magics)
     sub = args.words[0].lower() if args.words else "status"
+    if _history_source(args) == "torch":
+        if st.torch_history is None:
+            from cudalab.magics.memory_torch_history import TorchHistory
+
+            st.torch_history = TorchHistory()
+        return st.torch_history.run(sub, args)
     if sub == "start":
         if st.history is not None and hist.is_recording():
             print(f"cudalab history: already recording ({_settings_text(hist.history_settings())})")
@@ -224,22 +247,24 @@ def _history(magics: Any, args: MemoryArgs) -> Any:
         return None
     if sub == "save":
         path = _path_word(args, 1, "%cuda_memory history save PATH (.pickle for memory_viz, "
-                                   ".csv, .json for Perfetto)")
+                                   ".csv, .parquet, .json for Perfetto)")
         low = path.lower()
         n = _history_entries()
         try:
-            if low.endswith(".csv"):
+            if low.endswith(".csv") or low.endswith(".parquet"):
                 from cudalab.memory_tools.export import save_frame
 
-                save_frame(cm.history_frame(), path, "csv")  # atomically
-                kind = "CSV (cudalab.memory.read_history_csv reads it back)"
+                fmt = "csv" if low.endswith(".csv") else "parquet"
+                save_frame(cm.history_frame(), path, fmt)  # atomically
+                kind = ("CSV (cudalab.memory.read_history_csv reads it back)" if fmt == "csv"
+                        else "parquet (pandas.read_parquet reads it back)")
             elif low.endswith(".json") or low.endswith(".json.gz"):
                 cm.export_perfetto(path)
                 kind = "Perfetto/Chrome trace JSON (open in ui.perfetto.dev)"
             else:
                 cm.export_memory_viz(path)
                 kind = "torch snapshot pickle (open at https://pytorch.org/memory_viz)"
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError, ImportError) as exc:
             raise _cannot("%cuda_memory history save", "write", path, exc) from None
         print(f"cudalab history: wrote {n} entries to {path}: {kind}")
         return None
@@ -262,7 +287,9 @@ class SnapshotDict(dict):
         blocks = sum(len(s.get("blocks", [])) for s in segs)
         total = sum(s.get("total_size", 0) for s in segs)
         traces = sum(len(t) for t in self.get("device_traces", []))
-        return (f"cudalab memory snapshot: {len(segs)} segments, {blocks} blocks, "
+        identity = self.get("identity")
+        who = identity.get("allocator", "cudalab") if isinstance(identity, dict) else "cudalab"
+        return (f"{who} memory snapshot: {len(segs)} segments, {blocks} blocks, "
                 f"{format_bytes(total)} reserved, {traces} trace entries")
 
     def __repr__(self) -> str:
@@ -288,35 +315,52 @@ def _widget_class(name: str, what: str) -> Any:
         raise UsageError(f"{what}: the widget cannot be loaded ({exc})") from None
 
 
-def _snapshot(args: MemoryArgs) -> Any:
-    import cudalab.memory as cm
+def _source_snapshot(args: MemoryArgs, what: str) -> dict:
+    """The live snapshot of ``--source`` (default ``auto``: torch's when the process runs
+    torch and cudalab's allocator holds nothing, else cudalab's); a UsageError saying why a
+    source cannot give one."""
+    from cudalab.memory_tools.libraries import SourceUnavailableError, source_snapshot
     from cudalab.memory_tools.snapshot import take_snapshot
 
+    name = args.source or "auto"
+    try:
+        snap = source_snapshot(name)
+    except SourceUnavailableError as exc:
+        raise UsageError(f"{what} --source {name}: {exc.reason}") from None
+    return take_snapshot() if snap is None else snap
+
+
+def _snapshot(args: MemoryArgs) -> Any:
     if args.words and args.words[0].lower() == "dict":
-        return SnapshotDict(take_snapshot())
+        return SnapshotDict(_source_snapshot(args, "%cuda_memory snapshot dict"))
     if args.words and args.words[0].lower() == "view":
         cls = _widget_class("SnapshotViewer", "%cuda_memory snapshot view")
         if cls is None:
             return None
         if len(args.words) < 2:
-            return cls(None)
+            return cls(_source_snapshot(args, "%cuda_memory snapshot view"))
         path = _path_word(args, 1, "%cuda_memory snapshot view [PATH]")
+        if args.source is not None:
+            raise UsageError("%cuda_memory snapshot view PATH: a file is one allocator's "
+                             "snapshot already; --source is for the live views")
         try:
             return cls(path)
         except (OSError, ValueError) as exc:  # missing, unreadable, not a snapshot
             raise _cannot("%cuda_memory snapshot view", "read", path, exc) from None
     if args.words:
+        from cudalab.magics.memory_torch_history import write_snapshot
+
         path = _path_word(args, 0, "%cuda_memory snapshot [PATH | dict | view [PATH]]")
+        snap = SnapshotDict(_source_snapshot(args, "%cuda_memory snapshot"))
         try:
-            cm.export_memory_viz(path)
-        except (OSError, ValueError, TypeError) as exc:
+            write_snapshot(dict(snap), path)
+        except (OSError, ValueError, TypeError, ImportError) as exc:
             raise _cannot("%cuda_memory snapshot", "write", path, exc) from None
-        snap = SnapshotDict(take_snapshot())
         print(f"{snap._summary()}; wrote {path} (open it at https://pytorch.org/memory_viz; the "
               "file is read in the browser, not uploaded)")
         return None
 
-    snap = SnapshotDict(take_snapshot())
+    snap = SnapshotDict(_source_snapshot(args, "%cuda_memory snapshot"))
     try:  # the viewer where the widgets can load
         from cudalab.widgets import SnapshotViewer
     except ImportError:
@@ -328,7 +372,7 @@ def _dashboard(magics: Any, args: MemoryArgs) -> Any:
     cls = _widget_class("MemoryDashboard", "%cuda_memory dashboard")
     if cls is None:
         return None
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"source": resolve_sources(args, "%cuda_memory dashboard")}
     if args.device is not None:
         kwargs["devices"] = resolve_device(args.device)
     dash = cls(**kwargs)

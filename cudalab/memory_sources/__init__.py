@@ -34,10 +34,16 @@ from cudalab.memory_sources.cudalab_source import (
     NvmlState,
     nvml_figures,
 )
-from cudalab.memory_sources.cupy_source import CupySource, cupy_backing, cupy_module
+from cudalab.memory_sources.cupy_source import CupySource, cupy_backing
 from cudalab.memory_sources.process_source import ProcessSource
-from cudalab.memory_sources.torch_source import TorchSource, torch_module, torch_ready
-from cudalab.memory_sources.unavailable import SourceUnavailableError
+from cudalab.memory_sources.torch_source import TorchSource
+from cudalab.memory_tools.libraries import (
+    SOURCE_NAMES,
+    SourceUnavailableError,
+    cupy_module,
+    torch_module,
+    torch_ready,
+)
 from cudalab.memory_tools.samples import SampleSource
 
 __all__ = [
@@ -55,9 +61,6 @@ __all__ = [
     "resolve_sources",
     "source_names",
 ]
-
-#: The names :func:`resolve_sources` knows, in the order ``auto`` lists what it finds.
-SOURCE_NAMES: tuple[str, ...] = ("cudalab", "torch", "cupy", "process", "auto")
 
 
 def allocator_sources(nvml: bool = True) -> tuple[SampleSource, ...]:

@@ -1,7 +1,7 @@
 """The ``cupy`` source: :class:`CupySource`, samples of CuPy's default memory pools.
 
 CuPy is read from ``sys.modules`` only (imported when the user names the source:
-:func:`cupy_module` with ``explicit=True``). A sample reads the default ``MemoryPool``
+:func:`cudalab.memory_tools.libraries.cupy_module`). A sample reads the default ``MemoryPool``
 (``used_bytes()`` as allocated, ``total_bytes()`` as reserved, ``n_free_blocks()``) and the
 default ``PinnedMemoryPool`` (``n_free_blocks()``; it has no byte counters). CuPy's pool
 keeps no peaks, counts no allocations, segments or out-of-memory errors: the sample's peaks
@@ -16,34 +16,18 @@ had before, and the sample's note says so rather than counting anything twice.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from typing import Any
 
 from cudalab.memory_sources.cudalab_source import DeviceFacts
-from cudalab.memory_sources.unavailable import SourceUnavailableError
+from cudalab.memory_tools.libraries import SourceUnavailableError, cupy_module
 from cudalab.memory_tools.samples import DeviceSample
 
-__all__ = ["CupySource", "cupy_module", "cupy_backing"]
+__all__ = ["CupySource", "cupy_backing"]
 
 _NO_COUNTS = ("CuPy's pool keeps no peaks nor allocation counts: the peaks are the highest "
               "figures sampled")
-
-
-def cupy_module(explicit: bool = False) -> Any:
-    """The user's CuPy module, or None (only when ``explicit`` is False and CuPy is not
-    imported); ``explicit``: import it when installed. SourceUnavailableError when
-    ``explicit`` and CuPy is not installed."""
-    cupy = sys.modules.get("cupy")
-    if cupy is not None or not explicit:
-        return cupy
-    try:
-        return importlib.import_module("cupy")
-    except ImportError as exc:
-        raise SourceUnavailableError(
-            "cupy", f"this process has no CuPy: it is not installed in this Python ({exc})"
-        ) from None
 
 
 def cupy_backing(cupy: Any) -> str:
@@ -154,6 +138,7 @@ class CupySource:
         self._cupy.get_default_pinned_memory_pool().free_all_blocks()
 
     def snapshot(self) -> dict[str, Any]:
-        """SourceUnavailableError: CuPy's pool gives no per-block state to snapshot."""
-        raise SourceUnavailableError("cupy", "CuPy's pool gives no per-block state: a snapshot "
-                                             "needs the 'cudalab' or 'torch' source")
+        """SourceUnavailableError: CuPy's pool keeps no per-block state to snapshot."""
+        raise SourceUnavailableError("cupy", "CuPy's pool keeps no per-block state nor trace: "
+                                             "a snapshot or history needs the 'cudalab' or "
+                                             "'torch' source")

@@ -1,7 +1,7 @@
 """The ``torch`` source: :class:`TorchSource`, samples of PyTorch's CUDA caching allocator.
 
 torch is read from ``sys.modules`` only: cudalab never imports it, except when the user names
-the source explicitly (:func:`torch_module` with ``explicit=True``). A sample reads
+the source explicitly (:func:`cudalab.memory_tools.libraries.torch_module`). A sample reads
 ``torch.cuda.memory_stats_as_nested_dict(device)`` (the dict ``memory_stats()`` flattens; a
 fifth of its cost), whose keys are cudalab's (:data:`~cudalab.memory_tools.samples.ALLOCATOR_FIGURES`),
 so every figure is exactly torch's. Nothing here resets torch's peaks except
@@ -12,65 +12,22 @@ initialises torch's CUDA: a sample is refused (:class:`SourceUnavailableError`) 
 
 from __future__ import annotations
 
-import importlib
-import sys
 import time
 from typing import Any
 
-from cudalab.identity import Identity
 from cudalab.memory_sources.cudalab_source import DeviceFacts
-from cudalab.memory_sources.unavailable import SourceUnavailableError
+from cudalab.memory_tools.libraries import (
+    SourceUnavailableError,
+    torch_module,
+    torch_ready,
+    torch_snapshot,
+)
 from cudalab.memory_tools.samples import ALLOCATOR_FIGURES, DeviceSample
 
-__all__ = ["TorchSource", "torch_module", "torch_ready"]
+__all__ = ["TorchSource"]
 
 #: The figures' keys split once: ``"allocated_bytes.all.current"`` -> its three parts.
 _PATHS = tuple((name, tuple(key.split("."))) for name, key in ALLOCATOR_FIGURES)
-
-
-def torch_module(explicit: bool = False) -> Any:
-    """The user's torch module, or None.
-
-    Parameters
-    ----------
-    explicit : bool, optional
-        The user named torch (``--source torch``): import it when it is installed but not
-        imported yet. Otherwise (``auto``) only ``sys.modules`` is read.
-
-    Returns
-    -------
-    module or None
-        None only when ``explicit`` is False and torch is not imported.
-
-    Raises
-    ------
-    SourceUnavailableError
-        ``explicit`` and torch is not installed (or fails to import).
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None or not explicit:
-        return torch
-    try:
-        return importlib.import_module("torch")
-    except ImportError as exc:
-        raise SourceUnavailableError(
-            "torch", f"this process has no torch: it is not installed in this Python ({exc})"
-        ) from None
-
-
-def torch_ready(torch: Any) -> str:
-    """Why torch's allocator cannot be sampled now ("" when it can): torch has no CUDA, or
-    has not initialised it (reading ``torch.cuda.is_available()`` and ``is_initialized()``,
-    which initialise nothing)."""
-    cuda = getattr(torch, "cuda", None)
-    if cuda is None or not callable(getattr(cuda, "is_initialized", None)):
-        return "this torch has no torch.cuda module"
-    if cuda.is_initialized():
-        return ""
-    if not cuda.is_available():
-        return "this torch cannot use CUDA (torch.cuda.is_available() is False)"
-    return ("torch has not initialised CUDA yet (torch.cuda.is_initialized() is False): run "
-            "some torch CUDA work first, e.g. torch.zeros(1, device='cuda')")
 
 
 def _figure(stats: dict, path: tuple[str, ...]) -> int:
@@ -169,6 +126,4 @@ class TorchSource:
     def snapshot(self) -> dict[str, Any]:
         """``torch.cuda.memory._snapshot()`` (torch's schema, which the snapshot viewer and
         memory_viz read) with cudalab's ``identity`` key added (allocator ``"torch"``)."""
-        snap = dict(self._torch.cuda.memory._snapshot())
-        snap["identity"] = Identity.current(allocator="torch").to_dict()
-        return snap
+        return torch_snapshot(self._torch)

@@ -88,9 +88,16 @@ _NO_LINE = -(1 << 63)
 
 
 # --------------------------------------------------------------------------- history
-def history_frame(snap: Any = None, device: Any = None) -> pandas.DataFrame:
+def history_frame(snap: Any = None, device: Any = None, *, source: Any = None
+                  ) -> pandas.DataFrame:
     """One row per trace entry of ``snap`` (default: cudalab's recorded history, see
-    :func:`cudalab.memory.record_history`).
+    :func:`cudalab.memory.record_history`), or of the trace of the allocator ``source``
+    names: ``"torch"`` (the trace ``torch.cuda.memory._record_memory_history`` records, from
+    ``torch.cuda.memory._snapshot()``), ``"cudalab"``, ``"auto"`` (torch's when the
+    process runs torch and cudalab's allocator holds nothing, else cudalab's) or a
+    :class:`~cudalab.memory_tools.samples.SampleSource`; give ``snap`` or ``source``, not
+    both. A source that cannot be read raises
+    :class:`~cudalab.memory_tools.libraries.SourceUnavailableError` saying why.
 
     Columns (dtypes):
 
@@ -119,6 +126,12 @@ def history_frame(snap: Any = None, device: Any = None) -> pandas.DataFrame:
     """
     import pandas as pd
 
+    if source is not None:
+        if snap is not None:
+            raise ValueError("history_frame: give a snapshot or a source, not both")
+        from cudalab.memory_tools.libraries import source_snapshot
+
+        snap = source_snapshot(source)
     t = trace_of(snap, None if device is None else device_index(device))
     order = None
     if len(t.bounds) > 1:  # interleave devices by time

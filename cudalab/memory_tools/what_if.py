@@ -79,15 +79,16 @@ def _labels(configs: Iterable[Any]) -> list[tuple[str, AllocatorConfig]]:
     return out
 
 
-def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, *,
-            device_memory: int | None = None, device: int = 0,
+def what_if(trace: Any = None, configs: Iterable[str | AllocatorConfig] | None = None, *,
+            source: Any = None, device_memory: int | None = None, device: int = 0,
             progress: bool | Callable[[int, int], None] = False) -> Any:
     """Replay ``trace`` under several allocator settings; a DataFrame ranked by peak reserved.
 
     Parameters
     ----------
     trace
-        Any form :func:`cudalab.memory_tools.trace_io.load_trace` reads.
+        Any form :func:`cudalab.memory_tools.trace_io.load_trace` reads; or None with
+        ``source``.
     configs : iterable of str or AllocatorConfig, optional
         The settings to try (one string is one setting). Default: the bounded search of
         :mod:`cudalab.memory_tools.what_if_grid` (each setting alone, expandable segments
@@ -103,6 +104,12 @@ def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, 
         Which device's trace of a snapshot to replay (default 0).
     progress : bool or callable, optional
         True for a text progress bar on stderr, or a ``callable(done, total)``.
+    source : str or SampleSource, optional
+        Replay the live trace of this allocator instead of ``trace``: ``"torch"`` (what
+        ``torch.cuda.memory._record_memory_history`` recorded: its ``_snapshot()``),
+        ``"cudalab"`` (cudalab's recorded history), ``"auto"`` (torch's when the
+        process runs torch and cudalab's allocator holds nothing, else cudalab's) or a sample source's
+        ``snapshot()``. ``df.attrs["allocator"]`` names the allocator replayed.
 
     Returns
     -------
@@ -123,11 +130,14 @@ def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, 
     TraceError
         (a ValueError) The trace cannot be read.
     ValueError
-        Bad settings or ``device_memory``.
+        Bad settings or ``device_memory``; both ``trace`` and ``source``, or neither.
+    SourceUnavailableError
+        ``source`` cannot be read (no torch, torch without CUDA initialised, CuPy).
     """
     import pandas as pd
 
     start = time.perf_counter()
+    trace, allocator = _trace_of_source(trace, source)
     tr = load_trace(trace, device)
     plan = plan_replay(tr)
     note = None
@@ -206,6 +216,7 @@ def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, 
     df.index = pd.RangeIndex(1, len(df) + 1, name="rank")
     df.attrs["results"] = [r for _, r in ranked]
     df.attrs["source"] = tr.source
+    df.attrs["allocator"] = allocator
     df.attrs["peak_live"] = plan.peak_live
     df.attrs["breakdown"] = breakdown
     df.attrs["searched"] = searched
@@ -217,6 +228,27 @@ def what_if(trace: Any, configs: Iterable[str | AllocatorConfig] | None = None, 
 
 
 # ====================================================================================== text
+def _trace_of_source(trace: Any, source: Any) -> tuple[Any, str | None]:
+    """``(the trace to read, the allocator it is of)`` for what_if's ``trace`` and
+    ``source`` (the allocator: None for a trace given, unless it names one)."""
+    if source is None:
+        if trace is None:
+            raise ValueError("what_if needs a trace, or source= (e.g. source='torch': the trace "
+                             "torch records)")
+        identity = trace.get("identity") if isinstance(trace, dict) else None
+        return trace, identity.get("allocator") if isinstance(identity, dict) else None
+    if trace is not None:
+        raise ValueError("what_if: give a trace or a source, not both")
+    from cudalab.memory_tools.libraries import source_snapshot
+    from cudalab.memory_tools.snapshot import take_snapshot
+
+    snap = source_snapshot(source)
+    if snap is None:  # cudalab's own: its live snapshot, with the history it recorded
+        snap = take_snapshot()
+    identity = snap.get("identity") or {}
+    return snap, identity.get("allocator") or getattr(source, "name", None)
+
+
 def format_what_if(df: Any, *, target: float | None = None) -> str:
     """The ranked what-if table as text (what ``cudalab what-if`` prints).
 

@@ -57,10 +57,10 @@ import numpy as np
 
 from cudalab import _internal
 from cudalab._internal import format_bytes
-from cudalab.memory_sources import CudalabSource
+from cudalab.memory_sources import CudalabSource, SourceUnavailableError, resolve_sources
 from cudalab.memory_tools.samples import DeviceSample, SampleSource
 from cudalab.widgets.dashboard_chart import draw_chart, nice_max, palette_png
-from cudalab.widgets.dashboard_device import DashboardDevice
+from cudalab.widgets.dashboard_device import DashboardDevice, figures_text, pools_html
 
 __all__ = ["MemoryDashboard", "close_all", "live_dashboards"]
 
@@ -163,9 +163,14 @@ class MemoryDashboard(W.VBox):
     fractions of capacity (reserved, or NVML's used when larger) that colour the panel;
     ``fallback``: add the static PNG/HTML picture to the display bundle; ``start``: start
     the sampler thread now (else call :meth:`start`); ``source``: where the samples come
-    from and what the buttons do (a :class:`~cudalab.memory_tools.samples.SampleSource`;
-    default: cudalab's allocator and NVML, :class:`~cudalab.memory_sources.CudalabSource`).
-    The dashboard renders the source's samples only: it never reads an allocator or NVML.
+    from and what the buttons do: a :class:`~cudalab.memory_tools.samples.SampleSource`,
+    several, or a name of :func:`cudalab.memory_sources.resolve_sources` (``"torch"``,
+    ``"cupy"``, ``"process"``, ``"auto"``: every allocator present and the process's
+    remainder, a panel per device and source, each labelled); default: cudalab's allocator
+    and NVML, :class:`~cudalab.memory_sources.CudalabSource`. The dashboard renders the
+    sources' samples only: it never reads an allocator or NVML. A source that fails (torch
+    gone from the process, ...) is reported in its panel and the status line; the others
+    keep sampling.
 
     Attributes: :attr:`samples` (per device, the ring buffers as numpy arrays via
     :meth:`history`), :attr:`latest` (per device, the last sample's values, as
@@ -183,7 +188,7 @@ class MemoryDashboard(W.VBox):
     def __init__(self, devices: Any = None, interval: float = 0.5, window: int = 600, *,
                  max_rate: float = 10.0, warn: float = 0.8, danger: float = 0.9,
                  fallback: bool = True, start: bool = True, chart_size: tuple[int, int] = (300, 64),
-                 source: SampleSource | None = None):
+                 source: SampleSource | str | Any = None):
         # What close() reads, set first: ipywidgets' __del__ calls close() even on a
         # dashboard whose construction failed.
         self._closed = False
@@ -211,8 +216,13 @@ class MemoryDashboard(W.VBox):
         self._error = ""
         self._note = ""
         self._note_time = self._error_time = 0.0
-        self.source: SampleSource = CudalabSource() if source is None else source
-        self._devices = [DashboardDevice(d, self.window, self.source) for d in _device_indices(devices)]
+        #: The sources read, in panel order (``resolve_sources(source)``); ``source`` is the
+        #: first (the only one unless several were asked for).
+        self.sources: tuple[SampleSource, ...] = (
+            (CudalabSource(),) if source is None else resolve_sources(source))
+        self.source: SampleSource = self.sources[0]
+        self._devices = [DashboardDevice(d, self.window, src) for d in _device_indices(devices)
+                         for src in self.sources]
         simulated = False
         if self._devices:
             simulated = bool(_internal.backend().simulated)
@@ -378,7 +388,12 @@ class MemoryDashboard(W.VBox):
     def _sample(self) -> None:
         now = time.time()
         for dev in self._devices:
-            dev.sample(now)
+            try:
+                dev.sample(now)
+                dev.error = ""
+            except Exception as exc:  # a source that went away: said in its panel
+                dev.error = f"{type(exc).__name__}: {exc}"
+                self._set_error(exc)
         self._n += 1
 
     @property
@@ -386,19 +401,26 @@ class MemoryDashboard(W.VBox):
         """Per device index, the values of the last sample (bytes, %, °C, mW, MHz, counts;
         :meth:`DeviceSample.to_dict`)."""
         return {dev.index: {} if dev.last is None else dev.last.to_dict()
-                for dev in self._devices}
+                for dev in reversed(self._devices)}  # (the first source's, with several)
 
     @property
     def last_samples(self) -> dict[int, DeviceSample | None]:
         """Per device index, the last :class:`~cudalab.memory_tools.samples.DeviceSample`
-        (None before the first)."""
-        return {dev.index: dev.last for dev in self._devices}
+        (None before the first) of the first source (see :attr:`by_source` for all)."""
+        return {dev.index: dev.last for dev in reversed(self._devices)}
 
-    def history(self, device: int | None = None) -> dict[str, np.ndarray]:
-        """The ring buffers of ``device`` (default: the first): time (s since the epoch),
-        allocated, reserved, nvml_used (bytes) as numpy arrays."""
-        dev = self._devices[0] if device is None else next(d for d in self._devices
-                                                           if d.index == device)
+    @property
+    def by_source(self) -> dict[tuple[str, int], DeviceSample | None]:
+        """Per ``(source name, device index)``, the last sample (None before the first)."""
+        return {(dev.source.name, dev.index): dev.last for dev in self._devices}
+
+    def history(self, device: int | None = None, source: str | None = None
+                ) -> dict[str, np.ndarray]:
+        """The ring buffers of ``device`` (default: the first) and ``source`` (a source's
+        name; default: the first): time (s since the epoch), allocated, reserved, nvml_used
+        (bytes) as numpy arrays."""
+        dev = next(d for d in self._devices if (device is None or d.index == device)
+                   and (source is None or d.source.name == source))
         return {"time": np.fromiter(dev.t, np.float64, len(dev.t)),
                 "allocated": np.fromiter(dev.allocated, np.int64, len(dev.allocated)),
                 "reserved": np.fromiter(dev.reserved, np.int64, len(dev.reserved)),
@@ -467,8 +489,16 @@ class MemoryDashboard(W.VBox):
             word = "near capacity" if level == "danger" else "high"
             badge = (f' <span style="background:{color};color:#fff;padding:0 5px;border-radius:3px">'
                      f'{100 * frac:.0f}% used: {word}</span>')
-        return (f'<div class="cudalab-dash-title" data-device="{dev.index}">'
-                f'<b>cuda:{dev.index}</b> {html.escape(dev.name)} &middot; '
+        label = ""
+        if len(self.sources) > 1 or dev.source.name != "cudalab":
+            label = (f' &middot; <span class="cudalab-dash-source">'
+                     f'{html.escape(dev.source.name)}</span>')
+        if dev.error:
+            badge += (f' <span style="color:{_DANGER_C}" class="cudalab-dash-source-error">'
+                      f'{html.escape(dev.error[:200])}</span>')
+        return (f'<div class="cudalab-dash-title" data-device="{dev.index}" '
+                f'data-source="{html.escape(dev.source.name)}">'
+                f'<b>cuda:{dev.index}</b> {html.escape(dev.name)}{label} &middot; '
                 f'{format_bytes(dev.capacity)}{badge}</div>')
 
     def _mem_html(self, s: DeviceSample, cap: int, level: str) -> str:
@@ -503,13 +533,15 @@ class MemoryDashboard(W.VBox):
 
     def _counts_html(self, s: DeviceSample) -> str:
         ooms, retries = s.num_ooms, s.num_alloc_retries
+        note = (f'<div class="cudalab-dash-note" style="color:#777;font-size:11px">'
+                f'{html.escape(s.note)}</div>' if s.note else "")
         red = f' style="color:{_DANGER_C}"'
         return (f'<div class="cudalab-dash-counts" data-ooms="{ooms}" data-retries="{retries}" '
                 f'data-allocations="{s.allocations}">allocations <b>{s.allocations:,}</b> '
                 f'live / {s.allocations_total:,} total &middot; segments {s.segments:,} '
                 f'&middot; <span{red if ooms else ""}>OOMs <b>{ooms}</b></span> &middot; '
                 f'<span{red if retries else ""}>retries <b>{retries}</b></span>'
-                f'{_pools_html(list(s.pools))}</div>')
+                f'{pools_html(list(s.pools))}{note}</div>')
 
     def _procs_html(self, dev: DashboardDevice, s: DeviceSample) -> str:
         if s.nvml_error or s.processes is None:
@@ -554,7 +586,10 @@ class MemoryDashboard(W.VBox):
 
     def _on_reset(self, _: Any = None) -> None:
         for dev in self._devices:
-            self.source.reset_peaks(dev.index)
+            try:
+                dev.source.reset_peaks(dev.index)
+            except Exception as exc:  # (a button's callback: said, never raised)
+                self._set_error(exc)
         self._set_note("peaks reset")
         self.refresh()
 
@@ -563,16 +598,34 @@ class MemoryDashboard(W.VBox):
 
     def _on_empty(self, _: Any = None) -> None:
         before = self._reserved()
-        self.source.release_cache()
+        for source in self.sources:
+            try:
+                source.release_cache()
+            except Exception as exc:
+                self._set_error(exc)
         self.refresh()
         after = self._reserved()
         self._set_note(f"empty_cache released {format_bytes(max(before - after, 0))}")
         self.refresh()
 
-    def _on_snapshot(self, _: Any = None) -> dict:
+    def _on_snapshot(self, _: Any = None) -> dict | None:
         from cudalab.widgets.snapshot_viewer import SnapshotViewer
 
-        snap = self.source.snapshot()
+        # torch's when it is watched, else the first source that keeps per-block state
+        order = sorted(self.sources, key=lambda src: src.name != "torch")
+        snap = None
+        for source in order:
+            try:
+                snap = source.snapshot()
+                break
+            except SourceUnavailableError:
+                continue
+            except Exception as exc:  # (a button's callback: said, never raised)
+                self._set_error(exc)
+                return None
+        if snap is None:
+            self._set_note("no source here keeps a snapshot")
+            return None
         self.snapshots.append(snap)
         if self._viewer is not None:
             with contextlib.suppress(Exception):
@@ -591,7 +644,8 @@ class MemoryDashboard(W.VBox):
             return "MemoryDashboard(no CUDA device)"
         parts = []
         for dev in self._devices:
-            parts.append(f"cuda:{dev.index} {dev.name}: {_figures_text(dev)}")
+            label = f" [{dev.source.name}]" if len(self.sources) > 1 else ""
+            parts.append(f"cuda:{dev.index} {dev.name}{label}: {figures_text(dev)}")
         return "MemoryDashboard(" + "; ".join(parts) + ")"
 
     def to_png(self, dpi: int = 80) -> bytes:
@@ -626,7 +680,7 @@ class MemoryDashboard(W.VBox):
             if s is not None and s.utilization is not None:
                 nv = (f"\nutil {s.utilization}%, {s.temperature} °C, "
                       f"{(s.power_draw or 0) / 1000:.0f} W, SM {s.clock_rate} MHz")
-            ax.set_title(f"cuda:{dev.index} {dev.name} — {_figures_text(dev)}{nv}",
+            ax.set_title(f"cuda:{dev.index} {dev.name} — {figures_text(dev)}{nv}",
                          fontsize=8, loc="left")
             if i == n - 1:
                 ax.set_xlabel("seconds before the picture was taken")
@@ -670,27 +724,6 @@ class MemoryDashboard(W.VBox):
             except Exception:  # a broken matplotlib must not break the live display
                 data["text/html"] = self.to_html()
         return data
-
-
-def _figures_text(dev: DashboardDevice) -> str:
-    """``allocated X, reserved Y, peak Z of C`` from the device's last sample."""
-    s = dev.last
-    a, r, pk = (0, 0, 0) if s is None else (s.allocated, s.reserved, s.peak_allocated)
-    return (f"allocated {format_bytes(a)}, reserved {format_bytes(r)}, peak "
-            f"{format_bytes(pk)} of {format_bytes(dev.capacity)}")
-
-
-def _pools_html(pools: list[dict]) -> str:
-    """The private pools of a device, for its counts line ("" without any): each as its
-    kind (graph or user), id, reserved and allocated bytes, use count."""
-    if not pools:
-        return ""
-    items = [f'<span class="cudalab-dash-pool" data-kind="{p["kind"]}" '
-             f'title="use count {p["use_count"]}{", released" if p["freeable"] else ""}">'
-             f'{p["kind"]} pool ({p["id"][0]}, {p["id"][1]}) <b>{format_bytes(p["reserved_bytes"])}</b>'
-             f' ({format_bytes(p["allocated_bytes"])} allocated)</span>' for p in pools]
-    return (f' &middot; <span class="cudalab-dash-pools" data-pools="{len(pools)}">'
-            + " &middot; ".join(items) + "</span>")
 
 
 def _descendants(w: W.Widget) -> list[W.Widget]:

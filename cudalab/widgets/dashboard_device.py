@@ -1,5 +1,6 @@
 """One device of :class:`~cudalab.widgets.MemoryDashboard`: the ring buffers of its samples
-and its last sample (:class:`DashboardDevice`).
+and its last sample (:class:`DashboardDevice`), and the text of its figures and private pools
+(:func:`figures_text`, :func:`pools_html`).
 
 The figures come from the dashboard's
 :class:`~cudalab.memory_tools.samples.SampleSource` as
@@ -13,10 +14,11 @@ from collections import deque
 
 import numpy as np
 
+from cudalab._internal import format_bytes
 from cudalab.memory_tools.samples import DeviceSample, SampleSource
 
-#: The one name, for :mod:`cudalab.widgets.dashboard`.
-__all__ = ["DashboardDevice"]
+#: The names :mod:`cudalab.widgets.dashboard` uses.
+__all__ = ["DashboardDevice", "figures_text", "pools_html"]
 
 
 class DashboardDevice:
@@ -31,6 +33,8 @@ class DashboardDevice:
         self.nvml_used: deque[int] = deque(maxlen=window)
         #: The last sample (None before the first).
         self.last: DeviceSample | None = None
+        #: Why the last sample failed ("" when it did not): the source went away, ...
+        self.error = ""
         self.last_png = b""
         self.chart_time = 0.0
         self.ymax = 1024.0
@@ -67,3 +71,24 @@ class DashboardDevice:
         if self.has_nvml:
             out["nvml_used"] = np.fromiter(self.nvml_used, np.float64, len(self.nvml_used))
         return out
+
+
+def figures_text(dev: DashboardDevice) -> str:
+    """``allocated X, reserved Y, peak Z of C`` from the device's last sample."""
+    s = dev.last
+    a, r, pk = (0, 0, 0) if s is None else (s.allocated, s.reserved, s.peak_allocated)
+    return (f"allocated {format_bytes(a)}, reserved {format_bytes(r)}, peak "
+            f"{format_bytes(pk)} of {format_bytes(dev.capacity)}")
+
+
+def pools_html(pools: list[dict]) -> str:
+    """The private pools of a device, for its counts line ("" without any): each as its
+    kind (graph or user), id, reserved and allocated bytes, use count."""
+    if not pools:
+        return ""
+    items = [f'<span class="cudalab-dash-pool" data-kind="{p["kind"]}" '
+             f'title="use count {p["use_count"]}{", released" if p["freeable"] else ""}">'
+             f'{p["kind"]} pool ({p["id"][0]}, {p["id"][1]}) <b>{format_bytes(p["reserved_bytes"])}</b>'
+             f' ({format_bytes(p["allocated_bytes"])} allocated)</span>' for p in pools]
+    return (f' &middot; <span class="cudalab-dash-pools" data-pools="{len(pools)}">'
+            + " &middot; ".join(items) + "</span>")

@@ -45,6 +45,7 @@ import ipywidgets as W
 
 from cudalab import _internal
 from cudalab._internal import format_bytes
+from cudalab.memory_tools.libraries import source_snapshot
 from cudalab.memory_tools.plot import (
     STATE_COLORS,
     STATE_LABELS,
@@ -86,12 +87,22 @@ class SnapshotViewer(W.VBox):
     ``snapshot``: a snapshot dict (``cudalab.memory._snapshot()`` or torch's
     ``torch.cuda.memory._snapshot()``), a ``memory_snapshot()`` segment list, a path to a
     pickle (read with the safe ``load_snapshot``), or None for the live allocator now.
+    ``source``: with no ``snapshot``, which live allocator: ``"cudalab"`` (the default),
+    ``"torch"`` (``torch.cuda.memory._snapshot()``, its stacks and trace included),
+    ``"auto"`` (torch's when the process runs torch and cudalab's allocator holds
+    nothing, else cudalab's) or a :class:`~cudalab.memory_tools.samples.SampleSource`; a
+    source that cannot be read raises
+    :class:`~cudalab.memory_sources.SourceUnavailableError` saying why.
     ``width``: pixels of the longest segment bar; ``max_rows``: segments drawn at most (the
     largest; the summary says how many were left out).
     """
 
     def __init__(self, snapshot: Any = None, *, width: int = 640, max_rows: int = 800,
-                 prefix: str = "memory_snapshot"):
+                 prefix: str = "memory_snapshot", source: Any = None):
+        if source is not None:
+            if snapshot is not None:
+                raise ValueError("SnapshotViewer: give a snapshot or a source, not both")
+            snapshot = source_snapshot(source)  # (None: cudalab's live allocator)
         super().__init__()
         t0 = time.perf_counter()
         self.snapshot = load(snapshot)

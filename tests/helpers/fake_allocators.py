@@ -62,7 +62,8 @@ class FakeTorchCuda(types.ModuleType):
         self.memory = types.ModuleType("torch.cuda.memory")
         self.memory._snapshot = self._snapshot
         self.memory._record_memory_history = self._record_memory_history
-        self.history: dict[str, Any] | None = None
+        self.history: dict[str, Any] | None = None  # the recording's settings, None: off
+        self.traces: list[list[dict]] = [[] for _ in range(devices)]
         self.stream = types.SimpleNamespace(cuda_stream=0)
 
     # ------------------------------------------------------------------ the allocator
@@ -70,11 +71,13 @@ class FakeTorchCuda(types.ModuleType):
         d = self.devices[device]
         size = -(-nbytes // 512) * 512
         held = d.current["reserved_bytes"] - d.current["allocated_bytes"]
+        address = next(self._addresses)
         if size > held:
             grow = -(-(size - held) // SEGMENT) * SEGMENT
             d.add("reserved_bytes", grow)
             d.add("segment", 1)
-        address = next(self._addresses)
+            self._record(device, "segment_alloc", address, grow)
+        self._record(device, "alloc", address, size)
         d.blocks[address] = (size, nbytes)
         for key, amount in (("allocated_bytes", size), ("requested_bytes", nbytes),
                             ("allocation", 1), ("active_bytes", size), ("active", 1)):
@@ -84,9 +87,24 @@ class FakeTorchCuda(types.ModuleType):
     def free(self, address: int, device: int = 0) -> None:
         d = self.devices[device]
         size, nbytes = d.blocks.pop(address)
+        self._record(device, "free_requested", address, size)
+        self._record(device, "free_completed", address, size)
         for key, amount in (("allocated_bytes", size), ("requested_bytes", nbytes),
                             ("allocation", 1), ("active_bytes", size), ("active", 1)):
             d.add(key, -amount)
+
+    def _record(self, device: int, action: str, address: int, size: int) -> None:
+        """A trace entry in torch's schema, while recording (the ring keeps max_entries)."""
+        if self.history is None:
+            return
+        import time
+
+        trace = self.traces[device]
+        trace.append({"action": action, "addr": address, "size": size, "stream": 0,
+                      "time_us": int(time.time() * 1e6), "compile_context": "N/A",
+                      "user_metadata": "",
+                      "frames": [{"name": "train_step", "filename": "train.py", "line": 7}]})
+        del trace[:-self.history["max_entries"]]
 
     # ------------------------------------------------------------------ torch.cuda's API
     def is_available(self) -> bool:
@@ -194,25 +212,30 @@ class FakeTorchCuda(types.ModuleType):
                     "is_expandable": False, "frames": [],
                     "blocks": [{"address": address, "size": size, "requested_size": requested,
                                 "state": "active_allocated", "frames": []}]})
-        return {"segments": segments, "device_traces": [[] for _ in self.devices],
+        return {"segments": segments, "device_traces": [list(t) for t in self.traces],
                 "allocator_settings": {}, "external_annotations": []}
 
     def _record_memory_history(self, enabled: Any = "all", context: Any = "all",
                                stacks: str = "all", max_entries: int = 1 << 62,
                                **kwargs: Any) -> None:
         self.calls.append("_record_memory_history")
+        if enabled is None:  # as torch: turning history off clears it
+            self.traces = [[] for _ in self.devices]
         self.history = None if enabled is None else {
             "enabled": enabled, "context": context, "stacks": stacks,
             "max_entries": max_entries, **kwargs}
 
 
 class FakeTorch(types.ModuleType):
-    """``torch`` with a :class:`FakeTorchCuda` as ``torch.cuda``."""
+    """``torch`` with a :class:`FakeTorchCuda` as ``torch.cuda`` and
+    ``torch._C._cuda_isHistoryEnabled``."""
 
     def __init__(self, **cuda: Any):
         super().__init__("torch")
         self.cuda = FakeTorchCuda(**cuda)
         self.__version__ = "2.11.0+fake"
+        self._C = types.SimpleNamespace(
+            _cuda_isHistoryEnabled=lambda: self.cuda.history is not None)
 
 
 class _FakePool:

@@ -197,3 +197,86 @@ def test_source_errors_say_which(ip, monkeypatch):
     assert "--source process is not available here" in str(r.error_in_exec)
     r, out = run(ip, "%cuda_memory watch off")
     assert "already off" in out
+
+
+# ------------------------------------------------------------------ the other views
+def test_snapshot_views_of_torch(ip, torch, tmp_path):
+    from cudalab.memory import load_snapshot
+
+    torch.cuda.alloc(3 << 20)
+    r, out = run(ip, "%cuda_memory snapshot dict --source torch")
+    assert r.result["identity"]["allocator"] == "torch"
+    assert repr(r.result).startswith("<torch memory snapshot: 1 segments")
+    path = tmp_path / "t.pickle"
+    ip.user_ns["tpath_"] = str(path)
+    r, out = run(ip, "%cuda_memory snapshot {tpath_} --source torch")
+    assert r.success and "torch memory snapshot" in out
+    assert load_snapshot(str(path))["segments"] == torch.cuda.memory._snapshot()["segments"]
+    r, out = run(ip, "%cuda_memory snapshot view --source torch")
+    assert r.result.snapshot["identity"]["allocator"] == "torch"
+    r.result.close()
+    r, out = run(ip, "%cuda_memory snapshot view {tpath_} --source torch")
+    assert "a file is one allocator's snapshot already" in str(r.error_in_exec)
+    r, out = run(ip, "%cuda_memory snapshot dict --source cupy")
+    assert isinstance(r.error_in_exec, UsageError)
+    assert "--source cupy: CuPy's pool keeps no per-block state" in str(r.error_in_exec)
+
+
+def test_dashboard_sources_from_the_magic(ip, torch):
+    r, out = run(ip, "%cuda_memory dashboard --source torch -d 0")
+    assert r.success and [s.name for s in r.result.sources] == ["torch"]
+    r.result.close()
+    r, out = run(ip, "%cuda_memory dashboard -d 0")  # auto
+    assert [s.name for s in r.result.sources] == ["cudalab", "torch", "process"]
+    r.result.close()
+    torch.cuda.initialized = False
+    r, out = run(ip, "%cuda_memory dashboard --source torch")
+    assert "torch.cuda.is_initialized() is False" in str(r.error_in_exec)
+
+
+def test_history_of_torch(ip, torch, tmp_path):
+    import pandas as pd
+
+    from cudalab.memory import load_snapshot
+
+    r, out = run(ip, "%cuda_memory history start --source torch --context alloc --stacks python "
+                     "--max-entries 1000")
+    assert r.success and "torch is recording" in out
+    assert {k: torch.cuda.history[k] for k in ("enabled", "context", "stacks", "max_entries")} \
+        == {"enabled": "all", "context": "alloc", "stacks": "python", "max_entries": 1000}
+    run(ip, "h1_ = torch.cuda.alloc(3 << 20); h2_ = torch.cuda.alloc(1 << 20); "
+            "torch.cuda.free(h1_)")
+    entries = list(torch.cuda.traces[0])
+    r, out = run(ip, "%cuda_memory history frame --source torch")
+    assert len(r.result) == len(entries) == 5
+    r, out = run(ip, "%cuda_memory history status --source torch")
+    assert "torch recording; 5 trace entries held" in out
+    ip.user_ns["hdir_"] = str(tmp_path)
+    for name in ("h.pickle", "h.csv", "h.json"):
+        r, out = run(ip, f"%cuda_memory history save {{hdir_}}/{name} --source torch")
+        assert r.success and "wrote 5 torch trace entries" in out, out
+    assert load_snapshot(str(tmp_path / "h.pickle"))["device_traces"][0] == entries
+    assert len(pd.read_csv(tmp_path / "h.csv")) == 5
+    r, out = run(ip, "%cuda_memory history stop --source torch")
+    assert "5 trace entries kept" in out and torch.cuda.history is None
+    r, out = run(ip, "%cuda_memory history frame --source torch")  # torch cleared its own
+    assert len(r.result) == 5
+
+
+def test_torch_history_stopped_by_the_user_is_reported(ip, torch, tmp_path):
+    run(ip, "%cuda_memory history start --source torch")
+    run(ip, "torch.cuda.alloc(1 << 20)")
+    run(ip, "torch.cuda.memory._record_memory_history(enabled=None)")  # the user's own stop
+    r, out = run(ip, "%cuda_memory history status --source torch")
+    assert "torch not recording (stopped outside cudalab" in out
+    ip.user_ns["hpath_"] = str(tmp_path / "x.pickle")
+    r, out = run(ip, "%cuda_memory history save {hpath_} --source torch")
+    assert r.success and "wrote 0 torch trace entries" in out and "clears torch's trace" in out
+
+
+def test_history_source_errors(ip, monkeypatch):
+    r, out = run(ip, "%cuda_memory history start --source cupy")
+    assert "--source cupy: CuPy's pool keeps no trace" in str(r.error_in_exec)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    r, out = run(ip, "%cuda_memory history start --source torch")
+    assert "this process has no torch" in str(r.error_in_exec)

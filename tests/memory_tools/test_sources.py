@@ -181,7 +181,7 @@ def test_cupy_without_cuda(monkeypatch):
 
 
 def test_cupy_has_no_snapshot(cupy):
-    with pytest.raises(SourceUnavailableError, match="no per-block state"):
+    with pytest.raises(SourceUnavailableError, match="keeps no per-block state"):
         CupySource(cupy).snapshot()
 
 
@@ -310,3 +310,94 @@ def test_note_and_extra_travel_and_are_checked(torch):
     with pytest.raises(ValueError, match="expected \\(name, count\\) pairs"):
         DeviceSample(**{**{f: getattr(s, f) for f in s.__dataclass_fields__},
                         "extra": (("a",),)})
+
+
+# ------------------------------------------------------------------ source= on the tools
+def _torch_trace(torch):
+    """A scripted torch workload recorded by the fake's history: allocations and frees."""
+    torch.cuda.memory._record_memory_history(max_entries=10_000)
+    keep = [torch.cuda.alloc(n) for n in (1 << 20, 3 << 20, 5000)]
+    torch.cuda.free(keep.pop(1))
+    torch.cuda.alloc(7 << 20)
+    return sum(len(t) for t in torch.cuda.traces)
+
+
+def test_history_frame_of_torch_has_a_row_per_trace_entry(torch):
+    from cudalab.memory import history_frame
+
+    cudalab.init()
+    n = _torch_trace(torch)
+    df = history_frame(source="torch")
+    assert len(df) == n > 0
+    assert list(df["action"].astype(str)) == [e["action"] for e in torch.cuda.traces[0]]
+    assert df.attrs["identity"]["allocator"] == "torch"
+    assert (df["name"] == "train_step").all()
+    with pytest.raises(ValueError, match="not both"):
+        history_frame({"segments": []}, source="torch")
+    with pytest.raises(SourceUnavailableError, match="keeps no per-block state nor trace"):
+        history_frame(source="cupy")
+
+
+def test_history_frame_auto_is_torch_only_when_cudalab_holds_nothing(torch):
+    from cudalab.memory import history_frame
+    from cudalab.memory_tools.libraries import auto_snapshot_source
+
+    cudalab.init()
+    cm.empty_cache()
+    _torch_trace(torch)
+    if cm.memory_reserved(0) == 0:
+        assert auto_snapshot_source() == "torch"
+        assert history_frame(source="auto").attrs["identity"]["allocator"] == "torch"
+    ptr = cm.caching_allocator_alloc(1 << 20)
+    try:
+        assert auto_snapshot_source() == "cudalab"
+    finally:
+        cm.caching_allocator_delete(ptr)
+
+
+def test_what_if_replays_the_live_torch_trace(torch):
+    from cudalab.memory_tools.what_if import what_if
+
+    cudalab.init()
+    _torch_trace(torch)
+    df = what_if(source="torch", configs=["expandable_segments:True"])
+    assert df.attrs["allocator"] == "torch"
+    assert set(df["config"]) == {"default", "expandable_segments:True"}
+    assert df["peak_allocated"].max() >= (1 << 20) + (7 << 20)
+    with pytest.raises(ValueError, match="not both"):
+        what_if({"segments": []}, source="torch")
+    with pytest.raises(ValueError, match="needs a trace, or source="):
+        what_if()
+
+
+def test_what_if_source_cudalab_is_its_recorded_history():
+    from cudalab.memory_tools.what_if import what_if
+
+    cudalab.init()
+    with cm.record_history("all"):
+        ptr = cm.caching_allocator_alloc(3 << 20)
+        cm.caching_allocator_delete(ptr)
+        df = what_if(source="cudalab", configs=[])
+    assert df.attrs["allocator"] == "cudalab" and df["peak_allocated"].iloc[0] >= 3 << 20
+
+
+def test_cli_what_if_source_checks_the_files_allocator(torch, tmp_path, capsys):
+    from cudalab import cli
+    from cudalab.memory_tools.trace_io import dumps_snapshot
+
+    cudalab.init()
+    _torch_trace(torch)
+    theirs = tmp_path / "torch.pickle"  # torch's own dump: no identity
+    theirs.write_bytes(dumps_snapshot(torch.cuda.memory._snapshot()))
+    ours = tmp_path / "ours.pickle"
+    ours.write_bytes(dumps_snapshot({**torch.cuda.memory._snapshot(),
+                                     "identity": {**TorchSource(torch).snapshot()["identity"],
+                                                  "allocator": "cudalab"}}))
+    assert cli.main(["what-if", str(theirs), "--source", "torch", "--conf",
+                     "expandable_segments:True"]) == 0
+    assert "expandable_segments:True" in capsys.readouterr().out
+    assert cli.main(["what-if", str(ours), "--source", "torch"]) == 2
+    err = capsys.readouterr().err
+    assert "is cudalab's trace (its identity says so), not torch's (--source torch)" in err
+    assert cli.main(["what-if", str(theirs), "--source", "cudalab"]) == 2
+    assert "is torch's trace" in capsys.readouterr().err

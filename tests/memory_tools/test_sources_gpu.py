@@ -91,3 +91,85 @@ def test_auto_with_torch_and_cupy(torch, cupy):
     assert process.process_used is not None
     assert process.reserved == max(process.process_used - held, 0)
     assert process.reserved > 100 << 20  # at least the CUDA context
+
+
+def _empty_torch(torch):
+    """torch holding nothing (so a trace started now sees every segment), or a skip."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if torch.cuda.memory_reserved() != 0:
+        pytest.skip("torch still holds memory from an earlier test")
+
+
+def _workload(torch, steps=5):
+    """A small training loop: a linear model, Adam, random batch sizes."""
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(),
+                                torch.nn.Linear(2048, 10)).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    for i in range(steps):
+        x = torch.randn(64 * (i + 1), 512, device="cuda")
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return model, opt
+
+
+def test_history_frame_has_a_row_per_torch_trace_entry(torch):
+    from cudalab.memory import history_frame
+
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        keep = _workload(torch, 3)
+        snap = TorchSource(torch).snapshot()
+        n = sum(len(t) for t in snap["device_traces"])
+        df = history_frame(snap)
+        assert len(df) == n > 100
+        assert list(df["action"].astype(str)) == [e["action"] for e in snap["device_traces"][0]]
+        assert len(history_frame(source="torch")) >= n
+        del keep
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def test_what_if_default_peak_is_torchs_recorded_peak_reserved(torch):
+    from cudalab.memory import what_if
+
+    _empty_torch(torch)
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        keep = _workload(torch, 6)
+        peak = torch.cuda.max_memory_reserved()
+        df = what_if(source="torch", configs=["expandable_segments:True"])
+        default = df[df["config"] == "default"].iloc[0]
+        assert df.attrs["allocator"] == "torch"
+        assert int(default["peak_reserved"]) == peak, (int(default["peak_reserved"]), peak)
+        del keep
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def test_viewer_renders_torchs_snapshot_with_stacks(torch):
+    W = pytest.importorskip("ipywidgets")  # noqa: N806,F841
+    from cudalab.widgets import SnapshotViewer
+
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=10_000)
+    try:
+        x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        v = SnapshotViewer(source="torch")
+        blocks = [b for s in v.snapshot["segments"] for b in s["blocks"]
+                  if b["state"] == "active_allocated"]
+        here = [b for b in blocks if any(f.get("filename", "").endswith("test_sources_gpu.py")
+                                         for f in b.get("frames") or ())]
+        assert here, "no block carries this test's stack"
+        assert v.history is not None and v.history.n > 0
+        assert "segment" in v._summary.value
+        v.close()
+        del x
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)

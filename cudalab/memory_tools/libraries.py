@@ -1,0 +1,164 @@
+"""torch and CuPy as the user's process has them: read from ``sys.modules`` (imported only when
+the user names one), with :class:`SourceUnavailableError` saying why one cannot be used, and
+:func:`source_snapshot`, the snapshot (with its trace) a memory tool reads for a source name.
+
+It sits in :mod:`cudalab.memory_tools` so that the tools below the memory API
+(``history_frame``, ``what_if``) take ``source=`` too; the sample sources over these libraries
+are :mod:`cudalab.memory_sources`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+from cudalab.identity import Identity
+
+__all__ = ["SourceUnavailableError", "auto_snapshot_source", "cupy_module", "source_snapshot",
+           "torch_history_enabled", "torch_module", "torch_ready", "torch_snapshot"]
+
+#: The names a source may have (:data:`cudalab.memory_sources.SOURCE_NAMES` is this tuple).
+SOURCE_NAMES: tuple[str, ...] = ("cudalab", "torch", "cupy", "process", "auto")
+
+
+class SourceUnavailableError(RuntimeError):
+    """A memory source was asked for that this process cannot give: its library is not
+    installed or not imported, has not initialised CUDA, keeps no such record, or went away.
+
+    Attributes
+    ----------
+    source : str
+        The source's name (``"torch"``, ``"cupy"``, ...).
+    reason : str
+        Why, as a sentence that says what to do (e.g. ``"torch has not initialised CUDA
+        yet (torch.cuda.is_initialized() is False): run some torch CUDA work first"``).
+    """
+
+    def __init__(self, source: str, reason: str):
+        super().__init__(f"the memory source {source!r} is not available: {reason}")
+        self.source = source
+        self.reason = reason
+
+
+def _module(name: str, label: str, explicit: bool) -> Any:
+    module = sys.modules.get(name)
+    if module is not None or not explicit:
+        return module
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise SourceUnavailableError(
+            name, f"this process has no {label}: it is not installed in this Python ({exc})"
+        ) from None
+
+
+def torch_module(explicit: bool = False) -> Any:
+    """The user's torch module, or None (only when ``explicit`` is False and torch is not
+    imported: ``auto`` reads ``sys.modules`` only). ``explicit`` (the user named torch):
+    import it when it is installed but not imported yet; SourceUnavailableError when it is
+    not installed."""
+    return _module("torch", "torch", explicit)
+
+
+def cupy_module(explicit: bool = False) -> Any:
+    """The user's CuPy module, or None (as :func:`torch_module`)."""
+    return _module("cupy", "CuPy", explicit)
+
+
+def torch_ready(torch: Any) -> str:
+    """Why torch's allocator cannot be read now ("" when it can): torch has no CUDA, or has
+    not initialised it (reading ``torch.cuda.is_initialized()`` and ``is_available()``,
+    which initialise nothing)."""
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not callable(getattr(cuda, "is_initialized", None)):
+        return "this torch has no torch.cuda module"
+    if cuda.is_initialized():
+        return ""
+    if not cuda.is_available():
+        return "this torch cannot use CUDA (torch.cuda.is_available() is False)"
+    return ("torch has not initialised CUDA yet (torch.cuda.is_initialized() is False): run "
+            "some torch CUDA work first, e.g. torch.zeros(1, device='cuda')")
+
+
+def torch_history_enabled(torch: Any) -> bool | None:
+    """Whether torch records its memory history now (``torch._C._cuda_isHistoryEnabled()``;
+    None when this torch cannot say)."""
+    probe = getattr(getattr(torch, "_C", None), "_cuda_isHistoryEnabled", None)
+    if not callable(probe):
+        return None
+    try:
+        return bool(probe())
+    except Exception:
+        return None
+
+
+def torch_snapshot(torch: Any) -> dict[str, Any]:
+    """``torch.cuda.memory._snapshot()`` (torch's schema: segments, device_traces, ...) with
+    cudalab's ``identity`` key added (allocator ``"torch"``); SourceUnavailableError while
+    torch cannot be read (:func:`torch_ready`)."""
+    why = torch_ready(torch)
+    if why:
+        raise SourceUnavailableError("torch", why)
+    snap = dict(torch.cuda.memory._snapshot())
+    snap["identity"] = Identity.current(allocator="torch").to_dict()
+    return snap
+
+
+def auto_snapshot_source() -> str:
+    """Which allocator's snapshot (or trace) ``auto`` means: a snapshot is one allocator's,
+    so ``"torch"`` when torch is imported, has initialised CUDA and cudalab's own allocator
+    holds no memory (the process runs torch), else ``"cudalab"``."""
+    torch = torch_module()
+    if torch is None or torch_ready(torch):
+        return "cudalab"
+    from cudalab.allocator import registry
+
+    held = any(a.memory_stats().get("reserved_bytes.all.current", 0)
+               for a in list(registry.active))
+    return "cudalab" if held else "torch"
+
+
+def source_snapshot(source: Any) -> dict[str, Any] | None:
+    """The snapshot (with its trace) a memory tool reads for ``source``.
+
+    Parameters
+    ----------
+    source : str or SampleSource
+        ``"cudalab"`` (None is returned: the caller reads cudalab's own, as without a
+        source), ``"torch"`` (torch's ``_snapshot()``), ``"auto"`` (torch's when the process
+        runs torch and cudalab's allocator holds nothing, see :func:`auto_snapshot_source`),
+        or an object with a ``snapshot()``
+        method (a :class:`~cudalab.memory_tools.samples.SampleSource`).
+
+    Returns
+    -------
+    dict or None
+
+    Raises
+    ------
+    SourceUnavailableError
+        torch cannot be read; ``"cupy"`` or ``"process"`` (they keep no per-block state or
+        trace).
+    ValueError
+        An unknown name.
+    """
+    if not isinstance(source, str):
+        if callable(getattr(source, "snapshot", None)):
+            return source.snapshot()
+        raise TypeError(f"source is a {type(source).__name__}, expected one of "
+                        f"{', '.join(SOURCE_NAMES)} or a SampleSource")
+    name = source.strip().lower()
+    if name == "auto":
+        name = auto_snapshot_source()
+    if name == "cudalab":
+        return None
+    if name == "torch":
+        return torch_snapshot(torch_module(explicit=True))
+    if name in ("cupy", "process"):
+        what = "CuPy's pool" if name == "cupy" else "the process's remainder"
+        raise SourceUnavailableError(name, f"{what} keeps no per-block state nor trace: a "
+                                           "snapshot or history needs the 'cudalab' or "
+                                           "'torch' source")
+    raise ValueError(f"unknown memory source {source!r:.60}; use one of "
+                     f"{', '.join(SOURCE_NAMES)}")

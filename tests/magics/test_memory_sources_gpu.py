@@ -1,0 +1,151 @@
+"""``%cuda_memory watch`` over the real torch and CuPy, on a GPU: the lines' Δallocated and
+Δreserved equal torch's ``memory_stats()`` deltas (CuPy's pool counters) exactly over 20
+scripted cells, the cell's peak is exact or a true bound (checked against torch's own trace),
+and torch's ``max_memory_allocated()`` is never reset."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.testing import globalipapp
+from IPython.utils.capture import capture_output
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def shell():
+    return globalipapp.get_ipython()
+
+
+@pytest.fixture
+def ip(shell):
+    shell.run_line_magic("load_ext", "cudalab")
+    yield shell
+    shell.run_line_magic("unload_ext", "cudalab")
+
+
+def run(sh, src):
+    with capture_output() as cap:
+        r = sh.run_cell(src, store_history=True)
+    assert r.success, (src, r.error_in_exec, cap.stdout)
+    return cap.stdout
+
+
+def _last(sh, name):
+    return sh.magics_manager.registry["CudaLabMagics"]._memory.library_watch.last[name]
+
+
+#: 20 scripted cells: allocations, frees, both, nothing, a temporary peak, a cache release.
+CELLS = [
+    "a = torch.empty(3 << 20, dtype=torch.uint8, device='cuda')",
+    "b = torch.empty(50 << 20, dtype=torch.uint8, device='cuda')",
+    "del a",
+    "t = torch.empty(200 << 20, dtype=torch.uint8, device='cuda'); del t",
+    "c = torch.randn(1024, 1024, device='cuda') @ torch.randn(1024, 1024, device='cuda')",
+    "x = 1",
+    "del b",
+    "torch.cuda.empty_cache()",
+    "d = [torch.empty(n << 10, device='cuda') for n in range(1, 40)]",
+    "del d[::2]",
+    "t = torch.empty(10 << 20, device='cuda'); del t; e = torch.empty(1 << 20, device='cuda')",
+    "del d",
+    "f = torch.zeros(7, 1000, 1000, device='cuda').sum(0)",
+    "del c, e",
+    "g = torch.empty(120 << 20, dtype=torch.uint8, device='cuda')",
+    "g2 = g.clone(); del g",
+    "torch.cuda.synchronize()",
+    "h = torch.ones(3000, 3000, device='cuda').cumsum(0); del f",
+    "del g2, h",
+    "torch.cuda.empty_cache()",
+]
+
+
+def _true_peak(trace, start_allocated, t0, t1):
+    """The cell's peak of allocated bytes from torch's own trace (entries in [t0, t1])."""
+    level = peak = start_allocated
+    for e in trace:
+        if not t0 <= e["time_us"] <= t1:
+            continue
+        if e["action"] == "alloc":
+            level += e["size"]
+        elif e["action"] == "free_completed":
+            level -= e["size"]
+        peak = max(peak, level)
+    return peak
+
+
+def test_torch_watch_over_20_cells_is_memory_stats_exactly(ip):
+    import time
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this torch has no CUDA")
+    torch.zeros(1, device="cuda")
+    ip.user_ns["torch"] = torch
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
+    try:
+        run(ip, "%cuda_memory watch on --source torch")
+        peaks_seen = []
+        for cell in CELLS:
+            before = torch.cuda.memory_stats()
+            t0 = int(time.time() * 1e6)
+            out = run(ip, cell)
+            t1 = int(time.time() * 1e6)
+            after = torch.cuda.memory_stats()
+            figures = _last(ip, "torch")
+            assert figures is not None, (cell, out)
+            assert figures.allocated_delta == (after["allocated_bytes.all.current"]
+                                               - before["allocated_bytes.all.current"]), cell
+            assert figures.reserved_delta == (after["reserved_bytes.all.current"]
+                                              - before["reserved_bytes.all.current"]), cell
+            assert figures.line() in out
+            assert after["allocated_bytes.all.peak"] >= before["allocated_bytes.all.peak"]
+            trace = torch.cuda.memory._snapshot()["device_traces"][0]
+            truth = _true_peak(trace, before["allocated_bytes.all.current"], t0, t1)
+            if figures.exact:
+                assert figures.peak == truth, (cell, figures, truth)
+            else:
+                assert figures.peak >= truth, (cell, figures, truth)
+            peaks_seen.append(figures.exact)
+        assert any(peaks_seen)  # at least the allocation-only cells are exact
+        run(ip, "%cuda_memory watch off")
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+        for name in ("a", "b", "c", "d", "e", "f", "g", "g2", "h", "t", "x"):
+            ip.user_ns.pop(name, None)
+
+
+def test_watch_never_resets_torchs_peak(ip):
+    torch = pytest.importorskip("torch")
+    ip.user_ns["torch"] = torch
+    big = torch.empty(300 << 20, dtype=torch.uint8, device="cuda")
+    del big
+    peak = torch.cuda.max_memory_allocated()
+    run(ip, "%cuda_memory watch on")  # auto
+    for cell in CELLS[:5]:
+        run(ip, cell)
+    run(ip, "%cuda_memory watch off")
+    # a reset would bring it down to the cells' own peak (below 300 MiB)
+    assert torch.cuda.max_memory_allocated() >= peak >= 300 << 20
+    for name in ("a", "b", "c", "t"):
+        ip.user_ns.pop(name, None)
+
+
+def test_cupy_watch_is_the_pools_counters(ip):
+    cupy = pytest.importorskip("cupy")
+    ip.user_ns["cupy"] = cupy
+    pool = cupy.get_default_memory_pool()
+    run(ip, "%cuda_memory watch on --source cupy")
+    cells = ["ca = cupy.empty(4_000_000, dtype=cupy.uint8)",
+             "cb = cupy.ones((1000, 1000)); del ca",
+             "cc = cupy.arange(10**6).sum()",
+             "del cb",
+             "cupy.get_default_memory_pool().free_all_blocks()"]
+    for cell in cells:
+        used, total = pool.used_bytes(), pool.total_bytes()
+        run(ip, cell)
+        figures = _last(ip, "cupy")
+        assert figures is not None, cell
+        assert figures.allocated_delta == pool.used_bytes() - used, cell
+        assert figures.reserved_delta == pool.total_bytes() - total, cell
+    run(ip, "%cuda_memory watch off")
