@@ -152,9 +152,10 @@ class RealFft(Fft):
         result = lib.cufftSetStream(plan, int(stream))  # type: ignore[call-overload]
         if result:
             _check(result, "cufftSetStream")
-        result = lib.cufftSetWorkArea(plan, work_area or None)
-        if result:
-            _check(result, "cufftSetWorkArea")
+        if work_area:  # (a plan of work size 0 needs none)
+            result = lib.cufftSetWorkArea(plan, work_area)
+            if result:
+                _check(result, "cufftSetWorkArea")
         if fft_type == C2C:
             result, call = lib.cufftExecC2C(plan, source, destination, direction), "cufftExecC2C"
         elif fft_type == Z2Z:
