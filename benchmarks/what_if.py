@@ -15,9 +15,18 @@ allocated (res/alloc, the issue's measure) and peak reserved / the trace's peak 
 requested bytes (res/live), the best setting, where the reserved peak goes, whether
 ``--target`` is reached and the search's run time.
 
+``--autotune`` measures the autotuner (``cudalab.memory.autotune``) instead: (1) replay
+throughput, entries/s on one core, on the ragged trace and on a ~1M-entry one; (2) the wall
+time of the default grid (73 settings) × 3 capacities on the ~1M-entry trace with every
+available core (``--workers``), replays run and rows derived; (3) on the ragged trace of the
+defaults, the best setting per capacity (unconstraining; a device 10 % above the defaults'
+peak; one 10 % above the expandable segments' peak) against ``--target``, with what each
+costs (retries, driver allocations).
+
     python benchmarks/what_if.py [--steps 400] [--layers 4] [--seed 0] [--target 1.10]
                                  [--batching continuous|static] [--device-memory 80GiB]
                                  [--synthetic] [--json out.json] [--quick]
+                                 [--autotune [--grid-layers 30] [--workers N]]
 """
 
 from __future__ import annotations
@@ -75,7 +84,18 @@ def main() -> None:
                    help="search the generator's trace instead of a recorded one")
     p.add_argument("--json", default=None, help="write results as JSON to this path")
     p.add_argument("--quick", action="store_true", help="a small trace (smoke run)")
+    p.add_argument("--autotune", action="store_true",
+                   help="measure the autotuner (throughput, the 1M-entry grid, the ragged "
+                        "recommendation) instead of the what-if search")
+    p.add_argument("--grid-layers", type=int, default=30,
+                   help="layers of the grid's trace (default 30: ~1M entries)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="autotune worker processes (default: every available CPU)")
+    p.add_argument("--skip-grid", action="store_true", help="with --autotune: no 1M grid")
     args = p.parse_args()
+    if args.autotune:
+        autotune_main(args)
+        return
 
     from cudalab._units import parse_size
     from cudalab.memory_tools.synthetic import ragged_inference_trace
@@ -113,6 +133,100 @@ def main() -> None:
         "rows": [{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
                  for row in df.to_dict("records")],
     })
+
+
+def autotune_main(args: argparse.Namespace) -> None:
+    """The autotuner's figures (see the module documentation)."""
+    from cudalab._units import format_bytes
+    from cudalab.memory_tools import autotune as at
+    from cudalab.memory_tools.replay import replay
+    from cudalab.memory_tools.replay_workers import available_cpus
+    from cudalab.memory_tools.synthetic import ragged_inference_trace
+
+    cpus = available_cpus()
+    workload = {"steps": 120 if args.quick else args.steps,
+                "layers": 2 if args.quick else args.layers, "seed": args.seed,
+                "batching": args.batching}
+    print("autotune benchmark (SIMULATED: cudalab's allocator, torch's policy, replayed on "
+          f"private simulators; {cpus} CPUs available)")
+    out: dict = {"environment": environment("simulator (replay)", f"{cpus} CPUs"),
+                 "workload": workload}
+    ragged = record(workload)
+    grid_layers = 4 if args.quick else args.grid_layers
+    big = ragged_inference_trace(steps=workload["steps"], layers=grid_layers, seed=args.seed)
+    # (1) throughput, one core
+    rows = []
+    for name, trace in (("ragged (recorded)", ragged), (f"ragged, {grid_layers} layers", big)):
+        for setting in ("", "expandable_segments:True"):
+            r = replay(trace, setting)
+            rows.append((name, setting or "default", r.entries, r.entries_per_s))
+    print("\n(1) replay throughput, one core")
+    print(f"  {'trace':<22} {'setting':<26} {'entries':>10} {'entries/s':>12}")
+    for name, setting, n, rate in rows:
+        print(f"  {name:<22} {setting:<26} {n:>10,} {rate / 1e6:>10.3f} M")
+    out["throughput"] = [{"trace": a, "setting": b, "entries": c, "entries_per_s": d}
+                         for a, b, c, d in rows]
+    # (2) the grid on the ~1M-entry trace: 3 capacities, every core
+    if not args.skip_grid:
+        base = replay(big, "")
+        caps = [None, int(base.peak_reserved * 1.0), int(base.peak_reserved * 0.85)]
+        caps = [None] + [max(c, 1 << 20) for c in caps[1:]]
+        t0 = time.perf_counter()
+        grid = at.autotune(big, caps, workers=args.workers)
+        wall = time.perf_counter() - t0
+        n_set = grid["setting"].nunique()
+        derived = int(grid["derived"].sum())
+        print(f"\n(2) grid: {n_set} settings x {len(caps)} capacities on {len(big):,} entries "
+              f"(capacities: unconstraining, {format_bytes(caps[1], decimals=2)}, "
+              f"{format_bytes(caps[2], decimals=2)})")
+        print(f"  wall {wall:.1f} s with {grid.attrs['workers'] or cpus} workers: "
+              f"{grid.attrs['replays']} replays run, {derived} rows derived, "
+              f"{grid.attrs['replays'] * len(big) / wall / 1e6:.2f} M entries/s in all")
+        out["grid"] = {"settings": n_set, "capacities": caps, "entries": len(big),
+                       "wall_s": wall, "replays": grid.attrs["replays"], "derived": derived,
+                       "workers": grid.attrs["workers"] or cpus}
+    # (3) the ragged trace: the recommendation per capacity, against the target
+    default = replay(ragged, "")
+    es = replay(ragged, "expandable_segments:True")
+    caps3 = [None, int(default.peak_reserved * 1.1) >> 20 << 20,
+             int(es.peak_reserved * 1.1) >> 20 << 20]
+    t0 = time.perf_counter()
+    df = at.autotune(ragged, caps3, workers=args.workers)
+    wall = time.perf_counter() - t0
+    print(f"\n(3) ragged trace ({df.attrs['entries']:,} entries), target res/alloc <= "
+          f"{args.target:.2f}; {df['setting'].nunique()} settings in {wall:.1f} s")
+    print(f"  defaults: res/alloc {default.peak_reserved / default.peak_allocated:.3f}; "
+          f"expandable segments: {es.peak_reserved / es.peak_allocated:.3f}")
+    picks = []
+    for cap in caps3:
+        rec = at.recommendation(df, cap)
+        where = "unconstraining" if cap is None else format_bytes(cap, decimals=0)
+        part = df[at._same_capacity(df["capacity"], cap) & (df["status"] == "ok")]
+        free = part[part["retries"] == 0]
+        best_free = free.iloc[0] if len(free) else None
+        reach = part[part["reserved_over_allocated"] <= args.target]
+        print(f"  capacity {where}: recommended {rec['setting'] or 'default'}: res/alloc "
+              f"{rec.get('reserved_over_allocated', float('nan')):.3f}, "
+              f"{rec.get('retries', 0)} retries")
+        if best_free is not None:
+            print(f"    best without a retry: {best_free['setting']}: res/alloc "
+                  f"{best_free['reserved_over_allocated']:.3f}, "
+                  f"{int(best_free['driver_allocs'])} driver allocations")
+        if len(reach):
+            r = reach.iloc[0]
+            print(f"    target reached by {len(reach)} settings; cheapest in retries: "
+                  f"{reach.sort_values(['retries', 'peak_reserved']).iloc[0]['setting']} "
+                  f"({int(reach['retries'].min())} retries); best: {r['setting']} at "
+                  f"{r['reserved_over_allocated']:.3f} with {int(r['retries'])} retries")
+        else:
+            print("    target NOT reached at this capacity")
+        picks.append({"capacity": cap, "recommended": rec.get("setting"),
+                      "res_alloc": rec.get("reserved_over_allocated"),
+                      "retries": rec.get("retries"), "reached": int(len(reach))})
+    out["ragged"] = {"wall_s": wall, "capacities": caps3, "picks": picks,
+                     "default_res_alloc": default.peak_reserved / default.peak_allocated,
+                     "es_res_alloc": es.peak_reserved / es.peak_allocated}
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

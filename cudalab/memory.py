@@ -670,6 +670,8 @@ _LAZY = {
         "history_frame", "segments_frame", "snapshot_frame", "stats_frame")},
     "export_perfetto": _TOOLING + "perfetto",
     "autotune": _TOOLING + "autotune",
+    # a layer above (it reads every allocator, NVML and Python's objects), loaded on first use
+    **{name: "cudalab.oom" for name in ("explain_oom", "OOMExplanation")},
     **{name: _TOOLING + "history" for name in (
         "HistoryRecording", "record_history", "_record_memory_history")},
     **{name: _TOOLING + "plot" for name in ("plot_segments", "plot_timeline")},

@@ -249,6 +249,14 @@ class CudaLabMagics(Magics):
           %cuda_memory snapshot PATH        write the snapshot to PATH (a memory_viz pickle)
           %cuda_memory snapshot view [PATH] the snapshot viewer widget (live, or of a pickle)
           %cuda_memory dashboard [-d DEV]   the live dashboard (cudalab.widgets.MemoryDashboard)
+          %cuda_memory why [-d DEV]         why the session's last out-of-memory error happened
+                                            (cudalab.memory.explain_oom): verdict, accounting,
+                                            who holds the largest arrays, allocation sites, and
+                                            replays under other settings; without an error,
+                                            the device now
+          %cuda_memory why release          drop the disposable references it found (Out[...],
+                                            _, the last traceback)
+          %cuda_memory why forget           forget the last out-of-memory error
 
         watch, history, snapshot and dashboard take --source SRC, the allocator the view
         reads: cudalab, torch, cupy, process (the process's memory no allocator accounts
@@ -327,6 +335,9 @@ def load_ipython_extension(ipython: Any) -> CudaLabMagics:
     from cudalab import _internal
 
     _internal.install_interrupts()  # (once per shell: hooks it if a former unload took it off)
+    from cudalab.oom import session
+
+    session.watch(ipython)  # out-of-memory errors of failed cells, for %cuda_memory why
     return magics
 
 
@@ -343,6 +354,11 @@ def unload_ipython_extension(ipython: Any) -> None:
     from cudalab import _internal
 
     _internal.unhook_interrupts_from(ipython)
+    from cudalab.magics.memory_why import forget_magics
+    from cudalab.oom import session
+
+    session.unwatch(ipython)
+    forget_magics(magics)
     manager = getattr(ipython, "magics_manager", None)
     if manager is not None:
         for kind, table in magics.magics.items():

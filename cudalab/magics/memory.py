@@ -473,4 +473,9 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
         return _snapshot(args)
     if cmd == "dashboard":
         return _dashboard(magics, args)
+    if cmd == "why":
+        from cudalab.magics.memory_why import run_why
+
+        return run_why(magics, args.words,
+                       None if args.device is None else resolve_device(args.device))
     raise UsageError(f"%cuda_memory: unknown subcommand {echo(cmd)}")  # pragma: no cover

@@ -38,7 +38,7 @@ class MemoryArgs:
 
 
 _COMMANDS = ("summary", "stats", "pools", "diff", "mark", "reset-peaks", "empty-cache", "watch",
-             "history", "snapshot", "dashboard")
+             "history", "snapshot", "dashboard", "why")
 
 
 def strip_comment(line: str) -> str:

@@ -19,7 +19,9 @@ reserved then), and ``df.attrs["capacity_note"]`` says where the capacity came f
 Exactness and cost. Without a memory fraction, capacity matters only when a device
 allocation fails: a replay that never failed and never retried on a larger device is what
 the same settings do on any device that holds its peak reserved bytes, so that row is
-derived (``derived`` True) instead of replayed. Every other row is a replay of cudalab's
+derived (``derived`` True) instead of replayed. Likewise a ``max_split_size_mb`` larger
+than any segment the trace can create changes nothing (:func:`_idle_split`): the setting
+takes the rows of the same setting without it. Every other row is a replay of cudalab's
 allocator, which follows torch's policy (the replays of torch's own traces reproduce torch's
 peaks exactly; ``backend:cudaMallocAsync`` is an estimate, see
 :mod:`cudalab.memory_tools.replay`).
@@ -154,6 +156,47 @@ def trace_capacity(trace: Any, device: int = 0) -> tuple[int | None, str]:
                    "reserved then)")
 
 
+def _top_level_items(text: str) -> list[str]:
+    """The ``key:value`` items of a settings string (commas inside brackets kept)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    items.append(text[start:].strip())
+    return [x for x in items if x]
+
+
+def _idle_split(setting: str, max_request: int) -> str | None:
+    """The setting without its ``max_split_size_mb`` when that limit can change nothing on a
+    trace whose largest request is ``max_request`` bytes, else None.
+
+    The native caching allocator (without expandable segments) only compares the limit with
+    blocks, and a block is never larger than its segment; the largest segment the trace can
+    create is ``allocation_size(round_size(max_request))`` (both are monotone). When that is
+    below the limit, no block is refused, every split happens as without the limit, and the
+    release of oversize blocks at out-of-memory finds none: the replay is the same.
+    """
+    from cudalab.allocator.config import UNLIMITED
+    from cudalab.allocator.policy import allocation_size, round_size
+
+    try:
+        cfg = as_config(setting)
+    except ValueError:
+        return None
+    if cfg.max_split_size >= UNLIMITED or cfg.expandable_segments or cfg.backend != "native":
+        return None
+    largest = allocation_size(round_size(max(max_request, 1), cfg), cfg.large_segment_size)
+    if largest >= cfg.max_split_size:
+        return None
+    return ",".join(x for x in _top_level_items(setting)
+                    if not x.replace(" ", "").startswith("max_split_size_mb:"))
+
+
 def _capacity(value: Any) -> int | None:
     if value is None:
         return None
@@ -211,7 +254,8 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
         allocations), ``first_oom`` / ``first_oom_bytes`` (the trace entry and request of
         the first out-of-memory, <NA> without one), ``status`` ("ok", "out of memory" or
         "refused: <reason>"), ``derived`` (not replayed: the same settings' replay on a
-        larger device never needed the difference). ``df.attrs``: ``recommendation``
+        larger device never needed the difference, or a ``max_split_size_mb`` no segment of
+        the trace reaches, which changes nothing, took the rows of the setting without it). ``df.attrs``: ``recommendation``
         (:func:`recommendation`), ``capacity_note``, ``refused`` ({setting: reason}),
         ``results`` (the :class:`ReplayResult` per row, None for refused rows),
         ``peak_live``, ``replays`` (replays run), ``elapsed_s``, ``workers``, ``source``.
@@ -272,13 +316,21 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
             continue
         if label not in labels:
             labels.append(label)
+    # A max_split_size_mb no segment of the trace reaches changes nothing (exact, see
+    # _idle_split): such a setting takes the rows of the same setting without it.
+    max_request = max((n for a, n in zip(plan.action, plan.size) if a), default=0)
+    alias: dict[str, str] = {}
+    for s in labels:
+        base = _idle_split(s, max_request)
+        if base is not None and base in labels:
+            alias[s] = base
     fn, bar = progress_callback(progress, "autotune")
     outcomes: dict[tuple[str, int | None], ReplayResult | str] = {}
     derived: set[tuple[str, int | None]] = set()
     replays = 0
     order = sorted(caps, key=lambda c: -(c if c is not None else 1 << 62))
-    plain = [s for s in labels if "per_process_memory_fraction" not in s]
-    capped = [s for s in labels if "per_process_memory_fraction" in s]
+    plain = [s for s in labels if "per_process_memory_fraction" not in s and s not in alias]
+    capped = [s for s in labels if "per_process_memory_fraction" in s and s not in alias]
     total = len(labels) * len(caps)
     done = [0]
 
@@ -326,6 +378,13 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
             for s in capped:
                 jobs.append((s, c, c))
         run(jobs)
+        for s, base in alias.items():
+            for c in caps:
+                got = outcomes[(base, c)]
+                outcomes[(s, c)] = replace(got, config=s) if isinstance(got, ReplayResult) \
+                    else got
+                derived.add((s, c))
+                step(0, 0)
     finally:
         if bar is not None:
             bar.close()

@@ -98,6 +98,7 @@ __all__ = [
     "devices_with_history",
     "history_settings",
     "is_recording",
+    "entry_count",
     "raw_entries",
     "record_history",
     "set_current_cell",
@@ -738,6 +739,12 @@ def raw_entries(device: int) -> list[TraceEntry]:
     if ring is None:
         return []
     return ring.entries()
+
+
+def entry_count(device: int) -> int:
+    """How many entries the history of ``device`` holds now (no copy is made)."""
+    ring = _rings.get(device)
+    return 0 if ring is None else len(ring)
 
 
 def record_snapshot(device: int, total_active: int) -> None:

@@ -201,3 +201,19 @@ def test_cli_search(tmp_path, trace):
     assert data["capacities"] == [4 << 30] and "bogus:1" in data["refused"]
     assert {r["setting"] for r in data["rows"]} == {"default", "expandable_segments:True",
                                                     "bogus:1"}
+
+
+def test_idle_max_split_takes_the_rows_of_the_setting_without_it(trace, peak):
+    biggest = max(n for a, _, n, _ in trace if a == "alloc")
+    assert at._idle_split("max_split_size_mb:4096", biggest) == ""
+    assert at._idle_split("roundup_power2_divisions:[256:1,>:8],max_split_size_mb:4096",
+                          biggest) == "roundup_power2_divisions:[256:1,>:8]"
+    assert at._idle_split("expandable_segments:True,max_split_size_mb:4096", biggest) is None
+    assert at._idle_split("max_split_size_mb:21", 1 << 30) is None  # a segment reaches it
+    tight = peak - (8 << 20)
+    df = at.autotune(trace, [tight], ["max_split_size_mb:4096"], workers=1)
+    row = df[df["setting"] == "max_split_size_mb:4096"].iloc[0]
+    assert row["derived"]
+    real = rp.replay(trace, "max_split_size_mb:4096", device_memory=tight)
+    assert (real.peak_reserved, real.num_device_alloc, real.retries, real.ooms) == \
+        (row["peak_reserved"], row["driver_allocs"], row["retries"], row["ooms"])

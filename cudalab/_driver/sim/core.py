@@ -110,6 +110,8 @@ class SimulatorCore(Backend):
         self._vmm_ranges: dict[int, SimVmmRange] = {}
         self._vmm_starts: list[int] = []
         self._pool_ptrs: dict[int, SimPool] = {}
+        #: occupy_as_other_process: address -> (device, pid) of memory "other processes" hold
+        self._foreign: dict[int, tuple[int, int]] = {}
         self._pool_chunks: dict[int, SimPool] = {}
         # Streams with queued operations (empty: every stream idle, the fast paths run work
         # at once), and a counter bumped whenever an event completes.

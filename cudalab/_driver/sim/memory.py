@@ -76,6 +76,31 @@ class SimMemory(SimulatorCore):
             self.pump()
         self._free(ptr, "cuMemFree")
 
+    def occupy_as_other_process(self, device: int, nbytes: int, pid: int = 1) -> int:
+        """Simulator only: take ``nbytes`` of ``device`` as another process ``pid`` would.
+
+        The memory counts as used (``cuMemGetInfo``, NVML's device figure) and NVML's process
+        list shows it under ``pid``, not under this process. Give it back with
+        :meth:`mem_free` of the returned address. (For out-of-memory scenarios.)
+        """
+        ptr = self._alloc(device, nbytes, "occupy_as_other_process")
+        if ptr:
+            self._foreign[ptr] = (self._device(device, "occupy_as_other_process"), int(pid))
+        return ptr
+
+    def other_processes(self, device: int) -> dict[int, int]:
+        """Simulator only: the bytes :meth:`occupy_as_other_process` took on ``device``, by
+        pid."""
+        out: dict[int, int] = {}
+        for ptr, (d, pid) in list(self._foreign.items()):
+            if d != device:
+                continue
+            loc = self._alloc_start(ptr)
+            if loc is None:  # (freed: _free forgets it)
+                continue
+            out[pid] = out.get(pid, 0) + loc[0].alloc_size[loc[1]]
+        return out
+
     def mem_alloc_async(self, device: int, nbytes: int, stream: StreamHandle) -> int:
         self._device(device, "cuMemAllocAsync")
         self.stream_of(stream, "cuMemAllocAsync")
@@ -355,6 +380,8 @@ class SimMemory(SimulatorCore):
 
     def _free(self, ptr: Any, call: str, from_async: bool = False) -> None:
         p = self._ptr(ptr, call)
+        if self._foreign:
+            self._foreign.pop(p, None)
         with self._mem_lock:
             if self._mem_busy:
                 # Re-entered (a finalizer ran in the middle of an update in this thread).

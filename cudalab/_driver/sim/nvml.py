@@ -112,4 +112,7 @@ class SimulatedNvml(Nvml):
         dev = self._backend.by_physical.get(phys)
         if dev is None or not dev.touched:
             return []
-        return [(os.getpid(), self._used(phys)[1])]
+        listed = getattr(self._backend, "other_processes", None)  # (SimMemory's)
+        others: dict[int, int] = listed(dev.ordinal) if listed is not None else {}
+        mine = self._used(phys)[1] - sum(others.values())
+        return [(os.getpid(), mine), *sorted(others.items())]

@@ -1,0 +1,195 @@
+"""explain_oom (cudalab.oom): one scenario per verdict, the accounting, the referrers and
+their release, sites, counterfactuals, the panel and %cuda_memory why.
+
+The scenarios (tests/oom/scenarios.py) size everything from the device's memory: the
+simulator runs them in CI; the ``gpu`` tests run the same scenarios on a GPU (with torch in
+the process too when ``CUDALAB_OOM_WITH_TORCH=1``) and check the accounting against NVML.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import pytest
+
+import cudalab
+import cudalab.memory as cm
+from cudalab import oom
+from cudalab.oom import explain_oom
+from tests.oom import scenarios
+
+pd = pytest.importorskip("pandas")
+GiB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    oom.session.forget()
+    gc.collect()
+    cm.empty_cache()
+    yield
+    oom.session.forget()
+    gc.collect()
+    cm.empty_cache()
+
+
+def _check_accounting(expl) -> None:
+    acc = expl.accounting
+    assert list(acc.columns) == ["category", "source", "bytes", "detail"]
+    assert int(acc["bytes"].sum()) == acc.attrs["total"] == expl.state.total
+    assert (acc["bytes"].iloc[:-1] >= 0).all()
+    assert abs(acc.attrs["residual"]) <= max(64 << 20, acc.attrs["total"] // 100), acc
+
+
+@pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
+def test_scenario_verdict(name):
+    expected, expl = scenarios.run(name)
+    assert expl.verdict == expected, (expl.verdict, expl.reasons)
+    assert expl.request is not None and expl.shortfall is not None
+    _check_accounting(expl)
+    text = expl.summary()
+    assert expected.replace("_", " ") in text and "fix:" in text
+    html = expl._repr_html_()
+    assert "cudalab-oom" in html and expected in html
+    if not cudalab.devices.backend().simulated:
+        return
+    assert "SIMULATED" in html
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
+def test_scenario_verdict_gpu(name):
+    if os.environ.get("CUDALAB_OOM_WITH_TORCH") == "1":
+        torch = pytest.importorskip("torch")
+        torch.zeros(1, device="cuda")  # torch's allocator and context in the process
+    test_scenario_verdict(name)
+
+
+def test_held_by_python_release_frees_the_memory():
+    free, total = cm.mem_get_info()
+    try:
+        scenarios._hold_in_traceback(int(free * 0.6))
+    except RuntimeError as err:
+        sys.last_type, sys.last_value, sys.last_traceback = type(err), err, err.__traceback__
+    try:
+        exc = scenarios._fail(free * 0.6)
+        expl = explain_oom(error=exc)
+        del exc
+        assert expl.verdict == "held_by_python"
+        rows = [r for r in expl.referrers if r.kind == "traceback"]
+        assert rows and rows[0].disposable and rows[0].held_by_python
+        assert "_hold_in_traceback() local 'big'" in rows[0].holder
+        before = cm.memory_allocated()
+        done = expl.release()
+        assert done["released"] and done["freed"] >= int(free * 0.6) - (2 << 20)
+        assert cm.memory_allocated() <= before - int(free * 0.6) + (2 << 20)
+    finally:
+        scenarios._clear_last()
+
+
+def test_referrers_name_user_names_and_containers():
+    ns = sys.modules["__main__"].__dict__
+    ns["_oom_test_x"] = cudalab.empty(64 << 20, dtype="uint8")
+    ns["_oom_test_list"] = [cudalab.empty(32 << 20, dtype="uint8")]
+    view_base = cudalab.empty(16 << 20, dtype="uint8")
+    ns["_oom_test_view"] = view_base[: 1 << 20]
+    del view_base
+    try:
+        refs = oom.find_referrers(0)
+        by_holder = {r.holder: r for r in refs}
+        assert by_holder["_oom_test_x"].kind == "name"
+        assert not by_holder["_oom_test_x"].disposable
+        assert by_holder["_oom_test_x"].nbytes == 64 << 20
+        assert by_holder["_oom_test_list[0]"].kind == "container"
+        assert by_holder["_oom_test_view"].nbytes == 16 << 20  # the view keeps its base
+        frame = refs.to_frame()
+        assert set(frame.columns) >= {"array", "holder", "kind", "disposable"}
+        done = refs.release(["_oom_test_x"])
+        assert done["released"] == ["_oom_test_x"] and "_oom_test_x" not in ns
+        assert done["freed"] >= 64 << 20
+    finally:
+        for k in ("_oom_test_x", "_oom_test_list", "_oom_test_view"):
+            ns.pop(k, None)
+
+
+def test_no_error_explains_the_current_state_and_says_what_it_cannot_tell():
+    keep = cudalab.empty(256 << 20, dtype="uint8")
+    expl = explain_oom()
+    assert expl.request is None and expl.shortfall is None
+    assert expl.verdict in oom.VERDICTS
+    assert "no out-of-memory error" in expl.summary()
+    assert any("history is off" in u for u in expl.unknown)
+    assert expl.sites is None and expl.counterfactuals is None
+    _check_accounting(expl)
+    del keep
+
+
+def test_sites_and_counterfactuals_from_the_history():
+    free, total = cm.mem_get_info()
+    with cm.record_history():
+        keep = [cudalab.empty(int(free * 0.2), dtype="uint8") for _ in range(3)]
+        exc = scenarios._fail(free * 0.5)
+        expl = explain_oom(error=exc, replays=True)
+    del exc
+    try:
+        assert expl.sites is not None and len(expl.sites)
+        top = expl.sites.iloc[0]
+        assert "test_explain_oom.py" in top["site"] and top["bytes"] >= 3 * int(free * 0.2)
+        cf = expl.counterfactuals
+        assert cf is not None and {"setting", "peak_reserved", "fits"} <= set(cf.columns)
+        default = cf[cf["setting"] == "default"].iloc[0]
+        assert not default["fits"]  # the replay reproduces the failure
+    finally:
+        del keep
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="source"):
+        explain_oom(source="tensorflow")
+    with pytest.raises(ValueError, match="not an out-of-memory error"):
+        explain_oom(error=KeyError("x"))
+
+
+def test_oom_text_parsing_and_error_detection():
+    text = ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 3 has a total capacity of "
+            "139.80 GiB of which 1.00 GiB is free.")
+    assert oom.session.parse_oom_text(text) == (3, 20 << 20)
+    assert oom.session.parse_oom_text("Out of memory allocating 1,024 bytes (allocated so "
+                                      "far: 0 bytes).") == (None, 1024)
+    inner = cudalab.OutOfMemoryError(text=text)
+    outer = RuntimeError("wrapped")
+    outer.__cause__ = inner
+    assert oom.is_oom_error(outer) is inner
+    assert oom.is_oom_error(KeyError()) is None
+
+
+def test_why_magic_on_a_failed_cell():
+    from IPython.testing import globalipapp
+    from IPython.utils.capture import capture_output
+
+    shell = globalipapp.get_ipython()
+    shell.run_line_magic("load_ext", "cudalab")
+    try:
+        free, total = cm.mem_get_info()
+        shell.run_cell(f"import cudalab\n_oom_keep = cudalab.empty({int(free * 0.6)}, "
+                       "dtype='uint8')\n_oom_keep", store_history=True)
+        shell.run_cell("del _oom_keep", store_history=True)
+        with capture_output():
+            r = shell.run_cell(f"cudalab.empty({int(free * 0.6)}, dtype='uint8')",
+                               store_history=True)
+        assert not r.success
+        err, event = oom.last_oom()
+        assert err is r.error_in_exec and event is not None and event.state is not None
+        with capture_output() as cap:
+            shell.run_line_magic("cuda_memory", "why")
+        html = "".join(o.data.get("text/html", "") for o in cap.outputs)
+        assert "held_by_python" in html and "Out[" in html
+        with capture_output() as cap:
+            shell.run_line_magic("cuda_memory", "why release")
+        assert "came back" in cap.stdout
+        assert cm.memory_allocated() < int(free * 0.6)
+    finally:
+        shell.run_line_magic("unload_ext", "cudalab")
+        shell.run_cell("_ = __ = ___ = None", store_history=False)
