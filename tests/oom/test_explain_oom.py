@@ -33,6 +33,8 @@ def _clean():
     oom.session.forget()
     gc.collect()
     cm.empty_cache()
+    for d in range(cudalab.device_count()):  # the scenarios' OOM counts: for later tests
+        cm.reset_accumulated_memory_stats(d)
 
 
 def _check_accounting(expl) -> None:
