@@ -67,7 +67,7 @@ from cudalab._driver.blas_seam import (
 )
 from cudalab.matmul_precision import SETTINGS
 
-__all__ = ["MatmulMixin", "clear_workspaces", "matmul", "workspace_size"]
+__all__ = ["MatmulMixin", "clear_workspaces", "extent", "matmul", "workspace_size"]
 
 #: The kinds of GEMM the settings treat alike (``_Plan.kind``).
 _SINGLE, _HALF, _BFLOAT16, _DOUBLE = 0, 1, 2, 3
@@ -250,7 +250,29 @@ def matmul(input: Any, other: Any, *, out: Any = None) -> Any:
     stream = _streams.current_stream(device)
     result = _array_state.output(plan.shape, plan.dtype, device, stream)
     _launch(plan, input.ptr, other.ptr, result.ptr, device, stream)
+    if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+        _report_access(stream, plan, input, other, result)
     return result
+
+
+def extent(x: ArrayState) -> tuple[int, int]:
+    """(first address, bytes up to the end of the last element) of ``x``'s memory."""
+    if x.contiguous or x.element_count == 0:
+        return x.ptr, x.byte_count
+    item = x.element_dtype.itemsize
+    return x.ptr, sum((d - 1) * s for d, s in zip(x.dims, x.strides) if d > 0) + item
+
+
+def _report_access(stream: Any, plan: _Plan, a: ArrayState, b: ArrayState,
+                   c: ArrayState) -> None:
+    """Tell the stream sanitizer what a GEMM read (the operands) and wrote (the result and
+    the workspace)."""
+    name = "cublasGemmEx" if plan.batch == 1 else "cublasGemmStridedBatchedEx"
+    writes = [extent(c)]
+    workspace = _workspaces.get((_blas.bound_handle(c.device_index).handle, stream.cuda_stream))
+    if workspace is not None and workspace.span[1]:
+        writes.append(workspace.span)
+    _observe.access_tracker.access(stream, [extent(a), extent(b)], writes, name)
 
 
 def _dtype_entry(dtype: np.dtype) -> tuple[int, int] | None:
@@ -346,6 +368,8 @@ def _matmul(input: Any, other: Any, out: Any) -> Any:
         _plans[(input.dims, input.strides_or_none, dtype, other.dims, other.strides_or_none,
                 dtype)] = plan
     _launch(plan, a.ptr, b.ptr, result.ptr, device, stream)
+    if _observe.access_on:
+        _report_access(stream, plan, a, b, result)
     return result
 
 

@@ -175,6 +175,14 @@ def _run(x: DeviceArray, call: _Call) -> DeviceArray:
         _internal.ensure_context(device)
         plan.fft.execute(plan.plan, stream.handle, 0 if work is None else work.ptr,
                          call.fft_type, x.ptr, out.ptr, call.direction)
+        if _observe.access_on:  # the stream sanitizer: C2R overwrites its input too
+            writes = [(out.ptr, out.byte_count)]
+            if work is not None:
+                writes.append((work.ptr, work.byte_count))
+            if call.fft_type in (C2R, Z2D):
+                writes.append((x.ptr, x.byte_count))
+            _observe.access_tracker.access(stream, [(x.ptr, x.byte_count)], writes,
+                                           _EXEC_NAMES[call.fft_type])
         if _observe.launch_on:
             for observer in tuple(_observe.launch_subscribers):
                 observer(_EXEC_NAMES[call.fft_type], device, stream, (1, 1, 1), (1, 1, 1))
