@@ -95,6 +95,43 @@ def nvml_context(devs: list[int]) -> dict[int, dict]:
     return out
 
 
+def library_streams(devs: list[int], current: dict[int, Any]) -> dict[tuple[int, int], Any]:
+    """The current streams of torch and CuPy on the timed devices that are not cudalab's
+    current stream there, as ``{(device, handle): ExternalStream}``: the run records its
+    events on them too, so torch's and CuPy's work is timed where it runs. torch's when torch
+    is imported and has initialised CUDA (``torch.cuda.current_stream(d)``); CuPy's on its
+    current device (``cupy.cuda.get_current_stream()``). Read from ``sys.modules`` only;
+    a library that cannot say is left out."""
+    import sys
+
+    from cudalab.streams import ExternalStream
+
+    found: dict[tuple[int, int], Any] = {}
+
+    def add(d: int, handle: Any) -> None:
+        if isinstance(handle, int) and handle != current[d].cuda_stream and \
+                (d, handle) not in found:
+            found[(d, handle)] = ExternalStream(handle, d)
+
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if cuda is not None and cuda.is_initialized():
+            for d in devs:
+                add(d, int(cuda.current_stream(d).cuda_stream))
+    except Exception:  # a torch that cannot say: its work is timed on cudalab's stream
+        pass
+    cupy = sys.modules.get("cupy")
+    try:
+        if cupy is not None:
+            d = int(cupy.cuda.runtime.getDevice())
+            if d in current:
+                add(d, int(cupy.cuda.get_current_stream().ptr))
+    except Exception:
+        pass
+    return found
+
+
 class TimedContext:
     """Everything one %cuda_timed run needs from the magics instance and the runtime."""
 
@@ -112,6 +149,8 @@ class TimedContext:
         self.simulated = bool(self.backend.simulated)
         self.devs = parse_devices(opts.device)
         self.streams = {d: streams.current_stream(d) for d in self.devs}
+        #: torch's and CuPy's current streams where they are not cudalab's: timed too
+        self.library_streams = library_streams(self.devs, self.streams)
         if magics._event_pool is None:
             magics._event_pool = EventPool()
         self.pool: EventPool = magics._event_pool

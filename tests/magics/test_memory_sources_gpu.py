@@ -149,3 +149,56 @@ def test_cupy_watch_is_the_pools_counters(ip):
         assert figures.allocated_delta == pool.used_bytes() - used, cell
         assert figures.reserved_delta == pool.total_bytes() - total, cell
     run(ip, "%cuda_memory watch off")
+
+
+def test_timed_torch_matmul_agrees_with_torch_events(ip):
+    import statistics
+
+    torch = pytest.importorskip("torch")
+    a = torch.randn(4096, 4096, device="cuda")
+    b = torch.randn(4096, 4096, device="cuda")
+    ip.user_ns.update(a_=a, b_=b, torch=torch)
+    for _ in range(5):
+        torch.mm(a, b)
+    # torch's own events, back to back: the regime %%cuda_timed measures in
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(51)]
+    events[0].record()
+    for i in range(50):
+        torch.mm(a, b)
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    theirs = statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(50)) / 1e3
+    with capture_output():
+        r = ip.run_cell("%%cuda_timed -o -q -n 1 -r 50 -w 5\ntorch.mm(a_, b_)")
+    assert r.success, r.error_in_exec
+    ours = r.result.median
+    assert abs(ours - theirs) / theirs < 0.02, (ours, theirs)
+    with capture_output():
+        r = ip.run_cell("%%cuda_timed -o -q --kernels\ntorch.mm(a_, b_)")
+    res = r.result
+    if not res.kernels:
+        pytest.skip(f"no kernel records here: {res.kernels_note}")
+    names = " ".join(str(k.get("name", "")) for k in res.kernels).lower()
+    assert "gemm" in names or "cutlass" in names or "sm90" in names, names
+    for name in ("a_", "b_"):
+        ip.user_ns.pop(name, None)
+
+
+def test_timed_times_torchs_side_stream(ip):
+    torch = pytest.importorskip("torch")
+    a = torch.randn(4096, 4096, device="cuda")
+    s = torch.cuda.Stream()
+    ip.user_ns.update(a_=a, s_=s, torch=torch)
+    with capture_output():
+        base = ip.run_cell("%%cuda_timed -o -q -n 1 -r 10 -w 2\ntorch.mm(a_, a_)").result
+        torch.cuda.set_stream(s)  # torch's current stream is another stream now
+        try:
+            r = ip.run_cell("%%cuda_timed -o -q -n 1 -r 10 -w 2\ntorch.mm(a_, a_)")
+        finally:
+            torch.cuda.set_stream(torch.cuda.default_stream())
+    # the work runs on s_, torch's current stream: timed there (not 0 on cudalab's)
+    assert r.success, r.error_in_exec
+    assert abs(r.result.median - base.median) / base.median < 0.1, (r.result.median,
+                                                                     base.median)
+    for name in ("a_", "s_"):
+        ip.user_ns.pop(name, None)

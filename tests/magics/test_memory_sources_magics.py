@@ -280,3 +280,32 @@ def test_history_source_errors(ip, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     r, out = run(ip, "%cuda_memory history start --source torch")
     assert "this process has no torch" in str(r.error_in_exec)
+
+
+# ------------------------------------------------------------------ %%cuda_timed
+def test_library_streams_are_torchs_and_cupys_other_streams(ip, torch, cupy):
+    from cudalab.magics.timed_context import library_streams
+
+    cur = {0: cudalab.current_stream(0)}
+    assert library_streams([0], cur) == {}  # both on cudalab's current stream
+    s, t = cudalab.Stream(), cudalab.Stream()
+    torch.cuda.stream.cuda_stream = s.cuda_stream
+    cupy.cuda.get_current_stream = lambda: type("S", (), {"ptr": t.cuda_stream})()
+    found = library_streams([0], cur)
+    assert sorted(found) == sorted([(0, s.cuda_stream), (0, t.cuda_stream)])
+    assert found[(0, s.cuda_stream)].cuda_stream == s.cuda_stream
+    torch.cuda.initialized = False  # torch's CUDA not initialised: not read
+    assert list(library_streams([0], cur)) == [(0, t.cuda_stream)]
+
+
+def test_timed_records_on_torchs_current_stream(ip, torch):
+    from cudalab.magics.result import CudaTimedResult
+
+    s = cudalab.Stream()
+    torch.cuda.stream.cuda_stream = s.cuda_stream
+    ip.user_ns["side_"] = s
+    run(ip, "from cudalab._kernels.spin import gpu_sleep")
+    for line in ("%%cuda_timed -o -q", "%%cuda_timed -o -q -n 1 -r 3 -w 0"):
+        r, out = run(ip, line + "\nwith cudalab.stream(side_):\n    gpu_sleep(20_000_000)")
+        assert r.success and isinstance(r.result, CudaTimedResult), out
+        assert r.result.gpu_times.min() >= 0.019
