@@ -401,3 +401,24 @@ def test_cached_plans_tell_layouts_apart():
         np.testing.assert_allclose((da @ da).cpu(), a @ a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose((transposed @ da).cpu(), a.T @ a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose((da @ transposed).cpu(), a @ a.T, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_and_fft_are_captured_into_a_cuda_graph_and_replayed():
+    rng = np.random.default_rng(10)
+    a = cudalab.asarray(rng.standard_normal((16, 16)).astype(np.float32))
+    signal = cudalab.asarray(rng.standard_normal((4, 32)).astype(np.complex64))
+    a @ a  # the workspace and the plan exist before the capture, as torch warms up
+    cudalab.fft.fft(signal)
+    g = cudalab.CUDAGraph()
+    with cudalab.graph(g):
+        product = a @ a
+        spectrum = cudalab.fft.fft(signal)
+    new_a = rng.standard_normal((16, 16)).astype(np.float32)
+    new_signal = rng.standard_normal((4, 32)).astype(np.complex64)
+    a.copy_(new_a)
+    signal.copy_(new_signal)
+    g.replay()
+    cudalab.synchronize()
+    np.testing.assert_allclose(product.cpu(), new_a @ new_a, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(spectrum.cpu(), np.fft.fft(new_signal), rtol=1e-4, atol=1e-4)
+    g.reset()

@@ -36,6 +36,7 @@ from cudalab._driver.blas_seam import (
     Blas,
 )
 from cudalab._driver.handles import StreamHandle
+from cudalab._driver.sim.library_call import LibraryCall, library_op
 from cudalab.errors import CublasError
 
 __all__ = ["SimulatedBlas", "round_to_tf32"]
@@ -139,7 +140,7 @@ class SimulatedBlas(Blas):
         args = (dtype, transa, transb, m, n, k, alpha, a, lda, stride_a, rows_a, cols_a,
                 b, ldb, stride_b, rows_b, cols_b, beta, c, ldc, stride_c, batch, tf32,
                 compute_type == COMPUTE_16F)
-        backend.submit(s, self._run, args)
+        backend.submit(s, library_op, (LibraryCall(call, self._run, args), (1, 1, 1), (1, 1, 1)))
 
     def _matrices(self, ptr: int, dtype: np.dtype, ld: int, stride: int, rows: int, cols: int,
                   batch: int, transposed: bool) -> Any:

@@ -18,6 +18,7 @@ import numpy as np
 
 from cudalab._driver.fft_seam import C2C, C2R, D2Z, FORWARD, R2C, Z2D, Z2Z, Fft
 from cudalab._driver.handles import StreamHandle
+from cudalab._driver.sim.library_call import LibraryCall, library_op
 from cudalab.errors import CufftError
 
 __all__ = ["SimulatedFft"]
@@ -118,7 +119,11 @@ class SimulatedFft(Fft):
                              "type differs)", 3)
         backend = self._backend
         s = backend.stream_of(stream, "cufftExec")
-        backend.submit(s, self._run, (record, source, destination, direction))
+        name = {C2C: "cufftExecC2C", Z2Z: "cufftExecZ2Z", R2C: "cufftExecR2C", D2Z: "cufftExecD2Z",
+                C2R: "cufftExecC2R", Z2D: "cufftExecZ2D"}[fft_type]
+        backend.submit(s, library_op, (LibraryCall(name, self._run,
+                                                   (record, source, destination, direction)),
+                                       (1, 1, 1), (1, 1, 1)))
 
     def _run(self, p: _Plan, source: int, destination: int, direction: int) -> None:
         in_type, out_type = _TYPES[p.fft_type]
