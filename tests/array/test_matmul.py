@@ -132,7 +132,11 @@ def test_tf32_rounds_float32_inputs_and_is_off_by_default():
     cudalab.backends.cuda.matmul.allow_tf32 = True
     assert cudalab.get_float32_matmul_precision() == "high"
     tf32 = (da @ db).cpu()
-    np.testing.assert_allclose(tf32, round_to_tf32(a) @ round_to_tf32(b), rtol=1e-5, atol=1e-5)
+    model = round_to_tf32(a) @ round_to_tf32(b)
+    if cudalab._internal.backend().simulated:  # the simulator's model of TF32, exactly
+        np.testing.assert_allclose(tf32, model, rtol=1e-5, atol=1e-5)
+    else:  # the tensor cores' rounding of the inputs may differ from round-to-nearest
+        np.testing.assert_allclose(tf32, model, rtol=1e-2, atol=2e-2)
     assert np.abs(tf32 - a @ b).max() > 10 * np.abs(exact - a @ b).max()
     # "medium" is TF32 on cuBLAS too; "highest" turns it off; fp32_precision is the same switch
     cudalab.set_float32_matmul_precision("medium")
