@@ -91,7 +91,8 @@ def main() -> None:
                    help="layers of the grid's trace (default 30: ~1M entries)")
     p.add_argument("--workers", type=int, default=None,
                    help="autotune worker processes (default: every available CPU)")
-    p.add_argument("--skip-grid", action="store_true", help="with --autotune: no 1M grid")
+    p.add_argument("--sections", default="throughput,grid,ragged",
+                   help="with --autotune: which of throughput, grid, ragged to run")
     args = p.parse_args()
     if args.autotune:
         autotune_main(args)
@@ -151,23 +152,28 @@ def autotune_main(args: argparse.Namespace) -> None:
           f"private simulators; {cpus} CPUs available)")
     out: dict = {"environment": environment("simulator (replay)", f"{cpus} CPUs"),
                  "workload": workload}
-    ragged = record(workload)
+    sections = set(args.sections.split(","))
+    ragged = record(workload) if sections & {"throughput", "ragged"} else None
     grid_layers = 4 if args.quick else args.grid_layers
-    big = ragged_inference_trace(steps=workload["steps"], layers=grid_layers, seed=args.seed)
+    big = ragged_inference_trace(steps=workload["steps"], layers=grid_layers, seed=args.seed) \
+        if sections & {"throughput", "grid"} else []
     # (1) throughput, one core
     rows = []
     for name, trace in (("ragged (recorded)", ragged), (f"ragged, {grid_layers} layers", big)):
-        for setting in ("", "expandable_segments:True"):
+        if "throughput" not in sections:
+            break
+        for setting in ("", "expandable_segments:True")[:2 if trace is ragged else 1]:
             r = replay(trace, setting)
             rows.append((name, setting or "default", r.entries, r.entries_per_s))
-    print("\n(1) replay throughput, one core")
-    print(f"  {'trace':<22} {'setting':<26} {'entries':>10} {'entries/s':>12}")
+    if rows:
+        print("\n(1) replay throughput, one core")
+        print(f"  {'trace':<22} {'setting':<26} {'entries':>10} {'entries/s':>12}")
     for name, setting, n, rate in rows:
         print(f"  {name:<22} {setting:<26} {n:>10,} {rate / 1e6:>10.3f} M")
     out["throughput"] = [{"trace": a, "setting": b, "entries": c, "entries_per_s": d}
                          for a, b, c, d in rows]
     # (2) the grid on the ~1M-entry trace: 3 capacities, every core
-    if not args.skip_grid:
+    if "grid" in sections:
         base = replay(big, "")
         caps = [None, int(base.peak_reserved * 1.0), int(base.peak_reserved * 0.85)]
         caps = [None] + [max(c, 1 << 20) for c in caps[1:]]
@@ -186,6 +192,9 @@ def autotune_main(args: argparse.Namespace) -> None:
                        "wall_s": wall, "replays": grid.attrs["replays"], "derived": derived,
                        "workers": grid.attrs["workers"] or cpus}
     # (3) the ragged trace: the recommendation per capacity, against the target
+    if "ragged" not in sections:
+        write_json(args.json, out)
+        return
     default = replay(ragged, "")
     es = replay(ragged, "expandable_segments:True")
     caps3 = [None, int(default.peak_reserved * 1.1) >> 20 << 20,

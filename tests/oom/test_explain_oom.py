@@ -195,3 +195,27 @@ def test_why_magic_on_a_failed_cell():
     finally:
         shell.run_line_magic("unload_ext", "cudalab")
         shell.run_cell("_ = __ = ___ = None", store_history=False)
+
+
+@pytest.mark.gpu
+def test_torch_out_of_memory_is_explained():
+    torch = pytest.importorskip("torch")
+    torch.zeros(1, device="cuda")
+    oom.watch()  # torch's observer too, now that torch is imported
+    free, total = cm.mem_get_info()
+    keep = cudalab.empty(int(free * 0.7), dtype="uint8")
+    try:
+        try:
+            torch.empty(int(free * 0.5), dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as exc:
+            assert oom.note_error(exc)
+        err, event = oom.last_oom()
+        assert isinstance(err, torch.OutOfMemoryError)
+        assert event is not None and event.source == "torch" and event.state is not None
+        expl = explain_oom()
+        assert expl.source == "torch" and expl.verdict == "live_arrays", expl.reasons
+        assert {"cudalab", "torch"} <= set(expl.accounting["source"])
+        _check_accounting(expl)
+    finally:
+        del keep
+        torch.cuda.empty_cache()
