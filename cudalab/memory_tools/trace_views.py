@@ -320,7 +320,9 @@ class TraceViews:
             rmax = np.maximum.reduceat(r, idx)
             c = cell[start:stop]
             change = np.flatnonzero(np.diff(c)) + 1
-            marks = np.concatenate(([0], change))[:bins]
+            if len(change) > bins:  # evenly over the window, not the first ones only
+                change = change[np.linspace(0, len(change) - 1, bins).astype(np.int64)]
+            marks = np.concatenate(([0], change))
         cell = cell[start:stop]
         strings = self.index.strings
         cells = [(int(start + i), strings[c] if c >= 0 else None)

@@ -128,7 +128,7 @@ class SnapshotExplorer(W.VBox):
         self._version = 0
         self._lock = threading.RLock()
         self._source = source
-        self._compare = compare
+        self._other = compare
         self._thread: threading.Thread | None = None
         self._summary = W.HTML()
         self._summary.add_class("cudalab-explorer-summary")
@@ -142,7 +142,8 @@ class SnapshotExplorer(W.VBox):
                                 ("◀", "pan -0.25", "pan left"), ("▶", "pan 0.25", "pan right"),
                                 ("all", "reset", "the whole trace"),
                                 ("peak", "peak", "the moment of peak allocated")):
-            b = W.Button(description=label, tooltip=tip, layout=W.Layout(width="48px"))
+            b = W.Button(description=label, tooltip=tip,
+                         layout=W.Layout(width="56px" if len(label) > 1 else "40px"))
             b.add_class(f"cudalab-explorer-{tip.replace(' ', '-')}")
             b.on_click(lambda _b, c=cmd: self.command(c))
             buttons.append(b)
@@ -186,9 +187,9 @@ class SnapshotExplorer(W.VBox):
                                 f"TraceIndex, not {type(src).__name__}")
             views = TraceViews(index)
             compare = None
-            if self._compare is not None:
-                self.diff_result = diff(views, self._compare if not isinstance(
-                    self._compare, (str, os.PathLike)) else open_trace(self._compare),
+            if self._other is not None:
+                self.diff_result = diff(views, self._other if not isinstance(
+                    self._other, (str, os.PathLike)) else open_trace(self._other),
                     names=self._names())
                 compare = self._compare_views()
             with self._lock:
@@ -214,11 +215,11 @@ class SnapshotExplorer(W.VBox):
         def name(x: Any, dflt: str) -> str:
             return os.path.basename(os.fspath(x)) if isinstance(x, (str, os.PathLike)) else dflt
 
-        a, b = name(self._source, "this run"), name(self._compare, "the other run")
+        a, b = name(self._source, "this run"), name(self._other, "the other run")
         return (a, b) if a != b else ("this run", "the other run")
 
     def _compare_views(self) -> TraceViews | None:
-        c = self._compare
+        c = self._other
         if isinstance(c, TraceViews):
             return c
         if isinstance(c, TraceIndex):
@@ -391,6 +392,25 @@ class SnapshotExplorer(W.VBox):
         self.hits = found.rows
         self._results.value = search_html(views, found)
         self._render()
+
+    # ----------------------------------------------------------------------- display
+    def __repr__(self) -> str:
+        ix = self.views.index if self.views is not None else None
+        what = (f"{ix.source}: {ix.n:,} entries" if ix is not None
+                else f"reading, error: {self.error}" if self.error else "reading")
+        return f"SnapshotExplorer({what})"
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        data = super()._repr_mimebundle_(**kwargs) or {}
+        if isinstance(data, tuple):
+            data = data[0]
+        data = dict(data)
+        data["text/plain"] = repr(self)
+        # a static picture for saved notebooks (where no kernel answers)
+        data["text/html"] = (f"<div>{self._summary.value}{self._timeline.value}"
+                             f"{self._live.value if self.moment is not None else ''}"
+                             f"{self._diff.value}</div>")
+        return data
 
     # ----------------------------------------------------------------------- exports
     def _export_row(self) -> W.HBox:

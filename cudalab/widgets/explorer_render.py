@@ -44,6 +44,20 @@ def _handler(prefix: str) -> str:
     return html.escape(prefix + SEND_JS.format(text="t"), quote=True)
 
 
+def _steps(x0: np.ndarray, x1: np.ndarray, top: np.ndarray,
+           bottom: np.ndarray | None = None) -> str:
+    """An SVG path of steps (``H``/``V`` commands, integer pixels): each bin flat from its
+    ``x0`` to its ``x1`` at ``top``; with ``bottom``, closed back along it (a band)."""
+    out = [f"M{x0[0]} {top[0]}"]
+    for b, t in zip(x1.tolist(), top.tolist()):
+        out.append(f"V{t}H{b}")
+    if bottom is not None:
+        for a, bt in zip(x0[::-1].tolist(), bottom[::-1].tolist()):
+            out.append(f"V{bt}H{a}")
+        out.append("Z")
+    return "".join(out)
+
+
 def timeline_html(tile: dict[str, Any], *, width: int, height: int, start: int, stop: int,
                   total: int, moment: int | None, hits: np.ndarray | None, version: int,
                   overlay: dict[str, Any] | None = None, progress: str = "") -> str:
@@ -71,12 +85,13 @@ def timeline_html(tile: dict[str, Any], *, width: int, height: int, start: int, 
     def y(v: np.ndarray) -> np.ndarray:
         return height - 16 - v * (height - 28) / top
 
-    up = " ".join(f"{a:.1f},{b:.1f} {c:.1f},{b:.1f}" for a, b, c in zip(xs, y(amax), xe))
-    down = " ".join(f"{c:.1f},{b:.1f} {a:.1f},{b:.1f}" for a, b, c in
-                    zip(xs[::-1], y(amin)[::-1], xe[::-1]))
-    res = " ".join(f"{a:.1f},{b:.1f} {c:.1f},{b:.1f}" for a, b, c in zip(xs, y(rmax), xe))
-    parts = [f'<polygon points="{up} {down}" fill="#9ecae1" stroke="#3182bd" stroke-width="0.6"/>',
-             f'<polyline points="{res}" fill="none" stroke="#e6550d" stroke-width="1"/>']
+    ya, yb, yr = (np.round(y(v)).astype(np.int64) for v in (amax, amin, rmax))
+    xs_i = np.round(xs).astype(np.int64)
+    xe_i = np.maximum(np.round(xe).astype(np.int64), xs_i + (1 if step else 0))
+    parts = [f'<path d="{_steps(xs_i, xe_i, ya, yb)}" fill="#9ecae1" stroke="#3182bd" '
+             f'stroke-width="0.6"/>',
+             f'<path d="{_steps(xs_i, xe_i, yr)}" fill="none" stroke="#e6550d" '
+             f'stroke-width="1"/>']
     if overlay and overlay["rows"]:
         o_rows = np.asarray(overlay["rows"], np.float64)
         o_span = max(overlay["stop"] - overlay["start"], 1)
@@ -186,9 +201,9 @@ def search_html(views: TraceViews, found: SearchResult, shown: int = 50) -> str:
         label = (f"entry {row:,}: {ix.action_names[ix.action[row]]} "
                  f"{format_bytes(int(ix.size[row]))} at 0x{int(ix.addr[row]):x} · "
                  f"{views.stack_label(int(ix.stack[row]))}")
-        items.append(f"<li><a href='#' class='cudalab-explorer-goto' data-row='{row}' "
-                     f"onclick=\"event.preventDefault();{_send(repr(f'goto {row}'))}\">"
-                     f"{html.escape(label)}</a></li>")
+        items.append(f"<li><span role='link' class='cudalab-explorer-goto' data-row='{row}' "
+                     f"style='cursor:pointer;color:#1f5fa8' "
+                     f"onclick=\"{_send(repr(f'goto {row}'))}\">{html.escape(label)}</span></li>")
     more = f" (first {min(shown, found.count)})" if found.count > shown else ""
     return (f"<div class='cudalab-explorer-search' data-count='{found.count}'>"
             f"{found.count:,} entries with {html.escape(found.what)}{more}"

@@ -84,6 +84,7 @@ def _chromium() -> Iterator:
         browser = pw.chromium.launch(
             executable_path=CHROMIUM, headless=True,
             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--enable-precise-memory-info",
                   "--disable-background-networking", "--disable-component-update"])
         try:
             yield browser
@@ -174,10 +175,10 @@ FRONT_ENDS = {
 }
 
 
-def _notebook() -> dict:
+def _notebook(cells: list[str] | None = None) -> dict:
     return {
         "cells": [{"cell_type": "code", "execution_count": None, "id": f"cell{i}", "metadata": {},
-                   "outputs": [], "source": src} for i, src in enumerate(CELLS)],
+                   "outputs": [], "source": src} for i, src in enumerate(cells or CELLS)],
         "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python",
                                     "name": "python3"}},
         "nbformat": 4, "nbformat_minor": 5,
@@ -185,13 +186,14 @@ def _notebook() -> dict:
 
 
 @contextlib.contextmanager
-def _jupyter_server(kind: str, tmp_path: pathlib.Path) -> Iterator[str]:
-    """Start the ``kind`` server (see FRONT_ENDS) on 127.0.0.1; yields its URL. Its log is
-    ``tmp_path / "server.log"``."""
+def _jupyter_server(kind: str, tmp_path: pathlib.Path, cells: list[str] | None = None
+                    ) -> Iterator[str]:
+    """Start the ``kind`` server (see FRONT_ENDS) on 127.0.0.1 with ``dash.ipynb`` holding
+    ``cells`` (default :data:`CELLS`); yields its URL. Its log is ``tmp_path / "server.log"``."""
     fe = FRONT_ENDS[kind]
     root = tmp_path / "root"
     root.mkdir()
-    (root / "dash.ipynb").write_text(json.dumps(_notebook()))
+    (root / "dash.ipynb").write_text(json.dumps(_notebook(cells)))
     settings = tmp_path / "settings"
     for ext, name, value in (
         ("@jupyterlab/notebook-extension", "tracker", {"windowingMode": "none"}),

@@ -74,6 +74,10 @@ def test_the_explorer_reads_a_file_in_a_thread_and_draws_tiles(trace_file):
     assert int(_attr(svg, "cudalab-explorer-timeline", "cells")) > 0  # cell markers
     assert "data-rows='60000'" in ex._summary.value or 'data-rows="60000"' in ex._summary.value
     assert ex.tiles_sent >= 2  # partial views while reading, then the whole trace
+    assert repr(ex).startswith("SnapshotExplorer(") and "60,000 entries" in repr(ex)
+    bundle = ex._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert "cudalab-explorer-timeline" in bundle["text/html"]
     # every view is bounded, whatever the trace's size
     assert ex.bytes_sent / ex.tiles_sent < 5 << 20
 
