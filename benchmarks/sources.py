@@ -1,0 +1,169 @@
+"""Sources benchmark: what watching torch costs a torch user, and whether the views agree
+with torch's own figures.
+
+* a torch training step (an MLP, Adam; forward, backward, step) timed in alternating rounds
+  with and without a ``MemoryDashboard(source="torch")`` sampling at 10 Hz: the slowdown
+  (goal <= 1 %);
+* the torch source's sample (``torch.cuda.memory_stats_as_nested_dict`` + NVML) and torch's
+  flat ``memory_stats()`` beside it, per call;
+* the watch's torch line: pre + post hooks per cell;
+* ``%%cuda_timed`` on a torch matmul against ``torch.cuda.Event`` timing of the same matmul,
+  back to back (goal: within 2 %).
+
+    python benchmarks/sources.py [--json out.json] [--quick]
+
+Needs torch with CUDA (the rows are skipped without it, saying so).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _harness import Table, environment, optional_import, parse_args, write_json  # noqa: E402
+
+
+def _model(torch):
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                                torch.nn.Linear(4096, 4096), torch.nn.GELU(),
+                                torch.nn.Linear(4096, 1024)).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(512, 1024, device="cuda")
+
+    def step():
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def step_slowdown(torch, rounds: int, steps: int) -> dict:
+    from cudalab.widgets import MemoryDashboard
+
+    step = _model(torch)
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    dash = MemoryDashboard(source="torch", interval=0.1, max_rate=10.0, start=False)
+    samples: dict[str, list[float]] = {"off": [], "on": []}
+    ticks = 0
+    try:
+        for r in range(2 * rounds):
+            on = r % 2 == 1
+            if on:
+                n0 = dash._n
+                dash.start()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            if on:
+                dash._stop_sampler()
+                ticks += dash._n - n0
+            samples["on" if on else "off"].append(dt / steps)
+    finally:
+        dash.close()
+    off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
+    spent = sum(samples["on"]) * steps
+    return {"off_ms": off * 1e3, "on_ms": on * 1e3, "slowdown_pct": 100.0 * (on - off) / off,
+            "ticks_per_s": ticks / spent if spent else 0.0, "steps": steps, "rounds": rounds}
+
+
+def per_call(fn, number: int) -> float:
+    for _ in range(number // 10):
+        fn()
+    runs = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(number):
+            fn()
+        runs.append((time.perf_counter() - t) / number)
+    return statistics.median(runs)
+
+
+def sample_costs(torch, number: int) -> dict:
+    from cudalab.magics.memory_watch_sources import TorchCellWatch
+    from cudalab.memory_sources import TorchSource
+
+    source = TorchSource(torch)
+    quiet = TorchSource(torch, nvml=False)
+    watch = TorchCellWatch(torch, None, lambda: False)
+
+    def hooks():
+        watch.pre()
+        watch.post(0.0, 0)
+
+    return {"sample_us": per_call(lambda: source.sample(0), number) * 1e6,
+            "sample_no_nvml_us": per_call(lambda: quiet.sample(0), number) * 1e6,
+            "memory_stats_us": per_call(lambda: torch.cuda.memory_stats(0), number) * 1e6,
+            "watch_hooks_us": per_call(hooks, number) * 1e6}
+
+
+def timed_vs_events(torch, repeats: int) -> dict:
+    from IPython.testing import globalipapp
+    from IPython.utils.capture import capture_output
+
+    a = torch.randn(4096, 4096, device="cuda")
+    b = torch.randn(4096, 4096, device="cuda")
+    for _ in range(5):
+        torch.mm(a, b)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+    events[0].record()
+    for i in range(repeats):
+        torch.mm(a, b)
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    theirs = statistics.median(events[i].elapsed_time(events[i + 1])
+                               for i in range(repeats)) / 1e3
+    ip = globalipapp.get_ipython()
+    ip.run_line_magic("load_ext", "cudalab")
+    ip.user_ns.update(a_=a, b_=b, torch=torch)
+    with capture_output():
+        r = ip.run_cell(f"%%cuda_timed -o -q -n 1 -r {repeats} -w 5\ntorch.mm(a_, b_)")
+    ours = r.result.median
+    return {"torch_events_ms": theirs * 1e3, "cuda_timed_ms": ours * 1e3,
+            "difference_pct": 100.0 * (ours - theirs) / theirs}
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    torch = optional_import("torch")
+    if torch is None or not torch.cuda.is_available():
+        print("cudalab sources: torch with CUDA is not installed here: no rows")
+        write_json(args.json, {"skipped": "no torch with CUDA"})
+        return
+    import cudalab
+
+    torch.zeros(1, device="cuda")
+    cudalab.init()
+    name = torch.cuda.get_device_name(0)
+    slow = step_slowdown(torch, 5 if args.quick else 11, 20 if args.quick else 50)
+    costs = sample_costs(torch, 200 if args.quick else 2000)
+    timing = timed_vs_events(torch, 50 if args.quick else 200)
+    t = Table(f"cudalab sources, torch {torch.__version__} ({name})")
+    t.add("torch training step, no dashboard", slow["off_ms"], "ms", f"{slow['steps']} steps/round")
+    t.add("torch training step, dashboard sampling torch at 10 Hz", slow["on_ms"], "ms",
+          f"{slow['ticks_per_s']:.1f} ticks/s")
+    t.add("slowdown", slow["slowdown_pct"], "%", f"goal <= 1 %, {slow['rounds']} rounds each")
+    t.add("TorchSource.sample (with NVML)", costs["sample_us"], "µs")
+    t.add("TorchSource.sample (no NVML)", costs["sample_no_nvml_us"], "µs")
+    t.add("torch.cuda.memory_stats()", costs["memory_stats_us"], "µs", "torch's flat dict")
+    t.add("watch's torch line: pre + post per cell", costs["watch_hooks_us"], "µs")
+    t.add("matmul 4096², torch.cuda.Event median", timing["torch_events_ms"], "ms")
+    t.add("matmul 4096², %%cuda_timed median", timing["cuda_timed_ms"], "ms")
+    t.add("%%cuda_timed vs torch events", timing["difference_pct"], "%", "goal within 2 %")
+    print(t.render())
+    write_json(args.json, {"environment": environment("cuda", name), "slowdown": slow,
+                           "costs": costs, "timing": timing})
+
+
+if __name__ == "__main__":
+    main()
