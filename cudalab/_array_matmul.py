@@ -377,6 +377,7 @@ def _launch(plan: _Plan, a: int, b: int, c: int, device: int, stream: Any) -> No
     """Queue ``plan``'s GEMM of ``input`` at ``a`` and ``other`` at ``b`` into ``c`` on
     ``stream``, through this thread's handle of ``device``."""
     compute, mode, algo = _math(plan.kind)
+    _devices.ensure_context(device)  # cuBLAS calls run in the context of the handle's device
     bound = _blas.bound_handle(device)
     blas, handle = bound.blas, bound.handle
     stream_int = stream.cuda_stream

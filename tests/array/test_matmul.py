@@ -426,3 +426,17 @@ def test_matmul_and_fft_are_captured_into_a_cuda_graph_and_replayed():
     np.testing.assert_allclose(product.cpu(), new_a @ new_a, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(spectrum.cpu(), np.fft.fft(new_signal), rtol=1e-4, atol=1e-4)
     g.reset()
+
+
+@pytest.mark.skipif(cudalab.device_count() < 2, reason="needs two devices")
+def test_a_matmul_on_another_device_than_the_current_one():
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((32, 32)).astype(np.float32)
+    d1 = cudalab.asarray(a, device=1)
+    assert cudalab.current_device() == 0
+    product = d1 @ d1
+    assert product.device_index == 1
+    np.testing.assert_allclose(product.cpu(), a @ a, rtol=1e-4, atol=1e-4)
+    spectrum = cudalab.fft.fft(d1.astype(np.complex64))
+    assert spectrum.device_index == 1 and cudalab.backends.cuda.cufft_plan_cache[1].size >= 1
+    np.testing.assert_allclose(spectrum.cpu(), np.fft.fft(a), rtol=1e-4, atol=1e-3)
