@@ -12,7 +12,9 @@ an address is given, and a connection file in the cluster directory
   that uses no device yet still publishes an empty list, as a heartbeat;
 * a ROUTER socket answering signed requests for the rank's records (``stats``, ``samples``,
   ``history_tail``, ``snapshot``: :mod:`cudalab.cluster.records`); a request whose signature
-  is wrong is dropped, counted, and nothing in it is decoded.
+  is wrong is dropped, counted, and nothing in it is decoded. A second daemon thread,
+  started at the first request, collects and encodes the answers (a snapshot of a long
+  history takes a while), so the samples keep their pace meanwhile.
 
 The thread issues no collective and lets no exception out (a failed tick is counted and
 its text published in the next header). It stops, closes its sockets without lingering and
@@ -28,9 +30,11 @@ so the process still ends by SIGTERM, as it would have, and leaves no file behin
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import os
+import queue
 import threading
 import time
 from typing import Any
@@ -49,6 +53,10 @@ __all__ = ["Publisher", "serve", "serve_from_env", "publishers", "stop_all",
 DEFAULT_INTERVAL = 0.5
 #: Messages a PUB socket queues per watcher before it drops (a watcher that does not read).
 SEND_HWM = 4
+#: Requests waiting for the answering thread at most (more are answered "busy").
+MAX_PENDING = 8
+#: Seconds between two looks for the allocators the process uses.
+_RESOLVE_SOURCES = 5.0
 #: The longest the thread sleeps before it looks at its stop flag (seconds).
 _WAKE = 0.1
 _lock = threading.Lock()
@@ -92,6 +100,12 @@ class Publisher:
         self._startup_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._owner = os.getpid()
+        # requests handed to the answering thread, and its answers for the socket's thread
+        self._requests: queue.Queue[Any] = queue.Queue(MAX_PENDING)
+        self._replies: collections.deque[tuple[bytes, str, bytes, str]] = collections.deque()
+        self._answering: threading.Thread | None = None
+        self._sources: tuple[SampleSource, ...] | None = None
+        self._sources_due = 0.0
 
     # ------------------------------------------------------------------ control
     @property
@@ -131,6 +145,8 @@ class Publisher:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop publishing, close the sockets and remove the connection file (idempotent)."""
         self._stop.set()
+        with contextlib.suppress(queue.Full):
+            self._requests.put_nowait(None)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -198,15 +214,28 @@ class Publisher:
                 wait = min(_WAKE, max(0.0, next_tick - time.monotonic()))
                 if poller.poll(wait * 1000):
                     self._answer(zmq, router)
+                while self._replies:  # (made by the answering thread)
+                    self._reply(zmq, router, *self._replies.popleft())
             except Exception as exc:  # noqa: BLE001 - nothing escapes the thread
                 self.failed += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"[:200]
                 time.sleep(_WAKE)
 
     def _sample(self) -> list[Any]:
-        source = self._source if self._source is not None else _records.rank_source()
-        now = time.time()
-        return [source.sample(d, now) for d in _records.source_devices(source)]
+        """One sample per device of every allocator the process uses (each labelled with
+        its allocator); the allocators are looked for again every few seconds (torch may
+        initialise CUDA after the publisher started)."""
+        now = time.monotonic()
+        if self._source is not None:
+            sources: tuple[SampleSource, ...] = (self._source,)
+        else:
+            if self._sources is None or now >= self._sources_due:
+                self._sources = _records.rank_sources()
+                self._sources_due = now + _RESOLVE_SOURCES
+            sources = self._sources
+        when = time.time()
+        return [source.sample(d, when) for source in sources
+                for d in _records.source_devices(source)]
 
     def _publish(self, zmq: Any, pub: Any) -> None:
         try:
@@ -245,11 +274,30 @@ class Publisher:
                 self._reply(zmq, router, peer, "", b"", f"bad request: {exc}")
                 continue
             try:
+                self._requests.put_nowait((peer, request["id"], what, tail))
+            except queue.Full:
+                self._reply(zmq, router, peer, request["id"], b"",
+                            f"busy: {MAX_PENDING} requests are waiting")
+                continue
+            if self._answering is None:
+                self._answering = threading.Thread(target=self._answer_requests, daemon=True,
+                                                   name="cudalab-cluster-answer")
+                self._answering.start()
+
+    def _answer_requests(self) -> None:
+        """The answering thread: collects and encodes what each request asks for (a
+        snapshot of a long history takes a while), so the samples keep their pace."""
+        while not self._stop.is_set():
+            item = self._requests.get()
+            if item is None:
+                return
+            peer, request_id, what, tail = item
+            try:
                 payload = _records.encode(_records.collect(what, self._source, tail))
                 error = ""
             except Exception as exc:  # noqa: BLE001 - the watcher hears why
                 payload, error = b"", f"{type(exc).__name__}: {exc}"[:1000]
-            self._reply(zmq, router, peer, request["id"], payload, error)
+            self._replies.append((peer, request_id, payload, error))
 
     def _reply(self, zmq: Any, router: Any, peer: bytes, request_id: str, payload: bytes,
                error: str) -> None:

@@ -21,6 +21,7 @@ already uses when :mod:`cudalab.memory_sources` has a source for it.
 
 from __future__ import annotations
 
+import operator
 import pickle
 import sys
 from collections.abc import Iterable, Mapping
@@ -100,27 +101,26 @@ class RankRecords:
 
 
 # ----------------------------------------------------------------------------- the rank's side
-def rank_source() -> SampleSource:
-    """The source of this process's records: a torch source when torch's allocator is in use
-    here (``torch`` in ``sys.modules`` with CUDA initialised) and
-    :mod:`cudalab.memory_sources` offers one, else cudalab's own
-    (:class:`~cudalab.memory_sources.CudalabSource`)."""
+def rank_sources() -> tuple[SampleSource, ...]:
+    """A source for every allocator this process uses: cudalab's always, torch's when torch
+    is imported and has initialised CUDA, CuPy's when CuPy is imported
+    (:func:`cudalab.memory_sources.allocator_sources`; ``sys.modules`` only)."""
     from cudalab import memory_sources
 
-    torch = sys.modules.get("torch")
-    torch_source = getattr(memory_sources, "TorchSource", None)
-    if torch is not None and torch_source is not None:
-        try:
-            if torch.cuda.is_initialized():
-                return torch_source()  # type: ignore[no-any-return]
-        except Exception:  # a torch without CUDA: cudalab's own
-            pass
-    return memory_sources.CudalabSource()
+    return tuple(memory_sources.allocator_sources())
+
+
+def rank_source() -> SampleSource:
+    """The source of this process's records (stats, history, snapshot): torch's when the
+    process uses torch's allocator, else cudalab's own."""
+    sources = rank_sources()
+    return next((s for s in sources if s.name == "torch"), sources[0])
 
 
 def source_devices(source: SampleSource) -> list[int]:
-    """The devices ``source`` has figures for now, ascending: its ``devices()`` when it has
-    one; for cudalab's, the devices with an allocator (never initialises CUDA)."""
+    """The devices ``source`` has figures for now, ascending (never initialises CUDA): its
+    ``devices()`` when it has one; cudalab's: the devices with an allocator; torch's and
+    CuPy's: the current device and those where the allocator holds memory."""
     devices = getattr(source, "devices", None)
     if callable(devices):
         return sorted(int(d) for d in devices())
@@ -128,10 +128,23 @@ def source_devices(source: SampleSource) -> list[int]:
         from cudalab.allocator import registry
 
         return [i for i, a in enumerate(list(registry.allocators)) if a is not None]
+    if source.name == "torch":
+        cuda = source.torch.cuda  # type: ignore[attr-defined]
+        if not cuda.is_initialized():
+            return []
+        return sorted({int(cuda.current_device())} | {
+            d for d in range(cuda.device_count()) if cuda.memory_reserved(d) > 0})
+    if source.name == "cupy":
+        try:
+            return [int(sys.modules["cupy"].cuda.runtime.getDevice())]
+        except Exception:  # no CuPy or no device: nothing to show
+            return []
     return []
 
 
 def _stats(source: SampleSource, device: int) -> dict[str, int]:
+    if source.name == "torch":  # torch's own flat memory_stats()
+        return dict(source.torch.cuda.memory_stats(device))  # type: ignore[attr-defined]
     stats = getattr(source, "memory_stats", None)
     if callable(stats):
         return dict(stats(device))
@@ -142,10 +155,12 @@ def _stats(source: SampleSource, device: int) -> dict[str, int]:
 
 def _history_tail(source: SampleSource, devices: Iterable[int], tail: int,
                   snapshot: dict[str, Any] | None) -> dict[int, list[dict[str, Any]]]:
-    if source.name != "cudalab":  # another allocator: its snapshot's traces
+    """The newest ``tail`` entries per device: the snapshot's own trace entries when one is
+    taken too (the same objects, so the pickle carries them once), else the history's."""
+    if snapshot is not None or source.name != "cudalab":
         snap = snapshot if snapshot is not None else source.snapshot()
         traces = snap.get("device_traces", [])
-        return {d: list(t[-tail:] if tail else []) for d, t in enumerate(traces) if t}
+        return {d: list(t[-tail:]) for d, t in enumerate(traces) if t and tail}
     from cudalab.memory_tools import history
 
     out: dict[int, list[dict[str, Any]]] = {}
@@ -236,10 +251,10 @@ def decode(data: bytes, what: str = "rank records", max_bytes: int | str | None 
             raise ValueError(f"{what}: samples is a {type(samples).__name__}, expected a list")
         checked = tuple(DeviceSample.from_dict(s, f"{what}: samples[{i}]")
                         for i, s in enumerate(samples))
-        history = _check_history(raw.get("history_tail", {}), what)
         snapshot = raw.get("snapshot")
         if snapshot is not None:
             check_snapshot(snapshot, f"{what}: snapshot")
+        history = _check_history(raw.get("history_tail", {}), what, snapshot)
     except SnapshotLoadError:
         raise
     except ValueError as exc:
@@ -271,12 +286,18 @@ def _check_stats(stats: Any, what: str) -> dict[int, dict[str, int]]:
     return out
 
 
-def _check_history(history: Any, what: str) -> dict[int, list[dict[str, Any]]]:
+def _check_history(history: Any, what: str, snapshot: dict[str, Any] | None
+                   ) -> dict[int, list[dict[str, Any]]]:
+    """The history tails checked; a tail made of the checked snapshot's own entry objects
+    (the usual case when both travel) is not checked twice."""
     if not isinstance(history, dict):
         raise ValueError(f"{what}: history_tail is a {type(history).__name__}, expected a dict")
+    traces = snapshot.get("device_traces", []) if snapshot is not None else []
     out: dict[int, list[dict[str, Any]]] = {}
     for key, entries in history.items():
         d = _device_key(key, f"{what}: history_tail")
-        check_trace_entries(entries, f"history_tail[{d}]", what)
+        if not (isinstance(entries, list) and d < len(traces) and len(entries) <= len(traces[d])
+                and all(map(operator.is_, entries, traces[d][len(traces[d]) - len(entries):]))):
+            check_trace_entries(entries, f"history_tail[{d}]", what)
         out[d] = entries
     return out

@@ -42,7 +42,7 @@ from cudalab.cluster.records import RankRecords
 from cudalab.cluster.signing import Signer
 from cudalab.memory_tools.samples import DeviceSample
 
-__all__ = ["ClusterWatch", "watch", "Headroom", "PeakRow", "DEFAULT_LOST_AFTER",
+__all__ = ["ClusterWatch", "watch", "Headroom", "PeakRow", "RankSource", "DEFAULT_LOST_AFTER",
            "DEFAULT_STALE_AFTER"]
 
 #: Seconds of silence after which a rank is lost.
@@ -65,11 +65,13 @@ class Headroom(NamedTuple):
 
 
 class PeakRow(NamedTuple):
-    """One row of :meth:`ClusterWatch.peaks`: a device of a rank, from its latest sample."""
+    """One row of :meth:`ClusterWatch.peaks`: a device of a rank, from its latest sample (one
+    row per allocator the rank uses on it)."""
 
     rank: int
     host: str
     device: int
+    allocator: str  # the allocator the figures are of ("cudalab", "torch", "cupy")
     device_name: str  # "" when unknown
     peak_allocated: int  # allocated_bytes.all.peak, bytes
     peak_reserved: int  # reserved_bytes.all.peak, bytes
@@ -124,7 +126,9 @@ class ClusterWatch:
         self._zmq = zmq
         self._context = zmq.Context()
         self._lock = threading.Lock()
-        self._ranks: dict[str, _Rank] = {}  # by connection file path
+        # by connection: (file path, start time): a process that stops and serves again
+        # rewrites its file with new ports and a new key, a new connection
+        self._ranks: dict[tuple[str, float], _Rank] = {}
         self._jobs: dict[str, float] = {}  # job -> newest start seen (live files)
         self._dead_files: list[str] = []  # the last scan's files of processes that are gone
         self._fetch_rejected = 0
@@ -174,11 +178,11 @@ class ClusterWatch:
             self._jobs[info.job] = max(self._jobs.get(info.job, 0.0), info.started)
         if self._job is None and self._jobs:
             self._job = max(self._jobs, key=self._jobs.__getitem__)
-        paths = {info.path for info in found.live}
+        paths = {(info.path, info.started) for info in found.live}
         with self._lock:
             self._dead_files = [info.path for info in found.stale]
             for info in found.live:
-                if info.job != self._job or info.path in self._ranks:
+                if info.job != self._job or (info.path, info.started) in self._ranks:
                     continue
                 sock = self._context.socket(self._zmq.SUB)
                 sock.setsockopt(self._zmq.LINGER, 0)
@@ -188,7 +192,7 @@ class ClusterWatch:
                 sock.setsockopt(self._zmq.SUBSCRIBE, b"")
                 sock.connect(info.endpoint(info.publish_port))
                 poller.register(sock, self._zmq.POLLIN)
-                self._ranks[info.path] = _Rank(info, sock, now)
+                self._ranks[info.path, info.started] = _Rank(info, sock, now)
             for path, r in list(self._ranks.items()):
                 if r.gone or r.stale:
                     continue
@@ -293,7 +297,7 @@ class ClusterWatch:
         """The connection files ignored as stale (paths): those of processes of this host
         that are gone, and those of the job whose rank never answered."""
         with self._lock:
-            quiet = {p for p, r in self._ranks.items() if r.stale}
+            quiet = {r.info.path for r in self._ranks.values() if r.stale}
             return sorted(quiet.union(self._dead_files))
 
     def errors(self) -> dict[int, str]:
@@ -307,14 +311,20 @@ class ClusterWatch:
             return {k: r.refused for k, r in self._current(True).items()}
 
     def least_headroom(self) -> Headroom | None:
-        """The live rank and device with the least headroom (capacity - reserved), or None
-        before any sample."""
+        """The live rank and device with the least headroom, or None before any sample: the
+        device's capacity less what every allocator of the rank reserved on it (a rank
+        using torch and cudalab on one device has one headroom)."""
         best: Headroom | None = None
         for rank, samples in self.samples().items():
+            reserved: dict[int, int] = {}
+            capacity: dict[int, int] = {}
             for s in samples:
-                room = s.capacity - s.reserved
+                reserved[s.device] = reserved.get(s.device, 0) + s.reserved
+                capacity[s.device] = s.capacity
+            for device, taken in reserved.items():
+                room = capacity[device] - taken
                 if best is None or room < best.headroom:
-                    best = Headroom(rank, s.device, room, s.capacity)
+                    best = Headroom(rank, device, room, capacity[device])
         return best
 
     def peaks(self) -> list[PeakRow]:
@@ -324,10 +334,16 @@ class ClusterWatch:
         rows = []
         for rank, samples in self.samples(include_lost=True).items():
             for s in samples:
-                rows.append(PeakRow(rank, s.identity.host, s.device, s.identity.device_name or "",
+                rows.append(PeakRow(rank, s.identity.host, s.device, s.identity.allocator,
+                                    s.identity.device_name or "",
                                     s.peak_allocated, s.peak_reserved, s.allocated, s.reserved,
                                     s.capacity, rank in lost))
         return rows
+
+    def rank_source(self, rank: int, allocator: str | None = None) -> RankSource:
+        """A :class:`~cudalab.memory_tools.samples.SampleSource` over ``rank``'s samples
+        (of ``allocator``, default the first the rank publishes), for a dashboard."""
+        return RankSource(self, rank, allocator)
 
     # ------------------------------------------------------------------ requests
     def fetch(self, what: Iterable[str] | str = ("snapshot",), ranks: Iterable[int] | None = None,
@@ -457,6 +473,68 @@ class ClusterWatch:
         live = self.samples()
         return (f"<ClusterWatch {self.directory!r} job={self._job!r} ranks={sorted(live)} "
                 f"lost={self.lost()}>")
+
+
+class RankSource:
+    """One rank's samples as a :class:`~cudalab.memory_tools.samples.SampleSource` (what
+    :class:`cudalab.widgets.ClusterDashboard`'s panels render): each :meth:`sample` is the
+    rank's latest sample from the watch (its last one once the rank is lost); the snapshot
+    is fetched from the rank. Peaks and the cache belong to the rank's process:
+    :meth:`reset_peaks` and :meth:`release_cache` raise NotImplementedError saying so."""
+
+    #: The samples are another process's: a dashboard takes the device indices as given.
+    remote = True
+
+    def __init__(self, watch: ClusterWatch, rank: int, allocator: str | None = None):
+        self.watch = watch
+        self.rank = rank
+        mine = watch.samples(include_lost=True).get(rank, [])
+        #: The allocator whose samples are shown.
+        self.allocator = allocator or (mine[0].identity.allocator if mine else "cudalab")
+        self.name = f"rank {rank}"
+
+    def _mine(self) -> list[DeviceSample]:
+        return [s for s in self.watch.samples(include_lost=True).get(self.rank, [])
+                if s.identity.allocator == self.allocator]
+
+    def devices(self) -> list[int]:
+        """The rank's devices (its own numbering), ascending."""
+        return sorted({s.device for s in self._mine()})
+
+    def host(self) -> str:
+        """The rank's host ("" before its first sample)."""
+        mine = self._mine()
+        return mine[0].identity.host if mine else ""
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the rank runs on the simulator (its device's name says so)."""
+        return any("simulated" in (s.identity.device_name or "") for s in self._mine())
+
+    def sample(self, device: int, now: float | None = None) -> DeviceSample:
+        """The rank's latest sample of ``device`` (LookupError when it has none)."""
+        for s in self._mine():
+            if s.device == device:
+                return s
+        raise LookupError(f"rank {self.rank} has published no sample of cuda:{device} "
+                          f"({self.allocator})")
+
+    def reset_peaks(self, device: int) -> None:
+        raise NotImplementedError(f"the peaks are rank {self.rank}'s: reset them in its "
+                                  "process (cudalab.memory.reset_peak_memory_stats)")
+
+    def release_cache(self) -> None:
+        raise NotImplementedError(f"the cache is rank {self.rank}'s: empty it in its process "
+                                  "(cudalab.memory.empty_cache)")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The rank's snapshot, fetched (RuntimeError naming why when it cannot be had)."""
+        got = self.watch.fetch("snapshot", ranks=[self.rank], timeout=30.0)
+        if self.rank not in got or got[self.rank].snapshot is None:
+            raise RuntimeError(self.watch.fetch_errors.get(self.rank, "no snapshot"))
+        snap = got[self.rank].snapshot
+        assert snap is not None
+        return snap
 
 
 def watch(directory: str | os.PathLike[str], job: str | None = None,

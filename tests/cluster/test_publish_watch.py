@@ -127,7 +127,7 @@ def test_a_forged_message_is_dropped_and_counted(job, watched):
     w = watch(job.directory, job="job-a")
     try:
         assert wait_for(lambda: len(w.samples()) == 4, 10)
-        sub = w._ranks[real.path].socket  # noqa: SLF001 - point the subscription at the forger
+        sub = w._ranks[real.path, real.started].socket  # noqa: SLF001 - aim it at the forger
         sub.connect(f"tcp://127.0.0.1:{port}")
         time.sleep(0.3)
         evil = b'{"v":1,"kind":"samples","job":"job-a","rank":2,"pid":%d' % real.pid
