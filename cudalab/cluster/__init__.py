@@ -13,7 +13,7 @@ Modules: :mod:`~cudalab.cluster.signing` (HMAC-SHA256 over the frames),
 :mod:`~cudalab.cluster.connection` (connection files, jobs, stale files),
 :mod:`~cudalab.cluster.wire` (bounded message decoding), :mod:`~cudalab.cluster.records`
 (what a rank tells: :class:`RankRecords`), :mod:`~cudalab.cluster.publisher` (the rank's
-thread), :mod:`~cudalab.cluster.watch` (the notebook's side), :mod:`~cudalab.cluster.gathering`
+thread), :mod:`~cudalab.cluster.watching` (the notebook's side), :mod:`~cudalab.cluster.gathering`
 (inside a job). Names load on first use (pyzmq only when publishing or watching).
 """
 
@@ -25,10 +25,10 @@ from typing import Any
 _OWNERS = {
     "serve": "cudalab.cluster.publisher",
     "Publisher": "cudalab.cluster.publisher",
-    "watch": "cudalab.cluster.watch",
-    "ClusterWatch": "cudalab.cluster.watch",
-    "Headroom": "cudalab.cluster.watch",
-    "PeakRow": "cudalab.cluster.watch",
+    "watch": "cudalab.cluster.watching",
+    "ClusterWatch": "cudalab.cluster.watching",
+    "Headroom": "cudalab.cluster.watching",
+    "PeakRow": "cudalab.cluster.watching",
     "gather": "cudalab.cluster.gathering",
     "RankRecords": "cudalab.cluster.records",
     "ConnectionInfo": "cudalab.cluster.connection",

@@ -10,7 +10,7 @@ cluster directory, atomically and readable by its owner only (it holds the key):
 
 and removes it when it stops. A file left by a process that died (killed, out of memory)
 is *stale*: :func:`scan` recognises it when the process ran on this host and its pid is gone;
-a watcher also ignores a file whose rank never answers (:mod:`cudalab.cluster.watch`).
+a watcher also ignores a file whose rank never answers (:mod:`cudalab.cluster.watching`).
 
 The job's name (:func:`job_id`) keeps two jobs in one directory apart: the launcher's job id
 when it gives one (``CUDALAB_CLUSTER_JOB``, torchrun's run id and rendezvous endpoint,

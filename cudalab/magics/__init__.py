@@ -257,6 +257,8 @@ class CudaLabMagics(Magics):
           %cuda_memory why release          drop the disposable references it found (Out[...],
                                             _, the last traceback)
           %cuda_memory why forget           forget the last out-of-memory error
+          %cuda_memory cluster DIR [JOB]    every rank publishing into DIR (CUDALAB_CLUSTER):
+                                            cudalab.widgets.ClusterDashboard
 
         watch, history, snapshot and dashboard take --source SRC, the allocator the view
         reads: cudalab, torch, cupy, process (the process's memory no allocator accounts

@@ -381,6 +381,30 @@ def _dashboard(magics: Any, args: MemoryArgs) -> Any:
 
 
 # =============================================================================== entry
+def _cluster(magics: Any, args: MemoryArgs) -> Any:
+    """``%cuda_memory cluster DIRECTORY [JOB]``: the live view of a job's ranks."""
+    usage = "%cuda_memory cluster DIRECTORY [JOB]"
+    if not args.words or len(args.words) > 2:
+        raise UsageError(f"{usage}: the directory the ranks publish into (CUDALAB_CLUSTER), "
+                         "and optionally the job")
+    if args.device is not None or args.source is not None or args.threshold is not None:
+        raise UsageError(f"{usage}: -d, --source and --threshold are the ranks' own")
+    directory = _path_word(args, 0, usage)
+    if not os.path.isdir(directory):
+        raise UsageError(f"{usage}: {echo(directory)} is not a directory (start the ranks "
+                         f"with CUDALAB_CLUSTER={directory} first, or call "
+                         "cudalab.cluster.serve(directory) in each)")
+    cls = _widget_class("ClusterDashboard", "%cuda_memory cluster")
+    if cls is None:
+        return None
+    try:
+        dash = cls(directory, job=args.words[1] if len(args.words) > 1 else None)
+    except RuntimeError as exc:  # no pyzmq
+        raise UsageError(f"%cuda_memory cluster: {exc}") from None
+    magics._dashboards.append(dash)
+    return dash
+
+
 def run_cuda_memory(magics: Any, line: str) -> Any:
     """The body of ``%cuda_memory`` (see its docstring)."""
     args = parse_memory_args(line)
@@ -478,4 +502,6 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
 
         return run_why(magics, args.words,
                        None if args.device is None else resolve_device(args.device))
+    if cmd == "cluster":
+        return _cluster(magics, args)
     raise UsageError(f"%cuda_memory: unknown subcommand {echo(cmd)}")  # pragma: no cover

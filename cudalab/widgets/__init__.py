@@ -13,6 +13,10 @@ Jupyter extension builds on: see docs/widgets.md).
 * :class:`SnapshotExplorer` — a trace of any size (1 GB opens in seconds): a tiled timeline
   with cell markers, the live set at a clicked moment (by source line, stack, stream, pool,
   cell; the segment map then), search, and the diff of two runs;
+* :class:`ClusterDashboard` — every rank of a job publishing with :mod:`cudalab.cluster`:
+  a live panel per rank (the dashboard's rendering of its samples), the rank with the least
+  headroom flagged, lost ranks, per-rank peaks, every rank's snapshot on a click (also
+  ``%cuda_memory cluster <directory>``);
 * :func:`close_all` — stop and close every live dashboard (``%unload_ext cudalab`` calls it);
 * :func:`demo_snapshot` — a synthetic snapshot of any size, to try the viewer with.
 
@@ -27,10 +31,12 @@ import importlib
 import sys
 from typing import Any
 
-__all__ = ["MemoryDashboard", "SnapshotExplorer", "SnapshotViewer", "close_all", "demo_snapshot",
+__all__ = ["ClusterDashboard", "MemoryDashboard", "SnapshotExplorer", "SnapshotViewer", "close_all",
+           "demo_snapshot",
            "live_dashboards"]
 
 _LAZY = {
+    "ClusterDashboard": "cudalab.widgets.cluster_dashboard",
     "MemoryDashboard": "cudalab.widgets.dashboard",
     "SnapshotViewer": "cudalab.widgets.snapshot_viewer",
     "SnapshotExplorer": "cudalab.widgets.explorer",
@@ -39,10 +45,15 @@ _LAZY = {
 
 
 def close_all() -> int:
-    """Close every live :class:`MemoryDashboard` and stop its sampler thread; returns how
-    many were closed. Costs nothing (and imports nothing) when no dashboard was ever made."""
+    """Close every live :class:`MemoryDashboard` and :class:`ClusterDashboard` and stop
+    their threads; returns how many were closed. Costs nothing (and imports nothing) when no
+    dashboard was ever made."""
+    n = 0
+    cluster = sys.modules.get("cudalab.widgets.cluster_dashboard")
+    if cluster is not None:
+        n += cluster.close_all()
     mod = sys.modules.get("cudalab.widgets.dashboard")
-    return 0 if mod is None else mod.close_all()
+    return n if mod is None else n + mod.close_all()
 
 
 def live_dashboards() -> list:

@@ -40,17 +40,19 @@ from typing import Any
 import ipywidgets as W
 
 from cudalab._internal import format_bytes
-from cudalab.cluster.watch import ClusterWatch, Headroom, RankSource, watch
+from cudalab.cluster.watching import ClusterWatch, Headroom, RankSource, watch
 from cudalab.widgets.dashboard import MemoryDashboard
 
-__all__ = ["ClusterDashboard", "RankPanel"]
+__all__ = ["ClusterDashboard", "RankPanel", "close_all"]
+
+_live: weakref.WeakSet[ClusterDashboard] = weakref.WeakSet()
 
 _FLAG_C, _LOST_C = "#d62728", "#777"
 
 
 class RankPanel(MemoryDashboard):
     """One rank's (and allocator's) live panel: a :class:`MemoryDashboard` over a
-    :class:`~cudalab.cluster.watch.RankSource`, titled with the rank and its host and
+    :class:`~cudalab.cluster.watching.RankSource`, titled with the rank and its host and
     flagged by :class:`ClusterDashboard` (:attr:`flag`)."""
 
     def __init__(self, source: RankSource, interval: float = 0.5, window: int = 240,
@@ -110,8 +112,8 @@ class ClusterDashboard(W.VBox):
                              "in [0.05, 3600]")
         self._own_watch = not isinstance(directory, ClusterWatch)
         #: The watch read.
-        self.watch: ClusterWatch = (watch(directory, job) if self._own_watch
-                                    else directory)  # type: ignore[assignment]
+        self.watch: ClusterWatch = (directory if isinstance(directory, ClusterWatch)
+                                    else watch(directory, job))
         self.interval = float(interval)
         self.window = int(window)
         #: Panels by (rank, allocator), in the order they appeared.
@@ -136,6 +138,7 @@ class ClusterDashboard(W.VBox):
         self.children = (self._header, W.HBox([self._fetch, self._status]), self._panels_box,
                          self._peaks, self._snapshot_box)
         self.add_class("cudalab-cluster-dashboard")
+        _live.add(self)
         self.refresh()
         if start:
             self.start()
@@ -264,6 +267,7 @@ class ClusterDashboard(W.VBox):
         if self._closed:
             return
         self._closed = True
+        _live.discard(self)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2.0)
@@ -280,12 +284,21 @@ class ClusterDashboard(W.VBox):
             return self._header.value + self._peaks.value
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        bundle = super()._repr_mimebundle_(**kwargs)
-        data = bundle[0] if isinstance(bundle, tuple) else bundle
-        if isinstance(data, dict):
-            data["text/html"] = self.to_html()
-            data["text/plain"] = repr(self.watch)
-        return bundle  # type: ignore[no-any-return]
+        # (ipywidgets' own bundle as ipywidgets 8 builds it, with the static HTML beside it;
+        # not through repr(), which would walk every child widget)
+        data: dict[str, Any] = {"text/plain": repr(self.watch), "text/html": self.to_html()}
+        if self._view_name is not None and self.model_id:
+            data["application/vnd.jupyter.widget-view+json"] = {
+                "version_major": 2, "version_minor": 0, "model_id": self.model_id}
+        return data
+
+
+def close_all() -> int:
+    """Close every cluster dashboard not yet closed; returns how many."""
+    open_ones = [d for d in list(_live) if not d._closed]
+    for d in open_ones:
+        d.close()
+    return len(open_ones)
 
 
 def _weak_callback(owner: Any, method: str) -> Any:

@@ -151,6 +151,14 @@ def _device_indices(devices: Any) -> list[int]:
     return [_internal.device_index(d) for d in devices]
 
 
+def _given_indices(devices: Any) -> list[int]:
+    """A remote source's device indices, as given (ints >= 0; never checked locally)."""
+    values = [devices] if isinstance(devices, int) else list(devices or ())
+    if not all(type(d) is int and d >= 0 for d in values):
+        raise ValueError(f"a remote source's devices are ints >= 0, got {values!r:.60}")
+    return values
+
+
 # --------------------------------------------------------------------------- the widget
 class MemoryDashboard(W.VBox):
     """A live memory dashboard for ``devices`` (None: every device).
@@ -221,11 +229,16 @@ class MemoryDashboard(W.VBox):
         self.sources: tuple[SampleSource, ...] = (
             (CudalabSource(),) if source is None else resolve_sources(source))
         self.source: SampleSource = self.sources[0]
-        self._devices = [DashboardDevice(d, self.window, src) for d in _device_indices(devices)
+        # A source of another process (``remote``: a rank of cudalab.cluster) names its own
+        # devices: its indices are taken as given and it says whether it is simulated.
+        remote = all(getattr(src, "remote", False) for src in self.sources)
+        indices = _given_indices(devices) if remote else _device_indices(devices)
+        self._devices = [DashboardDevice(d, self.window, src) for d in indices
                          for src in self.sources]
         simulated = False
         if self._devices:
-            simulated = bool(_internal.backend().simulated)
+            simulated = bool(getattr(self.source, "simulated", False) if remote
+                             else _internal.backend().simulated)
         self.simulated = simulated
 
         self._pause = W.ToggleButton(value=False, description="Pause", icon="pause",

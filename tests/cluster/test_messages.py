@@ -209,3 +209,15 @@ def test_bad_parts_and_tails_are_refused():
         records.check_tail(1.5, "gather()")
     with pytest.raises(ValueError, match="tail is -1"):
         records.check_tail(-1, "gather()")
+
+
+def test_the_package_names_stay_functions_after_every_submodule_is_imported():
+    import importlib
+
+    import cudalab.cluster as cluster
+
+    for name in ("signing", "connection", "wire", "records", "publisher", "watching",
+                 "gathering"):
+        importlib.import_module(f"cudalab.cluster.{name}")
+    assert callable(cluster.watch) and callable(cluster.gather) and callable(cluster.serve)
+    assert cluster.watch.__module__ == "cudalab.cluster.watching"
