@@ -409,6 +409,9 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
     """The body of ``%cuda_memory`` (see its docstring)."""
     args = parse_memory_args(line)
     cmd = args.command
+    if args.source is not None and cmd not in ("watch", "history", "snapshot", "dashboard"):
+        raise UsageError(f"%cuda_memory {cmd}: --source is for watch, history, snapshot and "
+                         "dashboard (this view reads cudalab's allocator)")
     if cmd == "summary":
         d = resolve_device(args.device, init=args.device is not None)
         if d is None:

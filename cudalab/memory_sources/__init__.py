@@ -57,9 +57,11 @@ __all__ = [
     "TorchSource",
     "allocator_sources",
     "cupy_backing",
+    "cupy_module",
     "nvml_figures",
     "resolve_sources",
-    "source_names",
+    "torch_module",
+    "torch_ready",
 ]
 
 
@@ -134,11 +136,6 @@ def resolve_sources(source: Any = "auto") -> tuple[SampleSource, ...]:
         return out
     raise TypeError(f"source is a {type(source).__name__}, expected one of "
                     f"{', '.join(SOURCE_NAMES)} or a SampleSource")
-
-
-def source_names(sources: Iterable[SampleSource]) -> str:
-    """``"cudalab, torch, process"``: the names of ``sources``, for messages and titles."""
-    return ", ".join(s.name for s in sources)
 
 
 def _is_source(obj: Any) -> bool:

@@ -24,7 +24,8 @@ from cudalab.memory_sources.cudalab_source import DeviceFacts
 from cudalab.memory_tools.libraries import SourceUnavailableError, cupy_module
 from cudalab.memory_tools.samples import DeviceSample
 
-__all__ = ["CupySource", "cupy_backing"]
+#: ``cupy_module`` lives in :mod:`cudalab.memory_tools.libraries` (importable from here too).
+__all__ = ["CupySource", "cupy_backing", "cupy_module"]
 
 _NO_COUNTS = ("CuPy's pool keeps no peaks nor allocation counts: the peaks are the highest "
               "figures sampled")

@@ -24,7 +24,9 @@ from cudalab.memory_tools.libraries import (
 )
 from cudalab.memory_tools.samples import ALLOCATOR_FIGURES, DeviceSample
 
-__all__ = ["TorchSource"]
+#: ``torch_module`` and ``torch_ready`` live in :mod:`cudalab.memory_tools.libraries` (so the
+#: tools below the memory API read torch too) and stay importable from here.
+__all__ = ["TorchSource", "torch_module", "torch_ready"]
 
 #: The figures' keys split once: ``"allocated_bytes.all.current"`` -> its three parts.
 _PATHS = tuple((name, tuple(key.split("."))) for name, key in ALLOCATOR_FIGURES)

@@ -693,7 +693,8 @@ class MemoryDashboard(W.VBox):
             if s is not None and s.utilization is not None:
                 nv = (f"\nutil {s.utilization}%, {s.temperature} °C, "
                       f"{(s.power_draw or 0) / 1000:.0f} W, SM {s.clock_rate} MHz")
-            ax.set_title(f"cuda:{dev.index} {dev.name} — {figures_text(dev)}{nv}",
+            label = f" [{dev.source.name}]" if len(self.sources) > 1 else ""
+            ax.set_title(f"cuda:{dev.index} {dev.name}{label} — {figures_text(dev)}{nv}",
                          fontsize=8, loc="left")
             if i == n - 1:
                 ax.set_xlabel("seconds before the picture was taken")

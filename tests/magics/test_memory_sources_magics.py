@@ -309,3 +309,9 @@ def test_timed_records_on_torchs_current_stream(ip, torch):
         r, out = run(ip, line + "\nwith cudalab.stream(side_):\n    gpu_sleep(20_000_000)")
         assert r.success and isinstance(r.result, CudaTimedResult), out
         assert r.result.gpu_times.min() >= 0.019
+
+
+def test_source_on_a_view_that_reads_only_cudalab(ip, torch):
+    r, out = run(ip, "%cuda_memory summary --source torch")
+    assert "%cuda_memory summary: --source is for watch, history, snapshot and dashboard" in \
+        str(r.error_in_exec)

@@ -59,6 +59,8 @@ def test_auto_dashboard_has_a_labelled_panel_per_source(torch, cupy):
     assert "NVML: this process uses" in d._panels[3]["counts"].value
     assert d.history(0, source="torch")["allocated"][-1] == torch.cuda.memory_allocated(0)
     assert "[torch]" in d._text()
+    pytest.importorskip("matplotlib")
+    assert d.to_png().startswith(b"\x89PNG")  # the static picture, a panel per source
 
 
 def test_torch_dashboard_buttons_act_on_torch(torch):
