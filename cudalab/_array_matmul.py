@@ -5,9 +5,11 @@ the current stream of the operands' device, through the handle of ``cudalab.blas
 (device, thread): the seam's :class:`~cudalab._driver.blas_seam.Blas`, cuBLAS on a GPU and
 numpy on the simulator. What torch does, cudalab does:
 
-* **Shapes**: 1-D, 2-D and 3-D operands as ``torch.matmul`` (a 1-D operand is a row or a
-  column vector whose dimension is dropped from the result; 3-D operands are batches, a
-  batch of one broadcasts; a contiguous 3-D ``input`` times a 2-D ``other`` is folded into
+* **Shapes**: as ``torch.matmul`` (a 1-D operand is a row or a column vector whose
+  dimension is dropped from the result; the dimensions before the last two are batch
+  dimensions, broadcast as numpy does and walked with one stride (copied where they cannot
+  be, or where an operand broadcasts over some of them only); a contiguous batched ``input``
+  times a 2-D ``other`` is folded into
   one GEMM). The result is a new C-contiguous array (or ``out``).
 * **Layouts**: each matrix is read in place when its rows or its columns are contiguous
   (cuBLAS's transpose flags: a transposed view costs no copy), else copied first, as torch.
@@ -33,6 +35,7 @@ lists cuBLAS's own kernels).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -220,7 +223,7 @@ def matmul(input: Any, other: Any, *, out: Any = None) -> Any:
     ----------
     input, other
         DeviceArrays on one device, of one dtype (float16, bfloat16, float32, float64,
-        complex64 or complex128), of 1 to 3 dimensions (see the module's notes).
+        complex64 or complex128), of at least one dimension (see the module's notes).
     out
         A C-contiguous array of the result's shape and dtype on that device to write into.
 
@@ -282,6 +285,41 @@ def _dtype_entry(dtype: np.dtype) -> tuple[int, int] | None:
     return entry
 
 
+def _as_batch(x: Any, batch_shape: tuple[int, ...]) -> tuple[Any, bool]:
+    """``x`` (at least 2-D) as a matrix (2-D, broadcast over the batch) or a batch of them
+    (3-D, one batch stride) for the broadcast ``batch_shape``: a view where the batch
+    dimensions can be walked with one stride, else a copy (expanded where ``x`` broadcasts
+    over some batch dimensions only); and whether it is a copy."""
+    dims = x.dims
+    own = dims[:-2]
+    if math.prod(own) == 1 and batch_shape:  # one matrix for the whole batch
+        if len(dims) == 2:
+            return x, False
+        strides = x.strides
+        return _array_state.wrap(x.ptr, dims[-2:], x.element_dtype, strides[-2:],
+                                 x.device_index, x.stream, x if x.owner is None else x.owner,
+                                 x.read_only), False
+    if (1,) * (len(batch_shape) - len(own)) + own != batch_shape:
+        # broadcast in part: expanded by a copy, as torch's expand + reshape copies
+        full = _array_state.output(batch_shape + dims[-2:], x.element_dtype, x.device_index,
+                                   _streams.current_stream(x.device_index))
+        full.copy_(x)
+        return full.reshape(math.prod(batch_shape), dims[-2], dims[-1]), True
+    if len(dims) <= 3:
+        return x, False
+    count = math.prod(own)
+    if x.contiguous:
+        return x.reshape(count, dims[-2], dims[-1]), False
+    strides = x.strides
+    walked = [(d, st) for d, st in zip(own, strides) if d != 1]
+    if all(walked[i][1] == walked[i + 1][1] * walked[i + 1][0] for i in range(len(walked) - 1)):
+        step = walked[-1][1] if walked else 0
+        return _array_state.wrap(x.ptr, (count, dims[-2], dims[-1]), x.element_dtype,
+                                 (step, strides[-2], strides[-1]), x.device_index, x.stream,
+                                 x if x.owner is None else x.owner, x.read_only), False
+    return x.astype(x.element_dtype).reshape(count, dims[-2], dims[-1]), True
+
+
 def _matmul(input: Any, other: Any, out: Any) -> Any:
     """:func:`matmul` with every check, making (and caching) the plan."""
     a_dims, b_dims = input.dims, other.dims
@@ -289,9 +327,6 @@ def _matmul(input: Any, other: Any, out: Any) -> Any:
     if a_nd == 0 or b_nd == 0:
         raise ValueError(f"matmul: both arguments need to be at least 1D, but they are "
                          f"{a_nd}D (input) and {b_nd}D (other)")
-    if a_nd > 3 or b_nd > 3:
-        raise ValueError(f"matmul: input ({a_nd}D) and other ({b_nd}D) must have at most 3 "
-                         f"dimensions (cudalab's matmul takes matrices and batches of them)")
     dtype = input.element_dtype
     if other.element_dtype != dtype:
         raise TypeError(f"matmul: input and other must have the same dtype, got {dtype} "
@@ -318,13 +353,17 @@ def _matmul(input: Any, other: Any, out: Any) -> Any:
                          f"({'x'.join(map(str, a_dims))} and {'x'.join(map(str, b_dims))}): "
                          f"input's last dimension ({k}) must equal other's "
                          f"{'first' if b_nd == 1 else 'second-to-last'} ({k_b})")
+    try:
+        batch_shape = tuple(np.broadcast_shapes(a.dims[:-2], b.dims[:-2]))
+    except ValueError:
+        raise ValueError(f"matmul: the batch dimensions of input {a.dims[:-2]} and other "
+                         f"{b.dims[:-2]} do not broadcast") from None
+    a, copied_a = _as_batch(a, batch_shape)
+    b, copied_b = _as_batch(b, batch_shape)
     batch_a = a.dims[0] if len(a.dims) == 3 else 1
     batch_b = b.dims[0] if len(b.dims) == 3 else 1
-    if batch_a != batch_b and batch_a != 1 and batch_b != 1:
-        raise ValueError(f"matmul: the batch dimensions of input ({batch_a}) and other "
-                         f"({batch_b}) do not broadcast")
-    batch = batch_b if batch_a == 1 else batch_a
-    shape: tuple[int, ...] = (batch, m, n) if max(a_nd, b_nd) == 3 else (m, n)
+    batch = math.prod(batch_shape)
+    shape: tuple[int, ...] = batch_shape + (m, n)
     if a_nd == 1:
         shape = shape[:-2] + shape[-1:]
     if b_nd == 1:
@@ -347,7 +386,7 @@ def _matmul(input: Any, other: Any, out: Any) -> Any:
         return result
     if k == 0:
         return result.fill_(0)
-    cacheable = True
+    cacheable = not (copied_a or copied_b)  # a plan reads the operands themselves
     layout_a = _layout(a, m, k)
     if layout_a is None:
         a, cacheable = a.astype(dtype), False
