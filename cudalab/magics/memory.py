@@ -161,6 +161,8 @@ class MemoryState:
             except Exception:
                 pass
             self.history = None
+        if self.torch_history is not None:
+            self.torch_history.close()  # torch's recording, when this magic started it
 
 
 def _state(magics: Any) -> MemoryState:

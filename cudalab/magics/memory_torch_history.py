@@ -163,11 +163,26 @@ class TorchHistory:
             print(f"cudalab history: wrote {n} torch trace entries to {path}: {kind}{gone}")
             return None
         if sub == "frame":
+            from cudalab.magics.memory_args import resolve_device
             from cudalab.memory_tools.export import history_frame
 
-            return history_frame(snap, device=None if args.device is None else int(args.device))
+            return history_frame(snap, device=None if args.device is None
+                                 else resolve_device(args.device))
         raise UsageError(f"%cuda_memory history: unknown action {_internal.echo(sub)}; use "
                          "start, stop, status, save PATH or frame")
+
+    def close(self) -> None:
+        """Stop the recording this magic started (``%unload_ext``), keeping its trace."""
+        if not self.started:
+            return
+        self.started = False
+        try:
+            torch = self._torch(explicit=False)
+            if self._recording(torch) is not False:
+                self.kept = self._live(torch)
+                torch.cuda.memory._record_memory_history(enabled=None)
+        except Exception:  # (unloading never fails on torch's account)
+            pass
 
     def trace(self, torch: Any) -> dict[str, Any]:
         """The trace ``save`` and ``frame`` read: torch's live one while it records (or has

@@ -249,6 +249,8 @@ def test_history_of_torch(ip, torch, tmp_path):
     entries = list(torch.cuda.traces[0])
     r, out = run(ip, "%cuda_memory history frame --source torch")
     assert len(r.result) == len(entries) == 5
+    r, out = run(ip, "%cuda_memory history frame --source torch -d cuda:0")
+    assert len(r.result) == 5
     r, out = run(ip, "%cuda_memory history status --source torch")
     assert "torch recording; 5 trace entries held" in out
     ip.user_ns["hdir_"] = str(tmp_path)
@@ -315,3 +317,12 @@ def test_source_on_a_view_that_reads_only_cudalab(ip, torch):
     r, out = run(ip, "%cuda_memory summary --source torch")
     assert "%cuda_memory summary: --source is for watch, history, snapshot and dashboard" in \
         str(r.error_in_exec)
+
+
+def test_unload_stops_the_torch_recording_the_magic_started(shell, torch):
+    cudalab.init()
+    shell.run_line_magic("load_ext", "cudalab")
+    run(shell, "%cuda_memory history start --source torch")
+    assert torch.cuda.history is not None
+    shell.run_line_magic("unload_ext", "cudalab")
+    assert torch.cuda.history is None  # stopped (its trace read first)
