@@ -160,10 +160,55 @@ def _by_line(views: TraceViews, stacks: Any, sizes: Any) -> dict[str, int]:
     return out
 
 
-def _origin_notes(a: TraceViews, b: TraceViews, names: tuple[str, str]) -> list[str]:
+#: What a run's origin notes read: the snapshot's identity and the keys of its meta data.
+_Origin = tuple[dict[str, Any], dict[str, Any]]
+
+
+def _origin(views: TraceViews) -> _Origin:
+    snap = views.index.snapshot or {}
+    meta: dict[str, Any] = {k: snap[k] for k in ("device_memory", "cudalab") if k in snap}
+    return dict(views.index.identity or {}), meta
+
+
+def _summary(path: str, device: int | None) -> tuple[Any, ...]:
+    """One run read and reduced to what the diff needs (run in a worker process)."""
+    views = TraceViews(open_trace(path))
+    return (*peak_by_line(views, device), _origin(views))
+
+
+def _summaries_in_parallel(paths: tuple[str, str], device: int | None
+                           ) -> list[tuple[Any, ...]] | None:
+    """Both runs read at once in two worker processes (None when they cannot start, or
+    this process may use one CPU only: then they are read here, one after the other)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    if cpus < 2 or os.environ.get("CUDALAB_DIFF_WORKERS") == "1":
+        return None
+    import multiprocessing as mp
+    import sys
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    methods = mp.get_all_start_methods()
+    if "fork" in methods and sys.platform.startswith("linux") and threading.active_count() == 1:
+        method = "fork"  # nothing to inherit a held lock from
+    else:  # (a kernel runs threads: a fresh server process forks the workers)
+        method = "forkserver" if "forkserver" in methods else "spawn"
+    try:
+        with ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context(method)) as pool:
+            futures = [pool.submit(_summary, p, device) for p in paths]
+            return [f.result() for f in futures]
+    except (BrokenProcessPool, OSError):
+        return None
+
+
+def _origin_notes(oa: _Origin, ob: _Origin, names: tuple[str, str]) -> list[str]:
     notes = []
-    ia, ib = a.index.identity or {}, b.index.identity or {}
-    sa, sb = a.index.snapshot or {}, b.index.snapshot or {}
+    ia, ib = oa[0], ob[0]
+    sa, sb = oa[1], ob[1]
 
     def allocator(ident: dict[str, Any], snap: dict[str, Any]) -> str:
         if ident.get("allocator"):
@@ -191,7 +236,7 @@ def _origin_notes(a: TraceViews, b: TraceViews, names: tuple[str, str]) -> list[
 
 
 def diff(a: Any, b: Any, *, top: int = 20, device: int | None = None,
-         names: tuple[str, str] | None = None) -> TraceDiff:
+         names: tuple[str, str] | None = None, parallel: bool = True) -> TraceDiff:
     """The diff of two runs' memory (see the module documentation).
 
     Parameters
@@ -204,6 +249,10 @@ def diff(a: Any, b: Any, *, top: int = 20, device: int | None = None,
         The device compared in each (default: each trace's device with the highest peak).
     names : (str, str), optional
         What to call the runs (default: the file names).
+    parallel : bool, optional
+        Two files are read at once in two worker processes (default), where this process
+        may use two CPUs (``CUDALAB_DIFF_WORKERS=1``: never); each returns only its peaks
+        and lines.
 
     Returns
     -------
@@ -211,12 +260,20 @@ def diff(a: Any, b: Any, *, top: int = 20, device: int | None = None,
         The peaks, the lines that changed most, the lines that appeared or vanished, and
         notes on the runs' origins.
     """
-    va, na = _as_views(a)
-    vb, nb = _as_views(b)
+    got = None
+    if isinstance(a, (str, os.PathLike)) and isinstance(b, (str, os.PathLike)) and parallel:
+        got = _summaries_in_parallel((os.fspath(a), os.fspath(b)), device)
+    if got is not None:
+        na, nb = (os.path.basename(os.fspath(x)) for x in (a, b))
+        (pa_alloc, pa_res, a_lines, a_res, oa), (pb_alloc, pb_res, b_lines, b_res, ob) = got
+    else:
+        va, na = _as_views(a)
+        vb, nb = _as_views(b)
+        pa_alloc, pa_res, a_lines, a_res = peak_by_line(va, device)
+        pb_alloc, pb_res, b_lines, b_res = peak_by_line(vb, device)
+        oa, ob = _origin(va), _origin(vb)
     if names is None:
         names = (na, nb) if na != nb else ("a", "b")
-    pa_alloc, pa_res, a_lines, a_res = peak_by_line(va, device)
-    pb_alloc, pb_res, b_lines, b_res = peak_by_line(vb, device)
 
     def deltas(x: dict[str, int], y: dict[str, int]) -> list[LineDelta]:
         rows = [LineDelta(k, x.get(k, 0), y.get(k, 0)) for k in set(x) | set(y)]
@@ -231,4 +288,4 @@ def diff(a: Any, b: Any, *, top: int = 20, device: int | None = None,
     return TraceDiff(peak_allocated=(pa_alloc, pb_alloc), peak_reserved=(pa_res, pb_res),
                      allocated_lines=deltas(a_lines, b_lines)[:top],
                      reserved_lines=deltas(a_res, b_res)[:top], appeared=appeared,
-                     vanished=vanished, notes=_origin_notes(va, vb, names), names=names)
+                     vanished=vanished, notes=_origin_notes(oa, ob, names), names=names)

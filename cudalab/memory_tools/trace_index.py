@@ -28,6 +28,7 @@ tables, with the memory of the full unpickle.
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import resource
@@ -233,13 +234,18 @@ def iter_trace(path: str | os.PathLike[str], *, max_bytes: int | str | None = No
         cols = _new_columns(size // _BYTES_PER_ENTRY + 4096)
         scanner.set_columns(cols)
         while True:
-            try:
+            collecting = gc.isenabled()
+            gc.disable()  # (the entries are containers made and dropped by the million: the
+            try:          # cyclic collector would walk them over and over, for no cycle)
                 state = scanner.scan(max(1, step_bytes if scanner.rows else first))
             except NotImplementedError:  # a protocol 0/1 pickle: the restricted unpickler
                 del scanner
                 yield index_snapshot(load_snapshot(path, max_bytes=max_bytes), source=what,
                                      bytes_total=size)
                 return
+            finally:
+                if collecting:
+                    gc.enable()
             if state == 2:  # the columns are full: twice the room
                 cols = _new_columns(2 * len(cols[0]))
                 scanner.set_columns(cols)

@@ -75,7 +75,10 @@ def _pairs(device: NDArray[Any], addr: NDArray[Any], rows: NDArray[np.int64],
            opens: NDArray[np.bool_], end: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """For rows that open (``opens``) or close an address, each opening row and the row
     that closes it next (``end`` when none does)."""
-    order = np.lexsort((rows, addr, device))
+    # (rows come in increasing order: two stable sorts give the order of (device, addr, row))
+    order = np.argsort(addr, kind="stable")
+    if len(order) and device.min() != device.max():
+        order = order[np.argsort(device[order], kind="stable")]
     r, o = rows[order], opens[order]
     same = np.zeros(len(r), bool)
     if len(r) > 1:

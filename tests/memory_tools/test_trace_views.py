@@ -155,8 +155,9 @@ def test_diff_attributes_the_peak_change_to_lines(tmp_path):
     pa, pb = tmp_path / "a.pickle", tmp_path / "b.pickle"
     for p, s in ((pa, a), (pb, b)):
         p.write_bytes(__import__("cudalab.memory_tools.trace_io", fromlist=["x"]).dumps_snapshot(s))
-    d = cm.diff(str(pa), str(pb))
+    d = cm.diff(str(pa), str(pb))  # two files: read at once in two worker processes
     assert d.names == ("a.pickle", "b.pickle")
+    assert diff(pa, pb, parallel=False) == d  # the same, read here one after the other
     va = TraceViews(index_snapshot(a))
     assert d.peak_allocated[0] == int(va.allocated.max())
     assert d.allocated_lines[0].line == "new.py:7 (cache)"
