@@ -68,11 +68,14 @@ def _load() -> Any:
                              f"({exc}); install cuda-bindings>=13, then {INSTALL_HINT}") from exc
         try:
             loaded = load_nvidia_dynamic_lib("cufft")
+            paths: tuple[str, ...] = (loaded.abs_path,) if loaded.abs_path else _SONAMES
         except Exception as exc:  # DynamicLibNotFoundError and its relatives
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise CufftError(f"cuFFT cannot be loaded ({first}); {INSTALL_HINT}") from exc
+            paths = _wheel_libraries()  # an older cuda.pathfinder may not know a wheel's layout
+            if not paths:
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise CufftError(f"cuFFT cannot be loaded ({first}); {INSTALL_HINT}") from exc
         lib = None
-        for name in ((loaded.abs_path,) if loaded.abs_path else _SONAMES):
+        for name in paths:
             try:
                 lib = ctypes.CDLL(name)
                 break
@@ -104,6 +107,27 @@ def _load() -> Any:
             fn.restype = i32
         _lib = lib
         return lib
+
+
+def _wheel_libraries() -> tuple[str, ...]:
+    """libcufft files in NVIDIA's wheel directories on ``sys.path`` (``nvidia/cu13/lib``,
+    ``nvidia/cufft/lib``), newest soname first: where cuda.pathfinder would look."""
+    import glob
+    import os
+    import sys
+
+    found: list[str] = []
+    for root in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cufft/lib"):
+            for soname in _SONAMES:
+                path = os.path.join(root, sub, soname)
+                if os.path.isfile(path):
+                    found.append(path)
+    if not found:
+        for root in sys.path:
+            found.extend(sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib",
+                                                       "libcufft.so.*")), reverse=True))
+    return tuple(found)
 
 
 def _check(result: int, call: str) -> None:

@@ -236,6 +236,7 @@ def test_without_cufft_the_error_names_the_extra(monkeypatch):
 
     monkeypatch.setattr(cufft, "_lib", None)
     monkeypatch.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", missing)
+    monkeypatch.setattr(cufft, "_wheel_libraries", lambda: ())  # (torch's copy on a GPU host)
     with pytest.raises(cudalab.CufftError, match=r"pip install cudalab\[fft\]"):
         cufft.RealFft().version()
 
@@ -291,3 +292,13 @@ def test_the_short_path_of_repeated_calls_keeps_their_arguments_apart():
         _close(cudalab.fft.rfft(dr), np.fft.rfft(r), np.float32)
         _close(cudalab.fft.rfftn(dr), np.fft.rfftn(r), np.float32)
         _close(cudalab.fft.fft(dr), np.fft.fft(r), np.float32)
+
+
+def test_the_wheel_directories_are_searched_when_pathfinder_fails(monkeypatch, tmp_path):
+    from cudalab._driver import cufft
+
+    (tmp_path / "nvidia" / "cu13" / "lib").mkdir(parents=True)
+    library = tmp_path / "nvidia" / "cu13" / "lib" / "libcufft.so.12"
+    library.write_bytes(b"")
+    monkeypatch.setattr("sys.path", [str(tmp_path)])
+    assert cufft._wheel_libraries() == (str(library),)
