@@ -197,19 +197,21 @@ def autotune_main(args: argparse.Namespace) -> None:
         return
     default = replay(ragged, "")
     es = replay(ragged, "expandable_segments:True")
-    caps3 = [None, int(default.peak_reserved * 1.1) >> 20 << 20,
-             int(es.peak_reserved * 1.1) >> 20 << 20]
+    own, how = at.trace_capacity(ragged)
+    caps3 = [own, None, int(es.peak_reserved * 1.1) >> 20 << 20]
     t0 = time.perf_counter()
     df = at.autotune(ragged, caps3, workers=args.workers)
     wall = time.perf_counter() - t0
     print(f"\n(3) ragged trace ({df.attrs['entries']:,} entries), target res/alloc <= "
           f"{args.target:.2f}; {df['setting'].nunique()} settings in {wall:.1f} s")
     print(f"  defaults: res/alloc {default.peak_reserved / default.peak_allocated:.3f}; "
-          f"expandable segments: {es.peak_reserved / es.peak_allocated:.3f}")
+          f"expandable segments: {es.peak_reserved / es.peak_allocated:.3f}; the trace's own "
+          f"device: {how}")
     picks = []
     for cap in caps3:
         rec = at.recommendation(df, cap)
         where = "unconstraining" if cap is None else format_bytes(cap, decimals=0)
+        print(f"  {rec['text']}")
         part = df[at._same_capacity(df["capacity"], cap) & (df["status"] == "ok")]
         free = part[part["retries"] == 0]
         best_free = free.iloc[0] if len(free) else None

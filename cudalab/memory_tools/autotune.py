@@ -33,6 +33,7 @@ too, with ``status`` naming the reason and no numbers: nothing asked for is drop
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -64,9 +65,14 @@ GRID_MAX_SPLIT_MB: tuple[int | None, ...] = (None, 64, 128, 256, 512)
 #: ``roundup_power2_divisions`` values of the grid (None: unset): uniform powers of two and
 #: torch's per-band example.
 GRID_ROUNDUP: tuple[str | None, ...] = (None, "2", "4", "8", "16", "[256:1,512:2,1024:4,>:8]")
-#: Memory fractions of the capped settings (of the capacity; of a device the defaults exactly
-#: fill when the capacity is unconstrained).
+#: Memory fractions of the capped settings (of each capacity given).
 GRID_FRACTIONS: tuple[float, ...] = (0.95, 0.9, 0.85, 0.8)
+#: Caps tuned to the trace, as multiples of its peak of live bytes: with the default grid,
+#: each capacity also gets ``expandable_segments:True`` (alone and with
+#: ``roundup_power2_divisions:8``) under ``per_process_memory_fraction`` = this × the live
+#: peak / the capacity (when below the grid's fractions). At the cap the allocator frees its
+#: cache and retries instead of reserving more: less reserved memory, paid in retries.
+TUNED_CAPS: tuple[float, ...] = (1.05, 1.1, 1.2)
 
 
 def _join(*parts: str | None) -> str:
@@ -324,6 +330,19 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
         base = _idle_split(s, max_request)
         if base is not None and base in labels:
             alias[s] = base
+    # The default grid also caps each given device just above the trace's live peak
+    # (TUNED_CAPS): fractions no preset names, which trade retries for reserved memory.
+    tuned: dict[int, list[str]] = {}
+    if settings is None and plan.peak_live:
+        for c in caps:
+            if c is None:
+                continue
+            got = tuned[c] = []
+            for k in TUNED_CAPS:
+                f = math.ceil(k * plan.peak_live / c * 1e4) / 1e4
+                if 0 < f < GRID_FRACTIONS[-1]:
+                    for base in (_ES, f"{_ES},roundup_power2_divisions:8"):
+                        got.append(f"{base},per_process_memory_fraction:{f:g}")
     fn, bar = progress_callback(progress, "autotune")
     outcomes: dict[tuple[str, int | None], ReplayResult | str] = {}
     derived: set[tuple[str, int | None]] = set()
@@ -331,7 +350,7 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
     order = sorted(caps, key=lambda c: -(c if c is not None else 1 << 62))
     plain = [s for s in labels if "per_process_memory_fraction" not in s and s not in alias]
     capped = [s for s in labels if "per_process_memory_fraction" in s and s not in alias]
-    total = len(labels) * len(caps)
+    total = len(labels) * len(caps) + sum(len(v) for v in tuned.values())
     done = [0]
 
     def step(_: int, __: int) -> None:
@@ -375,7 +394,7 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
                                         "only on the devices given)")
                     step(0, 0)
                 continue
-            for s in capped:
+            for s in [*capped, *tuned.get(c, ())]:
                 jobs.append((s, c, c))
         run(jobs)
         for s, base in alias.items():
@@ -394,7 +413,7 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
     for c in caps:
         good = []
         bad = []
-        for s in labels:
+        for s in [*labels, *(tuned.get(c, ()) if c is not None else ())]:
             r = outcomes[(s, c)]
             if isinstance(r, ReplayResult):
                 good.append((s, r))
@@ -502,6 +521,12 @@ def recommendation(df: Any, capacity: int | None | str = "first") -> dict[str, A
                    is not None else "the defaults run out of memory there")
         text = (f"on {where}, {setting} reserves {peak} at the peak ({against}, "
                 f"reserved/allocated {best['reserved_over_allocated']:.3f}){cost}")
+        calm = rows[rows["retries"] == 0]
+        if retries and len(calm):
+            alt = calm.iloc[0]
+            text += (f"; without a retry the best is {alt['setting']} at "
+                     f"{format_bytes(int(alt['peak_reserved']), decimals=2)} "
+                     f"(reserved/allocated {alt['reserved_over_allocated']:.3f})")
     return {"setting": setting, "line": line, "capacity": capacity,
             "peak_reserved": int(best["peak_reserved"]),
             "reserved_over_allocated": float(best["reserved_over_allocated"]),

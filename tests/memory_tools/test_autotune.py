@@ -217,3 +217,22 @@ def test_idle_max_split_takes_the_rows_of_the_setting_without_it(trace, peak):
     real = rp.replay(trace, "max_split_size_mb:4096", device_memory=tight)
     assert (real.peak_reserved, real.num_device_alloc, real.retries, real.ooms) == \
         (row["peak_reserved"], row["driver_allocs"], row["retries"], row["ooms"])
+
+
+def test_default_grid_adds_caps_tuned_to_the_trace(trace):
+    cap = 4 << 30
+    df = at.autotune(trace, [cap, None], workers=2)
+    assert df["setting"].nunique() >= 50 + 1
+    plan_live = rp.plan_replay(rp.load_trace(trace)).peak_live
+    tuned = df[df["setting"].str.contains("per_process_memory_fraction:0.0")]
+    assert len(tuned) and tuned["capacity"].notna().all()  # only on the device given
+    for r in tuned.itertuples():
+        fraction = float(r.setting.rsplit(":", 1)[1])
+        assert any(abs(fraction - k * plan_live / cap) < 2e-4 for k in at.TUNED_CAPS)
+        if r.status == "ok":  # a cap above the live peak: reserved stays under it
+            assert r.peak_reserved <= fraction * cap + (2 << 20)
+    rec = at.recommendation(df, cap)
+    best = df[(df["capacity"] == cap) & (df["rank"] == 1)].iloc[0]
+    assert rec["peak_reserved"] == best["peak_reserved"]
+    if rec["retries"]:
+        assert "without a retry the best is" in rec["text"]
