@@ -337,12 +337,13 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
         for c in caps:
             if c is None:
                 continue
-            got = tuned[c] = []
+            extra: list[str] = []
+            tuned[c] = extra
             for k in TUNED_CAPS:
                 f = math.ceil(k * plan.peak_live / c * 1e4) / 1e4
                 if 0 < f < GRID_FRACTIONS[-1]:
                     for base in (_ES, f"{_ES},roundup_power2_divisions:8"):
-                        got.append(f"{base},per_process_memory_fraction:{f:g}")
+                        extra.append(f"{base},per_process_memory_fraction:{f:g}")
     fn, bar = progress_callback(progress, "autotune")
     outcomes: dict[tuple[str, int | None], ReplayResult | str] = {}
     derived: set[tuple[str, int | None]] = set()
