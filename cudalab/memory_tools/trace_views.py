@@ -94,9 +94,12 @@ def _pairs(device: NDArray[Any], addr: NDArray[Any], rows: NDArray[np.int64],
 
 
 class TraceViews:
-    """The questions of the module documentation, asked of one :class:`TraceIndex`."""
+    """The questions of the module documentation, asked of one :class:`TraceIndex`.
 
-    def __init__(self, index: TraceIndex):
+    ``pairs=False`` skips pairing blocks and segments (the sorts): the running totals and
+    :meth:`tile` only, for a timeline of a trace still being read."""
+
+    def __init__(self, index: TraceIndex, *, pairs: bool = True):
         self.index = ix = index
         code = ix.action.astype(np.int16)
         names = ix.action_names
@@ -109,16 +112,19 @@ class TraceViews:
                     mask |= code == c
             return mask
 
-        rows_all = np.arange(ix.n, dtype=np.int64)
         alloc, free = codes("alloc"), codes("free_completed")
-        sel = alloc | free
-        self.block_row, self.block_end = _pairs(ix.device[sel], ix.addr[sel], rows_all[sel],
-                                                alloc[sel], ix.n)
         seg_up, seg_down = codes("segment_alloc", "segment_map"), codes("segment_free",
                                                                          "segment_unmap")
-        sel = seg_up | seg_down
-        self.seg_row, self.seg_end = _pairs(ix.device[sel], ix.addr[sel], rows_all[sel],
-                                            seg_up[sel], ix.n)
+        if pairs:
+            rows_all = np.arange(ix.n, dtype=np.int64)
+            sel = alloc | free
+            self.block_row, self.block_end = _pairs(ix.device[sel], ix.addr[sel],
+                                                    rows_all[sel], alloc[sel], ix.n)
+            sel = seg_up | seg_down
+            self.seg_row, self.seg_end = _pairs(ix.device[sel], ix.addr[sel], rows_all[sel],
+                                                seg_up[sel], ix.n)
+        else:  # (the totals only: a timeline of a trace still being read)
+            self.block_row = self.block_end = self.seg_row = self.seg_end = np.zeros(0, np.int64)
         br, sr = self.block_row, self.seg_row
         self.block_addr, self.block_size = ix.addr[br], ix.size[br]
         self.block_stack, self.block_device = ix.stack[br], ix.device[br]

@@ -56,7 +56,10 @@ from cudalab.widgets.explorer_render import (
 )
 from cudalab.widgets.snapshot_render import render_segment_map
 
-__all__ = ["SnapshotExplorer", "parse_query"]
+__all__ = ["PROGRESS_INTERVAL", "SnapshotExplorer", "parse_query"]
+
+#: Seconds between two redraws of a trace still being read (the first part is drawn at once).
+PROGRESS_INTERVAL = 0.5
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
@@ -126,6 +129,7 @@ class SnapshotExplorer(W.VBox):
         self.tiles_sent = 0
         self.bytes_sent = 0  # bytes of timeline HTML sent so far
         self._version = 0
+        self._last_progress = -1e9
         self._lock = threading.RLock()
         self._source = source
         self._other = compare
@@ -231,9 +235,11 @@ class SnapshotExplorer(W.VBox):
         return None
 
     def _on_progress(self, partial: TraceIndex) -> None:
-        if partial.complete:
-            return
-        views = TraceViews(partial)
+        now = time.monotonic()
+        if partial.complete or now - self._last_progress < PROGRESS_INTERVAL:
+            return  # (redrawn at most every PROGRESS_INTERVAL seconds while reading)
+        self._last_progress = now
+        views = TraceViews(partial, pairs=False)
         if not views.bounds:
             return
         d, a, b = views.bounds[0]

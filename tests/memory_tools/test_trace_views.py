@@ -223,3 +223,12 @@ def test_a_truncated_synthetic_file_is_refused(tmp_path):
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(SnapshotLoadError, match="truncated"):
         open_trace(path)
+
+
+def test_totals_only_views_draw_the_same_timeline(snap, views):
+    lite = TraceViews(views.index, pairs=False)
+    assert np.array_equal(lite.allocated, views.allocated)
+    assert np.array_equal(lite.reserved, views.reserved)
+    d, a, b = views.device_range(0)
+    assert lite.tile(a, b, 40) == views.tile(a, b, 40)
+    assert len(lite.block_row) == 0 and lite.live_at(a + 10).n_blocks == 0

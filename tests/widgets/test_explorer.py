@@ -65,7 +65,8 @@ def trace_file(tmp_path_factory):
     return path
 
 
-def test_the_explorer_reads_a_file_in_a_thread_and_draws_tiles(trace_file):
+def test_the_explorer_reads_a_file_in_a_thread_and_draws_tiles(trace_file, monkeypatch):
+    monkeypatch.setattr("cudalab.widgets.explorer.PROGRESS_INTERVAL", 0.0)
     ex = SnapshotExplorer(trace_file, step_bytes=1 << 20).wait(60)
     assert ex.error is None and ex.views is not None
     assert ex.views.index.n == 60_000
