@@ -272,6 +272,15 @@ def run_gather(args: argparse.Namespace, results: dict) -> None:
     results["entries per rank gathered, min"] = data["entries"]
 
 
+class Results(dict):
+    """The rows, each printed as soon as it is measured (a run cut short keeps its rows)."""
+
+    def __setitem__(self, name: str, value: object) -> None:
+        super().__setitem__(name, value)
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        print(f"  . {name}: {shown}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=8)
@@ -292,7 +301,7 @@ def main() -> int:
         return gather_worker(args)
     if args.quick:
         args.blocks, args.rate_seconds = min(args.blocks, 3), min(args.rate_seconds, 2.0)
-    results: dict = {}
+    results: dict = Results()
     with tempfile.TemporaryDirectory(prefix="cudalab-cluster-bench-") as directory:
         args.directory = directory
         t0 = time.perf_counter()

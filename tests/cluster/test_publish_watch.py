@@ -257,3 +257,42 @@ def test_bad_arguments_are_refused(tmp_path):
             "try:\n    p.serve()\nexcept ValueError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert "CUDALAB_CLUSTER is not set" in out.stdout
+
+
+def test_a_rank_never_waits_for_a_reader_that_does_not_read(tmp_path):
+    """In this process: a publisher at 20 Hz with a subscriber that never reads keeps its
+    pace (the PUB socket drops past its high-water mark), issues no collective, and its
+    answers still come while a sample is due."""
+    import cudalab
+    from cudalab import _internal
+    from cudalab.cluster import publisher
+
+    kept = cudalab.zeros(1 << 16)
+    heard = []
+    _internal.collective_observers.append(heard.append)
+    p = publisher.Publisher(tmp_path, interval=0.05, job="in-process").start()
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.RCVHWM, 1)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(p.info.endpoint(p.info.publish_port))  # connected, never read
+        start = p.published
+        time.sleep(1.5)
+        assert p.published - start >= 20, p.published  # ~30 at 20 Hz
+        assert p.failed == 0 and p.running
+        w = watch(tmp_path)
+        try:
+            assert wait_for(lambda: len(w.samples()) == 1, 5)
+            got = w.fetch(("stats", "snapshot"))
+            assert list(got) == [connection.rank_number(p.info.identity)]
+        finally:
+            w.close()
+        assert heard == []  # neither the sampling nor the answers issued a collective
+    finally:
+        _internal.collective_observers.remove(heard.append)
+        sub.close(linger=0)
+        context.term()
+        p.stop()
+        del kept
+    assert not p.running and list(tmp_path.glob("*.json")) == []
