@@ -173,7 +173,10 @@ def test_records_round_trip_with_every_part():
     assert got.identity.pid == os.getpid()
     assert got.stats[0]["allocated_bytes.all.peak"] == stats["allocated_bytes.all.peak"]
     assert got.peaks()[0] == stats["allocated_bytes.all.peak"]
-    assert [s.device for s in got.samples] == [0]
+    # a sample per device with an allocator (device 0 here, others if earlier tests used them)
+    assert [s.device for s in got.samples] == records.source_devices(records.rank_source())
+    assert got.samples[0].device == 0 and got.samples[0].allocated == stats[
+        "allocated_bytes.all.current"]
     assert got.snapshot is not None and got.snapshot["segments"]
     del kept
 
