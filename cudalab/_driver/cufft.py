@@ -141,7 +141,15 @@ def _longs(values: Sequence[int]) -> Any:
 
 
 class RealFft(Fft):
-    """The seam's FFT over cuFFT (loaded on the first call that needs it)."""
+    """The seam's FFT over cuFFT (loaded on the first call that needs it).
+
+    Each plan's stream and work area are set only when they change (a plan-cache hit on
+    the same stream with the allocator's same block makes one cuFFT call, the execution).
+    """
+
+    def __init__(self) -> None:
+        #: plan -> (stream int, work area address) last set on it; dropped when destroyed.
+        self._bound: dict[int, tuple[int, int]] = {}
 
     def version(self) -> int:
         out = ctypes.c_int()
@@ -165,21 +173,29 @@ class RealFft(Fft):
         except BaseException:
             lib.cufftDestroy(plan)
             raise
+        self._bound.pop(plan, None)  # (cuFFT may reuse a destroyed plan's number)
         return plan, int(work.value)
 
     def destroy(self, plan: int) -> None:
+        self._bound.pop(plan, None)
         _check(library().cufftDestroy(plan), "cufftDestroy")
 
     def execute(self, plan: int, stream: StreamHandle, work_area: int, fft_type: int,
                 source: int, destination: int, direction: int) -> None:
         lib = _lib if _lib is not None else library()
-        result = lib.cufftSetStream(plan, int(stream))  # type: ignore[call-overload]
-        if result:
-            _check(result, "cufftSetStream")
-        if work_area:  # (a plan of work size 0 needs none)
+        stream_int = int(stream)  # type: ignore[call-overload]
+        bound = self._bound.get(plan)
+        if bound is None or bound[0] != stream_int:
+            result = lib.cufftSetStream(plan, stream_int)
+            if result:
+                _check(result, "cufftSetStream")
+            bound = (stream_int, 0)
+        if work_area and bound[1] != work_area:  # (a plan of work size 0 needs none)
             result = lib.cufftSetWorkArea(plan, work_area)
             if result:
                 _check(result, "cufftSetWorkArea")
+            bound = (stream_int, work_area)
+        self._bound[plan] = bound
         if fft_type == C2C:
             result, call = lib.cufftExecC2C(plan, source, destination, direction), "cufftExecC2C"
         elif fft_type == Z2Z:

@@ -302,3 +302,37 @@ def test_the_wheel_directories_are_searched_when_pathfinder_fails(monkeypatch, t
     library.write_bytes(b"")
     monkeypatch.setattr("sys.path", [str(tmp_path)])
     assert cufft._wheel_libraries() == (str(library),)
+
+
+class _FakeCufft:
+    """Records the cuFFT calls RealFft makes (each returns CUFFT_SUCCESS)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            return 0
+        return call
+
+
+def test_real_fft_sets_a_plans_stream_and_work_area_only_when_they_change(monkeypatch):
+    from cudalab._driver import cufft, fft_seam
+
+    fake = _FakeCufft()
+    monkeypatch.setattr(cufft, "_lib", fake)
+    real = cufft.RealFft()
+    for stream, work in ((7, 0x1000), (7, 0x1000), (8, 0x1000), (8, 0x2000), (8, 0)):
+        real.execute(3, stream, work, fft_seam.C2C, 0xA000, 0xB000, fft_seam.FORWARD)
+    names = [(name, args[1] if name != "cufftExecC2C" else None) for name, args in fake.calls]
+    assert names == [("cufftSetStream", 7), ("cufftSetWorkArea", 0x1000), ("cufftExecC2C", None),
+                     ("cufftExecC2C", None),
+                     ("cufftSetStream", 8), ("cufftSetWorkArea", 0x1000), ("cufftExecC2C", None),
+                     ("cufftSetWorkArea", 0x2000), ("cufftExecC2C", None),
+                     ("cufftExecC2C", None)]
+    real.destroy(3)  # a later plan of the same number starts afresh
+    fake.calls.clear()
+    real.execute(3, 8, 0x2000, fft_seam.R2C, 0xA000, 0xB000, fft_seam.FORWARD)
+    assert [name for name, _ in fake.calls] == ["cufftSetStream", "cufftSetWorkArea",
+                                                "cufftExecR2C"]
