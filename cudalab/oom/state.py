@@ -125,13 +125,22 @@ def _cudalab_figures(device: int) -> AllocatorFigures | None:
     a = existing_allocator(device)
     if a is None:
         return None
-    segments = a.segments()
     limit = None
     if _memory.get_per_process_memory_fraction(device) < 1.0:
         total = int(_devices.get_device_properties(device).total_memory)
         limit = int(_memory.get_per_process_memory_fraction(device) * total)
     cfg = getattr(a, "config", None)
     settings = str(getattr(cfg, "text", "") or "")
+    try:
+        segments = a.segments()
+    except RuntimeError:  # cudaMallocAsync keeps no blocks: its pool's totals only
+        stats = a.memory_stats()
+        reserved = int(stats.get("reserved_bytes.all.current", 0))
+        live = int(stats.get("allocated_bytes.all.current", 0))
+        return AllocatorFigures("cudalab", live, 0, 0, max(0, reserved - live), 0, 0, 0,
+                                reserved, limit, settings,
+                                "cudaMallocAsync keeps no blocks: the pool's free bytes and "
+                                "its largest free block are not known")
     return _from_segments("cudalab", segments, limit, settings)
 
 
@@ -204,7 +213,11 @@ def live_blocks(device: int) -> list[tuple[int, int, tuple[Any, ...] | None]]:
     rec = _history.recorder_of(a)
     frames = rec.blocks if rec is not None else {}
     out = []
-    for seg in a.segments():
+    try:
+        segments = a.segments()
+    except RuntimeError:  # cudaMallocAsync: no blocks
+        return []
+    for seg in segments:
         for b in seg["blocks"]:
             if b["state"] == "active_allocated":
                 out.append((b["address"], b["size"], frames.get(b["address"])))

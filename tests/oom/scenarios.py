@@ -198,6 +198,52 @@ def fraction_limit() -> Any:
         cm.empty_cache()
 
 
+def _hold(stream: Any) -> Callable[[], None]:
+    """Keep ``stream``'s queued work from completing (paused on the simulator, a long sleep
+    kernel on a GPU); returns the function that lets it finish."""
+    backend = _internal.backend()
+    if hasattr(backend, "pause_stream"):
+        backend.pause_stream(stream.handle)
+
+        def resume() -> None:
+            backend.resume_stream(stream.handle)
+            stream.synchronize()
+        return resume
+    from cudalab._kernels.spin import gpu_sleep
+
+    gpu_sleep(3_000_000_000, stream=stream)
+    return stream.synchronize
+
+
+def pending_frees() -> Any:
+    """A block used on a busy side stream (record_stream) is freed while a CUDA-graph
+    capture is underway on another stream: the allocator cannot synchronise the events at
+    the out-of-memory (torch skips it during captures), so the freed bytes stay pending."""
+    from cudalab.allocator import pools
+    from cudalab.allocator.registry import existing_allocator
+
+    free, total = _free_total()
+    side = cudalab.Stream()
+    resume = _hold(side)
+    x = cudalab.empty(int(free * 0.7), dtype="uint8")
+    cm.record_stream(x.data_ptr(), side)
+    del x  # pending until the side stream's work is done
+    alloc = existing_allocator(0)
+    pid = pools.graph_pool_handle()
+    alloc.begin_allocate_to_pool(pid, lambda stream: False)  # a capture on another stream
+    try:
+        exc = _fail(free * 0.5)
+        try:
+            return _explain(exc)
+        finally:
+            del exc
+    finally:
+        alloc.end_allocate_to_pool(pid)
+        alloc.release_pool(pid)
+        resume()
+        cm.empty_cache()
+
+
 #: verdict -> the scenario that must produce it.
 SCENARIOS: dict[str, Callable[[], Any]] = {
     "live_arrays": live_arrays,
@@ -208,6 +254,7 @@ SCENARIOS: dict[str, Callable[[], Any]] = {
     "outside_allocator": outside_allocator,
     "request_too_large": request_too_large,
     "fraction_limit": fraction_limit,
+    "pending_frees": pending_frees,
 }
 
 
