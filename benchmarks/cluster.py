@@ -4,8 +4,10 @@ watch, and gathering every rank's history and snapshot.
 Rows:
 
 * **step slowdown**: each rank runs a training-like step (activations allocated, computed
-  on, freed) in blocks, alternating blocks with its publisher running (and watched) and
-  stopped; the slowdown is median(on) / median(off) - 1 per rank (goal <= 1 %);
+  on, freed) in blocks of about a second (two samples at 2 Hz), alternating blocks with its
+  publisher running (and watched) and stopped; the slowdown is median(on) / median(off) - 1
+  per rank (goal <= 1 %). Each "on" block pays the publisher's start too (its thread, its
+  sockets, its connection file), so this is an upper bound of the steady cost;
 * **panel rate**: samples per second the watch receives from each rank (goal 2 Hz);
 * **least-headroom flag**: seconds from a rank's allocation to the watch naming it
   (goal <= 1 s);
@@ -78,13 +80,19 @@ def rank_worker(args: argparse.Namespace) -> int:
     for _ in range(20):
         _step(size)
     cudalab.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        _step(size)
+    cudalab.synchronize()
+    per_step = (time.perf_counter() - t0) / 20
+    steps = max(int(args.block_seconds / per_step), 10)  # blocks of ~block_seconds
     on: list[float] = []
     off: list[float] = []
     for block in range(2 * args.blocks):
         publishing = block % 2 == (rank % 2)  # half the ranks start with it on
         publisher = serve(args.directory, interval=0.5) if publishing else None
         t0 = time.perf_counter()
-        for _ in range(args.steps):
+        for _ in range(steps):
             _step(size)
         cudalab.synchronize()
         (on if publishing else off).append(time.perf_counter() - t0)
@@ -149,8 +157,8 @@ def _env(args: argparse.Namespace, rank: int) -> dict[str, str]:
 
 
 def _worker_args(args: argparse.Namespace) -> list[str]:
-    return ["--entries", str(args.entries), "--blocks", str(args.blocks), "--steps",
-            str(args.steps), "--directory", args.directory, *(["--gpu"] if args.gpu else [])]
+    return ["--entries", str(args.entries), "--blocks", str(args.blocks), "--block-seconds",
+            str(args.block_seconds), "--directory", args.directory, *(["--gpu"] if args.gpu else [])]
 
 
 def run_ranks(args: argparse.Namespace, results: dict) -> None:
@@ -285,8 +293,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--entries", type=int, default=100_000)
-    parser.add_argument("--blocks", type=int, default=6, help="blocks on and off, each")
-    parser.add_argument("--steps", type=int, default=60, help="steps per block")
+    parser.add_argument("--blocks", type=int, default=8, help="blocks on and off, each")
+    parser.add_argument("--block-seconds", type=float, default=1.0,
+                        help="seconds per block (2 samples at 2 Hz)")
     parser.add_argument("--rate-seconds", type=float, default=4.0)
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--quick", action="store_true")
@@ -300,7 +309,7 @@ def main() -> int:
     if args.gather_worker:
         return gather_worker(args)
     if args.quick:
-        args.blocks, args.rate_seconds = min(args.blocks, 3), min(args.rate_seconds, 2.0)
+        args.blocks, args.rate_seconds = min(args.blocks, 4), min(args.rate_seconds, 2.0)
     results: dict = Results()
     with tempfile.TemporaryDirectory(prefix="cudalab-cluster-bench-") as directory:
         args.directory = directory
