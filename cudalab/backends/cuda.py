@@ -18,7 +18,13 @@ from cudalab import devices as _devices
 from cudalab.fft.plan_cache import CuFFTPlanCache, plan_cache
 from cudalab.matmul_precision import SETTINGS, set_float32_matmul_precision
 
-__all__ = ["cuBLASModule", "cuFFTPlanCacheManager", "cufft_plan_cache", "matmul"]
+__all__ = ["PlanCacheIndexError", "cuBLASModule", "cuFFTPlanCacheManager", "cufft_plan_cache",
+           "matmul"]
+
+
+class PlanCacheIndexError(IndexError, RuntimeError):
+    """``cufft_plan_cache[i]`` of a device that does not exist: an IndexError, and a
+    RuntimeError as torch's."""
 
 
 def _flag(value: Any, name: str) -> bool:
@@ -99,8 +105,8 @@ class cuFFTPlanCacheManager:
     def __getitem__(self, device: Any) -> CuFFTPlanCache:
         count = _devices.device_count()
         if type(device) is int and not 0 <= device < count:
-            raise IndexError(f"cufft_plan_cache: expected 0 <= device index < {count}, but "
-                             f"got device with index {device}")
+            raise PlanCacheIndexError(f"cufft_plan_cache: expected 0 <= device index < "
+                                      f"{count}, but got device with index {device}")
         return plan_cache(_internal.device_index(device, optional=False))
 
     def __len__(self) -> int:

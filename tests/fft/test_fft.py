@@ -178,6 +178,8 @@ def test_plan_cache_bad_input():
         CACHE.size = 3
     with pytest.raises(IndexError, match="expected 0 <= device index < "):
         CACHE[cudalab.device_count()]
+    with pytest.raises(RuntimeError, match="expected 0 <= device index < "):  # torch's type
+        CACHE[-1]
     assert CACHE.max_size == 4096
 
 
