@@ -56,6 +56,26 @@ static PyTypeObject StackRefType = {
     .tp_doc = "An interned stack standing in the memo for a consumed entry's frames list.",
 };
 
+/* ---------------------------------------------------------------- Entry
+ * A trace entry being read: the values of the keys the columns take (K_ACTION..K_NVTX),
+ * set by SETITEM(S) in place of a dict's (other keys are dropped), so no dict is made. */
+#define NENTRY (K_NVTX + 1)
+typedef struct { PyObject_HEAD PyObject *slot[NENTRY]; } Entry;
+static void Entry_dealloc(Entry *e) {
+    for (int k = 0; k < NENTRY; k++) Py_XDECREF(e->slot[k]);
+    PyObject_Free(e);
+}
+static PyTypeObject EntryType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cudalab.memory_tools._tracescan.Entry",
+    .tp_basicsize = sizeof(Entry),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Entry_dealloc,
+    .tp_doc = "A trace entry being read (its columns' values only).",
+};
+#define IS_ENTRY(o) Py_IS_TYPE((o), &EntryType)
+#define KEYCACHE 64
+
 typedef struct {
     PyObject_HEAD
     Py_buffer buf; int have_buf;
@@ -82,6 +102,7 @@ typedef struct {
     uint64_t *shash;
     PyObject **stackrefs;
     int32_t *tmp; Py_ssize_t tmpcap;
+    PyObject *kc_key[KEYCACHE]; int kc_idx[KEYCACHE]; int kc_n;  /* key object -> slot */
 } Scanner;
 
 /* ---------------------------------------------------------------- errors */
@@ -101,7 +122,17 @@ static int corrupt(Scanner *s, Py_ssize_t at) {
 /* a malformed entry: the caller's on_bad_entry(device, index, entry) makes the exception
  * (the schema check's own message, so both readers say the same) */
 static int entry_fail(Scanner *s, Py_ssize_t d, Py_ssize_t j, PyObject *e) {
-    PyObject *exc = PyObject_CallFunction(s->on_bad, "nnO", d, j, e);
+    PyObject *shown = e;
+    if (IS_ENTRY(e)) {  /* the schema check reads a dict of the values kept */
+        shown = PyDict_New();
+        if (!shown) return -1;
+        for (int k = 0; k < NENTRY; k++)
+            if (((Entry *)e)->slot[k] && PyDict_SetItem(shown, s->keys[k], ((Entry *)e)->slot[k]) < 0) {
+                Py_DECREF(shown); return -1;
+            }
+    } else Py_INCREF(shown);
+    PyObject *exc = PyObject_CallFunction(s->on_bad, "nnO", d, j, shown);
+    Py_DECREF(shown);
     if (!exc) return -1;
     PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
     Py_DECREF(exc);
@@ -290,9 +321,15 @@ static int get_int(PyObject *v, int64_t *out, int *unsig, int allow_unsigned) {
 
 #define COLP(s, c, T) ((T *)(s)->col[c].buf)
 
+/* an entry's value for a key (borrowed; NULL: absent, or an error is set) */
+static inline PyObject *eget(Scanner *s, PyObject *e, int key) {
+    if (IS_ENTRY(e)) return ((Entry *)e)->slot[key];
+    return PyDict_GetItemWithError(e, s->keys[key]);
+}
+
 static int take_int(Scanner *s, PyObject *e, int key, Py_ssize_t d, Py_ssize_t j, int64_t dflt,
                     int64_t lo, int allow_unsigned, int *unsig, int64_t *out) {
-    PyObject *v = PyDict_GetItemWithError(e, s->keys[key]);
+    PyObject *v = eget(s, e, key);
     if (!v) {
         if (PyErr_Occurred()) return -1;
         if (key == K_SIZE) return entry_fail(s, d, j, e);
@@ -308,7 +345,7 @@ static int take_int(Scanner *s, PyObject *e, int key, Py_ssize_t d, Py_ssize_t j
 }
 
 static int32_t take_text_id(Scanner *s, PyObject *e, int key, Py_ssize_t d, Py_ssize_t j) {
-    PyObject *v = PyDict_GetItemWithError(e, s->keys[key]);
+    PyObject *v = eget(s, e, key);
     if (!v) return PyErr_Occurred() ? -2 : -1;
     if (v == Py_None) return -1;
     if (!PyUnicode_Check(v)) {
@@ -321,8 +358,8 @@ static int32_t take_text_id(Scanner *s, PyObject *e, int key, Py_ssize_t d, Py_s
 static int consume_entry(Scanner *s, PyObject *e, Py_ssize_t d) {
     Py_ssize_t j = s->dev_count[d];
     Py_ssize_t r = s->n;
-    if (!PyDict_CheckExact(e)) return entry_fail(s, d, j, e);
-    PyObject *a = PyDict_GetItemWithError(e, s->keys[K_ACTION]);
+    if (!PyDict_CheckExact(e) && !IS_ENTRY(e)) return entry_fail(s, d, j, e);
+    PyObject *a = eget(s, e, K_ACTION);
     if (!a) return PyErr_Occurred() ? -1 : entry_fail(s, d, j, e);
     if (!PyUnicode_Check(a)) return entry_fail(s, d, j, e);
     int32_t code = intern_str(s, s->action_names, s->action_codes, a);
@@ -343,7 +380,7 @@ static int consume_entry(Scanner *s, PyObject *e, Py_ssize_t d) {
     COLP(s, C_TIME, int64_t)[r] = v;
     if (take_int(s, e, K_DFREE, d, j, -1, INT64_MIN, 0, &dummy, &v) < 0) return -1;
     COLP(s, C_DFREE, int64_t)[r] = v;
-    PyObject *fr = PyDict_GetItemWithError(e, s->keys[K_FRAMES]);
+    PyObject *fr = eget(s, e, K_FRAMES);
     int32_t sid = -1;
     if (fr) {
         sid = stack_id(s, fr);
@@ -381,7 +418,8 @@ static int prune_recent(Scanner *s) {
         Py_ssize_t idx = s->recent[q];
         PyObject *o = s->memo[idx].o;
         if (!o) continue;
-        if (PyDict_CheckExact(o)) {
+        if (IS_ENTRY(o)) { Py_INCREF(Py_None); s->memo[idx].o = Py_None; Py_DECREF(o); }
+        else if (PyDict_CheckExact(o)) {
             int has = PyDict_Contains(o, s->keys[K_ACTION]);
             if (has < 0) return -1;
             if (has) { Py_INCREF(Py_None); s->memo[idx].o = Py_None; Py_DECREF(o); }
@@ -427,7 +465,7 @@ static int memo_put(Scanner *s, Py_ssize_t idx, Item it) {
     PyObject *old = s->memo[idx].o;
     s->memo[idx] = it;
     if (old) Py_DECREF(old); else s->memo_len++;
-    if (s->ntrace_marks && (PyDict_CheckExact(it.o) || PyList_CheckExact(it.o))) {
+    if (s->ntrace_marks && (IS_ENTRY(it.o) || PyDict_CheckExact(it.o) || PyList_CheckExact(it.o))) {
         if (grow((void **)&s->recent, &s->rcap, s->nrecent + 1, sizeof(Py_ssize_t)) < 0) return -1;
         s->recent[s->nrecent++] = idx;
     }
@@ -480,9 +518,40 @@ static int do_append(Scanner *s, Py_ssize_t x, Py_ssize_t at, int had_mark) {
     return 0;
 }
 
+/* the slot of a key object (-1: a key the columns do not take), cached by the key's address
+ * (the pickler memoizes key strings: a few objects, met again and again) */
+static int key_slot(Scanner *s, PyObject *k) {
+    for (int i = 0; i < s->kc_n; i++) if (s->kc_key[i] == k) return s->kc_idx[i];
+    int idx = -1;
+    if (PyUnicode_Check(k))
+        for (int q = 0; q < NENTRY; q++)
+            if (PyUnicode_CompareWithASCIIString(k, KEY_NAMES[q]) == 0) { idx = q; break; }
+    if (s->kc_n < KEYCACHE) {
+        Py_INCREF(k);  /* kept alive: its address stays its own */
+        s->kc_key[s->kc_n] = k; s->kc_idx[s->kc_n++] = idx;
+    }
+    return idx;
+}
+
+static int entry_setitems(Scanner *s, Entry *e, Py_ssize_t x) {
+    for (Py_ssize_t i = x; i < s->sp; i += 2) {
+        int k = key_slot(s, s->stack[i].o);
+        if (k >= 0) {
+            PyObject *old = e->slot[k];
+            e->slot[k] = s->stack[i + 1].o;  /* (the stack's reference moves over) */
+            s->stack[i + 1].o = NULL;
+            Py_XDECREF(old);
+        }
+    }
+    for (Py_ssize_t i = x; i < s->sp; i++) Py_XDECREF(s->stack[i].o);
+    s->sp = x;
+    return 0;
+}
+
 static int do_setitems(Scanner *s, Py_ssize_t x, Py_ssize_t at) {
     if (x <= fence(s) || x > s->sp || (s->sp - x) % 2) return corrupt(s, at);
     PyObject *target = s->stack[x - 1].o;
+    if (IS_ENTRY(target)) return entry_setitems(s, (Entry *)target, x);
     if (!PyDict_CheckExact(target)) return corrupt(s, at);
     int dmax = 0;
     for (Py_ssize_t i = x; i < s->sp; i += 2) {
@@ -639,7 +708,14 @@ static int step(Scanner *s) {
           else v = PyBytes_FromStringAndSize((const char *)p + s->pos, len);
           s->pos += len;
           return push(s, v, 0); }
-    case '}': return push(s, PyDict_New(), 1);
+    case '}':
+        if (s->nm && s->mark_trace[s->nm - 1] && s->sp >= s->marks[s->nm - 1]) {
+            Entry *e = PyObject_New(Entry, &EntryType);  /* an item of a trace list */
+            if (!e) return -1;
+            memset(e->slot, 0, sizeof(e->slot));
+            return push(s, (PyObject *)e, 1);
+        }
+        return push(s, PyDict_New(), 1);
     case ')': return push(s, PyTuple_New(0), 1);
     case 0x8f: return push(s, PySet_New(NULL), 1);
     case ']': {
@@ -852,6 +928,7 @@ static void Scanner_dealloc(Scanner *s) {
     PyMem_Free(s->stackrefs); PyMem_Free(s->tmp);
     Py_XDECREF(s->outer); Py_XDECREF(s->result); Py_XDECREF(s->what); Py_XDECREF(s->err); Py_XDECREF(s->on_bad);
     for (int k = 0; k < NKEYS; k++) Py_XDECREF(s->keys[k]);
+    for (int k = 0; k < s->kc_n; k++) Py_XDECREF(s->kc_key[k]);
     Py_XDECREF(s->action_codes); Py_XDECREF(s->action_names); Py_XDECREF(s->strings);
     Py_XDECREF(s->string_names); Py_XDECREF(s->frame_content); Py_XDECREF(s->frames);
     Py_XDECREF(s->frame_objs);
@@ -891,7 +968,8 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_tracescan",
     "Snapshot pickles read into trace columns (see cudalab/memory_tools/trace_index.py).", -1};
 
 PyMODINIT_FUNC PyInit__tracescan(void) {
-    if (PyType_Ready(&ScannerType) < 0 || PyType_Ready(&StackRefType) < 0) return NULL;
+    if (PyType_Ready(&ScannerType) < 0 || PyType_Ready(&StackRefType) < 0
+            || PyType_Ready(&EntryType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moddef);
     if (!m) return NULL;
     Py_INCREF(&ScannerType);
