@@ -202,6 +202,9 @@ def test_torch_out_of_memory_is_explained():
     torch = pytest.importorskip("torch")
     torch.zeros(1, device="cuda")
     oom.watch()  # torch's observer too, now that torch is imported
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    warm = [torch.empty(1 << 20, device="cuda") for _ in range(8)]  # some torch history
+    del warm
     free, total = cm.mem_get_info()
     keep = cudalab.empty(int(free * 0.7), dtype="uint8")
     try:
@@ -212,10 +215,13 @@ def test_torch_out_of_memory_is_explained():
         err, event = oom.last_oom()
         assert isinstance(err, torch.OutOfMemoryError)
         assert event is not None and event.source == "torch" and event.state is not None
-        expl = explain_oom()
+        expl = explain_oom(replays=True)
         assert expl.source == "torch" and expl.verdict == "live_arrays", expl.reasons
         assert {"cudalab", "torch"} <= set(expl.accounting["source"])
         _check_accounting(expl)
+        assert expl.counterfactuals is not None, expl.unknown  # from torch's history
+        assert expl.sites is not None and len(expl.sites)
     finally:
+        torch.cuda.memory._record_memory_history(None)
         del keep
         torch.cuda.empty_cache()
