@@ -75,6 +75,9 @@ static PyTypeObject EntryType = {
 };
 #define IS_ENTRY(o) Py_IS_TYPE((o), &EntryType)
 #define KEYCACHE 64
+/* frame dicts cached by address at most (each is kept alive while cached): a file whose
+ * frames are not shared objects costs a content lookup per frame past this many */
+#define FMAP_MAX (1 << 20)
 
 typedef struct {
     PyObject_HEAD
@@ -214,6 +217,7 @@ static int32_t frame_id(Scanner *s, PyObject *f) {
         Py_DECREF(idobj);
     }
     Py_DECREF(key);
+    if (s->fcount >= FMAP_MAX) return id;  /* (frames that are not shared: no more cached) */
     if ((s->fcount + 1) * 2 > s->fcap) {  /* rehash */
         Py_ssize_t nc = s->fcap ? s->fcap * 2 : 1024;
         PtrSlot *nt = PyMem_Calloc((size_t)nc, sizeof(PtrSlot));

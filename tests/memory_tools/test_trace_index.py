@@ -105,6 +105,17 @@ def test_a_protocol_0_pickle_is_read_by_the_restricted_unpickler(tmp_path):
     _same(open_trace(path), index_snapshot(snap))
 
 
+def test_frames_that_are_not_shared_objects_intern_by_content(tmp_path):
+    snap = synthetic_snapshot(2000, cudalab_keys=False)
+    snap["device_traces"] = [[dict(e, frames=[dict(f) for f in e["frames"]]) for e in t]
+                             for t in snap["device_traces"]]
+    path = tmp_path / "s.pickle"
+    path.write_bytes(dumps_snapshot(snap))
+    got = open_trace(path)
+    _same(got, index_snapshot(snap))
+    assert len(got.frames) <= 100 and got.n_stacks <= 41  # the synthetic trace's own
+
+
 def test_64_bit_handles_stay_exact(tmp_path):
     snap = synthetic_snapshot(100, cudalab_keys=False)
     snap["device_traces"][0][3]["stream"] = (1 << 64) - 5
