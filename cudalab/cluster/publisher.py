@@ -41,14 +41,23 @@ from typing import Any
 
 from cudalab.cluster import records as _records
 from cudalab.cluster import wire
-from cudalab.cluster.connection import CLUSTER_ENV, ConnectionInfo, job_id, rank_number
+from cudalab.cluster.connection import (
+    CLUSTER_ENV,
+    ConnectionInfo,
+    job_id,
+    pid_alive,
+    rank_number,
+)
 from cudalab.cluster.signing import Signer, new_key
 from cudalab.identity import Identity
 from cudalab.memory_tools.samples import SampleSource
 
 __all__ = ["Publisher", "serve", "serve_from_env", "publishers", "stop_all",
-           "DEFAULT_INTERVAL", "SEND_HWM"]
+           "DEFAULT_INTERVAL", "SEND_HWM", "PUBLISHER_ENV"]
 
+#: The environment variable a rank that publishes from ``CUDALAB_CLUSTER`` sets to its pid, so
+#: the processes it starts (which inherit it) do not publish as the same rank.
+PUBLISHER_ENV = "CUDALAB_CLUSTER_PUBLISHER"
 #: Seconds between two samples (2 Hz).
 DEFAULT_INTERVAL = 0.5
 #: Messages a PUB socket queues per watcher before it drops (a watcher that does not read).
@@ -360,18 +369,31 @@ def serve(directory: str | os.PathLike[str] | None = None, address: str = "127.0
 
 def serve_from_env() -> Publisher | None:
     """``serve()`` into ``$CUDALAB_CLUSTER`` when it is set (``import cudalab`` calls it);
-    a failure is a warning, never an exception out of the import."""
+    a failure is a warning, never an exception out of the import.
+
+    A process started by a publishing rank (a DataLoader worker, a compile worker, any
+    subprocess inheriting the environment) does not publish: it would show as a second
+    process of the same rank. The rank marks its environment with its pid
+    (:data:`PUBLISHER_ENV`); a process that finds another live process's pid there stays
+    quiet.
+    """
     directory = os.environ.get(CLUSTER_ENV, "").strip()
     if not directory:
         return None
+    parent = os.environ.get(PUBLISHER_ENV, "")
+    if parent.isdigit() and int(parent) != os.getpid() and pid_alive(int(parent)):
+        return None
     try:
-        return serve(directory, address=os.environ.get("CUDALAB_CLUSTER_ADDRESS", "127.0.0.1"))
+        publisher = serve(directory,
+                          address=os.environ.get("CUDALAB_CLUSTER_ADDRESS", "127.0.0.1"))
     except Exception as exc:  # noqa: BLE001 - never break the import
         import warnings
 
         warnings.warn(f"cudalab: {CLUSTER_ENV}={directory!r} but this process cannot publish "
                       f"its memory: {exc}", RuntimeWarning, stacklevel=2)
         return None
+    os.environ[PUBLISHER_ENV] = str(os.getpid())
+    return publisher
 
 
 def publishers() -> list[Publisher]:

@@ -16,7 +16,7 @@ ROOT = WORKER.parents[2]
 
 def rank_env(directory: Path, job: str, rank: int, world: int) -> dict[str, str]:
     env = dict(os.environ)
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE"):
+    for name in ("CUDALAB_CLUSTER_PUBLISHER", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE"):
         env.pop(name, None)
     env.update(CUDALAB_SIMULATOR="1", CUDALAB_CLUSTER=str(directory), CUDALAB_CLUSTER_JOB=job,
                RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -42,11 +42,16 @@ class Ranks:
                 raise RuntimeError(f"a rank did not start: {line!r} "
                                    f"{p.stderr.read() if p.stderr else ''}")
 
-    def command(self, rank: int, text: str) -> None:
+    def command(self, rank: int, text: str) -> list[str]:
+        """Send ``text``; the lines the rank printed before its ``done``."""
         p = self.processes[rank]
         p.stdin.write(text + "\n")  # type: ignore[union-attr]
         p.stdin.flush()  # type: ignore[union-attr]
-        assert p.stdout.readline().strip() == "done"  # type: ignore[union-attr]
+        lines = []
+        while (line := p.stdout.readline().strip()) != "done":  # type: ignore[union-attr]
+            assert line, "the rank ended"
+            lines.append(line)
+        return lines
 
     def kill(self, rank: int) -> None:
         self.processes[rank].kill()

@@ -77,6 +77,12 @@ def main() -> int:
                 kept.append(cudalab.zeros(int(command[1]) // 4, dtype="float32"))
             elif command[0] == "free":
                 del kept[1:]
+            elif command[0] == "child":  # a subprocess inheriting the environment
+                import subprocess
+
+                subprocess.run([sys.executable, "-c", "import cudalab, time; "
+                                "from cudalab.cluster import publisher; "
+                                "print(len(publisher.publishers()))"], check=True)
             elif command[0] == "quit":
                 return 0
             print("done", flush=True)

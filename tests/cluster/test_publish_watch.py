@@ -79,6 +79,13 @@ def test_least_headroom_follows_a_change_within_a_second(job, watched):
     assert took <= 1.0, f"the flag followed after {took:.2f} s"
 
 
+def test_a_process_a_rank_starts_does_not_publish_as_that_rank(job, watched):
+    assert job.command(0, "child") == ["0"]  # the child inherited CUDALAB_CLUSTER: quiet
+    time.sleep(0.6)
+    assert len(list(job.directory.glob("rank-0-*.json"))) == 1
+    assert watched.samples()[0][0].identity.pid == job.processes[0].pid
+
+
 def test_fetch_snapshots_and_histories(job, watched):
     got = watched.fetch(("snapshot", "stats", "history_tail"))
     assert watched.fetch_errors == {}
