@@ -362,42 +362,52 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
             else:
                 fn(done[0], total)
 
-    def run(jobs: list[tuple[str, int | None, int | None]]) -> None:
-        nonlocal replays
-        if not jobs:
-            return
-        replays += len(jobs)
-        got = run_replays(tr, plan, [(s, m) for s, _, m in jobs], workers=workers,
-                          progress=step)
-        for (s, c, _), r in zip(jobs, got):
-            outcomes[(s, c)] = r
+    def run_all(jobs: list[tuple[str, int | None]], follow: Any) -> int:
+        """Run ``jobs`` (and what ``follow`` queues); the number of replays made."""
+        count = [0]
+
+        def counted(job: tuple[str, int | None], got: ReplayResult | str
+                    ) -> list[tuple[str, int | None]]:
+            count[0] += 1
+            return follow(job, got)
+
+        if jobs:
+            run_replays(tr, plan, jobs, workers=workers, follow=counted)
+        return count[0]
 
     try:
-        # phase 1: every plain setting on the largest device
-        run([(s, order[0], order[0]) for s in plain])
-        # phase 2: smaller devices (derived where the larger replay never came near them),
-        # and the capped settings
-        jobs: list[tuple[str, int | None, int | None]] = []
-        for s in plain:
-            big = outcomes[(s, order[0])]
-            for c in order[1:]:
-                if isinstance(big, ReplayResult) and not big.ooms and not big.retries \
-                        and c is not None and big.peak_reserved <= c:
-                    outcomes[(s, c)] = replace(big, device_memory=c)
-                    derived.add((s, c))
+        # Every plain setting on the largest device, and every capped one on each device
+        # given, at once; as a plain setting's replay ends, its replays on the smaller
+        # devices are queued (or derived when the larger one never came near them).
+        for s in capped:
+            if None in caps:  # a fraction of no particular device means nothing
+                outcomes[(s, None)] = ("a per_process_memory_fraction needs a capacity (tried "
+                                       "only on the devices given)")
+                step(0, 0)
+        first = [(s, order[0]) for s in plain]
+        first += [(s, c) for c in order if c is not None
+                  for s in [*capped, *tuned.get(c, ())]]
+        plain_set = set(plain)
+
+        def follow(job: tuple[str, int | None], got: ReplayResult | str
+                   ) -> list[tuple[str, int | None]]:
+            s, c = job
+            outcomes[(s, c)] = got
+            step(0, 0)
+            if s not in plain_set or c != order[0]:
+                return []
+            more: list[tuple[str, int | None]] = []
+            for smaller in order[1:]:
+                if isinstance(got, ReplayResult) and not got.ooms and not got.retries \
+                        and smaller is not None and got.peak_reserved <= smaller:
+                    outcomes[(s, smaller)] = replace(got, device_memory=smaller)
+                    derived.add((s, smaller))
                     step(0, 0)
                 else:
-                    jobs.append((s, c, c))
-        for c in order:
-            if c is None:  # a fraction of no particular device means nothing
-                for s in capped:
-                    outcomes[(s, c)] = ("a per_process_memory_fraction needs a capacity (tried "
-                                        "only on the devices given)")
-                    step(0, 0)
-                continue
-            for s in [*capped, *tuned.get(c, ())]:
-                jobs.append((s, c, c))
-        run(jobs)
+                    more.append((s, smaller))
+            return more
+
+        replays += run_all(first, follow)
         for s, base in alias.items():
             for c in caps:
                 got = outcomes[(base, c)]
@@ -422,7 +432,7 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
                 bad.append((s, r))
         good.sort(key=lambda sr: _key(sr[1]))
         for rank, (s, r) in enumerate(good, 1):
-            first = r.oom_entries[0] if r.oom_entries else None
+            oom_at = r.oom_entries[0] if r.oom_entries else None
             rows.append({
                 "setting": s or "default", "capacity": c, "rank": rank,
                 "peak_reserved": r.peak_reserved, "peak_allocated": r.peak_allocated,
@@ -430,8 +440,8 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
                                             if r.peak_allocated else 0.0),
                 "live_ratio": r.peak_reserved / peak_live if peak_live else 0.0,
                 "driver_allocs": r.num_device_alloc, "retries": r.retries, "ooms": r.ooms,
-                "first_oom": first[0] if first else None,
-                "first_oom_bytes": first[1] if first else None,
+                "first_oom": oom_at[0] if oom_at else None,
+                "first_oom_bytes": oom_at[1] if oom_at else None,
                 "status": "out of memory" if r.ooms else "ok",
                 "derived": (s, c) in derived,
             })

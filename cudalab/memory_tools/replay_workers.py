@@ -34,7 +34,7 @@ import numpy as np
 from cudalab.memory_tools.replay import ReplayPlan, ReplayResult, replay_planned
 from cudalab.memory_tools.trace_io import TraceArrays
 
-__all__ = ["Job", "JobOutcome", "available_cpus", "default_workers", "run_replays"]
+__all__ = ["Follow", "Job", "JobOutcome", "available_cpus", "default_workers", "run_replays"]
 
 #: One replay: (settings string, device memory in bytes or None for an unconstraining one).
 Job = tuple[str, "int | None"]
@@ -129,10 +129,14 @@ def _start_method() -> str:
     return "forkserver" if "forkserver" in methods else "spawn"
 
 
+Follow = Callable[[tuple[str, "int | None"], "ReplayResult | str"],
+                  Sequence[tuple[str, "int | None"]]]
+
+
 def run_replays(tr: TraceArrays, plan: ReplayPlan, jobs: Sequence[tuple[str, int | None]], *,
                 workers: int | None = None,
-                progress: Callable[[int, int], None] | None = None
-                ) -> list[ReplayResult | str]:
+                progress: Callable[[int, int], None] | None = None,
+                follow: Follow | None = None) -> list[ReplayResult | str]:
     """Replay ``plan`` once per job, in parallel worker processes when there are several.
 
     Parameters
@@ -147,12 +151,16 @@ def run_replays(tr: TraceArrays, plan: ReplayPlan, jobs: Sequence[tuple[str, int
         Worker processes (default :func:`default_workers`); 1 replays in this process.
     progress : callable, optional
         ``progress(done, total)`` after each job.
+    follow : callable, optional
+        ``follow(job, outcome) -> more jobs``, called in this process as each job (given or
+        followed) finishes: the jobs it returns are queued at once (the workers never wait
+        for a batch to end).
 
     Returns
     -------
     list of ReplayResult or str
-        One per job, in the order of ``jobs``: the result, or the error text of a job whose
-        settings could not be replayed.
+        One per job of ``jobs``, in their order: the result, or the error text of a job
+        whose settings could not be replayed (followed jobs reach ``follow`` only).
     """
     jobs = list(jobs)
     if workers is None:
@@ -160,31 +168,46 @@ def run_replays(tr: TraceArrays, plan: ReplayPlan, jobs: Sequence[tuple[str, int
     elif not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     workers = min(workers, max(1, len(jobs)))
-    out: list[ReplayResult | str] = []
     if workers == 1:
-        for i, (config, memory) in enumerate(jobs):
-            try:
-                out.append(replay_planned(tr, plan, config, memory, None))
-            except (ValueError, TypeError) as exc:
-                out.append(f"{type(exc).__name__}: {exc}")
-            if progress is not None:
-                progress(i + 1, len(jobs))
-        return out
+        return _run_serial(tr, plan, jobs, progress, follow)
     from concurrent.futures.process import BrokenProcessPool
 
     try:
-        return _run_parallel(tr, plan, jobs, workers, progress)
+        return _run_parallel(tr, plan, jobs, workers, progress, follow)
     except (BrokenProcessPool, OSError) as exc:
         warnings.warn(f"replay workers could not run ({type(exc).__name__}: {exc}); replaying "
                       "serially in this process", RuntimeWarning, stacklevel=2)
-        return run_replays(tr, plan, jobs, workers=1, progress=progress)
+        return _run_serial(tr, plan, jobs, progress, follow)
+
+
+def _run_serial(tr: TraceArrays, plan: ReplayPlan, jobs: list[tuple[str, int | None]],
+                progress: Callable[[int, int], None] | None, follow: Follow | None
+                ) -> list[ReplayResult | str]:
+    queue = list(jobs)
+    out: list[ReplayResult | str] = []
+    i = 0
+    while i < len(queue):
+        config, memory = queue[i]
+        outcome: ReplayResult | str
+        try:
+            outcome = replay_planned(tr, plan, config, memory, None)
+        except (ValueError, TypeError) as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        if i < len(jobs):
+            out.append(outcome)
+        if follow is not None:
+            queue.extend(follow(queue[i], outcome))
+        i += 1
+        if progress is not None:
+            progress(i, len(queue))
+    return out
 
 
 def _run_parallel(tr: TraceArrays, plan: ReplayPlan, jobs: list[tuple[str, int | None]],
-                  workers: int, progress: Callable[[int, int], None] | None
-                  ) -> list[ReplayResult | str]:
+                  workers: int, progress: Callable[[int, int], None] | None,
+                  follow: Follow | None) -> list[ReplayResult | str]:
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from multiprocessing import shared_memory
 
     cols = _columns(plan)
@@ -206,11 +229,23 @@ def _run_parallel(tr: TraceArrays, plan: ReplayPlan, jobs: list[tuple[str, int |
         ctx = mp.get_context(_start_method())
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_attach,
                                  initargs=(shm.name, n, meta)) as pool:
-            futures = {pool.submit(_run_one, jobs[i]): i for i in order}
-            for done, future in enumerate(as_completed(futures), 1):
-                results[futures[future]] = future.result()
-                if progress is not None:
-                    progress(done, len(jobs))
+            futures = {pool.submit(_run_one, jobs[i]): (i, jobs[i]) for i in order}
+            total = len(jobs)
+            done = 0
+            while futures:
+                finished, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    i, job = futures.pop(future)
+                    outcome = future.result()
+                    if i >= 0:
+                        results[i] = outcome
+                    if follow is not None:
+                        for more in follow(job, outcome):
+                            futures[pool.submit(_run_one, more)] = (-1, more)
+                            total += 1
+                    done += 1
+                    if progress is not None:
+                        progress(done, total)
         return [results[i] for i in range(len(jobs))]
     finally:
         shm.close()
