@@ -36,6 +36,8 @@ def main() -> int:
     parser.add_argument("--gather", action="store_true")
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--backend", default="gloo", help="torch.distributed's, for --engine torch")
+    parser.add_argument("--torch-tensors", action="store_true",
+                        help="hold the memory in torch tensors (the rank is torch's allocator)")
     parser.add_argument("--hold", action="store_true",
                         help="publish until Ctrl-C (no stdin: under mpirun only rank 0 has one)")
     args = parser.parse_args()
@@ -45,18 +47,37 @@ def main() -> int:
         import torch.distributed as dist
 
         dist.init_process_group(args.backend)
-    memory.record_history()
-    kept = [cudalab.zeros(int((rank + 1) * args.mib * (1 << 20)) // 4, dtype="float32")]
-    scratch = cudalab.zeros(1000)
-    del scratch
+    size = int((rank + 1) * args.mib * (1 << 20)) // 4
+    if args.torch_tensors:  # a torch job: its allocator is torch's
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        kept = [torch.zeros(size, device="cuda")]
+        scratch = torch.zeros(1000, device="cuda")
+        del scratch
+
+        def own_peak() -> int:
+            return int(torch.cuda.memory_stats()["allocated_bytes.all.peak"])
+    else:
+        memory.record_history()
+        kept = [cudalab.zeros(size, dtype="float32")]
+        scratch = cudalab.zeros(1000)
+        del scratch
+
+        def own_peak() -> int:
+            return int(memory.memory_stats(0)["allocated_bytes.all.peak"])
     if args.gather:
         from cudalab.cluster import gather
 
         got = gather(engine=args.engine)
-        print(f"own {rank} {memory.memory_stats(0)['allocated_bytes.all.peak']}", flush=True)
+        print(f"own {rank} {own_peak()}", flush=True)
         print(f"device {rank} {cudalab.get_device_name(0)}", flush=True)
         if got is not None:
-            print("peaks " + json.dumps({k: r.peaks()[0] for k, r in got.items()}), flush=True)
+            print("peaks " + json.dumps({k: next(iter(r.peaks().values()))
+                                         for k, r in got.items()}), flush=True)
+            print("allocators " + json.dumps({k: r.identity.allocator for k, r in got.items()}),
+                  flush=True)
             print("tails " + json.dumps({k: len(r.history_tail.get(0, []))
                                          for k, r in got.items()}), flush=True)
             print("snapshots " + json.dumps({k: len(r.snapshot["segments"])  # type: ignore[index]

@@ -129,14 +129,59 @@ def test_mpirun_ranks_publish_and_stop_on_ctrl_c(tmp_path):
             job.communicate()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
-def test_torchrun_ranks_gather_over_torch_distributed():
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+
+
+def _torchrun_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), NCCL_NVLS_ENABLE="0")
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), NCCL_NVLS_ENABLE="0", **extra)
     env.pop("CUDALAB_SIMULATOR", None)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", str(WORKER), "--gather", "--engine", "torch",
-                          "--backend", "gloo", "--mib", "64"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    env.pop("CUDALAB_CLUSTER_PUBLISHER", None)
+    return env
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", str(WORKER)]
+
+
+@needs_torch
+@pytest.mark.parametrize("tensors", [False, True], ids=["cudalab-arrays", "torch-tensors"])
+def test_torchrun_ranks_gather_over_torch_distributed(tensors):
+    """gloo moves the bytes (two ranks share the one GPU: NCCL would refuse); with torch
+    tensors the records are torch's allocator's, byte-exact against torch's memory_stats."""
+    res = subprocess.run([*TORCHRUN, "--gather", "--engine", "torch", "--backend", "gloo",
+                          "--mib", "64", *(["--torch-tensors"] if tensors else [])],
+                         env=_torchrun_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     _check_gather_output(res.stdout, 2)
+    allocators = json.loads(next(x[11:] for x in res.stdout.splitlines()
+                                 if x.startswith("allocators ")))
+    assert set(allocators.values()) == {"torch" if tensors else "cudalab"}, allocators
+
+
+@needs_torch
+def test_torchrun_torch_ranks_publish_and_stop_on_ctrl_c(tmp_path):
+    """A torch job watched like a cudalab one: its samples are torch's allocator's."""
+    from cudalab.cluster import watch
+
+    job = subprocess.Popen([*TORCHRUN, "--hold", "--torch-tensors", "--mib", "32"],
+                           env=_torchrun_env(CUDALAB_CLUSTER=str(tmp_path)),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    w = watch(tmp_path)
+    try:
+        assert wait_for(lambda: sorted(w.samples()) == [0, 1] and all(
+            any(s.identity.allocator == "torch" for s in v) for v in w.samples().values()), 60), (
+            w, job.poll())
+        assert w.job is not None and w.job.startswith("torchrun:")
+        for rank, samples in w.samples().items():
+            mine = [s for s in samples if s.identity.allocator == "torch"]
+            assert mine[0].allocated >= (rank + 1) * 32 << 20
+        os.killpg(job.pid, signal.SIGINT)  # torchrun sends its workers SIGTERM
+        out, err = job.communicate(timeout=30)
+        assert list(tmp_path.glob("*.json")) == [], "a rank left its connection file"
+    finally:
+        w.close()
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
