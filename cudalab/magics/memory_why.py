@@ -69,7 +69,8 @@ def run_why(magics: Any, words: list[str], device: int | None) -> None:
 
 
 def _no_history(expl: Any) -> bool:
-    return any("history is off" in u for u in expl.unknown)
+    return any("history is off" in u for u in expl.unknown) or \
+        not any(u.startswith("counterfactuals: not run yet") for u in expl.unknown)
 
 
 def _bundle(expl: Any) -> dict[str, str]:

@@ -26,6 +26,7 @@ from typing import Any
 from cudalab import _internal
 from cudalab._internal import format_bytes
 from cudalab.allocator.registry import existing_allocator
+from cudalab.errors import OutOfMemoryError
 from cudalab.memory_tools import history as _history
 from cudalab.oom import session as _session
 from cudalab.oom.referrers import Referrers, find_referrers
@@ -313,7 +314,7 @@ def explain_oom(device: Any = None, *, source: str = "auto", error: BaseExceptio
         unknown.append(event.note)
     request = event.request if event is not None else text_request
     failed = event.source if event is not None else (
-        None if error is None else ("cudalab" if isinstance(error, _session.OutOfMemoryError)
+        None if error is None else ("cudalab" if isinstance(error, OutOfMemoryError)
                                     else type(error).__module__.split(".")[0]))
     if source != "auto":
         failed = source
@@ -333,18 +334,19 @@ def explain_oom(device: Any = None, *, source: str = "auto", error: BaseExceptio
     if sites_note:
         unknown.append(f"sites: {sites_note}")
     cf = None
-    if error is not None and replays:
+    if error is not None:
         entries = _history_size(device, failed)
-        budget = entries * (len(COUNTERFACTUAL_SETTINGS) + 1)
-        if replays is True or budget <= AUTO_BUDGET:
+        budget = (entries or 0) * (len(COUNTERFACTUAL_SETTINGS) + 1)
+        if replays is True or (replays and entries is not None and 0 < budget <= AUTO_BUDGET):
             cf, note = counterfactuals(device, request, state, failed)
             if note:
                 unknown.append(f"counterfactuals: {note}")
-        elif entries:
-            unknown.append(f"counterfactuals: not run ({entries:,} history entries take a few "
-                           "seconds): call .with_counterfactuals()")
-        else:
+        elif entries == 0:
             unknown.append(f"counterfactuals: {_HISTORY_HINT}")
+        else:
+            size = "torch's history" if entries is None else f"{entries:,} history entries"
+            unknown.append(f"counterfactuals: not run yet ({size}: the replays take a few "
+                           "seconds): call .with_counterfactuals()")
     return OOMExplanation(
         verdict=judgement.verdict, device=device, request=request,
         shortfall=judgement.shortfall, accounting=accounting, sites=sites,
@@ -353,9 +355,15 @@ def explain_oom(device: Any = None, *, source: str = "auto", error: BaseExceptio
         elapsed_s=time.perf_counter() - start, error=error)
 
 
-def _history_size(device: int, source: str | None) -> int:
+def _history_size(device: int, source: str | None) -> int | None:
+    """Entries of the history the replays would read (None: torch's, recording, of a length
+    known only by reading it; 0: no history)."""
     if source == "torch":
-        return 0  # torch's history length is known only by reading it
+        torch = sys.modules.get("torch")
+        try:
+            return None if torch is not None and torch._C._cuda_isHistoryEnabled() else 0
+        except Exception:
+            return 0
     a = existing_allocator(device)
     if a is None or _history.recorder_of(a) is None:
         return 0

@@ -236,3 +236,23 @@ def test_default_grid_adds_caps_tuned_to_the_trace(trace):
     assert rec["peak_reserved"] == best["peak_reserved"]
     if rec["retries"]:
         assert "without a retry the best is" in rec["text"]
+
+
+def test_start_method_avoids_fork_beside_threads(monkeypatch):
+    import sys as _sys
+    import threading
+
+    monkeypatch.delenv("CUDALAB_REPLAY_START", raising=False)
+    if not _sys.platform.startswith("linux"):
+        pytest.skip("fork is chosen on Linux only")
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        assert rw._start_method() in ("forkserver", "spawn")
+    finally:
+        stop.set()
+        t.join()
+    monkeypatch.setenv("CUDALAB_REPLAY_START", "no-such-method")
+    with pytest.raises(ValueError, match="CUDALAB_REPLAY_START"):
+        rw._start_method()
