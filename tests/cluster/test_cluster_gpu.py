@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,46 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.helpers import ROOT, WORKER, wait_for
+from tests.cluster.helpers import ROOT, WORKER, mpi_env, mpi_exports, mpirun, wait_for
 
 pytestmark = pytest.mark.gpu
 
 
-def _mpirun() -> list[str] | None:
-    text = os.environ.get("CUDALAB_MPIRUN", "").strip()
-    if text:
-        launcher = shlex.split(text)
-    else:
-        here = Path(sys.executable).parent / "mpirun"
-        found = str(here) if here.exists() else shutil.which("mpirun")
-        if found is None:
-            return None
-        launcher = [found]
-    return [*launcher, "--oversubscribe"]
-
-
-def _mpi_env(launcher: list[str], **extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), NCCL_NVLS_ENABLE="0",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra)
-    env.pop("CUDALAB_SIMULATOR", None)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(name, None)
-    prefix = Path(launcher[0]).resolve().parent.parent
-    if (prefix / "lib").is_dir():  # an MPI outside the system's library path (/tmp/mpi)
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            filter(None, [str(prefix / "lib"), os.environ.get("LD_LIBRARY_PATH")]))
-        env["OPAL_PREFIX"] = str(prefix)
-    return env
-
-
-def _exports(env: dict[str, str]) -> list[str]:
-    names = ["PYTHONPATH", "LD_LIBRARY_PATH", "NCCL_NVLS_ENABLE", "CUDALAB_CLUSTER",
-             "CUDALAB_CLUSTER_JOB"]
-    return [arg for n in names if n in env for arg in ("-x", n)]
-
-
-needs_mpi = pytest.mark.skipif(_mpirun() is None or importlib.util.find_spec("mpi4py") is None,
+needs_mpi = pytest.mark.skipif(mpirun() is None or importlib.util.find_spec("mpi4py") is None,
                                reason="needs mpi4py and an mpirun (CUDALAB_MPIRUN)")
 
 
@@ -79,10 +43,10 @@ def _check_gather_output(out: str, world: int) -> None:
 
 @needs_mpi
 def test_mpirun_ranks_gather_over_mpi():
-    launcher = _mpirun()
+    launcher = mpirun()
     assert launcher is not None
-    env = _mpi_env(launcher)
-    res = subprocess.run([*launcher, *_exports(env), "-n", "2", sys.executable, str(WORKER),
+    env = mpi_env(launcher)
+    res = subprocess.run([*launcher, *mpi_exports(env), "-n", "2", sys.executable, str(WORKER),
                           "--gather", "--engine", "mpi", "--mib", "64"],
                          env=env, capture_output=True, text=True, timeout=90)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
@@ -91,12 +55,18 @@ def test_mpirun_ranks_gather_over_mpi():
 
 @needs_mpi
 def test_mpirun_ranks_publish_and_stop_on_ctrl_c(tmp_path):
+    publish_under_mpirun_and_interrupt(tmp_path, simulator=False)
+
+
+def publish_under_mpirun_and_interrupt(tmp_path: Path, simulator: bool) -> None:
+    """Two ranks under mpirun publish to a watch (real devices unless ``simulator``); a
+    Ctrl-C to mpirun (which sends its ranks SIGTERM) ends them leaving no file."""
     from cudalab.cluster import watch
 
-    launcher = _mpirun()
+    launcher = mpirun()
     assert launcher is not None
-    env = _mpi_env(launcher, CUDALAB_CLUSTER=str(tmp_path))
-    job = subprocess.Popen([*launcher, *_exports(env), "-n", "2", sys.executable, str(WORKER),
+    env = mpi_env(launcher, simulator=simulator, CUDALAB_CLUSTER=str(tmp_path))
+    job = subprocess.Popen([*launcher, *mpi_exports(env), "-n", "2", sys.executable, str(WORKER),
                             "--hold", "--mib", "32"], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     w = watch(tmp_path)
@@ -108,9 +78,10 @@ def test_mpirun_ranks_publish_and_stop_on_ctrl_c(tmp_path):
         assert sorted(samples) == [0, 1]
         for rank, per_device in samples.items():
             s = per_device[0]
-            assert s.identity.rank == rank and "simulated" not in (s.identity.device_name or "")
+            assert s.identity.rank == rank
+            assert ("simulated" in (s.identity.device_name or "")) == simulator
             assert s.allocated >= (rank + 1) * 32 << 20
-            assert s.nvml_error == "" and s.nvml_used is not None  # NVML on the real GPU
+            assert s.nvml_error == "" and s.nvml_used is not None  # NVML (or the simulator's)
         assert w.job is not None and w.job.startswith("mpi:")
         got = w.fetch(("snapshot", "stats"))
         assert sorted(got) == [0, 1], w.fetch_errors

