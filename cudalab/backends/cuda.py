@@ -7,6 +7,8 @@
   :mod:`cudalab.matmul_precision` for what each changes in the cuBLAS call.
 * ``cufft_plan_cache[device]``: the device's :class:`~cudalab.fft.plan_cache.CuFFTPlanCache`
   (``max_size``, ``size``, ``clear()``); without an index, the current device's.
+* ``clear_cublas_workspaces()``: gives the cuBLAS workspaces back to the caching allocator
+  (torch's private ``torch._C._cuda_clearCublasWorkspaces``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 from cudalab import _internal
+from cudalab._array_matmul import clear_workspaces as clear_cublas_workspaces
 from cudalab import devices as _devices
 from cudalab.fft.plan_cache import CuFFTPlanCache, plan_cache
 from cudalab.matmul_precision import SETTINGS, set_float32_matmul_precision
 
-__all__ = ["PlanCacheIndexError", "cuBLASModule", "cuFFTPlanCacheManager", "cufft_plan_cache",
-           "matmul"]
+__all__ = ["PlanCacheIndexError", "clear_cublas_workspaces", "cuBLASModule",
+           "cuFFTPlanCacheManager", "cufft_plan_cache", "matmul"]
 
 
 class PlanCacheIndexError(IndexError, RuntimeError):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab import blas
+from cudalab import _array_matmul, blas
 from cudalab._driver import blas_seam
 from cudalab._driver.sim.blas import round_to_tf32
 
@@ -34,9 +34,10 @@ def _random(rng, shape, name):
 
 @pytest.fixture(autouse=True)
 def _settings():
-    """Every test starts and ends with torch's defaults."""
+    """Every test starts and ends with torch's defaults, and gives its workspaces back."""
     m = cudalab.backends.cuda.matmul
     yield
+    _array_matmul.clear_workspaces()  # later tests' allocator figures start from nothing of ours
     cudalab.set_float32_matmul_precision("highest")
     m.allow_fp16_reduced_precision_reduction = True
     m.allow_bf16_reduced_precision_reduction = True
@@ -261,7 +262,7 @@ def test_the_workspace_comes_from_the_caching_allocator(monkeypatch):
     blocks = [b for seg in cudalab.memory_snapshot() for b in seg["blocks"]
               if b["size"] == size and b["state"] == "active_allocated"]
     assert blocks, "the workspace is an active block of the caching allocator"
-    _array_matmul.clear_workspaces()
+    cudalab.backends.cuda.clear_cublas_workspaces()  # (torch's _cuda_clearCublasWorkspaces)
     cudalab.synchronize()
     assert cudalab.memory_allocated() == before
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from cudalab import _array_matmul
 from tests.magics.test_kernels import _real_cupti
 from tests.magics.test_magics import _magics, _sim, ip, run, shell, timed  # noqa: F401 - fixtures
 
@@ -44,3 +45,10 @@ def test_gpu_cupti_lists_cublas_and_cufft_kernels(ip):
     assert any("gemm" in n.lower() for n in names), names  # cuBLAS's own kernels
     assert any("fft" in n.lower() for n in names), names  # cuFFT's own kernels
     print("cuBLAS / cuFFT kernels listed:", sorted(set(names)))
+
+
+@pytest.fixture(autouse=True)
+def _workspaces_back():
+    """The cuBLAS workspaces these tests make go back to the allocator after each."""
+    yield
+    _array_matmul.clear_workspaces()

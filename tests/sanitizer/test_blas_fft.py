@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cudalab
-from cudalab import sanitizer
+from cudalab import _array_matmul, sanitizer
 
 
 @pytest.fixture
@@ -44,3 +44,10 @@ def test_ordered_library_calls_are_not_reported(reports):
     z = y + f.abs()
     assert list(reports.reports) == []
     del z
+
+
+@pytest.fixture(autouse=True)
+def _workspaces_back():
+    """The cuBLAS workspaces these tests make go back to the allocator after each."""
+    yield
+    _array_matmul.clear_workspaces()
