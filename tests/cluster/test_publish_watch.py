@@ -67,16 +67,22 @@ def test_connection_files_are_private_and_name_the_job(job):
         assert info.pid in [p.pid for p in job.processes]
 
 
-def test_least_headroom_follows_a_change_within_a_second(job, watched):
+def test_least_headroom_follows_a_change(job, watched):
+    """The flag moves to the rank that grew (how fast is benchmarks/cluster.py's figure)."""
     first = watched.least_headroom()
     assert first is not None and first.rank == 3  # it holds the most
     job.command(1, f"alloc {200 * MiB}")
-    start = time.monotonic()
-    moved = wait_for(lambda: watched.least_headroom().rank == 1, 2.0, 0.02)
-    took = time.monotonic() - start
-    job.command(1, "free")
-    assert moved, watched.least_headroom()
-    assert took <= 1.0, f"the flag followed after {took:.2f} s"
+    try:
+        assert wait_for(lambda: watched.least_headroom().rank == 1, 5.0, 0.02), \
+            watched.least_headroom()
+        h = watched.least_headroom()
+        sample = watched.samples()[1][0]
+        assert h.headroom == sample.capacity - sample.reserved and h.device == 0
+    finally:
+        job.command(1, "free")
+    time.sleep(0.6)  # a sample after the free: the freed memory stays cached (reserved)
+    assert watched.least_headroom().rank == 1 and watched.samples()[1][0].allocated == 2 * (
+        STEP_MIB * MiB)
 
 
 def test_a_process_a_rank_starts_does_not_publish_as_that_rank(job, watched):
