@@ -106,6 +106,7 @@ needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reas
 def _torchrun_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), NCCL_NVLS_ENABLE="0", **extra)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo on the loopback (no DNS needed)
     env.pop("CUDALAB_SIMULATOR", None)
     env.pop("CUDALAB_CLUSTER_PUBLISHER", None)
     return env
