@@ -64,6 +64,8 @@ DEFAULT_INTERVAL = 0.5
 SEND_HWM = 4
 #: Requests waiting for the answering thread at most (more are answered "busy").
 MAX_PENDING = 8
+#: How many recent request signatures a publisher remembers, to refuse replays.
+_SEEN_REQUESTS = 4096
 #: Seconds between two looks for the allocators the process uses.
 _RESOLVE_SOURCES = 5.0
 #: The longest the thread sleeps before it looks at its stop flag (seconds).
@@ -114,6 +116,11 @@ class Publisher:
         self._replies: collections.deque[tuple[bytes, str, bytes, str]] = collections.deque()
         self._answering: threading.Thread | None = None
         self._sources: tuple[SampleSource, ...] | None = None
+        # the signatures of the latest requests (a request carries a fresh id, so its
+        # signature is new; the same signature again is a replay)
+        self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        #: Requests dropped as replays of one already answered.
+        self.replayed = 0
         self._sources_due = 0.0
 
     # ------------------------------------------------------------------ control
@@ -275,6 +282,13 @@ class Publisher:
             peer, frames = message[0], self._signer.unwrap(message[1:])
             if frames is None or len(frames) != 2:
                 continue  # a wrong signature: dropped (counted by the signer)
+            signature = bytes(message[1])
+            if signature in self._seen:  # a replay of a request already answered: dropped
+                self.replayed += 1
+                continue
+            self._seen[signature] = None
+            if len(self._seen) > _SEEN_REQUESTS:
+                self._seen.popitem(last=False)
             try:
                 request = wire.decode_header(frames[0], "request", "request")
                 what = _records.check_what(request["what"], "request")

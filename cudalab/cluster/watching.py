@@ -135,6 +135,9 @@ class ClusterWatch:
         #: Signed messages dropped for malformed content or a header that does not match
         #: its connection file.
         self.malformed = 0
+        #: Signed samples dropped because their sequence number was not new (a replay): they
+        #: neither show nor keep a silent rank from being lost.
+        self.replayed = 0
         #: The errors of the last :meth:`fetch`, by rank (``"no answer within 10 s"``...).
         self.fetch_errors: dict[int, str] = {}
         self._stop = threading.Event()
@@ -232,11 +235,13 @@ class ClusterWatch:
                     self.malformed += 1
                 continue
             with self._lock:
-                if head["seq"] > rank.seq:
-                    rank.seq = head["seq"]
-                    rank.samples = samples
-                    rank.error = head["error"]
-                    rank.refused = head["rejected"]
+                if head["seq"] <= rank.seq:  # a replayed (or reordered) message: no news
+                    self.replayed += 1
+                    continue
+                rank.seq = head["seq"]
+                rank.samples = samples
+                rank.error = head["error"]
+                rank.refused = head["rejected"]
                 rank.heard = time.monotonic()
 
     # ------------------------------------------------------------------ reading

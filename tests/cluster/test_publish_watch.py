@@ -133,6 +133,17 @@ def test_a_forged_message_is_dropped_and_counted(job, watched):
     dealer.close()
     assert wait_for(lambda: watched.refused_by_ranks()[0] == 1, 3), watched.refused_by_ranks()
     assert watched.refused_by_ranks()[1] == 0
+    # a genuine request answers once; the same message again (a replay) is dropped
+    signer = signing.Signer(info.key)
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(info.endpoint(info.request_port))
+    genuine = signer.wrap([b'{"v":1,"kind":"request","id":"r1","what":["stats"],"tail":1}', b""])
+    dealer.send_multipart(genuine)
+    assert dealer.poll(5000) and len(dealer.recv_multipart()) == 3
+    dealer.send_multipart(genuine)
+    assert dealer.poll(500) == 0
+    dealer.close()
     # a forged publisher impersonating rank 2: a watch subscribed to it counts, shows nothing
     pub = context.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
@@ -149,6 +160,24 @@ def test_a_forged_message_is_dropped_and_counted(job, watched):
             time.sleep(0.05)
         assert wait_for(lambda: w.rejected >= 5, 3), w.rejected
         assert w.malformed == 0  # nothing of the forged messages was decoded
+        # a replayed genuine sample (same sequence number) is dropped too: it would keep a
+        # dead rank alive
+        replay = context.socket(zmq.PUB)
+        replay_port = replay.bind_to_random_port("tcp://127.0.0.1")
+        capture = context.socket(zmq.SUB)
+        capture.setsockopt(zmq.SUBSCRIBE, b"")
+        capture.connect(real.endpoint(real.publish_port))
+        assert capture.poll(3000)
+        recorded = capture.recv_multipart()
+        capture.close(linger=0)
+        sub.connect(f"tcp://127.0.0.1:{replay_port}")
+        time.sleep(0.3)
+        before = w.replayed
+        for _ in range(3):
+            replay.send_multipart(recorded)
+            time.sleep(0.05)
+        assert wait_for(lambda: w.replayed >= before + 3, 3), w.replayed
+        replay.close(linger=0)
         assert 2 in w.samples()
     finally:
         w.close()
