@@ -47,6 +47,7 @@ from cudalab.cluster.connection import (
     job_id,
     pid_alive,
     rank_number,
+    read_connection,
 )
 from cudalab.cluster.signing import Signer, new_key
 from cudalab.identity import Identity
@@ -169,9 +170,13 @@ class Publisher:
         self._remove_file()
 
     def _remove_file(self) -> None:
+        """Remove this publisher's connection file: only if it is still this publisher's
+        (a later publisher of the process may have rewritten the same path)."""
         info = self.info
-        if info is not None and info.path and os.getpid() == self._owner:
-            with contextlib.suppress(OSError):
+        if info is None or not info.path or os.getpid() != self._owner:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            if read_connection(info.path).key == info.key:
                 os.unlink(info.path)
 
     # ------------------------------------------------------------------ the thread
