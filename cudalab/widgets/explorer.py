@@ -110,11 +110,14 @@ class SnapshotExplorer(W.VBox):
         The timeline's size in pixels; ``bins`` (default ``width``) bins at most per view.
     wait : bool
         Read a file before returning (default: read it in a thread, drawing as it goes).
+    step_bytes : int
+        Bytes read by the thread at a time (default 4 MiB, about 50 ms: the reader holds the
+        interpreter while it reads, so the kernel answers between steps).
     """
 
     def __init__(self, source: Any, *, compare: Any = None, device: int | None = None,
                  width: int = 900, height: int = 200, bins: int | None = None,
-                 wait: bool = False, step_bytes: int = 32 << 20):
+                 wait: bool = False, step_bytes: int = 4 << 20):
         self.width, self.height = int(width), int(height)
         self.bins = int(bins or width)
         self.device = device
