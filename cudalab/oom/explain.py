@@ -267,8 +267,9 @@ def explain_oom(device: Any = None, *, source: str = "auto", error: BaseExceptio
         Which allocator failed: ``"auto"`` (from the error; else the one holding the most),
         ``"cudalab"``, ``"torch"`` or ``"cupy"``.
     error : BaseException, optional
-        The out-of-memory error (default: the session's last one, :func:`cudalab.oom.last_oom`;
-        without one, the current state is explained).
+        The out-of-memory error (default: the session's last one, :func:`cudalab.oom.last_oom`,
+        else ``sys.last_value`` when it is one; without one, the current state is
+        explained).
     replays : bool or "auto", optional
         Run the counterfactual replays (``"auto"``: when the history is short enough, see the
         module documentation).
@@ -291,6 +292,13 @@ def explain_oom(device: Any = None, *, source: str = "auto", error: BaseExceptio
     event = None
     if error is None:
         error, event = _session.last_oom()
+        if error is None:  # an uncaught error of a console without the extension
+            for last in (getattr(sys, "last_exc", None), getattr(sys, "last_value", None)):
+                found = _session.is_oom_error(last) if isinstance(last, BaseException) \
+                    else None
+                if found is not None:
+                    error, event = found, _session.take_event(found)
+                    break
     else:
         oom = _session.is_oom_error(error)
         if oom is None:

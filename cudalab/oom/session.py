@@ -189,15 +189,33 @@ def note_error(error: BaseException) -> bool:
     oom = is_oom_error(error)
     if oom is None:
         return False
-    source = "cudalab" if isinstance(oom, OutOfMemoryError) else \
-        type(oom).__module__.split(".")[0].replace("cupy_backends", "cupy")
     with _lock:
-        event = next((e for e in reversed(_pending) if e.source == source), None)
+        event = _matching(oom)
         if event is not None:
             _pending.remove(event)
         _last[0] = oom
         _last[1] = event
     return True
+
+
+def _source_of(error: BaseException) -> str:
+    return "cudalab" if isinstance(error, OutOfMemoryError) else \
+        type(error).__module__.split(".")[0].replace("cupy_backends", "cupy")
+
+
+def _matching(error: BaseException) -> OOMEvent | None:
+    """The latest unpaired event of ``error``'s allocator whose device and size agree with
+    its message (torch's and cudalab's print the size with two decimals); the caller holds
+    the lock."""
+    source = _source_of(error)
+    device, size = parse_oom_text(str(error))
+    for e in reversed(_pending):
+        if e.source != source or (device is not None and e.device != device):
+            continue
+        if size is not None and abs(e.request - size) > max(e.request, size) * 0.01 + 1024:
+            continue
+        return e
+    return None
 
 
 def last_oom() -> tuple[BaseException | None, OOMEvent | None]:
@@ -212,9 +230,7 @@ def take_event(error: BaseException) -> OOMEvent | None:
     with _lock:
         if _last[0] is error:
             return _last[1]
-        oom_source = "cudalab" if isinstance(error, OutOfMemoryError) else \
-            type(error).__module__.split(".")[0]
-        return next((e for e in reversed(_pending) if e.source == oom_source), None)
+        return _matching(error)
 
 
 def forget() -> None:

@@ -225,3 +225,18 @@ def test_torch_out_of_memory_is_explained():
         torch.cuda.memory._record_memory_history(None)
         del keep
         torch.cuda.empty_cache()
+
+
+def test_an_uncaught_error_of_a_console_is_found_in_sys_last_value():
+    free, total = cm.mem_get_info()
+    keep = cudalab.empty(int(free * 0.6), dtype="uint8")
+    exc = scenarios._fail(free * 0.6)
+    oom.session.forget()  # as if no extension had seen it
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+    try:
+        expl = explain_oom()
+        assert expl.request is not None and expl.error is exc
+        assert expl.verdict == "live_arrays"
+    finally:
+        del keep, exc
+        scenarios._clear_last()
