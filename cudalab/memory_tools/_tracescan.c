@@ -11,7 +11,8 @@
  * made; the lists made inside it are the devices' traces, and the dicts appended to those
  * (the entries) are not kept: each is checked (the keys and types of
  * snapshot_check._ENTRY_KEYS) and written as one row of caller-owned numpy arrays (time,
- * address, size, stream, device_free, action code, device, stack id, cell id, nvtx id),
+ * address, size, stream, device_free, action code, device, stack id, cell id, nvtx id,
+ * private pool id),
  * then dropped, memo slot included (an entry's frames list becomes a small StackRef there,
  * so a later entry that refers to the same list gets the same stack id). Frames are
  * interned by content (filename, name, line) and stacks by their frame ids.
@@ -34,14 +35,15 @@
 #include <string.h>
 #include <sys/resource.h>
 
-#define NCOL 10
-enum { C_TIME, C_ADDR, C_SIZE, C_STREAM, C_DFREE, C_ACTION, C_DEVICE, C_STACK, C_CELL, C_NVTX };
-static const Py_ssize_t COL_ITEMSIZE[NCOL] = {8, 8, 8, 8, 8, 1, 2, 4, 4, 4};
-enum { K_ACTION, K_ADDR, K_SIZE, K_STREAM, K_TIME, K_DFREE, K_FRAMES, K_CELL, K_NVTX,
+#define NCOL 11
+enum { C_TIME, C_ADDR, C_SIZE, C_STREAM, C_DFREE, C_ACTION, C_DEVICE, C_STACK, C_CELL, C_NVTX,
+       C_POOL };
+static const Py_ssize_t COL_ITEMSIZE[NCOL] = {8, 8, 8, 8, 8, 1, 2, 4, 4, 4, 4};
+enum { K_ACTION, K_ADDR, K_SIZE, K_STREAM, K_TIME, K_DFREE, K_FRAMES, K_CELL, K_NVTX, K_POOL,
        K_FILENAME, K_LINE, K_NAME, NKEYS };
 static const char *KEY_NAMES[NKEYS] = {"action", "addr", "size", "stream", "time_us",
                                        "device_free", "frames", "cell", "nvtx_range",
-                                       "filename", "line", "name"};
+                                       "segment_pool_id", "filename", "line", "name"};
 
 typedef struct { PyObject *o; int d; } Item;
 typedef struct { PyObject *key; int32_t val; } PtrSlot;
@@ -59,7 +61,7 @@ static PyTypeObject StackRefType = {
 /* ---------------------------------------------------------------- Entry
  * A trace entry being read: the values of the keys the columns take (K_ACTION..K_NVTX),
  * set by SETITEM(S) in place of a dict's (other keys are dropped), so no dict is made. */
-#define NENTRY (K_NVTX + 1)
+#define NENTRY (K_POOL + 1)
 typedef struct { PyObject_HEAD PyObject *slot[NENTRY]; } Entry;
 static void Entry_dealloc(Entry *e) {
     for (int k = 0; k < NENTRY; k++) Py_XDECREF(e->slot[k]);
@@ -96,7 +98,7 @@ typedef struct {
     Py_buffer col[NCOL]; int have_cols; Py_ssize_t cap, n;
     int addr_unsigned, stream_unsigned;
     PyObject *keys[NKEYS];
-    PyObject *action_codes, *action_names, *strings, *string_names;
+    PyObject *action_codes, *action_names, *strings, *string_names, *pool_ids, *pool_names;
     PyObject *frame_content, *frames, *frame_objs;
     PtrSlot *fmap; Py_ssize_t fcap, fcount;
     int32_t *spool; Py_ssize_t spn, spcap;
@@ -398,6 +400,20 @@ static int consume_entry(Scanner *s, PyObject *e, Py_ssize_t d) {
     c = take_text_id(s, e, K_NVTX, d, j);
     if (c == -2) return -1;
     COLP(s, C_NVTX, int32_t)[r] = c;
+    PyObject *pool = eget(s, e, K_POOL);  /* cudalab's tag of a private pool's entries */
+    c = -1;
+    if (pool && pool != Py_None) {
+        if (PyList_CheckExact(pool)) pool = PyList_AsTuple(pool); else Py_INCREF(pool);
+        if (!pool) return -1;
+        c = intern_str(s, s->pool_names, s->pool_ids, pool);
+        Py_DECREF(pool);
+        if (c == -2) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
+            PyErr_Clear();  /* (not hashable: not a pool id, no pool) */
+            c = -1;
+        }
+    } else if (!pool && PyErr_Occurred()) return -1;
+    COLP(s, C_POOL, int32_t)[r] = c;
     COLP(s, C_ACTION, uint8_t)[r] = (uint8_t)code;
     COLP(s, C_DEVICE, int16_t)[r] = (int16_t)d;
     s->n = r + 1;
@@ -867,8 +883,9 @@ static PyObject *Scanner_tables(Scanner *s, PyObject *Py_UNUSED(a)) {
     int64_t *o = (int64_t *)PyBytes_AS_STRING(off);
     o[0] = 0;
     for (Py_ssize_t i = 0; i < s->nstacks; i++) o[i + 1] = s->soff[i + 1];
-    return Py_BuildValue("{s:O,s:O,s:O,s:N,s:N,s:n,s:i,s:i}", "actions", s->action_names,
-                         "strings", s->string_names, "frames", s->frames, "stack_offsets", off,
+    return Py_BuildValue("{s:O,s:O,s:O,s:O,s:N,s:N,s:n,s:i,s:i}", "actions", s->action_names,
+                         "strings", s->string_names, "pools", s->pool_names,
+                         "frames", s->frames, "stack_offsets", off,
                          "stack_frames", pool, "devices", s->ntl, "addr_unsigned",
                          s->addr_unsigned, "stream_unsigned", s->stream_unsigned);
 }
@@ -899,9 +916,11 @@ static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
         if (!(s->keys[k] = PyUnicode_InternFromString(KEY_NAMES[k]))) return -1;
     s->action_codes = PyDict_New(); s->action_names = PyList_New(0);
     s->strings = PyDict_New(); s->string_names = PyList_New(0);
+    s->pool_ids = PyDict_New(); s->pool_names = PyList_New(0);
     s->frame_content = PyDict_New(); s->frames = PyList_New(0); s->frame_objs = PyList_New(0);
     if (!s->action_codes || !s->action_names || !s->strings || !s->string_names
-            || !s->frame_content || !s->frames || !s->frame_objs) return -1;
+            || !s->frame_content || !s->frames || !s->frame_objs || !s->pool_ids
+            || !s->pool_names) return -1;
     PyObject *it = PyObject_GetIter(actions), *a;
     if (!it) return -1;
     while ((a = PyIter_Next(it))) {
@@ -935,6 +954,7 @@ static void Scanner_dealloc(Scanner *s) {
     for (int k = 0; k < s->kc_n; k++) Py_XDECREF(s->kc_key[k]);
     Py_XDECREF(s->action_codes); Py_XDECREF(s->action_names); Py_XDECREF(s->strings);
     Py_XDECREF(s->string_names); Py_XDECREF(s->frame_content); Py_XDECREF(s->frames);
+    Py_XDECREF(s->pool_ids); Py_XDECREF(s->pool_names);
     Py_XDECREF(s->frame_objs);
     release_cols(s);
     if (s->have_buf) PyBuffer_Release(&s->buf);
@@ -945,7 +965,7 @@ static PyMethodDef Scanner_methods[] = {
     {"scan", (PyCFunction)Scanner_scan, METH_VARARGS,
      "scan(budget) -> 0 (more to read), 1 (done), 2 (the columns are full: set_columns)"},
     {"set_columns", (PyCFunction)Scanner_set_columns, METH_VARARGS,
-     "set_columns(arrays): the 10 writable column arrays (rows read so far are copied over)"},
+     "set_columns(arrays): the 11 writable column arrays (rows read so far are copied over)"},
     {"tables", (PyCFunction)Scanner_tables, METH_NOARGS,
      "the interned tables: actions, strings, frames, stacks"},
     {NULL}};

@@ -63,7 +63,7 @@ __all__ = [
 COLUMNS: tuple[tuple[str, Any], ...] = (
     ("time_us", np.int64), ("addr", np.int64), ("size", np.int64), ("stream", np.int64),
     ("device_free", np.int64), ("action", np.uint8), ("device", np.int16),
-    ("stack", np.int32), ("cell", np.int32), ("nvtx", np.int32))
+    ("stack", np.int32), ("cell", np.int32), ("nvtx", np.int32), ("pool", np.int32))
 #: Reading may grow the process's peak memory by this many times the file size ...
 MEMORY_FACTOR = 4
 #: ... plus this many bytes (a hostile pickle is refused once past it).
@@ -93,14 +93,16 @@ class TraceIndex:
     code into ``action_names``, whose first codes are
     :data:`cudalab.memory_tools.history.ACTIONS`), ``device`` (int16), ``stack`` (int32 into
     the stack table, -1: no frames), ``cell``/``nvtx`` (int32 into ``strings``, -1: none).
-    ``frames``: ``(filename, name, line)`` per frame id; the frames of stack ``s`` are
+    ``pool`` (int32 into ``pools``, the ``segment_pool_id`` cudalab tags a private pool's
+    entries with, -1: the default pool). ``frames``: ``(filename, name, line)`` per frame id; the frames of stack ``s`` are
     ``stack_frames[stack_offsets[s]:stack_offsets[s + 1]]``, innermost first.
     ``snapshot``: the rest of the snapshot (its ``device_traces`` are empty lists).
     ``complete``: False for a view of a file still being read; ``bytes_read``/``bytes_total``.
     """
 
     __slots__ = ("n", "time_us", "addr", "size", "stream", "device_free", "action", "device",
-                 "stack", "cell", "nvtx", "action_names", "strings", "frames", "stack_offsets",
+                 "stack", "cell", "nvtx", "pool", "action_names", "strings", "pools", "frames",
+                 "stack_offsets",
                  "stack_frames", "snapshot", "complete", "bytes_read", "bytes_total", "source",
                  "_cache")
 
@@ -119,12 +121,14 @@ class TraceIndex:
         self.stack = columns["stack"]
         self.cell = columns["cell"]
         self.nvtx = columns["nvtx"]
+        self.pool = columns["pool"]
         if tables.get("addr_unsigned"):
             self.addr = self.addr.view(np.uint64)
         if tables.get("stream_unsigned"):
             self.stream = self.stream.view(np.uint64)
         self.action_names: list[str] = list(tables["actions"])
         self.strings: list[str] = list(tables["strings"])
+        self.pools: list[Any] = list(tables.get("pools", ()))
         self.frames: list[tuple[str, str, int]] = list(tables["frames"])
         self.stack_offsets: NDArray[np.int64] = np.frombuffer(tables["stack_offsets"], np.int64)
         self.stack_frames: NDArray[np.int32] = np.frombuffer(tables["stack_frames"], np.int32)
@@ -332,6 +336,8 @@ def index_snapshot(snap: dict[str, Any], *, source: str = "snapshot",
     actions = list(ACTIONS)
     string_ids: dict[str, int] = {}
     strings: list[str] = []
+    pool_ids: dict[Any, int] = {}
+    pools: list[Any] = []
     frame_ids: dict[tuple[str, str, int], int] = {}
     frames: list[tuple[str, str, int]] = []
     stack_ids: dict[tuple[int, ...], int] = {}
@@ -347,6 +353,20 @@ def index_snapshot(snap: dict[str, Any], *, source: str = "snapshot",
         if got is None:
             got = string_ids[v] = len(strings)
             strings.append(v)
+        return got
+
+    def pool_id(v: Any) -> int:
+        if v is None:
+            return -1
+        if isinstance(v, list):
+            v = tuple(v)
+        try:
+            got = pool_ids.get(v)
+        except TypeError:  # (not hashable: not a pool id)
+            return -1
+        if got is None:
+            got = pool_ids[v] = len(pools)
+            pools.append(v)
         return got
 
     def stack_of(fr: Any) -> int:
@@ -395,8 +415,9 @@ def index_snapshot(snap: dict[str, Any], *, source: str = "snapshot",
             cols["stack"][r] = stack_of(e.get("frames"))
             cols["cell"][r] = text_id(e.get("cell"))
             cols["nvtx"][r] = text_id(e.get("nvtx_range"))
+            cols["pool"][r] = pool_id(e.get("segment_pool_id"))
             r += 1
-    tables = {"actions": actions, "strings": strings, "frames": frames,
+    tables = {"actions": actions, "strings": strings, "pools": pools, "frames": frames,
               "stack_offsets": np.array(offsets, np.int64).tobytes(),
               "stack_frames": np.array(pool, np.int32).tobytes(),
               "addr_unsigned": unsigned["addr"], "stream_unsigned": unsigned["stream"]}

@@ -33,7 +33,7 @@ from cudalab.memory_tools.trace_columns import stream_label
 from cudalab.memory_tools.trace_index import TraceIndex
 from cudalab.memory_tools.user_frames import frame_label, is_tool_frame
 
-__all__ = ["LiveSet", "SMALL_BLOCK", "SearchResult", "TraceViews"]
+__all__ = ["LiveSet", "SMALL_BLOCK", "SearchResult", "TraceViews", "pool_label"]
 
 #: Blocks of at most this many bytes come from the small pool (torch's kSmallSize).
 SMALL_BLOCK = 1 << 20
@@ -56,7 +56,7 @@ class LiveSet:
     by_stack: list[tuple[str, int, int]]  # label: the stack's innermost user frame
     by_line: list[tuple[str, int, int]]  # "file:line (function)"
     by_stream: list[tuple[str, int, int]]
-    by_pool: list[tuple[str, int, int]]  # "small" / "large"
+    by_pool: list[tuple[str, int, int]]  # "small" / "large" / "graph (n, 0)" / "user (0, n)"
     by_cell: list[tuple[str, int, int]]  # the cell's id, or "(no cell)"
     largest: list[tuple[int, int, int, int]]
     stack_ids: list[int]  # the stack of each by_stack row, same order
@@ -91,6 +91,16 @@ def _pairs(device: NDArray[Any], addr: NDArray[Any], rows: NDArray[np.int64],
     opened, closed = r[keep], nxt[keep]
     back = np.argsort(opened, kind="stable")
     return opened[back], closed[back]
+
+
+def pool_label(pool: Any, large: bool) -> str:
+    """A block's pool as people read it: ``"small"``/``"large"`` in the default pool, else
+    the private pool's kind and id, ``"graph (n, 0)"`` (a graph capture's) or
+    ``"user (0, n)"`` (``graph_pool_handle()``, ``MemPool``)."""
+    if isinstance(pool, tuple) and len(pool) == 2 and tuple(pool) != (0, 0):
+        a, b = pool
+        return f"{'graph' if a != 0 else 'user'} ({a}, {b})"
+    return "large" if large else "small"
 
 
 class TraceViews:
@@ -219,8 +229,12 @@ class TraceViews:
         lines = np.where(stack >= 0, self.stack_line[np.maximum(stack, 0)], -1)
         by_line, _ = group(lines, lambda f: self.line_label(int(f)))
         by_stream, _ = group(ix.stream[rows], lambda s: stream_label(int(s)))
-        by_pool, _ = group((size > SMALL_BLOCK).astype(np.int8),
-                           lambda p: "large" if p else "small")
+        pool = ix.pool[rows]
+        pools = ix.pools
+        # the default pool's blocks: small or large by size; a private pool's: its id
+        kind = np.where(pool >= 0, pool + 2, (size > SMALL_BLOCK).astype(np.int64))
+        by_pool, _ = group(kind, lambda p: pool_label(pools[int(p) - 2] if p >= 2 else None,
+                                                      bool(p == 1)))
         cells = ix.cell[rows]
         by_cell, _ = group(cells, lambda c: ix.strings[int(c)] if c >= 0 else "(no cell)")
         k = min(top, len(size))

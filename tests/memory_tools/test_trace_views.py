@@ -232,3 +232,33 @@ def test_totals_only_views_draw_the_same_timeline(snap, views):
     d, a, b = views.device_range(0)
     assert lite.tile(a, b, 40) == views.tile(a, b, 40)
     assert len(lite.block_row) == 0 and lite.live_at(a + 10).n_blocks == 0
+
+
+def test_live_blocks_of_a_private_pool_are_grouped_by_that_pool(tmp_path):
+    """A real recording on the simulator: a MemPool's block is under "user (0, n)", the
+    default pool's under small/large; the C reader and its twin agree on the pool column."""
+    import cudalab
+    from cudalab.memory_tools.trace_io import dumps_snapshot
+
+    cudalab.init()
+    pool = cm.MemPool()
+    with cm.record_history(clear_history=True):
+        with cm.use_mem_pool(pool):
+            x = cm.caching_allocator_alloc(4096)
+        y = cm.caching_allocator_alloc(4 << 20)
+        snap = cm._snapshot()
+    try:
+        path = tmp_path / "pools.pickle"
+        path.write_bytes(dumps_snapshot(snap))
+        ix = open_trace(path)
+        twin = index_snapshot(snap)
+        assert np.array_equal(ix.pool, twin.pool) and ix.pools == twin.pools == [pool.id]
+        views = TraceViews(ix)
+        d, a, b = views.device_range(0)
+        live = views.live_at(b - 1)
+        labels = {label: nbytes for label, nbytes, _ in live.by_pool}
+        assert labels[f"user ({pool.id[0]}, {pool.id[1]})"] == 4096
+        assert labels["large"] >= 4 << 20
+    finally:
+        cm.caching_allocator_delete(x)
+        cm.caching_allocator_delete(y)
