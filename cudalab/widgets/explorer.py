@@ -100,8 +100,9 @@ class SnapshotExplorer(W.VBox):
 
     Parameters
     ----------
-    source : str, os.PathLike, dict or TraceIndex
-        A snapshot pickle (read safely, progressively), a snapshot dict or an index.
+    source : str, os.PathLike, dict, TraceIndex or None
+        A snapshot pickle (read safely, progressively), a snapshot dict, an index, or None:
+        this process's recorded history now (``cudalab.memory._snapshot()``).
     compare : same, optional
         A second run: diff mode.
     device : int, optional
@@ -115,7 +116,7 @@ class SnapshotExplorer(W.VBox):
         interpreter while it reads, so the kernel answers between steps).
     """
 
-    def __init__(self, source: Any, *, compare: Any = None, device: int | None = None,
+    def __init__(self, source: Any = None, *, compare: Any = None, device: int | None = None,
                  width: int = 900, height: int = 200, bins: int | None = None,
                  wait: bool = False, step_bytes: int = 4 << 20):
         self.width, self.height = int(width), int(height)
@@ -183,6 +184,10 @@ class SnapshotExplorer(W.VBox):
     def _read(self, step_bytes: int) -> None:
         try:
             src = self._source
+            if src is None:
+                from cudalab.memory_tools.snapshot import take_snapshot
+
+                src = self._source = take_snapshot()
             if isinstance(src, TraceIndex):
                 index = src
             elif isinstance(src, dict):

@@ -175,3 +175,20 @@ def test_multi_device_traces_switch_devices(tmp_path):
     _, a, b = ex.views.device_range(1)
     assert ex.window == (a, b)
     assert np.all(ex.views.index.device[a:b] == 1)
+
+
+def test_no_source_explores_this_process_history():
+    import cudalab
+    import cudalab.memory as cm
+
+    cudalab.init()
+    with cm.record_history(clear_history=True):
+        kept = [cm.caching_allocator_alloc(1 << 20) for _ in range(3)]
+        ex = SnapshotExplorer()
+    try:
+        assert ex.views is not None and ex.views.index.n >= 3
+        ex.command("peak")
+        assert ex.views.live_at(ex.moment).allocated >= 3 << 20
+    finally:
+        for p in kept:
+            cm.caching_allocator_delete(p)
