@@ -248,6 +248,10 @@ class CudaLabMagics(Magics):
           %cuda_memory snapshot dict        the snapshot dict (torch's _snapshot() schema)
           %cuda_memory snapshot PATH        write the snapshot to PATH (a memory_viz pickle)
           %cuda_memory snapshot view [PATH] the snapshot viewer widget (live, or of a pickle)
+          %cuda_memory explore [PATH [PATH2]]
+                                            the snapshot explorer (gigabyte traces, the live
+                                            set at a moment, search): of the recorded
+                                            history, of a pickle, or the diff of two
           %cuda_memory dashboard [-d DEV]   the live dashboard (cudalab.widgets.MemoryDashboard)
           %cuda_memory why [-d DEV]         why the session's last out-of-memory error happened
                                             (cudalab.memory.explain_oom): verdict, accounting,

@@ -407,6 +407,25 @@ def _cluster(magics: Any, args: MemoryArgs) -> Any:
     return dash
 
 
+def _explore(args: MemoryArgs) -> Any:
+    """``%cuda_memory explore [PATH [OTHER]]``: the snapshot explorer of this process's
+    history, of a trace file, or of two (the diff mode)."""
+    usage = "%cuda_memory explore [PATH [OTHER_PATH]]"
+    if len(args.words) > 2:
+        raise UsageError(usage)
+    cls = _widget_class("SnapshotExplorer", "%cuda_memory explore")
+    if cls is None:
+        return None
+    if not args.words:
+        return cls()
+    paths = [_path_word(args, i, usage) for i in range(len(args.words))]
+    for path in paths:
+        if not os.path.isfile(path):
+            why = "it is a directory" if os.path.isdir(path) else "no such file"
+            raise UsageError(f"%cuda_memory explore: cannot read {echo(path)}: {why}")
+    return cls(paths[0], compare=paths[1] if len(paths) > 1 else None)
+
+
 def run_cuda_memory(magics: Any, line: str) -> Any:
     """The body of ``%cuda_memory`` (see its docstring)."""
     args = parse_memory_args(line)
@@ -500,6 +519,8 @@ def run_cuda_memory(magics: Any, line: str) -> Any:
         return _history(magics, args)
     if cmd == "snapshot":
         return _snapshot(args)
+    if cmd == "explore":
+        return _explore(args)
     if cmd == "dashboard":
         return _dashboard(magics, args)
     if cmd == "why":

@@ -38,7 +38,7 @@ class MemoryArgs:
 
 
 _COMMANDS = ("summary", "stats", "pools", "diff", "mark", "reset-peaks", "empty-cache", "watch",
-             "history", "snapshot", "dashboard", "why", "cluster")
+             "history", "snapshot", "explore", "dashboard", "why", "cluster")
 
 
 def strip_comment(line: str) -> str:

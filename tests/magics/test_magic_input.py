@@ -125,6 +125,8 @@ def _timed(sh, src):
     ("snapshot {missing}/x.pickle", "does not exist"),
     ("snapshot {dir}", "it is a directory"),
     ("snapshot view {missing}/x.pickle", "no such file"),
+    ("explore {missing}/x.pickle", "no such file"),
+    ("explore {dir}", "it is a directory"),
     ("snapshot view {dir}", "it is a directory"),
     ("snapshot view {dir}/corrupt.pickle", "corrupt"),
 ])

@@ -699,6 +699,16 @@ def test_snapshot_and_dashboard(ip, tmp_path):
     r, out, _t, _h = run(ip, "%cuda_memory snapshot")  # the live snapshot, in the viewer
     assert r.success and isinstance(r.result, SnapshotViewer), out
     r.result.close()
+    from cudalab.widgets import SnapshotExplorer
+
+    r, out, _t, _h = run(ip, "%cuda_memory explore {snap_path_} {snap_path_}")  # diff mode
+    assert r.success and isinstance(r.result, SnapshotExplorer), out
+    r.result.wait(60)
+    assert r.result.error is None and r.result.diff_result is not None
+    r.result.close()
+    r, out, _t, _h = run(ip, "%cuda_memory explore")  # the recorded history
+    assert r.success and isinstance(r.result, SnapshotExplorer), out
+    r.result.close()
     run(ip, "del s1_")
 
 
