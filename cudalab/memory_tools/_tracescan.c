@@ -88,7 +88,8 @@ typedef struct {
     PyObject *what, *err, *on_bad;
     Item *stack; Py_ssize_t sp, scap;
     Py_ssize_t *marks; char *mark_trace; Py_ssize_t nm, mcap; Py_ssize_t ntrace_marks;
-    Item *memo; Py_ssize_t msize, memo_len;
+    PyObject **memo; uint8_t *memo_d; Py_ssize_t msize, memo_len;  /* objects, depths */
+    PyObject **bf_ptr; int32_t *bf_sid; Py_ssize_t bf_n, bf_cap;  /* this batch's frames lists */
     Py_ssize_t *recent; Py_ssize_t nrecent, rcap;
     PyObject *outer;
     PyObject **tlists; Py_ssize_t ntl, tlcap;
@@ -392,6 +393,16 @@ static int consume_entry(Scanner *s, PyObject *e, Py_ssize_t d) {
         sid = stack_id(s, fr);
         if (sid == -2) return -1;
         if (sid == -3) return entry_fail(s, d, j, e);
+        if (sid >= 0 && PyList_CheckExact(fr)) {  /* (prune_recent needs not intern it again) */
+            if (s->bf_n >= s->bf_cap) {
+                Py_ssize_t c = s->bf_cap;
+                if (grow((void **)&s->bf_ptr, &c, s->bf_n + 1, sizeof(PyObject *)) < 0) return -1;
+                void *q = PyMem_Realloc(s->bf_sid, (size_t)c * sizeof(int32_t));
+                if (!q) { PyErr_NoMemory(); return -1; }
+                s->bf_sid = q; s->bf_cap = c;
+            }
+            s->bf_ptr[s->bf_n] = fr; s->bf_sid[s->bf_n++] = sid;
+        }
     } else if (PyErr_Occurred()) return -1;
     COLP(s, C_STACK, int32_t)[r] = sid;
     int32_t c = take_text_id(s, e, K_CELL, d, j);
@@ -434,26 +445,30 @@ static PyObject *stackref(Scanner *s, int32_t sid) {
 
 /* drop the memo's references to the entries just consumed (and their frames lists) */
 static int prune_recent(Scanner *s) {
+    Py_ssize_t cursor = 0;  /* the batch's frames lists come in the order they were memoized */
     for (Py_ssize_t q = 0; q < s->nrecent; q++) {
         Py_ssize_t idx = s->recent[q];
-        PyObject *o = s->memo[idx].o;
+        PyObject *o = s->memo[idx];
         if (!o) continue;
-        if (IS_ENTRY(o)) { Py_INCREF(Py_None); s->memo[idx].o = Py_None; Py_DECREF(o); }
+        if (IS_ENTRY(o)) { Py_INCREF(Py_None); s->memo[idx] = Py_None; Py_DECREF(o); }
         else if (PyDict_CheckExact(o)) {
             int has = PyDict_Contains(o, s->keys[K_ACTION]);
             if (has < 0) return -1;
-            if (has) { Py_INCREF(Py_None); s->memo[idx].o = Py_None; Py_DECREF(o); }
+            if (has) { Py_INCREF(Py_None); s->memo[idx] = Py_None; Py_DECREF(o); }
         } else if (PyList_CheckExact(o) && PyList_GET_SIZE(o) > 0) {
-            int32_t sid = stack_id(s, o);
+            int32_t sid;
+            if (cursor < s->bf_n && s->bf_ptr[cursor] == o) sid = s->bf_sid[cursor++];
+            else sid = stack_id(s, o);  /* (a list no entry took as its frames) */
             if (sid == -2) return -1;
             if (sid >= 0) {
                 PyObject *ref = stackref(s, sid);
                 if (!ref) return -1;
-                s->memo[idx].o = ref; Py_DECREF(o);
+                s->memo[idx] = ref; Py_DECREF(o);
             }
         }
     }
     s->nrecent = 0;
+    s->bf_n = 0;
     return 0;
 }
 
@@ -477,13 +492,18 @@ static PyObject *materialize(Scanner *s, int32_t sid) {
 static int memo_put(Scanner *s, Py_ssize_t idx, Item it) {
     if (idx < 0 || idx > s->buf.len + 16) return corrupt(s, s->pos);
     if (idx >= s->msize) {
-        Py_ssize_t old = s->msize;
-        if (grow((void **)&s->memo, &s->msize, idx + 1, sizeof(Item)) < 0) return -1;
-        memset(s->memo + old, 0, (size_t)(s->msize - old) * sizeof(Item));
+        Py_ssize_t old = s->msize, cap = s->msize;
+        if (grow((void **)&s->memo, &cap, idx + 1, sizeof(PyObject *)) < 0) return -1;
+        memset(s->memo + old, 0, (size_t)(cap - old) * sizeof(PyObject *));
+        uint8_t *d = PyMem_Realloc(s->memo_d, (size_t)cap);
+        if (!d) { PyErr_NoMemory(); return -1; }
+        s->memo_d = d;
+        s->msize = cap;
     }
     Py_INCREF(it.o);
-    PyObject *old = s->memo[idx].o;
-    s->memo[idx] = it;
+    PyObject *old = s->memo[idx];
+    s->memo[idx] = it.o;
+    s->memo_d[idx] = (uint8_t)it.d;
     if (old) Py_DECREF(old); else s->memo_len++;
     if (s->ntrace_marks && (IS_ENTRY(it.o) || PyDict_CheckExact(it.o) || PyList_CheckExact(it.o))) {
         if (grow((void **)&s->recent, &s->rcap, s->nrecent + 1, sizeof(Py_ssize_t)) < 0) return -1;
@@ -535,6 +555,7 @@ static int do_append(Scanner *s, Py_ssize_t x, Py_ssize_t at, int had_mark) {
     for (Py_ssize_t i = x; i < s->sp; i++) Py_DECREF(s->stack[i].o);
     s->sp = x;
     if (dev >= 0 && s->nrecent && prune_recent(s) < 0) return -1;
+    s->bf_n = 0;
     return 0;
 }
 
@@ -790,16 +811,16 @@ static int step(Scanner *s) {
         int w = op == 'h' ? 1 : 4;
         if (need(s, w)) return -1;
         u = le(p + s->pos, w); s->pos += w;
-        if ((Py_ssize_t)u >= s->msize || !s->memo[u].o)
+        if ((Py_ssize_t)u >= s->msize || !s->memo[u])
             return fail(s, "truncated or corrupt pickle (memo key %llu not found, at byte %zd)",
                         (unsigned long long)u, at);
-        PyObject *o = s->memo[u].o;
+        PyObject *o = s->memo[u];
         if (Py_IS_TYPE(o, &StackRefType) && !s->ntrace_marks) {
             PyObject *l = materialize(s, ((StackRef *)o)->sid);
             return push(s, l, 2);
         }
         Py_INCREF(o);
-        return push(s, o, s->memo[u].d); }
+        return push(s, o, s->memo_d[u]); }
     case 'c': case 0x93: case 'i': return refused(s, "references a class or function (GLOBAL)");
     case 'R': case 'o': case 0x81: case 0x92: case 'b':
         return refused(s, "calls a class or function (REDUCE/OBJ/NEWOBJ/BUILD)");
@@ -941,11 +962,12 @@ static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
 
 static void Scanner_dealloc(Scanner *s) {
     for (Py_ssize_t i = 0; i < s->sp; i++) Py_XDECREF(s->stack[i].o);
-    for (Py_ssize_t i = 0; i < s->msize; i++) Py_XDECREF(s->memo[i].o);
+    for (Py_ssize_t i = 0; i < s->msize; i++) Py_XDECREF(s->memo[i]);
     for (Py_ssize_t i = 0; i < s->ntl; i++) Py_XDECREF(s->tlists[i]);
     for (Py_ssize_t i = 0; i < s->fcap; i++) Py_XDECREF(s->fmap[i].key);
     for (Py_ssize_t i = 0; i < s->nstacks; i++) Py_XDECREF(s->stackrefs[i]);
-    PyMem_Free(s->stack); PyMem_Free(s->marks); PyMem_Free(s->mark_trace); PyMem_Free(s->memo);
+    PyMem_Free(s->stack); PyMem_Free(s->marks); PyMem_Free(s->mark_trace); PyMem_Free(s->memo); PyMem_Free(s->memo_d);
+    PyMem_Free(s->bf_ptr); PyMem_Free(s->bf_sid);
     PyMem_Free(s->recent); PyMem_Free(s->tlists); PyMem_Free(s->dev_count); PyMem_Free(s->fmap);
     PyMem_Free(s->spool); PyMem_Free(s->soff); PyMem_Free(s->shtab); PyMem_Free(s->shash);
     PyMem_Free(s->stackrefs); PyMem_Free(s->tmp);
