@@ -174,23 +174,33 @@ def autotune_main(args: argparse.Namespace) -> None:
                          for a, b, c, d in rows]
     # (2) the grid on the ~1M-entry trace: 3 capacities, every core
     if "grid" in sections:
-        base = replay(big, "")
-        caps = [None, int(base.peak_reserved * 1.0), int(base.peak_reserved * 0.85)]
-        caps = [None] + [max(c, 1 << 20) for c in caps[1:]]
+        from cudalab.memory_tools.replay import plan_replay
+        from cudalab.memory_tools.trace_io import load_trace
+
         t0 = time.perf_counter()
-        grid = at.autotune(big, caps, workers=args.workers)
+        live = plan_replay(load_trace(big)).peak_live  # (no replay: numpy only)
+        caps = [None, int(live * 1.3) >> 20 << 20, int(live * 1.1) >> 20 << 20]
+        print(f"\n(2) grid on {len(big):,} entries (capacities: unconstraining, "
+              f"{format_bytes(caps[1], decimals=2)}, {format_bytes(caps[2], decimals=2)}: "
+              "1.3 and 1.1 x the live peak)", flush=True)
+        seen = [0]
+
+        def tick(done: int, total: int) -> None:
+            seen[0] += 1
+            if seen[0] % 25 == 0:
+                print(f"  {done}/{total} rows at {time.perf_counter() - t0:.1f} s", flush=True)
+
+        grid = at.autotune(big, caps, workers=args.workers, progress=tick)
         wall = time.perf_counter() - t0
         n_set = grid["setting"].nunique()
         derived = int(grid["derived"].sum())
-        print(f"\n(2) grid: {n_set} settings x {len(caps)} capacities on {len(big):,} entries "
-              f"(capacities: unconstraining, {format_bytes(caps[1], decimals=2)}, "
-              f"{format_bytes(caps[2], decimals=2)})")
-        print(f"  wall {wall:.1f} s with {grid.attrs['workers'] or cpus} workers: "
+        print(f"  {n_set} settings x {len(caps)} capacities ({len(grid)} rows): wall "
+              f"{wall:.1f} s with {grid.attrs['workers'] or cpus} workers; "
               f"{grid.attrs['replays']} replays run, {derived} rows derived, "
               f"{grid.attrs['replays'] * len(big) / wall / 1e6:.2f} M entries/s in all")
         out["grid"] = {"settings": n_set, "capacities": caps, "entries": len(big),
-                       "wall_s": wall, "replays": grid.attrs["replays"], "derived": derived,
-                       "workers": grid.attrs["workers"] or cpus}
+                       "rows": len(grid), "wall_s": wall, "replays": grid.attrs["replays"],
+                       "derived": derived, "workers": grid.attrs["workers"] or cpus}
     # (3) the ragged trace: the recommendation per capacity, against the target
     if "ragged" not in sections:
         write_json(args.json, out)

@@ -203,6 +203,35 @@ def _idle_split(setting: str, max_request: int) -> str | None:
                     if not x.replace(" ", "").startswith("max_split_size_mb:"))
 
 
+def _cap_base(setting: str) -> str:
+    """``setting`` without its ``per_process_memory_fraction`` and
+    ``garbage_collection_threshold`` (what it does while the cap is never reached)."""
+    return ",".join(x for x in _top_level_items(setting)
+                    if not x.replace(" ", "").startswith(("per_process_memory_fraction:",
+                                                          "garbage_collection_threshold:")))
+
+
+def _cap_idle(setting: str, base: ReplayResult, capacity: int) -> bool:
+    """Whether ``setting``'s cap (and garbage collection) cannot act on a device of
+    ``capacity`` bytes, given the replay of its base there: the base never failed nor
+    retried, and its reserved bytes never passed the cap (``int(fraction * capacity)``, the
+    allocator's own figure) nor the collection threshold (``int(threshold * cap)``). The
+    allocator then makes the same choices with the cap as without: the replay is the same."""
+    if base.ooms or base.retries:
+        return False
+    try:
+        cfg = as_config(setting)
+    except ValueError:
+        return False
+    if cfg.per_process_memory_fraction is None:
+        return False
+    allowed = int(cfg.per_process_memory_fraction * capacity)
+    limit = allowed
+    if cfg.garbage_collection_threshold > 0:
+        limit = min(limit, int(cfg.garbage_collection_threshold * allowed))
+    return base.peak_reserved <= limit
+
+
 def _capacity(value: Any) -> int | None:
     if value is None:
         return None
@@ -376,33 +405,56 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
         return count[0]
 
     try:
-        # Every plain setting on the largest device, and every capped one on each device
-        # given, at once; as a plain setting's replay ends, its replays on the smaller
-        # devices are queued (or derived when the larger one never came near them).
+        # Every plain setting on the largest device at once; as a plain setting's replay
+        # ends, its replays on the smaller devices are queued (or derived when the larger
+        # one never came near them). A capped setting waits for its uncapped base on the
+        # same device: it is derived when the base never came near the cap (_cap_idle),
+        # else queued.
         for s in capped:
             if None in caps:  # a fraction of no particular device means nothing
                 outcomes[(s, None)] = ("a per_process_memory_fraction needs a capacity (tried "
                                        "only on the devices given)")
                 step(0, 0)
-        first = [(s, order[0]) for s in plain]
-        first += [(s, c) for c in order if c is not None
-                  for s in [*capped, *tuned.get(c, ())]]
         plain_set = set(plain)
+        first = [(s, order[0]) for s in plain]
+        waiting: dict[tuple[str, int | None], list[str]] = {}
+        for c in order:
+            if c is None:
+                continue
+            for s in [*capped, *tuned.get(c, ())]:
+                base = _cap_base(s)
+                if base in plain_set:
+                    waiting.setdefault((base, c), []).append(s)
+                else:
+                    first.append((s, c))
+
+        def settle(s: str, c: int | None, got: ReplayResult | str
+                   ) -> list[tuple[str, int | None]]:
+            """Record ``got`` for (s, c); the capped settings waiting on it, derived or
+            queued."""
+            outcomes[(s, c)] = got
+            step(0, 0)
+            more: list[tuple[str, int | None]] = []
+            for t in waiting.pop((s, c), ()):
+                if c is not None and isinstance(got, ReplayResult) and _cap_idle(t, got, c):
+                    outcomes[(t, c)] = replace(got, config=t)
+                    derived.add((t, c))
+                    step(0, 0)
+                else:
+                    more.append((t, c))
+            return more
 
         def follow(job: tuple[str, int | None], got: ReplayResult | str
                    ) -> list[tuple[str, int | None]]:
             s, c = job
-            outcomes[(s, c)] = got
-            step(0, 0)
+            more = settle(s, c, got)
             if s not in plain_set or c != order[0]:
-                return []
-            more: list[tuple[str, int | None]] = []
+                return more
             for smaller in order[1:]:
                 if isinstance(got, ReplayResult) and not got.ooms and not got.retries \
                         and smaller is not None and got.peak_reserved <= smaller:
-                    outcomes[(s, smaller)] = replace(got, device_memory=smaller)
                     derived.add((s, smaller))
-                    step(0, 0)
+                    more.extend(settle(s, smaller, replace(got, device_memory=smaller)))
                 else:
                     more.append((s, smaller))
             return more

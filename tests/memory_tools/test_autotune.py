@@ -256,3 +256,23 @@ def test_start_method_avoids_fork_beside_threads(monkeypatch):
     monkeypatch.setenv("CUDALAB_REPLAY_START", "no-such-method")
     with pytest.raises(ValueError, match="CUDALAB_REPLAY_START"):
         rw._start_method()
+
+
+def test_a_cap_never_reached_takes_its_base_rows(trace, peak):
+    roomy = 4 << 30
+    settings = ["expandable_segments:True", "expandable_segments:True,per_process_memory_fraction:0.99",
+                "garbage_collection_threshold:0.8,per_process_memory_fraction:0.99",
+                "garbage_collection_threshold:0.8,per_process_memory_fraction:"
+                f"{(peak + (1 << 20)) / roomy:.4f}"]  # the threshold acts: replayed
+    df = at.autotune(trace, [roomy], settings, workers=1)
+    rows = {r.setting: r for r in df.itertuples()}
+    assert rows["expandable_segments:True,per_process_memory_fraction:0.99"].derived
+    assert rows["garbage_collection_threshold:0.8,per_process_memory_fraction:0.99"].derived
+    assert not rows[settings[3]].derived
+    for s in settings:
+        real = rp.replay(trace, s, device_memory=roomy)
+        r = rows[s]
+        assert (real.peak_reserved, real.num_device_alloc, real.retries, real.ooms) == \
+            (r.peak_reserved, r.driver_allocs, r.retries, r.ooms), s
+    assert at._cap_base("expandable_segments:True,garbage_collection_threshold:0.6,"
+                        "per_process_memory_fraction:0.5") == "expandable_segments:True"
