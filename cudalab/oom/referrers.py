@@ -203,8 +203,11 @@ def _groups(device: int) -> tuple[dict[int, tuple[int, str, list[Any]]], int]:
     cupy_array = getattr(cupy, "ndarray", None) if cupy is not None else None
     groups: dict[int, tuple[int, str, list[Any]]] = {}
     scanned = 0
+    # (type checks only: isinstance would read __class__, which some module-level objects
+    # answer with a deprecation warning)
     for o in gc.get_objects():
-        if isinstance(o, DeviceArray):
+        kind = type(o)
+        if issubclass(kind, DeviceArray):
             if getattr(o, "device_index", None) != device or not hasattr(o, "byte_count"):
                 continue  # another device's, or one whose construction failed
             root = o
@@ -214,7 +217,7 @@ def _groups(device: int) -> tuple[dict[int, tuple[int, str, list[Any]]], int]:
             nbytes = root.byte_count
             text = (f"cudalab {root.element_dtype} {tuple(root.dims)} "
                     f"{format_bytes(nbytes)} at {root.ptr:#x}")
-        elif tensor is not None and isinstance(o, tensor):
+        elif tensor is not None and issubclass(kind, tensor):
             try:
                 if not o.is_cuda or o.device.index != device:
                     continue
@@ -224,7 +227,7 @@ def _groups(device: int) -> tuple[dict[int, tuple[int, str, list[Any]]], int]:
                 text = f"torch {o.dtype} {tuple(o.shape)} {format_bytes(nbytes)} at {key:#x}"
             except Exception:
                 continue
-        elif cupy_array is not None and isinstance(o, cupy_array):
+        elif cupy_array is not None and issubclass(kind, cupy_array):
             try:
                 if o.device.id != device:
                     continue
