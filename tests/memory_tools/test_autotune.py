@@ -153,7 +153,6 @@ def test_capacity_from_the_trace(trace):
 
 
 def test_snapshot_records_device_memory():
-    cudalab.use_simulator()
     x = cudalab.empty(1024)
     snap = cudalab.memory._snapshot()
     del x
