@@ -143,6 +143,18 @@ def main() -> None:  # noqa: C901 - one table, section by section
                 a @ b
 
         loops["torch a @ b (64x64)"] = loop_torch
+    if not sim:  # the other cuBLAS entry point cudalab can call for float32 (cublasGemmEx)
+        from cudalab._driver import cublas as cublas_module
+
+        def loop_ex(count, a=small_a, b=small_b, module=cublas_module):
+            module.TYPED_ENTRY_POINTS = False
+            try:
+                for _ in range(count):
+                    a @ b
+            finally:
+                module.TYPED_ENTRY_POINTS = True
+
+        loops["cudalab a @ b (64x64) via cublasGemmEx"] = loop_ex
     host = interleaved(loops, number=number, rounds=5 if quick else 9)
     cudalab.synchronize()
     for label, seconds in host.items():

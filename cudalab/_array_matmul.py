@@ -1,6 +1,8 @@
 """``cudalab.matmul`` and ``DeviceArray @ DeviceArray``: GEMMs through cuBLAS (torch's rules).
 
-One ``cublasGemmEx`` (two matrices) or ``cublasGemmStridedBatchedEx`` (a batch) per call, on
+One GEMM per call (``cublasSgemm_v2`` / ``cublasSgemmStridedBatched`` and the D, C, Z forms
+for float32, float64 and complex, as torch calls them; ``cublasGemmEx`` /
+``cublasGemmStridedBatchedEx`` for float16 and bfloat16, as torch; the seam's ``gemm``), on
 the current stream of the operands' device, through the handle of ``cudalab.blas`` for this
 (device, thread): the seam's :class:`~cudalab._driver.blas_seam.Blas`, cuBLAS on a GPU and
 numpy on the simulator. What torch does, cudalab does:

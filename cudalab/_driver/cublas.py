@@ -25,6 +25,8 @@ from cudalab._driver.blas_seam import (
     COMPUTE_64F,
     CUDA_C_32F,
     CUDA_C_64F,
+    CUDA_R_32F,
+    CUDA_R_64F,
     Blas,
 )
 from cudalab._driver.handles import StreamHandle
@@ -177,18 +179,42 @@ def _scalar(value: complex, data_type: int, compute_type: int) -> Any:
     return ctypes.c_float(value.real)
 
 
+#: Whether float32 / float64 / complex GEMMs call cuBLAS's typed entry points
+#: (``cublasSgemm_v2``... and their ``StridedBatched`` forms: torch's calls, TF32 then from
+#: the math mode) rather than ``cublasGemmEx`` with the compute type. Both give bit-equal
+#: results on an H200 (benchmarks/blas_fft.py); the typed ones cost the host less.
+TYPED_ENTRY_POINTS = True
+
+#: data type -> (typed GEMM, typed strided-batched GEMM) names.
+_TYPED = {CUDA_R_32F: ("cublasSgemm_v2", "cublasSgemmStridedBatched"),
+          CUDA_R_64F: ("cublasDgemm_v2", "cublasDgemmStridedBatched"),
+          CUDA_C_32F: ("cublasCgemm_v2", "cublasCgemmStridedBatched"),
+          CUDA_C_64F: ("cublasZgemm_v2", "cublasZgemmStridedBatched")}
+_VP = ctypes.c_void_p
+_I64 = ctypes.c_longlong
+
+
 class RealBlas(Blas):
-    """The seam's BLAS over cuBLAS (loaded on the first call that needs it)."""
+    """The seam's BLAS over cuBLAS (loaded on the first call that needs it).
+
+    The GEMM entry points are called without ctypes argument declarations (each argument is
+    passed as the C type it already is: handles and addresses as ``c_void_p``, 64-bit strides
+    as ``c_longlong``, the rest as C ints), which halves ctypes' share of a small GEMM's cost.
+    """
 
     def __init__(self) -> None:
         #: (value, data type, compute type) -> its ctypes scalar: alpha and beta are nearly
         #: always 1 and 0, so the GEMM's hot path builds none.
         self._scalars: dict[tuple[complex, int, int], Any] = {}
+        #: handle -> its c_void_p; entry point name -> its undeclared function (made once)
+        self._handles: dict[int, Any] = {}
+        self._entries: dict[str, Any] = {}
 
     def create(self, device: int) -> int:
         return create()
 
     def destroy(self, handle: int) -> None:
+        self._handles.pop(handle, None)
         destroy(handle)
 
     def set_stream(self, handle: int, stream: StreamHandle) -> None:
@@ -205,25 +231,47 @@ class RealBlas(Blas):
         key = (value, data_type, compute_type)
         scalar = self._scalars.get(key)
         if scalar is None:
-            scalar = self._scalars[key] = _scalar(value, data_type, compute_type)
+            scalar = self._scalars[key] = ctypes.byref(_scalar(value, data_type, compute_type))
         return scalar
+
+    def _entry(self, name: str) -> Any:
+        fn = self._entries.get(name)
+        if fn is None:
+            fn = library()[name]  # a new function object: no argtypes, unlike lib.<name>
+            fn.restype = ctypes.c_int
+            self._entries[name] = fn
+        return fn
 
     def gemm(self, handle: int, transa: int, transb: int, m: int, n: int, k: int,
              alpha: complex, a: int, lda: int, stride_a: int, b: int, ldb: int, stride_b: int,
              beta: complex, c: int, ldc: int, stride_c: int, batch: int, data_type: int,
              compute_type: int, algo: int) -> None:
-        lib = _lib if _lib is not None else library()
-        al = ctypes.byref(self._scalar(alpha, data_type, compute_type))
-        be = ctypes.byref(self._scalar(beta, data_type, compute_type))
-        if batch == 1:
-            status = lib.cublasGemmEx(handle, transa, transb, m, n, k, al, a, data_type, lda,
-                                      b, data_type, ldb, be, c, data_type, ldc, compute_type,
-                                      algo)
-            if status:
-                _check(status, "cublasGemmEx")
-            return
-        status = lib.cublasGemmStridedBatchedEx(
-            handle, transa, transb, m, n, k, al, a, data_type, lda, stride_a, b, data_type, ldb,
-            stride_b, be, c, data_type, ldc, stride_c, batch, compute_type, algo)
+        h = self._handles.get(handle)
+        if h is None:
+            h = self._handles[handle] = _VP(handle)
+        al = self._scalar(alpha, data_type, compute_type)
+        be = self._scalar(beta, data_type, compute_type)
+        typed = _TYPED.get(data_type) if TYPED_ENTRY_POINTS else None
+        if typed is not None:
+            if batch == 1:
+                name = typed[0]
+                status = self._entry(name)(h, transa, transb, m, n, k, al, _VP(a), lda, _VP(b),
+                                           ldb, be, _VP(c), ldc)
+            else:
+                name = typed[1]
+                status = self._entry(name)(h, transa, transb, m, n, k, al, _VP(a), lda,
+                                           _I64(stride_a), _VP(b), ldb, _I64(stride_b), be,
+                                           _VP(c), ldc, _I64(stride_c), batch)
+        elif batch == 1:
+            name = "cublasGemmEx"
+            status = self._entry(name)(h, transa, transb, m, n, k, al, _VP(a), data_type, lda,
+                                       _VP(b), data_type, ldb, be, _VP(c), data_type, ldc,
+                                       compute_type, algo)
+        else:
+            name = "cublasGemmStridedBatchedEx"
+            status = self._entry(name)(
+                h, transa, transb, m, n, k, al, _VP(a), data_type, lda, _I64(stride_a), _VP(b),
+                data_type, ldb, _I64(stride_b), be, _VP(c), data_type, ldc, _I64(stride_c),
+                batch, compute_type, algo)
         if status:
-            _check(status, "cublasGemmStridedBatchedEx")
+            _check(status, name)

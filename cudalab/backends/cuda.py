@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from cudalab import _internal
-from cudalab._array_matmul import clear_workspaces as clear_cublas_workspaces
 from cudalab import devices as _devices
+from cudalab._array_matmul import clear_workspaces as clear_cublas_workspaces
 from cudalab.fft.plan_cache import CuFFTPlanCache, plan_cache
 from cudalab.matmul_precision import SETTINGS, set_float32_matmul_precision
 

@@ -472,3 +472,60 @@ def test_strided_batches_of_more_dimensions_are_walked_or_copied():
         other = dw if view.shape[-1] == 8 else cudalab.asarray(w[:5])
         reference = expected @ (w if view.shape[-1] == 8 else w[:5])
         np.testing.assert_allclose((view @ other).cpu(), reference, rtol=1e-5, atol=1e-5)
+
+
+class _FakeCublas:
+    """Records the entry points RealBlas calls and the C types of their arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, name):
+        calls = self.calls
+
+        class Entry:
+            restype = None
+
+            def __call__(self, *args):
+                calls.append((name, args))
+                return 0
+
+        return Entry()
+
+
+@pytest.mark.parametrize("typed", [True, False])
+def test_real_blas_calls_each_entry_point_with_its_c_types(monkeypatch, typed):
+    import ctypes
+
+    from cudalab._driver import cublas
+
+    fake = _FakeCublas()
+    monkeypatch.setattr(cublas, "_lib", fake)
+    monkeypatch.setattr(cublas, "TYPED_ENTRY_POINTS", typed)
+    real = cublas.RealBlas()
+    big = 0x7F00_0000_0000  # addresses above 2**32 must reach C whole
+    for data_type in (blas_seam.CUDA_R_32F, blas_seam.CUDA_R_64F, blas_seam.CUDA_C_32F,
+                      blas_seam.CUDA_C_64F, blas_seam.CUDA_R_16F, blas_seam.CUDA_R_16BF):
+        for batch in (1, 3):
+            real.gemm(0x55AA_0000_0000, blas_seam.OP_T, blas_seam.OP_N, 8, 4, 2, 1, big, 8,
+                      16, big + 4096, 2, 8, 0, big + 8192, 8, 32, batch, data_type,
+                      blas_seam.COMPUTE_32F, blas_seam.GEMM_DEFAULT)
+    expected_names = []
+    for prefix in ("S", "D", "C", "Z"):
+        expected_names += ([f"cublas{prefix}gemm_v2", f"cublas{prefix}gemmStridedBatched"]
+                           if typed else ["cublasGemmEx", "cublasGemmStridedBatchedEx"])
+    expected_names += ["cublasGemmEx", "cublasGemmStridedBatchedEx"] * 2
+    assert [name for name, _ in fake.calls] == expected_names
+    arity = {"cublasSgemm_v2": 14, "cublasSgemmStridedBatched": 18, "cublasGemmEx": 19,
+             "cublasGemmStridedBatchedEx": 23}
+    for name, args in fake.calls:
+        key = name if name in arity else name.replace("D", "S").replace("Z", "S").replace(
+            "cublasCgemm", "cublasSgemm")
+        assert len(args) == arity[key], (name, len(args))
+        assert isinstance(args[0], ctypes.c_void_p) and args[0].value == 0x55AA_0000_0000
+        pointers = [a.value for a in args if isinstance(a, ctypes.c_void_p)][1:]
+        assert pointers == [big, big + 4096, big + 8192], (name, pointers)
+        strides = [a.value for a in args if isinstance(a, ctypes.c_longlong)]
+        assert strides == ([] if "Batched" not in name else [16, 8, 32]), (name, strides)
+        assert all(type(a) in (int, ctypes.c_void_p, ctypes.c_longlong) or
+                   type(a).__name__ == "CArgObject" for a in args), name
