@@ -76,7 +76,7 @@ static PyTypeObject EntryType = {
     .tp_doc = "A trace entry being read (its columns' values only).",
 };
 #define IS_ENTRY(o) Py_IS_TYPE((o), &EntryType)
-#define KEYCACHE 64
+#define KEYCACHE 64  /* a power of two */
 /* frame dicts cached by address at most (each is kept alive while cached): a file whose
  * frames are not shared objects costs a content lookup per frame past this many */
 #define FMAP_MAX (1 << 20)
@@ -108,7 +108,7 @@ typedef struct {
     uint64_t *shash;
     PyObject **stackrefs;
     int32_t *tmp; Py_ssize_t tmpcap;
-    PyObject *kc_key[KEYCACHE]; int kc_idx[KEYCACHE]; int kc_n;  /* key object -> slot */
+    PyObject *kc_key[KEYCACHE]; int kc_idx[KEYCACHE];  /* key object -> slot, by address */  /* key object -> slot */
 } Scanner;
 
 /* ---------------------------------------------------------------- errors */
@@ -252,9 +252,12 @@ static int32_t stack_of_ids(Scanner *s, Py_ssize_t k) {
         size_t m = (size_t)s->shcap - 1, i = (size_t)h & m;
         while (s->shtab[i] >= 0) {
             int32_t sid = s->shtab[i];
-            if (s->shash[sid] == h && s->soff[sid + 1] - s->soff[sid] == k
-                    && memcmp(s->spool + s->soff[sid], s->tmp, (size_t)k * 4) == 0)
-                return sid;
+            if (s->shash[sid] == h && s->soff[sid + 1] - s->soff[sid] == k) {
+                const int32_t *a = s->spool + s->soff[sid];
+                Py_ssize_t q = 0;
+                while (q < k && a[q] == s->tmp[q]) q++;  /* (stacks are short: no memcmp call) */
+                if (q == k) return sid;
+            }
             i = (i + 1) & m;
         }
     }
@@ -562,15 +565,15 @@ static int do_append(Scanner *s, Py_ssize_t x, Py_ssize_t at, int had_mark) {
 /* the slot of a key object (-1: a key the columns do not take), cached by the key's address
  * (the pickler memoizes key strings: a few objects, met again and again) */
 static int key_slot(Scanner *s, PyObject *k) {
-    for (int i = 0; i < s->kc_n; i++) if (s->kc_key[i] == k) return s->kc_idx[i];
+    size_t h = ptr_hash(k) & (KEYCACHE - 1);  /* direct-mapped: a clash replaces */
+    if (s->kc_key[h] == k) return s->kc_idx[h];
     int idx = -1;
     if (PyUnicode_Check(k))
         for (int q = 0; q < NENTRY; q++)
             if (PyUnicode_CompareWithASCIIString(k, KEY_NAMES[q]) == 0) { idx = q; break; }
-    if (s->kc_n < KEYCACHE) {
-        Py_INCREF(k);  /* kept alive: its address stays its own */
-        s->kc_key[s->kc_n] = k; s->kc_idx[s->kc_n++] = idx;
-    }
+    Py_INCREF(k);  /* kept alive while cached: its address stays its own */
+    Py_XDECREF(s->kc_key[h]);
+    s->kc_key[h] = k; s->kc_idx[h] = idx;
     return idx;
 }
 
@@ -973,7 +976,7 @@ static void Scanner_dealloc(Scanner *s) {
     PyMem_Free(s->stackrefs); PyMem_Free(s->tmp);
     Py_XDECREF(s->outer); Py_XDECREF(s->result); Py_XDECREF(s->what); Py_XDECREF(s->err); Py_XDECREF(s->on_bad);
     for (int k = 0; k < NKEYS; k++) Py_XDECREF(s->keys[k]);
-    for (int k = 0; k < s->kc_n; k++) Py_XDECREF(s->kc_key[k]);
+    for (int k = 0; k < KEYCACHE; k++) Py_XDECREF(s->kc_key[k]);
     Py_XDECREF(s->action_codes); Py_XDECREF(s->action_names); Py_XDECREF(s->strings);
     Py_XDECREF(s->string_names); Py_XDECREF(s->frame_content); Py_XDECREF(s->frames);
     Py_XDECREF(s->pool_ids); Py_XDECREF(s->pool_names);
