@@ -9,9 +9,9 @@ How a measurement is built (the pitfalls it avoids are in ``docs/magics.md``):
   the cell every repeat and inflates small times by several x) and a repeat costs no
   Python call of its own beyond the ``end`` hook.
 * **Events on the streams that did the work.** A start event is recorded on the current
-  stream of every timed device before the body and an end event after it, and on torch's
-  and CuPy's current streams where they are other streams (``torch.cuda.current_stream()``,
-  CuPy's current stream; read from ``sys.modules``). Streams other
+  stream of every timed device before the body and an end event after it: cudalab's, or
+  torch's (``torch.cuda.current_stream()``) or CuPy's current stream where that is another
+  stream (read from ``sys.modules``; see ``timed_context.library_streams``). Streams other
   than the current one that cudalab kernels were launched on (seen through
   :data:`cudalab._internal.launch_observers`) get events too, and a device's time is the
   latest end minus the earliest start: the streams are joined when the events are read,
@@ -104,7 +104,7 @@ def _run_single(ctx: TimedContext, source: str, setup: str, local_ns: Any) -> An
     tracker = LaunchTracker(ctx.streams, record=opts.kernels)
     cupti, why = cupti_for(magics, ctx, opts)
     nv_before = nvml_context(ctx.devs) if magics.nvml else {}
-    timer = ctx.timer(1, ctx.library_streams)  # torch's / CuPy's current streams timed too
+    timer = ctx.timer(1, {})
     out = None
     error: BaseException | None = None
     gpu_err: BaseException | None = None
@@ -127,7 +127,7 @@ def _run_single(ctx: TimedContext, source: str, setup: str, local_ns: Any) -> An
         try:
             timer.end_single()
             for (d, _sid), s in tracker.side.items():
-                if d in ctx.streams and (d, _sid) not in ctx.library_streams:
+                if d in ctx.streams:
                     ev = ctx.pool.take(d, 1)[0]
                     ev.record(s)
                     side_ends.append((d, ev))
@@ -202,7 +202,6 @@ def _run_repeat(ctx: TimedContext, setup: str, stmt: str, local_ns: Any, line_mo
         conflict = {k: glob[k] for k in local_ns if k in glob}
         glob.update(local_ns)
     tracker = LaunchTracker(ctx.streams)
-    tracker.side.update(ctx.library_streams)  # torch's / CuPy's current streams timed too
     watch = CollectiveWatch()
     rep = itertools.repeat
     gc_was = gc.isenabled()

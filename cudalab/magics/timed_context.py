@@ -95,38 +95,39 @@ def nvml_context(devs: list[int]) -> dict[int, dict]:
     return out
 
 
-def library_streams(devs: list[int], current: dict[int, Any]) -> dict[tuple[int, int], Any]:
-    """The current streams of torch and CuPy on the timed devices that are not cudalab's
-    current stream there, as ``{(device, handle): ExternalStream}``: the run records its
-    events on them too, so torch's and CuPy's work is timed where it runs. torch's when torch
-    is imported and has initialised CUDA (``torch.cuda.current_stream(d)``); CuPy's on its
-    current device (``cupy.cuda.get_current_stream()``). Read from ``sys.modules`` only;
-    a library that cannot say is left out."""
+def library_streams(devs: list[int], current: dict[int, Any]) -> dict[int, tuple[str, Any]]:
+    """Per timed device, the current stream of torch or CuPy where it is not cudalab's
+    current stream there: ``{device: (library, ExternalStream)}``. The run times that stream
+    instead of cudalab's, so torch's and CuPy's work is timed where it runs (an event on a
+    stream with no work of the cell would fire as soon as it is recorded, ahead of the queued
+    work: the cell's work must be on the timed stream). torch's first, when torch is imported
+    and has initialised CUDA (``torch.cuda.current_stream(d)``), then CuPy's on its current
+    device (``cupy.cuda.get_current_stream()``). Read from ``sys.modules`` only; a library
+    that cannot say is left out."""
     import sys
 
     from cudalab.streams import ExternalStream
 
-    found: dict[tuple[int, int], Any] = {}
+    found: dict[int, tuple[str, Any]] = {}
 
-    def add(d: int, handle: Any) -> None:
-        if isinstance(handle, int) and handle != current[d].cuda_stream and \
-                (d, handle) not in found:
-            found[(d, handle)] = ExternalStream(handle, d)
+    def add(library: str, d: int, handle: Any) -> None:
+        if isinstance(handle, int) and handle != current[d].cuda_stream and d not in found:
+            found[d] = (library, ExternalStream(handle, d))
 
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     try:
         if cuda is not None and cuda.is_initialized():
             for d in devs:
-                add(d, int(cuda.current_stream(d).cuda_stream))
-    except Exception:  # a torch that cannot say: its work is timed on cudalab's stream
+                add("torch", d, int(cuda.current_stream(d).cuda_stream))
+    except Exception:  # a torch that cannot say: the run times cudalab's stream
         pass
     cupy = sys.modules.get("cupy")
     try:
         if cupy is not None:
             d = int(cupy.cuda.runtime.getDevice())
             if d in current:
-                add(d, int(cupy.cuda.get_current_stream().ptr))
+                add("cupy", d, int(cupy.cuda.get_current_stream().ptr))
     except Exception:
         pass
     return found
@@ -149,8 +150,10 @@ class TimedContext:
         self.simulated = bool(self.backend.simulated)
         self.devs = parse_devices(opts.device)
         self.streams = {d: streams.current_stream(d) for d in self.devs}
-        #: torch's and CuPy's current streams where they are not cudalab's: timed too
+        #: torch's or CuPy's current stream where it is not cudalab's: timed instead
         self.library_streams = library_streams(self.devs, self.streams)
+        for d, (_library, stream) in self.library_streams.items():
+            self.streams[d] = stream
         if magics._event_pool is None:
             magics._event_pool = EventPool()
         self.pool: EventPool = magics._event_pool
@@ -160,6 +163,10 @@ class TimedContext:
         self.flush: Callable[[], None] | None = None  # runs before each start event (--cold)
         self.warnings: list[str] = []
         self.hints: list[str] = []
+        if self.library_streams:
+            where = ", ".join(f"{library}'s on cuda:{d} ({stream.cuda_stream:#x})"
+                              for d, (library, stream) in sorted(self.library_streams.items()))
+            self.hints.append(f"timed on the current stream of {where}, not cudalab's")
         #: the cell's compiled code objects: Ctrl-C is delivered in them at once, while the
         #: magic's own code (these modules) runs with it deferred (see timed.py)
         self.user_codes: list[Any] = []

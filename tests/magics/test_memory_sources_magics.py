@@ -285,22 +285,25 @@ def test_history_source_errors(ip, monkeypatch):
 
 
 # ------------------------------------------------------------------ %%cuda_timed
-def test_library_streams_are_torchs_and_cupys_other_streams(ip, torch, cupy):
+def test_library_streams_are_torchs_or_cupys_other_stream(ip, torch, cupy):
     from cudalab.magics.timed_context import library_streams
 
     cur = {0: cudalab.current_stream(0)}
     assert library_streams([0], cur) == {}  # both on cudalab's current stream
     s, t = cudalab.Stream(), cudalab.Stream()
-    torch.cuda.stream.cuda_stream = s.cuda_stream
     cupy.cuda.get_current_stream = lambda: type("S", (), {"ptr": t.cuda_stream})()
-    found = library_streams([0], cur)
-    assert sorted(found) == sorted([(0, s.cuda_stream), (0, t.cuda_stream)])
-    assert found[(0, s.cuda_stream)].cuda_stream == s.cuda_stream
+    ((library, stream),) = library_streams([0], cur).values()
+    assert library == "cupy" and stream.cuda_stream == t.cuda_stream
+    torch.cuda.stream.cuda_stream = s.cuda_stream  # torch's comes first
+    ((library, stream),) = library_streams([0], cur).values()
+    assert library == "torch" and stream.cuda_stream == s.cuda_stream
     torch.cuda.initialized = False  # torch's CUDA not initialised: not read
-    assert list(library_streams([0], cur)) == [(0, t.cuda_stream)]
+    assert library_streams([0], cur)[0][0] == "cupy"
 
 
-def test_timed_records_on_torchs_current_stream(ip, torch):
+def test_timed_times_torchs_current_stream(ip, torch):
+    """torch's current stream is another stream: the run's events go there (an event on
+    cudalab's idle stream would fire ahead of the queued work)."""
     from cudalab.magics.result import CudaTimedResult
 
     s = cudalab.Stream()
@@ -311,6 +314,10 @@ def test_timed_records_on_torchs_current_stream(ip, torch):
         r, out = run(ip, line + "\nwith cudalab.stream(side_):\n    gpu_sleep(20_000_000)")
         assert r.success and isinstance(r.result, CudaTimedResult), out
         assert r.result.gpu_times.min() >= 0.019
+        assert any(f"torch's on cuda:0 ({s.cuda_stream:#x})" in h for h in r.result.hints)
+    torch.cuda.stream.cuda_stream = 0  # torch back on cudalab's stream: nothing said
+    r, out = run(ip, "%%cuda_timed -o -q\ngpu_sleep(1000)")
+    assert not any("torch's" in h for h in r.result.hints)
 
 
 def test_source_on_a_view_that_reads_only_cudalab(ip, torch):
