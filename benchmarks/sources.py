@@ -43,13 +43,20 @@ def _model(torch):
     return step
 
 
-def step_slowdown(torch, rounds: int, steps: int) -> dict:
+def step_slowdown(torch, rounds: int, seconds: float) -> dict:
+    """Rounds of ``seconds`` each (the steps per round calibrated once), alternating without
+    and with the dashboard's sampler thread running."""
     from cudalab.widgets import MemoryDashboard
 
     step = _model(torch)
     for _ in range(10):
         step()
     torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    steps = max(20, int(seconds / ((time.perf_counter() - t) / 20)))
     dash = MemoryDashboard(source="torch", interval=0.1, max_rate=10.0, start=False)
     samples: dict[str, list[float]] = {"off": [], "on": []}
     ticks = 0
@@ -145,7 +152,7 @@ def main() -> None:
     torch.zeros(1, device="cuda")
     cudalab.init()
     name = torch.cuda.get_device_name(0)
-    slow = step_slowdown(torch, 5 if args.quick else 11, 20 if args.quick else 50)
+    slow = step_slowdown(torch, 5 if args.quick else 11, 0.5 if args.quick else 2.0)
     costs = sample_costs(torch, 200 if args.quick else 2000)
     timing = timed_vs_events(torch, 50 if args.quick else 200)
     t = Table(f"cudalab sources, torch {torch.__version__} ({name})")
