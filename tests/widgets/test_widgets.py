@@ -219,9 +219,11 @@ def test_thread_never_prints(monkeypatch, capfd):
 
 
 def test_unload_extension_closes_dashboards():
-    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.testing import globalipapp
 
-    shell = InteractiveShell.instance()
+    # (IPython's test shell, the one every in-process shell test shares: a plain
+    # InteractiveShell.instance() here would make it impossible to start in this process)
+    shell = globalipapp.get_ipython()
     try:
         cudalab.load_ipython_extension(shell)
     except Exception as exc:  # the magics are another issue's work
