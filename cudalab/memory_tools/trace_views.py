@@ -73,24 +73,26 @@ class SearchResult:
 
 def _pairs(device: NDArray[Any], addr: NDArray[Any], rows: NDArray[np.int64],
            opens: NDArray[np.bool_], end: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-    """For rows that open (``opens``) or close an address, each opening row and the row
-    that closes it next (``end`` when none does)."""
-    # (rows come in increasing order: two stable sorts give the order of (device, addr, row))
+    """For rows (in increasing order) that open (``opens``) or close an address, each
+    opening row and the row that closes it next (``end`` when none does), in row order."""
+    n = len(rows)
+    # (rows come in increasing order: stable sorts give the order of (device, addr, row))
     order = np.argsort(addr, kind="stable")
-    if len(order) and device.min() != device.max():
+    multi = n > 0 and device.min() != device.max()
+    if multi:
         order = order[np.argsort(device[order], kind="stable")]
-    r, o = rows[order], opens[order]
-    same = np.zeros(len(r), bool)
-    if len(r) > 1:
-        same[:-1] = (device[order][1:] == device[order][:-1]) & (addr[order][1:] == addr[order][:-1])
-    nxt = np.full(len(r), end, np.int64)
-    closes_next = np.zeros(len(r), bool)
-    closes_next[:-1] = same[:-1] & ~o[1:]
-    nxt[:-1] = np.where(closes_next[:-1], r[1:], end)
-    keep = o
-    opened, closed = r[keep], nxt[keep]
-    back = np.argsort(opened, kind="stable")
-    return opened[back], closed[back]
+    a = addr[order]
+    same = a[1:] == a[:-1]
+    if multi:
+        d = device[order]
+        same &= d[1:] == d[:-1]
+    nxt = np.full(n, end, np.int64)
+    if n > 1:
+        closes = same & ~opens[order][1:]
+        nxt[:-1] = np.where(closes, rows[order][1:], end)
+    back = np.empty(n, np.int64)  # the inverse permutation: sorted place of each row
+    back[order] = np.arange(n, dtype=np.int64)
+    return rows[opens], nxt[back][opens]
 
 
 def pool_label(pool: Any, large: bool) -> str:
