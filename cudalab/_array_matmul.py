@@ -417,7 +417,9 @@ def _matmul(input: Any, other: Any, out: Any) -> Any:
 def _launch(plan: _Plan, a: int, b: int, c: int, device: int, stream: Any) -> None:
     """Queue ``plan``'s GEMM of ``input`` at ``a`` and ``other`` at ``b`` into ``c`` on
     ``stream``, through this thread's handle of ``device``."""
-    compute, mode, algo = _math(plan.kind)
+    (_shape, _dtype, data_type, kind, trans_other, trans_input, m, n, k, ld_other,
+     stride_other, ld_input, stride_input, batch) = plan
+    compute, mode, algo = _math(kind)
     _devices.ensure_context(device)  # cuBLAS calls run in the context of the handle's device
     bound = _blas.bound_handle(device)
     blas, handle = bound.blas, bound.handle
@@ -426,22 +428,17 @@ def _launch(plan: _Plan, a: int, b: int, c: int, device: int, stream: Any) -> No
         blas.set_stream(handle, stream.handle)
         bound.stream = stream_int
     workspace = _workspaces.get((handle, stream_int))
-    if workspace is None:
-        span = _workspace(bound, device, stream)
-    else:
-        span = workspace.span
+    span = _workspace(bound, device, stream) if workspace is None else workspace.span
     if bound.workspace != span:
         blas.set_workspace(handle, span[0], span[1])
         bound.workspace = span
     if bound.math_mode != mode:
         blas.set_math_mode(handle, mode)
         bound.math_mode = mode
-    m, n = plan.m, plan.n
-    blas.gemm(handle, plan.trans_other, plan.trans_input, m, n, plan.k, 1, b, plan.ld_other,
-              plan.stride_other, a, plan.ld_input, plan.stride_input, 0, c, m, m * n,
-              plan.batch, plan.data_type, compute, algo)
+    blas.gemm(handle, trans_other, trans_input, m, n, k, 1, b, ld_other, stride_other, a,
+              ld_input, stride_input, 0, c, m, m * n, batch, data_type, compute, algo)
     if _observe.launch_on:
-        name = "cublasGemmEx" if plan.batch == 1 else "cublasGemmStridedBatchedEx"
+        name = "cublasGemmEx" if batch == 1 else "cublasGemmStridedBatchedEx"
         for observer in tuple(_observe.launch_subscribers):
             observer(name, device, stream, (1, 1, 1), (1, 1, 1))
 

@@ -209,12 +209,17 @@ class RealBlas(Blas):
         #: handle -> its c_void_p; entry point name -> its undeclared function (made once)
         self._handles: dict[int, Any] = {}
         self._entries: dict[str, Any] = {}
+        #: (handle, data type, compute type, one matrix, alpha, beta, typed) -> _prepare's
+        #: tuple: one lookup per GEMM. Dropped with the handle.
+        self._prepared: dict[tuple[Any, ...], tuple[Any, str, Any, Any, Any, int]] = {}
 
     def create(self, device: int) -> int:
         return create()
 
     def destroy(self, handle: int) -> None:
         self._handles.pop(handle, None)
+        for key in [key for key in self._prepared if key[0] == handle]:
+            del self._prepared[key]
         destroy(handle)
 
     def set_stream(self, handle: int, stream: StreamHandle) -> None:
@@ -242,36 +247,42 @@ class RealBlas(Blas):
             self._entries[name] = fn
         return fn
 
+    def _prepare(self, handle: int, data_type: int, compute_type: int, single: bool,
+                 alpha: complex, beta: complex) -> tuple[Any, str, Any, Any, Any, int]:
+        """(function, name, handle, alpha, beta, form) of one kind of GEMM call; ``form`` 0:
+        typed, one matrix; 1: typed, strided batch; 2: GemmEx; 3: GemmStridedBatchedEx."""
+        typed = _TYPED.get(data_type) if TYPED_ENTRY_POINTS else None
+        if typed is not None:
+            name, form = (typed[0], 0) if single else (typed[1], 1)
+        else:
+            name, form = ("cublasGemmEx", 2) if single else ("cublasGemmStridedBatchedEx", 3)
+        h = self._handles.get(handle)
+        if h is None:
+            h = self._handles[handle] = _VP(handle)
+        return (self._entry(name), name, h, self._scalar(alpha, data_type, compute_type),
+                self._scalar(beta, data_type, compute_type), form)
+
     def gemm(self, handle: int, transa: int, transb: int, m: int, n: int, k: int,
              alpha: complex, a: int, lda: int, stride_a: int, b: int, ldb: int, stride_b: int,
              beta: complex, c: int, ldc: int, stride_c: int, batch: int, data_type: int,
              compute_type: int, algo: int) -> None:
-        h = self._handles.get(handle)
-        if h is None:
-            h = self._handles[handle] = _VP(handle)
-        al = self._scalar(alpha, data_type, compute_type)
-        be = self._scalar(beta, data_type, compute_type)
-        typed = _TYPED.get(data_type) if TYPED_ENTRY_POINTS else None
-        if typed is not None:
-            if batch == 1:
-                name = typed[0]
-                status = self._entry(name)(h, transa, transb, m, n, k, al, _VP(a), lda, _VP(b),
-                                           ldb, be, _VP(c), ldc)
-            else:
-                name = typed[1]
-                status = self._entry(name)(h, transa, transb, m, n, k, al, _VP(a), lda,
-                                           _I64(stride_a), _VP(b), ldb, _I64(stride_b), be,
-                                           _VP(c), ldc, _I64(stride_c), batch)
-        elif batch == 1:
-            name = "cublasGemmEx"
-            status = self._entry(name)(h, transa, transb, m, n, k, al, _VP(a), data_type, lda,
-                                       _VP(b), data_type, ldb, be, _VP(c), data_type, ldc,
-                                       compute_type, algo)
+        key = (handle, data_type, compute_type, batch == 1, alpha, beta, TYPED_ENTRY_POINTS)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            prepared = self._prepared[key] = self._prepare(handle, data_type, compute_type,
+                                                           batch == 1, alpha, beta)
+        fn, name, h, al, be, form = prepared
+        if form == 0:
+            status = fn(h, transa, transb, m, n, k, al, _VP(a), lda, _VP(b), ldb, be, _VP(c), ldc)
+        elif form == 1:
+            status = fn(h, transa, transb, m, n, k, al, _VP(a), lda, _I64(stride_a), _VP(b), ldb,
+                        _I64(stride_b), be, _VP(c), ldc, _I64(stride_c), batch)
+        elif form == 2:
+            status = fn(h, transa, transb, m, n, k, al, _VP(a), data_type, lda, _VP(b), data_type,
+                        ldb, be, _VP(c), data_type, ldc, compute_type, algo)
         else:
-            name = "cublasGemmStridedBatchedEx"
-            status = self._entry(name)(
-                h, transa, transb, m, n, k, al, _VP(a), data_type, lda, _I64(stride_a), _VP(b),
-                data_type, ldb, _I64(stride_b), be, _VP(c), data_type, ldc, _I64(stride_c),
-                batch, compute_type, algo)
+            status = fn(h, transa, transb, m, n, k, al, _VP(a), data_type, lda, _I64(stride_a),
+                        _VP(b), data_type, ldb, _I64(stride_b), be, _VP(c), data_type, ldc,
+                        _I64(stride_c), batch, compute_type, algo)
         if status:
             _check(status, name)
