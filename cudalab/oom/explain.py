@@ -87,9 +87,10 @@ class OOMExplanation:
     def summary(self) -> str:
         """One sentence naming the verdict and the fix."""
         fb = format_bytes
-        what = (f"cuda:{self.device} ran out of memory asking for {fb(self.request)} "
+        dev = f"cuda:{self.device}" + (" (simulated)" if self.state.simulated else "")
+        what = (f"{dev} ran out of memory asking for {fb(self.request)} "
                 f"({fb(self.shortfall)} short)" if self.request is not None else
-                f"cuda:{self.device} (no out-of-memory error in this session)")
+                f"{dev} (no out-of-memory error in this session)")
         text = f"{what}: {self.verdict.replace('_', ' ')}; fix: {self.fix}"
         cf = self.counterfactuals
         if self.request is not None and cf is not None and len(cf):

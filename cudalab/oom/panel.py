@@ -96,7 +96,7 @@ def text(expl: Any) -> str:
     """The explanation as text."""
     lines = [expl.summary()]
     if expl.state.simulated:
-        lines.append("(SIMULATED device)")
+        lines.append("(a simulated device: every figure is the simulator's)")
     lines.append("accounting:")
     for r in expl.accounting.itertuples(index=False):
         if r.bytes or r.category == "free":

@@ -346,6 +346,9 @@ def find_referrers(device: int, error: BaseException | None = None, top: int = T
     tb_frames = _traceback_frames(errors)
     displayhook = getattr(shell, "displayhook", None)
     last_result = getattr(shell, "last_execution_result", None)
+    # (their attributes may live in their __dict__, which is what refers to the arrays)
+    hook_dict = getattr(displayhook, "__dict__", None) if displayhook is not None else None
+    result_dict = getattr(last_result, "__dict__", None) if last_result is not None else None
     targets: list[Any] = []
     owner_of: dict[int, int] = {}  # id(array object) -> group index
     for gi, (_, (_, _, objs)) in enumerate(largest):
@@ -396,17 +399,17 @@ def find_referrers(device: int, error: BaseException | None = None, top: int = T
         elif isinstance(r, types.CellType):
             for gi, _ in hit(r):
                 found[gi].append(("a closure variable", "closure", False, None))
-        elif r is displayhook:
+        elif r is displayhook or (hook_dict is not None and r is hook_dict):
             for name in ("_", "__", "___"):
-                value = getattr(r, name, None)
+                value = getattr(displayhook, name, None)
                 if id(value) in owner_of:
                     found[owner_of[id(value)]].append(
                         (f"displayhook.{name}", "output", True,
-                         _drop_attr(r, name, value)))
-        elif last_result is not None and r is last_result:
+                         _drop_attr(displayhook, name, value)))
+        elif last_result is not None and (r is last_result or r is result_dict):
             for gi, x in hit(r):
                 found[gi].append(("the last cell's result", "last_result", True,
-                                  _drop_attr(r, "result", x)))
+                                  _drop_attr(last_result, "result", x)))
         elif isinstance(r, (list, tuple, dict, set, frozenset)):
             for gi, x in hit(r):
                 key = _key_in(r, x)
