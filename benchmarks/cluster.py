@@ -5,9 +5,9 @@ Rows:
 
 * **step slowdown**: each rank runs a training-like step (activations allocated, computed
   on, freed) in blocks of about a second (two samples at 2 Hz), alternating blocks with its
-  publisher running (and watched) and stopped; the slowdown is median(on) / median(off) - 1
-  per rank (goal <= 1 %). Each "on" block pays the publisher's start too (its thread, its
-  sockets, its connection file), so this is an upper bound of the steady cost;
+  publisher publishing (and watched) and paused (``Publisher.paused``: no sample taken nor
+  sent, the thread idle); the slowdown is median(on) / median(off) - 1 per rank (goal
+  <= 1 %);
 * **panel rate**: samples per second the watch receives from each rank (goal 2 Hz);
 * **least-headroom flag**: seconds from a rank's allocation to the watch naming it
   (goal <= 1 s);
@@ -88,18 +88,20 @@ def rank_worker(args: argparse.Namespace) -> int:
     steps = max(int(args.block_seconds / per_step), 10)  # blocks of ~block_seconds
     on: list[float] = []
     off: list[float] = []
+    # "without publishing": the publisher paused (no sample taken nor sent; its thread idle),
+    # so each block measures the steady cost of publishing, not the publisher's start
+    publisher = serve(args.directory, interval=0.5)
     for block in range(2 * args.blocks):
         publishing = block % 2 == (rank % 2)  # half the ranks start with it on
-        publisher = serve(args.directory, interval=0.5) if publishing else None
+        publisher.paused = not publishing
+        time.sleep(0.05)
         t0 = time.perf_counter()
         for _ in range(steps):
             _step(size)
         cudalab.synchronize()
         (on if publishing else off).append(time.perf_counter() - t0)
-        if publisher is not None:
-            publisher.stop()
+    publisher.paused = False
     print(json.dumps({"rank": rank, "on": on, "off": off}), flush=True)
-    serve(args.directory, interval=0.5)
     print("serving", flush=True)
     kept = [base]
     for line in sys.stdin:

@@ -106,6 +106,9 @@ class Publisher:
         self.failed = 0
         #: Requests answered.
         self.answered = 0
+        #: While True no sample is taken nor sent (the sockets stay, requests are still
+        #: answered): the rank costs nothing but an idle thread. Set and clear it freely.
+        self.paused = False
         self.last_error = ""
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -231,7 +234,8 @@ class Publisher:
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = max(next_tick + self.interval, now)
-                    self._publish(zmq, pub)
+                    if not self.paused:
+                        self._publish(zmq, pub)
                 wait = min(_WAKE, max(0.0, next_tick - time.monotonic()))
                 if poller.poll(wait * 1000):
                     self._answer(zmq, router)
@@ -251,7 +255,10 @@ class Publisher:
             sources: tuple[SampleSource, ...] = (self._source,)
         else:
             if self._sources is None or now >= self._sources_due:
-                self._sources = _records.rank_sources()
+                # the sources already made are kept (each holds its devices' identity and
+                # NVML handles, which cost milliseconds to make); only new ones are added
+                known = {s.name: s for s in self._sources or ()}
+                self._sources = tuple(known.get(s.name, s) for s in _records.rank_sources())
                 self._sources_due = now + _RESOLVE_SOURCES
             sources = self._sources
         when = time.time()

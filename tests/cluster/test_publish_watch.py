@@ -331,6 +331,13 @@ def test_a_rank_never_waits_for_a_reader_that_does_not_read(tmp_path):
         finally:
             w.close()
         assert heard == []  # neither the sampling nor the answers issued a collective
+        p.paused = True  # no sample while paused; requests still answered
+        time.sleep(0.2)
+        paused_at = p.published
+        time.sleep(0.5)
+        assert p.published == paused_at and p.running
+        p.paused = False
+        assert wait_for(lambda: p.published > paused_at, 2)
     finally:
         _internal.collective_observers.remove(heard.append)
         sub.close(linger=0)
