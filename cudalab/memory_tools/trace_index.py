@@ -11,8 +11,8 @@ Reading is as safe as ``load_snapshot`` (:mod:`cudalab.memory_tools.safe_pickle`
 runs (an opcode that names or calls a class or function is refused), containers nest at
 most :data:`~cudalab.memory_tools.safe_pickle.MAX_NESTING` deep, a file larger than
 :func:`~cudalab.memory_tools.safe_pickle.max_snapshot_bytes` is refused before it is read,
-every length inside the file is checked against the bytes left, the process's memory is
-bounded while reading (:data:`MEMORY_FACTOR` × the file, plus :data:`MEMORY_SLACK`), and
+every length inside the file is checked against the bytes left (the file is mapped, and the
+pages read are let go as reading goes on), the process's memory is bounded while reading (:data:`MEMORY_FACTOR` × the file, plus :data:`MEMORY_SLACK`), and
 entries are checked against torch's schema as they are read; every failure is a
 :class:`~cudalab.memory_tools.safe_pickle.SnapshotLoadError` saying why.
 
@@ -71,6 +71,7 @@ MEMORY_SLACK = 512 << 20
 _STEP = 32 << 20  # bytes read between progress reports
 _FIRST_STEP = 2 << 20  # bytes read before the first one (the first paint)
 _BYTES_PER_ENTRY = 48  # a first guess of the rows a file holds (grown when passed)
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 
 
 def scanner_available() -> bool:
@@ -231,6 +232,7 @@ def iter_trace(path: str | os.PathLike[str], *, max_bytes: int | str | None = No
 
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     first = min(step_bytes, _FIRST_STEP)
+    dropped = 0
     try:
         rss_kb = (_peak_rss_bytes() + MEMORY_FACTOR * size + MEMORY_SLACK) // 1024
         scanner = _tracescan.Scanner(data, what, SnapshotLoadError, _bad_entry(what), ACTIONS,
@@ -250,6 +252,12 @@ def iter_trace(path: str | os.PathLike[str], *, max_bytes: int | str | None = No
             finally:
                 if collecting:
                     gc.enable()
+            done = (scanner.pos // mmap.PAGESIZE) * mmap.PAGESIZE
+            if _DONTNEED is not None and done > dropped:
+                # the bytes read are never read again: their pages leave this process's
+                # resident memory (the page cache keeps them)
+                data.madvise(_DONTNEED, dropped, done - dropped)
+                dropped = done
             if state == 2:  # the columns are full: twice the room
                 cols = _new_columns(2 * len(cols[0]))
                 scanner.set_columns(cols)
