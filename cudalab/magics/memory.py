@@ -102,17 +102,18 @@ class MemoryState:
         if self.watch_source is not None:
             self.watch_off()
             turned = "on again"
+        w = lib = None
         if source in ("cudalab", "auto"):
-            w = MemoryWatch(self.magics, device, threshold)
+            w = self.watch = MemoryWatch(self.magics, device, threshold)
             self.magics._add_hook("pre_run_cell", w.pre)
-            self.magics._add_hook("post_run_cell", w.post)
-            self.watch = w
         if source != "cudalab":
             names = None if source == "auto" else (source,)
-            lib = LibraryWatches(names, device, threshold, self.magics, self.watch)
+            lib = self.library_watch = LibraryWatches(names, device, threshold, self.magics, w)
             self.magics._add_hook("pre_run_cell", lib.pre)
+            # (its post runs first: it tells cudalab's whether a library's line was printed)
             self.magics._add_hook("post_run_cell", lib.post)
-            self.library_watch = lib
+        if w is not None:
+            self.magics._add_hook("post_run_cell", w.post)
         self.watch_source = source
         where = f"cuda:{device}" if device is not None else "the current device"
         thr = f"changes of at least {format_bytes(threshold)}" if threshold > 0 else "every cell"

@@ -61,9 +61,9 @@ class MemoryWatch:
         self._Event = Event
         self._PeakScope = PeakScope
         self._scopes: dict[int, Any] = {}  # one PeakScope per device, restarted every cell
-        #: True while torch's or CuPy's lines are printed too (``--source auto``): a cell that
-        #: leaves cudalab's allocator unchanged (no allocation above the start) prints no
-        #: cudalab line.
+        #: Set for each cell by the torch/CuPy watch of ``--source auto`` (whose post hook runs
+        #: first): True when it printed a library's line, and then a cell that left cudalab's
+        #: allocator unchanged prints no cudalab line.
         self.idle_quiet = False
 
     def pre(self, info: Any = None) -> None:

@@ -244,9 +244,13 @@ class CupyCellWatch:
 
 
 class LibraryWatches:
-    """The torch and CuPy lines of a watch: ``names`` fixed (``("torch",)``), or None to
-    follow the libraries present (``auto``: a library imported later joins at its next cell;
-    ``sys.modules`` is read, never imported from)."""
+    """The torch and CuPy lines of a watch: ``names`` fixed (``("torch",)``: a line every
+    cell, as cudalab's own watch), or None to follow the libraries present (``auto``: a
+    library imported later joins at its next cell; ``sys.modules`` is read, never imported
+    from). In ``auto`` a library's line is printed for a cell that changed its figures only,
+    and cudalab's own line is left out of a cell where a library's was printed and cudalab's
+    allocator did not change (its ``post`` hook runs after this one's): a cell that changed
+    nothing prints cudalab's line, as before torch or CuPy were imported."""
 
     def __init__(self, names: tuple[str, ...] | None, device: int | None, threshold: int,
                  magics: Any, cudalab_watch: Any = None):
@@ -273,8 +277,6 @@ class LibraryWatches:
                 continue
             cls = TorchCellWatch if name == "torch" else CupyCellWatch
             self.watches[name] = cls(module, self.device, self._sync)
-        if self.cudalab_watch is not None:
-            self.cudalab_watch.idle_quiet = bool(self.watches)
 
     def pre(self, info: Any = None) -> None:
         if getattr(info, "silent", False):
@@ -296,12 +298,20 @@ class LibraryWatches:
         import time
 
         wall = time.perf_counter() - self.t0
+        printed = False
         for w in self.watches.values():
             try:
                 cell = self.last[w.name] = w.post(wall, self.threshold)
                 line = None if cell is None else cell.line()
+                if cell is not None and self.names is None and not (
+                        cell.allocated_delta or cell.reserved_delta
+                        or cell.peak > cell.start_allocated):
+                    line = None  # auto: this library's allocator did not change
             except Exception as exc:  # a library that went away: said, never raised
                 self.last[w.name] = None
                 line = f"[cudalab watch {w.name}] not readable: {type(exc).__name__}: {exc}"
             if line is not None:
                 sys.stdout.write(line + "\n")
+                printed = True
+        if self.cudalab_watch is not None:
+            self.cudalab_watch.idle_quiet = printed

@@ -134,6 +134,9 @@ def test_auto_watch_shows_torch_and_quiets_an_idle_cudalab(ip, torch):
     assert len(_lines(out, "torch")) == 1 and not _lines(out, "cuda:0")
     r, out = run(ip, "import cudalab; v_ = cudalab.empty((3 << 20,), dtype='uint8')")
     assert len(_lines(out, "cuda:0")) == 1 and "Δallocated +3.0 MiB" in _lines(out, "cuda:0")[0]
+    assert not _lines(out, "torch")  # torch's allocator did not change: no torch line
+    r, out = run(ip, "nothing_ = 1")  # nothing changed: cudalab's line, as without torch
+    assert len(_lines(out, "cuda:0")) == 1 and not _lines(out, "torch")
     run(ip, "del v_")
     run(ip, "%cuda_memory watch off")
 
