@@ -1,5 +1,5 @@
-"""Side by side in one Chromium: torch's memory_viz page and cudalab's SnapshotExplorer on the
-same torch-format trace (time to first paint, browser JS heap).
+"""Explorer browser benchmark: torch's memory_viz page and cudalab's SnapshotExplorer side by
+side in one Chromium, on the same torch-format trace (time to first paint, browser JS heap).
 
 * **memory_viz**: the page ``torch.cuda._memory_viz.trace_plot`` writes (the pickle in base64
   inside the HTML, read by MemoryViz.js's own unpickler, drawn with d3), served from
