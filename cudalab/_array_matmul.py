@@ -30,8 +30,9 @@ numpy on the simulator. What torch does, cudalab does:
   block allocated by ``cudalab.matmul``; :func:`clear_workspaces` gives them back
   (torch's ``torch._C._cuda_clearCublasWorkspaces``).
 
-Every launch is reported to the launch observers as ``cublasGemmEx`` or
-``cublasGemmStridedBatchedEx`` (``%%cuda_timed --kernels`` without CUPTI; with CUPTI it
+Every launch is reported to the launch observers under its cuBLAS entry point's name
+(``cublasSgemm_v2``, ``cublasGemmStridedBatchedEx``...; ``%%cuda_timed --kernels`` without
+CUPTI; with CUPTI it
 lists cuBLAS's own kernels).
 """
 
@@ -104,7 +105,7 @@ class _Plan(NamedTuple):
     stride_other: int  # elements between other's batch entries (0: broadcast)
     ld_input: int  # leading dimension of input's matrices (elements)
     stride_input: int  # elements between input's batch entries (0: broadcast)
-    batch: int  # GEMMs in the call, > 0 (1: cublasGemmEx)
+    batch: int  # GEMMs in the call, > 0 (1: the one-matrix entry point)
 
 
 #: (input dims, strides, dtype, other dims, strides, dtype) -> its plan; only operands read in
@@ -272,9 +273,10 @@ def _report_access(stream: Any, plan: _Plan, a: ArrayState, b: ArrayState,
                    c: ArrayState) -> None:
     """Tell the stream sanitizer what a GEMM read (the operands) and wrote (the result and
     the workspace)."""
-    name = "cublasGemmEx" if plan.batch == 1 else "cublasGemmStridedBatchedEx"
+    bound = _blas.bound_handle(c.device_index)
+    name = bound.blas.entry_point(plan.data_type, plan.batch == 1)
     writes = [extent(c)]
-    workspace = _workspaces.get((_blas.bound_handle(c.device_index).handle, stream.cuda_stream))
+    workspace = _workspaces.get((bound.handle, stream.cuda_stream))
     if workspace is not None and workspace.span[1]:
         writes.append(workspace.span)
     _observe.access_tracker.access(stream, [extent(a), extent(b)], writes, name)
@@ -438,7 +440,7 @@ def _launch(plan: _Plan, a: int, b: int, c: int, device: int, stream: Any) -> No
     blas.gemm(handle, trans_other, trans_input, m, n, k, 1, b, ld_other, stride_other, a,
               ld_input, stride_input, 0, c, m, m * n, batch, data_type, compute, algo)
     if _observe.launch_on:
-        name = "cublasGemmEx" if batch == 1 else "cublasGemmStridedBatchedEx"
+        name = blas.entry_point(data_type, batch == 1)
         for observer in tuple(_observe.launch_subscribers):
             observer(name, device, stream, (1, 1, 1), (1, 1, 1))
 

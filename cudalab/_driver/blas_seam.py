@@ -3,8 +3,9 @@
 :class:`cudalab._driver.sim.blas.SimulatedBlas` (numpy, in stream order).
 
 Only what ``cudalab.matmul`` needs: handles, their stream, workspace and math mode, and one
-strided-batched GEMM (``cublasGemmEx`` for one matrix, ``cublasGemmStridedBatchedEx`` for
-more). Matrices are column-major, as cuBLAS sees them; the caller turns row-major arrays
+strided-batched GEMM, made through the entry point torch uses for the data type
+(:func:`gemm_entry_point`: ``cublasSgemm_v2`` / ``cublasSgemmStridedBatched`` and the D, C,
+Z forms; ``cublasGemmEx`` / ``cublasGemmStridedBatchedEx`` for half types). Matrices are column-major, as cuBLAS sees them; the caller turns row-major arrays
 into that view. The ``CUDA_*``, ``COMPUTE_*`` and ``MATH_*`` numbers are cuBLAS's own.
 """
 
@@ -18,7 +19,7 @@ __all__ = [
     "Blas", "CUDA_R_16F", "CUDA_R_16BF", "CUDA_R_32F", "CUDA_R_64F", "CUDA_C_32F", "CUDA_C_64F",
     "COMPUTE_16F", "COMPUTE_32F", "COMPUTE_32F_FAST_TF32", "COMPUTE_64F", "MATH_DEFAULT",
     "MATH_TF32_TENSOR_OP", "MATH_DISALLOW_REDUCED_PRECISION_REDUCTION", "OP_N", "OP_T",
-    "GEMM_DEFAULT", "GEMM_DEFAULT_TENSOR_OP",
+    "GEMM_DEFAULT", "GEMM_DEFAULT_TENSOR_OP", "TYPED_GEMMS", "gemm_entry_point",
 ]
 
 #: cudaDataType_t values.
@@ -43,6 +44,22 @@ OP_T = 1
 #: cublasGemmAlgo_t values.
 GEMM_DEFAULT = -1
 GEMM_DEFAULT_TENSOR_OP = 99
+
+
+#: data type -> (typed GEMM, typed strided-batched GEMM): cuBLAS's entry points per type.
+TYPED_GEMMS = {CUDA_R_32F: ("cublasSgemm_v2", "cublasSgemmStridedBatched"),
+               CUDA_R_64F: ("cublasDgemm_v2", "cublasDgemmStridedBatched"),
+               CUDA_C_32F: ("cublasCgemm_v2", "cublasCgemmStridedBatched"),
+               CUDA_C_64F: ("cublasZgemm_v2", "cublasZgemmStridedBatched")}
+
+
+def gemm_entry_point(data_type: int, single: bool, typed: bool = True) -> str:
+    """The cuBLAS entry point of a GEMM of ``data_type``: one matrix (``single``) or a
+    strided batch; the typed one where the type has one and ``typed``, else the ``Ex`` one."""
+    names = TYPED_GEMMS.get(data_type) if typed else None
+    if names is None:
+        return "cublasGemmEx" if single else "cublasGemmStridedBatchedEx"
+    return names[0] if single else names[1]
 
 
 class Blas(abc.ABC):
@@ -73,6 +90,10 @@ class Blas(abc.ABC):
     @abc.abstractmethod
     def set_math_mode(self, handle: int, mode: int) -> None:
         """The handle's math mode (``MATH_*``, or-ed with the flag)."""
+
+    def entry_point(self, data_type: int, single: bool) -> str:
+        """The cuBLAS entry point :meth:`gemm` calls (or stands for) for ``data_type``."""
+        return gemm_entry_point(data_type, single)
 
     @abc.abstractmethod
     def gemm(self, handle: int, transa: int, transb: int, m: int, n: int, k: int,

@@ -25,9 +25,9 @@ from cudalab._driver.blas_seam import (
     COMPUTE_64F,
     CUDA_C_32F,
     CUDA_C_64F,
-    CUDA_R_32F,
-    CUDA_R_64F,
+    TYPED_GEMMS,
     Blas,
+    gemm_entry_point,
 )
 from cudalab._driver.handles import StreamHandle
 from cudalab.errors import CublasError
@@ -185,11 +185,6 @@ def _scalar(value: complex, data_type: int, compute_type: int) -> Any:
 #: results on an H200 (benchmarks/blas_fft.py); the typed ones cost the host less.
 TYPED_ENTRY_POINTS = True
 
-#: data type -> (typed GEMM, typed strided-batched GEMM) names.
-_TYPED = {CUDA_R_32F: ("cublasSgemm_v2", "cublasSgemmStridedBatched"),
-          CUDA_R_64F: ("cublasDgemm_v2", "cublasDgemmStridedBatched"),
-          CUDA_C_32F: ("cublasCgemm_v2", "cublasCgemmStridedBatched"),
-          CUDA_C_64F: ("cublasZgemm_v2", "cublasZgemmStridedBatched")}
 _VP = ctypes.c_void_p
 _I64 = ctypes.c_longlong
 
@@ -247,15 +242,16 @@ class RealBlas(Blas):
             self._entries[name] = fn
         return fn
 
+    def entry_point(self, data_type: int, single: bool) -> str:
+        return gemm_entry_point(data_type, single, TYPED_ENTRY_POINTS)
+
     def _prepare(self, handle: int, data_type: int, compute_type: int, single: bool,
                  alpha: complex, beta: complex) -> tuple[Any, str, Any, Any, Any, int]:
         """(function, name, handle, alpha, beta, form) of one kind of GEMM call; ``form`` 0:
         typed, one matrix; 1: typed, strided batch; 2: GemmEx; 3: GemmStridedBatchedEx."""
-        typed = _TYPED.get(data_type) if TYPED_ENTRY_POINTS else None
-        if typed is not None:
-            name, form = (typed[0], 0) if single else (typed[1], 1)
-        else:
-            name, form = ("cublasGemmEx", 2) if single else ("cublasGemmStridedBatchedEx", 3)
+        name = gemm_entry_point(data_type, single, TYPED_ENTRY_POINTS)
+        form = (0 if single else 1) if data_type in TYPED_GEMMS and TYPED_ENTRY_POINTS else \
+            (2 if single else 3)
         h = self._handles.get(handle)
         if h is None:
             h = self._handles[handle] = _VP(handle)

@@ -236,9 +236,15 @@ def test_launch_observers_see_the_cublas_call():
         x = cudalab.ones((4, 4))
         x @ x
         cudalab.ones((2, 4, 4)) @ cudalab.ones((2, 4, 4))
+        h = cudalab.ones((4, 4), dtype=np.float16)
+        h @ h
+        z = cudalab.ones((2, 4, 4), dtype=np.complex128)
+        z @ z
     finally:
         cudalab._internal.launch_observers.clear()
-    assert seen[-2:] == ["cublasGemmEx", "cublasGemmStridedBatchedEx"]
+    assert [name for name in seen if name.startswith("cublas")] == [
+        "cublasSgemm_v2", "cublasSgemmStridedBatched", "cublasGemmEx",
+        "cublasZgemmStridedBatched"]  # torch's entry point for each type
 
 
 def test_the_workspace_comes_from_the_caching_allocator(monkeypatch):

@@ -17,11 +17,12 @@ def reports():
 
 
 @pytest.mark.parametrize("call,shape,dtype,name", [
-    (lambda x: x @ x, (64, 64), np.float32, "cublasGemmEx"),
-    (lambda x: x @ x, (2, 64, 64), np.float32, "cublasGemmStridedBatchedEx"),
+    (lambda x: x @ x, (64, 64), np.float32, "cublasSgemm_v2"),
+    (lambda x: x @ x, (2, 64, 64), np.float32, "cublasSgemmStridedBatched"),
+    (lambda x: x @ x, (2, 64, 64), np.float16, "cublasGemmStridedBatchedEx"),
     (lambda x: cudalab.fft.fft(x), (64, 64), np.complex64, "cufftExecC2C"),
     (lambda x: cudalab.fft.rfft(x), (64, 64), np.float32, "cufftExecR2C"),
-], ids=["matmul", "batched matmul", "fft", "rfft"])
+], ids=["matmul", "batched matmul", "batched half matmul", "fft", "rfft"])
 def test_a_library_call_on_a_side_stream_races_with_the_write_it_reads(reports, call, shape,
                                                                         dtype, name):
     x = cudalab.zeros(shape, dtype=dtype)

@@ -123,7 +123,7 @@ class SimulatedBlas(Blas):
              alpha: complex, a: int, lda: int, stride_a: int, b: int, ldb: int, stride_b: int,
              beta: complex, c: int, ldc: int, stride_c: int, batch: int, data_type: int,
              compute_type: int, algo: int) -> None:
-        call = "cublasGemmEx" if batch == 1 else "cublasGemmStridedBatchedEx"
+        call = self.entry_point(data_type, batch == 1)
         state = self._handle(handle, call)
         dtype = _dtype(data_type)
         rows_a, cols_a = (m, k) if transa == OP_N else (k, m)
