@@ -22,6 +22,10 @@ import statistics
 import sys
 import time
 
+try:  # the comm package (ipywidgets' transport), before benchmarks/comm.py can shadow it
+    import comm  # noqa: F401
+except ImportError:
+    pass
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import Table, environment, optional_import, parse_args, write_json  # noqa: E402
