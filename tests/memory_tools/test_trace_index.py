@@ -144,23 +144,29 @@ def test_a_file_over_the_limit_is_refused_before_it_is_read(tmp_path, monkeypatc
         open_trace(path, max_bytes=1000)
 
 
-@pytest.mark.parametrize("data, reason", [
-    (b"", "the file is empty"),
-    (b"\x00hello", "not a pickle"),
-    (b"\x80\x04cos\nsystem\n\x8c\x02id\x85R.", "refusing to load"),
-    (b"\x80\x04\x8c\x02os\x8c\x06system\x93.", "refusing to load"),
-    (b"\x80\x04N\x85" * 1 + b"\x85" * 500 + b".", "nested too deeply"),
-    (b"\x80\x04]" * 300 + b".", "truncated or corrupt|nested too deeply"),
-    (b"\x80\x04\x95\xff\xff\xff\xff\x00\x00\x00\x00}.", "a frame at byte 2 claims"),
-    (b"\x80\x04X\xff\xff\xff\x7fabc", "a string at byte 2 claims"),
-    (b"\x80\x04h\x07.", "memo key 7 not found"),
-    (b"\x80\x04]a.", "truncated or corrupt"),
-    (b"\x80\x04}(\x8c\x08segments]", "ends before its STOP"),
-    (b"\x80\x04K\x01.", "not a memory snapshot"),
-])
-def test_bad_files_are_a_snapshot_load_error_saying_why(tmp_path, data, reason):
+#: (the file, the reason given; True: a reason only the C reader gives, the restricted
+#: unpickler of its Python twin refuses the file with its own words)
+BAD_FILES = [
+    (b"", "the file is empty", False),
+    (b"\x00hello", "not a pickle", False),
+    (b"\x80\x04cos\nsystem\n\x8c\x02id\x85R.", "refusing to load", False),
+    (b"\x80\x04\x8c\x02os\x8c\x06system\x93.", "refusing to load", False),
+    (b"\x80\x04N\x85" * 1 + b"\x85" * 500 + b".", "nested too deeply", True),
+    (b"\x80\x04]" * 300 + b".", "truncated or corrupt|nested too deeply", True),
+    (b"\x80\x04\x95\xff\xff\xff\xff\x00\x00\x00\x00}.", "a frame at byte 2 claims", True),
+    (b"\x80\x04X\xff\xff\xff\x7fabc", "a string at byte 2 claims", True),
+    (b"\x80\x04h\x07.", "memo key 7 not found", True),
+    (b"\x80\x04]a.", "truncated or corrupt", False),
+    (b"\x80\x04}(\x8c\x08segments]", "ends before its STOP", True),
+    (b"\x80\x04K\x01.", "not a memory snapshot", False),
+]
+
+
+@pytest.mark.parametrize("data, reason, c_only", BAD_FILES)
+def test_bad_files_are_a_snapshot_load_error_saying_why(tmp_path, data, reason, c_only):
     path = _write(tmp_path, data)
-    with pytest.raises(SnapshotLoadError, match=reason):
+    with pytest.raises(SnapshotLoadError, match=reason if scanner_available() or not c_only
+                       else "cannot read|not a memory snapshot|refusing"):
         open_trace(path)
 
 

@@ -74,7 +74,10 @@ def test_the_explorer_reads_a_file_in_a_thread_and_draws_tiles(trace_file, monke
     assert int(_attr(svg, "cudalab-explorer-timeline", "bins")) <= ex.bins
     assert int(_attr(svg, "cudalab-explorer-timeline", "cells")) > 0  # cell markers
     assert "data-rows='60000'" in ex._summary.value or 'data-rows="60000"' in ex._summary.value
-    assert ex.tiles_sent >= 2  # partial views while reading, then the whole trace
+    from cudalab.memory_tools.trace_index import scanner_available
+
+    # partial views while reading (the C reader), then the whole trace
+    assert ex.tiles_sent >= (2 if scanner_available() else 1)
     assert repr(ex).startswith("SnapshotExplorer(") and "60,000 entries" in repr(ex)
     bundle = ex._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
