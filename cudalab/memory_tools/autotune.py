@@ -646,7 +646,7 @@ def format_autotune(df: Any, *, top: int = 10) -> str:
         lines.append(f"refused: {setting}: {reason}")
     lines.append(f"run time: {df.attrs.get('elapsed_s', 0.0):.2f} s, "
                  f"{df.attrs.get('replays', 0)} replays ({int(df['derived'].sum())} rows "
-                 "derived from a larger device's replay)")
+                 "derived without a replay: see the derived column)")
     return "\n".join(lines)
 
 
