@@ -137,13 +137,15 @@ def run_cudalab(trace: pathlib.Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--memory-viz-js", required=True, type=pathlib.Path)
+    p.add_argument("--memory-viz-js", type=pathlib.Path, default=None,
+                   help="torch's torch/utils/viz/MemoryViz.js (without it: cudalab's side only)")
+    p.add_argument("--skip-cudalab", action="store_true")
     p.add_argument("--trace", type=pathlib.Path, default=None)
     p.add_argument("--entries", type=int, default=1_100_000)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if not D3.exists():
+    if args.memory_viz_js is not None and not D3.exists():
         raise SystemExit(f"no d3 5 at {D3}: npm pack d3@5 and unpack it there")
     with tempfile.TemporaryDirectory() as tmp:
         trace = args.trace
@@ -159,10 +161,12 @@ def main() -> None:
             trace.write_bytes(pickle.dumps(snap, protocol=4))
             del snap
         mb = trace.stat().st_size / 1e6
-        t = time.perf_counter()
-        viz = run_memory_viz(trace, args.memory_viz_js, args.timeout)
-        viz["wall_s"] = time.perf_counter() - t
-        ours = run_cudalab(trace)
+        viz: dict = {"page_mb": 0.0, "page_errors": [], "error": "not run"}
+        if args.memory_viz_js is not None:
+            t = time.perf_counter()
+            viz = run_memory_viz(trace, args.memory_viz_js, args.timeout)
+            viz["wall_s"] = time.perf_counter() - t
+        ours = {"error": "not run"} if args.skip_cudalab else run_cudalab(trace)
     print(f"side by side, {mb:.0f} MB torch-format trace, headless Chromium")
     print(f"  memory_viz (torch): first paint {viz.get('first_paint_s', 'n/a')} s, JS heap "
           f"{viz.get('js_heap_bytes', 0) / 1e6:.0f} MB, page {viz['page_mb']:.0f} MB"
