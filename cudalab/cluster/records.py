@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cudalab.cluster.columns import TraceColumns, to_wire
 from cudalab.identity import Identity
 from cudalab.memory_tools.safe_pickle import SnapshotLoadError, max_snapshot_bytes, unpickle
 from cudalab.memory_tools.samples import DeviceSample, SampleSource
@@ -72,7 +73,11 @@ def check_tail(tail: Any, where: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class RankRecords:
-    """One rank's records, as gathered or fetched (every part checked on arrival)."""
+    """One rank's records, as gathered or fetched (every part checked on arrival).
+
+    A snapshot's trace entries arrive as checked columns (:attr:`trace_columns`); the
+    dicts of :attr:`snapshot` and :attr:`history_tail` are built on first access.
+    """
 
     #: The rank's process (host, pid, rank, world size; no device), never None.
     identity: Identity
@@ -81,11 +86,43 @@ class RankRecords:
     stats: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
     #: One sample per device the rank uses, in device order; empty when not asked for.
     samples: tuple[DeviceSample, ...] = ()
-    #: The newest history entries of each device (torch's trace-entry dicts, oldest
-    #: first), by device index; empty when not asked for or not recording.
-    history_tail: Mapping[int, list[dict[str, Any]]] = field(default_factory=dict)
-    #: The rank's snapshot in torch's schema, checked; None when not asked for.
-    snapshot: dict[str, Any] | None = None
+    #: The snapshot's trace entries of each device as checked columns, by device index
+    #: (numpy arrays for the integer keys): what a tool reads without building dicts.
+    trace_columns: Mapping[int, TraceColumns] = field(default_factory=dict)
+    #: The snapshot as it travelled (the traces sent as columns empty); None when not asked.
+    sent_snapshot: dict[str, Any] | None = None
+    #: The history tails as they travelled: a list of entries, or the number of the
+    #: snapshot trace's newest entries that make the tail.
+    sent_history: Mapping[int, list[dict[str, Any]] | int] = field(default_factory=dict)
+    _built: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def snapshot(self) -> dict[str, Any] | None:
+        """The rank's snapshot in torch's schema (its trace entries built from the columns on
+        first access); None when not asked for."""
+        sent = self.sent_snapshot
+        if sent is None or not self.trace_columns:
+            return sent
+        if "snapshot" not in self._built:
+            traces = list(sent.get("device_traces", []))
+            for d, cols in self.trace_columns.items():
+                traces[d] = cols.entries()
+            self._built["snapshot"] = {**sent, "device_traces": traces}
+        return self._built["snapshot"]  # type: ignore[no-any-return]
+
+    @property
+    def history_tail(self) -> dict[int, list[dict[str, Any]]]:
+        """The newest history entries of each device (torch's trace-entry dicts, oldest
+        first; the snapshot's own entry objects when both travelled), by device index; empty
+        when not asked for or not recording."""
+        out: dict[int, list[dict[str, Any]]] = {}
+        for d, sent in self.sent_history.items():
+            if isinstance(sent, int):
+                entries = self.trace_columns[d].entries()
+                out[d] = entries[len(entries) - sent:]
+            else:
+                out[d] = sent
+        return out
 
     @property
     def rank(self) -> int | None:
@@ -212,8 +249,36 @@ def collect(what: Iterable[str] = ("stats", "samples"), source: SampleSource | N
 
 def encode(records: Mapping[str, Any]) -> bytes:
     """``records`` (plain data, as :func:`collect` makes) as bytes: a pickle of plain data
-    only (the receiver's unpickler refuses anything else)."""
-    return pickle.dumps(dict(records), protocol=pickle.HIGHEST_PROTOCOL)
+    only (the receiver's unpickler refuses anything else). The snapshot's trace entries
+    travel as columns (:func:`cudalab.cluster.columns.to_wire`), and a history tail made of
+    the newest of them as their number."""
+    out = dict(records)
+    snapshot = out.get("snapshot")
+    traces = snapshot.get("device_traces") if isinstance(snapshot, dict) else None
+    if traces:
+        columns: dict[int, Any] = {}
+        kept: list[Any] = []
+        for d, entries in enumerate(traces):
+            wire_columns = to_wire(entries) if isinstance(entries, list) else None
+            if wire_columns is None:
+                kept.append(entries)
+            else:
+                columns[d] = wire_columns
+                kept.append([])
+        out["snapshot"] = {**snapshot, "device_traces": kept}  # type: ignore[dict-item]
+        out["trace_columns"] = columns
+        tails = out.get("history_tail")
+        if isinstance(tails, dict):
+            out["history_tail"] = {
+                d: (len(t) if d in columns and _is_tail(t, traces[d]) else t)
+                for d, t in tails.items()}
+    return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _is_tail(tail: Any, entries: list[Any]) -> bool:
+    """Whether ``tail`` is made of the newest objects of ``entries``."""
+    return (isinstance(tail, list) and len(tail) <= len(entries)
+            and all(map(operator.is_, tail, entries[len(entries) - len(tail):])))
 
 
 # ----------------------------------------------------------------------------- the receiver's side
@@ -254,13 +319,14 @@ def decode(data: bytes, what: str = "rank records", max_bytes: int | str | None 
         snapshot = raw.get("snapshot")
         if snapshot is not None:
             check_snapshot(snapshot, f"{what}: snapshot")
-        history = _check_history(raw.get("history_tail", {}), what, snapshot)
+        columns = _check_columns(raw.get("trace_columns", {}), snapshot, what)
+        history = _check_history(raw.get("history_tail", {}), what, snapshot, columns)
     except SnapshotLoadError:
         raise
     except ValueError as exc:
         raise SnapshotLoadError(str(exc)) from None
-    return RankRecords(identity=identity, stats=stats, samples=checked, history_tail=history,
-                       snapshot=snapshot)
+    return RankRecords(identity=identity, stats=stats, samples=checked, trace_columns=columns,
+                       sent_snapshot=snapshot, sent_history=history)
 
 
 def _device_key(key: Any, what: str) -> int:
@@ -286,16 +352,39 @@ def _check_stats(stats: Any, what: str) -> dict[int, dict[str, int]]:
     return out
 
 
-def _check_history(history: Any, what: str, snapshot: dict[str, Any] | None
-                   ) -> dict[int, list[dict[str, Any]]]:
-    """The history tails checked; a tail made of the checked snapshot's own entry objects
-    (the usual case when both travel) is not checked twice."""
+def _check_columns(columns: Any, snapshot: dict[str, Any] | None, what: str
+                   ) -> dict[int, TraceColumns]:
+    """The trace columns checked, each for a device whose snapshot trace travelled empty."""
+    if not isinstance(columns, dict) or (columns and snapshot is None):
+        raise ValueError(f"{what}: trace_columns is malformed (or comes without a snapshot)")
+    traces = snapshot.get("device_traces", []) if snapshot is not None else []
+    out: dict[int, TraceColumns] = {}
+    for key, data in columns.items():
+        d = _device_key(key, f"{what}: trace_columns")
+        if d >= len(traces) or traces[d]:
+            raise ValueError(f"{what}: trace_columns[{d}] has no empty device trace to fill")
+        out[d] = TraceColumns.from_wire(data, f"device_traces[{d}]", what)
+    return out
+
+
+def _check_history(history: Any, what: str, snapshot: dict[str, Any] | None,
+                   columns: Mapping[int, TraceColumns]
+                   ) -> dict[int, list[dict[str, Any]] | int]:
+    """The history tails checked: a list of entries (checked, unless made of the checked
+    snapshot's own entry objects), or the number of the newest entries of a device's trace
+    columns."""
     if not isinstance(history, dict):
         raise ValueError(f"{what}: history_tail is a {type(history).__name__}, expected a dict")
     traces = snapshot.get("device_traces", []) if snapshot is not None else []
-    out: dict[int, list[dict[str, Any]]] = {}
+    out: dict[int, list[dict[str, Any]] | int] = {}
     for key, entries in history.items():
         d = _device_key(key, f"{what}: history_tail")
+        if type(entries) is int:
+            if d not in columns or not 0 <= entries <= columns[d].n:
+                raise ValueError(f"{what}: history_tail[{d}] counts {entries} entries of a "
+                                 "trace that does not hold them")
+            out[d] = entries
+            continue
         if not (isinstance(entries, list) and d < len(traces) and len(entries) <= len(traces[d])
                 and all(map(operator.is_, entries, traces[d][len(traces[d]) - len(entries):]))):
             check_trace_entries(entries, f"history_tail[{d}]", what)

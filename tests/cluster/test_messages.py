@@ -224,3 +224,60 @@ def test_the_package_names_stay_functions_after_every_submodule_is_imported():
         importlib.import_module(f"cudalab.cluster.{name}")
     assert callable(cluster.watch) and callable(cluster.gather) and callable(cluster.serve)
     assert cluster.watch.__module__ == "cudalab.cluster.watching"
+
+
+# ----------------------------------------------------------------------------- trace columns
+def _history_records(n: int = 50):
+    from cudalab import memory
+
+    memory.record_history(max_entries=1000)
+    try:
+        kept = [cudalab.zeros(256 + 16 * i) for i in range(n)]
+        del kept
+        return records.collect(("history_tail", "snapshot"), tail=20)
+    finally:
+        memory.record_history(None)
+
+
+def test_trace_entries_travel_as_columns_and_come_back_equal():
+    sent = _history_records()
+    got = records.decode(records.encode(sent), "r")
+    assert got.trace_columns  # columns, numpy for the integer keys
+    cols = got.trace_columns[0]
+    assert cols.n == len(sent["snapshot"]["device_traces"][0])
+    assert type(cols.columns["addr"]).__name__ == "ndarray"
+    assert got.snapshot == sent["snapshot"]  # dicts built on first access, equal
+    assert got.history_tail == sent["history_tail"]
+    assert got.history_tail[0][-1] is got.snapshot["device_traces"][0][-1]
+    # an entry lacking a key (an oom entry has device_free, not addr) travels too
+    oom = dict(sent["snapshot"]["device_traces"][0][-1], action="oom", device_free=7)
+    del oom["addr"]
+    sent["snapshot"]["device_traces"][0].append(oom)
+    got = records.decode(records.encode(sent), "r")
+    assert got.snapshot == sent["snapshot"] and "addr" not in got.snapshot["device_traces"][0][-1]
+
+
+@pytest.mark.parametrize("forge, message", [
+    (lambda c: c["columns"].__setitem__("action", [3] * c["n"]),
+     r"device_traces\[0\]\[0\]\['action'\] is 3"),
+    (lambda c: c["columns"].__setitem__("size", ("int64", (b"\xff" * 8) * c["n"])),
+     r"\['size'\] is -1, out of range"),
+    (lambda c: c["columns"]["cell"].__setitem__(5, True), r"device_traces\[0\]\[5\]\['cell'\]"),
+    (lambda c: c["columns"].__setitem__("size", ("int64", b"\0" * 3)), "packed integers"),
+    (lambda c: c["columns"].__setitem__("frames", [[{"line": 1}]] * c["n"]), "frames"),
+    (lambda c: c.__setitem__("keys", c["keys"] + ["extra"]), "do not match the keys"),
+    (lambda c: c["missing"].__setitem__("action", [0]), "names entries that hold the key"),
+])
+def test_forged_trace_columns_are_refused_naming_the_entry(forge, message):
+    sent = _history_records()
+    data = pickle.loads(records.encode(sent))
+    forge(data["trace_columns"][0])
+    with pytest.raises(SnapshotLoadError, match=message):
+        records.decode(pickle.dumps(data), "r")
+
+
+def test_a_history_count_beyond_the_trace_is_refused():
+    data = pickle.loads(records.encode(_history_records()))
+    data["history_tail"][0] = 10**6
+    with pytest.raises(SnapshotLoadError, match="counts 1000000 entries"):
+        records.decode(pickle.dumps(data), "r")
