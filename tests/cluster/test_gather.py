@@ -19,6 +19,7 @@ from cudalab import _internal
 from cudalab.cluster import gather, records
 from cudalab.cluster import gathering as gather_module
 from cudalab.identity import Identity
+from cudalab.memory_sources import CudalabSource
 from cudalab.memory_tools.safe_pickle import SnapshotLoadError
 from tests.cluster.helpers import ROOT, WORKER
 
@@ -45,7 +46,7 @@ def test_gather_collects_every_rank_on_the_root_only_and_reports_nothing():
     results: dict[int, object] = {}
 
     def run(rank: int) -> None:
-        results[rank] = gather(("stats", "snapshot"), root=1,
+        results[rank] = gather(("stats", "snapshot"), root=1, source=CudalabSource(),
                                engine=ThreadEngine(rank, world, shared, barrier))
 
     try:

@@ -14,6 +14,7 @@ import pytest
 import cudalab
 from cudalab.cluster import connection, records, signing, wire
 from cudalab.identity import Identity
+from cudalab.memory_sources import CudalabSource
 from cudalab.memory_tools.safe_pickle import SnapshotLoadError
 
 
@@ -168,13 +169,15 @@ def test_samples_round_trip_and_a_bad_one_is_named():
 # ----------------------------------------------------------------------------- records
 def test_records_round_trip_with_every_part():
     kept = cudalab.zeros(1 << 18)
-    got = records.decode(records.encode(records.collect(records.WHAT)), "mine")
+    # (cudalab's own allocator: in a process where torch runs CUDA, rank_source is torch's)
+    got = records.decode(records.encode(records.collect(records.WHAT, CudalabSource())),
+                         "mine")
     stats = cudalab.memory.memory_stats(0)
     assert got.identity.pid == os.getpid()
     assert got.stats[0]["allocated_bytes.all.peak"] == stats["allocated_bytes.all.peak"]
     assert got.peaks()[0] == stats["allocated_bytes.all.peak"]
     # a sample per device with an allocator (device 0 here, others if earlier tests used them)
-    assert [s.device for s in got.samples] == records.source_devices(records.rank_source())
+    assert [s.device for s in got.samples] == records.source_devices(CudalabSource())
     assert got.samples[0].device == 0 and got.samples[0].allocated == stats[
         "allocated_bytes.all.current"]
     assert got.snapshot is not None and got.snapshot["segments"]
@@ -234,7 +237,7 @@ def _history_records(n: int = 50):
     try:
         kept = [cudalab.zeros(256 + 16 * i) for i in range(n)]
         del kept
-        return records.collect(("history_tail", "snapshot"), tail=20)
+        return records.collect(("history_tail", "snapshot"), CudalabSource(), tail=20)
     finally:
         memory.record_history(None)
 
