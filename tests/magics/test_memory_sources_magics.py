@@ -225,7 +225,8 @@ def test_snapshot_views_of_torch(ip, torch, tmp_path):
     assert "--source cupy: CuPy's pool keeps no per-block state" in str(r.error_in_exec)
 
 
-def test_dashboard_sources_from_the_magic(ip, torch):
+def test_dashboard_sources_from_the_magic(ip, torch, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # (no CuPy in this process)
     r, out = run(ip, "%cuda_memory dashboard --source torch -d 0")
     assert r.success and [s.name for s in r.result.sources] == ["torch"]
     r.result.close()

@@ -338,21 +338,31 @@ def test_history_frame_of_torch_has_a_row_per_trace_entry(torch):
         history_frame(source="cupy")
 
 
-def test_history_frame_auto_is_torch_only_when_cudalab_holds_nothing(torch):
+def test_history_frame_auto_is_torch_only_when_cudalab_holds_nothing(torch, monkeypatch):
+    """auto's snapshot is torch's when cudalab's allocators (every device's, as the
+    registry lists them) hold nothing, else cudalab's."""
+    from cudalab.allocator import registry
     from cudalab.memory import history_frame
     from cudalab.memory_tools.libraries import auto_snapshot_source
 
     cudalab.init()
-    cm.empty_cache()
     _torch_trace(torch)
-    if cm.memory_reserved(0) == 0:
-        assert auto_snapshot_source() == "torch"
-        assert history_frame(source="auto").attrs["identity"]["allocator"] == "torch"
-    ptr = cm.caching_allocator_alloc(1 << 20)
-    try:
-        assert auto_snapshot_source() == "cudalab"
-    finally:
-        cm.caching_allocator_delete(ptr)
+
+    class Holding:
+        def __init__(self, reserved):
+            self.reserved = reserved
+
+        def memory_stats(self):
+            return {"reserved_bytes.all.current": self.reserved}
+
+    monkeypatch.setattr(registry, "active", [Holding(0), Holding(0)])
+    assert auto_snapshot_source() == "torch"
+    assert history_frame(source="auto").attrs["identity"]["allocator"] == "torch"
+    monkeypatch.setattr(registry, "active", [Holding(0), Holding(2 << 20)])  # one device holds
+    assert auto_snapshot_source() == "cudalab"
+    torch.cuda.initialized = False  # torch not ready: cudalab's, whatever cudalab holds
+    monkeypatch.setattr(registry, "active", [])
+    assert auto_snapshot_source() == "cudalab"
 
 
 def test_what_if_replays_the_live_torch_trace(torch):

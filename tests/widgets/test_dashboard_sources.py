@@ -94,7 +94,8 @@ def _sources(*names):
     return [resolve_sources(n)[0] for n in names]
 
 
-def test_a_source_that_goes_away_is_said_in_its_panel(torch):
+def test_a_source_that_goes_away_is_said_in_its_panel(torch, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # (no CuPy in this process)
     cudalab.init()
     d = MemoryDashboard(devices=0, source="auto", start=False)
     torch.cuda.initialized = False  # torch's CUDA gone (a forked child, a reset)
