@@ -1,4 +1,4 @@
-"""From a failed cell to the ``%cuda_memory why`` panel, with a long history recorded.
+"""Benchmark: from a failed cell to the ``%cuda_memory why`` panel, with a long history.
 
 An IPython shell (IPython's own, in this process) loads the extension, records the
 allocator's history while a loop allocates and frees until the history holds ``--entries``
@@ -7,7 +7,7 @@ entries (some arrays stay live), then runs a cell that runs out of memory. Measu
 * the failed cell's run time (the out-of-memory observer reads the device state at the
   error) against the same failure with no observer attached;
 * ``%cuda_memory why`` until its panel is ready (``explain_oom`` without the replays, and its
-  HTML): the issue's goal is <= 2 s with a 1M-entry history;
+  HTML): the goal is <= 2 s with a 1M-entry history;
 * the counterfactual replays that then fill the panel in (the autotuner on the history,
   spread over the CPUs).
 

@@ -1,4 +1,4 @@
-"""Does the autotuner's recommended setting do what it predicts? Three workloads, run for real.
+"""Benchmark: does the autotuner's recommended setting do what it predicts? Three workloads.
 
 For each workload (a ragged-batch inference server, a training loop with activations of
 varying batch shapes, a KV cache grown by concatenation) this script:
