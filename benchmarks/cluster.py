@@ -1,5 +1,5 @@
-"""The cluster view's numbers (issue 41): 8 ranks on one machine publishing to a notebook's
-watch, and gathering every rank's history and snapshot.
+"""The cluster view's benchmark: 8 ranks on one machine publishing to a notebook's watch,
+and gathering every rank's history and snapshot.
 
 Rows:
 
