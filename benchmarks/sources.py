@@ -22,11 +22,17 @@ import statistics
 import sys
 import time
 
-try:  # the comm package (ipywidgets' transport), before benchmarks/comm.py can shadow it
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The comm package (ipywidgets' transport) is imported with this directory off sys.path:
+# Python puts a script's directory first, and benchmarks/comm.py would shadow it.
+_path = list(sys.path)
+sys.path[:] = [p for p in _path if os.path.abspath(p or os.curdir) != _HERE]
+try:
     import comm  # noqa: F401
 except ImportError:
     pass
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path[:] = _path
+sys.path.insert(0, _HERE)
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import Table, environment, optional_import, parse_args, write_json  # noqa: E402
 
