@@ -3,17 +3,17 @@ side in one Chromium, on the same torch-format trace (time to first paint, brows
 
 * **memory_viz**: the page ``torch.cuda._memory_viz.trace_plot`` writes (the pickle in base64
   inside the HTML, read by MemoryViz.js's own unpickler, drawn with d3), served from
-  127.0.0.1. Its script imports MemoryViz.js and d3 from CDNs, which these machines cannot
-  reach: MemoryViz.js comes from torch's wheel (``--memory-viz-js``: the GPU host's
-  ``torch/utils/viz/MemoryViz.js``), d3 5 from npm (``~/.cache/cudalab-test/d3-5``, what
-  ``npm pack d3@5`` unpacks), and the five CDN imports are replaced by the same names read
-  from the d3 bundle (nothing else in the file changes). First paint: navigation start to the
-  first polygon of its "Active Memory Timeline".
+  127.0.0.1. The page imports MemoryViz.js from GitHub (pytorch/pytorch ``main``; torch's
+  wheel does not carry it) and d3 from a CDN, which these machines cannot reach:
+  ``--memory-viz-js`` names a copy of MemoryViz.js, d3 5 comes from npm
+  (``~/.cache/cudalab-test/d3-5``, what ``npm pack d3@5`` unpacks), and the five CDN imports
+  are replaced by the same names read from the d3 bundle (nothing else in the file changes).
+  First paint: navigation start to the first polygon of its "Active Memory Timeline".
 * **cudalab**: ``tests/widgets/test_browser_explorer.py`` in JupyterLab 4 on the same file
   (``CUDALAB_EXPLORER_BROWSER_TRACE``): first paint is from running the cell to the first
   drawn tile; ``ready`` when the whole index is.
 
-    python benchmarks/explorer_browser.py --memory-viz-js MemoryViz.js [--entries 1100000]
+    python benchmarks/explorer_browser.py --memory-viz-js MemoryViz.js [--entries 1150000]
 
 The trace (``--trace``, else ~90 bytes per entry written here as torch writes it: protocol 4,
 a new frames list per entry) is what both open.
@@ -141,7 +141,7 @@ def main() -> None:
                    help="torch's torch/utils/viz/MemoryViz.js (without it: cudalab's side only)")
     p.add_argument("--skip-cudalab", action="store_true")
     p.add_argument("--trace", type=pathlib.Path, default=None)
-    p.add_argument("--entries", type=int, default=1_100_000)
+    p.add_argument("--entries", type=int, default=1_150_000)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
