@@ -98,6 +98,10 @@ def _grid() -> tuple[str, ...]:
 #: roundup_power2_divisions), cudaMallocAsync, and 12 capped settings; "" is the defaults.
 DEFAULT_SETTINGS: tuple[str, ...] = _grid()
 
+#: Entries × settings × capacities up to which :func:`autotune` replays in this process
+#: when ``workers`` is not given (about two seconds of replays).
+SERIAL_WORK = 1_000_000
+
 #: The frame's columns.
 COLUMNS: tuple[str, ...] = (
     "setting", "capacity", "rank", "peak_reserved", "peak_allocated",
@@ -287,7 +291,8 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
         ``reserved_over_allocated`` (peak reserved / peak allocated), ``live_ratio`` (peak
         reserved / the trace's peak of live requested bytes), ``driver_allocs`` (device
         allocations), ``first_oom`` / ``first_oom_bytes`` (the trace entry and request of
-        the first out-of-memory, <NA> without one), ``status`` ("ok", "out of memory" or
+        the first out-of-memory, <NA> without one; the replay of such a setting stops there,
+        so its other figures are those up to it), ``status`` ("ok", "out of memory" or
         "refused: <reason>"), ``derived`` (not replayed: the same settings' replay on a
         larger device never needed the difference, or a ``max_split_size_mb`` no segment of
         the trace reaches, which changes nothing, took the rows of the setting without it). ``df.attrs``: ``recommendation``
@@ -391,6 +396,12 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
             else:
                 fn(done[0], total)
 
+    # Little work (a short trace) is replayed here: starting worker processes would cost
+    # more than it saves.
+    chosen = workers
+    if chosen is None and plan.n_entries * len(labels) * len(caps) <= SERIAL_WORK:
+        chosen = 1
+
     def run_all(jobs: list[tuple[str, int | None]], follow: Any) -> int:
         """Run ``jobs`` (and what ``follow`` queues); the number of replays made."""
         count = [0]
@@ -400,8 +411,8 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
             count[0] += 1
             return follow(job, got)
 
-        if jobs:
-            run_replays(tr, plan, jobs, workers=workers, follow=counted)
+        if jobs:  # (a setting that runs out of memory ranks last: its replay stops there)
+            run_replays(tr, plan, jobs, workers=chosen, follow=counted, stop_at_oom=True)
         return count[0]
 
     try:
@@ -519,7 +530,7 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
     df.attrs["replays"] = replays
     df.attrs["source"] = tr.source
     df.attrs["entries"] = plan.n_entries
-    df.attrs["workers"] = workers
+    df.attrs["workers"] = chosen
     df.attrs["elapsed_s"] = time.perf_counter() - start
     df.attrs["recommendation"] = recommendation(df)
     return df

@@ -449,8 +449,10 @@ def _auto_memory(peak_live: int) -> int:
 
 def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
          progress: Callable[[int, int], None] | None,
-         segments: list[tuple[int, int]] | None = None) -> dict[str, Any]:
-    """One replay over a fresh simulator; the raw numbers."""
+         segments: list[tuple[int, int]] | None = None,
+         stop_at_oom: bool = False) -> dict[str, Any]:
+    """One replay over a fresh simulator; the raw numbers (up to the first out-of-memory
+    with ``stop_at_oom``)."""
     sim = _simulator(device_memory)
     backend = (_TraceAddresses(sim, segments)
                if segments and not cfg.expandable_segments and cfg.backend == "native" else sim)
@@ -503,6 +505,8 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
                         failed.append(k)
                         if len(oom_entries) < _MAX_OOM_RECORDS:
                             oom_entries.append((k, size))
+                        if stop_at_oom:
+                            break
                         continue
                     res, res_high, _, _ = usage()
                     if res != pool_reserved:  # the pool grows by one device allocation
@@ -535,6 +539,8 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
                         failed.append(k)
                         if len(oom_entries) < _MAX_OOM_RECORDS:
                             oom_entries.append((k, size))
+                        if stop_at_oom:
+                            break
                         continue
                     if agg.b_res_peak != last_peak:
                         last_peak = agg.b_res_peak
@@ -549,6 +555,8 @@ def _run(plan: ReplayPlan, cfg: AllocatorConfig, device_memory: int,
                             on_plateau = False
                 else:
                     free(ptrs[k])  # 0 after an out-of-memory: free(0) is a no-op
+        if stop_at_oom and ooms:
+            break
         done += chunk
         t_index.append(int(index[done - 1]))
         t_res.append(reserved())
@@ -623,9 +631,12 @@ def skip_warning(plan: ReplayPlan, source: str) -> str | None:
 
 def replay_planned(tr: TraceArrays, plan: ReplayPlan, config: Any,
                    device_memory: int | None,
-                   progress: Callable[[int, int], None] | None) -> ReplayResult:
+                   progress: Callable[[int, int], None] | None,
+                   stop_at_oom: bool = False) -> ReplayResult:
     """One replay of ``plan`` (made from ``tr`` by :func:`plan_replay`) with ``config``;
-    see :func:`replay` for the arguments. Issues no warning (see :func:`skip_warning`)."""
+    see :func:`replay` for the arguments. Issues no warning (see :func:`skip_warning`).
+    ``stop_at_oom``: end the replay at its first out-of-memory (the searches rank such a
+    setting last whatever follows; its figures are then those up to that entry)."""
     cfg = as_config(config)
     if device_memory is not None:
         memory = int(device_memory)
@@ -636,7 +647,7 @@ def replay_planned(tr: TraceArrays, plan: ReplayPlan, config: Any,
         memory = _auto_memory(plan.peak_live)
         auto = cfg.per_process_memory_fraction is None
     while True:
-        raw = _run(plan, cfg, memory, progress, tr.segments)
+        raw = _run(plan, cfg, memory, progress, tr.segments, stop_at_oom)
         if not (auto and (raw["ooms"] or raw["retries"]) and memory < _MAX_DEVICE):
             break
         memory = min(_MAX_DEVICE, memory * 2)  # the simulated device was too small

@@ -104,12 +104,14 @@ def _attach(shm_name: str, n: int, meta: dict[str, Any]) -> None:
                      segments=meta["segments"])
     _STATE["plan"] = plan
     _STATE["trace"] = tr
+    _STATE["stop_at_oom"] = bool(meta.get("stop_at_oom", False))
 
 
 def _run_one(job: tuple[str, int | None]) -> ReplayResult | str:
     config, memory = job
     try:
-        return replay_planned(_STATE["trace"], _STATE["plan"], config, memory, None)
+        return replay_planned(_STATE["trace"], _STATE["plan"], config, memory, None,
+                              _STATE["stop_at_oom"])
     except (ValueError, TypeError, MemoryError) as exc:
         return f"{type(exc).__name__}: {exc}"
 
@@ -136,7 +138,8 @@ Follow = Callable[[tuple[str, "int | None"], "ReplayResult | str"],
 def run_replays(tr: TraceArrays, plan: ReplayPlan, jobs: Sequence[tuple[str, int | None]], *,
                 workers: int | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                follow: Follow | None = None) -> list[ReplayResult | str]:
+                follow: Follow | None = None,
+                stop_at_oom: bool = False) -> list[ReplayResult | str]:
     """Replay ``plan`` once per job, in parallel worker processes when there are several.
 
     Parameters
@@ -169,20 +172,20 @@ def run_replays(tr: TraceArrays, plan: ReplayPlan, jobs: Sequence[tuple[str, int
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     workers = min(workers, max(1, len(jobs)))
     if workers == 1:
-        return _run_serial(tr, plan, jobs, progress, follow)
+        return _run_serial(tr, plan, jobs, progress, follow, stop_at_oom)
     from concurrent.futures.process import BrokenProcessPool
 
     try:
-        return _run_parallel(tr, plan, jobs, workers, progress, follow)
+        return _run_parallel(tr, plan, jobs, workers, progress, follow, stop_at_oom)
     except (BrokenProcessPool, OSError) as exc:
         warnings.warn(f"replay workers could not run ({type(exc).__name__}: {exc}); replaying "
                       "serially in this process", RuntimeWarning, stacklevel=2)
-        return _run_serial(tr, plan, jobs, progress, follow)
+        return _run_serial(tr, plan, jobs, progress, follow, stop_at_oom)
 
 
 def _run_serial(tr: TraceArrays, plan: ReplayPlan, jobs: list[tuple[str, int | None]],
-                progress: Callable[[int, int], None] | None, follow: Follow | None
-                ) -> list[ReplayResult | str]:
+                progress: Callable[[int, int], None] | None, follow: Follow | None,
+                stop_at_oom: bool = False) -> list[ReplayResult | str]:
     queue = list(jobs)
     out: list[ReplayResult | str] = []
     i = 0
@@ -190,7 +193,7 @@ def _run_serial(tr: TraceArrays, plan: ReplayPlan, jobs: list[tuple[str, int | N
         config, memory = queue[i]
         outcome: ReplayResult | str
         try:
-            outcome = replay_planned(tr, plan, config, memory, None)
+            outcome = replay_planned(tr, plan, config, memory, None, stop_at_oom)
         except (ValueError, TypeError) as exc:
             outcome = f"{type(exc).__name__}: {exc}"
         if i < len(jobs):
@@ -205,7 +208,8 @@ def _run_serial(tr: TraceArrays, plan: ReplayPlan, jobs: list[tuple[str, int | N
 
 def _run_parallel(tr: TraceArrays, plan: ReplayPlan, jobs: list[tuple[str, int | None]],
                   workers: int, progress: Callable[[int, int], None] | None,
-                  follow: Follow | None) -> list[ReplayResult | str]:
+                  follow: Follow | None, stop_at_oom: bool = False
+                  ) -> list[ReplayResult | str]:
     import multiprocessing as mp
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from multiprocessing import shared_memory
@@ -221,7 +225,8 @@ def _run_parallel(tr: TraceArrays, plan: ReplayPlan, jobs: list[tuple[str, int |
         meta = {"n_entries": plan.n_entries, "skipped": dict(plan.skipped),
                 "truncated": plan.truncated, "peak_live": plan.peak_live,
                 "source": tr.source, "ignored": dict(tr.ignored),
-                "reference": dict(tr.reference), "segments": list(tr.segments)}
+                "reference": dict(tr.reference), "segments": list(tr.segments),
+                "stop_at_oom": stop_at_oom}
         # Longest first (unconstraining devices replay more, async replays are slower), so
         # the last worker to finish does not start the longest job last.
         order = sorted(range(len(jobs)), key=lambda i: (jobs[i][1] is not None, i))

@@ -25,6 +25,12 @@ SETTINGS = ["expandable_segments:True", "max_split_size_mb:64", "roundup_power2_
             "expandable_segments:True,per_process_memory_fraction:0.9"]
 
 
+def _replay(trace, setting, memory):
+    """One replay as the autotuner makes it (stopping at the first out-of-memory)."""
+    tr = rp.load_trace(trace)
+    return rp.replay_planned(tr, rp.plan_replay(tr), setting, memory, None, stop_at_oom=True)
+
+
 @pytest.fixture(scope="module")
 def trace():
     return ragged_inference_trace(**SMALL)
@@ -89,7 +95,7 @@ def test_rows_are_ranked_within_each_capacity(tuned):
 def test_tight_capacity_runs_out_and_says_where(tuned, trace, peak):
     tight = peak - (8 << 20)
     row = tuned[(tuned["setting"] == "default") & (tuned["capacity"] == tight)].iloc[0]
-    real = rp.replay(trace, "", device_memory=tight)
+    real = _replay(trace, "", tight)
     assert row["peak_reserved"] == real.peak_reserved
     if real.ooms:
         assert row["status"] == "out of memory"
@@ -104,7 +110,7 @@ def test_derived_rows_equal_real_replays(tuned, trace, peak):
     assert (derived["capacity"] == peak + (64 << 20)).sum() >= 4  # every plain setting fits
     for r in derived.itertuples():
         setting = "" if r.setting == "default" else r.setting
-        real = rp.replay(trace, setting, device_memory=int(r.capacity))
+        real = _replay(trace, setting, int(r.capacity))
         assert (real.peak_reserved, real.peak_allocated, real.num_device_alloc,
                 real.retries, real.ooms) == (r.peak_reserved, r.peak_allocated,
                                              r.driver_allocs, r.retries, r.ooms)
@@ -213,7 +219,7 @@ def test_idle_max_split_takes_the_rows_of_the_setting_without_it(trace, peak):
     df = at.autotune(trace, [tight], ["max_split_size_mb:4096"], workers=1)
     row = df[df["setting"] == "max_split_size_mb:4096"].iloc[0]
     assert row["derived"]
-    real = rp.replay(trace, "max_split_size_mb:4096", device_memory=tight)
+    real = _replay(trace, "max_split_size_mb:4096", tight)
     assert (real.peak_reserved, real.num_device_alloc, real.retries, real.ooms) == \
         (row["peak_reserved"], row["driver_allocs"], row["retries"], row["ooms"])
 
@@ -269,9 +275,18 @@ def test_a_cap_never_reached_takes_its_base_rows(trace, peak):
     assert rows["garbage_collection_threshold:0.8,per_process_memory_fraction:0.99"].derived
     assert not rows[settings[3]].derived
     for s in settings:
-        real = rp.replay(trace, s, device_memory=roomy)
+        real = _replay(trace, s, roomy)
         r = rows[s]
         assert (real.peak_reserved, real.num_device_alloc, real.retries, real.ooms) == \
             (r.peak_reserved, r.driver_allocs, r.retries, r.ooms), s
     assert at._cap_base("expandable_segments:True,garbage_collection_threshold:0.6,"
                         "per_process_memory_fraction:0.5") == "expandable_segments:True"
+
+
+def test_stop_at_oom_ends_the_replay_at_the_first_out_of_memory(trace, peak):
+    tight = peak // 2
+    full = rp.replay(trace, "", device_memory=tight)
+    short = _replay(trace, "", tight)
+    assert full.ooms > 1 and short.ooms == 1
+    assert short.oom_entries[0] == full.oom_entries[0]
+    assert short.peak_reserved <= full.peak_reserved

@@ -211,7 +211,7 @@ def _hold(stream: Any) -> Callable[[], None]:
         return resume
     from cudalab._kernels.spin import gpu_sleep
 
-    gpu_sleep(3_000_000_000, stream=stream)
+    gpu_sleep(1_000_000_000, stream=stream)  # (the observer reads the state at the error)
     return stream.synchronize
 
 
