@@ -10,11 +10,35 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
+
+
+def _import_the_comm_package() -> None:
+    """Import the ``comm`` package (ipywidgets' transport) with this folder off sys.path:
+    Python puts a script's folder first, where ``benchmarks/comm.py`` would shadow it and
+    every widget a benchmark makes would fail (``module 'comm' has no attribute
+    'create_comm'``). Every benchmark imports this module before it imports ipywidgets."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    shadowing = sys.modules.get("comm")
+    if shadowing is not None and os.path.dirname(os.path.abspath(
+            getattr(shadowing, "__file__", None) or os.curdir)) == here:
+        del sys.modules["comm"]
+    path = list(sys.path)
+    sys.path[:] = [p for p in path if os.path.abspath(p or os.curdir) != here]
+    try:
+        import comm  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = path
+
+
+_import_the_comm_package()
 
 
 def time_per_call(fn: Callable[[], object], number: int = 20000, repeat: int = 7,

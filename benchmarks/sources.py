@@ -23,16 +23,7 @@ import sys
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# The comm package (ipywidgets' transport) is imported with this directory off sys.path:
-# Python puts a script's directory first, and benchmarks/comm.py would shadow it.
-_path = list(sys.path)
-sys.path[:] = [p for p in _path if os.path.abspath(p or os.curdir) != _HERE]
-try:
-    import comm  # noqa: F401
-except ImportError:
-    pass
-sys.path[:] = _path
-sys.path.insert(0, _HERE)
+sys.path.insert(0, _HERE)  # (_harness imports the comm package past benchmarks/comm.py)
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import Table, environment, optional_import, parse_args, write_json  # noqa: E402
 
