@@ -92,17 +92,20 @@ def rank_worker(args: argparse.Namespace) -> int:
     # "without publishing": the publisher paused (no sample taken nor sent; its thread idle),
     # so each block measures the steady cost of publishing, not the publisher's start
     publisher = serve(args.directory, interval=0.5)
+    busy = 0.0
     for block in range(2 * args.blocks):
         publishing = block % 2 == (rank % 2)  # half the ranks start with it on
         publisher.paused = not publishing
         time.sleep(0.05)
+        b0 = publisher.busy_seconds
         t0 = time.perf_counter()
         for _ in range(steps):
             _step(size)
         cudalab.synchronize()
         (on if publishing else off).append(time.perf_counter() - t0)
+        busy += publisher.busy_seconds - b0
     publisher.paused = False
-    print(json.dumps({"rank": rank, "on": on, "off": off}), flush=True)
+    print(json.dumps({"rank": rank, "on": on, "off": off, "busy": busy}), flush=True)
     print("serving", flush=True)
     kept = [base]
     for line in sys.stdin:
@@ -175,14 +178,21 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
                               text=True) for r in range(args.ranks)]
     w = watch(args.directory, job="benchmark")
     try:
-        slowdowns = []
+        slowdowns, shares, on_all, off_all = [], [], 0.0, 0.0
         for p in procs:
             line = p.stdout.readline()  # type: ignore[union-attr]
             data = json.loads(line)
             slowdowns.append(statistics.median(data["on"]) / statistics.median(data["off"]) - 1)
+            shares.append(data["busy"] / sum(data["on"]))
+            on_all, off_all = on_all + sum(data["on"]), off_all + sum(data["off"])
             assert p.stdout.readline().strip() == "serving"  # type: ignore[union-attr]
         results["step slowdown, median of ranks (%)"] = 100 * statistics.median(slowdowns)
         results["step slowdown, worst rank (%)"] = 100 * max(slowdowns)
+        results["step slowdown, all ranks' blocks pooled (%)"] = 100 * (on_all / off_all - 1)
+        # what publishing itself costs: the publisher thread's CPU time while publishing, a
+        # share of the step's time (the bound of the slowdown it can cause, without the noise
+        # of 8 processes sharing the CPUs and the GPU)
+        results["publisher thread CPU / step time, worst rank (%)"] = 100 * max(shares)
         end = time.monotonic() + 20
         while len([v for v in w.samples().values() if v]) < args.ranks and time.monotonic() < end:
             time.sleep(0.05)

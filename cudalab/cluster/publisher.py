@@ -106,6 +106,9 @@ class Publisher:
         self.failed = 0
         #: Requests answered.
         self.answered = 0
+        #: CPU seconds the thread spent taking, encoding and sending samples (what
+        #: publishing costs the rank's process; requests answered are not counted).
+        self.busy_seconds = 0.0
         #: While True no sample is taken nor sent (the sockets stay, requests are still
         #: answered): the rank costs nothing but an idle thread. Set and clear it freely.
         self.paused = False
@@ -266,6 +269,13 @@ class Publisher:
                 for d in _records.source_devices(source)]
 
     def _publish(self, zmq: Any, pub: Any) -> None:
+        start = time.thread_time()
+        try:
+            self._publish_one(zmq, pub)
+        finally:
+            self.busy_seconds += time.thread_time() - start
+
+    def _publish_one(self, zmq: Any, pub: Any) -> None:
         try:
             payload = wire.encode_samples(self._sample())
         except Exception as exc:  # noqa: BLE001 - a heartbeat still goes out
