@@ -154,9 +154,9 @@ def test_headers_are_bounded_and_checked():
 
 def test_samples_round_trip_and_a_bad_one_is_named():
     cudalab.zeros(10)
-    from cudalab.memory_sources import CudalabSource
-
     import dataclasses
+
+    from cudalab.memory_sources import CudalabSource
 
     # (private pools travel as JSON: a pool dict holding tuples comes back with lists; the
     # pools are the memory tooling's own plain data, compared here without them)
