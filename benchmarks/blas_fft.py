@@ -31,18 +31,25 @@ from _harness import Table, environment, interleaved, optional_import, parse_arg
 
 def _gpu_seconds(run, start, end, reps: int, warmup: int = 2) -> float:
     """Median GPU seconds of ``run()`` between two timing events (one pair per repetition)."""
-    for _ in range(warmup):
-        run()
-    end.synchronize()
-    times = []
-    for _ in range(reps):
-        start.record()
-        run()
-        end.record()
+    return _paired_gpu_seconds([(run, start, end)], reps, warmup)[0]
+
+
+def _paired_gpu_seconds(contenders, reps: int, warmup: int = 2) -> list[float]:
+    """Median GPU seconds of each ``(run, start, end)``, the contenders taking turns within
+    every repetition, so a drift of the GPU's clocks during the run falls on all alike."""
+    for run, _start, end in contenders:
+        for _ in range(warmup):
+            run()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    times: list[list[float]] = [[] for _ in contenders]
+    for _ in range(reps):
+        for i, (run, start, end) in enumerate(contenders):
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times[i].append(start.elapsed_time(end) / 1e3)
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def main() -> None:  # noqa: C901 - one table, section by section
@@ -60,7 +67,7 @@ def main() -> None:  # noqa: C901 - one table, section by section
     if torch is not None and not torch.cuda.is_available():
         torch = None
     quick = args.quick or sim
-    reps = 3 if sim else (5 if quick else 20)
+    reps = 3 if sim else (9 if quick else 25)
     t = Table(f"cudalab matmul / FFT benchmark — {name} ({backend.name})")
     results: dict = {"env": environment(backend.name, name), "tflops": {}, "gbps": {},
                      "us": {}, "equal": {}}
@@ -96,16 +103,18 @@ def main() -> None:  # noqa: C901 - one table, section by section
             settings.allow_tf32 = tf32
             label = f"matmul {label_shape} {dtype_name}{' TF32' if tf32 else ''}"
             out = cudalab.matmul(a, b)
-            ours = flops / _gpu_seconds(lambda a=a, b=b, out=out: cudalab.matmul(a, b, out=out), *ours_timer,
-                                        reps) / 1e12
-            results["tflops"][f"cudalab {label}"] = ours
+            ours_run = (lambda a=a, b=b, out=out: cudalab.matmul(a, b, out=out), *ours_timer)
             note = "simulator: numpy, not meaningful" if sim else ""
-            if torch is not None:
+            if torch is None:
+                ours = flops / _gpu_seconds(*ours_run, reps) / 1e12
+            else:
                 torch.backends.cuda.matmul.allow_tf32 = tf32
                 ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
                 tout = torch.matmul(ta, tb)
-                theirs = flops / _gpu_seconds(lambda ta=ta, tb=tb, tout=tout: torch.matmul(ta, tb, out=tout),
-                                              *torch_timer, reps) / 1e12
+                seconds = _paired_gpu_seconds(
+                    [ours_run, (lambda ta=ta, tb=tb, tout=tout: torch.matmul(ta, tb, out=tout),
+                                *torch_timer)], reps)
+                ours, theirs = flops / seconds[0] / 1e12, flops / seconds[1] / 1e12
                 results["tflops"][f"torch {label}"] = theirs
                 cudalab.matmul(a, b, out=out)
                 torch.matmul(ta, tb, out=tout)
@@ -119,6 +128,7 @@ def main() -> None:  # noqa: C901 - one table, section by section
                 note = (f"torch {theirs:.1f} TFLOPS, {ours / theirs:.2f}x (goal >= 0.95x); "
                         f"{'bit-equal' if same else f'max diff {diff:.3g} of {scale:.3g}'}")
                 del ta, tb, tout, mine
+            results["tflops"][f"cudalab {label}"] = ours
             t.add(label, ours, "TFLOPS", note)
             del a, b, out
     settings.allow_tf32 = False
@@ -180,14 +190,16 @@ def main() -> None:  # noqa: C901 - one table, section by section
         ours_fn = getattr(cudalab.fft, fn)
         y = ours_fn(x, **kwargs)
         moved = x.nbytes + y.nbytes
-        ours = moved / _gpu_seconds(lambda f=ours_fn, x=x, kw=kwargs: f(x, **kw), *ours_timer,
-                                    reps) / 1e9
-        results["gbps"][f"cudalab {label}"] = ours
+        ours_run = (lambda f=ours_fn, x=x, kw=kwargs: f(x, **kw), *ours_timer)
         note = "simulator: numpy, not meaningful" if sim else ""
-        if torch is not None:
+        if torch is None:
+            ours = moved / _gpu_seconds(*ours_run, reps) / 1e9
+        else:
             tx = torch.from_dlpack(x)
             tfn = getattr(torch.fft, fn)
-            theirs = moved / _gpu_seconds(lambda f=tfn, x=tx, kw=kwargs: f(x, **kw), *torch_timer, reps) / 1e9
+            seconds = _paired_gpu_seconds(
+                [ours_run, (lambda f=tfn, x=tx, kw=kwargs: f(x, **kw), *torch_timer)], reps)
+            ours, theirs = moved / seconds[0] / 1e9, moved / seconds[1] / 1e9
             results["gbps"][f"torch {label}"] = theirs
             ty = tfn(tx, **kwargs)
             mine = torch.from_dlpack(getattr(cudalab.fft, fn)(x, **kwargs))
@@ -198,6 +210,7 @@ def main() -> None:  # noqa: C901 - one table, section by section
             note = (f"torch.fft {theirs:.0f} GB/s, {ours / theirs:.2f}x (goal >= 0.95x); "
                     f"{'bit-equal' if torch.equal(mine, ty) else f'max rel diff {diff:.2g}'}")
             del tx, ty, mine
+        results["gbps"][f"cudalab {label}"] = ours
         t.add(label, ours, "GB/s", note)
         del x, y
 
