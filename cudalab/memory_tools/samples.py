@@ -137,6 +137,28 @@ class DeviceSample:
         assert device is not None  # (checked on construction)
         return device
 
+    # torch's spellings of the allocator's figures (``memory_stats()``'s key stems), for
+    # readers of samples gathered from many ranks (``cudalab.cluster.watch(...).samples()``)
+    @property
+    def allocated_bytes(self) -> int:
+        """:attr:`allocated` (``allocated_bytes.all.current``)."""
+        return self.allocated
+
+    @property
+    def reserved_bytes(self) -> int:
+        """:attr:`reserved` (``reserved_bytes.all.current``)."""
+        return self.reserved
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        """:attr:`peak_allocated` (``allocated_bytes.all.peak``)."""
+        return self.peak_allocated
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        """:attr:`peak_reserved` (``reserved_bytes.all.peak``)."""
+        return self.peak_reserved
+
     def to_dict(self) -> dict[str, Any]:
         """The sample as plain data: every field by name (``identity`` as its dict, ``pools``
         as a list of copies of its dicts) and ``device``."""

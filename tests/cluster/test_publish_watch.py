@@ -49,6 +49,9 @@ def test_every_rank_is_watched_with_its_own_figures(job, watched):
         # the peak
         assert s.allocated == (rank + 1) * STEP_MIB * MiB
         assert s.peak_allocated >= s.allocated and s.reserved >= s.allocated
+        # torch's spellings, as the cluster view documents them
+        assert (s.allocated_bytes, s.reserved_bytes, s.peak_allocated_bytes) == (
+            s.allocated, s.reserved, s.peak_allocated)
         assert "simulated" in (s.identity.device_name or "")
         assert abs(s.time - time.time()) < 5
     assert watched.lost() == [] and watched.rejected == 0 and watched.malformed == 0
