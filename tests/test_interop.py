@@ -20,6 +20,7 @@ def test_public_names():
 
 
 def test_allocation_owner_frees_to_cudalab():
+    gc.collect()  # (earlier tests' garbage freed first: the figures below are this test's)
     before = cudalab.memory_allocated()
     owner = interop._allocate(1 << 20, 0, 0)
     assert owner.ptr and cudalab.memory_allocated() == before + (1 << 20)
