@@ -423,7 +423,8 @@ def _explore(args: MemoryArgs) -> Any:
     for path in paths:
         if not os.path.isfile(path):
             why = "it is a directory" if os.path.isdir(path) else "no such file"
-            raise UsageError(f"%cuda_memory explore: cannot read {echo(path)}: {why}")
+            # (the whole path, as every %cuda_memory path error gives it: see _cannot)
+            raise UsageError(f"%cuda_memory explore: cannot read '{path}': {why}")
     return cls(paths[0], compare=paths[1] if len(paths) > 1 else None)
 
 
