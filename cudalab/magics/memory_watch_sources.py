@@ -305,8 +305,10 @@ class LibraryWatches:
                 line = None if cell is None else cell.line()
                 if cell is not None and self.names is None and not (
                         cell.allocated_delta or cell.reserved_delta
-                        or cell.peak > cell.start_allocated):
-                    line = None  # auto: this library's allocator did not change
+                        or (cell.exact and cell.peak > cell.start_allocated)):
+                    # auto: this library's allocator did not change (a peak that is only a
+                    # bound, e.g. CuPy's cached pool bytes, does not say that it did)
+                    line = None
             except Exception as exc:  # a library that went away: said, never raised
                 self.last[w.name] = None
                 line = f"[cudalab watch {w.name}] not readable: {type(exc).__name__}: {exc}"

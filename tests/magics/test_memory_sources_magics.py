@@ -141,6 +141,18 @@ def test_auto_watch_shows_torch_and_quiets_an_idle_cudalab(ip, torch):
     run(ip, "%cuda_memory watch off")
 
 
+def test_auto_watch_leaves_out_a_cupy_pool_that_only_caches(ip, cupy):
+    """A CuPy pool that holds cached bytes and no live ones changes nothing in a cell: its
+    peak is only a bound (the pool's bytes), so auto prints no CuPy line and cudalab's line
+    stays (seen on an H200, where an earlier test had left CuPy's pool holding a block)."""
+    cupy.free(cupy.alloc(4_000_000))  # the pool caches the block: used 0, total > 0
+    run(ip, "%cuda_memory watch on")
+    r, out = run(ip, "nothing_ = 1")
+    assert not _lines(out, "cupy"), out
+    assert len(_lines(out, "cuda:0")) == 1, out
+    run(ip, "%cuda_memory watch off")
+
+
 def test_auto_watch_picks_up_torch_imported_later(ip, monkeypatch, shell):
     monkeypatch.setitem(sys.modules, "torch", None)  # not imported (restored afterwards)
     run(ip, "%cuda_memory watch on")
