@@ -11,15 +11,22 @@ with the fake's own ``memory_stats()`` and never with hard-coded numbers.
     torch = FakeTorch()
     monkeypatch.setitem(sys.modules, "torch", torch)
     ptr = torch.cuda.alloc(3 << 20)
+
+or, in a test module, the fixtures ``torch`` and ``cupy`` (each a fake put into
+``sys.modules`` for the test): ``from tests.helpers.fake_allocators import fake_torch,
+fake_cupy`` (imported under these names, they are used as ``torch`` and ``cupy``).
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import types
 from typing import Any
 
-__all__ = ["FakeTorch", "FakeCupy", "SEGMENT"]
+import pytest
+
+__all__ = ["FakeTorch", "FakeCupy", "SEGMENT", "fake_torch", "fake_cupy"]
 
 #: The fake torch's segment size: reserved grows by whole segments.
 SEGMENT = 2 << 20
@@ -318,3 +325,19 @@ class FakeCupy(types.ModuleType):
 
     def free(self, size: int, device: int = 0) -> None:
         self.pool.used[device] -= size
+
+
+@pytest.fixture(name="torch")
+def fake_torch(monkeypatch: pytest.MonkeyPatch) -> FakeTorch:
+    """A :class:`FakeTorch` in ``sys.modules`` for the test (restored afterwards)."""
+    fake = FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    return fake
+
+
+@pytest.fixture(name="cupy")
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> FakeCupy:
+    """A :class:`FakeCupy` in ``sys.modules`` for the test (restored afterwards)."""
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    return fake

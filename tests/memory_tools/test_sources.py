@@ -21,7 +21,12 @@ from cudalab.memory_sources import (
     resolve_sources,
 )
 from cudalab.memory_tools.samples import ALLOCATOR_FIGURES, DeviceSample
-from tests.helpers.fake_allocators import FakeCupy, FakeTorch
+from tests.helpers.fake_allocators import (  # noqa: F401 - fixtures: torch, cupy
+    FakeCupy,
+    FakeTorch,
+    fake_cupy,
+    fake_torch,
+)
 
 
 @pytest.fixture
@@ -29,20 +34,6 @@ def no_libraries(monkeypatch):
     """A process where neither torch nor CuPy is imported (nor importable)."""
     monkeypatch.setitem(sys.modules, "torch", None)  # None: `import torch` raises ImportError
     monkeypatch.setitem(sys.modules, "cupy", None)
-
-
-@pytest.fixture
-def torch(monkeypatch):
-    fake = FakeTorch()
-    monkeypatch.setitem(sys.modules, "torch", fake)
-    return fake
-
-
-@pytest.fixture
-def cupy(monkeypatch):
-    fake = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    return fake
 
 
 def _figures(sample: DeviceSample) -> dict[str, int]:

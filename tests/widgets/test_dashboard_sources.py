@@ -10,7 +10,12 @@ import pytest
 
 import cudalab
 from cudalab.memory_sources import SourceUnavailableError
-from tests.helpers.fake_allocators import FakeCupy, FakeTorch
+from tests.helpers.fake_allocators import (  # noqa: F401 - fixtures: torch, cupy
+    FakeCupy,
+    FakeTorch,
+    fake_cupy,
+    fake_torch,
+)
 
 W = pytest.importorskip("ipywidgets")
 
@@ -22,20 +27,6 @@ from cudalab.widgets.dashboard import MemoryDashboard  # noqa: E402
 def _close():
     yield
     close_all()
-
-
-@pytest.fixture
-def torch(monkeypatch):
-    fake = FakeTorch()
-    monkeypatch.setitem(sys.modules, "torch", fake)
-    return fake
-
-
-@pytest.fixture
-def cupy(monkeypatch):
-    fake = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    return fake
 
 
 def test_auto_dashboard_has_a_labelled_panel_per_source(torch, cupy):
