@@ -30,6 +30,7 @@ from cudalab._driver.blas_seam import (
     gemm_entry_point,
 )
 from cudalab._driver.handles import StreamHandle
+from cudalab._driver.nvidia_library import open_library
 from cudalab.errors import CublasError
 
 __all__ = ["RealBlas", "create", "destroy", "get_stream", "library", "set_stream", "sgemm"]
@@ -64,26 +65,7 @@ def _load() -> Any:
     with _lock:
         if _lib is not None:
             return _lib
-        try:
-            from cuda.pathfinder import load_nvidia_dynamic_lib
-        except ImportError as exc:
-            raise CublasError(f"cuBLAS cannot be loaded: cuda.pathfinder is not importable "
-                              f"({exc}); install cuda-bindings>=13") from exc
-        try:
-            loaded = load_nvidia_dynamic_lib("cublas")
-        except Exception as exc:  # DynamicLibNotFoundError and its relatives
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise CublasError(f"cuBLAS cannot be loaded ({first}); {INSTALL_HINT}") from exc
-        lib = None
-        for name in ((loaded.abs_path,) if loaded.abs_path else _SONAMES):
-            try:
-                lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-        if lib is None:
-            raise CublasError(f"cuBLAS was found by cuda.pathfinder but cannot be opened; "
-                              f"{INSTALL_HINT}")
+        lib = open_library("cublas", "cuBLAS", _SONAMES, CublasError, INSTALL_HINT)
         vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         for name, args in (
             ("cublasCreate_v2", (ctypes.POINTER(vp),)),

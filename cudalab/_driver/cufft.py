@@ -22,6 +22,7 @@ from typing import Any
 
 from cudalab._driver.fft_seam import C2C, C2R, D2Z, R2C, Z2D, Z2Z, Fft
 from cudalab._driver.handles import StreamHandle
+from cudalab._driver.nvidia_library import open_library
 from cudalab.errors import CufftError
 
 __all__ = ["INSTALL_HINT", "RealFft", "library"]
@@ -61,29 +62,8 @@ def _load() -> Any:
     with _lock:
         if _lib is not None:
             return _lib
-        try:
-            from cuda.pathfinder import load_nvidia_dynamic_lib
-        except ImportError as exc:
-            raise CufftError(f"cuFFT cannot be loaded: cuda.pathfinder is not importable "
-                             f"({exc}); install cuda-bindings>=13, then {INSTALL_HINT}") from exc
-        try:
-            loaded = load_nvidia_dynamic_lib("cufft")
-            paths: tuple[str, ...] = (loaded.abs_path,) if loaded.abs_path else _SONAMES
-        except Exception as exc:  # DynamicLibNotFoundError and its relatives
-            paths = _wheel_libraries()  # an older cuda.pathfinder may not know a wheel's layout
-            if not paths:
-                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise CufftError(f"cuFFT cannot be loaded ({first}); {INSTALL_HINT}") from exc
-        lib = None
-        for name in paths:
-            try:
-                lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-        if lib is None:
-            raise CufftError(f"cuFFT was found by cuda.pathfinder but cannot be opened; "
-                             f"{INSTALL_HINT}")
+        lib = open_library("cufft", "cuFFT", _SONAMES, CufftError, INSTALL_HINT,
+                           pathfinder_hint=f", then {INSTALL_HINT}", fallback=_wheel_libraries)
         vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         p64 = ctypes.POINTER(i64)
         for name, args in (
