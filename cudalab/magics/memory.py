@@ -222,13 +222,7 @@ def _history(magics: Any, args: MemoryArgs) -> Any:
         if st.history is not None and hist.is_recording():
             print(f"cudalab history: already recording ({_settings_text(hist.history_settings())})")
             return None
-        kwargs: dict[str, Any] = {}
-        if args.max_entries is not None:
-            kwargs["max_entries"] = args.max_entries
-        for key in ("context", "stacks"):
-            value = getattr(args, key)
-            if value is not None:
-                kwargs[key] = None if value.lower() == "none" else value
+        kwargs = args.record_kwargs()
         try:
             st.history = cm.record_history("all", **kwargs)
         except (ValueError, RuntimeError) as exc:

@@ -36,6 +36,19 @@ class MemoryArgs:
         #: or None when not given.
         self.source: str | None = None
 
+    def record_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of a history recording these options give (``max_entries``,
+        ``context``, ``stacks``; ``none`` spelled in any case is None), for cudalab's
+        ``record_history`` and torch's ``_record_memory_history`` alike."""
+        kwargs: dict[str, Any] = {}
+        if self.max_entries is not None:
+            kwargs["max_entries"] = self.max_entries
+        for key in ("context", "stacks"):
+            value = getattr(self, key)
+            if value is not None:
+                kwargs[key] = None if value.lower() == "none" else value
+        return kwargs
+
 
 _COMMANDS = ("summary", "stats", "pools", "diff", "mark", "reset-peaks", "empty-cache", "watch",
              "history", "snapshot", "explore", "dashboard", "why", "cluster")

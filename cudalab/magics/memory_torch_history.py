@@ -109,13 +109,7 @@ class TorchHistory:
     def run(self, sub: str, args: MemoryArgs) -> Any:
         torch = self._torch()
         if sub == "start":
-            kwargs: dict[str, Any] = {}
-            if args.max_entries is not None:
-                kwargs["max_entries"] = args.max_entries
-            for key in ("context", "stacks"):
-                value = getattr(args, key)
-                if value is not None:
-                    kwargs[key] = None if value.lower() == "none" else value
+            kwargs = args.record_kwargs()
             try:
                 torch.cuda.memory._record_memory_history(enabled="all", **kwargs)
             except (ValueError, RuntimeError, TypeError) as exc:
