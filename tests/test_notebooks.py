@@ -17,7 +17,8 @@ shows a device says "simulated". A notebook that needs a library CI lacks (its m
 ``cudalab.requires``, e.g. ``["torch"]``: 09_torch_sources) is skipped where that library is
 missing, saying so, and is committed with outputs captured on a GPU (its metadata's
 ``cudalab.captured_on`` names the device; ``python -m tests.helpers.capture_notebook``
-executes it there).
+executes it there). A notebook that needs more devices than a real machine has (its
+metadata's ``cudalab.devices``: 06_collectives needs 2) runs there on the simulator.
 To refresh the simulator's notebooks after editing one::
 
     CUDALAB_SIMULATOR=1 .venv/bin/python -m tests.test_notebooks --execute
@@ -71,6 +72,30 @@ def _missing(path: pathlib.Path) -> list[str]:
             if importlib.util.find_spec(m) is None]
 
 
+def _needs_simulator(path: pathlib.Path) -> bool:
+    """Whether ``path`` needs more devices (its metadata's ``cudalab.devices``, e.g. 2 for
+    06_collectives) than this real machine has: it then runs on the simulator, which has
+    two, as CI runs it (its committed outputs are the simulator's)."""
+    needed = int(_cudalab_metadata(path).get("devices", 1))
+    if os.environ.get("CUDALAB_SIMULATOR") == "1" or needed <= 1:
+        return False
+    import cudalab
+
+    return cudalab.device_count() < needed
+
+
+def test_needs_simulator_reads_the_devices_metadata(tmp_path):
+    nb = tmp_path / "two.ipynb"
+    nb.write_text(json.dumps({"cells": [], "metadata": {"cudalab": {"devices": 2}}}))
+    one = tmp_path / "one.ipynb"
+    one.write_text(json.dumps({"cells": [], "metadata": {}}))
+    import cudalab
+
+    real = os.environ.get("CUDALAB_SIMULATOR") != "1"
+    assert _needs_simulator(nb) == (real and cudalab.device_count() < 2)
+    assert not _needs_simulator(one)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path):
     missing = _missing(path)
@@ -78,6 +103,8 @@ def test_notebook_runs(path):
         pytest.skip(f"{path.name} needs {', '.join(missing)}, not installed here (CI has no "
                     "torch): it runs on a GPU, where its outputs are captured")
     env = dict(os.environ)
+    if _needs_simulator(path):
+        env["CUDALAB_SIMULATOR"] = "1"
     r = subprocess.run([sys.executable, "-c", RUNNER, str(path)], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

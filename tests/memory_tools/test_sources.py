@@ -197,7 +197,8 @@ def test_auto_leaves_out_a_torch_without_cuda_initialised(monkeypatch, cupy):
     assert [s.name for s in resolve_sources("auto")] == ["cudalab", "cupy", "process"]
 
 
-def test_process_is_nvml_less_every_allocator(torch):
+def test_process_is_nvml_less_every_allocator(torch, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # (a GPU run's earlier tests import CuPy)
     cudalab.init()
     ptr = cm.caching_allocator_alloc(3 << 20)
     try:
