@@ -19,8 +19,7 @@ thread), :mod:`~cudalab.cluster.watching` (the notebook's side), :mod:`~cudalab.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cudalab.lazy_names import lazy_names
 
 _OWNERS = {
     "serve": "cudalab.cluster.publisher",
@@ -38,14 +37,4 @@ _OWNERS = {
 __all__ = list(_OWNERS)
 
 
-def __getattr__(name: str) -> Any:
-    owner = _OWNERS.get(name)
-    if owner is None:
-        raise AttributeError(f"module 'cudalab.cluster' has no attribute {name!r}")
-    value = getattr(importlib.import_module(owner), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _OWNERS, globals())

@@ -16,8 +16,7 @@ Names load on first use, so ``import cudalab`` stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cudalab.lazy_names import lazy_names
 
 #: Each public name and the submodule that owns it.
 _OWNERS = {
@@ -37,14 +36,4 @@ _OWNERS = {
 __all__ = list(_OWNERS)
 
 
-def __getattr__(name: str) -> Any:
-    owner = _OWNERS.get(name)
-    if owner is None:
-        raise AttributeError(f"module 'cudalab.comm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(owner), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _OWNERS, globals())

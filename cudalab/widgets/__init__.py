@@ -27,9 +27,9 @@ ipywidgets; the first use of ``MemoryDashboard`` or ``SnapshotViewer`` does. See
 
 from __future__ import annotations
 
-import importlib
 import sys
-from typing import Any
+
+from cudalab.lazy_names import lazy_names
 
 __all__ = ["ClusterDashboard", "MemoryDashboard", "SnapshotExplorer", "SnapshotViewer", "close_all",
            "demo_snapshot",
@@ -62,14 +62,4 @@ def live_dashboards() -> list:
     return [] if mod is None else mod.live_dashboards()
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cudalab.widgets' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
