@@ -156,10 +156,14 @@ def environment(backend_name: str, device_name: str) -> dict:
     }
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, flags: tuple[tuple[str, str], ...] = ()) -> argparse.Namespace:
+    """``--json PATH`` and ``--quick``, plus a benchmark's own on/off ``flags`` ((name, help)
+    pairs, such as ``("--fills-only", "...")``)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--json", default=None, help="write results as JSON to this path")
     p.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    for name, text in flags:
+        p.add_argument(name, action="store_true", help=text)
     return p.parse_args()
 
 

@@ -23,11 +23,18 @@ Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
   with the queue drained between rounds, replay + synchronize, and the graph's speed-up
   over eager (goals: every cudalab row <= torch's, the graph >= 5x eager); and cudalab's
   eager fills through the fill kernel (what a fill takes during a capture), beside its
-  eager memset (which of the two an eager fill should take, per dtype).
+  eager memset (which of the two an eager fill should take, per dtype); a fifth case,
+  float16 starting 2 bytes into its buffer (1,024 elements), takes cuMemsetD16 eagerly
+  (float16 elsewhere takes cuMemsetD32 of the doubled pattern);
+* fill kernel variants: 1,000 launches of each fill kernel and launch shape on the float32
+  array's 4 KiB, replayed as one graph, GPU time per 1,000 (events, the variants
+  interleaved), beside torch's float32 ``fill_`` replay (which kernel and shape ``fill_``
+  should take inside a graph: issue 37's goal is a graph >= 5x eager).
 
 On the simulator every number is labelled simulated and torch is skipped.
 
-    python benchmarks/graphs.py [--json out.json] [--quick]
+    python benchmarks/graphs.py [--json out.json] [--quick] [--fills-only]
+    (--fills-only: only the fill_ by dtype and fill kernel variant rows)
 """
 
 from __future__ import annotations
@@ -190,6 +197,9 @@ def bench_cudalab(table: Table, results: dict, rounds: dict, quick: bool) -> Non
 #: (dtype name, value) of the fill_ rows: a uniform 4-byte pattern, a 2-byte one, a
 #: byte-uniform one, an 8-byte one.
 FILL_CASES = (("float32", 1.0), ("float16", 1.0), ("uint8", 7), ("int64", 5))
+#: (row name, dtype name, value, start element) of the offset cases: an array of
+#: FILL_ELEMENTS that starts ``start`` elements into its buffer.
+OFFSET_CASES = (("float16+2B", "float16", 1.0, 1),)
 FILL_ELEMENTS = 1024
 
 
@@ -245,8 +255,9 @@ def bench_dtype_fills(lib: str, api: dict, table: Table, results: dict, rounds: 
     def events():
         return api["Event"](enable_timing=True), api["Event"](enable_timing=True)
 
-    for name, value in FILL_CASES:
-        x = api["zeros"](name)
+    cases = [(name, name, value, 0) for name, value in FILL_CASES] + list(OFFSET_CASES)
+    for name, dtype_name, value, start in cases:
+        x = api["zeros"](dtype_name, start)
         api["synchronize"]()
 
         def fills(n=KERNELS, x=x, value=value):
@@ -287,6 +298,66 @@ def bench_dtype_fills(lib: str, api: dict, table: Table, results: dict, rounds: 
             functools.partial(_replay_sync_seconds, api["stream"], s, g, replays), replays,
             f"{key}_replay_sync_us")
     return keep
+
+
+# ------------------------------------------------------------------------ fill kernel variants
+def fill_kernel_variants(table: Table, results: dict, quick: bool, simulated: bool) -> None:
+    """1,000 launches of each fill kernel and launch shape on 4 KiB (float32's 1,024
+    elements of 1.0), captured into one graph each; the GPU time of a replay (events), the
+    variants interleaved in each repetition, beside torch's float32 fill_ replay."""
+    import numpy as np
+
+    import cudalab
+    from cudalab._kernels.fill import FILL_KERNELS, VECTOR_FILL_KERNEL
+
+    tag = " (simulated)" if simulated else ""
+    x = cudalab.array.zeros((FILL_ELEMENTS,), np.float32)
+    nbytes = x.nbytes
+    one = 0x3F800000  # 1.0f
+    # label -> (kernel, grid, block, value, count); the first is what fill_ takes
+    variants = {
+        "v16, 1 block of 256 (fill_'s)": (VECTOR_FILL_KERNEL, 1, 256, one << 32 | one, nbytes // 16),
+        "v16, 2 blocks of 128": (VECTOR_FILL_KERNEL, 2, 128, one << 32 | one, nbytes // 16),
+        "v16, 4 blocks of 64": (VECTOR_FILL_KERNEL, 4, 64, one << 32 | one, nbytes // 16),
+        "u64 grid-stride, 2 blocks of 256 (before)": (FILL_KERNELS[8], 2, 256, one << 32 | one,
+                                                      nbytes // 8),
+        "u32 grid-stride, 4 blocks of 256": (FILL_KERNELS[4], 4, 256, one, nbytes // 4),
+    }
+    s = cudalab.Stream()
+    s.wait_stream(cudalab.current_stream())
+    graphs = {}
+    with cudalab.stream(s):
+        for label, (kernel, grid, block, value, count) in variants.items():
+            def launches(kernel=kernel, shape=((grid, 1, 1), (block, 1, 1)),
+                         values=(x.ptr, value, count)):
+                for _ in range(KERNELS):
+                    kernel.launch_prepared(shape[0], shape[1], values, s)
+
+            launches()  # loads the kernel
+            graphs[label] = _capture(cudalab.CUDAGraph, launches)
+            graphs[label].replay()
+        s.synchronize()
+        if not (x.numpy() == 1.0).all():
+            raise AssertionError("a fill kernel variant wrote wrong values")
+        start, end = cudalab.Event(enable_timing=True), cudalab.Event(enable_timing=True)
+        times: dict = {label: [] for label in graphs}
+        for _ in range(5 if quick else 15):
+            for label, g in graphs.items():
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                times[label].append(start.elapsed_time(end) * 1e3)
+    cudalab.current_stream().wait_stream(s)
+    torch_us = results.get("torch_fill_float32_replay_gpu_us")
+    for i, (label, values) in enumerate(times.items()):
+        us = statistics.median(values)
+        note = f"min {min(values):.1f} µs"
+        if torch_us:
+            note += f"; {us / torch_us:.2f}x torch's fill_ replay"
+        table.add(f"fill kernel {label}: {KERNELS} replayed, GPU{tag}", us, "µs", note)
+        results[f"cudalab_fill_variant_{i}_replay_gpu_us"] = us
+    del graphs
 
 
 # ------------------------------------------------------------------------------------- torch
@@ -366,7 +437,8 @@ def cudalab_fill_api():
         finally:
             del streams.open_captures[-1]
 
-    return {"zeros": lambda name: cudalab.array.zeros((FILL_ELEMENTS,), np.dtype(name)),
+    return {"zeros": lambda name, start=0: cudalab.array.zeros(
+                (start + FILL_ELEMENTS,), np.dtype(name))[start:],
             "Stream": cudalab.Stream, "stream": cudalab.stream, "CUDAGraph": cudalab.CUDAGraph,
             "Event": cudalab.Event, "synchronize": cudalab.synchronize,
             "kernel_fills": kernel_fills}
@@ -374,8 +446,8 @@ def cudalab_fill_api():
 
 def torch_fill_api(torch):
     """What :func:`bench_dtype_fills` needs of torch."""
-    return {"zeros": lambda name: torch.zeros(FILL_ELEMENTS, dtype=getattr(torch, name),
-                                              device="cuda"),
+    return {"zeros": lambda name, start=0: torch.zeros(
+                start + FILL_ELEMENTS, dtype=getattr(torch, name), device="cuda")[start:],
             "Stream": torch.cuda.Stream, "stream": torch.cuda.stream,
             "CUDAGraph": torch.cuda.CUDAGraph, "Event": torch.cuda.Event,
             "synchronize": torch.cuda.synchronize}
@@ -400,7 +472,7 @@ def fill_rows(torch, table: Table, results: dict, quick: bool, simulated: bool) 
     del keep
     if torch is None:
         return
-    for name, _value in FILL_CASES:
+    for name in [case[0] for case in FILL_CASES + OFFSET_CASES]:
         for what, suffix in (("eager, GPU", "eager_us"), ("eager, host", "eager_host_us"),
                              ("replay, GPU", "replay_gpu_us"),
                              ("replay() host time, queue drained", "replay_host_us"),
@@ -412,7 +484,8 @@ def fill_rows(torch, table: Table, results: dict, quick: bool, simulated: bool) 
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], (
+        ("--fills-only", "only the fill_ by dtype and fill kernel variant rows"),))
     import cudalab
 
     cudalab.init()
@@ -420,8 +493,11 @@ def main() -> None:
     table = Table(f"CUDA graphs on {props.name}")
     results: dict = {}
     rounds: dict = {}  # row -> (a function timing one round, calls per round, results key)
-    bench_cudalab(table, results, rounds, args.quick)
     torch = None if props.simulated else optional_import("torch")
+    if args.fills_only:
+        fills_only(torch, table, results, args, props)
+        return
+    bench_cudalab(table, results, rounds, args.quick)
     if torch is not None and torch.cuda.is_available():
         bench_torch(torch, table, results, rounds, args.quick)
     # The replay and capture rows: cudalab's and torch's rounds interleaved (the host's speed
@@ -451,6 +527,20 @@ def main() -> None:
                 table.add(f"{what}, cudalab / torch", ratio, "x", "(goal: <= 1)")
     fill_rows(torch if torch is not None and torch.cuda.is_available() else None, table,
               results, args.quick, props.simulated)
+    fill_kernel_variants(table, results, args.quick, props.simulated)
+    finish(table, results, args, props)
+
+
+def fills_only(torch, table: Table, results: dict, args, props) -> None:
+    """The --fills-only run: the fill_ by dtype rows and the fill kernel variants."""
+    fill_rows(torch if torch is not None and torch.cuda.is_available() else None, table,
+              results, args.quick, props.simulated)
+    fill_kernel_variants(table, results, args.quick, props.simulated)
+    finish(table, results, args, props)
+
+
+def finish(table: Table, results: dict, args, props) -> None:
+    """Print the table and write the JSON."""
     print(table.render())
     from cudalab import _internal
 

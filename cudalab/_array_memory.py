@@ -22,7 +22,7 @@ from cudalab import _internal, _interrupts, _observe
 from cudalab import streams as _streams
 from cudalab._array_state import ArrayState
 from cudalab._dtypes import FLOAT8_NAMES, SUPPORTED_DTYPES
-from cudalab._kernels.fill import FILL_KERNELS
+from cudalab._kernels.fill import FILL_KERNELS, VECTOR_FILL_KERNEL
 from cudalab.allocator import registry as _registry
 from cudalab.errors import StreamCaptureError, name_operation
 
@@ -59,6 +59,10 @@ _open_captures = _streams.open_captures
 _FILL_BLOCK = 256
 _FILL_BLOCK3 = (_FILL_BLOCK, 1, 1)
 _FILL_MAX_BLOCKS = 8192
+#: The vector fill kernel's block (threads, one 16-byte vector each): 256 (4 KiB a block).
+_FILL_VECTOR_BLOCK = 256
+#: The largest grid.x a launch takes (2**31 - 1 blocks).
+_MAX_GRID_X = 0x7FFFFFFF
 
 # --------------------------------------------------------------------------- lazy imports
 _mem: Any = None  # cudalab.memory, bound on first use (it imports the allocator)
@@ -475,29 +479,37 @@ def scalar_bytes(value: Any, dtype: np.dtype) -> bytes:
 
 
 def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Stream) -> None:
-    """Write ``count`` copies of the item ``pattern`` at ``ptr`` on ``stream``."""
+    """Write ``count`` copies of the item ``pattern`` at ``ptr`` on ``stream``.
+
+    The path per case (the "fill_ by dtype" rows of benchmarks/graphs.py, beside torch's):
+    while a graph captures, always a kernel (a kernel node replays for a fraction of a memset
+    node's host cost; torch's fill_ is a kernel too), the 16-byte vector kernel where the
+    range is 16-byte aligned; eagerly a byte-uniform pattern is ``cuMemsetD8Async``, a 4-byte
+    one (and a 2-byte one doubled, where the range is 4-byte aligned) ``cuMemsetD32Async``, a
+    2-byte one elsewhere ``cuMemsetD16Async``: one driver call, cheaper on the host than a
+    kernel launch; 8-byte patterns take the kernel (a memset has no 8-byte form).
+    """
     b = stream.backend
     h = stream.handle
-    nbytes = count * len(pattern)
     itemsize = len(pattern)
+    nbytes = count * itemsize
     if _open_captures and itemsize <= 8:  # (one global read while no graph captures)
-        # Some stream is capturing a graph: a kernel node replays for a fraction of a memset
-        # node's host cost (torch's fill_ is a kernel too); legal on any stream. Narrow items
-        # are widened to 8 bytes where the address and size allow (8 bytes stored a thread).
-        if itemsize < 8 and not (ptr | nbytes) & 7:
-            pattern, count = pattern * (8 // itemsize), nbytes >> 3
+        # Some stream is capturing a graph: a kernel node, legal on any stream.
         fill_with_kernel(ptr, pattern, count, stream)  # (it makes the context current)
-    elif not (byte_uniform := pattern.count(pattern[0]) == itemsize) and (
-            itemsize == 8 or itemsize == 2):
-        if itemsize == 2 and not (ptr | nbytes) & 7:
-            pattern, count = pattern * 4, nbytes >> 3
+    elif not (byte_uniform := pattern.count(pattern[0]) == itemsize) and itemsize == 8:
         fill_with_kernel(ptr, pattern, count, stream)
     elif byte_uniform:
         null_context(stream)
         b.memset_d8_async(device, ptr, pattern[0], nbytes, h)
-    elif itemsize == 4 and ptr % 4 == 0:
+    elif itemsize == 4 and not ptr & 3:
         null_context(stream)
         b.memset_d32_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
+    elif itemsize == 2 and not (ptr | nbytes) & 3:
+        null_context(stream)
+        b.memset_d32_async(device, ptr, int.from_bytes(pattern * 2, "little"), nbytes >> 2, h)
+    elif itemsize == 2 and not ptr & 1:
+        null_context(stream)
+        b.memset_d16_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
     elif itemsize == 16:
         if pattern[:8] == pattern[8:]:
             fill_with_kernel(ptr, pattern[:8], 2 * count, stream)
@@ -520,13 +532,34 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
 
 
 def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stream) -> None:
-    """Fill with cudalab's grid-stride fill kernel for ``len(pattern)``-byte items (1, 2, 4
-    or 8), ``count`` >= 1 of them.
+    """Fill with cudalab's fill kernels: ``count`` >= 1 items of ``len(pattern)`` bytes (1,
+    2, 4 or 8).
 
-    Launched with ``Kernel.launch_prepared``: the values are built here, in range (the
-    item's own bytes for a u4/u8 parameter), and :func:`fill` has told the sanitizer
-    (the "fills eager" and "capture, host time per launch" rows of benchmarks/graphs.py).
+    A range that is 16-byte aligned (address and size) takes the 16-byte vector kernel with
+    the pattern widened to 8 bytes, one thread per vector, one block up to 4 KiB
+    (``cudalab_fill_v16``); an 8-byte aligned one the 8-byte grid-stride kernel with the
+    pattern widened; anything else the kernel of the item's own size. Launched with
+    ``Kernel.launch_prepared``: the values are built here, in range (the item's own bytes
+    for a u4/u8 parameter), and :func:`fill` has told the sanitizer (the "fills eager",
+    "capture, host time per launch" and "fill_ by dtype" rows of benchmarks/graphs.py).
     """
+    itemsize = len(pattern)
+    nbytes = count * itemsize
+    if not (ptr | nbytes) & 15:
+        vectors = nbytes >> 4
+        if vectors <= _FILL_VECTOR_BLOCK:  # one block of whole warps
+            grid, block = 1, (vectors + 31) & ~31
+        else:
+            grid, block = -(-vectors // _FILL_VECTOR_BLOCK), _FILL_VECTOR_BLOCK
+        if grid <= _MAX_GRID_X:
+            if itemsize < 8:
+                pattern = pattern * (8 // itemsize)
+            VECTOR_FILL_KERNEL.launch_prepared(
+                (grid, 1, 1), (block, 1, 1), (ptr, int.from_bytes(pattern, "little"), vectors),
+                stream)
+            return
+    if itemsize < 8 and not (ptr | nbytes) & 7:  # 8 bytes stored a thread
+        pattern, count = pattern * (8 // itemsize), nbytes >> 3
     grid = min(-(-count // _FILL_BLOCK), _FILL_MAX_BLOCKS)
     FILL_KERNELS[len(pattern)].launch_prepared(
         (grid, 1, 1), _FILL_BLOCK3, (ptr, int.from_bytes(pattern, "little"), count), stream)

@@ -320,6 +320,10 @@ class Backend(abc.ABC):
         """Stream-ordered byte fill."""
 
     @abc.abstractmethod
+    def memset_d16_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
+        """Stream-ordered fill of ``count`` 16-bit words (``ptr`` 2-byte aligned)."""
+
+    @abc.abstractmethod
     def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
         """Stream-ordered fill of ``count`` 32-bit words (``ptr`` 4-byte aligned)."""
 

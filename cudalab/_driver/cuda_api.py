@@ -107,6 +107,7 @@ if drv is not None:
     cuMemcpyPeerAsync = drv.cuMemcpyPeerAsync
     cuMemsetD8 = drv.cuMemsetD8
     cuMemsetD8Async = drv.cuMemsetD8Async
+    cuMemsetD16Async = drv.cuMemsetD16Async
     cuMemsetD32Async = drv.cuMemsetD32Async
     cuPointerGetAttribute = drv.cuPointerGetAttribute
     cuStreamCreateWithPriority = drv.cuStreamCreateWithPriority
@@ -166,7 +167,7 @@ else:  # pragma: no cover - only without cuda-bindings
     cuMemAlloc = cuMemFree = cuMemAllocAsync = cuMemFreeAsync = _no_bindings
     cuMemGetInfo = cuMemHostAlloc = cuMemFreeHost = cuMemcpy = _no_bindings
     cuMemcpyAsync = cuMemcpyPeerAsync = cuMemsetD8 = cuMemsetD8Async = _no_bindings
-    cuMemsetD32Async = cuPointerGetAttribute = _no_bindings
+    cuMemsetD16Async = cuMemsetD32Async = cuPointerGetAttribute = _no_bindings
     cuStreamCreateWithPriority = cuStreamDestroy = cuStreamQuery = _no_bindings
     cuStreamSynchronize = cuStreamWaitEvent = cuStreamGetPriority = _no_bindings
     cuStreamIsCapturing = cuEventCreate = cuEventDestroy = cuEventRecord = _no_bindings

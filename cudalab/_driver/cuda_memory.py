@@ -52,6 +52,7 @@ from cudalab._driver.cuda_api import (
     cuMemSetAccess,
     cuMemsetD8,
     cuMemsetD8Async,
+    cuMemsetD16Async,
     cuMemsetD32Async,
     cuMemUnmap,
     cuPointerGetAttribute,
@@ -269,6 +270,14 @@ class CudaMemory(Backend):
         err = cuMemsetD8Async(ptr, value & 0xFF, nbytes, stream)[0]
         if err:
             raise cuda_error(err, "cuMemsetD8Async")
+
+    def memset_d16_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
+        if not count:
+            return
+        self._ctx(device)
+        err = cuMemsetD16Async(ptr, value & 0xFFFF, count, stream)[0]
+        if err:
+            raise cuda_error(err, "cuMemsetD16Async")
 
     def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
         if not count:

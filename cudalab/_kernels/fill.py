@@ -1,7 +1,15 @@
-"""``cudalab_fill_u8/u16/u32/u64(ptr, value, n)``: grid-stride fills of n elements.
+"""``cudalab_fill_u8/u16/u32/u64(ptr, value, n)``: grid-stride fills of n elements, and
+``cudalab_fill_v16(ptr, value, n)``: n 16-byte vectors, one per thread, no loop.
 
-The four kernels share one source, so they are compiled (and cached) once. The value is
+The five kernels share one source, so they are compiled (and cached) once. The value is
 passed as a 32-bit parameter for the narrow types and truncated in the kernel.
+
+``cudalab_fill_v16`` is the fill of a 16-byte aligned range whose pattern repeats every 8
+bytes (every fill of 1, 2, 4 or 8-byte items, widened): each thread stores the 64-bit value
+twice in one 16-byte store, as torch's vectorized fill stores 4 floats, and the launch covers
+the range exactly (one thread per vector, no grid-stride loop), so a 4 KiB fill is one block.
+A fill is tiny and many are queued back to back (1,000 ``fill_`` in a CUDA graph: issue 37,
+section 1), so each node's GPU time is mostly the launch: fewer blocks and fewer stores a node.
 """
 
 from __future__ import annotations
@@ -31,9 +39,20 @@ extern "C" __global__ void cudalab_fill_{suffix}({elem}* __restrict__ ptr, {para
 }}
 """
 
+_VECTOR = r"""
+extern "C" __global__ void cudalab_fill_v16(ulonglong2* __restrict__ ptr, unsigned long long value,
+                                            unsigned long long n)
+{
+    const unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) {
+        ptr[i] = make_ulonglong2(value, value);
+    }
+}
+"""
+
 SOURCE = "".join(
     _TEMPLATE.format(suffix=suffix, elem=elem, param=param) for suffix, elem, param, _, _ in _TYPES
-)
+) + _VECTOR
 
 
 def _sim_impl(dtype):
@@ -46,6 +65,13 @@ def _sim_impl(dtype):
     return impl
 
 
+def _sim_vector(sim, grid, block, shared_mem, ptr, value, n):
+    # only the vectors the launch covers, as the kernel (one thread each, no loop)
+    n = min(n, grid[0] * grid[1] * grid[2] * block[0] * block[1] * block[2])
+    if n:
+        sim.array(ptr, np.uint64, 2 * n)[...] = np.uint64(value)
+
+
 #: Kernels by element size in bytes: {1: cudalab_fill_u8, 2: ..., 4: ..., 8: ...}.
 FILL_KERNELS = {
     np.dtype(dtype).itemsize: Kernel(
@@ -54,6 +80,14 @@ FILL_KERNELS = {
     )
     for suffix, _, _, code, dtype in _TYPES
 }
+
+
+#: The 16-byte vector fill (``cudalab_fill_v16``): ``(ptr, value, n)`` writes n 16-byte vectors,
+#: each the 8-byte ``value`` twice; ``ptr`` 16-byte aligned, one thread per vector.
+VECTOR_FILL_KERNEL = Kernel("cudalab_fill_v16", SOURCE, ("p", "u8", "u8"), sim=_sim_vector,
+                            access=("w", "", ""))
+#: Every fill kernel (loaded together before a capture begins).
+ALL_FILL_KERNELS = (*FILL_KERNELS.values(), VECTOR_FILL_KERNEL)
 
 
 def fill_kernel(itemsize: int) -> Kernel:

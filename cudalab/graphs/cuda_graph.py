@@ -48,7 +48,7 @@ from cudalab._driver.base import (
     GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH,
     GRAPH_INSTANTIATE_USE_NODE_PRIORITY,
 )
-from cudalab._kernels.fill import FILL_KERNELS
+from cudalab._kernels.fill import ALL_FILL_KERNELS
 from cudalab.allocator.pools import check_pool_id, new_graph_pool_id
 from cudalab.allocator.registry import get_allocator
 from cudalab.errors import CudaError
@@ -142,10 +142,10 @@ def _load_fill_kernels(backend: Any, device: int) -> None:
     """Load the fill kernels on ``device`` before a capture begins: ``fill_`` takes them
     while a graph captures (a kernel node replays far cheaper than a memset node), also for
     the patterns an eager warm-up fills with a memset, and a module load is best kept out of
-    the capture (after the first capture on a device: four dictionary reads). A device whose
+    the capture (after the first capture on a device: five dictionary reads). A device whose
     kernels cannot load (no NVRTC) still captures what needs none; its fills then fail in
     the capture as any kernel would."""
-    for kernel in FILL_KERNELS.values():
+    for kernel in ALL_FILL_KERNELS:
         try:
             kernel.get_function(device, backend)
         except Exception:  # noqa: BLE001 - see the docstring

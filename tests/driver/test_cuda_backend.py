@@ -484,6 +484,7 @@ def test_every_call_passes_argument_conversion(monkeypatch):
         ("memcpy_peer_async", "", 0, lambda: b.memcpy_peer_async(ptr, 1, ptr + 64, 0, 64, s)),
         ("memset_d8", "", 0, lambda: b.memset_d8(0, ptr, 0xAB, 64)),
         ("memset_d8_async", "", 0, lambda: b.memset_d8_async(0, ptr, -1, 64, s)),
+        ("memset_d16_async", "", 0, lambda: b.memset_d16_async(0, ptr, 0xBEEF, 16, s)),
         ("memset_d32_async", "", 0, lambda: b.memset_d32_async(0, ptr, 0xDEADBEEF, 16, s)),
         ("pointer_device", "", 0, lambda: b.pointer_device(ptr)),
         ("pointer_device", "bindings fallback", 0,
@@ -729,6 +730,11 @@ def test_memset(cb):
         words = np.zeros(n // 4, np.uint32)
         cb.memcpy(0, words.ctypes.data, d, n)
         assert words[0] == 0xFFFFFFFF and (words[1:] == 0xDEADBEEF).all()
+        cb.memset_d16_async(0, d + 2, 0x3C00, 3, s)  # 2-byte aligned, not 4
+        cb.stream_synchronize(s)
+        halves = np.zeros(8, np.uint16)
+        cb.memcpy(0, halves.ctypes.data, d, 16)
+        assert list(halves[:5]) == [0xFFFF, 0x3C00, 0x3C00, 0x3C00, 0xDEAD]
     finally:
         cb.mem_free(0, d)
 

@@ -446,6 +446,20 @@ def test_pinned_memory_and_async_copies(b):
     assert b.host_alloc(0) == 0
 
 
+def test_memset_d16(b):
+    p = b.mem_alloc(0, 1024)  # (the simulator's allocations are whole 512 B units)
+    b.memset_d8(0, p, 0, 1024)
+    s = b.stream_create(0)
+    b.memset_d16_async(0, p + 2, 0x3C00, 5, s)  # 2-byte aligned, not 4
+    b.memset_d16_async(0, p + 20, -1, 1, s)
+    b.stream_synchronize(s)
+    assert list(b.array(p, np.uint16, 12)) == [0, *[0x3C00] * 5, 0, 0, 0, 0, 0xFFFF, 0]
+    expect_cuda_error(1, "CUDA_ERROR_INVALID_VALUE", b.memset_d16_async, 0, p + 1, 1, 4, s)
+    expect_cuda_error(1, "CUDA_ERROR_INVALID_VALUE", b.memset_d16_async, 0, p + 1022, 1, 2, s)
+    with pytest.raises(ValueError):
+        b.memset_d16_async(0, p, 1 << 16, 1, s)
+
+
 def test_memset_d8_and_d32(b):
     p = b.mem_alloc(0, 4096)
     b.memset_d8(0, p, 0x5A, 4096)

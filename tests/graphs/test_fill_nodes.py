@@ -112,10 +112,10 @@ def test_the_fill_kernels_load_before_the_capture(monkeypatch):
     """A fill in a capture takes a kernel even where an eager warm-up took a memset: the
     kernels are loaded at capture_begin, so no module load happens inside the capture."""
     from cudalab import _internal
-    from cudalab._kernels.fill import FILL_KERNELS
+    from cudalab._kernels.fill import ALL_FILL_KERNELS
 
     backend = _internal.backend()
-    for kernel in FILL_KERNELS.values():  # as in a process that never launched them
+    for kernel in ALL_FILL_KERNELS:  # as in a process that never launched them
         monkeypatch.setattr(kernel, "_functions", {})
         monkeypatch.setattr(kernel, "_tls", type(kernel._tls)())
     loads = []
@@ -136,6 +136,6 @@ def test_the_fill_kernels_load_before_the_capture(monkeypatch):
         a.fill_(2.0)
         g.capture_end()
     assert g.node_kinds() == ["kernel"]
-    assert len(loads) == len(FILL_KERNELS) and not any(loads)  # all before the capture
+    assert len(loads) == len(ALL_FILL_KERNELS) and not any(loads)  # all before the capture
     g.replay()
     np.testing.assert_array_equal(a.numpy(), np.full(256, 2.0, np.float32))

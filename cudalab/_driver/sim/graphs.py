@@ -87,7 +87,7 @@ _CAPTURE_ERRORS = {
 
 #: Stream operations (by the backend method that runs them) -> the graph node they become.
 _NODE_KINDS = {"_kernel_op": "kernel", "_copy_op": "memcpy", "_memset8_op": "memset",
-               "_memset32_op": "memset", "_graph_op": "graph",
+               "_memset16_op": "memset", "_memset32_op": "memset", "_graph_op": "graph",
                "_library_op": "kernel"}  # a simulated cuBLAS / cuFFT call (sim.blas, sim.fft)
 _ALL_FLAGS = 1 | 2 | 4 | 8  # CUgraphInstantiate_flags
 _MODES = (CAPTURE_MODE_GLOBAL, CAPTURE_MODE_THREAD_LOCAL, CAPTURE_MODE_RELAXED)

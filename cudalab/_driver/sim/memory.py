@@ -235,6 +235,20 @@ class SimMemory(SimulatorCore):
         h = self.checked_address(self._ptr(ptr, call), n, call)
         self.submit(s, self._memset8_op, (h, v, n, self._devs[s.device].physical))
 
+    def memset_d16_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
+        call = "cuMemsetD16Async"
+        self._device(device, call)
+        s = self.stream_of(stream, call)
+        v = self._fill_value(value, 16, call)
+        n = self._size(count, call)
+        p = self._ptr(ptr, call)
+        if p % 2:
+            raise invalid_value(call, "pointer must be 2-byte aligned")
+        if n == 0:
+            return
+        h = self.checked_address(p, 2 * n, call)
+        self.submit(s, self._memset16_op, (h, v, n, self._devs[s.device].physical))
+
     def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
         call = "cuMemsetD32Async"
         self._device(device, call)
@@ -500,11 +514,18 @@ class SimMemory(SimulatorCore):
         ctypes.memset(dst, value, n)
         self.activity[phys].append((t0, now(), ACTIVITY_COPY))
 
+    def _memset16_op(self, dst: int, value: int, count: int, phys: int) -> None:
+        self._memset_words(dst, value.to_bytes(2, "little"), count, phys)
+
     def _memset32_op(self, dst: int, value: int, count: int, phys: int) -> None:
+        self._memset_words(dst, value.to_bytes(4, "little"), count, phys)
+
+    def _memset_words(self, dst: int, word: bytes, count: int, phys: int) -> None:
+        """``count`` copies of ``word`` at ``dst`` (the filled prefix doubled each step)."""
         t0 = now()
-        total = 4 * count
-        ctypes.memmove(dst, value.to_bytes(4, "little"), 4)
-        filled = 4
+        total = len(word) * count
+        ctypes.memmove(dst, word, len(word))
+        filled = len(word)
         while filled < total:
             step = min(filled, total - filled)
             ctypes.memmove(dst + filled, dst, step)
