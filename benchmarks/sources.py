@@ -8,11 +8,15 @@ with torch's own figures.
   flat ``memory_stats()`` beside it, per call;
 * the watch's torch line: pre + post hooks per cell;
 * ``%%cuda_timed`` on a torch matmul against ``torch.cuda.Event`` timing of the same matmul,
-  back to back (goal: within 2 %).
+  back to back (goal: within 2 %);
+* what the CuPy recording (``%cuda_memory history start --source cupy``: CuPy's memory hooks)
+  costs a CuPy allocation and free (``cupy.empty`` of 4 KiB and its release), with and
+  without the recording, alternating; and a snapshot of the recording.
 
     python benchmarks/sources.py [--json out.json] [--quick]
 
-Needs torch with CUDA (the rows are skipped without it, saying so).
+Needs torch with CUDA for the torch rows and CuPy for the CuPy rows (each skipped without
+it, saying so).
 """
 
 from __future__ import annotations
@@ -141,12 +145,66 @@ def timed_vs_events(torch, repeats: int) -> dict:
             "difference_pct": 100.0 * (ours - theirs) / theirs}
 
 
+def cupy_recording(cupy, number: int, rounds: int) -> dict:
+    """Per ``cupy.empty(4096)`` and its release: CuPy alone and under the recording, in
+    alternating rounds (medians); and one snapshot of a recording of ``number`` pairs."""
+    from cudalab.memory import record_cupy_history
+
+    empty, uint8 = cupy.empty, cupy.uint8
+
+    def pairs() -> float:
+        t = time.perf_counter()
+        for _ in range(number):
+            a = empty(4096, dtype=uint8)
+            del a
+        return (time.perf_counter() - t) / number
+
+    pairs()  # warm: the pool's segment
+    off, on = [], []
+    snapshot_s = 0.0
+    for _ in range(rounds):
+        off.append(pairs())
+        rec = record_cupy_history(cupy, max_entries=1 << 20)
+        try:
+            on.append(pairs())
+            t = time.perf_counter()
+            snap = rec.snapshot()
+            snapshot_s = time.perf_counter() - t
+        finally:
+            rec.stop()
+    entries = sum(len(tr) for tr in snap["device_traces"])
+    return {"alone_us": statistics.median(off) * 1e6,
+            "recorded_us": statistics.median(on) * 1e6, "snapshot_ms": snapshot_s * 1e3,
+            "snapshot_entries": entries, "pairs": number, "rounds": rounds}
+
+
+def cupy_rows(quick: bool) -> tuple[list[tuple], dict]:
+    cupy = optional_import("cupy")
+    if cupy is None or not cupy.cuda.is_available():
+        print("cudalab sources: CuPy with CUDA is not installed here: no CuPy rows")
+        return [], {"skipped": "no CuPy with CUDA"}
+    rec = cupy_recording(cupy, 2000 if quick else 20000, 3 if quick else 7)
+    return [
+        ("cupy.empty(4 KiB) + release, CuPy alone", rec["alone_us"], "µs", "per pair"),
+        ("cupy.empty(4 KiB) + release, recorded (CuPy's memory hooks)", rec["recorded_us"],
+         "µs", f"+{rec['recorded_us'] - rec['alone_us']:.2f} µs per pair"),
+        ("snapshot of the CuPy recording", rec["snapshot_ms"], "ms",
+         f"{rec['snapshot_entries']:,} trace entries"),
+    ], rec
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     torch = optional_import("torch")
     if torch is None or not torch.cuda.is_available():
-        print("cudalab sources: torch with CUDA is not installed here: no rows")
-        write_json(args.json, {"skipped": "no torch with CUDA"})
+        print("cudalab sources: torch with CUDA is not installed here: no torch rows")
+        rows, cupy_figures = cupy_rows(args.quick)
+        if rows:
+            t = Table("cudalab sources, CuPy")
+            for row in rows:
+                t.add(*row)
+            print(t.render())
+        write_json(args.json, {"skipped": "no torch with CUDA", "cupy": cupy_figures})
         return
     import cudalab
 
@@ -168,9 +226,12 @@ def main() -> None:
     t.add("matmul 4096², torch.cuda.Event median", timing["torch_events_ms"], "ms")
     t.add("matmul 4096², %%cuda_timed median", timing["cuda_timed_ms"], "ms")
     t.add("%%cuda_timed vs torch events", timing["difference_pct"], "%", "goal within 2 %")
+    rows, cupy_figures = cupy_rows(args.quick)
+    for row in rows:
+        t.add(*row)
     print(t.render())
     write_json(args.json, {"environment": environment("cuda", name), "slowdown": slow,
-                           "costs": costs, "timing": timing})
+                           "costs": costs, "timing": timing, "cupy": cupy_figures})
 
 
 if __name__ == "__main__":

@@ -391,10 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 "serial)")
             p.add_argument("--top", type=int, default=10, metavar="N",
                            help="with --search: rows shown per capacity (default 10)")
-            p.add_argument("--source", choices=("cudalab", "torch", "auto"), default="auto",
+            p.add_argument("--source", choices=("cudalab", "torch", "cupy", "auto"),
+                           default="auto",
                            help="the allocator whose trace TRACE must be: cudalab (a snapshot "
-                                "whose identity names cudalab) or torch (torch's _dump_snapshot "
-                                "or '%%cuda_memory history save X.pickle --source torch'); "
+                                "whose identity names cudalab), torch (torch's _dump_snapshot "
+                                "or '%%cuda_memory history save X.pickle --source torch') or "
+                                "cupy ('%%cuda_memory history save X.pickle --source cupy'); "
                                 "auto (default) replays any")
             p.add_argument("--target", type=float, default=None, metavar="RATIO",
                            help="a goal for peak reserved / peak allocated (e.g. 1.10): say "

@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # the tooling's names, loaded on first use by __getattr__ (se
         reset_peak_host_memory_stats,
     )
     from cudalab.memory_tools.autotune import autotune
+    from cudalab.memory_tools.cupy_history import CupyRecording, record_cupy_history
     from cudalab.memory_tools.export import (
         history_frame,
         segments_frame,
@@ -95,6 +96,7 @@ __all__ = [
     "AllocatorConfig",
     "AsyncPoolAllocator",
     "DeviceCachingAllocator",
+    "CupyRecording",
     "HistoryRecording",
     "MemPool",
     "CUDAPluggableAllocator",
@@ -125,6 +127,7 @@ __all__ = [
     "memory_stats_as_nested_dict",
     "memory_summary",
     "parse_alloc_conf",
+    "record_cupy_history",
     "record_history",
     "record_stream",
     "render_memory_summary",
@@ -677,6 +680,7 @@ _LAZY = {
     **{name: _TOOLING + "plot" for name in ("plot_segments", "plot_timeline")},
     **{name: _TOOLING + "replay" for name in ("ReplayResult", "ReplayWarning", "replay")},
     "what_if": _TOOLING + "what_if",
+    **{name: _TOOLING + "cupy_history" for name in ("CupyRecording", "record_cupy_history")},
     **{name: _TOOLING + "trace_diff" for name in ("diff", "TraceDiff")},
     **{name: _TOOLING + "trace_index" for name in ("open_trace", "TraceIndex")},
     **{name: _TOOLING + "snapshot" for name in ("export_memory_viz", "_dump_snapshot", "_snapshot")},

@@ -269,8 +269,10 @@ class CudaLabMagics(Magics):
         for, from NVML) or auto (the default: every allocator present in the process, each
         labelled; for a snapshot or trace, torch's when the process runs torch and cudalab
         holds nothing). history records only the allocator named (default cudalab; --source
-        torch drives torch's _record_memory_history). torch and CuPy are read only when
-        imported. BYTES accepts units: 1048576, 1MiB, 64 KiB, 1.5GB. Python variables expand as in
+        torch drives torch's _record_memory_history; --source cupy records CuPy's pool with
+        CuPy's memory hooks, on this thread, and snapshot, what-if and frame --source cupy
+        read that recording). --source process has no snapshot or history (NVML keeps no
+        per-allocation records). torch and CuPy are read only when imported. BYTES accepts units: 1048576, 1MiB, 64 KiB, 1.5GB. Python variables expand as in
         other line magics: %cuda_memory snapshot {path}. A ``#`` that starts a word (outside
         quotes) starts a comment: %cuda_memory snapshot  # the viewer.
         """

@@ -86,6 +86,7 @@ class MemoryState:
         self.watch_source: str | None = None  # the --source of the watch that is on
         self.history: Any = None  # HistoryRecording started by the magic
         self.torch_history: Any = None  # TorchHistory: torch's recording, driven by the magic
+        self.cupy_history: Any = None  # CupyHistory: the CuPy recording, driven by the magic
 
     def watch_on(self, device: int | None, threshold: int, source: str = "auto") -> str:
         """Turn the watch on for ``source``: ``cudalab`` (cudalab's line), ``torch`` or
@@ -164,6 +165,8 @@ class MemoryState:
             self.history = None
         if self.torch_history is not None:
             self.torch_history.close()  # torch's recording, when this magic started it
+        if self.cupy_history is not None:
+            self.cupy_history.close()  # the CuPy recording, when this magic started it
 
 
 def _state(magics: Any) -> MemoryState:
@@ -193,16 +196,16 @@ def _settings_text(s: dict | None) -> str:
 def _history_source(args: MemoryArgs) -> str:
     """The allocator ``history`` acts on: ``--source`` (default ``cudalab``: a recording costs
     the recorded allocator time, so only the one named is started; ``auto`` is torch when the
-    process runs torch and cudalab's allocator holds nothing)."""
-    from cudalab.memory_tools.libraries import auto_snapshot_source
+    process runs torch and cudalab's allocator holds nothing, or CuPy while a CuPy recording
+    runs). ``process`` has no history (NVML keeps no per-allocation records): a UsageError
+    that says so and what to use."""
+    from cudalab.memory_tools.libraries import PROCESS_NO_RECORDS, auto_snapshot_source
 
     name = args.source or "cudalab"
     if name == "auto":
         name = auto_snapshot_source()
-    if name in ("cupy", "process"):
-        what = "CuPy's pool" if name == "cupy" else "the process's remainder"
-        raise UsageError(f"%cuda_memory history --source {name}: {what} keeps no trace; use "
-                         "--source cudalab or torch")
+    if name == "process":
+        raise UsageError(f"%cuda_memory history --source process: {PROCESS_NO_RECORDS}")
     return name
 
 
@@ -212,12 +215,19 @@ def _history(magics: Any, args: MemoryArgs) -> Any:
 
     st = _state(magics)
     sub = args.words[0].lower() if args.words else "status"
-    if _history_source(args) == "torch":
+    name = _history_source(args)
+    if name == "torch":
         if st.torch_history is None:
             from cudalab.magics.memory_torch_history import TorchHistory
 
             st.torch_history = TorchHistory()
         return st.torch_history.run(sub, args)
+    if name == "cupy":
+        if st.cupy_history is None:
+            from cudalab.magics.memory_cupy_history import CupyHistory
+
+            st.cupy_history = CupyHistory()
+        return st.cupy_history.run(sub, args)
     if sub == "start":
         if st.history is not None and hist.is_recording():
             print(f"cudalab history: already recording ({_settings_text(hist.history_settings())})")

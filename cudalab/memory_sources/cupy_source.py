@@ -12,40 +12,34 @@ When cudalab's caching allocator backs CuPy (``cupy.cuda.set_allocator(
 cudalab.memory.cupy_allocator)``, :mod:`cudalab.interop`), CuPy's arrays are cudalab's
 allocations and the ``cudalab`` source counts them; the CuPy pool then holds only what it
 had before, and the sample's note says so rather than counting anything twice.
+
+CuPy's pool keeps no per-block state nor trace: :meth:`CupySource.snapshot` is the snapshot
+of the CuPy recording (:mod:`cudalab.memory_tools.cupy_history`, started by
+``%cuda_memory history start --source cupy`` or ``cudalab.memory.record_cupy_history()``),
+which sees what was allocated since it started.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
 from cudalab.memory_sources.cudalab_source import DeviceFacts
-from cudalab.memory_tools.libraries import SourceUnavailableError, cupy_module
+from cudalab.memory_tools.libraries import (
+    SourceUnavailableError,
+    cupy_backing,
+    cupy_history_snapshot,
+    cupy_module,
+    cupy_pool_figures,
+)
 from cudalab.memory_tools.samples import DeviceSample
 
-#: ``cupy_module`` lives in :mod:`cudalab.memory_tools.libraries` (importable from here too).
+#: ``cupy_module`` and ``cupy_backing`` live in :mod:`cudalab.memory_tools.libraries` (so the
+#: CuPy recording below the memory API reads them too) and stay importable from here.
 __all__ = ["CupySource", "cupy_backing", "cupy_module"]
 
 _NO_COUNTS = ("CuPy's pool keeps no peaks nor allocation counts: the peaks are the highest "
               "figures sampled")
-
-
-def cupy_backing(cupy: Any) -> str:
-    """Which allocator CuPy allocates device memory from now: ``"pool"`` (its default
-    ``MemoryPool``), ``"cudalab"`` (:func:`cudalab.interop.cupy_allocator`) or ``"other"``
-    (RMM, a user's pool, ...)."""
-    try:
-        current = cupy.cuda.get_allocator()
-        if current == cupy.get_default_memory_pool().malloc:
-            return "pool"
-    except Exception:  # an older CuPy without get_allocator: the default pool
-        return "pool"
-    interop = sys.modules.get("cudalab.interop")  # (a layer above: read, never imported)
-    ours = getattr(interop, "cupy_allocator", None)
-    if ours is not None and (current is ours or getattr(current, "__wrapped__", None) is ours):
-        return "cudalab"
-    return "other"
 
 
 class CupySource:
@@ -85,12 +79,7 @@ class CupySource:
         """``(used_bytes, total_bytes, n_free_blocks)`` of the default pool on ``device``
         (CuPy's pool answers for the calling thread's current device: the device is made
         current for the call when it is another)."""
-        cupy = self._cupy
-        pool = cupy.get_default_memory_pool()
-        if cupy.cuda.runtime.getDevice() == device:
-            return int(pool.used_bytes()), int(pool.total_bytes()), int(pool.n_free_blocks())
-        with cupy.cuda.Device(device):
-            return int(pool.used_bytes()), int(pool.total_bytes()), int(pool.n_free_blocks())
+        return cupy_pool_figures(self._cupy, device)
 
     def sample(self, device: int, now: float | None = None) -> DeviceSample:
         """A :class:`DeviceSample` of CuPy's default pools on ``device``."""
@@ -139,7 +128,8 @@ class CupySource:
         self._cupy.get_default_pinned_memory_pool().free_all_blocks()
 
     def snapshot(self) -> dict[str, Any]:
-        """SourceUnavailableError: CuPy's pool keeps no per-block state to snapshot."""
-        raise SourceUnavailableError("cupy", "CuPy's pool keeps no per-block state nor trace: "
-                                             "a snapshot or history needs the 'cudalab' or "
-                                             "'torch' source")
+        """The snapshot of the CuPy recording (:mod:`cudalab.memory_tools.cupy_history`): the
+        segments and live blocks seen since it started, its trace, and the pool's totals
+        beside them. SourceUnavailableError when no recording was started (CuPy's pool keeps
+        no per-block state of its own)."""
+        return cupy_history_snapshot()

@@ -15,8 +15,10 @@ from typing import Any
 
 from cudalab.identity import Identity
 
-__all__ = ["SourceUnavailableError", "auto_snapshot_source", "cupy_module", "source_snapshot",
-           "torch_history_enabled", "torch_module", "torch_ready", "torch_snapshot"]
+__all__ = ["CUPY_NOT_RECORDING", "PROCESS_NO_RECORDS", "SourceUnavailableError",
+           "auto_snapshot_source", "cupy_backing", "cupy_history_snapshot", "cupy_module",
+           "cupy_pool_figures", "cupy_recording", "source_snapshot", "torch_history_enabled",
+           "torch_module", "torch_ready", "torch_snapshot"]
 
 #: The names a source may have (:data:`cudalab.memory_sources.SOURCE_NAMES` is this tuple).
 SOURCE_NAMES: tuple[str, ...] = ("cudalab", "torch", "cupy", "process", "auto")
@@ -66,6 +68,65 @@ def cupy_module(explicit: bool = False) -> Any:
     return _module("cupy", "CuPy", explicit)
 
 
+def cupy_backing(cupy: Any) -> str:
+    """Which allocator CuPy allocates device memory from now: ``"pool"`` (its default
+    ``MemoryPool``), ``"cudalab"`` (:func:`cudalab.interop.cupy_allocator`) or ``"other"``
+    (RMM, a user's own ``MemoryPool``, ...)."""
+    try:
+        current = cupy.cuda.get_allocator()
+        if current == cupy.get_default_memory_pool().malloc:
+            return "pool"
+    except Exception:  # an older CuPy without get_allocator: the default pool
+        return "pool"
+    interop = sys.modules.get("cudalab.interop")  # (a layer above: read, never imported)
+    ours = getattr(interop, "cupy_allocator", None)
+    if ours is not None and (current is ours or getattr(current, "__wrapped__", None) is ours):
+        return "cudalab"
+    return "other"
+
+
+def cupy_pool_figures(cupy: Any, device: int) -> tuple[int, int, int]:
+    """``(used_bytes, total_bytes, n_free_blocks)`` of CuPy's default ``MemoryPool`` on
+    ``device`` (CuPy's pool answers for the calling thread's current device: ``device`` is
+    made current for the call when it is another)."""
+    pool = cupy.get_default_memory_pool()
+    if cupy.cuda.runtime.getDevice() == device:
+        return int(pool.used_bytes()), int(pool.total_bytes()), int(pool.n_free_blocks())
+    with cupy.cuda.Device(device):
+        return int(pool.used_bytes()), int(pool.total_bytes()), int(pool.n_free_blocks())
+
+
+#: Why the ``process`` source has no snapshot, history nor what-if, and what to use instead.
+PROCESS_NO_RECORDS = (
+    "the process source is NVML's figure for the whole process less what the allocators "
+    "hold: NVML keeps no per-allocation records, so it has no snapshot, history nor what-if; "
+    "use the allocator's source for those (cudalab, torch, or cupy after '%cuda_memory "
+    "history start --source cupy'), and --source process in watch and dashboard")
+
+#: Why the ``cupy`` source has no snapshot or trace yet, and what to do.
+CUPY_NOT_RECORDING = (
+    "CuPy's pool keeps no per-block state nor trace of its own: start a recording first "
+    "('%cuda_memory history start --source cupy', or cudalab.memory.record_cupy_history()), "
+    "which records CuPy's allocations with CuPy's memory hooks from then on")
+
+
+def cupy_recording() -> Any:
+    """The CuPy recording started last (:class:`cudalab.memory_tools.cupy_history.
+    CupyRecording`, running or stopped), or None when none was started in this process."""
+    module = sys.modules.get("cudalab.memory_tools.cupy_history")  # (loaded by a start)
+    return None if module is None else module.current_recording()
+
+
+def cupy_history_snapshot() -> dict[str, Any]:
+    """The snapshot of the CuPy recording (:func:`cupy_recording`): the segments and blocks
+    it saw, its trace and CuPy's pool totals; SourceUnavailableError when none was started."""
+    recording = cupy_recording()
+    if recording is None:
+        raise SourceUnavailableError("cupy", CUPY_NOT_RECORDING)
+    snap: dict[str, Any] = recording.snapshot()
+    return snap
+
+
 def torch_ready(torch: Any) -> str:
     """Why torch's allocator cannot be read now ("" when it can): torch has no CUDA, or has
     not initialised it (reading ``torch.cuda.is_initialized()`` and ``is_available()``,
@@ -108,15 +169,21 @@ def torch_snapshot(torch: Any) -> dict[str, Any]:
 def auto_snapshot_source() -> str:
     """Which allocator's snapshot (or trace) ``auto`` means: a snapshot is one allocator's,
     so ``"torch"`` when torch is imported, has initialised CUDA and cudalab's own allocator
-    holds no memory (the process runs torch), else ``"cudalab"``."""
+    holds no memory (the process runs torch), else ``"cupy"`` when a CuPy recording runs
+    and cudalab's allocator holds no memory, else ``"cudalab"``."""
     torch = torch_module()
-    if torch is None or torch_ready(torch):
+    torch_on = torch is not None and not torch_ready(torch)
+    recording = cupy_recording()
+    cupy_on = recording is not None and bool(recording.active)
+    if not torch_on and not cupy_on:
         return "cudalab"
     from cudalab.allocator import registry
 
     held = any(a.memory_stats().get("reserved_bytes.all.current", 0)
                for a in list(registry.active))
-    return "cudalab" if held else "torch"
+    if held:
+        return "cudalab"
+    return "torch" if torch_on else "cupy"
 
 
 def source_snapshot(source: Any) -> dict[str, Any] | None:
@@ -128,8 +195,9 @@ def source_snapshot(source: Any) -> dict[str, Any] | None:
         ``"cudalab"`` (None is returned: the caller reads cudalab's own, as without a
         source), ``"torch"`` (torch's ``_snapshot()``), ``"auto"`` (torch's when the process
         runs torch and cudalab's allocator holds nothing, see :func:`auto_snapshot_source`),
-        or an object with a ``snapshot()``
-        method (a :class:`~cudalab.memory_tools.samples.SampleSource`).
+        ``"cupy"`` (the CuPy recording's snapshot: :func:`cupy_history_snapshot`), or an
+        object with a ``snapshot()`` method (a
+        :class:`~cudalab.memory_tools.samples.SampleSource`).
 
     Returns
     -------
@@ -138,8 +206,8 @@ def source_snapshot(source: Any) -> dict[str, Any] | None:
     Raises
     ------
     SourceUnavailableError
-        torch cannot be read; ``"cupy"`` or ``"process"`` (they keep no per-block state or
-        trace).
+        torch cannot be read; ``"cupy"`` before a CuPy recording was started;
+        ``"process"`` (NVML keeps no per-allocation records: :data:`PROCESS_NO_RECORDS`).
     ValueError
         An unknown name.
     """
@@ -155,10 +223,9 @@ def source_snapshot(source: Any) -> dict[str, Any] | None:
         return None
     if name == "torch":
         return torch_snapshot(torch_module(explicit=True))
-    if name in ("cupy", "process"):
-        what = "CuPy's pool" if name == "cupy" else "the process's remainder"
-        raise SourceUnavailableError(name, f"{what} keeps no per-block state nor trace: a "
-                                           "snapshot or history needs the 'cudalab' or "
-                                           "'torch' source")
+    if name == "cupy":
+        return cupy_history_snapshot()
+    if name == "process":
+        raise SourceUnavailableError(name, PROCESS_NO_RECORDS)
     raise ValueError(f"unknown memory source {source!r:.60}; use one of "
                      f"{', '.join(SOURCE_NAMES)}")

@@ -224,7 +224,13 @@ class SnapshotViewer(W.VBox):
         reserved = sum(s.get("total_size", 0) for s in segs)
         shown = (f"{info['rows']} of {info['segments']} segments (the largest)"
                  if info["rows"] < info["segments"] else f"{info['segments']} segments")
-        sim = (self.snapshot.get("cudalab") or {}).get("simulated")
+        ours = self.snapshot.get("cudalab")
+        ours = ours if isinstance(ours, dict) else {}
+        sim = ours.get("simulated")
+        # what the snapshot can and cannot show (a CuPy recording's: only what it saw)
+        note = ours.get("note") if isinstance(ours.get("note"), str) else ""
+        note_html = (f'<br><span class="cudalab-snap-note" style="font-size:11px">'
+                     f'{html.escape(note[:2000])}</span>' if note else "")
         when = ("final state" if self.history is None or self.position >= self.history.n
                 else f"state after entry {self.position} of {self.history.n}")
         self._summary.value = (
@@ -232,7 +238,7 @@ class SnapshotViewer(W.VBox):
             f'{_origin_html(self.snapshot.get("identity"))}: '
             f'{shown}, {info["blocks"]:,} blocks, reserved {format_bytes(reserved)}: allocated '
             f'{format_bytes(by[0])}, pending free {format_bytes(by[1])}, inactive {format_bytes(by[2])} '
-            f'&middot; {when}</div>')
+            f'&middot; {when}{note_html}</div>')
         self._map.value = svg
         if timeline or self.history is not None:
             self._render_timeline(recompute=timeline)

@@ -19,14 +19,17 @@ fake_cupy`` (imported under these names, they are used as ``torch`` and ``cupy``
 
 from __future__ import annotations
 
+import collections
 import itertools
 import sys
+import threading
 import types
 from typing import Any
 
 import pytest
 
-__all__ = ["FakeTorch", "FakeCupy", "SEGMENT", "fake_torch", "fake_cupy"]
+__all__ = ["FakeTorch", "FakeCupy", "FakeMemoryHook", "FakeOutOfMemoryError", "SEGMENT",
+           "fake_torch", "fake_cupy", "get_memory_hooks"]
 
 #: The fake torch's segment size: reserved grows by whole segments.
 SEGMENT = 2 << 20
@@ -245,14 +248,79 @@ class FakeTorch(types.ModuleType):
             _cuda_isHistoryEnabled=lambda: self.cuda.history is not None)
 
 
+class FakeMemoryHook:
+    """``cupy.cuda.MemoryHook`` as CuPy defines it (cupy/cuda/memory_hook.pyx): entered as a
+    context manager into the calling thread's ordered dict of hooks by ``name`` (a
+    KeyError when that name is entered already); the six callbacks do nothing."""
+
+    name = "MemoryHook"
+
+    def __enter__(self) -> Any:
+        hooks = get_memory_hooks()
+        if self.name in hooks:
+            raise KeyError(f"memory hook {self.name} already exists")
+        hooks[self.name] = self
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        del get_memory_hooks()[self.name]
+
+    def alloc_preprocess(self, **kwargs: Any) -> None:
+        pass
+
+    def alloc_postprocess(self, **kwargs: Any) -> None:
+        pass
+
+    def malloc_preprocess(self, **kwargs: Any) -> None:
+        pass
+
+    def malloc_postprocess(self, **kwargs: Any) -> None:
+        pass
+
+    def free_preprocess(self, **kwargs: Any) -> None:
+        pass
+
+    def free_postprocess(self, **kwargs: Any) -> None:
+        pass
+
+
+_hook_threads = threading.local()
+
+
+def get_memory_hooks() -> collections.OrderedDict:
+    """The calling thread's memory hooks (CuPy's ``memory_hook.get_memory_hooks``)."""
+    hooks = getattr(_hook_threads, "memory_hooks", None)
+    if hooks is None:
+        hooks = _hook_threads.memory_hooks = collections.OrderedDict()
+    return hooks
+
+
+class FakeOutOfMemoryError(MemoryError):
+    """``cupy.cuda.memory.OutOfMemoryError``."""
+
+
 class _FakePool:
-    """CuPy's default ``MemoryPool`` for one device: used and total bytes, free blocks."""
+    """CuPy's default ``MemoryPool``, one ``SingleDeviceMemoryPool`` per device, as CuPy's
+    memory.pyx runs it: sizes rounded to 512 bytes; a new segment (``cudaMalloc``) of
+    exactly the rounded size when no free chunk fits; best fit among the free chunks of the
+    current stream's arena, split, the rest kept free; a freed chunk merged with its free
+    neighbours; ``free_all_blocks`` releases the free chunks that fill a whole segment (and
+    calls no hook); a failed ``cudaMalloc`` (past ``limit``) releases them and retries once.
+    The hooks are called with CuPy's keyword arguments: ``malloc_pre/postprocess``
+    around a malloc, ``alloc_pre/postprocess`` around a new segment, ``free_pre/
+    postprocess`` around a free."""
 
     def __init__(self) -> None:
+        self.device = 0  # set by the fake cupy before each call (its current device)
+        self.stream = 0  # the current stream's pointer (the arena)
+        self.limit = 1 << 62  # the most bytes the pool may hold (set_limit's size)
+        self.freed_all = 0
         self.used: dict[int, int] = {}
         self.total: dict[int, int] = {}
-        self.device = 0  # set by the fake cupy before each call (its current device)
-        self.freed_all = 0
+        self._addresses = itertools.count(0x7E0000000000, 1 << 32)  # segments never touch
+        #: device -> segment address -> (stream, [[offset, size, live], ...] by offset)
+        self.segments: dict[int, dict[int, tuple[int, list[list[Any]]]]] = {}
+        self.live: dict[int, tuple[int, int, int]] = {}  # pointer -> (device, segment, size)
 
     def used_bytes(self) -> int:
         return self.used.get(self.device, 0)
@@ -260,22 +328,108 @@ class _FakePool:
     def total_bytes(self) -> int:
         return self.total.get(self.device, 0)
 
+    def free_bytes(self) -> int:
+        return self.total_bytes() - self.used_bytes()
+
     def n_free_blocks(self) -> int:
-        return 1 if self.total_bytes() > self.used_bytes() else 0
+        return sum(1 for _, chunks in self.segments.get(self.device, {}).values()
+                   for c in chunks if not c[2])
+
+    def set_limit(self, size: int = 0) -> None:
+        self.limit = size or 1 << 62
 
     def free_all_blocks(self, stream: Any = None) -> None:
         self.freed_all += 1
-        self.total[self.device] = self.used.get(self.device, 0)
+        self._release(self.device)
 
-    def malloc(self, nbytes: int) -> Any:  # (its identity is what get_allocator compares)
-        raise NotImplementedError
+    def _release(self, device: int) -> None:
+        segs = self.segments.get(device, {})
+        for addr in [a for a, (_, ch) in segs.items() if len(ch) == 1 and not ch[0][2]]:
+            self.total[device] -= segs.pop(addr)[1][0][1]
+
+    def _hooks(self) -> list[Any]:
+        return list(get_memory_hooks().values())
+
+    def malloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` on the current device; the block's pointer (0 for 0 bytes).
+        Named as the pool's own method (``get_allocator`` compares it)."""
+        device = self.device
+        size = -(-nbytes // 512) * 512
+        hooks = self._hooks()
+        for h in hooks:
+            h.malloc_preprocess(device_id=device, size=nbytes, mem_size=size)
+        ptr = 0
+        try:
+            ptr = self._malloc(device, size, hooks)
+        finally:
+            for h in hooks:
+                h.malloc_postprocess(device_id=device, size=nbytes, mem_size=size,
+                                     mem_ptr=ptr, pmem_id=id(self) + ptr if ptr else 0)
+        return ptr
+
+    def _malloc(self, device: int, size: int, hooks: list[Any]) -> int:
+        if size == 0:
+            return 0
+        segs = self.segments.setdefault(device, {})
+        best = None
+        for addr, (stream, chunks) in segs.items():
+            if stream != self.stream:
+                continue
+            for c in chunks:
+                if not c[2] and c[1] >= size and (best is None or c[1] < best[1][1]):
+                    best = (addr, c)
+        if best is None:
+            addr = self._segment(device, size, hooks)
+            best = (addr, segs[addr][1][0])
+        addr, c = best
+        chunks = segs[addr][1]
+        if c[1] > size:  # split: the rest stays free
+            chunks.insert(chunks.index(c) + 1, [c[0] + size, c[1] - size, False])
+            c[1] = size
+        c[2] = True
+        self.used[device] = self.used.get(device, 0) + size
+        self.live[addr + c[0]] = (device, addr, size)
+        return addr + c[0]
+
+    def _segment(self, device: int, size: int, hooks: list[Any]) -> int:
+        if self.total.get(device, 0) + size > self.limit:
+            self._release(device)  # CuPy: free_all_blocks, then retry once
+            if self.total.get(device, 0) + size > self.limit:
+                raise FakeOutOfMemoryError(f"out of memory allocating {size} bytes")
+        for h in hooks:
+            h.alloc_preprocess(device_id=device, mem_size=size)
+        addr = next(self._addresses)
+        self.segments[device][addr] = (self.stream, [[0, size, False]])
+        self.total[device] = self.total.get(device, 0) + size
+        for h in hooks:
+            h.alloc_postprocess(device_id=device, mem_size=size, mem_ptr=addr)
+        return addr
+
+    def free(self, ptr: int) -> None:
+        """Give the block at ``ptr`` back (``PooledMemory.free``)."""
+        device, addr, size = self.live.pop(ptr)
+        hooks = self._hooks()
+        pmem = id(self) + ptr
+        for h in hooks:
+            h.free_preprocess(device_id=device, mem_size=size, mem_ptr=ptr, pmem_id=pmem)
+        chunks = self.segments[device][addr][1]
+        i = next(i for i, c in enumerate(chunks) if c[0] == ptr - addr)
+        chunks[i][2] = False
+        self.used[device] -= size
+        if i + 1 < len(chunks) and not chunks[i + 1][2]:  # merge with the free neighbours
+            chunks[i][1] += chunks.pop(i + 1)[1]
+        if i > 0 and not chunks[i - 1][2]:
+            chunks[i - 1][1] += chunks.pop(i)[1]
+        for h in hooks:
+            h.free_postprocess(device_id=device, mem_size=size, mem_ptr=ptr, pmem_id=pmem)
 
 
 class FakeCupy(types.ModuleType):
-    """``cupy`` with ``cuda.is_available``, ``cuda.runtime.getDevice``, ``cuda.Device``,
-    ``cuda.get_allocator`` / ``set_allocator``, ``get_default_memory_pool`` and
-    ``get_default_pinned_memory_pool``; ``alloc`` / ``free`` drive the pool (whole 512-byte
-    blocks; the pool's total never shrinks until ``free_all_blocks``)."""
+    """``cupy`` with ``cuda.is_available``, ``cuda.runtime.getDevice`` / ``memGetInfo``,
+    ``cuda.Device``, ``cuda.get_allocator`` / ``set_allocator``, ``cuda.get_current_stream``,
+    ``cuda.MemoryHook`` and ``cuda.memory_hook`` (CuPy's hook API, per thread),
+    ``get_default_memory_pool`` and ``get_default_pinned_memory_pool``; ``alloc`` / ``free``
+    drive the pool as CuPy's arrays do (``alloc`` returns the block's pointer)."""
 
     def __init__(self, available: bool = True):
         super().__init__("cupy")
@@ -300,11 +454,16 @@ class FakeCupy(types.ModuleType):
 
         self.cuda = types.SimpleNamespace(
             is_available=lambda: available,
-            runtime=types.SimpleNamespace(getDevice=lambda: fake._current),
+            runtime=types.SimpleNamespace(getDevice=lambda: fake._current,
+                                          memGetInfo=lambda: (1 << 30, 80 << 30)),
             Device=Device,
             get_allocator=lambda: fake._allocator,
             set_allocator=self._set_allocator,
-            get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+            get_current_stream=lambda: types.SimpleNamespace(ptr=fake.pool.stream),
+            MemoryHook=FakeMemoryHook,
+            memory_hook=types.SimpleNamespace(MemoryHook=FakeMemoryHook,
+                                              get_memory_hooks=get_memory_hooks),
+            memory=types.SimpleNamespace(OutOfMemoryError=FakeOutOfMemoryError),
         )
 
     def _set_allocator(self, allocator: Any = None) -> None:
@@ -317,14 +476,13 @@ class FakeCupy(types.ModuleType):
         return self.pinned
 
     def alloc(self, nbytes: int, device: int = 0) -> int:
-        size = -(-nbytes // 512) * 512
-        used = self.pool.used.get(device, 0) + size
-        self.pool.used[device] = used
-        self.pool.total[device] = max(self.pool.total.get(device, 0), used)
-        return size
+        """An array's allocation of ``nbytes`` on ``device``: its pointer."""
+        with self.cuda.Device(device):
+            return self.pool.malloc(nbytes)
 
-    def free(self, size: int, device: int = 0) -> None:
-        self.pool.used[device] -= size
+    def free(self, ptr: int) -> None:
+        """The array at ``ptr`` goes away: its block goes back to the pool."""
+        self.pool.free(ptr)
 
 
 @pytest.fixture(name="torch")

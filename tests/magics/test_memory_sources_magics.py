@@ -232,9 +232,10 @@ def test_snapshot_views_of_torch(ip, torch, tmp_path):
     r.result.close()
     r, out = run(ip, "%cuda_memory snapshot view {tpath_} --source torch")
     assert "a file is one allocator's snapshot already" in str(r.error_in_exec)
-    r, out = run(ip, "%cuda_memory snapshot dict --source cupy")
+    r, out = run(ip, "%cuda_memory snapshot dict --source cupy")  # (no CuPy recording)
     assert isinstance(r.error_in_exec, UsageError)
-    assert "--source cupy: CuPy's pool keeps no per-block state" in str(r.error_in_exec)
+    assert "--source cupy: CuPy's pool keeps no per-block state nor trace of its own: start " \
+        "a recording first ('%cuda_memory history start --source cupy'" in str(r.error_in_exec)
 
 
 def test_dashboard_sources_from_the_magic(ip, torch, monkeypatch):
@@ -293,8 +294,14 @@ def test_torch_history_stopped_by_the_user_is_reported(ip, torch, tmp_path):
 
 
 def test_history_source_errors(ip, monkeypatch):
+    r, out = run(ip, "%cuda_memory history start --source process")
+    assert isinstance(r.error_in_exec, UsageError)
+    assert "NVML keeps no per-allocation records" in str(r.error_in_exec)
+    assert "use the allocator's source for those (cudalab, torch, or cupy" in \
+        str(r.error_in_exec)
+    monkeypatch.setitem(sys.modules, "cupy", None)
     r, out = run(ip, "%cuda_memory history start --source cupy")
-    assert "--source cupy: CuPy's pool keeps no trace" in str(r.error_in_exec)
+    assert "this process has no CuPy" in str(r.error_in_exec)
     monkeypatch.setitem(sys.modules, "torch", None)
     r, out = run(ip, "%cuda_memory history start --source torch")
     assert "this process has no torch" in str(r.error_in_exec)

@@ -135,9 +135,9 @@ def test_cupy_figures_are_the_pools(cupy):
     assert dict(s.extra) == {"free_blocks": pool.n_free_blocks(), "pinned_free_blocks": 2}
     assert s.identity.allocator == "cupy" and "keeps no peaks" in s.note
     # the peaks are the highest figures sampled (CuPy keeps none)
-    cupy.alloc(8_000_000)
+    big = cupy.alloc(8_000_000)
     high = source.sample(0)
-    cupy.free(8_000_000)
+    cupy.free(big)
     low = source.sample(0)
     assert low.peak_allocated == high.allocated > low.allocated
     source.reset_peaks(0)
