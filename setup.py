@@ -1,4 +1,4 @@
-"""The compiled parts of cudalab: four optional accelerators, each with a pure-Python twin.
+"""The compiled parts of cudalab: five optional accelerators, each with a pure-Python twin.
 
 Everything else is in pyproject.toml. The extensions are optional: without a compiler or
 headers the install still succeeds and cudalab uses the Python twin (same results, slower).
@@ -9,6 +9,8 @@ headers the install still succeeds and cudalab uses the Python twin (same result
 * ``cudalab._driver.fastcall`` calls the driver's hot entry points (cuLaunchKernel,
   cuEventRecord, cuStreamWaitEvent, ...) from C (public C API only), for CPython with the
   GIL; ``cudalab._driver.cuda`` falls back to cuda.bindings' wrappers.
+* ``cudalab._driver.blascall`` makes a cuBLAS GEMM call from C, its arguments resolved once
+  (``GemmCall``); ``cudalab._driver.cublas`` falls back to ctypes.
 * ``cudalab._driver.ncclcall`` makes a single-process clique's NCCL group (start, one call
   per rank, end) in one C call; ``cudalab._driver.nccl`` falls back to nccl4py's wrappers.
 
@@ -34,6 +36,8 @@ def _extensions() -> list:
         return []
     shared = ["cudalab/_driver/_capi.h"]  # the argument parsing both include
     extensions = [Extension("cudalab._driver.fastcall", ["cudalab/_driver/fastcall.c"],
+                            depends=shared, optional=True),
+                  Extension("cudalab._driver.blascall", ["cudalab/_driver/blascall.c"],
                             depends=shared, optional=True),
                   Extension("cudalab._driver.ncclcall", ["cudalab/_driver/ncclcall.c"],
                             depends=shared, optional=True),

@@ -7,14 +7,19 @@ Measures, on one GPU (issue 42's numbers):
   (bit-equal for float16 / bfloat16, the same cublasGemmEx call; the largest difference
   otherwise);
 * the host time of one small (64 x 64) float32 matmul, ``a @ b`` with its output allocated
-  (goal <= torch's);
+  (goal <= torch's), and ``matmul(a, b, out=c)``; cudalab's through its C call of cuBLAS
+  (cudalab._driver.blascall), and again through its ctypes twin and through cublasGemmEx;
 * FFT GB/s (bytes read + written over GPU time) of c2c 2**24 complex64, r2c 2**24 float32 and
   a 2-D c2c 4096 x 4096 complex64 (goal >= 0.95x torch.fft);
 * the host time of an FFT whose plan is in the cache (goal <= torch's), and of one with
   ``cufft_plan_cache.max_size = 0``, which builds its plan every call (both libraries).
 
-    python benchmarks/blas_fft.py [--json out.json] [--quick]
+    python benchmarks/blas_fft.py [--json out.json] [--quick] [--sections host,matmul,fft,fft-host]
 
+GPU times are taken over ``INNER`` calls queued back to back between two events (the mean of
+each), so the host's time to queue one call, which differs between the libraries, is hidden
+behind the GPU's work as in a loop of real work, and is not counted as GPU time (with one call
+per event pair, an idle GPU waits for it: 10-20 us of a 0.2 ms float16 GEMM).
 torch is imported lazily and its columns are skipped without it. On the simulator only the
 host costs mean anything (the GEMMs and FFTs are numpy).
 """
@@ -26,17 +31,40 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout works uninstalled
-from _harness import Table, environment, interleaved, optional_import, parse_args, write_json  # noqa: E402
+from _harness import Table, environment, interleaved, optional_import, write_json  # noqa: E402
+
+#: The benchmark's sections (``--sections``): matmul TFLOPS, the small matmul's host time,
+#: FFT GB/s, the FFT's host time.
+SECTIONS = ("matmul", "host", "fft", "fft-host")
+#: Calls queued between two timing events for a GPU time (see the module's notes).
+INNER = 10
 
 
-def _gpu_seconds(run, start, end, reps: int, warmup: int = 2) -> float:
+def _parse_args():
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None, help="write results as JSON to this path")
+    p.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
+    args = p.parse_args()
+    args.sections = [name.strip() for name in args.sections.split(",") if name.strip()]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        p.error(f"--sections: unknown section(s) {', '.join(unknown)} (of {', '.join(SECTIONS)})")
+    return args
+
+
+def _gpu_seconds(run, start, end, reps: int, warmup: int = 2, inner: int = 1) -> float:
     """Median GPU seconds of ``run()`` between two timing events (one pair per repetition)."""
-    return _paired_gpu_seconds([(run, start, end)], reps, warmup)[0]
+    return _paired_gpu_seconds([(run, start, end)], reps, warmup, inner)[0]
 
 
-def _paired_gpu_seconds(contenders, reps: int, warmup: int = 2) -> list[float]:
-    """Median GPU seconds of each ``(run, start, end)``, the contenders taking turns within
-    every repetition, so a drift of the GPU's clocks during the run falls on all alike."""
+def _paired_gpu_seconds(contenders, reps: int, warmup: int = 2, inner: int = 1) -> list[float]:
+    """Median GPU seconds of one call of each ``(run, start, end)``: ``inner`` calls between
+    the two events, the contenders taking turns within every repetition, so a drift of the
+    GPU's clocks during the run falls on all alike."""
     for run, _start, end in contenders:
         for _ in range(warmup):
             run()
@@ -45,15 +73,16 @@ def _paired_gpu_seconds(contenders, reps: int, warmup: int = 2) -> list[float]:
     for _ in range(reps):
         for i, (run, start, end) in enumerate(contenders):
             start.record()
-            run()
+            for _ in range(inner):
+                run()
             end.record()
             end.synchronize()
-            times[i].append(start.elapsed_time(end) / 1e3)
+            times[i].append(start.elapsed_time(end) / 1e3 / inner)
     return [sorted(t)[len(t) // 2] for t in times]
 
 
 def main() -> None:  # noqa: C901 - one table, section by section
-    args = parse_args(__doc__.splitlines()[0])
+    args = _parse_args()
     import numpy as np
 
     import cudalab
@@ -68,6 +97,8 @@ def main() -> None:  # noqa: C901 - one table, section by section
         torch = None
     quick = args.quick or sim
     reps = 3 if sim else (9 if quick else 25)
+    inner = 1 if sim else INNER
+    number = 500 if sim else (2000 if quick else 10000)  # calls per host-time round
     t = Table(f"cudalab matmul / FFT benchmark — {name} ({backend.name})")
     results: dict = {"env": environment(backend.name, name), "tflops": {}, "gbps": {},
                      "us": {}, "equal": {}}
@@ -79,179 +110,221 @@ def main() -> None:  # noqa: C901 - one table, section by section
     settings = cudalab.backends.cuda.matmul
 
     # ------------------------------------------------------------------ matmul TFLOPS
-    ml_dtypes = optional_import("ml_dtypes")  # bfloat16 arrays need it
-    shapes = [((4096, 4096), (4096, 4096)), ((32, 1024, 1024), (32, 1024, 1024))]
-    if sim:
-        shapes = [((256, 256), (256, 256)), ((4, 128, 128), (4, 128, 128))]
-    modes = [("float32", False), ("float32", True), ("float16", False)]
-    if ml_dtypes is not None:
-        modes.append(("bfloat16", False))
-    else:
-        t.add("matmul bfloat16", None, "", "skipped: ml_dtypes is not installed")
-    for a_shape, b_shape in shapes:
-        m, k = a_shape[-2:]
-        n = b_shape[-1]
-        batch = a_shape[0] if len(a_shape) == 3 else 1
-        flops = 2.0 * batch * m * n * k
-        label_shape = "x".join(map(str, a_shape))
-        host_a = rng.standard_normal(a_shape).astype(np.float32)
-        host_b = rng.standard_normal(b_shape).astype(np.float32)
-        for dtype_name, tf32 in modes:
-            dtype = ml_dtypes.bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name)
-            a = cudalab.asarray(host_a.astype(dtype))
-            b = cudalab.asarray(host_b.astype(dtype))
-            settings.allow_tf32 = tf32
-            label = f"matmul {label_shape} {dtype_name}{' TF32' if tf32 else ''}"
-            out = cudalab.matmul(a, b)
-            ours_run = (lambda a=a, b=b, out=out: cudalab.matmul(a, b, out=out), *ours_timer)
-            note = "simulator: numpy, not meaningful" if sim else ""
-            if torch is None:
-                ours = flops / _gpu_seconds(*ours_run, reps) / 1e12
-            else:
-                torch.backends.cuda.matmul.allow_tf32 = tf32
-                ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
-                tout = torch.matmul(ta, tb)
-                seconds = _paired_gpu_seconds(
-                    [ours_run, (lambda ta=ta, tb=tb, tout=tout: torch.matmul(ta, tb, out=tout),
-                                *torch_timer)], reps)
-                ours, theirs = flops / seconds[0] / 1e12, flops / seconds[1] / 1e12
-                results["tflops"][f"torch {label}"] = theirs
-                cudalab.matmul(a, b, out=out)
-                torch.matmul(ta, tb, out=tout)
-                torch.cuda.synchronize()
-                mine = torch.from_dlpack(out)
-                same = bool(torch.equal(mine, tout))
-                diff = float((mine.float() - tout.float()).abs().max())
-                scale = float(tout.float().abs().max())
-                results["equal"][label] = {"bit_equal": same, "max_abs_diff": diff,
-                                           "max_abs": scale}
-                note = (f"torch {theirs:.1f} TFLOPS, {ours / theirs:.2f}x (goal >= 0.95x); "
-                        f"{'bit-equal' if same else f'max diff {diff:.3g} of {scale:.3g}'}")
-                del ta, tb, tout, mine
-            results["tflops"][f"cudalab {label}"] = ours
-            t.add(label, ours, "TFLOPS", note)
-            del a, b, out
-    settings.allow_tf32 = False
-    if torch is not None:
-        torch.backends.cuda.matmul.allow_tf32 = False
+    if "matmul" in args.sections:
+        ml_dtypes = optional_import("ml_dtypes")  # bfloat16 arrays need it
+        shapes = [((4096, 4096), (4096, 4096)), ((32, 1024, 1024), (32, 1024, 1024))]
+        if sim:
+            shapes = [((256, 256), (256, 256)), ((4, 128, 128), (4, 128, 128))]
+        modes = [("float32", False), ("float32", True), ("float16", False)]
+        if ml_dtypes is not None:
+            modes.append(("bfloat16", False))
+        else:
+            t.add("matmul bfloat16", None, "", "skipped: ml_dtypes is not installed")
+        for a_shape, b_shape in shapes:
+            m, k = a_shape[-2:]
+            n = b_shape[-1]
+            batch = a_shape[0] if len(a_shape) == 3 else 1
+            flops = 2.0 * batch * m * n * k
+            label_shape = "x".join(map(str, a_shape))
+            host_a = rng.standard_normal(a_shape).astype(np.float32)
+            host_b = rng.standard_normal(b_shape).astype(np.float32)
+            for dtype_name, tf32 in modes:
+                dtype = ml_dtypes.bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name)
+                a = cudalab.asarray(host_a.astype(dtype))
+                b = cudalab.asarray(host_b.astype(dtype))
+                settings.allow_tf32 = tf32
+                label = f"matmul {label_shape} {dtype_name}{' TF32' if tf32 else ''}"
+                out = cudalab.matmul(a, b)
+                ours_run = (lambda a=a, b=b, out=out: cudalab.matmul(a, b, out=out), *ours_timer)
+                note = "simulator: numpy, not meaningful" if sim else ""
+                if torch is None:
+                    ours = flops / _gpu_seconds(*ours_run, reps, inner=inner) / 1e12
+                else:
+                    torch.backends.cuda.matmul.allow_tf32 = tf32
+                    ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
+                    tout = torch.matmul(ta, tb)
+                    seconds = _paired_gpu_seconds(
+                        [ours_run, (lambda ta=ta, tb=tb, tout=tout: torch.matmul(ta, tb, out=tout),
+                                    *torch_timer)], reps, inner=inner)
+                    ours, theirs = flops / seconds[0] / 1e12, flops / seconds[1] / 1e12
+                    results["tflops"][f"torch {label}"] = theirs
+                    cudalab.matmul(a, b, out=out)
+                    torch.matmul(ta, tb, out=tout)
+                    torch.cuda.synchronize()
+                    mine = torch.from_dlpack(out)
+                    same = bool(torch.equal(mine, tout))
+                    diff = float((mine.float() - tout.float()).abs().max())
+                    scale = float(tout.float().abs().max())
+                    results["equal"][label] = {"bit_equal": same, "max_abs_diff": diff,
+                                               "max_abs": scale}
+                    note = (f"torch {theirs:.1f} TFLOPS, {ours / theirs:.2f}x (goal >= 0.95x); "
+                            f"{'bit-equal' if same else f'max diff {diff:.3g} of {scale:.3g}'}")
+                    del ta, tb, tout, mine
+                results["tflops"][f"cudalab {label}"] = ours
+                t.add(label, ours, "TFLOPS", note)
+                del a, b, out
+        settings.allow_tf32 = False
+        if torch is not None:
+            torch.backends.cuda.matmul.allow_tf32 = False
 
     # ------------------------------------------------------------------ matmul host time
-    number = 500 if sim else (2000 if quick else 10000)
-    small_a = cudalab.asarray(rng.standard_normal((64, 64)).astype(np.float32))
-    small_b = cudalab.asarray(rng.standard_normal((64, 64)).astype(np.float32))
+    if "host" in args.sections:
+        small_a = cudalab.asarray(rng.standard_normal((64, 64)).astype(np.float32))
+        small_b = cudalab.asarray(rng.standard_normal((64, 64)).astype(np.float32))
 
-    def loop_ours(count, a=small_a, b=small_b):
-        for _ in range(count):
-            a @ b
+        small_c = cudalab.matmul(small_a, small_b)
+        from cudalab import _array_matmul
+        from cudalab._driver import cublas as cublas_module
 
-    loops = {"cudalab a @ b (64x64)": loop_ours}
-    if torch is not None:
-        tsa, tsb = torch.from_dlpack(small_a), torch.from_dlpack(small_b)
-
-        def loop_torch(count, a=tsa, b=tsb):
+        def loop_ours(count, a=small_a, b=small_b):
             for _ in range(count):
                 a @ b
 
-        loops["torch a @ b (64x64)"] = loop_torch
-    if not sim:  # the other cuBLAS entry point cudalab can call for float32 (cublasGemmEx)
-        from cudalab._driver import cublas as cublas_module
+        def loop_out(count, a=small_a, b=small_b, c=small_c, matmul=cudalab.matmul):
+            for _ in range(count):
+                matmul(a, b, out=c)
 
-        def loop_ex(count, a=small_a, b=small_b, module=cublas_module):
-            module.TYPED_ENTRY_POINTS = False
-            try:
+        loops = {"cudalab a @ b (64x64)": loop_ours}
+        if torch is not None:
+            tsa, tsb = torch.from_dlpack(small_a), torch.from_dlpack(small_b)
+            tsc = torch.from_dlpack(small_c)
+
+            def loop_torch(count, a=tsa, b=tsb):
                 for _ in range(count):
                     a @ b
-            finally:
-                module.TYPED_ENTRY_POINTS = True
 
-        loops["cudalab a @ b (64x64) via cublasGemmEx"] = loop_ex
-    host = interleaved(loops, number=number, rounds=5 if quick else 9)
-    cudalab.synchronize()
-    for label, seconds in host.items():
-        results["us"][label] = seconds * 1e6
-        note = ""
-        if label.startswith("cudalab") and "torch a @ b (64x64)" in host:
-            note = f"{seconds / host['torch a @ b (64x64)']:.2f}x torch (goal <= 1x)"
-        t.add(label, seconds * 1e6, "µs", note)
+            def loop_torch_out(count, a=tsa, b=tsb, c=tsc, matmul=torch.matmul):
+                for _ in range(count):
+                    matmul(a, b, out=c)
+
+            loops["torch a @ b (64x64)"] = loop_torch
+        loops["cudalab matmul(a, b, out=c) (64x64)"] = loop_out
+        if torch is not None:
+            loops["torch matmul(a, b, out=c) (64x64)"] = loop_torch_out
+
+        def switched(setting, value):
+            """loop_ours with a call-path switch of cudalab._driver.cublas set during it (the
+            cached plans forgotten around it, so their calls are resolved again)."""
+            def loop(count):
+                saved = getattr(cublas_module, setting) if setting else os.environ.get(value)
+                if setting:
+                    setattr(cublas_module, setting, False)
+                else:
+                    os.environ[value] = "0"
+                _array_matmul.clear_plans()
+                try:
+                    loop_ours(count)
+                finally:
+                    if setting:
+                        setattr(cublas_module, setting, saved)
+                    elif saved is None:
+                        os.environ.pop(value, None)
+                    else:
+                        os.environ[value] = saved
+                    _array_matmul.clear_plans()
+            return loop
+
+        if not sim:  # the other cuBLAS call paths of cudalab for float32
+            if cublas_module.c_calls_available():
+                loops["cudalab a @ b (64x64) via ctypes"] = switched(None, "CUDALAB_FASTCALL")
+            loops["cudalab a @ b (64x64) via cublasGemmEx"] = switched("TYPED_ENTRY_POINTS", None)
+        host = interleaved(loops, number=number, rounds=5 if quick else 9)
+        cudalab.synchronize()
+        for label, seconds in host.items():
+            results["us"][label] = seconds * 1e6
+            note = ""
+            torch_label = ("torch matmul(a, b, out=c) (64x64)" if "out=" in label
+                           else "torch a @ b (64x64)")
+            if label.startswith("cudalab") and torch_label in host:
+                note = f"{seconds / host[torch_label]:.2f}x torch (goal <= 1x)"
+                if "via" in label and not sim and cublas_module.c_calls_available():
+                    note += f"; {seconds / host['cudalab a @ b (64x64)']:.2f}x the C call"
+            elif label.startswith("cudalab") and "via" not in label and not sim:
+                note = ("through the C call (blascall)" if cublas_module.c_calls_available()
+                        else "through ctypes (blascall is not built)")
+            t.add(label, seconds * 1e6, "µs", note)
 
     # ------------------------------------------------------------------ FFT GB/s
-    size = 1 << (16 if sim else 24)
-    side = 256 if sim else 4096
-    cases = [
-        ("fft c2c complex64", "fft", (size,), np.complex64, {}),
-        ("rfft r2c float32", "rfft", (size,), np.float32, {}),
-        (f"fft2 c2c {side}x{side} complex64", "fft2", (side, side), np.complex64, {}),
-    ]
-    for label, fn, shape, dtype, kwargs in cases:
-        host_x = rng.standard_normal(shape)
-        if np.dtype(dtype).kind == "c":
-            host_x = host_x + 1j * rng.standard_normal(shape)
-        x = cudalab.asarray(host_x.astype(dtype))
-        ours_fn = getattr(cudalab.fft, fn)
-        y = ours_fn(x, **kwargs)
-        moved = x.nbytes + y.nbytes
-        ours_run = (lambda f=ours_fn, x=x, kw=kwargs: f(x, **kw), *ours_timer)
-        note = "simulator: numpy, not meaningful" if sim else ""
-        if torch is None:
-            ours = moved / _gpu_seconds(*ours_run, reps) / 1e9
-        else:
-            tx = torch.from_dlpack(x)
-            tfn = getattr(torch.fft, fn)
-            seconds = _paired_gpu_seconds(
-                [ours_run, (lambda f=tfn, x=tx, kw=kwargs: f(x, **kw), *torch_timer)], reps)
-            ours, theirs = moved / seconds[0] / 1e9, moved / seconds[1] / 1e9
-            results["gbps"][f"torch {label}"] = theirs
-            ty = tfn(tx, **kwargs)
-            mine = torch.from_dlpack(getattr(cudalab.fft, fn)(x, **kwargs))
-            torch.cuda.synchronize()
-            diff = float((mine - ty).abs().max() / ty.abs().max())
-            results["equal"][label] = {"bit_equal": bool(torch.equal(mine, ty)),
-                                       "max_rel_diff": diff}
-            note = (f"torch.fft {theirs:.0f} GB/s, {ours / theirs:.2f}x (goal >= 0.95x); "
-                    f"{'bit-equal' if torch.equal(mine, ty) else f'max rel diff {diff:.2g}'}")
-            del tx, ty, mine
-        results["gbps"][f"cudalab {label}"] = ours
-        t.add(label, ours, "GB/s", note)
-        del x, y
+    if "fft" in args.sections:
+        size = 1 << (16 if sim else 24)
+        side = 256 if sim else 4096
+        cases = [
+            ("fft c2c complex64", "fft", (size,), np.complex64, {}),
+            ("rfft r2c float32", "rfft", (size,), np.float32, {}),
+            (f"fft2 c2c {side}x{side} complex64", "fft2", (side, side), np.complex64, {}),
+        ]
+        for label, fn, shape, dtype, kwargs in cases:
+            host_x = rng.standard_normal(shape)
+            if np.dtype(dtype).kind == "c":
+                host_x = host_x + 1j * rng.standard_normal(shape)
+            x = cudalab.asarray(host_x.astype(dtype))
+            ours_fn = getattr(cudalab.fft, fn)
+            y = ours_fn(x, **kwargs)
+            moved = x.nbytes + y.nbytes
+            ours_run = (lambda f=ours_fn, x=x, kw=kwargs: f(x, **kw), *ours_timer)
+            note = "simulator: numpy, not meaningful" if sim else ""
+            if torch is None:
+                ours = moved / _gpu_seconds(*ours_run, reps, inner=inner) / 1e9
+            else:
+                tx = torch.from_dlpack(x)
+                tfn = getattr(torch.fft, fn)
+                seconds = _paired_gpu_seconds(
+                    [ours_run, (lambda f=tfn, x=tx, kw=kwargs: f(x, **kw), *torch_timer)], reps,
+                    inner=inner)
+                ours, theirs = moved / seconds[0] / 1e9, moved / seconds[1] / 1e9
+                results["gbps"][f"torch {label}"] = theirs
+                ty = tfn(tx, **kwargs)
+                mine = torch.from_dlpack(getattr(cudalab.fft, fn)(x, **kwargs))
+                torch.cuda.synchronize()
+                diff = float((mine - ty).abs().max() / ty.abs().max())
+                results["equal"][label] = {"bit_equal": bool(torch.equal(mine, ty)),
+                                           "max_rel_diff": diff}
+                note = (f"torch.fft {theirs:.0f} GB/s, {ours / theirs:.2f}x (goal >= 0.95x); "
+                        f"{'bit-equal' if torch.equal(mine, ty) else f'max rel diff {diff:.2g}'}")
+                del tx, ty, mine
+            results["gbps"][f"cudalab {label}"] = ours
+            t.add(label, ours, "GB/s", note)
+            del x, y
 
     # ------------------------------------------------------------------ FFT host time
-    small = cudalab.asarray((rng.standard_normal(256) + 0j).astype(np.complex64))
-    cache = cudalab.backends.cuda.cufft_plan_cache
+    if "fft-host" in args.sections:
+        small = cudalab.asarray((rng.standard_normal(256) + 0j).astype(np.complex64))
+        cache = cudalab.backends.cuda.cufft_plan_cache
 
-    def fft_ours(count, x=small, f=cudalab.fft.fft):
-        for _ in range(count):
-            f(x)
-
-    loops = {"cudalab fft(256) plan-cache hit": fft_ours}
-    if torch is not None:
-        tsmall = torch.from_dlpack(small)
-
-        def fft_torch(count, x=tsmall, f=torch.fft.fft):
+        def fft_ours(count, x=small, f=cudalab.fft.fft):
             for _ in range(count):
                 f(x)
 
-        loops["torch fft(256) plan-cache hit"] = fft_torch
-    host = interleaved(loops, number=number, rounds=5 if quick else 9)
-    for label, seconds in host.items():
-        results["us"][label] = seconds * 1e6
-        note = ""
-        if label.startswith("cudalab") and "torch fft(256) plan-cache hit" in host:
-            note = f"{seconds / host['torch fft(256) plan-cache hit']:.2f}x torch (goal <= 1x)"
-        t.add(label, seconds * 1e6, "µs", note)
-    cache.max_size = 0
-    if torch is not None:
-        torch.backends.cuda.cufft_plan_cache.max_size = 0
-    loops = {"cudalab fft(256) max_size=0": fft_ours}
-    if torch is not None:
-        loops["torch fft(256) max_size=0"] = fft_torch
-    host = interleaved(loops, number=max(50, number // 20), rounds=3)
-    for label, seconds in host.items():
-        results["us"][label] = seconds * 1e6
-        t.add(label, seconds * 1e6, "µs", f"every call builds a plan (cache size "
-              f"{cache.size if label.startswith('cudalab') else torch.backends.cuda.cufft_plan_cache.size})")
-    cache.max_size = 4096
-    if torch is not None:
-        torch.backends.cuda.cufft_plan_cache.max_size = 4096
+        loops = {"cudalab fft(256) plan-cache hit": fft_ours}
+        if torch is not None:
+            tsmall = torch.from_dlpack(small)
+
+            def fft_torch(count, x=tsmall, f=torch.fft.fft):
+                for _ in range(count):
+                    f(x)
+
+            loops["torch fft(256) plan-cache hit"] = fft_torch
+        host = interleaved(loops, number=number, rounds=5 if quick else 9)
+        for label, seconds in host.items():
+            results["us"][label] = seconds * 1e6
+            note = ""
+            if label.startswith("cudalab") and "torch fft(256) plan-cache hit" in host:
+                note = f"{seconds / host['torch fft(256) plan-cache hit']:.2f}x torch (goal <= 1x)"
+            t.add(label, seconds * 1e6, "µs", note)
+        cache.max_size = 0
+        if torch is not None:
+            torch.backends.cuda.cufft_plan_cache.max_size = 0
+        loops = {"cudalab fft(256) max_size=0": fft_ours}
+        if torch is not None:
+            loops["torch fft(256) max_size=0"] = fft_torch
+        host = interleaved(loops, number=max(50, number // 20), rounds=3)
+        for label, seconds in host.items():
+            results["us"][label] = seconds * 1e6
+            t.add(label, seconds * 1e6, "µs", f"every call builds a plan (cache size "
+                  f"{cache.size if label.startswith('cudalab') else torch.backends.cuda.cufft_plan_cache.size})")
+        cache.max_size = 4096
+        if torch is not None:
+            torch.backends.cuda.cufft_plan_cache.max_size = 4096
     cudalab.synchronize()
     print(t.render())
     write_json(args.json, results)

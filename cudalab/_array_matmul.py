@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cudalab import _array_state, _observe
+from cudalab import _array_state, _interrupts, _observe
 from cudalab import blas as _blas
 from cudalab import devices as _devices
 from cudalab import streams as _streams
@@ -71,9 +71,9 @@ from cudalab._driver.blas_seam import (
     OP_N,
     OP_T,
 )
-from cudalab.matmul_precision import SETTINGS
+from cudalab.matmul_precision import SETTINGS, MatmulState
 
-__all__ = ["MatmulMixin", "clear_workspaces", "extent", "matmul", "workspace_size"]
+__all__ = ["MatmulMixin", "clear_plans", "clear_workspaces", "extent", "matmul", "workspace_size"]
 
 #: The kinds of GEMM the settings treat alike (``_Plan.kind``).
 _SINGLE, _HALF, _BFLOAT16, _DOUBLE = 0, 1, 2, 3
@@ -108,9 +108,31 @@ class _Plan(NamedTuple):
     batch: int  # GEMMs in the call, > 0 (1: the one-matrix entry point)
 
 
-#: (input dims, strides, dtype, other dims, strides, dtype) -> its plan; only operands read in
-#: place (no copy) and products that are not empty have one.
-_plans: dict[tuple[Any, ...], _Plan] = {}
+class _Resolved(NamedTuple):
+    """A plan's GEMM resolved for one handle under one state of the settings: what the hot
+    path calls, with nothing left to look up."""
+
+    bound: Any  # the cudalab.blas.BoundHandle it was resolved for (its handle is in call)
+    state: MatmulState  # the settings record's state it was resolved under (by identity)
+    call: Any  # the seam's GemmCall: (other, input, result addresses) -> cublasStatus_t
+    mode: int  # the cublasMath_t the handle must have for it
+    name: str  # the cuBLAS entry point it calls (errors, launch observers)
+
+
+class _Entry:
+    """A plan and its last resolved call (None until the first call, and again for another
+    handle or settings state). ``resolved`` is replaced whole (one store), never changed."""
+
+    __slots__ = ("plan", "resolved")
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self.resolved: _Resolved | None = None
+
+
+#: (input dims, strides, dtype, other dims, strides, dtype) -> its plan's entry; only operands
+#: read in place (no copy) and products that are not empty have one.
+_plans: dict[tuple[Any, ...], _Entry] = {}
 
 #: (handle, stream int) -> the workspace array (kept alive here). Guarded by ``_lock``.
 _workspaces: dict[tuple[int, int], Any] = {}
@@ -153,6 +175,12 @@ def clear_workspaces() -> None:
     del dropped  # freed here, outside the lock
 
 
+def clear_plans() -> None:
+    """Forget every cached plan and the GEMM calls resolved for them (they are made again on
+    the next matmul of each layout; for tests and benchmarks that switch a call path)."""
+    _plans.clear()
+
+
 class _Workspace(NamedTuple):
     """One (handle, stream)'s workspace."""
 
@@ -172,11 +200,10 @@ def _workspace(bound: Any, device: int, stream: Any) -> tuple[int, int]:
     return workspace.span
 
 
-def _math(kind: int) -> tuple[int, int, int]:
-    """(compute type, math mode, algorithm) for a GEMM of ``kind`` under the settings now."""
-    settings = SETTINGS
+def _math(kind: int, settings: MatmulState) -> tuple[int, int, int]:
+    """(compute type, math mode, algorithm) for a GEMM of ``kind`` under ``settings``."""
     if kind == _SINGLE:
-        if settings.tf32:
+        if settings.float32_precision != "highest":
             return COMPUTE_32F_FAST_TF32, MATH_TF32_TENSOR_OP, GEMM_DEFAULT
         return COMPUTE_32F, MATH_DEFAULT, GEMM_DEFAULT
     if kind == _HALF:
@@ -248,14 +275,22 @@ def matmul(input: Any, other: Any, *, out: Any = None) -> Any:
     if not isinstance(input, MatmulMixin) or not isinstance(other, MatmulMixin):
         _check_operand(input, "input")
         _check_operand(other, "other")
-    plan = _plans.get((input.dims, input.strides_or_none, input.element_dtype, other.dims,
-                       other.strides_or_none, other.element_dtype))
+    entry = _plans.get((input.dims, input.strides_or_none, input.element_dtype, other.dims,
+                        other.strides_or_none, other.element_dtype))
     device = input.device_index
-    if plan is None or out is not None or other.device_index != device:
+    if entry is None or other.device_index != device:
         return _matmul(input, other, out)
+    plan = entry.plan
     stream = _streams.current_stream(device)
-    result = _array_state.output(plan.shape, plan.dtype, device, stream)
-    _launch(plan, input.ptr, other.ptr, result.ptr, device, stream)
+    array = isinstance(out, MatmulMixin)  # (a bool: out stays typed Any)
+    if out is None:
+        result = _array_state.output(plan.shape, plan.dtype, device, stream)
+    elif (array and out.dims == plan.shape and out.contiguous and out.element_dtype == plan.dtype
+          and out.device_index == device and not out.read_only):
+        result = out  # (what _matmul checks, each passed)
+    else:
+        return _matmul(input, other, out)
+    _launch(entry, input.ptr, other.ptr, result.ptr, device, stream)
     if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         _report_access(stream, plan, input, other, result)
     return result
@@ -405,44 +440,65 @@ def _matmul(input: Any, other: Any, out: Any) -> Any:
     plan = _Plan(shape, dtype, data_type, kind, OP_T if col_b else OP_N, OP_T if col_a else OP_N,
                  n, m, k, ldb, 0 if batch_b == 1 else stride_b, lda,
                  0 if batch_a == 1 else stride_a, batch)
+    planned = _Entry(plan)
     if cacheable and (a_nd > 1 or input.contiguous) and (b_nd > 1 or other.contiguous):
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[(input.dims, input.strides_or_none, dtype, other.dims, other.strides_or_none,
-                dtype)] = plan
-    _launch(plan, a.ptr, b.ptr, result.ptr, device, stream)
+                dtype)] = planned
+    _launch(planned, a.ptr, b.ptr, result.ptr, device, stream)
     if _observe.access_on:
         _report_access(stream, plan, a, b, result)
     return result
 
 
-def _launch(plan: _Plan, a: int, b: int, c: int, device: int, stream: Any) -> None:
-    """Queue ``plan``'s GEMM of ``input`` at ``a`` and ``other`` at ``b`` into ``c`` on
-    ``stream``, through this thread's handle of ``device``."""
-    (_shape, _dtype, data_type, kind, trans_other, trans_input, m, n, k, ld_other,
-     stride_other, ld_input, stride_input, batch) = plan
-    compute, mode, algo = _math(kind)
+def _resolve(plan: _Plan, bound: Any, state: MatmulState) -> _Resolved:
+    """``plan``'s GEMM on ``bound``'s handle under ``state``: the seam's resolved call."""
+    compute, mode, algo = _math(plan.kind, state)
+    blas = bound.blas
+    call = blas.gemm_call(bound.handle, plan.trans_other, plan.trans_input, plan.m, plan.n,
+                          plan.k, 1, plan.ld_other, plan.stride_other, plan.ld_input,
+                          plan.stride_input, 0, plan.m, plan.m * plan.n, plan.batch,
+                          plan.data_type, compute, algo)
+    return _Resolved(bound, state, call, mode, blas.entry_point(plan.data_type, plan.batch == 1))
+
+
+def _launch(entry: _Entry, a: int, b: int, c: int, device: int, stream: Any) -> None:
+    """Queue ``entry``'s GEMM of ``input`` at ``a`` and ``other`` at ``b`` into ``c`` on
+    ``stream``, through this thread's handle of ``device``: the handle's stream, workspace
+    and math mode set where they changed, then the resolved call (made again where the
+    handle or the settings' state is not the one it was made for)."""
     _devices.ensure_context(device)  # cuBLAS calls run in the context of the handle's device
     bound = _blas.bound_handle(device)
-    blas, handle = bound.blas, bound.handle
+    state = SETTINGS.state
+    resolved = entry.resolved
+    if resolved is None or resolved.bound is not bound or resolved.state is not state:
+        resolved = entry.resolved = _resolve(entry.plan, bound, state)
     stream_int = stream.cuda_stream
     if bound.stream != stream_int:
-        blas.set_stream(handle, stream.handle)
+        bound.blas.set_stream(bound.handle, stream.handle)
         bound.stream = stream_int
-    workspace = _workspaces.get((handle, stream_int))
+    workspace = _workspaces.get((bound.handle, stream_int))
     span = _workspace(bound, device, stream) if workspace is None else workspace.span
     if bound.workspace != span:
-        blas.set_workspace(handle, span[0], span[1])
+        bound.blas.set_workspace(bound.handle, span[0], span[1])
         bound.workspace = span
+    mode = resolved.mode
     if bound.math_mode != mode:
-        blas.set_math_mode(handle, mode)
+        bound.blas.set_math_mode(bound.handle, mode)
         bound.math_mode = mode
-    blas.gemm(handle, trans_other, trans_input, m, n, k, 1, b, ld_other, stride_other, a,
-              ld_input, stride_input, 0, c, m, m * n, batch, data_type, compute, algo)
+    status = resolved.call(b, a, c)
+    if status:
+        bound.blas.raise_status(status, resolved.name)
     if _observe.launch_on:
-        name = blas.entry_point(data_type, batch == 1)
         for observer in tuple(_observe.launch_subscribers):
-            observer(name, device, stream, (1, 1, 1), (1, 1, 1))
+            observer(resolved.name, device, stream, (1, 1, 1), (1, 1, 1))
+
+
+# Ctrl-C waits until these return (cudalab._interrupts): a KeyboardInterrupt between a
+# handle's set_stream (or workspace, math mode) and the record of it would leave the record
+# naming the old setting, and the next matmul on the old stream would run on the new one.
+_interrupts.guard(_launch, _workspace, clear_workspaces)
 
 
 class MatmulMixin:

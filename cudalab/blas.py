@@ -23,7 +23,7 @@ import atexit
 import threading
 from typing import Any
 
-from cudalab import _internal
+from cudalab import _internal, _interrupts
 from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab._driver import cublas as _cublas
@@ -124,3 +124,9 @@ def _destroy_all() -> None:
             bound.blas.destroy(bound.handle)
         except Exception:
             pass
+
+
+# Ctrl-C waits until these return (cudalab._interrupts): between current_blas_handle's
+# cublasSetStream and its reset of the record, or bound_handle's creation and its record,
+# an interrupt would leave a record that no longer tells the handle's state.
+_interrupts.guard(current_blas_handle, bound_handle, _destroy_all)

@@ -21,25 +21,71 @@ This module imports nothing of cudalab, so every layer may read it.
 
 from __future__ import annotations
 
-__all__ = ["PRECISIONS", "SETTINGS", "MatmulSettings", "get_float32_matmul_precision",
-           "set_float32_matmul_precision"]
+from typing import NamedTuple
+
+__all__ = ["PRECISIONS", "SETTINGS", "MatmulSettings", "MatmulState",
+           "get_float32_matmul_precision", "set_float32_matmul_precision"]
 
 #: The values of ``set_float32_matmul_precision``, most precise first.
 PRECISIONS = ("highest", "high", "medium")
 
 
-class MatmulSettings:
-    """The process's matmul settings (torch's are process-wide too)."""
+class MatmulState(NamedTuple):
+    """The settings at one moment (replaced whole, never changed: see :class:`MatmulSettings`)."""
 
-    __slots__ = ("float32_precision", "tf32", "allow_fp16_reduced_precision_reduction",
-                 "allow_bf16_reduced_precision_reduction", "allow_fp16_accumulation")
+    float32_precision: str  # one of PRECISIONS
+    allow_fp16_reduced_precision_reduction: bool  # a bool
+    allow_bf16_reduced_precision_reduction: bool  # a bool
+    allow_fp16_accumulation: bool  # a bool
+
+
+class MatmulSettings:
+    """The process's matmul settings (torch's are process-wide too).
+
+    Every setting lives in one :class:`MatmulState`, :attr:`state`, which each setter
+    replaces whole (one store: a Ctrl-C or another thread never sees half a change), so
+    ``cudalab.matmul`` keeps what it resolved for a state while ``SETTINGS.state`` is that
+    very object (one identity check per call instead of reading every flag).
+    """
+
+    __slots__ = ("state",)
 
     def __init__(self) -> None:
-        self.float32_precision = "highest"  # one of PRECISIONS
-        self.tf32 = False  # float32_precision != "highest" (kept in step by the setter)
-        self.allow_fp16_reduced_precision_reduction = True  # a bool
-        self.allow_bf16_reduced_precision_reduction = True  # a bool
-        self.allow_fp16_accumulation = False  # a bool
+        self.state = MatmulState("highest", True, True, False)
+
+    @property
+    def float32_precision(self) -> str:
+        """One of :data:`PRECISIONS` (set through :func:`set_float32_matmul_precision`)."""
+        return self.state.float32_precision
+
+    @property
+    def tf32(self) -> bool:
+        """Whether float32 matmuls may use TF32: the precision is not "highest"."""
+        return self.state.float32_precision != "highest"
+
+    @property
+    def allow_fp16_reduced_precision_reduction(self) -> bool:
+        return self.state.allow_fp16_reduced_precision_reduction
+
+    @allow_fp16_reduced_precision_reduction.setter
+    def allow_fp16_reduced_precision_reduction(self, value: bool) -> None:
+        self.state = self.state._replace(allow_fp16_reduced_precision_reduction=value)
+
+    @property
+    def allow_bf16_reduced_precision_reduction(self) -> bool:
+        return self.state.allow_bf16_reduced_precision_reduction
+
+    @allow_bf16_reduced_precision_reduction.setter
+    def allow_bf16_reduced_precision_reduction(self, value: bool) -> None:
+        self.state = self.state._replace(allow_bf16_reduced_precision_reduction=value)
+
+    @property
+    def allow_fp16_accumulation(self) -> bool:
+        return self.state.allow_fp16_accumulation
+
+    @allow_fp16_accumulation.setter
+    def allow_fp16_accumulation(self, value: bool) -> None:
+        self.state = self.state._replace(allow_fp16_accumulation=value)
 
 
 #: The one settings record.
@@ -63,8 +109,7 @@ def set_float32_matmul_precision(precision: str) -> None:
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"set_float32_matmul_precision: precision must be 'highest', 'high' "
                          f"or 'medium', got {precision!r}")
-    SETTINGS.float32_precision = precision
-    SETTINGS.tf32 = precision != "highest"
+    SETTINGS.state = SETTINGS.state._replace(float32_precision=precision)
 
 
 def get_float32_matmul_precision() -> str:

@@ -3,7 +3,8 @@
 :class:`cudalab._driver.sim.blas.SimulatedBlas` (numpy, in stream order).
 
 Only what ``cudalab.matmul`` needs: handles, their stream, workspace and math mode, and one
-strided-batched GEMM, made through the entry point torch uses for the data type
+strided-batched GEMM (:meth:`Blas.gemm`, or :meth:`Blas.gemm_call`: the same GEMM with its
+arguments resolved once, called with the matrices' addresses only: matmul's hot path), made through the entry point torch uses for the data type
 (:func:`gemm_entry_point`: ``cublasSgemm_v2`` / ``cublasSgemmStridedBatched`` and the D, C,
 Z forms; ``cublasGemmEx`` / ``cublasGemmStridedBatchedEx`` for half types). Matrices are column-major, as cuBLAS sees them; the caller turns row-major arrays
 into that view. The ``CUDA_*``, ``COMPUTE_*`` and ``MATH_*`` numbers are cuBLAS's own.
@@ -12,15 +13,23 @@ into that view. The ``CUDA_*``, ``COMPUTE_*`` and ``MATH_*`` numbers are cuBLAS'
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from typing import NoReturn
 
 from cudalab._driver.handles import StreamHandle
+from cudalab.errors import CublasError
 
 __all__ = [
     "Blas", "CUDA_R_16F", "CUDA_R_16BF", "CUDA_R_32F", "CUDA_R_64F", "CUDA_C_32F", "CUDA_C_64F",
     "COMPUTE_16F", "COMPUTE_32F", "COMPUTE_32F_FAST_TF32", "COMPUTE_64F", "MATH_DEFAULT",
     "MATH_TF32_TENSOR_OP", "MATH_DISALLOW_REDUCED_PRECISION_REDUCTION", "OP_N", "OP_T",
-    "GEMM_DEFAULT", "GEMM_DEFAULT_TENSOR_OP", "TYPED_GEMMS", "gemm_entry_point",
+    "GEMM_DEFAULT", "GEMM_DEFAULT_TENSOR_OP", "TYPED_GEMMS", "GemmCall", "gemm_entry_point",
 ]
+
+#: One kind of GEMM, its arguments resolved (:meth:`Blas.gemm_call`): called with the device
+#: addresses of cuBLAS's A, B and C, it queues the GEMM and returns the cublasStatus_t (0:
+#: success; :meth:`Blas.raise_status` turns any other into the error).
+GemmCall = Callable[[int, int, int], int]
 
 #: cudaDataType_t values.
 CUDA_R_32F = 0
@@ -106,3 +115,26 @@ class Blas(abc.ABC):
         same type); strides are in elements (0: the same matrix for every ``i``). ``alpha``
         and ``beta`` are host scalars of the compute type (float32 for half inputs).
         """
+
+    def gemm_call(self, handle: int, transa: int, transb: int, m: int, n: int, k: int,
+                  alpha: complex, lda: int, stride_a: int, ldb: int, stride_b: int,
+                  beta: complex, ldc: int, stride_c: int, batch: int, data_type: int,
+                  compute_type: int, algo: int) -> GemmCall:
+        """:meth:`gemm` with every argument but the matrices' addresses given once: the
+        returned callable takes ``(a, b, c)`` and returns the status (0: success). Made once
+        per kind of GEMM and kept by the caller (``cudalab.matmul``'s resolved plans).
+
+        This default calls :meth:`gemm` (looked up at each call, so a wrapper set on the
+        instance sees every call) and returns 0, as :meth:`gemm` raises its own errors.
+        """
+        def call(a: int, b: int, c: int) -> int:
+            self.gemm(handle, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                      stride_b, beta, c, ldc, stride_c, batch, data_type, compute_type, algo)
+            return 0
+
+        return call
+
+    def raise_status(self, status: int, call: str) -> NoReturn:
+        """Raise the :class:`cudalab.CublasError` of a failed ``call`` (a cuBLAS entry point's
+        name) that returned ``status`` (not 0)."""
+        raise CublasError(f"{call} failed: status {status}", status)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from cudalab._driver.blas_seam import (
     COMPUTE_16F,
@@ -27,13 +27,16 @@ from cudalab._driver.blas_seam import (
     CUDA_C_64F,
     TYPED_GEMMS,
     Blas,
+    GemmCall,
     gemm_entry_point,
 )
 from cudalab._driver.handles import StreamHandle
 from cudalab._driver.nvidia_library import open_library
 from cudalab.errors import CublasError
 
-__all__ = ["RealBlas", "create", "destroy", "get_stream", "library", "set_stream", "sgemm"]
+__all__ = ["FORM_EX", "FORM_EX_BATCHED", "FORM_TYPED", "FORM_TYPED_BATCHED", "RealBlas",
+           "c_calls_available", "create", "destroy", "get_stream", "library", "set_stream",
+           "sgemm"]
 
 INSTALL_HINT = ("install cuBLAS with `pip install nvidia-cublas` (CUDA 13) or "
                 "`pip install cudalab[cublas]`; torch's CUDA wheels bring one too")
@@ -170,33 +173,52 @@ TYPED_ENTRY_POINTS = True
 _VP = ctypes.c_void_p
 _I64 = ctypes.c_longlong
 
+#: The forms of GEMM call, as cudalab._driver.blascall numbers them: typed one matrix, typed
+#: strided batch, cublasGemmEx, cublasGemmStridedBatchedEx.
+FORM_TYPED, FORM_TYPED_BATCHED, FORM_EX, FORM_EX_BATCHED = 0, 1, 2, 3
+
+try:  # the C call path (setup.py builds it where a compiler is found)
+    from cudalab._driver import blascall  # type: ignore[attr-defined]  # C, no stub
+except ImportError:  # pragma: no cover - only where the extension is not built
+    blascall = None
+
+
+def c_calls_available() -> bool:
+    """Whether GEMM calls are made from C (:mod:`cudalab._driver.blascall` is built and
+    ``CUDALAB_FASTCALL=0`` does not turn it off; read when a call is resolved)."""
+    from cudalab._driver.cuda_api import fastcall_turned_off
+
+    return blascall is not None and not fastcall_turned_off()
+
+
+def _form(data_type: int, single: bool) -> int:
+    if data_type in TYPED_GEMMS and TYPED_ENTRY_POINTS:
+        return FORM_TYPED if single else FORM_TYPED_BATCHED
+    return FORM_EX if single else FORM_EX_BATCHED
+
 
 class RealBlas(Blas):
     """The seam's BLAS over cuBLAS (loaded on the first call that needs it).
 
-    The GEMM entry points are called without ctypes argument declarations (each argument is
-    passed as the C type it already is: handles and addresses as ``c_void_p``, 64-bit strides
-    as ``c_longlong``, the rest as C ints), which halves ctypes' share of a small GEMM's cost.
+    :meth:`gemm_call` resolves a kind of GEMM once: a :class:`blascall.GemmCall` (C, about
+    0.1 us a call) where the extension is built, else a closure that calls the entry point
+    through ctypes without argument declarations (each argument passed as the C type it
+    already is: handles and addresses as ``c_void_p``, 64-bit strides as ``c_longlong``, the
+    rest as C ints; about 1.1 us a call for cublasSgemm_v2's 14). Both pass cuBLAS the same
+    arguments (tests/array/test_matmul_calls.py).
     """
 
     def __init__(self) -> None:
         #: (value, data type, compute type) -> its ctypes scalar: alpha and beta are nearly
-        #: always 1 and 0, so the GEMM's hot path builds none.
+        #: always 1 and 0, so resolving a call builds none.
         self._scalars: dict[tuple[complex, int, int], Any] = {}
-        #: handle -> its c_void_p; entry point name -> its undeclared function (made once)
-        self._handles: dict[int, Any] = {}
+        #: entry point name -> its undeclared function (made once)
         self._entries: dict[str, Any] = {}
-        #: (handle, data type, compute type, one matrix, alpha, beta, typed) -> _prepare's
-        #: tuple: one lookup per GEMM. Dropped with the handle.
-        self._prepared: dict[tuple[Any, ...], tuple[Any, str, Any, Any, Any, int]] = {}
 
     def create(self, device: int) -> int:
         return create()
 
     def destroy(self, handle: int) -> None:
-        self._handles.pop(handle, None)
-        for key in [key for key in self._prepared if key[0] == handle]:
-            del self._prepared[key]
         destroy(handle)
 
     def set_stream(self, handle: int, stream: StreamHandle) -> None:
@@ -209,11 +231,15 @@ class RealBlas(Blas):
     def set_math_mode(self, handle: int, mode: int) -> None:
         _check(library().cublasSetMathMode(handle, mode), "cublasSetMathMode")
 
+    def raise_status(self, status: int, call: str) -> NoReturn:
+        _check(status, call)
+        raise AssertionError("unreachable: a failed call's status is not 0")  # pragma: no cover
+
     def _scalar(self, value: complex, data_type: int, compute_type: int) -> Any:
         key = (value, data_type, compute_type)
         scalar = self._scalars.get(key)
         if scalar is None:
-            scalar = self._scalars[key] = ctypes.byref(_scalar(value, data_type, compute_type))
+            scalar = self._scalars[key] = _scalar(value, data_type, compute_type)
         return scalar
 
     def _entry(self, name: str) -> Any:
@@ -227,40 +253,67 @@ class RealBlas(Blas):
     def entry_point(self, data_type: int, single: bool) -> str:
         return gemm_entry_point(data_type, single, TYPED_ENTRY_POINTS)
 
-    def _prepare(self, handle: int, data_type: int, compute_type: int, single: bool,
-                 alpha: complex, beta: complex) -> tuple[Any, str, Any, Any, Any, int]:
-        """(function, name, handle, alpha, beta, form) of one kind of GEMM call; ``form`` 0:
-        typed, one matrix; 1: typed, strided batch; 2: GemmEx; 3: GemmStridedBatchedEx."""
-        name = gemm_entry_point(data_type, single, TYPED_ENTRY_POINTS)
-        form = (0 if single else 1) if data_type in TYPED_GEMMS and TYPED_ENTRY_POINTS else \
-            (2 if single else 3)
-        h = self._handles.get(handle)
-        if h is None:
-            h = self._handles[handle] = _VP(handle)
-        return (self._entry(name), name, h, self._scalar(alpha, data_type, compute_type),
-                self._scalar(beta, data_type, compute_type), form)
+    def gemm_call(self, handle: int, transa: int, transb: int, m: int, n: int, k: int,
+                  alpha: complex, lda: int, stride_a: int, ldb: int, stride_b: int,
+                  beta: complex, ldc: int, stride_c: int, batch: int, data_type: int,
+                  compute_type: int, algo: int) -> GemmCall:
+        single = batch == 1
+        form = _form(data_type, single)
+        fn = self._entry(gemm_entry_point(data_type, single, TYPED_ENTRY_POINTS))
+        al = self._scalar(alpha, data_type, compute_type)
+        be = self._scalar(beta, data_type, compute_type)
+        address = None
+        if c_calls_available():
+            try:
+                address = ctypes.cast(fn, _VP).value
+            except (TypeError, ctypes.ArgumentError):  # not a C function (a test's stand-in)
+                address = None
+        if address:
+            return blascall.GemmCall(  # type: ignore[no-any-return]
+                form, address, handle, transa, transb, m, n, k, bytes(al), lda, stride_a, ldb,
+                stride_b, bytes(be), ldc, stride_c, batch, data_type, compute_type, algo)
+        return _ctypes_call(fn, form, handle, transa, transb, m, n, k, al, lda, stride_a, ldb,
+                            stride_b, be, ldc, stride_c, batch, data_type, compute_type, algo)
 
     def gemm(self, handle: int, transa: int, transb: int, m: int, n: int, k: int,
              alpha: complex, a: int, lda: int, stride_a: int, b: int, ldb: int, stride_b: int,
              beta: complex, c: int, ldc: int, stride_c: int, batch: int, data_type: int,
              compute_type: int, algo: int) -> None:
-        key = (handle, data_type, compute_type, batch == 1, alpha, beta, TYPED_ENTRY_POINTS)
-        prepared = self._prepared.get(key)
-        if prepared is None:
-            prepared = self._prepared[key] = self._prepare(handle, data_type, compute_type,
-                                                           batch == 1, alpha, beta)
-        fn, name, h, al, be, form = prepared
-        if form == 0:
-            status = fn(h, transa, transb, m, n, k, al, _VP(a), lda, _VP(b), ldb, be, _VP(c), ldc)
-        elif form == 1:
-            status = fn(h, transa, transb, m, n, k, al, _VP(a), lda, _I64(stride_a), _VP(b), ldb,
-                        _I64(stride_b), be, _VP(c), ldc, _I64(stride_c), batch)
-        elif form == 2:
-            status = fn(h, transa, transb, m, n, k, al, _VP(a), data_type, lda, _VP(b), data_type,
-                        ldb, be, _VP(c), data_type, ldc, compute_type, algo)
-        else:
-            status = fn(h, transa, transb, m, n, k, al, _VP(a), data_type, lda, _I64(stride_a),
-                        _VP(b), data_type, ldb, _I64(stride_b), be, _VP(c), data_type, ldc,
-                        _I64(stride_c), batch, compute_type, algo)
+        status = self.gemm_call(handle, transa, transb, m, n, k, alpha, lda, stride_a, ldb,
+                                stride_b, beta, ldc, stride_c, batch, data_type, compute_type,
+                                algo)(a, b, c)
         if status:
-            _check(status, name)
+            _check(status, gemm_entry_point(data_type, batch == 1, TYPED_ENTRY_POINTS))
+
+
+def _ctypes_call(fn: Any, form: int, handle: int, transa: int, transb: int, m: int, n: int,
+                 k: int, alpha: Any, lda: int, stride_a: int, ldb: int, stride_b: int,
+                 beta: Any, ldc: int, stride_c: int, batch: int, data_type: int,
+                 compute_type: int, algo: int) -> GemmCall:
+    """The pure-Python twin of :class:`blascall.GemmCall`: ``fn`` (the entry point of
+    ``form``) called through ctypes with the same arguments, the constant ones converted
+    once. ``alpha`` and ``beta`` are the ctypes scalars (kept alive by the closure)."""
+    for value in (transa, transb, m, n, k, lda, ldb, ldc, batch, data_type, compute_type, algo):
+        if not -2**31 <= value < 2**31:  # as GemmCall's constructor refuses them
+            raise OverflowError(f"a GEMM argument does not fit in a C int: {value}")
+    h, al, be = _VP(handle), ctypes.byref(alpha), ctypes.byref(beta)
+    sa, sb, sc = _I64(stride_a), _I64(stride_b), _I64(stride_c)
+    vp = _VP
+    if form == FORM_TYPED:
+        def call(a: int, b: int, c: int) -> int:
+            return fn(h, transa, transb, m, n, k, al, vp(a), lda, vp(b), ldb, be,  # type: ignore[no-any-return]
+                      vp(c), ldc)
+    elif form == FORM_TYPED_BATCHED:
+        def call(a: int, b: int, c: int) -> int:
+            return fn(h, transa, transb, m, n, k, al, vp(a), lda, sa, vp(b), ldb,  # type: ignore[no-any-return]
+                      sb, be, vp(c), ldc, sc, batch)
+    elif form == FORM_EX:
+        def call(a: int, b: int, c: int) -> int:
+            return fn(h, transa, transb, m, n, k, al, vp(a), data_type, lda,  # type: ignore[no-any-return]
+                      vp(b), data_type, ldb, be, vp(c), data_type, ldc, compute_type, algo)
+    else:
+        def call(a: int, b: int, c: int) -> int:
+            return fn(h, transa, transb, m, n, k, al, vp(a), data_type, lda, sa,  # type: ignore[no-any-return]
+                      vp(b), data_type, ldb, sb, be, vp(c), data_type, ldc, sc, batch,
+                      compute_type, algo)
+    return call
