@@ -212,7 +212,11 @@ def main() -> None:
     cudalab.init()
     name = torch.cuda.get_device_name(0)
     slow = step_slowdown(torch, 5 if args.quick else 11, 0.5 if args.quick else 2.0)
+    # (each part's figures as it ends: a run cut short still says what it measured)
+    print(f"step: {slow['off_ms']:.3f} ms without, {slow['on_ms']:.3f} ms with the dashboard "
+          f"({slow['slowdown_pct']:+.2f} %)", flush=True)
     costs = sample_costs(torch, 200 if args.quick else 2000)
+    print(f"sample costs: {costs}", flush=True)
     timing = timed_vs_events(torch, 50 if args.quick else 200)
     t = Table(f"cudalab sources, torch {torch.__version__} ({name})")
     t.add("torch training step, no dashboard", slow["off_ms"], "ms", f"{slow['steps']} steps/round")

@@ -49,13 +49,14 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from cudalab import nvtx
+from cudalab import _interrupts, nvtx
 from cudalab._units import format_bytes
 from cudalab.identity import Identity
 from cudalab.memory_tools import stacks as _stacks
 from cudalab.memory_tools.history import current_cell, entry_to_dict
 from cudalab.memory_tools.history_ring import CHUNK, HistoryRing, TraceEntry
 from cudalab.memory_tools.libraries import (
+    CUPY_BACKED_BY_CUDALAB,
     SourceUnavailableError,
     cupy_backing,
     cupy_pool_figures,
@@ -163,11 +164,7 @@ class CupyRecording:
                                                  "memory hook API), which the recording uses")
         backing = cupy_backing(cupy)
         if backing == "cudalab":
-            raise SourceUnavailableError(
-                "cupy", "cudalab's allocator backs CuPy (cudalab.interop.cupy_allocator): "
-                        "CuPy's arrays are cudalab's allocations, which the 'cudalab' source "
-                        "sees and cudalab's own history records ('%cuda_memory history "
-                        "start', cudalab.memory.record_history())")
+            raise SourceUnavailableError("cupy", CUPY_BACKED_BY_CUDALAB)
         self.cupy = cupy
         self.context, self.stacks, self.max_entries = context, stacks, max_entries
         self.level = _CONTEXTS[context] if stacks is not None else _NEVER
@@ -364,18 +361,19 @@ class CupyRecording:
         blocks and the inactive gaps between them; a live block in a segment not seen (an
         older one) as a segment of its own size, ``segment_seen`` False."""
         to_dicts = _stacks.frames_to_dicts
-        inside: dict[int, list[int]] = {a: [] for a in dev.segments}
-        starts = sorted(dev.segments)
+        segments, live = dict(dev.segments), dict(dev.blocks)  # (copies: the hook may write)
+        inside: dict[int, list[int]] = {a: [] for a in segments}
+        starts = sorted(segments)
         alone = []
-        for ptr in sorted(dev.blocks):
+        for ptr in sorted(live):
             i = bisect.bisect_right(starts, ptr) - 1
-            if i >= 0 and ptr < starts[i] + dev.segments[starts[i]][0]:
+            if i >= 0 and ptr < starts[i] + segments[starts[i]][0]:
                 inside[starts[i]].append(ptr)
             else:
                 alone.append(ptr)
 
         def block(ptr: int) -> dict[str, Any]:
-            size, requested, _, fr = dev.blocks[ptr]
+            size, requested, _, fr = live[ptr]
             return {"address": ptr, "size": size, "requested_size": requested,
                     "state": "active_allocated", "frames": to_dicts(fr, cache) if fr else []}
 
@@ -393,7 +391,7 @@ class CupyRecording:
 
         out = []
         for addr in starts:
-            total, stream, fr = dev.segments[addr]
+            total, stream, fr = segments[addr]
             blocks: list[dict[str, Any]] = []
             at = addr
             for ptr in inside[addr]:
@@ -401,14 +399,14 @@ class CupyRecording:
                     blocks.append({"address": at, "size": ptr - at, "requested_size": 0,
                                    "state": "inactive", "frames": []})
                 blocks.append(block(ptr))
-                at = ptr + dev.blocks[ptr][0]
+                at = ptr + live[ptr][0]
             if at < addr + total:
                 blocks.append({"address": at, "size": addr + total - at, "requested_size": 0,
                                "state": "inactive", "frames": []})
             out.append(segment(addr, total, stream, blocks, fr, True))
         for ptr in alone:
             b = block(ptr)
-            out.append(segment(ptr, b["size"], dev.blocks[ptr][2], [b], None, False))
+            out.append(segment(ptr, b["size"], live[ptr][2], [b], None, False))
         out.sort(key=lambda s: s["address"])
         return out
 
@@ -451,11 +449,12 @@ class CupyRecording:
         ``total_bytes``) and ``recording`` (the settings)."""
         cache: FrameCache = {}
         devices = sorted(self.devices)
-        for d in devices:
-            try:
-                self.reconcile(d)
-            except Exception as exc:
-                self._failed(exc)
+        if threading.get_ident() == self.thread:  # (only the recorded thread writes entries)
+            for d in devices:
+                try:
+                    self.reconcile(d)
+                except Exception as exc:
+                    self._failed(exc)
         segments: list[dict[str, Any]] = []
         pools: list[dict[str, Any]] = []
         for d in devices:
@@ -463,8 +462,8 @@ class CupyRecording:
             segments.extend(self._segments(d, dev, cache))
             pool: dict[str, Any] = {
                 "device": d,
-                "recorded_used_bytes": sum(b[0] for b in dev.blocks.values()),
-                "recorded_segment_bytes": sum(s[0] for s in dev.segments.values()),
+                "recorded_used_bytes": sum(b[0] for b in list(dev.blocks.values())),
+                "recorded_segment_bytes": sum(s[0] for s in list(dev.segments.values())),
                 "older_frees": dev.older_frees, "older_bytes": dev.older_bytes}
             if self.active:
                 try:
@@ -555,3 +554,9 @@ def record_cupy_history(cupy: Any = None, *, context: str | None = "all",
 def current_recording() -> CupyRecording | None:
     """The CuPy recording started last, running or stopped (None: none in this process)."""
     return _current
+
+
+# Ctrl-C waits until a hook call returns (CuPy calls them inside malloc and in __dealloc__,
+# where an exception is lost) and until the segment frees are all written.
+_interrupts.guard(CupyRecording.on_malloc, CupyRecording.on_free, CupyRecording.on_segment,
+                  CupyRecording.reconcile, CupyRecording._entry)

@@ -15,7 +15,7 @@ from typing import Any
 
 from cudalab.identity import Identity
 
-__all__ = ["CUPY_NOT_RECORDING", "PROCESS_NO_RECORDS", "SourceUnavailableError",
+__all__ = ["CUPY_BACKED_BY_CUDALAB", "CUPY_NOT_RECORDING", "PROCESS_NO_RECORDS", "SourceUnavailableError",
            "auto_snapshot_source", "cupy_backing", "cupy_history_snapshot", "cupy_module",
            "cupy_pool_figures", "cupy_recording", "source_snapshot", "torch_history_enabled",
            "torch_module", "torch_ready", "torch_snapshot"]
@@ -110,6 +110,13 @@ CUPY_NOT_RECORDING = (
     "which records CuPy's allocations with CuPy's memory hooks from then on")
 
 
+#: Why a CuPy backed by cudalab's allocator is the ``cudalab`` source's, not ``cupy``'s.
+CUPY_BACKED_BY_CUDALAB = (
+    "cudalab's allocator backs CuPy (cudalab.interop.cupy_allocator): CuPy's arrays are "
+    "cudalab's allocations, which the 'cudalab' source sees and cudalab's own history records "
+    "('%cuda_memory history start', cudalab.memory.record_history()): use --source cudalab")
+
+
 def cupy_recording() -> Any:
     """The CuPy recording started last (:class:`cudalab.memory_tools.cupy_history.
     CupyRecording`, running or stopped), or None when none was started in this process."""
@@ -122,6 +129,9 @@ def cupy_history_snapshot() -> dict[str, Any]:
     it saw, its trace and CuPy's pool totals; SourceUnavailableError when none was started."""
     recording = cupy_recording()
     if recording is None:
+        cupy = cupy_module()
+        if cupy is not None and cupy_backing(cupy) == "cudalab":
+            raise SourceUnavailableError("cupy", CUPY_BACKED_BY_CUDALAB)
         raise SourceUnavailableError("cupy", CUPY_NOT_RECORDING)
     snap: dict[str, Any] = recording.snapshot()
     return snap

@@ -223,6 +223,22 @@ def test_only_the_starting_thread_is_recorded(cupy):
     assert not rec.active
 
 
+def test_a_snapshot_from_another_thread_only_reads(cupy):
+    """The dashboard's thread, say: it reads the recording as it stands, writes nothing."""
+    rec = record_cupy_history(cupy)
+    keep = cupy.alloc(1 << 20)
+    cupy.free(cupy.alloc(2 << 20))
+    cupy.get_default_memory_pool().free_all_blocks()
+    n = rec.entry_count()
+    snaps = []
+    t = threading.Thread(target=lambda: snaps.append(rec.snapshot()))
+    t.start()
+    t.join()
+    assert rec.entry_count() == n == len(entries(snaps[0]))  # no segment_free written there
+    assert "segment_free" in [e["action"] for e in entries(rec.snapshot())]  # here it is
+    assert keep
+
+
 def test_an_out_of_memory_error_is_an_oom_entry(cupy):
     rec = record_cupy_history(cupy)
     keep = cupy.alloc(1 << 20)
@@ -271,10 +287,13 @@ def test_bad_settings_and_a_second_start(cupy):
 
 def test_cupy_backed_by_cudalab_points_to_cudalabs_history(cupy):
     from cudalab import interop
+    from cudalab.memory import history_frame
 
     cupy.cuda.set_allocator(interop.cupy_allocator)
     with pytest.raises(SourceUnavailableError, match="cudalab's own history records"):
         record_cupy_history(cupy)
+    with pytest.raises(SourceUnavailableError, match="use --source cudalab"):
+        history_frame(source="cupy")  # (not "start a recording": it would see nothing)
 
 
 def test_another_pool_is_recorded_without_comparing_totals(cupy):
