@@ -228,6 +228,30 @@ def main() -> None:  # noqa: C901 - one table, section by section
             if cublas_module.c_calls_available():
                 loops["cudalab a @ b (64x64) via ctypes"] = switched(None, "CUDALAB_FASTCALL")
             loops["cudalab a @ b (64x64) via cublasGemmEx"] = switched("TYPED_ENTRY_POINTS", None)
+        # the parts of a @ b: the output's allocation and release alone, and the GEMM call
+        # alone (the plan's call, resolved as matmul resolves it, into small_c: cuBLAS's own
+        # host time plus the call's), so "a @ b" minus these is matmul's Python
+        from cudalab import _array_state
+        from cudalab import blas as blas_module
+        from cudalab._driver import blas_seam
+
+        float32, current = np.dtype(np.float32), cudalab.current_stream()
+
+        def loop_alloc(count, dtype=float32, stream=current):
+            for _ in range(count):
+                _array_state.output((64, 64), dtype, 0, stream)
+
+        bound = blas_module.bound_handle(0)
+        gemm = bound.blas.gemm_call(bound.handle, blas_seam.OP_N, blas_seam.OP_N, 64, 64, 64, 1,
+                                    64, 0, 64, 0, 0, 64, 64 * 64, 1, blas_seam.CUDA_R_32F,
+                                    blas_seam.COMPUTE_32F, blas_seam.GEMM_DEFAULT)
+
+        def loop_gemm(count, call=gemm, a=small_b.ptr, b=small_a.ptr, c=small_c.ptr):
+            for _ in range(count):
+                call(a, b, c)
+
+        loops["(part) cudalab output allocation + release"] = loop_alloc
+        loops["(part) cudalab GEMM call alone"] = loop_gemm
         host = interleaved(loops, number=number, rounds=5 if quick else 9)
         cudalab.synchronize()
         for label, seconds in host.items():
@@ -242,6 +266,10 @@ def main() -> None:  # noqa: C901 - one table, section by section
             elif label.startswith("cudalab") and "via" not in label and not sim:
                 note = ("through the C call (blascall)" if cublas_module.c_calls_available()
                         else "through ctypes (blascall is not built)")
+            elif label == "(part) cudalab GEMM call alone" and not sim:
+                note = (f"{'C' if type(gemm).__name__ == 'GemmCall' else 'ctypes'} call; a @ b "
+                        f"spends {(host['cudalab a @ b (64x64)'] - seconds) * 1e6:.2f} µs "
+                        f"beside it, torch {(host.get('torch a @ b (64x64)', seconds) - seconds) * 1e6:.2f}")
             t.add(label, seconds * 1e6, "µs", note)
 
     # ------------------------------------------------------------------ FFT GB/s
