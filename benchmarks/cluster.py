@@ -4,10 +4,18 @@ and gathering every rank's history and snapshot.
 Rows:
 
 * **step slowdown**: each rank runs a training-like step (activations allocated, computed
-  on, freed) in blocks of about a second (two samples at 2 Hz), alternating blocks with its
-  publisher publishing (and watched) and paused (``Publisher.paused``: no sample taken nor
-  sent, the thread idle); the slowdown is median(on) / median(off) - 1 per rank (goal
-  <= 1 %);
+  on, freed) in blocks of about a second (two samples at 2 Hz), in ``--blocks`` pairs of
+  one block with its publisher publishing (and watched) and one with it paused
+  (``Publisher.paused``: no sample taken nor sent, the thread asleep), the order inside a
+  pair alternating from pair to pair (and starting the other way on odd ranks), so a drift
+  of the machine's speed falls on both sides. A pair's slowdown is its on block's time over
+  its off block's, minus 1; a **rank's slowdown is the median of its pairs'**, and the
+  table gives the median and the worst of the ranks' (goal <= 1 % for every rank), with
+  every rank's line below it (its pairs' median, their spread as the interquartile range,
+  and its publisher thread's CPU time per sample). ``--artificial-cost-ms X`` makes each
+  rank's sampling hold the interpreter for X ms more (a busy loop in the sample source):
+  the harness must then show about ``2 * X / 1000`` of a step (its check that a real
+  slowdown shows);
 * **panel rate**: samples per second the watch receives from each rank (goal 2 Hz);
 * **least-headroom flag**: seconds from a rank's allocation to the watch naming it
   (goal <= 1 s);
@@ -22,7 +30,8 @@ Rows:
 Nothing here has a torch or CuPy equivalent to run beside it (neither ships a multi-rank
 allocator view), so the table has cudalab's column only.
 
-    python benchmarks/cluster.py [--ranks 8] [--entries 100000] [--gpu] [--quick] [--json out.json]
+    python benchmarks/cluster.py [--ranks 8] [--entries 100000] [--blocks 16] [--gpu] [--quick]
+                                 [--skip fetch,gather] [--artificial-cost-ms X] [--json out.json]
 
 Without ``--gpu`` the ranks run on the simulator (``CUDALAB_SIMULATOR=1``); with it they
 share the host's real GPU(s) (rank r on device r % count).
@@ -68,9 +77,26 @@ def _step(size: int) -> None:
     del acts, x
 
 
+class CostlySource:
+    """A sample source that holds the interpreter ``cost`` seconds more per sample (a busy
+    loop) than the one it wraps: the harness's check that a real cost shows."""
+
+    def __init__(self, source: object, cost: float):
+        self.source, self.cost, self.name = source, cost, source.name  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.source, name)
+
+    def sample(self, device: int, now: float | None = None) -> object:
+        end = time.thread_time() + self.cost  # (CPU time: the same cost on a busy host)
+        while time.thread_time() < end:
+            pass
+        return self.source.sample(device, now)  # type: ignore[attr-defined]
+
+
 def rank_worker(args: argparse.Namespace) -> int:
     import cudalab
-    from cudalab.cluster import serve
+    from cudalab.cluster import records, serve
 
     rank = int(os.environ.get("RANK", "0"))
     if args.gpu:
@@ -87,25 +113,34 @@ def rank_worker(args: argparse.Namespace) -> int:
     cudalab.synchronize()
     per_step = (time.perf_counter() - t0) / 20
     steps = max(int(args.block_seconds / per_step), 10)  # blocks of ~block_seconds
-    on: list[float] = []
-    off: list[float] = []
-    # "without publishing": the publisher paused (no sample taken nor sent; its thread idle),
-    # so each block measures the steady cost of publishing, not the publisher's start
-    publisher = serve(args.directory, interval=0.5)
+    # "without publishing": the publisher paused (no sample taken nor sent; its thread
+    # asleep), so each block measures the steady cost of publishing, not the publisher's start
+    source = None
+    if args.artificial_cost_ms:
+        source = CostlySource(records.rank_source(), args.artificial_cost_ms / 1000)
+    publisher = serve(args.directory, interval=0.5, source=source)
+    pairs: list[tuple[float, float]] = []
     busy = 0.0
-    for block in range(2 * args.blocks):
-        publishing = block % 2 == (rank % 2)  # half the ranks start with it on
-        publisher.paused = not publishing
-        time.sleep(0.05)
-        b0 = publisher.busy_seconds
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            _step(size)
-        cudalab.synchronize()
-        (on if publishing else off).append(time.perf_counter() - t0)
-        busy += publisher.busy_seconds - b0
+    ticks: list[float] = []
+    for pair in range(args.blocks):
+        # on-off, off-on, ... (odd ranks off-on first): a drift falls on both sides
+        order = (True, False) if (pair + rank) % 2 == 0 else (False, True)
+        took = {}
+        for publishing in order:
+            publisher.paused = not publishing
+            time.sleep(0.02)
+            b0, n0 = publisher.busy_seconds, len(publisher.tick_seconds)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                _step(size)
+            cudalab.synchronize()
+            took[publishing] = time.perf_counter() - t0
+            if publishing:
+                busy += publisher.busy_seconds - b0
+                ticks.extend(list(publisher.tick_seconds)[n0:])
+        pairs.append((took[True], took[False]))
     publisher.paused = False
-    print(json.dumps({"rank": rank, "on": on, "off": off, "busy": busy}), flush=True)
+    print(json.dumps({"rank": rank, "pairs": pairs, "busy": busy, "ticks": ticks}), flush=True)
     print("serving", flush=True)
     kept = [base]
     for line in sys.stdin:
@@ -167,7 +202,8 @@ def _env(args: argparse.Namespace, rank: int) -> dict[str, str]:
 
 def _worker_args(args: argparse.Namespace) -> list[str]:
     return ["--entries", str(args.entries), "--blocks", str(args.blocks), "--block-seconds",
-            str(args.block_seconds), "--directory", args.directory, *(["--gpu"] if args.gpu else [])]
+            str(args.block_seconds), "--directory", args.directory,
+            "--artificial-cost-ms", str(args.artificial_cost_ms), *(["--gpu"] if args.gpu else [])]
 
 
 def run_ranks(args: argparse.Namespace, results: dict) -> None:
@@ -178,21 +214,37 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
                               text=True) for r in range(args.ranks)]
     w = watch(args.directory, job="benchmark")
     try:
-        slowdowns, shares, on_all, off_all = [], [], 0.0, 0.0
+        per_rank = []
         for p in procs:
             line = p.stdout.readline()  # type: ignore[union-attr]
-            data = json.loads(line)
-            slowdowns.append(statistics.median(data["on"]) / statistics.median(data["off"]) - 1)
-            shares.append(data["busy"] / sum(data["on"]))
-            on_all, off_all = on_all + sum(data["on"]), off_all + sum(data["off"])
+            per_rank.append(rank_figures(json.loads(line)))
             assert p.stdout.readline().strip() == "serving"  # type: ignore[union-attr]
-        results["step slowdown, median of ranks (%)"] = 100 * statistics.median(slowdowns)
-        results["step slowdown, worst rank (%)"] = 100 * max(slowdowns)
+        slowdowns = [r["slowdown"] for r in per_rank]
+        pairs = len(per_rank[0]["ratios"])
+        how = f"median of each rank's {pairs} paired blocks"
+        if args.artificial_cost_ms:
+            how += f"; {args.artificial_cost_ms:g} ms of artificial cost per sample"
+        results[f"step slowdown, median of ranks ({how}) (%)"] = 100 * statistics.median(
+            slowdowns)
+        results[f"step slowdown, worst rank ({how}) (%)"] = 100 * max(slowdowns)
+        # the noise floor: the worst rank's figure when each pair's on/off labels are
+        # swapped at random (what the statistic shows with no effect at all), 95th percentile
+        results["the same, worst rank with on/off swapped at random in each pair, 95th "
+                "percentile of 2000 draws (noise floor) (%)"] = 100 * noise_floor(per_rank)
+        on_all = sum(sum(on for on, _ in r["pairs"]) for r in per_rank)
+        off_all = sum(sum(off for _, off in r["pairs"]) for r in per_rank)
         results["step slowdown, all ranks' blocks pooled (%)"] = 100 * (on_all / off_all - 1)
         # what publishing itself costs: the publisher thread's CPU time while publishing, a
         # share of the step's time (the bound of the slowdown it can cause, without the noise
-        # of 8 processes sharing the CPUs and the GPU)
-        results["publisher thread CPU / step time, worst rank (%)"] = 100 * max(shares)
+        # of 8 processes sharing the CPUs and the GPU), and per sample
+        results["publisher thread CPU / step time, worst rank (%)"] = 100 * max(
+            r["share"] for r in per_rank)
+        ticks = [t for r in per_rank for t in r["ticks"]]
+        if ticks:
+            results["publisher CPU per sample, median of all ranks' samples (us)"] = \
+                1e6 * statistics.median(ticks)
+            results["publisher CPU per sample, slowest sample (us)"] = 1e6 * max(ticks)
+        results.table("per rank", rank_table(per_rank))
         end = time.monotonic() + 20
         while len([v for v in w.samples().values() if v]) < args.ranks and time.monotonic() < end:
             time.sleep(0.05)
@@ -206,40 +258,42 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
             time.sleep(0.02)
         rates = [len(v) / args.rate_seconds for v in seen.values()]
         results["panel rate per rank, min (Hz)"] = min(rates) if len(rates) == args.ranks else 0.0
-        # the least-headroom flag follows an allocation
-        lags = []
-        for rank in (0, 1, 2)[: 1 if args.quick else 3]:
-            grow = (args.ranks + 2) * 8 * MiB * (1 + len(lags))
-            procs[rank].stdin.write(f"alloc {grow}\n")  # type: ignore[union-attr]
-            procs[rank].stdin.flush()  # type: ignore[union-attr]
-            t0 = time.monotonic()
-            assert procs[rank].stdout.readline().strip() == "done"  # type: ignore[union-attr]
-            while (h := w.least_headroom()) is None or h.rank != rank:
-                if time.monotonic() - t0 > 10:
-                    break
-                time.sleep(0.01)
-            lags.append(time.monotonic() - t0)
-            procs[rank].stdin.write("free\n")  # type: ignore[union-attr]
-            procs[rank].stdin.flush()  # type: ignore[union-attr]
-            procs[rank].stdout.readline()  # type: ignore[union-attr]
-            time.sleep(0.6)
-        results["least-headroom flag follows, worst (s)"] = max(lags)
-        # fetch every rank's history and snapshot into this process
-        took = []
-        for _ in range(1 if args.quick else 3):
+        if "flag" not in args.skip:
+            # the least-headroom flag follows an allocation
+            lags = []
+            for rank in (0, 1, 2)[: 1 if args.quick else 3]:
+                grow = (args.ranks + 2) * 8 * MiB * (1 + len(lags))
+                procs[rank].stdin.write(f"alloc {grow}\n")  # type: ignore[union-attr]
+                procs[rank].stdin.flush()  # type: ignore[union-attr]
+                t0 = time.monotonic()
+                assert procs[rank].stdout.readline().strip() == "done"  # type: ignore[union-attr]
+                while (h := w.least_headroom()) is None or h.rank != rank:
+                    if time.monotonic() - t0 > 10:
+                        break
+                    time.sleep(0.01)
+                lags.append(time.monotonic() - t0)
+                procs[rank].stdin.write("free\n")  # type: ignore[union-attr]
+                procs[rank].stdin.flush()  # type: ignore[union-attr]
+                procs[rank].stdout.readline()  # type: ignore[union-attr]
+                time.sleep(0.6)
+            results["least-headroom flag follows, worst (s)"] = max(lags)
+        if "fetch" not in args.skip:
+            # fetch every rank's history and snapshot into this process
+            took = []
+            for _ in range(1 if args.quick else 3):
+                t0 = time.perf_counter()
+                got = w.fetch(("history_tail", "snapshot"), tail=args.entries, timeout=60)
+                took.append(time.perf_counter() - t0)
+                assert len(got) == args.ranks, (sorted(got), w.fetch_errors, w.lost(),
+                                                sorted(w.samples()), w.ranks())
+            results[f"fetch {args.ranks} ranks' {args.entries:,}-entry histories + snapshots (s)"] = \
+                statistics.median(took)
             t0 = time.perf_counter()
-            got = w.fetch(("history_tail", "snapshot"), tail=args.entries, timeout=60)
-            took.append(time.perf_counter() - t0)
-            assert len(got) == args.ranks, (sorted(got), w.fetch_errors, w.lost(),
-                                            sorted(w.samples()), w.ranks())
-        results[f"fetch {args.ranks} ranks' {args.entries:,}-entry histories + snapshots (s)"] = \
-            statistics.median(took)
-        t0 = time.perf_counter()
-        results["entries per rank fetched, min"] = min(
-            len(next(iter(r.history_tail.values()), [])) for r in got.values())
-        for r in got.values():
-            assert r.snapshot is not None
-        results["fetched entries as dicts, built on first access (s)"] = time.perf_counter() - t0
+            results["entries per rank fetched, min"] = min(
+                len(next(iter(r.history_tail.values()), [])) for r in got.values())
+            for r in got.values():
+                assert r.snapshot is not None
+            results["fetched entries as dicts, built on first access (s)"] = time.perf_counter() - t0
     finally:
         w.close()
         for p in procs:
@@ -253,6 +307,48 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def rank_figures(data: dict) -> dict:
+    """One rank's slowdown figures from its paired blocks: each pair's on/off - 1, their
+    median (the rank's slowdown), their interquartile range, and its publisher's CPU."""
+    pairs = [tuple(p) for p in data["pairs"]]
+    ratios = sorted(on / off - 1 for on, off in pairs)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {"rank": data["rank"], "pairs": pairs, "ratios": ratios,
+            "slowdown": statistics.median(ratios), "iqr": q[2] - q[0],
+            "share": data["busy"] / sum(on for on, _ in pairs), "ticks": data["ticks"]}
+
+
+def noise_floor(per_rank: list[dict], draws: int = 2000, seed: int = 0) -> float:
+    """The 95th percentile of the worst rank's slowdown when every pair's on and off blocks
+    are swapped at random: how large the worst rank's figure comes out from the blocks'
+    noise alone (the same median of paired ratios, on the same blocks)."""
+    import random
+
+    rng = random.Random(seed)
+    worst = []
+    for _ in range(draws):
+        worst.append(max(statistics.median(
+            (on / off if rng.random() < 0.5 else off / on) - 1 for on, off in r["pairs"])
+            for r in per_rank))
+    worst.sort()
+    return worst[int(0.95 * (draws - 1))]
+
+
+def rank_table(per_rank: list[dict]) -> list[str]:
+    """The per-rank lines of the slowdown: each rank's paired median, the spread of its
+    pairs, and its publisher's CPU per sample."""
+    lines = [f"{'rank':>4} {'pairs':>5} {'slowdown %':>10} {'IQR of pairs %':>14} "
+             f"{'min..max of pairs %':>21} {'pub. CPU/sample us':>18} {'pub. CPU/step %':>15}"]
+    for r in sorted(per_rank, key=lambda r: r["rank"]):
+        ticks = r["ticks"]
+        cpu = f"{1e6 * statistics.median(ticks):.0f}" if ticks else "-"
+        lines.append(f"{r['rank']:>4} {len(r['ratios']):>5} {100 * r['slowdown']:>+10.2f} "
+                     f"{100 * r['iqr']:>14.2f} "
+                     f"{100 * r['ratios'][0]:>+9.1f}..{100 * r['ratios'][-1]:<+10.1f} "
+                     f"{cpu:>18} {100 * r['share']:>15.3f}")
+    return lines
 
 
 def _mpirun() -> list[str] | None:
@@ -302,23 +398,37 @@ def run_gather(args: argparse.Namespace, results: dict) -> None:
 
 
 class Results(dict):
-    """The rows, each printed as soon as it is measured (a run cut short keeps its rows)."""
+    """The rows, each printed as soon as it is measured (a run cut short keeps its rows),
+    and tables printed after them (:meth:`table`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[str]] = {}
 
     def __setitem__(self, name: str, value: object) -> None:
         super().__setitem__(name, value)
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         print(f"  . {name}: {shown}", flush=True)
 
+    def table(self, name: str, lines: list[str]) -> None:
+        self.tables[name] = lines
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--entries", type=int, default=100_000)
-    parser.add_argument("--blocks", type=int, default=8, help="blocks on and off, each")
+    parser.add_argument("--blocks", type=int, default=16,
+                        help="pairs of blocks (one publishing, one paused) per rank")
     parser.add_argument("--block-seconds", type=float, default=1.0,
                         help="seconds per block (2 samples at 2 Hz)")
     parser.add_argument("--rate-seconds", type=float, default=4.0)
     parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--skip", default="",
+                        help="rows to leave out, comma-separated: flag, fetch, gather")
+    parser.add_argument("--artificial-cost-ms", type=float, default=0.0,
+                        help="hold the interpreter this long more per sample (the harness's "
+                             "check that a real cost shows)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--directory", default=None)
@@ -330,13 +440,20 @@ def main() -> int:
     if args.gather_worker:
         return gather_worker(args)
     if args.quick:
-        args.blocks, args.rate_seconds = min(args.blocks, 4), min(args.rate_seconds, 2.0)
-    results: dict = Results()
+        args.blocks, args.rate_seconds = min(args.blocks, 6), min(args.rate_seconds, 2.0)
+    args.skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    unknown = args.skip - {"flag", "fetch", "gather"}
+    if unknown:
+        parser.error(f"--skip: unknown rows {sorted(unknown)}; flag, fetch, gather")
+    if args.blocks < 1:
+        parser.error("--blocks must be at least 1")
+    results = Results()
     with tempfile.TemporaryDirectory(prefix="cudalab-cluster-bench-") as directory:
         args.directory = directory
         t0 = time.perf_counter()
         run_ranks(args, results)
-        run_gather(args, results)
+        if "gather" not in args.skip:
+            run_gather(args, results)
         took = time.perf_counter() - t0
     where = "GPU" if args.gpu else "simulator"
     print(f"cudalab.cluster, {args.ranks} ranks on one host ({where}; {os.cpu_count()} CPUs), "
@@ -345,9 +462,14 @@ def main() -> int:
     for name, value in results.items():
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         print(f"  {name:<{width}}  {shown}")
+    for name, lines in results.tables.items():
+        print(f"  {name}:")
+        for line in lines:
+            print(f"    {line}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"where": where, "ranks": args.ranks, **results}, f, indent=1)
+            json.dump({"where": where, "ranks": args.ranks, **results,
+                       "tables": results.tables}, f, indent=1)
     return 0
 
 

@@ -16,6 +16,12 @@ an address is given, and a connection file in the cluster directory
   started at the first request, collects and encodes the answers (a snapshot of a long
   history takes a while), so the samples keep their pace meanwhile.
 
+The thread sleeps in one ``zmq_poll`` until the next tick or a request: it wakes only to
+sample, to answer, or when :meth:`Publisher.stop` or the answering thread writes a byte
+into its wake pipe (no periodic wake-ups in between, so a rank's main thread is asked for
+the interpreter twice a second, not more). A tick's header is preformatted but for its
+counters, and the message is signed by one ``hmac.digest`` (:mod:`cudalab.cluster.signing`).
+
 The thread issues no collective and lets no exception out (a failed tick is counted and
 its text published in the next header). It stops, closes its sockets without lingering and
 removes its connection file on :meth:`Publisher.stop` and at interpreter exit (a Ctrl-C
@@ -33,6 +39,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import queue
 import threading
@@ -69,8 +76,11 @@ MAX_PENDING = 8
 _SEEN_REQUESTS = 4096
 #: Seconds between two looks for the allocators the process uses.
 _RESOLVE_SOURCES = 5.0
-#: The longest the thread sleeps before it looks at its stop flag (seconds).
+#: Seconds the thread pauses after a failed turn of its loop (so a persistent error does
+#: not spin).
 _WAKE = 0.1
+#: Per-tick CPU times kept (:attr:`Publisher.tick_seconds`).
+_TICKS_KEPT = 4096
 _lock = threading.Lock()
 _publishers: dict[str, Publisher] = {}  # by directory (realpath)
 
@@ -109,6 +119,9 @@ class Publisher:
         #: CPU seconds the thread spent taking, encoding and sending samples (what
         #: publishing costs the rank's process; requests answered are not counted).
         self.busy_seconds = 0.0
+        #: The CPU seconds of each of the latest ticks (taking, encoding, signing and
+        #: sending one sample message), oldest first; at most 4096 kept.
+        self.tick_seconds: collections.deque[float] = collections.deque(maxlen=_TICKS_KEPT)
         #: While True no sample is taken nor sent (the sockets stay, requests are still
         #: answered): the rank costs nothing but an idle thread. Set and clear it freely.
         self.paused = False
@@ -129,6 +142,15 @@ class Publisher:
         #: Requests dropped as replays of one already answered.
         self.replayed = 0
         self._sources_due = 0.0
+        # the wake pipe: stop() and the answering thread write a byte to end the thread's
+        # poll at once (its ends closed, under the lock, when the thread ends)
+        self._wake_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        # the sample header's fixed part and the last error's JSON (see _publish_one)
+        self._head_prefix = b""
+        self._error_json = (b'""', "")
 
     # ------------------------------------------------------------------ control
     @property
@@ -168,12 +190,28 @@ class Publisher:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop publishing, close the sockets and remove the connection file (idempotent)."""
         self._stop.set()
+        self._wake()
         with contextlib.suppress(queue.Full):
             self._requests.put_nowait(None)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         self._remove_file()
+
+    def _wake(self) -> None:
+        """End the thread's poll now (a byte into its wake pipe; nothing once closed)."""
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                with contextlib.suppress(OSError):  # (full: a wake is already pending)
+                    os.write(self._wake_w, b"w")
+
+    def _close_wake(self) -> None:
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     def _remove_file(self) -> None:
         """Remove this publisher's connection file: only if it is still this publisher's
@@ -214,6 +252,7 @@ class Publisher:
                                       identity=self._identity, started=time.time())
                 path = info.write(self.directory)
                 self.info = dataclasses.replace(info, path=path)
+                self._head_prefix = wire.samples_header_prefix(self.job, info.rank, info.pid)
             except BaseException as exc:  # noqa: BLE001 - handed to start()
                 self._startup_error = exc
                 return
@@ -226,11 +265,14 @@ class Publisher:
                     s.close(linger=0)
             with contextlib.suppress(Exception):
                 context.term()
+            self._close_wake()
             self._remove_file()
 
     def _loop(self, zmq: Any, pub: Any, router: Any) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
+        wake = self._wake_r
+        poller.register(wake, zmq.POLLIN)
         next_tick = time.monotonic()
         while not self._stop.is_set():
             try:
@@ -239,8 +281,13 @@ class Publisher:
                     next_tick = max(next_tick + self.interval, now)
                     if not self.paused:
                         self._publish(zmq, pub)
-                wait = min(_WAKE, max(0.0, next_tick - time.monotonic()))
-                if poller.poll(wait * 1000):
+                # sleep until the next tick, a request, or a wake (stop, an answer ready)
+                wait = max(0, math.ceil((next_tick - time.monotonic()) * 1000))
+                ready = dict(poller.poll(wait))
+                if wake in ready:
+                    with contextlib.suppress(OSError):
+                        os.read(wake, 4096)
+                if router in ready:
                     self._answer(zmq, router)
                 while self._replies:  # (made by the answering thread)
                     self._reply(zmq, router, *self._replies.popleft())
@@ -273,7 +320,9 @@ class Publisher:
         try:
             self._publish_one(zmq, pub)
         finally:
-            self.busy_seconds += time.thread_time() - start
+            spent = time.thread_time() - start
+            self.busy_seconds += spent
+            self.tick_seconds.append(spent)
 
     def _publish_one(self, zmq: Any, pub: Any) -> None:
         try:
@@ -282,11 +331,13 @@ class Publisher:
             self.failed += 1
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
             payload = b"[]"
-        info = self.info
-        assert info is not None
-        head = wire.header("samples", job=self.job, rank=info.rank, pid=info.pid,
-                           seq=self.published, time=time.time(), dropped=self.failed,
-                           rejected=self._signer.rejected, error=self.last_error)
+        error_json, error = self._error_json
+        if error != self.last_error:  # (encoded again only when it changed)
+            error = self.last_error
+            error_json = wire.encode_json(error)
+            self._error_json = (error_json, error)
+        head = wire.samples_header(self._head_prefix, self.published, time.time(),
+                                   self.failed, self._signer.rejected, error_json)
         try:
             pub.send_multipart(self._signer.wrap([head, payload]), flags=zmq.NOBLOCK)
             self.published += 1
@@ -343,6 +394,7 @@ class Publisher:
             except Exception as exc:  # noqa: BLE001 - the watcher hears why
                 payload, error = b"", f"{type(exc).__name__}: {exc}"[:1000]
             self._replies.append((peer, request_id, payload, error))
+            self._wake()
 
     def _reply(self, zmq: Any, router: Any, peer: bytes, request_id: str, payload: bytes,
                error: str) -> None:

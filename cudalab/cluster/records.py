@@ -162,8 +162,9 @@ def source_devices(source: SampleSource) -> list[int]:
     if callable(devices):
         return sorted(int(d) for d in devices())
     if source.name == "cudalab":
-        from cudalab.allocator import registry
-
+        registry: Any = sys.modules.get("cudalab.allocator.registry")  # (no import per sample)
+        if registry is None:
+            from cudalab.allocator import registry
         return [i for i, a in enumerate(list(registry.allocators)) if a is not None]
     if source.name == "torch":
         cuda = source.torch.cuda  # type: ignore[attr-defined]

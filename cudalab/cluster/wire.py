@@ -20,6 +20,7 @@ Decoding is bounded: sizes are checked before parsing, JSON nesting deeper than
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -106,6 +107,21 @@ def header(kind: str, **fields: Any) -> bytes:
     return encode_json({"v": _VERSION, "kind": kind, **fields})
 
 
+def samples_header_prefix(job: str, rank: int, pid: int) -> bytes:
+    """The fixed part of a rank's samples headers (:func:`samples_header` adds the rest)."""
+    return encode_json({"v": _VERSION, "kind": "samples", "job": job, "rank": rank,
+                        "pid": pid})[:-1]
+
+
+def samples_header(prefix: bytes, seq: int, time: float, dropped: int, rejected: int,
+                   error_json: bytes) -> bytes:
+    """A samples header: ``prefix`` (:func:`samples_header_prefix`) and the tick's fields,
+    formatted without building a dict (the same JSON as :func:`header` makes);
+    ``error_json`` is the error text already as JSON."""
+    return b'%s,"seq":%d,"time":%s,"dropped":%d,"rejected":%d,"error":%s}' % (
+        prefix, seq, repr(float(time)).encode(), dropped, rejected, error_json)
+
+
 def decode_samples(data: bytes, what: str) -> list[DeviceSample]:
     """The samples payload ``data``: a JSON list of sample dicts, each checked."""
     raw = decode_json(data, f"{what}: samples", MAX_SAMPLES_BYTES)
@@ -118,5 +134,25 @@ def decode_samples(data: bytes, what: str) -> list[DeviceSample]:
 
 
 def encode_samples(samples: Sequence[DeviceSample]) -> bytes:
-    """``samples`` as the JSON payload :func:`decode_samples` reads."""
-    return encode_json([s.to_dict() for s in samples])
+    """``samples`` as the JSON payload :func:`decode_samples` reads: each sample's
+    :meth:`~DeviceSample.to_dict`, built here from the field names read once and its
+    identity's dict kept per identity (a rank's identities do not change), so a tick
+    builds one dict per sample and nothing else."""
+    out = []
+    for s in samples:
+        d = {name: getattr(s, name) for name in _SAMPLE_FIELDS}
+        identity = _IDENTITY_DICTS.get(s.identity)
+        if identity is None:
+            if len(_IDENTITY_DICTS) >= 64:
+                _IDENTITY_DICTS.clear()
+            identity = _IDENTITY_DICTS[s.identity] = s.identity.to_dict()
+        d["identity"] = identity
+        d["pools"] = [dict(p) for p in s.pools]
+        d["extra"] = dict(s.extra)
+        d["device"] = identity["device"]
+        out.append(d)
+    return encode_json(out)
+
+
+_SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DeviceSample))
+_IDENTITY_DICTS: dict[Any, dict[str, Any]] = {}

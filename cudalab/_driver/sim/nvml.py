@@ -6,6 +6,9 @@ like the real NVML) and labels itself simulated.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 import os
 from collections.abc import Iterable
 
@@ -15,25 +18,31 @@ from cudalab.errors import NvmlError
 
 __all__ = ["SimulatedNvml", "busy_percent"]
 
+_START, _END, _KIND = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+
 
 def busy_percent(activity: Iterable[tuple[int, int, int]]) -> tuple[int, int]:
     """(gpu %, memory %) over the last second from an activity log of (start ns, end ns,
     ACTIVITY_*) entries: the share of the second spent in kernels (memory: copies and fills
     plus half the kernel time), at least 1% when anything ran."""
-    t_now = now()
-    lo = t_now - 1_000_000_000
-    kern = copy = 0
-    any_kern = any_copy = False
-    for t0, t1, kind in list(activity):
-        if t1 < lo:
-            continue
-        dt = t1 - max(t0, lo)
-        if kind == ACTIVITY_KERNEL:
-            kern += dt
-            any_kern = True
-        else:
-            copy += dt
-            any_copy = True
+    lo = now() - 1_000_000_000
+    # the log is appended as work ends (end times ascending): the second's entries are a
+    # tail found by bisection, summed by C-level maps (a busy log holds 4096 entries)
+    entries = list(activity)
+    window = entries[bisect.bisect_left(entries, lo, key=_END):]
+    starts = list(map(_START, window))
+    ends = list(map(_END, window))
+    kernels = list(map(operator.eq, map(_KIND, window), itertools.repeat(ACTIVITY_KERNEL)))
+    # an entry that began before the second counts from its start (few: found in C, then
+    # corrected one by one)
+    early = list(itertools.compress(range(len(window)),
+                                    map(operator.gt, itertools.repeat(lo), starts)))
+    for i in early:
+        starts[i] = lo
+    kern = sum(itertools.compress(ends, kernels)) - sum(itertools.compress(starts, kernels))
+    copy = sum(ends) - sum(starts) - kern
+    any_kern = any(kernels)
+    any_copy = not all(kernels)
 
     def pct(ns: float, active: bool) -> int:
         return max(1, min(100, round(ns / 1e7))) if active else 0
@@ -52,9 +61,14 @@ class SimulatedNvml(Nvml):
     """
 
     simulated = True
+    #: Nanoseconds a device's utilisation is kept before it is computed again (the real
+    #: NVML's figure changes at most every 1/6 s; one sample's four queries that derive from
+    #: it, utilisation, temperature, power and clock, then scan the activity log once).
+    UTILIZATION_PERIOD_NS = 2_000_000
 
     def __init__(self, backend: SimulatorCore):
         self._backend = backend
+        self._utilization: dict[int, tuple[int, tuple[int, int]]] = {}
 
     def __repr__(self) -> str:
         return f"<SimulatedNvml: {self.device_count()} simulated devices (not a real NVML)>"
@@ -86,7 +100,14 @@ class SimulatedNvml(Nvml):
         return dev.capacity, dev.used
 
     def utilization(self, uuid: str) -> tuple[int, int]:
-        return busy_percent(self._backend.activity[self._index(uuid)])
+        phys = self._index(uuid)
+        t = now()
+        known = self._utilization.get(phys)
+        if known is not None and 0 <= t - known[0] < self.UTILIZATION_PERIOD_NS:
+            return known[1]
+        value = busy_percent(self._backend.activity[phys])
+        self._utilization[phys] = (t, value)
+        return value
 
     def memory_info(self, uuid: str) -> tuple[int, int, int]:
         total, used = self._used(self._index(uuid))
