@@ -15,8 +15,10 @@ Jupyter extension builds on: see docs/widgets.md).
   cell; the segment map then), search, and the diff of two runs;
 * :class:`ClusterDashboard` — every rank of a job publishing with :mod:`cudalab.cluster`:
   a live panel per rank (the dashboard's rendering of its samples), the rank with the least
-  headroom flagged, lost ranks, per-rank peaks, every rank's snapshot on a click (also
-  ``%cuda_memory cluster <directory>``);
+  headroom flagged, lost ranks, per-rank peaks, every rank's snapshot on a click, one lane
+  per rank (also ``%cuda_memory cluster <directory>``);
+* :class:`LanesExplorer` — several traces (every rank of a job) as stacked lanes on one time
+  axis, with the explorer's zoom, pan and live set at a clicked moment;
 * :func:`close_all` — stop and close every live dashboard (``%unload_ext cudalab`` calls it);
 * :func:`demo_snapshot` — a synthetic snapshot of any size, to try the viewer with.
 
@@ -31,12 +33,14 @@ import sys
 
 from cudalab.lazy_names import lazy_names
 
-__all__ = ["ClusterDashboard", "MemoryDashboard", "SnapshotExplorer", "SnapshotViewer", "close_all",
+__all__ = ["ClusterDashboard", "LanesExplorer", "MemoryDashboard", "SnapshotExplorer",
+           "SnapshotViewer", "close_all",
            "demo_snapshot",
            "live_dashboards"]
 
 _LAZY = {
     "ClusterDashboard": "cudalab.widgets.cluster_dashboard",
+    "LanesExplorer": "cudalab.widgets.explorer_lanes",
     "MemoryDashboard": "cudalab.widgets.dashboard",
     "SnapshotViewer": "cudalab.widgets.snapshot_viewer",
     "SnapshotExplorer": "cudalab.widgets.explorer",

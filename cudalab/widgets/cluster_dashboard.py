@@ -14,9 +14,11 @@ It watches the ranks of one job (:func:`cudalab.cluster.watch`) and shows
   (its bar, time series, NVML figures and counts), titled with the rank and its host,
   flagged "least headroom" or "lost";
 * a table of every rank's peaks (allocated and reserved, per device and allocator);
-* a button that fetches every rank's snapshot and opens it in the
-  :class:`~cudalab.widgets.SnapshotExplorer`, one rank at a time (a rank selector: the
-  explorer shows one trace; the snapshots stay in :attr:`ClusterDashboard.snapshots`).
+* a button that fetches every rank's snapshot and opens them in the
+  :class:`~cudalab.widgets.LanesExplorer`, one lane per rank on one time axis, each labelled
+  with its host, rank and GPU (:func:`rank_lanes`); a rank that did not answer (or is lost)
+  keeps its lane, marked lost with the reason. The snapshots stay in
+  :attr:`ClusterDashboard.snapshots`, the explorer in :attr:`ClusterDashboard.explorer`.
 
 A panel's figures come from the watch, which the ranks feed at 2 Hz; nothing here talks
 to a rank but the snapshot button (a signed request, its answer decoded by the bounded
@@ -40,10 +42,13 @@ from typing import Any
 import ipywidgets as W
 
 from cudalab._internal import format_bytes
+from cudalab.cluster.records import RankRecords
 from cudalab.cluster.watching import ClusterWatch, Headroom, RankSource, watch
+from cudalab.memory_tools.samples import DeviceSample
+from cudalab.memory_tools.trace_lanes import TraceLanes, lane, lost_lane
 from cudalab.widgets.dashboard import MemoryDashboard
 
-__all__ = ["ClusterDashboard", "RankPanel", "close_all"]
+__all__ = ["ClusterDashboard", "RankPanel", "close_all", "rank_label", "rank_lanes"]
 
 _live: weakref.WeakSet[ClusterDashboard] = weakref.WeakSet()
 
@@ -120,6 +125,8 @@ class ClusterDashboard(W.VBox):
         self.panels: dict[tuple[int, str], RankPanel] = {}
         #: The snapshots the button fetched last, by rank.
         self.snapshots: dict[int, dict[str, Any]] = {}
+        #: The lanes explorer the button opened last (None before).
+        self.explorer: Any = None
         #: The least-headroom rank at the last refresh (None before any sample).
         self.least: Headroom | None = None
         self._lock = threading.RLock()
@@ -230,36 +237,31 @@ class ClusterDashboard(W.VBox):
 
     # ------------------------------------------------------------------ snapshots
     def fetch_snapshots(self, _: Any = None) -> dict[int, dict[str, Any]]:
-        """Fetch every live rank's snapshot, keep them in :attr:`snapshots` and open the
-        first in the explorer below (a rank selector switches); returns them."""
-        got = self.watch.snapshots()
-        errors = self.watch.fetch_errors
-        self.snapshots = got
-        note = f"{len(got)} snapshot(s) fetched"
+        """Fetch every live rank's snapshot (a signed request each, answers decoded by the
+        bounded loader), keep them in :attr:`snapshots` and open them below in a
+        :class:`~cudalab.widgets.LanesExplorer`, one lane per rank (every rank the watch
+        knows, a lost or silent one marked lost in its lane); returns the snapshots."""
+        from cudalab.widgets.explorer_lanes import LanesExplorer
+
+        got = self.watch.fetch(("snapshot",))
+        errors = dict(self.watch.fetch_errors)
+        for rank in self.watch.lost():
+            errors.setdefault(rank, "lost: the rank stopped publishing")
+        self.snapshots = {k: r.snapshot for k, r in sorted(got.items())
+                          if r.snapshot is not None}
+        note = f"{len(self.snapshots)} snapshot(s) fetched"
         if errors:
             note += "; " + "; ".join(f"rank {k}: {v}" for k, v in sorted(errors.items()))
         self._status.value = f'<span style="font-size:12px">{html.escape(note)}</span>'
-        if got:
-            ranks = W.Dropdown(options=[(f"rank {k}", k) for k in sorted(got)],
-                               description="rank", layout=W.Layout(width="160px"))
-            holder = W.VBox()
-
-            def show(change: Any = None) -> None:
-                from cudalab.widgets import SnapshotExplorer
-
-                old = holder.children
-                holder.children = (SnapshotExplorer(got[ranks.value], wait=True),)
-                for widget in old:
-                    with contextlib.suppress(Exception):
-                        widget.close()
-
-            ranks.observe(show, "value")
-            show()
+        lanes = rank_lanes(got, errors, self.watch.samples(include_lost=True))
+        if len(lanes):
+            explorer = LanesExplorer(lanes)
             for widget in self._snapshot_box.children:
                 with contextlib.suppress(Exception):
                     widget.close()
-            self._snapshot_box.children = (ranks, holder)
-        return got
+            self.explorer = explorer
+            self._snapshot_box.children = (explorer,)
+        return self.snapshots
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -291,6 +293,52 @@ class ClusterDashboard(W.VBox):
             data["application/vnd.jupyter.widget-view+json"] = {
                 "version_major": 2, "version_minor": 0, "model_id": self.model_id}
         return data
+
+
+def rank_label(rank: int, host: str, samples: list[DeviceSample] | None,
+               device: int | None = None) -> str:
+    """A rank's lane label: ``rank R · host · cuda:D (GPU name)`` (the device and its name
+    from the rank's latest sample of ``device``, or its first)."""
+    text = f"rank {rank} · {host}" if host else f"rank {rank}"
+    chosen = [s for s in samples or () if device is None or s.device == device]
+    if chosen:
+        s = chosen[0]
+        text += f" · cuda:{s.device}"
+        if s.identity.device_name:
+            text += f" ({s.identity.device_name})"
+    elif device is not None and device >= 0:
+        text += f" · cuda:{device}"
+    return text
+
+
+def rank_lanes(records: dict[int, RankRecords], errors: dict[int, str],
+               samples: dict[int, list[DeviceSample]] | None = None) -> TraceLanes:
+    """One lane per rank, in rank order: each rank of ``records`` whose snapshot came
+    (the device of its latest sample when that device has entries), labelled with its host,
+    rank and GPU (:func:`rank_label`); each rank of ``errors`` (or of ``samples`` without
+    records) as a lost lane saying why. A snapshot that cannot be read is a lost lane too."""
+    samples = samples or {}
+    out = []
+    for rank in sorted(set(records) | set(errors) | set(samples)):
+        mine = samples.get(rank) or []
+        r = records.get(rank)
+        host = r.identity.host if r is not None else (mine[0].identity.host if mine else "")
+        device = mine[0].device if mine else None
+        if r is None or r.snapshot is None:
+            why = errors.get(rank, "no snapshot came")
+            out.append(lost_lane(rank_label(rank, host, mine), why, rank))
+            continue
+        try:
+            made = lane(rank_label(rank, host, mine), r.snapshot, device=device, key=rank)
+        except (ValueError, TypeError) as exc:  # (shown in its lane, not raised)
+            out.append(lost_lane(rank_label(rank, host, mine),
+                                 f"cannot read its snapshot: {exc}"[:300], rank))
+            continue
+        if made.device != device:  # (its trace is on another device: say which)
+            made = lane(rank_label(rank, host, mine, made.device), made.views, key=rank,
+                        device=made.device)
+        out.append(made)
+    return TraceLanes(out)
 
 
 def close_all() -> int:

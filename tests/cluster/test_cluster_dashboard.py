@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -13,7 +14,7 @@ pytest.importorskip("ipywidgets")
 from IPython.testing import globalipapp  # noqa: E402
 from IPython.utils.capture import capture_output  # noqa: E402
 
-from cudalab.widgets import ClusterDashboard, MemoryDashboard  # noqa: E402
+from cudalab.widgets import ClusterDashboard, LanesExplorer, MemoryDashboard  # noqa: E402
 from tests.cluster.helpers import Ranks, wait_for  # noqa: E402
 
 MiB = 1 << 20
@@ -53,6 +54,19 @@ def test_a_panel_per_rank_flags_and_peaks(job):
         snaps = dash.fetch_snapshots()
         assert sorted(snaps) == [0, 1, 2] and all(s["segments"] for s in snaps.values())
         assert "3 snapshot(s) fetched" in dash._status.value  # noqa: SLF001
+        # ... one lane per rank on one time axis, labelled with host, rank and GPU
+        ex = dash.explorer
+        assert isinstance(ex, LanesExplorer) and dash._snapshot_box.children == (ex,)  # noqa: SLF001
+        host = socket.gethostname()
+        labels = [x.label for x in ex.lanes.lanes]
+        assert [x.key for x in ex.lanes.lanes] == [0, 1, 2]
+        assert all(label.startswith(f"rank {k} · {host} · cuda:0 (") and "simulated" in label
+                   for k, label in enumerate(labels)), labels
+        assert not any(x.lost for x in ex.lanes.lanes)
+        peaks = [max(t["alloc_max"]) for t in ex.tiles()]
+        assert all(peaks[k] >= (k + 1) * 16 * MiB for k in range(3)), peaks
+        first, last = ex.lanes.bounds
+        assert all(first <= a <= b <= last for a, b in map(ex.lanes.lane_bounds, range(3)))
     finally:
         dash.close()
     assert not dash.running and all(p._closed for p in dash.panels.values())  # noqa: SLF001
@@ -67,6 +81,13 @@ def test_a_lost_rank_is_flagged(tmp_path):
         assert wait_for(lambda: dash.panels[0, "cudalab"].flag == "lost", 3)
         assert 'data-lost="1"' in dash.to_html() and "lost: 0" in dash.to_html()
         assert dash.panels[1, "cudalab"].flag != "lost"
+        # the lost rank keeps its lane, marked lost; the other's trace is there
+        snaps = dash.fetch_snapshots()
+        assert sorted(snaps) == [1]
+        lanes = dash.explorer.lanes.lanes
+        assert [x.key for x in lanes] == [0, 1] and [x.lost for x in lanes] == [True, False]
+        assert "stopped publishing" in lanes[0].error and lanes[1].entries > 0
+        assert "lost: the rank stopped publishing" in dash.explorer._timeline.value  # noqa: SLF001
     finally:
         dash.close()
         ranks.close()
