@@ -168,10 +168,12 @@ def workspace_size(device: int, config: str | None = None) -> int:
 
 def clear_workspaces() -> None:
     """Give every cuBLAS workspace back to the caching allocator (torch's
-    ``torch._C._cuda_clearCublasWorkspaces``); the next matmul on a stream allocates again."""
+    ``torch._C._cuda_clearCublasWorkspaces``); the next matmul on a stream allocates again
+    (every handle's settings are forgotten, so each sets its workspace again)."""
     with _lock:
         dropped = list(_workspaces.values())
         _workspaces.clear()
+    _blas.forget_settings()
     del dropped  # freed here, outside the lock
 
 
@@ -463,10 +465,22 @@ def _resolve(plan: _Plan, bound: Any, state: MatmulState) -> _Resolved:
     return _Resolved(bound, state, call, mode, blas.entry_point(plan.data_type, plan.batch == 1))
 
 
+def _bind(bound: Any, device: int, stream: Any, stream_int: int) -> None:
+    """Queue ``bound``'s handle's work on ``stream`` with that stream's workspace (made on
+    its first use): each set where it changed, the record after each."""
+    bound.blas.set_stream(bound.handle, stream.handle)
+    workspace = _workspaces.get((bound.handle, stream_int))
+    span = _workspace(bound, device, stream) if workspace is None else workspace.span
+    if bound.workspace != span:
+        bound.blas.set_workspace(bound.handle, span[0], span[1])
+        bound.workspace = span
+    bound.stream = stream_int  # last: the record says "bound" only once all is set
+
+
 def _launch(entry: _Entry, a: int, b: int, c: int, device: int, stream: Any) -> None:
     """Queue ``entry``'s GEMM of ``input`` at ``a`` and ``other`` at ``b`` into ``c`` on
-    ``stream``, through this thread's handle of ``device``: the handle's stream, workspace
-    and math mode set where they changed, then the resolved call (made again where the
+    ``stream``, through this thread's handle of ``device``: the handle's stream (and that
+    stream's workspace) and math mode set where they changed, then the resolved call (made again where the
     handle or the settings' state is not the one it was made for)."""
     _devices.ensure_context(device)  # cuBLAS calls run in the context of the handle's device
     bound = _blas.bound_handle(device)
@@ -475,14 +489,8 @@ def _launch(entry: _Entry, a: int, b: int, c: int, device: int, stream: Any) -> 
     if resolved is None or resolved.bound is not bound or resolved.state is not state:
         resolved = entry.resolved = _resolve(entry.plan, bound, state)
     stream_int = stream.cuda_stream
-    if bound.stream != stream_int:
-        bound.blas.set_stream(bound.handle, stream.handle)
-        bound.stream = stream_int
-    workspace = _workspaces.get((bound.handle, stream_int))
-    span = _workspace(bound, device, stream) if workspace is None else workspace.span
-    if bound.workspace != span:
-        bound.blas.set_workspace(bound.handle, span[0], span[1])
-        bound.workspace = span
+    if bound.stream != stream_int:  # (also None: a new handle, or settings forgotten)
+        _bind(bound, device, stream, stream_int)
     mode = resolved.mode
     if bound.math_mode != mode:
         bound.blas.set_math_mode(bound.handle, mode)
@@ -498,7 +506,7 @@ def _launch(entry: _Entry, a: int, b: int, c: int, device: int, stream: Any) -> 
 # Ctrl-C waits until these return (cudalab._interrupts): a KeyboardInterrupt between a
 # handle's set_stream (or workspace, math mode) and the record of it would leave the record
 # naming the old setting, and the next matmul on the old stream would run on the new one.
-_interrupts.guard(_launch, _workspace, clear_workspaces)
+_interrupts.guard(_launch, _bind, _workspace, clear_workspaces)
 
 
 class MatmulMixin:

@@ -29,7 +29,7 @@ from cudalab import streams as _streams
 from cudalab._driver import cublas as _cublas
 from cudalab.errors import CublasError
 
-__all__ = ["BoundHandle", "bound_handle", "current_blas_handle"]
+__all__ = ["BoundHandle", "bound_handle", "current_blas_handle", "forget_settings"]
 
 _tls = threading.local()  # .handles: {device index: BoundHandle} of this thread
 _lock = threading.Lock()
@@ -114,6 +114,16 @@ def bound_handle(device: int) -> BoundHandle:
     return bound
 
 
+def forget_settings() -> None:
+    """Mark the settings of every handle (of every thread) unknown, so that the next
+    ``cudalab.matmul`` on each sets its stream, workspace and math mode again (after
+    ``cudalab._array_matmul.clear_workspaces`` gave the workspaces back)."""
+    with _lock:
+        created = list(_created)
+    for bound in created:
+        bound.stream = bound.workspace = bound.math_mode = None
+
+
 def _destroy_all() -> None:
     """Destroy every handle (at exit; errors of a driver already shutting down are ignored)."""
     with _lock:
@@ -129,4 +139,4 @@ def _destroy_all() -> None:
 # Ctrl-C waits until these return (cudalab._interrupts): between current_blas_handle's
 # cublasSetStream and its reset of the record, or bound_handle's creation and its record,
 # an interrupt would leave a record that no longer tells the handle's state.
-_interrupts.guard(current_blas_handle, bound_handle, _destroy_all)
+_interrupts.guard(current_blas_handle, bound_handle, forget_settings, _destroy_all)

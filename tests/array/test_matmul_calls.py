@@ -474,3 +474,34 @@ def test_gpu_c_and_ctypes_calls_give_bit_equal_results(monkeypatch, name, shape)
     if "c" in results:
         np.testing.assert_array_equal(results["c"], results["ctypes"])
     print(f"matmul calls: {sorted(results)} bit-equal ({name} {shape})")
+
+
+def test_a_plan_shared_by_two_threads_calls_through_each_threads_handle(monkeypatch):
+    import threading
+
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((16, 16)).astype(np.float32)
+    da = cudalab.asarray(a)
+    handles = []
+    real = type(blas.bound_handle(0).blas).gemm_call
+
+    def gemm_call(self, handle, *args):
+        handles.append(handle)
+        return real(self, handle, *args)
+
+    monkeypatch.setattr(type(blas.bound_handle(0).blas), "gemm_call", gemm_call)
+    results = {}
+
+    def run(name):
+        for _ in range(3):
+            results[name] = (da @ da).cpu()
+
+    run("main")
+    worker = threading.Thread(target=run, args=("worker",))
+    worker.start()
+    worker.join()
+    run("main")
+    assert len(set(handles)) == 2  # each thread's own handle, resolved again for it
+    assert len(handles) == 3  # main, worker, main again: once per switch, not per call
+    for product in results.values():
+        np.testing.assert_allclose(product, a @ a, rtol=1e-4, atol=1e-4)
