@@ -493,9 +493,11 @@ class CupyRecording:
 def record_cupy_history(cupy: Any = None, *, context: str | None = "all",
                         stacks: str | None = "all", max_entries: int = sys.maxsize
                         ) -> CupyRecording:
-    """Record CuPy's pool allocations on this thread with CuPy's memory hooks (see the
-    module); ``history_frame(source="cupy")``, ``SnapshotViewer(source="cupy")``,
-    ``what_if(source="cupy")`` and ``%cuda_memory ... --source cupy`` read the recording.
+    """Record CuPy's pool allocations on this thread, with CuPy's own memory hooks.
+
+    ``history_frame(source="cupy")``, ``SnapshotViewer(source="cupy")``,
+    ``what_if(source="cupy")`` and ``%cuda_memory`` with ``--source cupy`` read the
+    recording (see the module for what CuPy's hooks let it see).
 
     Parameters
     ----------

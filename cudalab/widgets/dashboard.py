@@ -627,17 +627,20 @@ class MemoryDashboard(W.VBox):
         # torch's when it is watched, else the first source that keeps per-block state
         order = sorted(self.sources, key=lambda src: src.name != "torch")
         snap = None
+        why = []
         for source in order:
             try:
                 snap = source.snapshot()
                 break
-            except SourceUnavailableError:
+            except SourceUnavailableError as exc:  # (CuPy's before a recording: says how)
+                why.append(f"{source.name}: {exc.reason}")
                 continue
             except Exception as exc:  # (a button's callback: said, never raised)
                 self._set_error(exc)
                 return None
         if snap is None:
-            self._set_note("no source here keeps a snapshot")
+            self._set_note("no source here keeps a snapshot" + (f" ({'; '.join(why)})"
+                                                                 if why else ""))
             return None
         self.snapshots.append(snap)
         if self._viewer is not None:

@@ -77,6 +77,22 @@ def test_snapshot_button_prefers_torch_and_skips_cupy(torch, cupy):
     only_cupy = MemoryDashboard(devices=0, source="cupy", start=False)
     assert only_cupy._on_snapshot() is None and "no source here keeps a snapshot" in \
         only_cupy._status_html()
+    assert "history start --source cupy" in only_cupy._status_html()  # how to get one
+
+
+def test_snapshot_button_of_a_cupy_recording(cupy, monkeypatch):
+    from cudalab.memory import record_cupy_history
+    from cudalab.memory_tools import cupy_history
+
+    monkeypatch.setattr(cupy_history, "_current", None)
+    cudalab.init()
+    d = MemoryDashboard(devices=0, source="cupy", start=False)
+    with record_cupy_history(cupy) as rec:
+        cupy.alloc(3 << 20)
+        snap = d._on_snapshot()
+    assert snap["identity"]["allocator"] == "cupy" and d.snapshots[-1] is snap
+    assert snap["device_traces"][0] == rec.snapshot()["device_traces"][0]
+    assert isinstance(d._viewer, SnapshotViewer)
 
 
 def _sources(*names):
@@ -131,6 +147,11 @@ def test_viewer_of_torchs_snapshot(torch):
     v.close()
 
 
-def test_viewer_of_a_source_without_snapshots(cupy):
-    with pytest.raises(SourceUnavailableError, match="keeps no per-block state"):
+def test_viewer_of_a_source_without_snapshots(cupy, monkeypatch):
+    from cudalab.memory_tools import cupy_history
+
+    monkeypatch.setattr(cupy_history, "_current", None)
+    with pytest.raises(SourceUnavailableError, match="start a recording first"):
         SnapshotViewer(source="cupy")
+    with pytest.raises(SourceUnavailableError, match="NVML keeps no per-allocation records"):
+        SnapshotViewer(source="process")
