@@ -5,6 +5,8 @@ tests are tests/memory_tools/test_cupy_history.py)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from IPython.testing import globalipapp
 from IPython.utils.capture import capture_output
@@ -24,11 +26,18 @@ def cupy():
         pytest.skip("CuPy has no CUDA here")
     pool = cupy.get_default_memory_pool()
     cupy.cuda.set_allocator(pool.malloc)  # (an earlier test may have set cudalab's)
+    # an older array freed by the cycle collector in the middle of a test would change the
+    # pool's counters under it: collect them now, and not during the test
+    gc.collect()
+    gc.disable()
     pool.free_all_blocks()
-    yield cupy
-    rec = ch.current_recording()
-    if rec is not None and rec.active:
-        rec.stop()
+    try:
+        yield cupy
+    finally:
+        gc.enable()
+        rec = ch.current_recording()
+        if rec is not None and rec.active:
+            rec.stop()
 
 
 def _figures(snap):
