@@ -1,4 +1,4 @@
-"""The compiled parts of cudalab: five optional accelerators, each with a pure-Python twin.
+"""The compiled parts of cudalab: six optional accelerators, each with a pure-Python twin.
 
 Everything else is in pyproject.toml. The extensions are optional: without a compiler or
 headers the install still succeeds and cudalab uses the Python twin (same results, slower).
@@ -14,6 +14,10 @@ headers the install still succeeds and cudalab uses the Python twin (same result
 * ``cudalab._driver.ncclcall`` makes a single-process clique's NCCL group (start, one call
   per rank, end) in one C call; ``cudalab._driver.nccl`` falls back to nccl4py's wrappers.
 
+* ``cudalab.allocator._pair`` is the C twin of ``cudalab.memory``'s torch-style pair
+  (``caching_allocator_alloc`` / ``caching_allocator_delete``) for the pair memo's pure hit
+  (public C API and member descriptors' offsets), for CPython with the GIL; without it the
+  Python pair runs.
 * ``cudalab.memory_tools._tracescan`` reads a snapshot pickle's trace into numpy columns
   without a dict per entry (public C API only); ``cudalab.memory_tools.trace_index`` falls
   back to the restricted unpickler and a Python loop (same columns, more memory).
@@ -42,7 +46,9 @@ def _extensions() -> list:
                   Extension("cudalab._driver.ncclcall", ["cudalab/_driver/ncclcall.c"],
                             depends=shared, optional=True),
                   Extension("cudalab.memory_tools._tracescan",
-                            ["cudalab/memory_tools/_tracescan.c"], optional=True)]
+                            ["cudalab/memory_tools/_tracescan.c"], optional=True),
+                  Extension("cudalab.allocator._pair", ["cudalab/allocator/_pair.c"],
+                            optional=True)]
     if (3, 11) <= sys.version_info[:2] <= (3, 13):
         include = sysconfig.get_paths()["include"]
         extensions.append(Extension("cudalab.memory_tools._stackstamp",

@@ -11,7 +11,11 @@ In one run, side by side:
   encoder and a ResNet-style conv net, with varying batch sizes) are replayed through
   cudalab's allocator on the simulator; peak reserved is compared with torch's own.
 
-    python benchmarks/allocator.py [--json out.json] [--quick]
+Beside the pair rows, ``cudalab pair / CuPy pair`` per size (issue 37's goal: <= 1.0) where
+CuPy runs. ``--latency-only`` runs the latency rows alone (no traces: the GPU request's quick
+check).
+
+    python benchmarks/allocator.py [--json out.json] [--quick] [--latency-only]
     (CUDALAB_BENCH_TRACES=DIR keeps the recorded torch traces there)
 """
 
@@ -225,7 +229,7 @@ def replay_traces(runs: list[dict], conf: str = "") -> list[dict]:
 
 
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, (("--latency-only", "only the latency and getter rows"),))
     import cudalab
 
     cudalab.init()
@@ -240,10 +244,17 @@ def main() -> None:
     for label, _ in SIZES:
         for k, v in lat[label].items():
             t.add(f"{label:>6}  {k}", v)
+        cupy_us = lat[label].get("CuPy MemoryPool.malloc+drop")
+        if cupy_us:
+            ratio = lat[label]["cudalab caching_allocator_alloc+delete"] / cupy_us
+            lat[label]["ratio cudalab pair / CuPy pair"] = ratio
+            t.add(f"{label:>6}  cudalab pair / CuPy pair", ratio, "x", "(goal: <= 1)")
     for k, v in lat["getters"].items():
         t.add(k, v)
     torch = None if sim else optional_import("torch")
-    if torch is not None and torch.cuda.is_available():
+    if args.latency_only:
+        pass
+    elif torch is not None and torch.cuda.is_available():
         directory = os.environ.get("CUDALAB_BENCH_TRACES") or tempfile.mkdtemp()
         os.makedirs(directory, exist_ok=True)
         runs = record_torch_traces(directory, args.quick)

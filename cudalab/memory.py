@@ -23,7 +23,7 @@ from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab.allocator.async_allocator import AsyncPoolAllocator
 from cudalab.allocator.base import Allocator, bad_pointer
-from cudalab.allocator.caching import DeviceCachingAllocator
+from cudalab.allocator.caching import DeviceCachingAllocator, compiled_pair
 from cudalab.allocator.config import UNLIMITED, AllocatorConfig, parse_alloc_conf
 from cudalab.allocator.mem_pool import MemPoolBase, use_mem_pool
 from cudalab.allocator.oom_observers import attach_out_of_memory_observer
@@ -634,6 +634,18 @@ def caching_allocator_delete(mem_ptr: int) -> None:
         owner.free(mem_ptr)
         return
     raise bad_pointer(mem_ptr)
+
+
+#: The Python pair: the whole of it where the C twins are not built, else their fallback for
+#: everything but the pair memo's pure hit (cudalab/allocator/_pair.c; the rows
+#: "cudalab caching_allocator_alloc+delete" of benchmarks/allocator.py and "allocator hit
+#: pair" of benchmarks/house_ab.py; tests/allocator/test_pair_c.py runs both).
+python_caching_allocator_alloc = caching_allocator_alloc
+python_caching_allocator_delete = caching_allocator_delete
+_twins = compiled_pair(caching_allocator_alloc, caching_allocator_delete, _allocators, _active,
+                       vars(_devices), vars(_observe), _streams.custom_stream_tokens, __name__)
+if _twins is not None:
+    caching_allocator_alloc, caching_allocator_delete = _twins  # type: ignore[assignment]
 
 
 def record_stream(ptr: int, stream: Any) -> None:

@@ -13,6 +13,7 @@ module                      concept
 ``base``                    the ``Allocator`` interface every allocator implements
 ``cache_state``             the caching allocator's fields and their invariants
 ``caching``                 ``DeviceCachingAllocator``: the cache-hit path, in one place
+                            (and ``compiled_pair``: the torch-style pair's C twins, ``_pair.c``)
 ``memo``                    the pair memo (a malloc+free pair deferred, see architecture.md)
 ``slow_path``               the cache-miss ladder: segment allocation, release, OOM
 ``inspection``              segments, invariants and the largest free block, for readers

@@ -52,6 +52,8 @@ request, the Stream object and the ready box, and free hands the block back to t
 
 from __future__ import annotations
 
+import os
+import warnings
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
@@ -78,9 +80,10 @@ from cudalab.allocator.memo import PairMemo
 from cudalab.allocator.policy import MAX_ALLOCATION_SIZE, check_size, round_size
 from cudalab.allocator.pools import PrivatePools
 from cudalab.allocator.slow_path import SlowPath
+from cudalab.allocator.token_lock import TokenLock
 from cudalab.errors import CudaError
 
-__all__ = ["DeviceCachingAllocator"]
+__all__ = ["DeviceCachingAllocator", "compiled_pair"]
 
 _Stream = _streams.Stream
 _tls = _streams.per_thread  # per thread: .device and .streams (the current stream of each device)
@@ -711,3 +714,47 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
             self._flush_memo()
         while dq:
             self._free_requested(dq.popleft())
+
+
+# ------------------------------------------------------------------ the pair's C twins
+#: The fields of DeviceCachingAllocator that cudalab/allocator/_pair.c reads, in its order:
+#: the pure hit of malloc and the lock-free free of a memo hit, above.
+PAIR_FIELDS = ("_hit_size", "_ready", "_hit_none", "pending_frees", "live", "_memo_hits",
+               "_trace", "memo_block", "_lock")
+
+
+def compiled_pair(py_alloc: Callable[..., int], py_delete: Callable[[int], None],
+                  allocators: list[Any], active: list[Any], devices_globals: dict[str, Any],
+                  observe_globals: dict[str, Any], custom: list[None],
+                  module_name: str) -> tuple[Callable[..., int], Callable[[int], None]] | None:
+    """The C twins of cudalab.memory's ``caching_allocator_alloc`` and
+    ``caching_allocator_delete`` (:mod:`cudalab.allocator._pair`): the pair memo's pure hit
+    (``malloc``'s first branch and ``free``'s lock-free one, above) in one C call each way,
+    everything else through ``py_alloc`` / ``py_delete``; named and documented as those.
+
+    None where the extension is not built (another Python, no compiler at install time; see
+    setup.py), ``CUDALAB_PURE_PYTHON`` or ``CUDALAB_FASTPAIR=0`` is set, or a stale build does
+    not fit (reported). The other arguments are the objects the twins read, never rebound:
+    the registry's allocator lists, ``cudalab.devices``' and ``cudalab._observe``'s module
+    dicts (``sole_device``, ``access_on``) and ``streams.custom_stream_tokens``.
+    """
+    if (os.environ.get("CUDALAB_PURE_PYTHON", "0") not in ("", "0")
+            or os.environ.get("CUDALAB_FASTPAIR", "1") == "0"):
+        return None
+    try:
+        from cudalab.allocator import _pair  # type: ignore[attr-defined]  # C, no stub
+    except ImportError:
+        return None
+    try:
+        api = getattr(_pair, "API", None)
+        if api != 1:
+            raise TypeError(f"API {api!r}, expected 1")
+        twins: tuple[Callable[..., int], Callable[[int], None]] = _pair.bind(
+            py_alloc, py_delete, DeviceCachingAllocator, PAIR_FIELDS, Block, TokenLock,
+            allocators, active, devices_globals, observe_globals, custom, module_name)
+    except Exception as exc:  # noqa: BLE001  (a stale build must not break allocation)
+        warnings.warn(f"cudalab.allocator._pair ({_pair.__file__}) is not usable, using the "
+                      f"Python pair: {exc}. Reinstall cudalab to rebuild it.", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    return twins
