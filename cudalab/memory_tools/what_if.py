@@ -307,6 +307,12 @@ def format_what_if(df: Any, *, target: float | None = None) -> str:
                              "(each frees the cache and synchronises the device)")
         else:
             lines.append("best: the defaults (no config tried reserves less)")
+    recorded = results[0].reference.get("recorded_peak_reserved") if results else None
+    if df.attrs.get("allocator") == "cupy" and recorded:  # (a CuPy recording's trace)
+        lines.append(f"CuPy's own pool: the segments it took reached "
+                     f"{format_bytes(recorded, decimals=2)} (of what the recording saw); the "
+                     "rows are what cudalab's caching allocator (torch's) would reserve with "
+                     "each setting for the same allocations")
     if "breakdown" in df.attrs and len(df):
         lines.extend(explain(df, target=target))
     elif target is not None and len(df):

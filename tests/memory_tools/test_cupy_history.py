@@ -349,7 +349,9 @@ def test_history_frame_has_a_row_per_entry(cupy):
 
 
 def test_what_if_replays_the_cupy_trace(cupy):
+    from cudalab._units import format_bytes
     from cudalab.memory import history_frame, what_if
+    from cudalab.memory_tools.what_if import format_what_if
 
     record_cupy_history(cupy)
     keep = workload(cupy)
@@ -362,6 +364,10 @@ def test_what_if_replays_the_cupy_trace(cupy):
     assert df.attrs["peak_live"] == int(history_frame(source="cupy")["allocated"].max())
     default = df.set_index("config").loc["default"]
     assert default["peak_reserved"] >= default["peak_allocated"] >= df.attrs["peak_live"]
+    held = int(history_frame(source="cupy")["reserved"].max())  # CuPy's own, from the trace
+    assert df.attrs["results"][0].reference["recorded_peak_reserved"] == held
+    assert f"CuPy's own pool: the segments it took reached {format_bytes(held, decimals=2)}" \
+        in format_what_if(df)
 
 
 def test_snapshot_views_read_the_recording(cupy):
