@@ -284,10 +284,9 @@ def matmul(input: Any, other: Any, *, out: Any = None) -> Any:
         return _matmul(input, other, out)
     plan = entry.plan
     stream = _streams.current_stream(device)
-    array = isinstance(out, MatmulMixin)  # (a bool: out stays typed Any)
     if out is None:
         result = _array_state.output(plan.shape, plan.dtype, device, stream)
-    elif (array and out.dims == plan.shape and out.contiguous and out.element_dtype == plan.dtype
+    elif (_is_array(out) and out.dims == plan.shape and out.contiguous and out.element_dtype == plan.dtype
           and out.device_index == device and not out.read_only):
         result = out  # (what _matmul checks, each passed)
     else:
@@ -296,6 +295,10 @@ def matmul(input: Any, other: Any, *, out: Any = None) -> Any:
     if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         _report_access(stream, plan, input, other, result)
     return result
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, MatmulMixin)
 
 
 def extent(x: ArrayState) -> tuple[int, int]:
@@ -514,10 +517,24 @@ class MatmulMixin:
 
     __slots__ = ()
 
-    def __matmul__(self: ArrayState, other: Any) -> Any:
-        if not isinstance(other, MatmulMixin):
+    def __matmul__(self: ArrayState, operand: Any) -> Any:
+        if not isinstance(operand, MatmulMixin):
             return NotImplemented
-        return matmul(self, other)
+        other: ArrayState = operand  # type: ignore[assignment]  # (a DeviceArray: its mixin)
+        # matmul's cached path, inlined: ``a @ b`` is the user's small matmul (the "a @ b
+        # (64x64)" row of benchmarks/blas_fft.py), and a call of matmul() costs a frame
+        entry = _plans.get((self.dims, self.strides_or_none, self.element_dtype,
+                            other.dims, other.strides_or_none, other.element_dtype))
+        device = self.device_index
+        if entry is None or other.device_index != device:
+            return _matmul(self, other, None)
+        plan = entry.plan
+        stream = _streams.current_stream(device)
+        result = _array_state.output(plan.shape, plan.dtype, device, stream)
+        _launch(entry, self.ptr, other.ptr, result.ptr, device, stream)
+        if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
+            _report_access(stream, plan, self, other, result)
+        return result
 
     def __rmatmul__(self: ArrayState, other: Any) -> Any:
         if not isinstance(other, MatmulMixin):

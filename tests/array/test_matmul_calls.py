@@ -505,3 +505,29 @@ def test_a_plan_shared_by_two_threads_calls_through_each_threads_handle(monkeypa
     assert len(handles) == 3  # main, worker, main again: once per switch, not per call
     for product in results.values():
         np.testing.assert_allclose(product, a @ a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["planned", "cached"])
+@pytest.mark.parametrize("form", ["operator", "function", "out"])
+def test_every_path_reports_to_the_stream_sanitizer(cached, form):
+    from cudalab import sanitizer
+
+    def run(x, out):
+        return {"operator": lambda: x @ x, "function": lambda: cudalab.matmul(x, x),
+                "out": lambda: cudalab.matmul(x, x, out=out)}[form]()
+
+    _array_matmul.clear_plans()
+    if cached:  # the plan made (and its call resolved) by other arrays of the same layout
+        run(cudalab.ones((32, 32)), cudalab.empty((32, 32)))
+        cudalab.synchronize()
+    with sanitizer.sanitize(on_race="collect") as reports:
+        x = cudalab.zeros((32, 32))
+        out = cudalab.empty((32, 32))
+        side = cudalab.Stream()
+        with cudalab.stream(side):
+            y = run(x, out)  # reads x, whose zeros were written on the default stream: a race
+        found = [str(r) for r in reports.reports]
+    assert any("during cublasSgemm_v2" in r for r in found), found
+    assert (y is out) == (form == "out")
+    side.synchronize()
+    np.testing.assert_array_equal(y.cpu(), np.zeros((32, 32), np.float32))
