@@ -194,7 +194,7 @@ class CupyRecording:
         if dev is None:  # (a device's first event: the pool's bytes before it)
             before = None
             if self.compares_pool:
-                before = max(cupy_pool_figures(self.cupy, device)[1] - adding, 0)
+                before = max(cupy_pool_figures(self.cupy, device, free_blocks=False)[1] - adding, 0)
             dev = self.devices[device] = _Device(self.max_entries, before)
         return dev
 
@@ -287,7 +287,7 @@ class CupyRecording:
             return 0
         if cupy_backing(self.cupy) != "pool":
             return 0
-        total = cupy_pool_figures(self.cupy, device)[1] - adding
+        total = cupy_pool_figures(self.cupy, device, free_blocks=False)[1] - adding
         known = sum(s[0] for s in dev.segments.values())
         if total >= dev.before + known:
             dev.before = total - known  # (another thread's or pool's segments: not seen)
@@ -467,7 +467,7 @@ class CupyRecording:
                 "older_frees": dev.older_frees, "older_bytes": dev.older_bytes}
             if self.active:
                 try:
-                    used, total, _ = cupy_pool_figures(self.cupy, d)
+                    used, total, _ = cupy_pool_figures(self.cupy, d, free_blocks=False)
                     pool.update(used_bytes=used, total_bytes=total)
                 except Exception as exc:
                     self._failed(exc)

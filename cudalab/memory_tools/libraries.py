@@ -85,15 +85,23 @@ def cupy_backing(cupy: Any) -> str:
     return "other"
 
 
-def cupy_pool_figures(cupy: Any, device: int) -> tuple[int, int, int]:
+def cupy_pool_figures(cupy: Any, device: int, free_blocks: bool = True
+                      ) -> tuple[int, int, int]:
     """``(used_bytes, total_bytes, n_free_blocks)`` of CuPy's default ``MemoryPool`` on
     ``device`` (CuPy's pool answers for the calling thread's current device: ``device`` is
-    made current for the call when it is another)."""
+    made current for the call when it is another). ``free_blocks=False`` leaves out
+    ``n_free_blocks()`` (0), which takes the pool's lock: the two byte counters are atomic
+    reads, safe from inside CuPy's memory hooks."""
     pool = cupy.get_default_memory_pool()
+
+    def read() -> tuple[int, int, int]:
+        return (int(pool.used_bytes()), int(pool.total_bytes()),
+                int(pool.n_free_blocks()) if free_blocks else 0)
+
     if cupy.cuda.runtime.getDevice() == device:
-        return int(pool.used_bytes()), int(pool.total_bytes()), int(pool.n_free_blocks())
+        return read()
     with cupy.cuda.Device(device):
-        return int(pool.used_bytes()), int(pool.total_bytes()), int(pool.n_free_blocks())
+        return read()
 
 
 #: Why the ``process`` source has no snapshot, history nor what-if, and what to use instead.

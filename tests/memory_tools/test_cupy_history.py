@@ -327,6 +327,25 @@ def test_a_failing_read_is_said_never_raised_into_cupy(cupy):
         in note
 
 
+def test_the_recording_never_takes_the_pools_lock(cupy, monkeypatch):
+    """It reads only the pool's atomic byte counters (inside CuPy's malloc, n_free_blocks
+    would take the pool's mutex)."""
+    def locked():
+        raise AssertionError("n_free_blocks called")
+
+    monkeypatch.setattr(cupy.get_default_memory_pool(), "n_free_blocks", locked)
+    rec = record_cupy_history(cupy)
+    cupy.free(cupy.alloc(1 << 20))
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.alloc(2 << 20)
+    rec.snapshot()
+    rec.stop()
+    assert rec.errors == 0
+    assert [e[0] for e in rec.raw_entries(0)] == [
+        "segment_alloc", "alloc", "free_requested", "free_completed", "segment_free",
+        "segment_alloc", "alloc"]
+
+
 def test_a_hook_the_user_left_is_stopped_quietly(cupy):
     rec = record_cupy_history(cupy)
     get_memory_hooks().pop(HOOK_NAME)  # the user's own exit of CuPy's hook
