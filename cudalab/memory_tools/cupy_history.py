@@ -176,7 +176,9 @@ class CupyRecording:
         self.errors = 0
         self.last_error = ""
         self.devices: dict[int, _Device] = {}
-        self._stream: Callable[[], Any] = cupy.cuda.get_current_stream
+        #: CuPy's current stream (its ``ptr`` is an entry's stream; 0 when it cannot say)
+        self._stream: Callable[[], Any] = getattr(cupy.cuda, "get_current_stream", None) or (
+            lambda: None)
         self.hook = _hook_class(base)(self)
         self.active = False
         self.hook.__enter__()  # (KeyError when a hook of this name is entered already)

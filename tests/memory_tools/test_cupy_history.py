@@ -160,6 +160,34 @@ def test_free_all_blocks_is_seen_through_the_pools_total(cupy):
     assert history_frame(snap)["reserved"].iloc[-1] == pool.total_bytes()
 
 
+def test_each_device_has_its_trace_and_pool_figures(cupy):
+    rec = record_cupy_history(cupy)
+    on0 = cupy.alloc(1 << 20)
+    on1 = cupy.alloc(3 << 20, device=1)
+    snap = rec.snapshot()
+    assert [[e["addr"] for e in t if e["action"] == "alloc"] for t in snap["device_traces"]] \
+        == [[on0], [on1]]
+    assert all(e["device"] == 1 for e in snap["device_traces"][1])
+    pool = cupy.get_default_memory_pool()
+    with cupy.cuda.Device(1):
+        used1 = pool.used_bytes()
+    assert [(p["device"], p["used_bytes"]) for p in snap["cudalab"]["cupy_pool"]] == \
+        [(0, 1 << 20), (1, used1)] and used1 == 3 << 20
+    assert {s["device"] for s in snap["segments"]} == {0, 1}
+    assert cupy.cuda.runtime.getDevice() == 0  # (read with device 1 current, then restored)
+
+
+def test_a_stream_is_the_current_one(cupy):
+    rec = record_cupy_history(cupy)
+    cupy.pool.stream = 0x5000  # CuPy's current stream (its arena)
+    ptr = cupy.alloc(1 << 20)
+    cupy.pool.stream = 0
+    cupy.free(ptr)
+    trace = entries(rec.snapshot())
+    assert {e["stream"] for e in trace} == {0x5000}  # the free keeps the block's stream
+    assert rec.snapshot()["segments"][0]["stream"] == 0x5000
+
+
 def test_max_entries_keeps_the_newest(cupy):
     rec = record_cupy_history(cupy, max_entries=5)
     ptrs = [cupy.alloc(512 * (i + 1)) for i in range(6)]
