@@ -261,7 +261,7 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
         if "flag" not in args.skip:
             # the least-headroom flag follows an allocation
             lags = []
-            for rank in (0, 1, 2)[: 1 if args.quick else 3]:
+            for rank in range(min(1 if args.quick else 3, args.ranks)):
                 grow = (args.ranks + 2) * 8 * MiB * (1 + len(lags))
                 procs[rank].stdin.write(f"alloc {grow}\n")  # type: ignore[union-attr]
                 procs[rank].stdin.flush()  # type: ignore[union-attr]

@@ -119,6 +119,9 @@ class Publisher:
         #: CPU seconds the thread spent taking, encoding and sending samples (what
         #: publishing costs the rank's process; requests answered are not counted).
         self.busy_seconds = 0.0
+        #: How often the thread woke (a tick, a request, a reply ready, stop): about twice a
+        #: second plus once per request when nothing else happens.
+        self.wakes = 0
         #: The CPU seconds of each of the latest ticks (taking, encoding, signing and
         #: sending one sample message), oldest first; at most 4096 kept.
         self.tick_seconds: collections.deque[float] = collections.deque(maxlen=_TICKS_KEPT)
@@ -275,6 +278,7 @@ class Publisher:
         poller.register(wake, zmq.POLLIN)
         next_tick = time.monotonic()
         while not self._stop.is_set():
+            self.wakes += 1
             try:
                 now = time.monotonic()
                 if now >= next_tick:

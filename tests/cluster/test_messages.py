@@ -45,6 +45,41 @@ def test_the_signer_counts_what_it_refuses():
         signing.Signer(b"")
 
 
+def test_small_and_large_messages_sign_as_one_hmac_over_the_frames():
+    """A small message is signed in one call over the joined frames, a large one piece by
+    piece: both are the HMAC-SHA256 of each frame's length and bytes, in order."""
+    import hashlib
+    import hmac
+
+    key = signing.new_key()
+
+    def reference(frames):
+        mac = hmac.new(key, digestmod=hashlib.sha256)
+        for f in frames:
+            mac.update(len(f).to_bytes(8, "little"))
+            mac.update(f)
+        return mac.hexdigest().encode()
+
+    big = os.urandom(signing.ONE_SHOT_BYTES + 1)
+    signer = signing.Signer(key)
+    for frames in ([b"h", b""], [b"header", b"x" * 1000], [b"header", big], [big[:10], big]):
+        assert signing.sign(key, frames) == reference(frames)
+        message = signer.wrap(frames)
+        assert message[0] == reference(frames) and signer.unwrap(message) == frames
+        assert signer.unwrap([message[0], *frames[:-1], frames[-1] + b"!"]) is None
+    assert signer.rejected == 4
+
+
+def test_a_preformatted_samples_header_is_the_header():
+    prefix = wire.samples_header_prefix('job "7"', 3, 1234)
+    for time_, error in ((1700000000.123456, ""), (0.5, 'bad "thing"\n'), (3.0, "é")):
+        head = wire.samples_header(prefix, 12, time_, 2, 1, wire.encode_json(error))
+        expect = wire.header("samples", job='job "7"', rank=3, pid=1234, seq=12, time=time_,
+                             dropped=2, rejected=1, error=error)
+        assert wire.decode_header(head, "samples", "t") == wire.decode_header(expect, "samples",
+                                                                              "t")
+
+
 # ----------------------------------------------------------------------------- connection files
 def _info(**changes):
     identity = Identity(host="h", pid=os.getpid(), version="0", allocator="cudalab", rank=2,

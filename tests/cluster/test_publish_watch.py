@@ -348,3 +348,39 @@ def test_a_rank_never_waits_for_a_reader_that_does_not_read(tmp_path):
         p.stop()
         del kept
     assert not p.running and list(tmp_path.glob("*.json")) == []
+
+
+def test_the_publisher_sleeps_between_ticks_and_wakes_at_once_to_stop(tmp_path):
+    """The thread sleeps in one poll until its next tick (no wake-ups between samples): a
+    request still wakes it (and the answering thread's reply, through its wake pipe), and
+    stop() ends it at once, not at the next tick."""
+    import cudalab
+    from cudalab.cluster import publisher
+
+    kept = cudalab.zeros(1 << 10)
+    p = publisher.Publisher(tmp_path, interval=3, job="sleepy").start()
+    try:
+        assert wait_for(lambda: p.published == 1, 5)  # (the first tick at once)
+        assert len(p.tick_seconds) == 1 and 0 < p.tick_seconds[0] < 1
+        woke = p.wakes
+        w = watch(tmp_path, lost_after=10, stale_after=10)
+        try:
+            assert wait_for(lambda: len(w.samples()) == 1, 6)  # (the tick at 3 s)
+            assert p.published == 2
+            # 3 s: the tick, and a wake or two for the watch's subscription; none in between
+            assert p.wakes - woke <= 4, p.wakes - woke
+            woke = p.wakes
+            t0 = time.monotonic()
+            got = w.fetch(("stats", "snapshot"), timeout=5)
+            assert len(got) == 1 and time.monotonic() - t0 < 1.5  # not at the next tick
+            assert p.wakes - woke <= 4  # the request, the reply ready
+        finally:
+            w.close()
+    finally:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        p.stop()
+        took = time.monotonic() - t0
+        del kept
+    assert not p.running and took < 1.0, took
+    assert p.published == 2 and len(p.tick_seconds) == 2

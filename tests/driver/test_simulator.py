@@ -8,6 +8,7 @@ other tests use.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import gc
 import os
@@ -948,6 +949,50 @@ def test_nvml_values(b, kernels):
     with pytest.raises(NvmlError):
         nvml.memory_info("GPU-00000000-0000-0000-0000-000000000000")
     b.mem_free(0, p)
+
+
+def test_nvml_busy_percent_is_the_share_of_the_last_second(monkeypatch):
+    """The utilisation sums the last second of the activity log (bisected, C-level sums):
+    the same figures as a plain loop over every entry, on random logs."""
+    from cudalab._driver.sim import nvml as sim_nvml
+    from cudalab._driver.sim.core import ACTIVITY_COPY, ACTIVITY_KERNEL
+
+    now_ns = 10**18
+    monkeypatch.setattr(sim_nvml, "now", lambda: now_ns)
+
+    def plain(log):
+        lo = now_ns - 10**9
+        kern = copy = 0
+        kinds = set()
+        for t0, t1, kind in log:
+            if t1 >= lo:
+                kinds.add(kind)
+                if kind == ACTIVITY_KERNEL:
+                    kern += t1 - max(t0, lo)
+                else:
+                    copy += t1 - max(t0, lo)
+
+        def pct(ns, active):
+            return max(1, min(100, round(ns / 1e7))) if active else 0
+
+        return (pct(kern, ACTIVITY_KERNEL in kinds),
+                pct(copy + kern / 2, bool(kinds)))
+
+    rng = random.Random(5)
+    seen = set()
+    for _ in range(200):
+        t, log = now_ns - 3 * 10**9, []
+        for _ in range(rng.randrange(0, 3000)):
+            t0 = t + rng.randrange(0, 2_000_000)
+            t = t0 + rng.randrange(0, 20_000_000)  # (some span the second's start)
+            if t > now_ns:
+                break
+            log.append((t0, t, rng.choice((ACTIVITY_KERNEL, ACTIVITY_COPY))))
+        got = sim_nvml.busy_percent(collections.deque(log, maxlen=4096))
+        assert got == plain(log[-4096:]), len(log)
+        seen.add(got)
+    assert len(seen) > 20  # (the logs covered many figures, idle included)
+    assert (0, 0) in seen
 
 
 def test_nvml_memory_on_a_large_device(make):
