@@ -23,6 +23,9 @@ Rows:
   100k-entry history, into the notebook (received, bounded-decoded, schema-checked; goal
   <= 2 s). The entries travel as columns (:mod:`cudalab.cluster.columns`); building them as
   torch's dicts happens on first access, timed on its own row;
+* **lanes**: the fetched snapshots opened as the dashboard's button opens them, one lane per
+  rank in a ``LanesExplorer`` (each rank's trace indexed from the columns it travelled as,
+  and the first view drawn);
 * **gather**: ``cudalab.cluster.gather(("stats", "history_tail", "snapshot"))`` over MPI
   under ``mpirun -n 8`` (when mpi4py and an mpirun are here), timed on rank 0, and its peaks
   compared byte for byte with every rank's own ``memory_stats()``.
@@ -288,6 +291,7 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
                                                 sorted(w.samples()), w.ranks())
             results[f"fetch {args.ranks} ranks' {args.entries:,}-entry histories + snapshots (s)"] = \
                 statistics.median(took)
+            lanes_row(got, w, results)
             t0 = time.perf_counter()
             results["entries per rank fetched, min"] = min(
                 len(next(iter(r.history_tail.values()), [])) for r in got.values())
@@ -307,6 +311,25 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def lanes_row(got: dict, w: object, results: dict) -> None:
+    """The fetched snapshots as the dashboard's lanes: every rank's trace indexed (from the
+    columns it travelled as) and the explorer's first view drawn."""
+    try:
+        from cudalab.widgets import LanesExplorer
+        from cudalab.widgets.cluster_dashboard import rank_lanes
+    except ImportError as exc:  # (no ipywidgets)
+        results["every rank's snapshot as lanes"] = f"skipped ({exc})"
+        return
+    t0 = time.perf_counter()
+    lanes = rank_lanes(got, {}, w.samples(include_lost=True))  # type: ignore[attr-defined]
+    explorer = LanesExplorer(lanes)
+    took = time.perf_counter() - t0
+    assert len(lanes) == len(got) and not any(x.lost for x in lanes.lanes), lanes
+    results[f"every rank's snapshot as lanes ({len(lanes)} lanes, "
+            f"{sum(x.entries for x in lanes.lanes):,} entries: indexed, first view) (s)"] = took
+    explorer.close()
 
 
 def rank_figures(data: dict) -> dict:

@@ -44,6 +44,7 @@ import ipywidgets as W
 from cudalab._internal import format_bytes
 from cudalab.cluster.records import RankRecords
 from cudalab.cluster.watching import ClusterWatch, Headroom, RankSource, watch
+from cudalab.memory_tools.column_index import index_columns
 from cudalab.memory_tools.samples import DeviceSample
 from cudalab.memory_tools.trace_lanes import TraceLanes, lane, lost_lane
 from cudalab.widgets.dashboard import MemoryDashboard
@@ -324,12 +325,13 @@ def rank_lanes(records: dict[int, RankRecords], errors: dict[int, str],
         r = records.get(rank)
         host = r.identity.host if r is not None else (mine[0].identity.host if mine else "")
         device = mine[0].device if mine else None
-        if r is None or r.snapshot is None:
+        if r is None or r.sent_snapshot is None:
             why = errors.get(rank, "no snapshot came")
             out.append(lost_lane(rank_label(rank, host, mine), why, rank))
             continue
         try:
-            made = lane(rank_label(rank, host, mine), r.snapshot, device=device, key=rank)
+            made = lane(rank_label(rank, host, mine), _rank_trace(r, f"rank {rank}"),
+                        device=device, key=rank)
         except (ValueError, TypeError) as exc:  # (shown in its lane, not raised)
             out.append(lost_lane(rank_label(rank, host, mine),
                                  f"cannot read its snapshot: {exc}"[:300], rank))
@@ -339,6 +341,16 @@ def rank_lanes(records: dict[int, RankRecords], errors: dict[int, str],
                         device=made.device)
         out.append(made)
     return TraceLanes(out)
+
+
+def _rank_trace(records: RankRecords, source: str) -> Any:
+    """A rank's trace for its lane: indexed from the columns it travelled as when every
+    entry did (no entry dict built), else its snapshot."""
+    sent = records.sent_snapshot
+    assert sent is not None
+    if records.trace_columns and not any(sent.get("device_traces") or ()):
+        return index_columns(sent, records.trace_columns, source=source)
+    return records.snapshot
 
 
 def close_all() -> int:

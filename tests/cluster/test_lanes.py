@@ -224,3 +224,45 @@ def test_rank_lanes_label_every_rank_and_keep_a_silent_one_as_lost():
     lanes = rank_lanes(moved, {}, {0: [_sample(0, device=0)]})
     assert lanes.lanes[0].device == 1 and lanes.lanes[0].label == "rank 0 · h · cuda:1"
     assert rank_label(5, "", None) == "rank 5"
+
+
+def test_a_rank_trace_is_indexed_from_its_columns_as_from_its_dicts():
+    """What travelled as columns (a recorded history, through encode and decode) indexes to
+    the same columns and tables as the snapshot's dicts do."""
+    import numpy as np
+
+    import cudalab
+    from cudalab import memory
+    from cudalab.cluster import records
+    from cudalab.memory_tools.column_index import index_columns
+    from cudalab.memory_tools.safe_pickle import SnapshotLoadError
+    from cudalab.memory_tools.trace_index import COLUMNS, index_snapshot
+
+    memory.record_history(max_entries=5000)
+    try:
+        kept = [cudalab.zeros(1000 + 64 * k) for k in range(40)]
+        for k in range(300):
+            a = cudalab.empty(512 + (k % 9) * 4096)
+            del a
+        got = records.decode(records.encode(records.collect(("snapshot",))), "rank 0")
+    finally:
+        memory.record_history(enabled=None)
+    assert got.trace_columns and not any(got.sent_snapshot["device_traces"])
+    fast = index_columns(got.sent_snapshot, got.trace_columns, source="rank 0")
+    slow = index_snapshot(got.snapshot, source="rank 0")
+    assert fast.n == slow.n > 600
+    for name, _ in COLUMNS:
+        assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
+    for name in ("action_names", "strings", "pools", "frames"):
+        assert getattr(fast, name) == getattr(slow, name), name
+    assert np.array_equal(fast.stack_offsets, slow.stack_offsets)
+    assert np.array_equal(fast.stack_frames, slow.stack_frames)
+    assert fast.snapshot["segments"] == slow.snapshot["segments"]
+    # entries left in the snapshot, or a column without sizes, are refused
+    with pytest.raises(SnapshotLoadError, match="all in the columns"):
+        index_columns(got.snapshot, got.trace_columns)
+    (d, cols), = got.trace_columns.items()
+    broken = type("C", (), {"n": cols.n, "columns": {**cols.columns, "size": [None] * cols.n}})
+    with pytest.raises(SnapshotLoadError, match="lacks 'size'"):
+        index_columns(got.sent_snapshot, {d: broken})
+    del kept
