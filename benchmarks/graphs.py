@@ -26,7 +26,8 @@ Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
   eager memset (which of the two an eager fill should take, per dtype); a fifth case,
   float16 starting 2 bytes into its buffer (1,024 elements), takes cuMemsetD16 eagerly
   (float16 elsewhere takes cuMemsetD32 of the doubled pattern);
-* fill kernel variants: 1,000 launches of each fill kernel and launch shape on the float32
+* fill kernel variants: 1,000 launches of each fill kernel and launch shape (and with
+  programmatic dependent launch, the kernel waiting for the previous one) on the float32
   array's 4 KiB, replayed as one graph, GPU time per 1,000 (events, the variants
   interleaved), beside torch's float32 ``fill_`` replay (which kernel and shape ``fill_``
   should take inside a graph: issue 37's goal is a graph >= 5x eager).
@@ -314,24 +315,30 @@ def fill_kernel_variants(table: Table, results: dict, quick: bool, simulated: bo
     x = cudalab.array.zeros((FILL_ELEMENTS,), np.float32)
     nbytes = x.nbytes
     one = 0x3F800000  # 1.0f
-    # label -> (kernel, grid, block, value, count); the first is what fill_ takes
+    two = one << 32 | one
+    # label -> (kernel, grid, block, value, count, programmatic dependent launch); the first
+    # is what fill_ takes in a graph (with PROGRAMMATIC_FILLS: the "programmatic" one)
     variants = {
-        "v16, 1 block of 256 (fill_'s)": (VECTOR_FILL_KERNEL, 1, 256, one << 32 | one, nbytes // 16),
-        "v16, 2 blocks of 128": (VECTOR_FILL_KERNEL, 2, 128, one << 32 | one, nbytes // 16),
-        "v16, 4 blocks of 64": (VECTOR_FILL_KERNEL, 4, 64, one << 32 | one, nbytes // 16),
-        "u64 grid-stride, 2 blocks of 256 (before)": (FILL_KERNELS[8], 2, 256, one << 32 | one,
-                                                      nbytes // 8),
-        "u32 grid-stride, 4 blocks of 256": (FILL_KERNELS[4], 4, 256, one, nbytes // 4),
+        "v16, 1 block of 256 (fill_'s)": (VECTOR_FILL_KERNEL, 1, 256, two, nbytes // 16, False),
+        "v16, 1 block of 256, programmatic launch": (VECTOR_FILL_KERNEL, 1, 256, two,
+                                                     nbytes // 16, True),
+        "v16, 2 blocks of 128": (VECTOR_FILL_KERNEL, 2, 128, two, nbytes // 16, False),
+        "v16, 2 blocks of 128, programmatic launch": (VECTOR_FILL_KERNEL, 2, 128, two,
+                                                      nbytes // 16, True),
+        "v16, 4 blocks of 64": (VECTOR_FILL_KERNEL, 4, 64, two, nbytes // 16, False),
+        "u64 grid-stride, 2 blocks of 256 (before)": (FILL_KERNELS[8], 2, 256, two, nbytes // 8,
+                                                      False),
+        "u32 grid-stride, 4 blocks of 256": (FILL_KERNELS[4], 4, 256, one, nbytes // 4, False),
     }
     s = cudalab.Stream()
     s.wait_stream(cudalab.current_stream())
     graphs = {}
     with cudalab.stream(s):
-        for label, (kernel, grid, block, value, count) in variants.items():
+        for label, (kernel, grid, block, value, count, programmatic) in variants.items():
             def launches(kernel=kernel, shape=((grid, 1, 1), (block, 1, 1)),
-                         values=(x.ptr, value, count)):
+                         values=(x.ptr, value, count), programmatic=programmatic):
                 for _ in range(KERNELS):
-                    kernel.launch_prepared(shape[0], shape[1], values, s)
+                    kernel.launch_prepared(shape[0], shape[1], values, s, programmatic)
 
             launches()  # loads the kernel
             graphs[label] = _capture(cudalab.CUDAGraph, launches)

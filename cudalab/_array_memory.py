@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from cudalab import _internal, _interrupts, _observe
+from cudalab import devices as _devices
 from cudalab import streams as _streams
 from cudalab._array_state import ArrayState
 from cudalab._dtypes import FLOAT8_NAMES, SUPPORTED_DTYPES
@@ -63,6 +64,13 @@ _FILL_MAX_BLOCKS = 8192
 _FILL_VECTOR_BLOCK = 256
 #: The largest grid.x a launch takes (2**31 - 1 blocks).
 _MAX_GRID_X = 0x7FFFFFFF
+#: Whether a fill captured into a graph is launched with programmatic dependent launch on a
+#: device of compute capability 9.0+ (each fill kernel then begins while the previous one
+#: ends, and waits for it: see cudalab._kernels.fill). Chosen from the rows "fill kernel
+#: ..." of benchmarks/graphs.py (replayed GPU time of 1,000 fills with and without it).
+PROGRAMMATIC_FILLS = False
+#: Device -> whether it takes programmatic dependent launch (compute capability >= 9.0).
+_programmatic_devices: dict[int, bool] = {}
 
 # --------------------------------------------------------------------------- lazy imports
 _mem: Any = None  # cudalab.memory, bound on first use (it imports the allocator)
@@ -495,7 +503,8 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
     nbytes = count * itemsize
     if _open_captures and itemsize <= 8:  # (one global read while no graph captures)
         # Some stream is capturing a graph: a kernel node, legal on any stream.
-        fill_with_kernel(ptr, pattern, count, stream)  # (it makes the context current)
+        fill_with_kernel(ptr, pattern, count, stream,  # (it makes the context current)
+                         PROGRAMMATIC_FILLS and programmatic_launch(device))
     elif not (byte_uniform := pattern.count(pattern[0]) == itemsize) and itemsize == 8:
         fill_with_kernel(ptr, pattern, count, stream)
     elif byte_uniform:
@@ -531,7 +540,16 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
         _observe.access_tracker.access(stream, (), ((ptr, nbytes),), "fill")
 
 
-def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stream) -> None:
+def programmatic_launch(device: int) -> bool:
+    """Whether ``device`` takes programmatic dependent launch (compute capability 9.0+)."""
+    ok = _programmatic_devices.get(device)
+    if ok is None:
+        ok = _programmatic_devices[device] = _devices.get_device_properties(device).major >= 9
+    return ok
+
+
+def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stream,
+                     programmatic: bool = False) -> None:
     """Fill with cudalab's fill kernels: ``count`` >= 1 items of ``len(pattern)`` bytes (1,
     2, 4 or 8).
 
@@ -542,6 +560,7 @@ def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stre
     ``Kernel.launch_prepared``: the values are built here, in range (the item's own bytes
     for a u4/u8 parameter), and :func:`fill` has told the sanitizer (the "fills eager",
     "capture, host time per launch" and "fill_ by dtype" rows of benchmarks/graphs.py).
+    ``programmatic``: launch with programmatic dependent launch (see ``PROGRAMMATIC_FILLS``).
     """
     itemsize = len(pattern)
     nbytes = count * itemsize
@@ -556,10 +575,11 @@ def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stre
                 pattern = pattern * (8 // itemsize)
             VECTOR_FILL_KERNEL.launch_prepared(
                 (grid, 1, 1), (block, 1, 1), (ptr, int.from_bytes(pattern, "little"), vectors),
-                stream)
+                stream, programmatic)
             return
     if itemsize < 8 and not (ptr | nbytes) & 7:  # 8 bytes stored a thread
         pattern, count = pattern * (8 // itemsize), nbytes >> 3
     grid = min(-(-count // _FILL_BLOCK), _FILL_MAX_BLOCKS)
     FILL_KERNELS[len(pattern)].launch_prepared(
-        (grid, 1, 1), _FILL_BLOCK3, (ptr, int.from_bytes(pattern, "little"), count), stream)
+        (grid, 1, 1), _FILL_BLOCK3, (ptr, int.from_bytes(pattern, "little"), count), stream,
+        programmatic)

@@ -482,6 +482,24 @@ class Backend(abc.ABC):
         kernel launch path's one seam call (the real backend does both in C)."""
         self.launch(function, grid, block, shared_mem, stream, args.set(*values))
 
+    def launch_values_programmatic(
+        self,
+        function: FunctionHandle,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        stream: StreamHandle,
+        args: KernelArgs,
+        values: Sequence[Any],
+    ) -> None:
+        """:meth:`launch_values` with programmatic dependent launch allowed (the launch
+        attribute ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, compute
+        capability 9.0+): the kernel may begin before the stream's previous kernel has ended
+        and must wait for it (``griddepcontrol.wait``) before touching memory. Only an
+        optimisation: a backend without it (the simulator, the real backend without its C
+        calls) launches as :meth:`launch_values` does, with the same results."""
+        self.launch_values(function, grid, block, shared_mem, stream, args, values)
+
     # ---------------------------------------------------------------- virtual memory (VMM)
     # Used by expandable segments: reserve a large address range once, then map physical
     # pages into it on demand (cuMemAddressReserve / cuMemCreate / cuMemMap).

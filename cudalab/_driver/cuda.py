@@ -151,6 +151,10 @@ def entry_point(symbol: bytes, driver_version: int) -> int:
     return 0 if err or not address else int(address)
 
 
+#: Whether fastcall's launch_packed_programmatic has its cuLaunchKernelEx (_bind_fastcall).
+_launch_ex_bound = False
+
+
 def _bind_fastcall(driver_version: int) -> None:
     """Give fastcall the driver's entry points (cuGetProcAddress, with the default-stream
     semantics cuda.bindings itself uses), and publish its functions; on any failure keep what
@@ -168,6 +172,11 @@ def _bind_fastcall(driver_version: int) -> None:
     fastcall.setup(*addresses, cuda_error)
     for name in C_TWINS:
         setattr(FAST, name, getattr(fastcall, name))
+    global _launch_ex_bound
+    launch_ex = entry_point(b"cuLaunchKernelEx", driver_version)
+    if launch_ex:  # (apart, as below: CUDA 12+ drivers give it)
+        fastcall.bind_launch_kernel_ex(launch_ex)
+        _launch_ex_bound = True
     elapsed = entry_point(b"cuEventElapsedTime", driver_version)
     if elapsed:  # (apart: a driver without it keeps the others)
         fastcall.bind_event_elapsed_time(elapsed)
@@ -273,6 +282,9 @@ class CudaBackend(CudaGraphs):
                 # exception, as the methods they stand in for.
                 self.launch_values = fastcall.launch_packed  # type: ignore[method-assign]
                 self.graph_launch = fastcall.graph_launch  # type: ignore[method-assign]
+                if _launch_ex_bound:  # (else Backend's: launch_values, no attribute)
+                    self.launch_values_programmatic = (  # type: ignore[method-assign]
+                        fastcall.launch_packed_programmatic)
             self._initialized = True
 
     def driver_version(self) -> int:

@@ -26,6 +26,12 @@
  * error), launches, and raises the backend's CudaError for a failed launch. Handles are anything
  * int() accepts (cuda.bindings' CUfunction / CUstream / CUevent, or ints); None is NULL.
  *
+ * launch_packed_programmatic is launch_packed through cuLaunchKernelEx with the launch
+ * attribute CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (programmatic dependent
+ * launch, compute capability 9.0+: the kernel may start before the previous kernel on the
+ * stream has finished, and waits for it with griddepcontrol.wait; the fill kernels in a CUDA
+ * graph), bound apart by bind_launch_kernel_ex.
+ *
  * event_elapsed_times reads many pairs of events in one call (cuEventElapsedTime, bound apart
  * by bind_event_elapsed_time): %%cuda_timed's GPU times after its loop, one bindings call per
  * repeat before (the "%%cuda_timed per-repeat overhead" rows of benchmarks/timing.py).
@@ -61,6 +67,28 @@ typedef CUresult_t (*memcpy_async_fn)(unsigned long long dst, unsigned long long
                                       size_t nbytes, void *stream);
 typedef CUresult_t (*event_elapsed_time_fn)(float *milliseconds, void *start, void *end);
 
+/* cuda.h's CUlaunchAttribute and CUlaunchConfig (CUDA 12+), for cuLaunchKernelEx. */
+typedef struct {
+    int id; /* CUlaunchAttributeID */
+    char pad[8 - sizeof(int)];
+    union {
+        char pad[64];
+        void *align; /* (the union holds pointers: 8-byte aligned) */
+        int programmatic_stream_serialization;
+    } value;
+} launch_attribute;
+typedef struct {
+    unsigned int grid[3];
+    unsigned int block[3];
+    unsigned int shared_mem;
+    void *stream;
+    launch_attribute *attrs;
+    unsigned int num_attrs;
+} launch_config;
+#define LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
+typedef CUresult_t (*launch_kernel_ex_fn)(const launch_config *config, void *function,
+                                          void **params, void **extra);
+
 /* Set once by setup(); NULL until then (the calls then raise RuntimeError). */
 static launch_kernel_fn launch_kernel_ptr = NULL;
 static two_handles_fn event_record_ptr = NULL; /* (event, stream) */
@@ -71,6 +99,8 @@ static ctx_set_current_fn ctx_set_current_ptr = NULL;
 static memcpy_async_fn memcpy_async_ptr = NULL;
 /* cuEventElapsedTime, given by bind_event_elapsed_time() (apart from setup(): optional). */
 static event_elapsed_time_fn event_elapsed_time_ptr = NULL;
+/* cuLaunchKernelEx, given by bind_launch_kernel_ex() (optional too). */
+static launch_kernel_ex_fn launch_kernel_ex_ptr = NULL;
 /* error_for(code, call) -> the exception to raise for a failed call (cuda_api._error); set by
  * setup(), owned here. */
 static PyObject *error_for = NULL;
@@ -150,6 +180,24 @@ call_launch(launch_kernel_fn call, const launch_shape *shape, void *params)
     result = call(shape->function, shape->grid[0], shape->grid[1], shape->grid[2],
                   shape->block[0], shape->block[1], shape->block[2], shape->shared_mem,
                   shape->stream, (void **)params, NULL);
+    Py_END_ALLOW_THREADS
+    return result;
+}
+
+/* cuLaunchKernelEx with programmatic stream serialization, the GIL released; the CUresult. */
+static CUresult_t
+call_launch_programmatic(launch_kernel_ex_fn call, const launch_shape *shape, void *params)
+{
+    CUresult_t result;
+    launch_attribute attribute;
+    memset(&attribute, 0, sizeof attribute);
+    attribute.id = LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmatic_stream_serialization = 1;
+    launch_config config = {{shape->grid[0], shape->grid[1], shape->grid[2]},
+                            {shape->block[0], shape->block[1], shape->block[2]},
+                            shape->shared_mem, shape->stream, &attribute, 1};
+    Py_BEGIN_ALLOW_THREADS
+    result = call(&config, shape->function, (void **)params, NULL);
     Py_END_ALLOW_THREADS
     return result;
 }
@@ -374,12 +422,15 @@ PyDoc_STRVAR(launch_packed_doc,
 "CudaBackend.launch(function, grid, block, shared_mem, stream, args.set(*values)); raises\n"
 "set()'s error for a bad value and the backend's CudaError for a failed launch.");
 
+/* launch_packed and launch_packed_programmatic: one body, `programmatic` picks the call. */
 static PyObject *
-launch_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+launch_packed_with(PyObject *const *args, Py_ssize_t nargs, int programmatic)
 {
     launch_shape shape;
     launch_kernel_fn call = launch_kernel_ptr;
-    if (check_arity(nargs, 7, "launch_packed") < 0) {
+    launch_kernel_ex_fn call_ex = launch_kernel_ex_ptr;
+    const char *name = programmatic ? "launch_packed_programmatic" : "launch_packed";
+    if (check_arity(nargs, 7, name) < 0) {
         return NULL;
     }
     if (parse_launch(args, &shape) < 0) {
@@ -419,16 +470,36 @@ launch_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_DECREF(done);
     }
-    if (call == NULL) {
+    if (programmatic ? call_ex == NULL : call == NULL) {
         Py_DECREF(native);
-        return not_set_up("launch_packed");
+        return not_set_up(name);
     }
-    CUresult_t result = call_launch(call, &shape, params);
+    CUresult_t result = programmatic ? call_launch_programmatic(call_ex, &shape, params)
+                                     : call_launch(call, &shape, params);
     Py_DECREF(native); /* (kept until here: it holds the pack's addresses alive) */
     if (result != 0) {
-        return raise_driver_error(result, "cuLaunchKernel");
+        return raise_driver_error(result, programmatic ? "cuLaunchKernelEx" : "cuLaunchKernel");
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *
+launch_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return launch_packed_with(args, nargs, 0);
+}
+
+PyDoc_STRVAR(launch_packed_programmatic_doc,
+"launch_packed_programmatic(function, grid, block, shared_mem, stream, args, values) -> None\n\n"
+"launch_packed through cuLaunchKernelEx with programmatic stream serialization allowed (the\n"
+"kernel may begin before the stream's previous kernel ends; it must wait for it with\n"
+"griddepcontrol.wait before touching its data); raises as launch_packed (the CudaError\n"
+"names cuLaunchKernelEx).");
+
+static PyObject *
+launch_packed_programmatic(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return launch_packed_with(args, nargs, 1);
 }
 
 PyDoc_STRVAR(graph_launch_doc,
@@ -707,6 +778,25 @@ bind_event_elapsed_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(bind_launch_kernel_ex_doc,
+"bind_launch_kernel_ex(cuLaunchKernelEx) -> None\n\n"
+"Give launch_packed_programmatic() the driver's entry point (a nonzero int address), apart\n"
+"from setup(): a driver without it leaves the other calls bound.");
+
+static PyObject *
+bind_launch_kernel_ex(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *address;
+    if (check_arity(nargs, 1, "bind_launch_kernel_ex") < 0) {
+        return NULL;
+    }
+    if (entry_point_addresses(args, 1, &address) < 0) {
+        return NULL;
+    }
+    launch_kernel_ex_ptr = (launch_kernel_ex_fn)address;
+    Py_RETURN_NONE;
+}
+
 #define SETUP_ENTRY_POINTS 7
 
 static PyObject *
@@ -741,6 +831,8 @@ static PyMethodDef methods[] = {
     {"stream_wait_event", (PyCFunction)(void (*)(void))stream_wait_event, METH_FASTCALL,
      stream_wait_event_doc},
     {"launch_packed", (PyCFunction)(void (*)(void))launch_packed, METH_FASTCALL, launch_packed_doc},
+    {"launch_packed_programmatic", (PyCFunction)(void (*)(void))launch_packed_programmatic,
+     METH_FASTCALL, launch_packed_programmatic_doc},
     {"graph_launch", (PyCFunction)(void (*)(void))graph_launch, METH_FASTCALL, graph_launch_doc},
     {"ctx_get_current", (PyCFunction)(void (*)(void))ctx_get_current, METH_FASTCALL,
      ctx_get_current_doc},
@@ -752,6 +844,8 @@ static PyMethodDef methods[] = {
      event_elapsed_times_doc},
     {"bind_event_elapsed_time", (PyCFunction)(void (*)(void))bind_event_elapsed_time,
      METH_FASTCALL, bind_event_elapsed_time_doc},
+    {"bind_launch_kernel_ex", (PyCFunction)(void (*)(void))bind_launch_kernel_ex,
+     METH_FASTCALL, bind_launch_kernel_ex_doc},
     {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL, setup_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -1,5 +1,7 @@
 """``cudalab_fill_u8/u16/u32/u64(ptr, value, n)``: grid-stride fills of n elements, and
-``cudalab_fill_v16(ptr, value, n)``: n 16-byte vectors, one per thread, no loop.
+``cudalab_fill_v16(ptr, value, n)``: n 16-byte vectors, one per thread, no loop. Each waits
+for the stream's previous kernel first (``griddepcontrol.wait``, a no-op unless launched with
+programmatic dependent launch: see ``_PROLOGUE``).
 
 The five kernels share one source, so they are compiled (and cached) once. The value is
 passed as a 32-bit parameter for the narrow types and truncated in the kernel.
@@ -30,6 +32,7 @@ _TEMPLATE = r"""
 extern "C" __global__ void cudalab_fill_{suffix}({elem}* __restrict__ ptr, {param} value,
                                                  unsigned long long n)
 {{
+    WAIT_FOR_PREVIOUS_KERNEL();
     const {elem} v = static_cast<{elem}>(value);
     const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
     for (unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -43,6 +46,7 @@ _VECTOR = r"""
 extern "C" __global__ void cudalab_fill_v16(ulonglong2* __restrict__ ptr, unsigned long long value,
                                             unsigned long long n)
 {
+    WAIT_FOR_PREVIOUS_KERNEL();
     const unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) {
         ptr[i] = make_ulonglong2(value, value);
@@ -50,7 +54,22 @@ extern "C" __global__ void cudalab_fill_v16(ulonglong2* __restrict__ ptr, unsign
 }
 """
 
-SOURCE = "".join(
+# Programmatic dependent launch (compute capability 9.0+): launched with the attribute (a fill
+# captured into a graph, see cudalab._array_memory.fill), a kernel may begin while the
+# previous kernel on the stream still runs; it waits here until that kernel has finished and
+# its writes are visible, then lets the next kernel begin launching, then stores. Launched
+# without the attribute both instructions return at once.
+_PROLOGUE = r"""
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define WAIT_FOR_PREVIOUS_KERNEL() \
+    asm volatile("griddepcontrol.wait;" ::: "memory"); \
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define WAIT_FOR_PREVIOUS_KERNEL() ((void)0)
+#endif
+"""
+
+SOURCE = _PROLOGUE + "".join(
     _TEMPLATE.format(suffix=suffix, elem=elem, param=param) for suffix, elem, param, _, _ in _TYPES
 ) + _VECTOR
 

@@ -586,7 +586,7 @@ class Kernel:
     __call__ = launch
 
     def launch_prepared(self, grid: tuple[int, int, int], block: tuple[int, int, int],
-                        values: Sequence[Any], stream: Any) -> None:
+                        values: Sequence[Any], stream: Any, programmatic: bool = False) -> None:
         """:meth:`launch` for callers that build the arguments themselves (the elementwise
         machinery): no conversion or check of ``values`` (ints and floats in range, pointers
         as ints), ``grid`` and ``block`` (valid 3-tuples) or ``stream`` (a cudalab Stream).
@@ -599,6 +599,10 @@ class Kernel:
             One value per signature entry.
         stream
             The cudalab Stream to launch on.
+        programmatic
+            Allow programmatic dependent launch (``Backend.launch_values_programmatic``): for
+            kernels that wait for the previous kernel with ``griddepcontrol.wait`` (the fill
+            kernels), on devices of compute capability 9.0+.
         """
         if _Stream is None:
             _bind_runtime()
@@ -609,7 +613,11 @@ class Kernel:
         if state is None or state[0] is not backend:
             state = self._thread_state(backend, device)
         _ensure_context(device)
-        backend.launch_values(state[1], grid, block, 0, stream.handle, state[2], values)
+        if programmatic:
+            backend.launch_values_programmatic(state[1], grid, block, 0, stream.handle,
+                                               state[2], values)
+        else:
+            backend.launch_values(state[1], grid, block, 0, stream.handle, state[2], values)
         if launch_blocking:
             backend.stream_synchronize(stream.handle)
         if _launch_observers:

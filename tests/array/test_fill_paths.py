@@ -65,9 +65,10 @@ def paths(monkeypatch):
     for kernel in (*FILL_KERNELS.values(), VECTOR_FILL_KERNEL):
         real = kernel.launch_prepared
 
-        def spy_launch(grid, block, values, stream, _real=real, _name=_KERNEL_NAMES[kernel.name]):
+        def spy_launch(grid, block, values, stream, programmatic=False, *, _real=real,
+                       _name=_KERNEL_NAMES[kernel.name]):
             taken.append(_name)
-            return _real(grid, block, values, stream)
+            return _real(grid, block, values, stream, programmatic)
 
         monkeypatch.setattr(kernel, "launch_prepared", spy_launch)
     return taken
@@ -130,10 +131,53 @@ def test_the_vector_kernel_launch_shape(monkeypatch):
     shapes = []
     real = VECTOR_FILL_KERNEL.launch_prepared
     monkeypatch.setattr(VECTOR_FILL_KERNEL, "launch_prepared",
-                        lambda grid, block, values, stream: (shapes.append((grid, block, values[2])),
-                                                             real(grid, block, values, stream)))
+                        lambda grid, block, values, stream, programmatic=False: (
+                            shapes.append((grid, block, values[2])),
+                            real(grid, block, values, stream, programmatic)))
     for n in (2, 6, 512, 514, 8192):  # int64 elements: 1, 3, 256, 257 and 4096 vectors
         cudalab.array.empty((n,), np.int64).fill_(3)
     assert shapes == [((1, 1, 1), (32, 1, 1), 1), ((1, 1, 1), (32, 1, 1), 3),
                       ((1, 1, 1), (256, 1, 1), 256), ((2, 1, 1), (256, 1, 1), 257),
                       ((16, 1, 1), (256, 1, 1), 4096)]
+
+
+def test_programmatic_fills_in_a_capture(monkeypatch):
+    """With PROGRAMMATIC_FILLS on a device of compute capability 9.0+, a captured fill is
+    launched with programmatic dependent launch, and a chain of such fills, then a kernel
+    that reads the array, keep their order (each fill waits for the previous kernel). On
+    the simulator the launch is an ordinary one (the attribute is only an optimisation);
+    on a GPU the ordering is the driver's and the kernel's griddepcontrol.wait."""
+    from cudalab import _array_memory
+
+    backend = _internal.backend()
+    calls = []
+    real = backend.launch_values_programmatic
+
+    def spy(*args):
+        calls.append(args[1])  # the grid
+        return real(*args)
+
+    monkeypatch.setattr(backend, "launch_values_programmatic", spy)
+    monkeypatch.setattr(_array_memory, "PROGRAMMATIC_FILLS", True)
+    x = cudalab.array.zeros((4096,), np.float32)
+    s = cudalab.Stream()
+    s.wait_stream(cudalab.current_stream())
+    g = cudalab.CUDAGraph()
+    with cudalab.stream(s):
+        g.capture_begin()
+        for i in range(1, 201):
+            x.fill_(float(i))
+            x[: 64 * (i % 7)].fill_(-1.0)  # sizes alternate: some 16-byte vector, some not
+        y = x + 1.0
+        g.capture_end()
+    g.replay()
+    s.synchronize()
+    expected = np.full(4096, 200.0, np.float32)
+    expected[: 64 * (200 % 7)] = -1.0
+    np.testing.assert_array_equal(x.numpy(), expected)
+    np.testing.assert_array_equal(y.numpy(), expected + 1.0)
+    major = cudalab.get_device_properties(0).major
+    assert len(calls) == (400 - 200 // 7 if major >= 9 else 0)  # (x[:0] fills nothing)
+    calls.clear()
+    x.fill_(3.0)  # eagerly: a memset, never programmatic
+    assert calls == []

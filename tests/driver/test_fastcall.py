@@ -294,6 +294,24 @@ def test_launch_packed_writes_what_set_writes():
     assert empty.native == (0, empty.native[1], b"")
 
 
+def test_launch_packed_programmatic_writes_what_set_writes():
+    """The programmatic launch shares launch_packed's packing (one body in C)."""
+    from cudalab._driver.cuda import CudaKernelArgs
+
+    for values in VALUE_SETS:
+        ours, theirs = CudaKernelArgs(SIGNATURE), CudaKernelArgs(SIGNATURE)
+        with pytest.raises(RuntimeError):
+            fastcall.launch_packed_programmatic(0, (1, 1, 1), (1, 1, 1), 0, None, ours, values)
+        theirs.set(*values)
+        assert _slots(ours) == _slots(theirs), values
+    with pytest.raises(TypeError, match="takes 7 arguments"):
+        fastcall.launch_packed_programmatic(0, (1, 1, 1), (1, 1, 1), 0, None)
+    with pytest.raises(TypeError, match="takes 1 arguments"):
+        fastcall.bind_launch_kernel_ex()
+    with pytest.raises((TypeError, ValueError)):
+        fastcall.bind_launch_kernel_ex(0)
+
+
 def test_launch_packed_raises_what_set_raises():
     from cudalab._driver.cuda import CudaKernelArgs
 
@@ -320,6 +338,8 @@ def test_calls_before_setup_raise_instead_of_calling_null():
                            (fastcall.stream_wait_event, (None, 0, 0)),
                            (fastcall.launch_packed, (0, (1, 1, 1), (1, 1, 1), 0, None,
                                                       CudaKernelArgs(("u8",)), (1,))),
+                           (fastcall.launch_packed_programmatic,
+                            (0, (1, 1, 1), (1, 1, 1), 0, None, CudaKernelArgs(("u8",)), (1,))),
                            (fastcall.graph_launch, (0, None)),
                            (fastcall.ctx_get_current, ()),
                            (fastcall.ctx_set_current, (0,)),
@@ -334,7 +354,7 @@ def test_calls_before_setup_raise_instead_of_calling_null():
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert len(lines) == 9 and all("setup() has not given" in line for line in lines), lines
+    assert len(lines) == 10 and all("setup() has not given" in line for line in lines), lines
 
 
 # ============================================================================ (b) real GPU
@@ -352,6 +372,7 @@ def test_the_real_backend_binds_it():
     from cudalab import _internal
 
     assert _internal.backend().launch_values is fastcall.launch_packed
+    assert _internal.backend().launch_values_programmatic is fastcall.launch_packed_programmatic
     assert _internal.backend().graph_launch is fastcall.graph_launch
     assert C.FAST.ctx_get_current is fastcall.ctx_get_current
     assert C.FAST.ctx_set_current is fastcall.ctx_set_current
