@@ -68,6 +68,15 @@ def record(workload: dict) -> dict:
         cudalab.memory._record_memory_history(None)
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended (the workers)."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=400, help="decode steps (default 400)")
@@ -192,16 +201,21 @@ def autotune_main(args: argparse.Namespace) -> None:
             if seen[0] % 25 == 0:
                 print(f"  {done}/{total} rows at {time.perf_counter() - t0:.1f} s", flush=True)
 
+        cpu0 = _cpu_seconds()
         grid = at.autotune(big, caps, workers=args.workers, progress=tick)
         wall = time.perf_counter() - t0
+        cpu = _cpu_seconds() - cpu0
         n_set = grid["setting"].nunique()
         derived = int(grid["derived"].sum())
         print(f"  {n_set} settings x {len(caps)} capacities ({len(grid)} rows): wall "
               f"{wall:.1f} s with {grid.attrs['workers'] or cpus} workers; "
               f"{grid.attrs['replays']} replays run, {derived} rows derived, "
-              f"{grid.attrs['replays'] * len(big) / wall / 1e6:.2f} M entries/s in all")
+              f"{grid.attrs['replays'] * len(big) / wall / 1e6:.2f} M entries/s in all; "
+              f"CPU {cpu:.1f} s in all processes (the figure a shared machine's load does "
+              "not inflate)")
         out["grid"] = {"settings": n_set, "capacities": caps, "entries": len(big),
-                       "rows": len(grid), "wall_s": wall, "replays": grid.attrs["replays"],
+                       "rows": len(grid), "wall_s": wall, "cpu_s": cpu,
+                       "replays": grid.attrs["replays"],
                        "derived": derived, "workers": grid.attrs["workers"] or cpus}
     # (3) the ragged trace: the recommendation per capacity, against the target
     if "ragged" not in sections:

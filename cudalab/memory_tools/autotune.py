@@ -21,7 +21,10 @@ allocation fails: a replay that never failed and never retried on a larger devic
 the same settings do on any device that holds its peak reserved bytes, so that row is
 derived (``derived`` True) instead of replayed. Likewise a ``max_split_size_mb`` larger
 than any segment the trace can create changes nothing (:func:`_idle_split`): the setting
-takes the rows of the same setting without it. Every other row is a replay of cudalab's
+takes the rows of the same setting without it, and a ``roundup_power2_divisions`` that rounds
+every request of the trace as another setting (otherwise the same) does takes that
+setting's rows (:func:`_aliases`: the native allocator sees only rounded sizes, so its
+choices are the same). Every other row is a replay of cudalab's
 allocator, which follows torch's policy (the replays of torch's own traces reproduce torch's
 peaks exactly; ``backend:cudaMallocAsync`` is an estimate, see
 :mod:`cudalab.memory_tools.replay`).
@@ -207,6 +210,84 @@ def _idle_split(setting: str, max_request: int) -> str | None:
                     if not x.replace(" ", "").startswith("max_split_size_mb:"))
 
 
+def rounded_sizes(sizes: Any, config: Any) -> Any:
+    """:func:`cudalab.allocator.policy.round_size` of every size of an int64 array (> 0,
+    < 2**53) under ``config`` (an AllocatorConfig), vectorised: the block sizes the native
+    allocator gives those requests."""
+    import numpy as np
+
+    s = np.asarray(sizes, dtype=np.int64)
+    out = (s + 511) & -512
+    out[s < 512] = 512
+    table = np.asarray(config.roundup_power2_divisions, dtype=np.int64)
+    if not (table > 1).any() or not len(s):
+        return out
+    bits = np.frexp(s.astype(np.float64))[1].astype(np.int64)  # bit_length (exact < 2**53)
+    index = np.clip(bits - 21, 0, len(table) - 1)
+    d = table[index]
+    use = (s >= 512) & (d > 1) & (s > 512 * d)
+    if not use.any():
+        return out
+    v, b, dv = s[use], bits[use], d[use]
+    floor2 = np.left_shift(np.int64(1), b - 1)
+    dbits = np.frexp(dv.astype(np.float64))[1].astype(np.int64)
+    step = np.right_shift(floor2, dbits - 1)
+    low = v & ~(step - 1)
+    rounded = np.where(low == v, v, low + step)
+    rounded = np.where(step == 0, floor2 << 1, rounded)
+    out[use] = np.where((v & (v - 1)) == 0, v, rounded)
+    return out
+
+
+def _aliases(labels: Sequence[str], action: Any, size: Any) -> dict[str, str]:
+    """{setting: the setting whose replay it takes} for the settings of ``labels`` whose
+    replay is provably another's, on a trace of ``action``/``size`` (its plan's columns):
+
+    * an idle ``max_split_size_mb`` (:func:`_idle_split`) takes the setting without it;
+    * a native setting whose ``roundup_power2_divisions`` rounds every request of the
+      trace to the same block size as an earlier setting that differs from it only in that
+      key takes that setting's (the native allocator, with or without expandable segments,
+      decides on rounded sizes only: the requested size is a statistic). Roundings are
+      compared in full (:func:`rounded_sizes` of each distinct request size).
+
+    Every value is a setting of ``labels`` that is not itself an alias."""
+    import numpy as np
+
+    acts = np.asarray(action, dtype=np.int8)
+    requests = np.asarray(size, dtype=np.int64)[acts == 1]
+    max_request = int(requests.max()) if len(requests) else 0
+    alias: dict[str, str] = {}
+    for s in labels:
+        base = _idle_split(s, max_request)
+        if base is not None and base in labels:
+            alias[s] = base
+    distinct = np.unique(requests)
+    if len(distinct) and int(distinct[-1]) < (1 << 53):
+        seen: dict[tuple[str, bytes], str] = {}
+        for s in labels:
+            if s in alias:
+                continue
+            try:
+                cfg = as_config(s)
+            except ValueError:
+                continue
+            if cfg.backend != "native":
+                continue
+            rest = ",".join(x for x in _top_level_items(s) if not x.replace(" ", "")
+                            .startswith("roundup_power2_divisions:"))
+            key = (config_text(as_config(rest)), rounded_sizes(distinct, cfg).tobytes())
+            first = seen.setdefault(key, s)
+            if first != s:
+                alias[s] = first
+
+    def root(s: str) -> str:
+        while s in alias:
+            s = alias[s]
+        return s
+
+    return {s: root(b) for s, b in alias.items()}
+
+
 def _cap_base(setting: str) -> str:
     """``setting`` without its ``per_process_memory_fraction`` and
     ``garbage_collection_threshold`` (what it does while the cap is never reached)."""
@@ -356,14 +437,10 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
             continue
         if label not in labels:
             labels.append(label)
-    # A max_split_size_mb no segment of the trace reaches changes nothing (exact, see
-    # _idle_split): such a setting takes the rows of the same setting without it.
-    max_request = max((n for a, n in zip(plan.action, plan.size) if a), default=0)
-    alias: dict[str, str] = {}
-    for s in labels:
-        base = _idle_split(s, max_request)
-        if base is not None and base in labels:
-            alias[s] = base
+    # A max_split_size_mb no segment of the trace reaches, or a rounding that gives every
+    # request of the trace the block another setting gives it, changes nothing (exact, see
+    # _aliases): such a setting takes the rows of the setting it equals.
+    alias = _aliases(labels, plan.action, plan.size)
     # The default grid also caps each given device just above the trace's live peak
     # (TUNED_CAPS): fractions no preset names, which trade retries for reserved memory.
     tuned: dict[int, list[str]] = {}
@@ -434,6 +511,7 @@ def autotune(trace: Any, capacities: Iterable[int | str | None] | int | str | No
                 continue
             for s in [*capped, *tuned.get(c, ())]:
                 base = _cap_base(s)
+                base = alias.get(base, base)  # (the replay it equals)
                 if base in plain_set:
                     waiting.setdefault((base, c), []).append(s)
                 else:

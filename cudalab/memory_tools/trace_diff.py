@@ -26,9 +26,10 @@ import numpy as np
 
 from cudalab._internal import format_bytes
 from cudalab.memory_tools.trace_index import TraceIndex, index_snapshot, open_trace
-from cudalab.memory_tools.trace_views import TraceViews
+from cudalab.memory_tools.trace_views import TraceViews, stack_lines
+from cudalab.memory_tools.user_frames import frame_label
 
-__all__ = ["LineDelta", "TraceDiff", "diff", "peak_by_line"]
+__all__ = ["LineDelta", "TraceDiff", "diff", "peak_by_line", "peak_lines"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,17 +116,120 @@ def _signed(n: int) -> str:
     return ("+" if n > 0 else "−" if n < 0 else "±") + format_bytes(abs(n))
 
 
-def _as_views(x: Any) -> tuple[TraceViews, str]:
+def _as_run(x: Any) -> tuple[TraceViews | TraceIndex, str]:
     if isinstance(x, TraceViews):
         return x, x.index.source
     if isinstance(x, TraceIndex):
-        return TraceViews(x), x.source
+        return x, x.source
     if isinstance(x, (str, os.PathLike)):
-        return TraceViews(open_trace(x)), os.path.basename(os.fspath(x))
+        return open_trace(x), os.path.basename(os.fspath(x))
     if isinstance(x, dict):
-        return TraceViews(index_snapshot(x)), "snapshot"
+        return index_snapshot(x), "snapshot"
     raise TypeError(f"diff() takes paths, snapshot dicts or TraceIndex objects, not "
                     f"{type(x).__name__}")
+
+
+def _run_summary(run: TraceViews | TraceIndex, device: int | None
+                 ) -> tuple[int, int, dict[str, int], dict[str, int]]:
+    if isinstance(run, TraceViews):
+        return peak_by_line(run, device)
+    return peak_lines(run, device)
+
+
+def _kinds(ix: TraceIndex) -> Any:
+    """Per entry: 1 alloc, 2 free_completed, 3 segment_alloc/map, 4 segment_free/unmap,
+    0 anything else (uint8, one lookup of the action codes)."""
+    table = np.zeros(max(256, len(ix.action_names)), np.uint8)
+    for kind, names in ((1, ("alloc",)), (2, ("free_completed",)),
+                        (3, ("segment_alloc", "segment_map")),
+                        (4, ("segment_free", "segment_unmap"))):
+        for name in names:
+            c = ix.action_code(name)
+            if c >= 0:
+                table[c] = kind
+    return table[ix.action]
+
+
+def _open_at(rows: Any, addr: Any, opens: Any) -> Any:
+    """Of ``rows`` (increasing, one device's, up to some moment) that open (``opens``) or
+    close an address, the opening rows not closed by a later row of the same address, in
+    row order: what :class:`TraceViews` pairs as live at the last of those rows (an opening
+    row is closed by the next row of its address when that row closes)."""
+    if not len(rows):
+        return rows
+    order = np.argsort(addr, kind="stable")  # (by address, then row)
+    a = addr[order]
+    o = opens[order]
+    keep = o.copy()
+    keep[:-1] &= (a[1:] != a[:-1]) | o[1:]
+    return np.sort(rows[order[keep]])
+
+
+def _peak(rows: Any, delta: Any, a: int) -> tuple[int, int]:
+    """The first row of ``[a, ...)`` where a running total that moves by ``delta`` at
+    ``rows`` (increasing, >= a; 0 before the first) is largest, and that total."""
+    if not len(rows):
+        return a, 0
+    total = np.cumsum(delta)
+    k = int(np.argmax(total))
+    best = int(total[k])
+    if rows[0] > a and best <= 0:
+        return a, 0  # (the total is 0 from row a until the first move)
+    return int(rows[k]), best
+
+
+def _running_max(rows: Any, delta: Any, a: int) -> int:
+    return _peak(rows, delta, a)[1]
+
+
+def peak_lines(ix: TraceIndex, device: int | None = None
+               ) -> tuple[int, int, dict[str, int], dict[str, int]]:
+    """:func:`peak_by_line` of ``TraceViews(ix)``, from the index's columns alone: the
+    running totals over the rows that move them, then the blocks and segments live at the
+    two peaks from the rows before them (one sort of those rows' addresses), without
+    pairing the whole trace."""
+    if not ix.n:
+        return 0, 0, {}, {}
+    kind = _kinds(ix)
+    edges = np.flatnonzero(np.diff(ix.device)) + 1
+    bounds = [(int(ix.device[a]), a, b) for a, b in
+              zip(np.concatenate(([0], edges)).tolist(), np.concatenate((edges, [ix.n])).tolist())]
+    blocks = np.flatnonzero((kind == 1) | (kind == 2))
+    segs = np.flatnonzero(kind >= 3)
+    size = ix.size
+
+    def moves(rows: Any, a: int, b: int, opening: int) -> tuple[Any, Any]:
+        lo, hi = np.searchsorted(rows, [a, b])
+        r = rows[lo:hi]
+        d = size[r]
+        d[kind[r] != opening] *= -1
+        return r, d
+
+    if device is None:
+        device = max(bounds, key=lambda t: _running_max(*moves(blocks, t[1], t[2], 1),
+                                                        t[1]))[0]
+    got = next(((d, a, b) for d, a, b in bounds if d == device), None)
+    if got is None:
+        raise ValueError(f"no trace entries for device {device}; the trace has devices "
+                         f"{[d for d, _, _ in bounds]}")
+    d, a, b = got
+    b_rows, b_delta = moves(blocks, a, b, 1)
+    alloc_row, alloc_peak = _peak(b_rows, b_delta, a)
+    s_rows, s_delta = moves(segs, a, b, 3)
+    res_row, res_peak = _peak(s_rows, s_delta, a)
+    line = stack_lines(ix)
+    frames = ix.frames
+
+    def label(f: int) -> str:
+        return frame_label(frames[f]) if f >= 0 else "(no frames recorded)"
+
+    sel = b_rows[:np.searchsorted(b_rows, alloc_row, side="right")]
+    live = _open_at(sel, ix.addr[sel], kind[sel] == 1)
+    by_alloc = _by_line(line, label, ix.stack[live], size[live])
+    sel = s_rows[:np.searchsorted(s_rows, res_row, side="right")]
+    held = _open_at(sel, ix.addr[sel], kind[sel] == 3)
+    by_res = _by_line(line, label, ix.stack[held], size[held])
+    return alloc_peak, res_peak, by_alloc, by_res
 
 
 def peak_by_line(views: TraceViews, device: int | None = None
@@ -140,22 +244,23 @@ def peak_by_line(views: TraceViews, device: int | None = None
     alloc_row = a + int(np.argmax(views.allocated[a:b]))
     res_row = a + int(np.argmax(views.reserved[a:b]))
     m = views.live_mask(alloc_row)
-    by_alloc = _by_line(views, views.block_stack[m], views.block_size[m])
+    by_alloc = _by_line(views.stack_line, views.line_label, views.block_stack[m],
+                        views.block_size[m])
     s = ((views.seg_row <= res_row) & (views.seg_end > res_row) & (views.seg_device == d))
     seg_stack = views.index.stack[views.seg_row[s]]
-    by_res = _by_line(views, seg_stack, views.seg_size[s])
+    by_res = _by_line(views.stack_line, views.line_label, seg_stack, views.seg_size[s])
     return (int(views.allocated[alloc_row]), int(views.reserved[res_row]), by_alloc, by_res)
 
 
-def _by_line(views: TraceViews, stacks: Any, sizes: Any) -> dict[str, int]:
-    lines = np.where(stacks >= 0, views.stack_line[np.maximum(stacks, 0)], -1)
+def _by_line(stack_line: Any, line_label: Any, stacks: Any, sizes: Any) -> dict[str, int]:
+    lines = np.where(stacks >= 0, stack_line[np.maximum(stacks, 0)], -1)
     if not len(lines):
         return {}
     uniq, inv = np.unique(lines, return_inverse=True)
     nbytes = np.bincount(inv, weights=sizes, minlength=len(uniq))
     out: dict[str, int] = {}
     for f, nb in zip(uniq.tolist(), nbytes.tolist()):
-        label = views.line_label(int(f))
+        label = line_label(int(f))
         out[label] = out.get(label, 0) + int(nb)
     return out
 
@@ -164,16 +269,17 @@ def _by_line(views: TraceViews, stacks: Any, sizes: Any) -> dict[str, int]:
 _Origin = tuple[dict[str, Any], dict[str, Any]]
 
 
-def _origin(views: TraceViews) -> _Origin:
-    snap = views.index.snapshot or {}
+def _origin(run: TraceViews | TraceIndex) -> _Origin:
+    ix = run.index if isinstance(run, TraceViews) else run
+    snap = ix.snapshot or {}
     meta: dict[str, Any] = {k: snap[k] for k in ("device_memory", "cudalab") if k in snap}
-    return dict(views.index.identity or {}), meta
+    return dict(ix.identity or {}), meta
 
 
 def _summary(path: str, device: int | None) -> tuple[Any, ...]:
     """One run read and reduced to what the diff needs (run in a worker process)."""
-    views = TraceViews(open_trace(path))
-    return (*peak_by_line(views, device), _origin(views))
+    ix = open_trace(path)
+    return (*peak_lines(ix, device), _origin(ix))
 
 
 def _summaries_in_parallel(paths: tuple[str, str], device: int | None
@@ -267,10 +373,10 @@ def diff(a: Any, b: Any, *, top: int = 20, device: int | None = None,
         na, nb = (os.path.basename(os.fspath(x)) for x in (a, b))
         (pa_alloc, pa_res, a_lines, a_res, oa), (pb_alloc, pb_res, b_lines, b_res, ob) = got
     else:
-        va, na = _as_views(a)
-        vb, nb = _as_views(b)
-        pa_alloc, pa_res, a_lines, a_res = peak_by_line(va, device)
-        pb_alloc, pb_res, b_lines, b_res = peak_by_line(vb, device)
+        va, na = _as_run(a)
+        vb, nb = _as_run(b)
+        pa_alloc, pa_res, a_lines, a_res = _run_summary(va, device)
+        pb_alloc, pb_res, b_lines, b_res = _run_summary(vb, device)
         oa, ob = _origin(va), _origin(vb)
     if names is None:
         names = (na, nb) if na != nb else ("a", "b")

@@ -33,7 +33,7 @@ from cudalab.memory_tools.trace_columns import stream_label
 from cudalab.memory_tools.trace_index import TraceIndex
 from cudalab.memory_tools.user_frames import frame_label, is_tool_frame
 
-__all__ = ["LiveSet", "SMALL_BLOCK", "SearchResult", "TraceViews", "pool_label"]
+__all__ = ["LiveSet", "SMALL_BLOCK", "SearchResult", "TraceViews", "pool_label", "stack_lines"]
 
 #: Blocks of at most this many bytes come from the small pool (torch's kSmallSize).
 SMALL_BLOCK = 1 << 20
@@ -93,6 +93,21 @@ def _pairs(device: NDArray[Any], addr: NDArray[Any], rows: NDArray[np.int64],
     back = np.empty(n, np.int64)  # the inverse permutation: sorted place of each row
     back[order] = np.arange(n, dtype=np.int64)
     return rows[opens], nxt[back][opens]
+
+
+def stack_lines(ix: TraceIndex) -> NDArray[np.int32]:
+    """Each stack's innermost user frame (the "line" it is attributed to; -1: no frames):
+    its first frame that is not a tool's (:func:`~.user_frames.is_tool_frame`), else its
+    first."""
+    tool = np.array([is_tool_frame(f) for f in ix.frames], bool)
+    out = np.full(ix.n_stacks, -1, np.int32)
+    offs, pool = ix.stack_offsets, ix.stack_frames
+    for s in range(ix.n_stacks):
+        ids = pool[offs[s]:offs[s + 1]]
+        if len(ids):
+            user = ids[~tool[ids]]
+            out[s] = user[0] if len(user) else ids[0]
+    return out
 
 
 def pool_label(pool: Any, large: bool) -> str:
@@ -161,16 +176,7 @@ class TraceViews:
 
     # ----------------------------------------------------------------------- labels
     def _stack_lines(self) -> NDArray[np.int32]:
-        ix = self.index
-        tool = np.array([is_tool_frame(f) for f in ix.frames], bool)
-        out = np.full(ix.n_stacks, -1, np.int32)
-        offs, pool = ix.stack_offsets, ix.stack_frames
-        for s in range(ix.n_stacks):
-            ids = pool[offs[s]:offs[s + 1]]
-            if len(ids):
-                user = ids[~tool[ids]]
-                out[s] = user[0] if len(user) else ids[0]
-        return out
+        return stack_lines(self.index)
 
     def stack_label(self, stack: int) -> str:
         """A stack's innermost user frame, ``"file:line (function)"``."""

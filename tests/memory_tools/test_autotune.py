@@ -290,3 +290,51 @@ def test_stop_at_oom_ends_the_replay_at_the_first_out_of_memory(trace, peak):
     assert full.ooms > 1 and short.ooms == 1
     assert short.oom_entries[0] == full.oom_entries[0]
     assert short.peak_reserved <= full.peak_reserved
+
+
+def test_rounded_sizes_equal_round_size():
+    import numpy as np
+
+    from cudalab.allocator.policy import round_size
+
+    rng = np.random.default_rng(7)
+    sizes = np.unique(np.concatenate([
+        rng.integers(1, 1 << 12, 300), rng.integers(1, 1 << 24, 3000),
+        rng.integers(1 << 20, 1 << 36, 3000), 1 << np.arange(0, 40),
+        (1 << np.arange(9, 40)) + 1, (1 << np.arange(9, 40)) - 1]))
+    for text in ("", "roundup_power2_divisions:2", "roundup_power2_divisions:16",
+                 "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
+                 "roundup_power2_divisions:[1:4,2:8,4:2,>:1]",
+                 "expandable_segments:True,roundup_power2_divisions:8"):
+        cfg = rp.as_config(text)
+        got = at.rounded_sizes(sizes, cfg)
+        want = [round_size(int(s), cfg) for s in sizes.tolist()]
+        assert got.tolist() == want, text
+
+
+def test_a_rounding_that_changes_no_block_takes_the_rows_it_equals(trace, peak):
+    # the trace's requests are all far below 256 MiB: torch's per-band example rounds
+    # none of them, 16 divisions round some
+    same = "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"
+    es_same = "expandable_segments:True,roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"
+    other = "roundup_power2_divisions:16"
+    labels = ["", same, "expandable_segments:True", es_same, other,
+              "max_split_size_mb:4096," + same, "backend:cudaMallocAsync"]
+    labels = [rp.config_text(rp.as_config(s)) for s in labels]
+    tr = rp.load_trace(trace)
+    plan = rp.plan_replay(tr)
+    alias = at._aliases(labels, plan.action, plan.size)
+    assert alias[labels[1]] == "" and alias[labels[3]] == labels[2]
+    assert alias[labels[5]] == ""  # an idle max_split_size_mb, then the rounding
+    assert labels[4] not in alias and labels[6] not in alias
+    tight = peak - (8 << 20)
+    df = at.autotune(trace, [None, tight], labels[1:], workers=1)
+    for s in (labels[1], labels[3], labels[5]):
+        for cap in (None, tight):
+            row = df[(df["setting"] == s) & at._same_capacity(df["capacity"], cap)].iloc[0]
+            assert row["derived"]
+            real = _replay(trace, s, cap)
+            assert (real.peak_reserved, real.peak_allocated, real.num_device_alloc,
+                    real.retries, real.ooms) == (row["peak_reserved"], row["peak_allocated"],
+                                                 row["driver_allocs"], row["retries"],
+                                                 row["ooms"]), (s, cap)

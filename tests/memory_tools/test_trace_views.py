@@ -262,3 +262,36 @@ def test_live_blocks_of_a_private_pool_are_grouped_by_that_pool(tmp_path):
     finally:
         cm.caching_allocator_delete(x)
         cm.caching_allocator_delete(y)
+
+
+def _mangled(seed):
+    """A synthetic trace with the faults a ring buffer or a broken recorder leaves: frees
+    of addresses never allocated, second allocations of a live address, second frees."""
+    snap = synthetic_snapshot(3000, devices=2, seed=seed)
+    rng = np.random.default_rng(seed)
+    for entries in snap["device_traces"]:
+        for i in sorted(rng.choice(len(entries), 40, replace=False).tolist(), reverse=True):
+            e = dict(entries[i])
+            if e["action"] in ("alloc", "free_completed", "segment_alloc", "segment_free"):
+                entries.insert(i + int(rng.integers(1, 50)), e)  # the same event again, later
+        entries.insert(0, {**entries[5], "action": "free_completed", "addr": 0x7777})
+    # the second device's totals start at 0 on a row that moves none, then go negative
+    snap["device_traces"][1].insert(0, {**snap["device_traces"][1][5],
+                                        "action": "free_requested"})
+    return snap
+
+
+@pytest.mark.parametrize("seed", [3, 4, 11])
+def test_peak_lines_from_the_columns_equal_the_views(seed, snap):
+    from cudalab.memory_tools.trace_diff import peak_by_line, peak_lines
+
+    for s in (snap if seed == 3 else synthetic_snapshot(5000, devices=2, seed=seed),
+              _mangled(seed)):
+        ix = index_snapshot(s)
+        views = TraceViews(ix)
+        for device in (None, 0, 1):
+            assert peak_lines(ix, device) == peak_by_line(views, device), (seed, device)
+    with pytest.raises(ValueError, match="no trace entries for device 5"):
+        peak_lines(ix, 5)
+    empty = index_snapshot({"segments": [], "device_traces": [[]]})
+    assert peak_lines(empty) == peak_by_line(TraceViews(empty)) == (0, 0, {}, {})
