@@ -247,7 +247,7 @@ class ClusterDashboard(W.VBox):
         got = self.watch.fetch(("snapshot",))
         errors = dict(self.watch.fetch_errors)
         for rank in self.watch.lost():
-            errors.setdefault(rank, "lost: the rank stopped publishing")
+            errors.setdefault(rank, "the rank stopped publishing")
         self.snapshots = {k: r.snapshot for k, r in sorted(got.items())
                           if r.snapshot is not None}
         note = f"{len(self.snapshots)} snapshot(s) fetched"

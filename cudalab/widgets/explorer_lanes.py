@@ -57,11 +57,14 @@ def _handler(prefix: str) -> str:
 def _path(x0: np.ndarray, x1: np.ndarray, top: np.ndarray,
           bottom: np.ndarray | None = None) -> str:
     out = [f"M{x0[0]} {top[0]}"]
+    at = int(x0[0])
     for a, b, t in zip(x0.tolist(), x1.tolist(), top.tolist()):
-        out.append(f"H{a}V{t}H{b}")
+        out.append(f"V{t}H{b}" if a == at else f"H{a}V{t}H{b}")  # (bins usually abut)
+        at = b
     if bottom is not None:
         for a, b, bt in zip(x0[::-1].tolist(), x1[::-1].tolist(), bottom[::-1].tolist()):
-            out.append(f"H{b}V{bt}H{a}")
+            out.append(f"V{bt}H{a}" if b == at else f"H{b}V{bt}H{a}")
+            at = a
         out.append("Z")
     return "".join(out)
 
@@ -157,7 +160,8 @@ class LanesExplorer(W.VBox):
         view: the rank).
     width, lane_height, bins : int
         The timeline's width and each lane's height in pixels; bins per lane and view
-        (default ``width``).
+        (default ``width // 2``: two pixels a bin, so a view of 8 lanes stays a few hundred
+        KB of SVG; each bin keeps its minimum and maximum, so no peak is lost).
     """
 
     def __init__(self, sources: Mapping[str, Any] | TraceLanes, *,
@@ -165,7 +169,7 @@ class LanesExplorer(W.VBox):
                  devices: Mapping[str, int] | None = None, keys: Mapping[str, Any] | None = None,
                  width: int = 900, lane_height: int = 64, bins: int | None = None):
         self.width, self.lane_height = int(width), int(lane_height)
-        self.bins = int(bins or width)
+        self.bins = int(bins or width // 2)
         if self.width < 50 or self.lane_height < 24 or self.bins < 1:
             raise ValueError(f"LanesExplorer: width {width}, lane_height {lane_height} and "
                              f"bins {bins} must be at least 50, 24 and 1")

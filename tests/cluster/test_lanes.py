@@ -168,7 +168,7 @@ def test_the_single_trace_explorer_is_unchanged_by_the_lanes():
     snap = rank_snapshot(0, T0, 4)
     single = SnapshotExplorer(snap, width=300)
     assert single.window == (0, len(snap["device_traces"][0]))
-    ex = LanesExplorer({"rank 0": snap}, width=300)
+    ex = LanesExplorer({"rank 0": snap}, width=300, bins=300)
     tile = ex.tiles()[0]
     # one lane's bins are the single explorer's bins of the same rows
     views = single.views
