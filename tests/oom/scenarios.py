@@ -1,13 +1,22 @@
 """Out-of-memory scenarios with known causes, one per verdict of cudalab.oom.
 
-Each scenario fills the current device (sizes are fractions of its memory, so the same code
-runs on the simulator and on a GPU), makes an allocation fail, explains the error with
+Each scenario fills the current device (sizes are fractions of its free memory, so the same
+code runs on the simulator and on a GPU), makes an allocation fail, explains the error with
 ``cudalab.oom.explain_oom(error=...)`` while the cause is still in place, then undoes
 everything. :func:`run` returns ``(expected verdict, explanation)``.
 
+A large device is first scaled down (:func:`scaled_device`): one live cudalab array (the
+*ballast*, a model's weights as the verdicts see them) takes all but :data:`SCENARIO_BYTES`
+of the free memory, so each scenario allocates, fills and frees a few GiB instead of a
+140 GB H200's whole memory, and the device is still really full at each error (the
+accounting still covers the whole device). The ballast is live memory of cudalab's that
+Python names keep (not disposable), so it is what the ``live_arrays`` verdict stands for and
+never the cause another verdict names.
+
 On the simulator, ``other_process`` uses the simulator's ``occupy_as_other_process``; on a
-GPU it starts a child process that holds the memory. ``outside_allocator`` allocates with
-the driver directly (``cuMemAlloc``), outside every allocator.
+GPU it starts a child process that holds the memory (bounded: :data:`CHILD_TIMEOUT_S`).
+``outside_allocator`` allocates with the driver directly (``cuMemAlloc``), outside every
+allocator.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import select
 import subprocess
 import sys
 import time
@@ -29,6 +39,33 @@ from cudalab.oom import explain_oom
 
 GiB = 1 << 30
 MiB = 1 << 20
+#: Free bytes a scenario works in: a device with more than twice this free is scaled down
+#: to it by :func:`scaled_device`.
+SCENARIO_BYTES = 16 * GiB
+#: Seconds a scenario's child process may take to start (CUDA context, allocation) or end.
+CHILD_TIMEOUT_S = 60
+#: The ballast array while :func:`scaled_device` holds one (a module global: a name the
+#: user would keep, so never disposable).
+BALLAST: list[Any] = []
+
+
+@contextlib.contextmanager
+def scaled_device() -> Iterator[int]:
+    """Hold a live array of all but :data:`SCENARIO_BYTES` of the free memory while a device
+    has more than twice that free (see the module documentation); yields its bytes (0: no
+    ballast, the device is small enough as it is)."""
+    free, _ = _free_total()
+    extra = (free - SCENARIO_BYTES) >> 21 << 21
+    if free <= 2 * SCENARIO_BYTES or extra <= 0:
+        yield 0
+        return
+    BALLAST.append(cudalab.empty(extra, dtype="uint8"))
+    try:
+        yield extra
+    finally:
+        BALLAST.clear()
+        gc.collect()
+        cm.empty_cache()
 
 
 def _free_total() -> tuple[int, int]:
@@ -45,18 +82,19 @@ def _fail(nbytes: int) -> OutOfMemoryError:
     raise AssertionError(f"allocating {nbytes} bytes did not run out of memory")
 
 
-def _explain(exc: BaseException, **kwargs: Any) -> Any:
-    return explain_oom(error=exc, **kwargs)
+def _fail_and_explain(nbytes: float) -> Any:
+    """Allocate ``nbytes`` (it must run out of memory) and explain that error while its
+    cause is in place (the explanation keeps the error; this frame's reference goes)."""
+    return explain_oom(error=_fail(int(nbytes)))
 
 
 def live_arrays() -> Any:
     free, total = _free_total()
     keep = [cudalab.empty(int(free * 0.35), dtype="uint8") for _ in range(2)]
-    exc = _fail(free * 0.5)
     try:
-        return _explain(exc)
+        return _fail_and_explain(free * 0.5)
     finally:
-        del keep, exc
+        del keep
 
 
 def fragmentation() -> Any:
@@ -74,11 +112,10 @@ def fragmentation() -> Any:
         keep.append(y)
     del x, y
     halves.clear()  # every segment keeps a free half that cannot be released
-    exc = _fail(chunk * 2)
     try:
-        return _explain(exc)
+        return _fail_and_explain(chunk * 2)
     finally:
-        del keep, exc
+        del keep
         cm.empty_cache()
 
 
@@ -93,12 +130,9 @@ def held_by_python() -> Any:
         _hold_in_traceback(int(free * 0.7))
     except RuntimeError as err:
         sys.last_type, sys.last_value, sys.last_traceback = type(err), err, err.__traceback__
-    exc = _fail(free * 0.5)
     try:
-        expl = _explain(exc)
-        return expl
+        return _fail_and_explain(free * 0.5)
     finally:
-        del exc
         _clear_last()
 
 
@@ -116,11 +150,10 @@ def private_pool() -> Any:
     with cm.use_mem_pool(pool):
         inside = cudalab.empty(int(free * 0.7), dtype="uint8")
     del inside  # the pool keeps its segment (the pool is alive)
-    exc = _fail(free * 0.5)
     try:
-        return _explain(exc)
+        return _fail_and_explain(free * 0.5)
     finally:
-        del exc, pool
+        del pool
         gc.collect()
         cm.empty_cache()
 
@@ -141,23 +174,28 @@ def _other_process(nbytes: int) -> Iterator[None]:
                              stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "CUDALAB_SIMULATOR": ""})
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], CHILD_TIMEOUT_S)
+        line = child.stdout.readline().strip() if ready else "(no answer)"
+        assert line == "ready", (f"the child process holding {nbytes:,} bytes did not start "
+                                 f"within {CHILD_TIMEOUT_S} s: {line!r}")
         time.sleep(0.5)  # NVML's process list catches up
         yield
     finally:
         assert child.stdin is not None
         child.stdin.close()
-        child.wait(timeout=60)
+        try:
+            child.wait(timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise
 
 
 def other_process() -> Any:
     free, total = _free_total()
     with contextlib.contextmanager(_other_process)(int(free * 0.7)):
-        exc = _fail(free * 0.5)
-        try:
-            return _explain(exc)
-        finally:
-            del exc
+        return _fail_and_explain(free * 0.5)
 
 
 def outside_allocator() -> Any:
@@ -165,34 +203,28 @@ def outside_allocator() -> Any:
     backend = _internal.backend()
     ptr = backend.mem_alloc(0, int(free * 0.7))  # a raw cuMemAlloc, outside every allocator
     try:
-        exc = _fail(free * 0.5)
-        try:
-            return _explain(exc)
-        finally:
-            del exc
+        return _fail_and_explain(free * 0.5)
     finally:
         backend.mem_free(0, ptr)
 
 
 def request_too_large() -> Any:
     free, total = _free_total()
-    exc = _fail(total * 2)
-    try:
-        return _explain(exc)
-    finally:
-        del exc
+    return _fail_and_explain(total * 2)
 
 
 def fraction_limit() -> Any:
+    """A fraction that leaves 30 % of the free memory to this process's allocator (whatever
+    it holds already, the ballast included): 20 % is kept, a request of 15 % is refused
+    while the device still has 80 % free."""
     free, total = _free_total()
-    cm.set_per_process_memory_fraction(0.3)
+    cm.set_per_process_memory_fraction((cm.memory_reserved() + 0.3 * free) / total)
     try:
-        keep = cudalab.empty(int(total * 0.2), dtype="uint8")
-        exc = _fail(total * 0.15)
+        keep = cudalab.empty(int(free * 0.2), dtype="uint8")
         try:
-            return _explain(exc)
+            return _fail_and_explain(free * 0.15)
         finally:
-            del keep, exc
+            del keep
     finally:
         cm.set_per_process_memory_fraction(1.0)
         cm.empty_cache()
@@ -232,11 +264,7 @@ def pending_frees() -> Any:
     pid = pools.graph_pool_handle()
     alloc.begin_allocate_to_pool(pid, lambda stream: False)  # a capture on another stream
     try:
-        exc = _fail(free * 0.5)
-        try:
-            return _explain(exc)
-        finally:
-            del exc
+        return _fail_and_explain(free * 0.5)
     finally:
         alloc.end_allocate_to_pool(pid)
         alloc.release_pool(pid)

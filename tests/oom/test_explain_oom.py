@@ -1,9 +1,12 @@
 """explain_oom (cudalab.oom): one scenario per verdict, the accounting, the referrers and
 their release, sites, counterfactuals, the panel and %cuda_memory why.
 
-The scenarios (tests/oom/scenarios.py) size everything from the device's memory: the
+The scenarios (tests/oom/scenarios.py) size everything from the device's free memory: the
 simulator runs them in CI; the ``gpu`` tests run the same scenarios on a GPU (with torch in
 the process too when ``CUDALAB_OOM_WITH_TORCH=1``) and check the accounting against NVML.
+On a large GPU every test of this module runs on a device scaled down to
+``scenarios.SCENARIO_BYTES`` free by one live ballast array (``scenarios.scaled_device``),
+so no test fills or frees a whole H200.
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ from tests.oom import scenarios
 
 pd = pytest.importorskip("pandas")
 GiB = 1 << 30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scaled():
+    if os.environ.get("CUDALAB_OOM_WITH_TORCH") == "1" and not cudalab.devices.backend().simulated:
+        torch = pytest.importorskip("torch")
+        torch.zeros(1, device="cuda")  # torch's context first: the ballast leaves the rest
+    with scenarios.scaled_device() as ballast:
+        yield ballast
 
 
 @pytest.fixture(autouse=True)
@@ -251,3 +263,22 @@ def test_an_uncaught_error_of_a_console_is_found_in_sys_last_value():
     finally:
         del keep, exc
         scenarios._clear_last()
+
+
+def test_a_large_device_is_scaled_down_by_a_live_ballast(monkeypatch):
+    free, total = cm.mem_get_info()
+    monkeypatch.setattr(scenarios, "SCENARIO_BYTES", free // 4)  # as a device 4x too large
+    with scenarios.scaled_device() as ballast:
+        assert ballast > 0 and scenarios.BALLAST
+        left, _ = cm.mem_get_info()
+        assert abs(left - free // 4) <= (4 << 20)
+        for name in sorted(scenarios.SCENARIOS):  # every verdict beside a ballast
+            expected, expl = scenarios.run(name)
+            assert expl.verdict == expected, (name, expl.reasons)
+            _check_accounting(expl)
+            del expl
+            oom.session.forget()
+    assert not scenarios.BALLAST and cm.mem_get_info()[0] >= free - (4 << 20)
+    monkeypatch.setattr(scenarios, "SCENARIO_BYTES", free)  # small enough: no ballast
+    with scenarios.scaled_device() as ballast:
+        assert ballast == 0 and not scenarios.BALLAST
