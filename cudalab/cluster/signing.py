@@ -10,10 +10,10 @@ receiver), never parsed.
 Each frame's length is fed to the HMAC before the frame, so two messages whose frames
 concatenate to the same bytes (``[b"ab", b"c"]`` and ``[b"a", b"bc"]``) sign differently.
 
-A small message (every sample a rank publishes) is signed in one C call: its frames and
-their lengths joined, then ``hmac.digest`` (the same HMAC as fed piece by piece, without
-the Python of an ``hmac.HMAC`` object); a large one (a snapshot) is fed piece by piece to a
-copy of the key's prepared HMAC, so it is not copied.
+A :class:`Signer` keeps its key's two SHA-256 states of the HMAC construction (RFC 2104:
+the key padded and XORed with the inner and the outer pad, already hashed) and signs a
+message with a copy of each: the same digest as ``hmac.new(key, ..., sha256)``, in about
+half the time of making that object per message (what a rank pays twice a second).
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ __all__ = ["KEY_BYTES", "new_key", "sign", "verify", "Signer"]
 KEY_BYTES = 32
 #: The signature frame's length: 64 hex digits (SHA-256).
 SIGNATURE_LENGTH = 64
-#: Messages of at most this many bytes are signed by one ``hmac.digest`` over their joined
-#: frames (a copy that costs less than the HMAC object's Python); larger ones piece by piece.
-ONE_SHOT_BYTES = 64 << 10
+_BLOCK = 64  # SHA-256's block size (bytes): a longer key is hashed first (RFC 2104)
 
 
 def new_key() -> bytes:
@@ -58,27 +56,30 @@ def sign(key: bytes, frames: Sequence[bytes]) -> bytes:
     if not key:
         raise ValueError("sign(): the key is empty; a connection's key is "
                          f"{KEY_BYTES} random bytes")
-    return _digest(key, None, frames)
+    return _Key(key).digest(frames)
 
 
-def _digest(key: bytes, prepared: Any, frames: Sequence[bytes]) -> bytes:
-    """The hex signature of ``frames``: one ``hmac.digest`` over the frames joined with
-    their lengths when small, else fed piece by piece to ``prepared`` (a fresh HMAC of
-    ``key`` when None), copied."""
-    total = 0
-    for frame in frames:
-        total += len(frame)
-    if total <= ONE_SHOT_BYTES:
-        parts: list[Any] = []
+class _Key:
+    """A key's HMAC-SHA256 inner and outer states, ready to be copied per message."""
+
+    __slots__ = ("inner", "outer")
+
+    def __init__(self, key: bytes):
+        if len(key) > _BLOCK:
+            key = hashlib.sha256(key).digest()
+        padded = key.ljust(_BLOCK, b"\0")
+        self.inner = hashlib.sha256(bytes(b ^ 0x36 for b in padded))
+        self.outer = hashlib.sha256(bytes(b ^ 0x5C for b in padded))
+
+    def digest(self, frames: Sequence[Any]) -> bytes:
+        """The hex signature of ``frames`` (each frame's length, then its bytes, in order)."""
+        inner = self.inner.copy()
         for frame in frames:
-            parts.append(len(frame).to_bytes(8, "little"))
-            parts.append(frame)
-        return hmac.digest(key, b"".join(parts), "sha256").hex().encode("ascii")
-    mac = (prepared if prepared is not None else hmac.new(key, digestmod=hashlib.sha256)).copy()
-    for frame in frames:
-        mac.update(len(frame).to_bytes(8, "little"))
-        mac.update(frame)
-    return mac.hexdigest().encode("ascii")
+            inner.update(len(frame).to_bytes(8, "little"))
+            inner.update(frame)
+        outer = self.outer.copy()
+        outer.update(inner.digest())
+        return outer.hexdigest().encode("ascii")
 
 
 def verify(key: bytes, signature: bytes, frames: Sequence[bytes]) -> bool:
@@ -97,7 +98,7 @@ class Signer:
     thread uses its own.
     """
 
-    __slots__ = ("key", "rejected", "_prepared")
+    __slots__ = ("key", "rejected", "_key")
 
     def __init__(self, key: bytes):
         if not isinstance(key, bytes) or not key:
@@ -106,18 +107,17 @@ class Signer:
         self.key = key
         #: Messages refused by :meth:`unwrap` (bad or missing signature), >= 0.
         self.rejected = 0
-        self._prepared = hmac.new(key, digestmod=hashlib.sha256)  # (copied per large message)
+        self._key = _Key(key)
 
     def wrap(self, frames: Sequence[bytes]) -> list[bytes]:
         """``[signature, *frames]``: the message to send."""
-        return [_digest(self.key, self._prepared, frames), *frames]
+        return [self._key.digest(frames), *frames]
 
     def unwrap(self, message: Sequence[bytes]) -> list[bytes] | None:
         """The frames after the signature when it checks out; None (and :attr:`rejected`
         grows by one) otherwise. Nothing of the frames is looked at beyond their bytes."""
         if (len(message) < 2 or len(message[0]) != SIGNATURE_LENGTH
-                or not hmac.compare_digest(_digest(self.key, self._prepared, message[1:]),
-                                           bytes(message[0]))):
+                or not hmac.compare_digest(self._key.digest(message[1:]), bytes(message[0]))):
             self.rejected += 1
             return None
         return list(message[1:])

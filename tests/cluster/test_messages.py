@@ -45,9 +45,9 @@ def test_the_signer_counts_what_it_refuses():
         signing.Signer(b"")
 
 
-def test_small_and_large_messages_sign_as_one_hmac_over_the_frames():
-    """A small message is signed in one call over the joined frames, a large one piece by
-    piece: both are the HMAC-SHA256 of each frame's length and bytes, in order."""
+def test_the_prepared_key_signs_as_the_hmac_module():
+    """The signer's prepared inner and outer states give hmac's HMAC-SHA256 of each frame's
+    length and bytes, in order, for small and large messages and any key length."""
     import hashlib
     import hmac
 
@@ -60,7 +60,7 @@ def test_small_and_large_messages_sign_as_one_hmac_over_the_frames():
             mac.update(f)
         return mac.hexdigest().encode()
 
-    big = os.urandom(signing.ONE_SHOT_BYTES + 1)
+    big = os.urandom(1 << 20)
     signer = signing.Signer(key)
     for frames in ([b"h", b""], [b"header", b"x" * 1000], [b"header", big], [big[:10], big]):
         assert signing.sign(key, frames) == reference(frames)
@@ -68,6 +68,9 @@ def test_small_and_large_messages_sign_as_one_hmac_over_the_frames():
         assert message[0] == reference(frames) and signer.unwrap(message) == frames
         assert signer.unwrap([message[0], *frames[:-1], frames[-1] + b"!"]) is None
     assert signer.rejected == 4
+    for length in (1, 63, 64, 65, 200):  # (a key longer than a block is hashed first)
+        key = os.urandom(length)
+        assert signing.sign(key, [b"a", big]) == reference([b"a", big])
 
 
 def test_a_preformatted_samples_header_is_the_header():
