@@ -97,6 +97,116 @@ class CostlySource:
         return self.source.sample(device, now)  # type: ignore[attr-defined]
 
 
+def paired_blocks(publisher: object, blocks: int, steps: int, size: int, rank: int) -> dict:
+    """``blocks`` pairs of ``steps`` steps, one block with ``publisher`` publishing and one
+    with it paused, the order alternating per pair (odd ranks off-on first): each pair's
+    (on, off) seconds, the publisher's CPU while on, and its ticks' CPU times."""
+    import cudalab
+
+    pairs: list[tuple[float, float]] = []
+    busy = 0.0
+    ticks: list[float] = []
+    for pair in range(blocks):
+        order = (True, False) if (pair + rank) % 2 == 0 else (False, True)
+        took = {}
+        for publishing in order:
+            publisher.paused = not publishing  # type: ignore[attr-defined]
+            time.sleep(0.02)
+            b0 = publisher.busy_seconds  # type: ignore[attr-defined]
+            n0 = len(publisher.tick_seconds)  # type: ignore[attr-defined]
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                _step(size)
+            cudalab.synchronize()
+            took[publishing] = time.perf_counter() - t0
+            if publishing:
+                busy += publisher.busy_seconds - b0  # type: ignore[attr-defined]
+                ticks.extend(list(publisher.tick_seconds)[n0:])  # type: ignore[attr-defined]
+        pairs.append((took[True], took[False]))
+    publisher.paused = False  # type: ignore[attr-defined]
+    return {"pairs": pairs, "busy": busy, "ticks": ticks}
+
+
+def profile_ticks(args: argparse.Namespace, results: Results) -> None:
+    """In this process, alone on the machine: what one tick's parts cost (thread CPU, taken
+    in a thread beside a busy step loop, as the publisher's), then the paired slowdown of one
+    rank's step with this process's own publisher (no other rank's noise)."""
+    import threading
+
+    if "cudalab" not in sys.modules:  # (this process runs as the ranks do)
+        if args.gpu:
+            os.environ.pop("CUDALAB_SIMULATOR", None)
+        else:
+            os.environ["CUDALAB_SIMULATOR"] = "1"
+
+    import cudalab
+    from cudalab import memory
+    from cudalab.cluster import records, serve, wire
+    from cudalab.cluster.signing import Signer, new_key
+    from cudalab.memory_sources.cudalab_source import DeviceFacts
+
+    size = 1 << 16
+    base = cudalab.zeros(8 * MiB // 4)
+    for _ in range(40):
+        _step(size)
+    cudalab.synchronize()
+    device = cudalab.current_device()
+    source, facts = records.rank_source(), DeviceFacts("cudalab")
+    signer = Signer(new_key())
+    prefix = wire.samples_header_prefix("profile", 0, os.getpid())
+    parts: dict[str, list[float]] = {}
+    stop = threading.Event()
+
+    def timed(name: str, fn: object) -> object:
+        t0 = time.thread_time()
+        out = fn()  # type: ignore[operator]
+        parts.setdefault(name, []).append(time.thread_time() - t0)
+        return out
+
+    def sampler() -> None:
+        while not stop.wait(0.5):
+            # (each part on its own: NVML's figures are kept a few ms, so the sample comes
+            # 10 ms after the parts)
+            timed("NVML figures", lambda: facts.nvml(device))
+            timed("memory_stats()", lambda: memory.memory_stats(device))
+            time.sleep(0.01)
+            s = timed("sample (memory_stats + NVML)", lambda: source.sample(device, time.time()))
+            payload = timed("encode", lambda s=s: wire.encode_samples([s]))
+            timed("header + sign", lambda payload=payload: signer.wrap(
+                [wire.samples_header(prefix, 1, time.time(), 0, 0, b'""'), payload]))
+
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    end = time.perf_counter() + args.profile_ticks
+    while time.perf_counter() < end:
+        _step(size)
+    stop.set()
+    thread.join()
+    for name, values in parts.items():
+        results[f"one process: a tick's {name}, thread CPU median of {len(values)} (us)"] = \
+            1e6 * statistics.median(values)
+    # the paired slowdown of this process's step, its own publisher on and paused
+    t0 = time.perf_counter()
+    for _ in range(20):
+        _step(size)
+    cudalab.synchronize()
+    steps = max(int(args.block_seconds / ((time.perf_counter() - t0) / 20)), 10)
+    with tempfile.TemporaryDirectory(prefix="cudalab-cluster-profile-") as directory:
+        publisher = serve(directory, interval=0.5)
+        try:
+            figures = rank_figures({"rank": 0, **paired_blocks(publisher, args.profile_pairs,
+                                                               steps, size, 0)})
+        finally:
+            publisher.stop()
+    results[f"one process alone: step slowdown, median of {args.profile_pairs} paired blocks "
+            "(%)"] = 100 * figures["slowdown"]
+    results["one process alone: noise floor (the same with on/off swapped at random, 95th "
+            "percentile) (%)"] = 100 * noise_floor([figures])
+    results["one process alone: publisher CPU per sample, median (us)"] = 1e6 * statistics.median(
+        figures["ticks"]) if figures["ticks"] else 0.0
+    del base
+
+
 def rank_worker(args: argparse.Namespace) -> int:
     import cudalab
     from cudalab.cluster import records, serve
@@ -122,28 +232,8 @@ def rank_worker(args: argparse.Namespace) -> int:
     if args.artificial_cost_ms:
         source = CostlySource(records.rank_source(), args.artificial_cost_ms / 1000)
     publisher = serve(args.directory, interval=0.5, source=source)
-    pairs: list[tuple[float, float]] = []
-    busy = 0.0
-    ticks: list[float] = []
-    for pair in range(args.blocks):
-        # on-off, off-on, ... (odd ranks off-on first): a drift falls on both sides
-        order = (True, False) if (pair + rank) % 2 == 0 else (False, True)
-        took = {}
-        for publishing in order:
-            publisher.paused = not publishing
-            time.sleep(0.02)
-            b0, n0 = publisher.busy_seconds, len(publisher.tick_seconds)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                _step(size)
-            cudalab.synchronize()
-            took[publishing] = time.perf_counter() - t0
-            if publishing:
-                busy += publisher.busy_seconds - b0
-                ticks.extend(list(publisher.tick_seconds)[n0:])
-        pairs.append((took[True], took[False]))
-    publisher.paused = False
-    print(json.dumps({"rank": rank, "pairs": pairs, "busy": busy, "ticks": ticks}), flush=True)
+    figures = paired_blocks(publisher, args.blocks, steps, size, rank)
+    print(json.dumps({"rank": rank, **figures}), flush=True)
     print("serving", flush=True)
     kept = [base]
     for line in sys.stdin:
@@ -449,6 +539,10 @@ def main() -> int:
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--skip", default="",
                         help="rows to leave out, comma-separated: flag, fetch, gather")
+    parser.add_argument("--profile-ticks", type=float, default=0.0,
+                        help="first, in this process: time a tick's parts for this many "
+                             "seconds beside a busy step, then --profile-pairs paired blocks")
+    parser.add_argument("--profile-pairs", type=int, default=8)
     parser.add_argument("--artificial-cost-ms", type=float, default=0.0,
                         help="hold the interpreter this long more per sample (the harness's "
                              "check that a real cost shows)")
@@ -474,6 +568,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="cudalab-cluster-bench-") as directory:
         args.directory = directory
         t0 = time.perf_counter()
+        if args.profile_ticks > 0:
+            profile_ticks(args, results)
         run_ranks(args, results)
         if "gather" not in args.skip:
             run_gather(args, results)

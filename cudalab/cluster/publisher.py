@@ -20,7 +20,8 @@ The thread sleeps in one ``zmq_poll`` until the next tick or a request: it wakes
 sample, to answer, or when :meth:`Publisher.stop` or the answering thread writes a byte
 into its wake pipe (no periodic wake-ups in between, so a rank's main thread is asked for
 the interpreter twice a second, not more). A tick's header is preformatted but for its
-counters, and the message is signed by one ``hmac.digest`` (:mod:`cudalab.cluster.signing`).
+counters, and the message is signed from the key's prepared HMAC states
+(:mod:`cudalab.cluster.signing`).
 
 The thread issues no collective and lets no exception out (a failed tick is counted and
 its text published in the next header). It stops, closes its sockets without lingering and
