@@ -16,14 +16,18 @@
  *
  * The fast cases, exactly the Python code's pure hit (cudalab/allocator/caching.py, malloc's
  * first branch, and free's lock-free branch) under cudalab.memory's one-device wrapper:
- *   alloc(size) / alloc(size, None, None): one device (devices.sole_device), the stream
- *     sanitizer off (_observe.access_on), the allocator of device 0 of exactly the caching
+ *   alloc(size) / alloc(size, None, None): the stream sanitizer off (_observe.access_on),
+ *     the allocator of the current device (0 with one device: devices.sole_device; else
+ *     devices.per_thread.device, as the Python function reads it) of exactly the caching
  *     class, its lock free (its TokenLock's token present), ``size`` an int equal to the memo's
  *     request, the memo's block ready, stream=None naming the memo's stream (_hit_none, no
  *     custom current stream in any thread), no pending frees, no history hook;
  *   delete(ptr): the sanitizer off, ``ptr`` an int live in the first active allocator (of
  *     exactly the caching class), its block the memo's, used on no other stream, no history hook.
- * Anything else calls the Python function. Both run with the GIL held and call no Python
+ * Any other call on that allocator calls its malloc or free (as the Python function would,
+ * with the method's frame, which a history hook's stacks count); anything else (arguments,
+ * another device's or allocator's pointer, an error) calls the Python function with the
+ * same arguments. A pure hit runs with the GIL held and calls no Python
  * code, so each is atomic as the Python code is between its lock operations: a Ctrl-C
  * cannot land inside (cudalab/_interrupts.py's rule: no counter half-updated), and another
  * thread sees the allocator before or after, never between.
@@ -57,7 +61,7 @@ typedef struct {
     PyObject *observe_globals;    /* cudalab._observe's dict (access_on) */
     PyObject *custom;             /* streams.custom_stream_tokens: a list, never rebound */
     PyObject *py_alloc, *py_delete;
-    PyObject *str_sole, *str_access, *str_initialized, *str_device;
+    PyObject *str_sole, *str_access, *str_initialized, *str_device, *str_malloc, *str_free;
     PyObject *alloc_doc, *delete_doc; /* their UTF-8 buffers are the twins' ml_doc */
     int bound;
 } PairState;
@@ -127,7 +131,7 @@ pair_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *k
     }
     PyObject *lock = SLOT(a, S.field[FIELD_LOCK]);
     if (lock == NULL || Py_TYPE(lock) != S.lock_type) {
-        goto python;
+        goto method;
     }
     PyObject *box = SLOT(lock, S.lock_box);
     PyObject *ready = SLOT(a, S.field[FIELD_READY]);
@@ -142,29 +146,29 @@ pair_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *k
         pending == NULL || !empty_builtin(pending) ||
         SLOT(a, S.field[FIELD_TRACE]) != Py_None || live == NULL || !PyDict_CheckExact(live) ||
         hits == NULL || !PyLong_CheckExact(hits)) {
-        goto python;
+        goto method;
     }
     int overflow = 0;
     long long want = PyLong_AsLongLongAndOverflow(hit_size, &overflow);
     if (overflow) {
-        goto python;
+        goto method;
     }
     long long got = PyLong_AsLongLongAndOverflow(size, &overflow);
     if (overflow || got != want || want <= 0) {
-        goto python;
+        goto method;
     }
     long long count = PyLong_AsLongLongAndOverflow(hits, &overflow);
     if (overflow || count == -1 || count >= PY_LLONG_MAX) {
-        goto python;
+        goto method;
     }
     Py_ssize_t last = PyList_GET_SIZE(ready) - 1;
     PyObject *m = PyList_GET_ITEM(ready, last);
     if (Py_TYPE(m) != S.block_type) {
-        goto python;
+        goto method;
     }
     PyObject *ptr = SLOT(m, S.block_ptr);
     if (ptr == NULL || !PyLong_CheckExact(ptr)) {
-        goto python;
+        goto method;
     }
     PyObject *next_hits = PyLong_FromLongLong(count + 1);
     if (next_hits == NULL) {
@@ -196,6 +200,17 @@ pair_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *k
     SLOT(a, S.field[FIELD_HITS]) = next_hits;
     Py_XDECREF(old);
     return ptr;
+method:
+    /* Not a pure hit, on this allocator: its malloc, as the Python function calls it (with
+     * its frame: a history hook's stacks count the allocator method's frame). */
+    {
+        PyObject *call[2] = {a, size};
+        Py_INCREF(a);
+        PyObject *out = PyObject_VectorcallMethod(S.str_malloc, call,
+                                                  2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(a);
+        return out;
+    }
 python:
     return PyObject_Vectorcall(S.py_alloc, args, nargsf, kwnames);
 }
@@ -214,17 +229,25 @@ pair_delete(PyObject *self, PyObject *ptr)
     PyObject *live = SLOT(a, S.field[FIELD_LIVE]);
     PyObject *ready = SLOT(a, S.field[FIELD_READY]);
     PyObject *memo = SLOT(a, S.field[FIELD_MEMO]);
-    if (live == NULL || !PyDict_CheckExact(live) || ready == NULL || !PyList_CheckExact(ready) ||
-        memo == NULL || Py_TYPE(memo) != S.block_type || SLOT(memo, S.block_uses) != Py_None ||
-        SLOT(a, S.field[FIELD_TRACE]) != Py_None) {
+    if (live == NULL || !PyDict_CheckExact(live)) {
         goto python;
     }
     PyObject *b = PyDict_GetItemWithError(live, ptr); /* borrowed; an int key: no Python code */
-    if (b != memo) {
-        if (b == NULL && PyErr_Occurred()) {
+    if (b == NULL) {
+        if (PyErr_Occurred()) {
             return NULL;
         }
+        goto python; /* another allocator's, 0, or not live: the Python function says which */
+    }
+    if (SLOT(a, S.field[FIELD_TRACE]) != Py_None) {
+        /* History: the Python function, whose frame a free's stack shows as torch's shows
+         * its caching_allocator_delete (memory_tools.stacks.capture_from_api). */
         goto python;
+    }
+    if (b != memo || ready == NULL ||
+        !PyList_CheckExact(ready) || Py_TYPE(b) != S.block_type ||
+        SLOT(b, S.block_uses) != Py_None) {
+        goto method;
     }
     /* The memo's block comes back: to the ready box, then out of the live map. */
     if (PyList_Append(ready, b) < 0) {
@@ -241,6 +264,17 @@ pair_delete(PyObject *self, PyObject *ptr)
         return NULL;
     }
     Py_RETURN_NONE;
+method:
+    /* Live here but not the memo's pure hit: this allocator's free, as the Python function
+     * calls it (with its frame, as for malloc above). */
+    {
+        PyObject *call[2] = {a, ptr};
+        Py_INCREF(a);
+        PyObject *out = PyObject_VectorcallMethod(S.str_free, call,
+                                                  2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(a);
+        return out;
+    }
 python:
     return PyObject_CallOneArg(S.py_delete, ptr);
 }
@@ -340,6 +374,8 @@ bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     s.str_access = PyUnicode_InternFromString("access_on");
     s.str_initialized = PyUnicode_InternFromString("initialized");
     s.str_device = PyUnicode_InternFromString("device");
+    s.str_malloc = PyUnicode_InternFromString("malloc");
+    s.str_free = PyUnicode_InternFromString("free");
     s.per_thread = devices_globals == NULL ? NULL : PyDict_GetItemString(devices_globals, "per_thread");
     if (s.per_thread == NULL) {
         PyErr_SetString(PyExc_TypeError, "bind(): cudalab.devices has no per_thread");
@@ -348,7 +384,8 @@ bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     s.alloc_doc = twin_doc(py_alloc, "caching_allocator_alloc(size, device=None, stream=None)");
     s.delete_doc = twin_doc(py_delete, "caching_allocator_delete(mem_ptr)");
     if (s.str_sole == NULL || s.str_access == NULL || s.str_initialized == NULL ||
-        s.str_device == NULL || s.alloc_doc == NULL || s.delete_doc == NULL) {
+        s.str_device == NULL || s.str_malloc == NULL || s.str_free == NULL ||
+        s.alloc_doc == NULL || s.delete_doc == NULL) {
         goto fail;
     }
     const char *alloc_text = PyUnicode_AsUTF8(s.alloc_doc);
@@ -391,6 +428,8 @@ bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(old.str_access);
         Py_XDECREF(old.str_initialized);
         Py_XDECREF(old.str_device);
+        Py_XDECREF(old.str_malloc);
+        Py_XDECREF(old.str_free);
     }
     alloc_def.ml_meth = (PyCFunction)(void (*)(void))pair_alloc;
     alloc_def.ml_doc = alloc_text;
@@ -408,6 +447,8 @@ fail:
     Py_XDECREF(s.str_access);
     Py_XDECREF(s.str_initialized);
     Py_XDECREF(s.str_device);
+    Py_XDECREF(s.str_malloc);
+    Py_XDECREF(s.str_free);
     Py_XDECREF(s.alloc_doc);
     Py_XDECREF(s.delete_doc);
     return NULL;

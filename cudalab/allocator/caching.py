@@ -730,7 +730,8 @@ def compiled_pair(py_alloc: Callable[..., int], py_delete: Callable[[int], None]
     """The C twins of cudalab.memory's ``caching_allocator_alloc`` and
     ``caching_allocator_delete`` (:mod:`cudalab.allocator._pair`): the pair memo's pure hit
     (``malloc``'s first branch and ``free``'s lock-free one, above) in one C call each way,
-    everything else through ``py_alloc`` / ``py_delete``; named and documented as those.
+    other calls on the allocator through its ``malloc`` / ``free``, everything else through
+    ``py_alloc`` / ``py_delete``; named and documented as those.
 
     None where the extension is not built (another Python, no compiler at install time; see
     setup.py), ``CUDALAB_PURE_PYTHON`` or ``CUDALAB_FASTPAIR=0`` is set, or a stale build does

@@ -22,7 +22,7 @@ import pytest
 import cudalab
 import cudalab.memory as cm
 from cudalab import _observe, devices, streams
-from cudalab.allocator.caching import compiled_pair
+from cudalab.allocator.caching import PAIR_FIELDS, compiled_pair
 
 try:
     from cudalab.allocator import _pair  # type: ignore[attr-defined]
@@ -73,9 +73,10 @@ def test_the_twins_are_bound_named_and_documented_as_the_python_pair():
 def test_a_pure_hit_runs_no_python_frame_and_a_miss_runs_the_python_pair():
     _warm_pair()
     assert _frames_of(lambda: cm.caching_allocator_delete(cm.caching_allocator_alloc(4096))) == []
-    # another size: no pure hit, the Python pair runs (and the malloc behind it)
+    # another size: no pure hit, the allocator's own methods run (not the Python wrappers)
     entered = _frames_of(lambda: cm.caching_allocator_delete(cm.caching_allocator_alloc(8192)))
-    assert "caching_allocator_alloc" in entered and "malloc" in entered
+    assert "malloc" in entered and "free" in entered
+    assert "caching_allocator_alloc" not in entered and "caching_allocator_delete" not in entered
     # arguments the fast case does not take: Python, whatever the memo holds
     _warm_pair()
     for call in (lambda: cm.caching_allocator_alloc(4096, 0),
@@ -197,7 +198,7 @@ def test_binding_again_gives_working_twins():
         delete(p)
     with pytest.raises(TypeError, match="slots"):
         _pair.bind(cm.python_caching_allocator_alloc, cm.python_caching_allocator_delete,
-                   type(cm.get_allocator(0)), ("malloc",) * 9, *_binding_rest())
+                   type(cm.get_allocator(0)), ("malloc",) * len(PAIR_FIELDS), *_binding_rest())
     with pytest.raises(TypeError, match="12 arguments"):
         _pair.bind()
 
@@ -227,6 +228,61 @@ _SEQUENCE = """
     cm.get_allocator(0).check_invariants()
     print(json.dumps(out))
 """
+
+
+_HISTORY = """
+    import json, cudalab, cudalab.memory as cm
+    cudalab.init()
+    cm._record_memory_history("all", stacks="python")
+
+    def work(size):
+        p = cm.caching_allocator_alloc(size)
+        return p
+
+    def drop(p):
+        cm.caching_allocator_delete(p)
+
+    for size in [4096] * 5 + [8192, 4096, 4096, 700, 4096]:
+        drop(work(size))
+    snap = cm._snapshot()
+    entries = [[e["action"], e["addr"], e["size"], e["stream"],
+                [[f["name"], f["filename"].rsplit("/", 1)[-1], f["line"]] for f in e["frames"]]]
+               for e in snap["device_traces"][0]]
+    print(json.dumps({"entries": entries, "stats": cm.memory_stats()}))
+"""
+
+
+def test_the_twins_record_the_same_history_as_the_python_pair():
+    """History with stacks: the pairs made through the twins give the entries, stacks (a
+    free's with the API frame, as torch's) and counters the Python pair gives."""
+    results = {}
+    for fast in ("0", "1"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CUDALAB_")}
+        env.update(CUDALAB_SIMULATOR="1", CUDALAB_SIMULATOR_DEVICES="1", CUDALAB_FASTPAIR=fast)
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(_HISTORY)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        results[fast] = json.loads(r.stdout)
+    entries = results["0"]["entries"]
+    assert len(entries) >= 20 and {e[0] for e in entries} >= {"alloc", "free_requested",
+                                                             "free_completed"}
+    assert any(f[0] == "work" for f in entries[0][4])  # the stacks are the user's
+    assert results["1"] == results["0"]
+
+
+@needs_c
+def test_a_traced_pair_keeps_the_frames_the_history_shows():
+    """With history on, the allocation is the allocator's malloc called by the twin (its
+    frame is what the stack stamps skip), the free the Python function (its frame is on a
+    free's stack, as torch's caching_allocator_delete is on torch's)."""
+    cm._record_memory_history("all", stacks="python")
+    try:
+        _warm_pair()
+        entered = _frames_of(lambda: cm.caching_allocator_delete(cm.caching_allocator_alloc(4096)))
+        assert "malloc" in entered and "free" in entered
+        assert "caching_allocator_alloc" not in entered and "caching_allocator_delete" in entered
+    finally:
+        cm._record_memory_history(None)
 
 
 @pytest.mark.parametrize("devices_count", ["1", "2"])
