@@ -251,6 +251,14 @@ def main() -> None:  # noqa: C901 - one table, section by section
                 call(a, b, c)
 
         loops["(part) cudalab output allocation + release"] = loop_alloc
+        if torch is not None:
+            cuda0 = torch.device("cuda", 0)
+
+            def loop_torch_alloc(count, empty=torch.empty, device=cuda0):
+                for _ in range(count):
+                    empty((64, 64), device=device)
+
+            loops["(part) torch.empty((64, 64)) + release"] = loop_torch_alloc
         loops["(part) cudalab GEMM call alone"] = loop_gemm
         host = interleaved(loops, number=number, rounds=5 if quick else 9)
         cudalab.synchronize()
