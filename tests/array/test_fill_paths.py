@@ -181,3 +181,40 @@ def test_programmatic_fills_in_a_capture(monkeypatch):
     calls.clear()
     x.fill_(3.0)  # eagerly: a memset, never programmatic
     assert calls == []
+
+
+def test_programmatic_fills_after_a_join_and_a_copy(monkeypatch):
+    """Programmatic fills whose previous node is not a kernel (a copy) or is two nodes (a
+    second stream joined through an event) capture and replay right too."""
+    from cudalab import _array_memory
+
+    monkeypatch.setattr(_array_memory, "PROGRAMMATIC_FILLS", True)
+    x = cudalab.array.zeros((1024,), np.float32)
+    y = cudalab.array.zeros((1024,), np.float32)
+    source = cudalab.array.zeros((1024,), np.float32)
+    source.fill_(5.0)
+    cudalab.synchronize()
+    s, side = cudalab.Stream(), cudalab.Stream()
+    s.wait_stream(cudalab.current_stream())
+    g = cudalab.CUDAGraph()
+    with cudalab.stream(s):
+        g.capture_begin()
+        x.copy_(source)          # a copy node ...
+        x[:512].fill_(1.0)       # ... then a fill
+        side.wait_stream(s)      # fork
+        with cudalab.stream(side):
+            y.fill_(2.0)
+            y[256:].fill_(3.0)
+        x[512:].fill_(4.0)
+        s.wait_stream(side)      # join: the next fill depends on both streams
+        x[:256].fill_(6.0)
+        y[:128].fill_(7.0)
+        g.capture_end()
+    x.fill_(0.0)
+    y.fill_(0.0)
+    g.replay()
+    s.synchronize()
+    expected_x = np.concatenate([np.full(256, 6.0), np.full(256, 1.0), np.full(512, 4.0)])
+    expected_y = np.concatenate([np.full(128, 7.0), np.full(128, 2.0), np.full(768, 3.0)])
+    np.testing.assert_array_equal(x.numpy(), expected_x.astype(np.float32))
+    np.testing.assert_array_equal(y.numpy(), expected_y.astype(np.float32))
