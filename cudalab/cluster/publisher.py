@@ -178,6 +178,7 @@ class Publisher:
         try:
             import zmq  # noqa: F401
         except ImportError as exc:
+            self._close_wake()
             raise RuntimeError("cudalab.cluster needs pyzmq: pip install 'cudalab[cluster]' "
                                f"({exc})") from None
         self._thread = threading.Thread(target=self._run, name="cudalab-cluster-publisher",
