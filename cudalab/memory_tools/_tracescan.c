@@ -76,7 +76,13 @@ static PyTypeObject EntryType = {
     .tp_doc = "A trace entry being read (its columns' values only).",
 };
 #define IS_ENTRY(o) Py_IS_TYPE((o), &EntryType)
-#define KEYCACHE 64  /* a power of two */
+/* Objects met again and again (the pickler memoizes a chunk's key and action strings),
+ * mapped to a value by their address: PCACHE slots, linear probing over PPROBE of them (a
+ * full probe replaces the home slot; no slot is ever emptied, so chains stay whole). Each
+ * key is kept alive while cached, so its address stays its own. */
+#define PCACHE 256  /* a power of two */
+#define PPROBE 8
+typedef struct { PyObject *key[PCACHE]; int32_t val[PCACHE]; } PtrCache;
 /* frame dicts cached by address at most (each is kept alive while cached): a file whose
  * frames are not shared objects costs a content lookup per frame past this many */
 #define FMAP_MAX (1 << 20)
@@ -108,7 +114,7 @@ typedef struct {
     uint64_t *shash;
     PyObject **stackrefs;
     int32_t *tmp; Py_ssize_t tmpcap;
-    PyObject *kc_key[KEYCACHE]; int kc_idx[KEYCACHE];  /* key object -> slot, by address */  /* key object -> slot */
+    PtrCache key_cache, action_cache, string_cache;  /* key -> slot, action -> code, text -> id */
 } Scanner;
 
 /* ---------------------------------------------------------------- errors */
@@ -168,6 +174,35 @@ static int push(Scanner *s, PyObject *o, int d) {  /* steals o */
 }
 
 /* ---------------------------------------------------------------- interning */
+static inline size_t ptr_hash(PyObject *p);
+
+/* the value cached for the object at k's address, or INT32_MIN */
+static inline int32_t pc_get(PtrCache *c, PyObject *k) {
+    size_t h = ptr_hash(k);
+    for (int q = 0; q < PPROBE; q++) {
+        size_t i = (h + (size_t)q) & (PCACHE - 1);
+        if (c->key[i] == k) return c->val[i];
+        if (!c->key[i]) break;
+    }
+    return INT32_MIN;
+}
+
+static void pc_put(PtrCache *c, PyObject *k, int32_t v) {
+    size_t h = ptr_hash(k), slot = h & (PCACHE - 1);
+    for (int q = 0; q < PPROBE; q++) {
+        size_t i = (h + (size_t)q) & (PCACHE - 1);
+        if (!c->key[i]) { slot = i; break; }
+    }
+    PyObject *old = c->key[slot];
+    Py_INCREF(k);
+    c->key[slot] = k; c->val[slot] = v;
+    Py_XDECREF(old);
+}
+
+static void pc_clear(PtrCache *c) {
+    for (int i = 0; i < PCACHE; i++) Py_CLEAR(c->key[i]);
+}
+
 static int32_t intern_str(Scanner *s, PyObject *names, PyObject *table, PyObject *v) {
     PyObject *got = PyDict_GetItemWithError(table, v);
     if (got) return (int32_t)PyLong_AsLong(got);
@@ -179,6 +214,16 @@ static int32_t intern_str(Scanner *s, PyObject *names, PyObject *table, PyObject
     }
     Py_DECREF(idobj);
     return (int32_t)id;
+}
+
+/* intern_str of a str, through a cache by address (a str never changes: the same id) */
+static int32_t intern_cached(Scanner *s, PtrCache *c, PyObject *names, PyObject *table,
+                             PyObject *v) {
+    int32_t id = pc_get(c, v);
+    if (id != INT32_MIN) return id;
+    id = intern_str(s, names, table, v);
+    if (id >= 0) pc_put(c, v, id);
+    return id;
 }
 
 static inline size_t ptr_hash(PyObject *p) {
@@ -362,7 +407,7 @@ static int32_t take_text_id(Scanner *s, PyObject *e, int key, Py_ssize_t d, Py_s
         entry_fail(s, d, j, e);
         return -2;
     }
-    return intern_str(s, s->string_names, s->strings, v);
+    return intern_cached(s, &s->string_cache, s->string_names, s->strings, v);
 }
 
 static int consume_entry(Scanner *s, PyObject *e, Py_ssize_t d) {
@@ -372,7 +417,7 @@ static int consume_entry(Scanner *s, PyObject *e, Py_ssize_t d) {
     PyObject *a = eget(s, e, K_ACTION);
     if (!a) return PyErr_Occurred() ? -1 : entry_fail(s, d, j, e);
     if (!PyUnicode_Check(a)) return entry_fail(s, d, j, e);
-    int32_t code = intern_str(s, s->action_names, s->action_codes, a);
+    int32_t code = intern_cached(s, &s->action_cache, s->action_names, s->action_codes, a);
     if (code == -2) return -1;
     if (code > 255) return fail(s, "more than 256 distinct trace actions");
     int unsig = 0, dummy = 0;
@@ -565,16 +610,14 @@ static int do_append(Scanner *s, Py_ssize_t x, Py_ssize_t at, int had_mark) {
 /* the slot of a key object (-1: a key the columns do not take), cached by the key's address
  * (the pickler memoizes key strings: a few objects, met again and again) */
 static int key_slot(Scanner *s, PyObject *k) {
-    size_t h = ptr_hash(k) & (KEYCACHE - 1);  /* direct-mapped: a clash replaces */
-    if (s->kc_key[h] == k) return s->kc_idx[h];
-    int idx = -1;
+    int32_t idx = pc_get(&s->key_cache, k);
+    if (idx != INT32_MIN) return (int)idx;
+    idx = -1;
     if (PyUnicode_Check(k))
         for (int q = 0; q < NENTRY; q++)
             if (PyUnicode_CompareWithASCIIString(k, KEY_NAMES[q]) == 0) { idx = q; break; }
-    Py_INCREF(k);  /* kept alive while cached: its address stays its own */
-    Py_XDECREF(s->kc_key[h]);
-    s->kc_key[h] = k; s->kc_idx[h] = idx;
-    return idx;
+    pc_put(&s->key_cache, k, idx);
+    return (int)idx;
 }
 
 static int entry_setitems(Scanner *s, Entry *e, Py_ssize_t x) {
@@ -976,7 +1019,7 @@ static void Scanner_dealloc(Scanner *s) {
     PyMem_Free(s->stackrefs); PyMem_Free(s->tmp);
     Py_XDECREF(s->outer); Py_XDECREF(s->result); Py_XDECREF(s->what); Py_XDECREF(s->err); Py_XDECREF(s->on_bad);
     for (int k = 0; k < NKEYS; k++) Py_XDECREF(s->keys[k]);
-    for (int k = 0; k < KEYCACHE; k++) Py_XDECREF(s->kc_key[k]);
+    pc_clear(&s->key_cache); pc_clear(&s->action_cache); pc_clear(&s->string_cache);
     Py_XDECREF(s->action_codes); Py_XDECREF(s->action_names); Py_XDECREF(s->strings);
     Py_XDECREF(s->string_names); Py_XDECREF(s->frame_content); Py_XDECREF(s->frames);
     Py_XDECREF(s->pool_ids); Py_XDECREF(s->pool_names);

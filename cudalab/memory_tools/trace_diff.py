@@ -116,13 +116,17 @@ def _signed(n: int) -> str:
     return ("+" if n > 0 else "−" if n < 0 else "±") + format_bytes(abs(n))
 
 
+#: The columns a diff reads (:func:`peak_lines` needs no others).
+DIFF_COLUMNS = ("addr", "size", "action", "device", "stack")
+
+
 def _as_run(x: Any) -> tuple[TraceViews | TraceIndex, str]:
     if isinstance(x, TraceViews):
         return x, x.index.source
     if isinstance(x, TraceIndex):
         return x, x.source
     if isinstance(x, (str, os.PathLike)):
-        return open_trace(x), os.path.basename(os.fspath(x))
+        return open_trace(x, columns=DIFF_COLUMNS), os.path.basename(os.fspath(x))
     if isinstance(x, dict):
         return index_snapshot(x), "snapshot"
     raise TypeError(f"diff() takes paths, snapshot dicts or TraceIndex objects, not "
@@ -278,7 +282,7 @@ def _origin(run: TraceViews | TraceIndex) -> _Origin:
 
 def _summary(path: str, device: int | None) -> tuple[Any, ...]:
     """One run read and reduced to what the diff needs (run in a worker process)."""
-    ix = open_trace(path)
+    ix = open_trace(path, columns=DIFF_COLUMNS)
     return (*peak_lines(ix, device), _origin(ix))
 
 

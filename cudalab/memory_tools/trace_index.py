@@ -50,6 +50,7 @@ from cudalab.memory_tools.trace_io import load_snapshot
 
 __all__ = [
     "COLUMNS",
+    "DEFAULTS",
     "MEMORY_FACTOR",
     "MEMORY_SLACK",
     "TraceIndex",
@@ -183,8 +184,43 @@ class TraceIndex:
 
 
 # --------------------------------------------------------------------------- reading
-def _new_columns(rows: int) -> list[NDArray[Any]]:
-    return [np.empty(rows, dtype) for _, dtype in COLUMNS]
+#: What a column holds for an entry without its key (and on every row of a column that
+#: ``columns=`` leaves unread).
+DEFAULTS: dict[str, int] = {"time_us": 0, "addr": 0, "stream": 0, "device_free": -1,
+                            "stack": -1, "cell": -1, "nvtx": -1, "pool": -1}
+#: The columns every read keeps (the action codes and the devices' bounds).
+_ALWAYS = frozenset({"action", "device", "size"})
+
+
+def _kept(columns: Any) -> frozenset[str] | None:
+    if columns is None:
+        return None
+    names = {name for name, _ in COLUMNS}
+    wanted = frozenset([columns] if isinstance(columns, str) else columns)
+    unknown = sorted(wanted - names)
+    if unknown:
+        raise ValueError(f"unknown trace columns {unknown}; the columns are "
+                         f"{', '.join(n for n, _ in COLUMNS)}")
+    return wanted | _ALWAYS
+
+
+def _new_columns(rows: int, kept: frozenset[str] | None = None) -> list[NDArray[Any]]:
+    if kept is None:
+        return [np.empty(rows, dtype) for _, dtype in COLUMNS]
+    # The columns not kept are all written into one scratch array (the reader needs a
+    # buffer of `rows` values per column; nothing reads them back): less memory to touch.
+    scratch = np.empty(rows, np.int64)
+    return [np.empty(rows, dtype) if name in kept else scratch.view(dtype)[:rows]
+            for name, dtype in COLUMNS]
+
+
+def _view(cols: list[NDArray[Any]], n: int, kept: frozenset[str] | None
+          ) -> dict[str, NDArray[Any]]:
+    """The first ``n`` rows of each column; a column not kept reads its default on every
+    row (a read-only array of no memory)."""
+    return {name: (c[:n] if kept is None or name in kept
+                   else np.broadcast_to(np.asarray(DEFAULTS[name], dtype), (n,)))
+            for (name, dtype), c in zip(COLUMNS, cols)}
 
 
 def _peak_rss_bytes() -> int:
@@ -192,7 +228,7 @@ def _peak_rss_bytes() -> int:
 
 
 def iter_trace(path: str | os.PathLike[str], *, max_bytes: int | str | None = None,
-               step_bytes: int = _STEP) -> Iterator[TraceIndex]:
+               step_bytes: int = _STEP, columns: Any = None) -> Iterator[TraceIndex]:
     """Read a snapshot pickle into a :class:`TraceIndex`, yielding the part read so far
     every ``step_bytes`` and the whole index last (see the module documentation).
 
@@ -204,6 +240,12 @@ def iter_trace(path: str | os.PathLike[str], *, max_bytes: int | str | None = No
         The largest file to read (default :func:`~.safe_pickle.max_snapshot_bytes`).
     step_bytes : int, optional
         Bytes read between two partial indexes (default 32 MiB).
+    columns : iterable of str, optional
+        The entry columns a tool needs (default: all of :data:`COLUMNS`; ``action``,
+        ``device`` and ``size`` are always read). The others hold their :data:`DEFAULTS`
+        on every row (read-only), which saves the reader memory and time. The entries are
+        checked in full all the same. (The Python reader, without the C extension, reads
+        every column.)
 
     Raises
     ------
@@ -214,6 +256,7 @@ def iter_trace(path: str | os.PathLike[str], *, max_bytes: int | str | None = No
         The file cannot be read.
     """
     what = f"snapshot {os.fsdecode(path)!r}"
+    kept = _kept(columns)
     limit = max_snapshot_bytes(max_bytes)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -237,7 +280,7 @@ def iter_trace(path: str | os.PathLike[str], *, max_bytes: int | str | None = No
         rss_kb = (_peak_rss_bytes() + MEMORY_FACTOR * size + MEMORY_SLACK) // 1024
         scanner = _tracescan.Scanner(data, what, SnapshotLoadError, _bad_entry(what), ACTIONS,
                                      MAX_NESTING, rss_kb)
-        cols = _new_columns(size // _BYTES_PER_ENTRY + 4096)
+        cols = _new_columns(size // _BYTES_PER_ENTRY + 4096, kept)
         scanner.set_columns(cols)
         while True:
             collecting = gc.isenabled()
@@ -259,11 +302,11 @@ def iter_trace(path: str | os.PathLike[str], *, max_bytes: int | str | None = No
                 data.madvise(_DONTNEED, dropped, done - dropped)
                 dropped = done
             if state == 2:  # the columns are full: twice the room
-                cols = _new_columns(2 * len(cols[0]))
+                cols = _new_columns(2 * len(cols[0]), kept)
                 scanner.set_columns(cols)
                 continue
             n = scanner.rows
-            view = {name: c[:n] for (name, _), c in zip(COLUMNS, cols)}
+            view = _view(cols, n, kept)
             if state == 1:
                 snap = _rest_of(scanner.result, what)
                 yield TraceIndex(view, scanner.tables(),
@@ -317,11 +360,13 @@ def _rest_of(obj: Any, what: str) -> dict[str, Any]:
 
 def open_trace(path: str | os.PathLike[str], *, max_bytes: int | str | None = None,
                on_progress: Callable[[TraceIndex], Any] | None = None,
-               step_bytes: int = _STEP) -> TraceIndex:
-    """Read a snapshot pickle into a :class:`TraceIndex` (see :func:`iter_trace`);
-    ``on_progress`` is called with each partial index and with the whole one."""
+               step_bytes: int = _STEP, columns: Any = None) -> TraceIndex:
+    """Read a snapshot pickle into a :class:`TraceIndex` (see :func:`iter_trace`, and its
+    ``columns``); ``on_progress`` is called with each partial index and with the whole
+    one."""
     index = None
-    for index in iter_trace(path, max_bytes=max_bytes, step_bytes=step_bytes):
+    for index in iter_trace(path, max_bytes=max_bytes, step_bytes=step_bytes,
+                            columns=columns):
         if on_progress is not None:
             on_progress(index)
     assert index is not None

@@ -226,3 +226,29 @@ def test_truncated_and_mutated_snapshots_load_or_raise_a_snapshot_load_error(tmp
         except SnapshotLoadError:
             outcomes["error"] += 1
     assert outcomes["error"] > 50, outcomes
+
+
+@needs_scanner
+def test_a_read_of_some_columns_gives_those_and_defaults_for_the_rest(tmp_path, monkeypatch):
+    snap = _torch_like(synthetic_snapshot(30000, devices=2))
+    path = tmp_path / "s.pickle"
+    path.write_bytes(dumps_snapshot(snap))
+    full = open_trace(path)
+    # a small first guess of the rows: the columns grow (and the scratch with them)
+    monkeypatch.setattr(trace_index, "_BYTES_PER_ENTRY", 2000)
+    some = open_trace(path, columns=["addr", "stack"], step_bytes=1 << 16)
+    assert some.n == full.n and some.frames == full.frames
+    for name, dtype in COLUMNS:
+        got = getattr(some, name)
+        assert got.dtype == dtype and len(got) == full.n, name
+        if name in ("addr", "stack", "action", "device", "size"):
+            assert np.array_equal(got, getattr(full, name)), name
+        else:
+            assert (got == trace_index.DEFAULTS[name]).all() and not got.flags.writeable, name
+    with pytest.raises(ValueError, match=r"unknown trace columns \['adress'\]"):
+        open_trace(path, columns=["adress"])
+    with pytest.raises(SnapshotLoadError):  # entries are checked in full all the same
+        bad = copy.deepcopy(snap)
+        bad["device_traces"][1][7]["time_us"] = "late"
+        path.write_bytes(dumps_snapshot(bad))
+        open_trace(path, columns=["addr"])
