@@ -23,7 +23,9 @@ Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
   with the queue drained between rounds, replay + synchronize, and the graph's speed-up
   over eager (goals: every cudalab row <= torch's, the graph >= 5x eager); and cudalab's
   eager fills through the fill kernel (what a fill takes during a capture), beside its
-  eager memset (which of the two an eager fill should take, per dtype); a fifth case,
+  eager memset (which of the two an eager fill should take, per dtype), and the replay of
+  the same graph captured with programmatic fills (``_array_memory.PROGRAMMATIC_FILLS``:
+  whether fill_ should launch them so); a fifth case,
   float16 starting 2 bytes into its buffer (1,024 elements), takes cuMemsetD16 eagerly
   (float16 elsewhere takes cuMemsetD32 of the doubled pattern);
 * fill kernel variants: 1,000 launches of each fill kernel and launch shape (and with
@@ -278,6 +280,14 @@ def bench_dtype_fills(lib: str, api: dict, table: Table, results: dict, rounds: 
             if "kernel_fills" in api:
                 with api["kernel_fills"]():
                     kernel_eager = _event_seconds(events, fills, repeat)
+            programmatic = None
+            if "programmatic_fills" in api:  # the same graph, its fills launched with PDL
+                with api["programmatic_fills"](True):
+                    gp = _capture(api["CUDAGraph"], fills)
+                gp.replay()
+                s.synchronize()
+                programmatic = _event_seconds(events, gp.replay, repeat)
+                del gp
         keep.append(g)
         key = f"{lib}_fill_{name}"
         table.add(f"{lib} {KERNELS} fill_ {name} eager, GPU{tag}", eager * 1e6, "µs")
@@ -292,6 +302,12 @@ def bench_dtype_fills(lib: str, api: dict, table: Table, results: dict, rounds: 
             table.add(f"{lib} {KERNELS} fill_ {name} eager through the fill kernel, GPU{tag}",
                       kernel_eager * 1e6, "µs", f"{kernel_eager / eager:.2f}x the eager fill_")
             results[f"{key}_eager_kernel_us"] = kernel_eager * 1e6
+        if programmatic is not None:
+            table.add(f"{lib} {KERNELS} fill_ {name} replay with programmatic fills, GPU{tag}",
+                      programmatic * 1e6, "µs",
+                      f"{eager / programmatic:.1f}x faster than eager (goal >= 5x)")
+            results[f"{key}_replay_programmatic_gpu_us"] = programmatic * 1e6
+            results[f"{key}_graph_speedup_programmatic"] = eager / programmatic
         rounds[f"{lib} fill_ {name}: replay() host time, queue drained"] = (
             functools.partial(_drained_replay_seconds, api["stream"], s, g, replays), replays,
             f"{key}_replay_host_us")
@@ -435,6 +451,18 @@ def cudalab_fill_api():
     from cudalab import streams
 
     @contextlib.contextmanager
+    def programmatic_fills(on):
+        # fill_'s switch for programmatic dependent launch of captured fills
+        from cudalab import _array_memory
+
+        before = _array_memory.PROGRAMMATIC_FILLS
+        _array_memory.PROGRAMMATIC_FILLS = on
+        try:
+            yield
+        finally:
+            _array_memory.PROGRAMMATIC_FILLS = before
+
+    @contextlib.contextmanager
     def kernel_fills():
         # An entry in the open-capture map: eager fills take the fill kernel as they do while
         # a graph captures (key -1: never a capture id).
@@ -448,7 +476,7 @@ def cudalab_fill_api():
                 (start + FILL_ELEMENTS,), np.dtype(name))[start:],
             "Stream": cudalab.Stream, "stream": cudalab.stream, "CUDAGraph": cudalab.CUDAGraph,
             "Event": cudalab.Event, "synchronize": cudalab.synchronize,
-            "kernel_fills": kernel_fills}
+            "kernel_fills": kernel_fills, "programmatic_fills": programmatic_fills}
 
 
 def torch_fill_api(torch):
