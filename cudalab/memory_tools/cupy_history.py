@@ -98,8 +98,8 @@ class _Device:
 
 
 def _hook_class(base: type) -> type:
-    """A subclass of CuPy's ``MemoryHook`` passing the three postprocess calls to a
-    :class:`CupyRecording` (made per CuPy module: cudalab never imports CuPy)."""
+    """A subclass of CuPy's ``MemoryHook`` whose three postprocess callbacks are a
+    :class:`CupyRecording`'s methods (made per CuPy module: cudalab never imports CuPy)."""
 
     class CudalabHistoryHook(base):  # type: ignore[misc, valid-type]
         """cudalab's history recorder among CuPy's memory hooks."""
@@ -108,18 +108,11 @@ def _hook_class(base: type) -> type:
 
         def __init__(self, recording: CupyRecording):
             self.recording = recording
-
-        def malloc_postprocess(self, device_id: int = 0, size: int = 0, mem_size: int = 0,
-                               mem_ptr: int = 0, pmem_id: int = 0, **_: Any) -> None:
-            self.recording.on_malloc(device_id, size, mem_size, mem_ptr)
-
-        def free_postprocess(self, device_id: int = 0, mem_size: int = 0, mem_ptr: int = 0,
-                             pmem_id: int = 0, **_: Any) -> None:
-            self.recording.on_free(device_id, mem_size, mem_ptr)
-
-        def alloc_postprocess(self, device_id: int = 0, mem_size: int = 0, mem_ptr: int = 0,
-                              **_: Any) -> None:
-            self.recording.on_segment(device_id, mem_size, mem_ptr)
+            # CuPy calls these with its keyword arguments: the recording's own bound
+            # methods take them, one Python call less per allocation and free
+            self.malloc_postprocess = recording.on_malloc
+            self.free_postprocess = recording.on_free
+            self.alloc_postprocess = recording.on_segment
 
     return CudalabHistoryHook
 
@@ -219,56 +212,83 @@ class CupyRecording:
         self.errors += 1
         self.last_error = f"{type(exc).__name__}: {exc}"[:200]
 
-    def on_malloc(self, device: int, size: int, mem_size: int, mem_ptr: int) -> None:
-        """``malloc_postprocess``: an ``alloc`` entry (an ``oom`` entry when the pool's
-        malloc failed: ``mem_ptr`` 0 for a request of ``size`` > 0)."""
+    def on_malloc(self, device_id: int = 0, size: int = 0, mem_size: int = 0,
+                  mem_ptr: int = 0, pmem_id: int = 0, **_: Any) -> None:
+        """``malloc_postprocess`` (CuPy's keywords): an ``alloc`` entry (an ``oom`` entry
+        when the pool's malloc failed: ``mem_ptr`` 0 for a request of ``size`` > 0)."""
         try:
-            dev = self._device(device)
-            stream = self._stream_now()
+            dev = self.devices.get(device_id)
+            if dev is None:
+                dev = self._device(device_id)
+            try:
+                stream = int(self._stream().ptr)
+            except Exception:
+                stream = 0
+            level = self.level
             if not mem_ptr:
                 if size:  # CuPy's malloc raised (OutOfMemoryError): torch's "oom" entry
                     try:
                         free = int(self.cupy.cuda.runtime.memGetInfo()[0])
                     except Exception:
                         free = 0
-                    fr = _stacks.capture_stack(0) if self.level >= _ALLOC else None
+                    fr = _stacks.capture_stack(0) if level >= _ALLOC else None
                     self._entry(dev, "oom", free, mem_size, stream, fr)
                 return
-            fr = _stacks.capture_stack(0) if self.level >= _STATE else None
+            fr = _stacks.capture_stack(0) if level >= _STATE else None
             dev.blocks[mem_ptr] = (mem_size, size, stream, fr)
-            self._entry(dev, "alloc", mem_ptr, mem_size, stream,
-                        fr if self.level >= _ALLOC else None)
+            # (the entry written inline, as _entry writes it: the hot path)
+            m = nvtx.thread_ranges.__dict__.get("messages") if nvtx.ranges_used else None
+            young = dev.ring.young
+            young.append(("alloc", mem_ptr, mem_size, stream, _now(),
+                          fr if level >= _ALLOC else None, m[-1] if m else None,
+                          current_cell()))
+            if len(young) >= CHUNK:
+                dev.ring.compact()
         except Exception as exc:  # (inside CuPy's malloc: never raised into it)
             self._failed(exc)
 
-    def on_free(self, device: int, mem_size: int, mem_ptr: int) -> None:
-        """``free_postprocess``: ``free_requested`` and ``free_completed`` (CuPy's pool takes
-        the block back at once, in stream order), or a count for an older block."""
+    def on_free(self, device_id: int = 0, mem_size: int = 0, mem_ptr: int = 0,
+                pmem_id: int = 0, **_: Any) -> None:
+        """``free_postprocess`` (CuPy's keywords): ``free_requested`` and
+        ``free_completed`` (CuPy's pool takes the block back at once, in stream order), or
+        a count for an older block."""
         try:
-            dev = self._device(device)
+            dev = self.devices.get(device_id)
+            if dev is None:
+                dev = self._device(device_id)
             block = dev.blocks.pop(mem_ptr, None)
             if block is None:
                 dev.older_frees += 1
                 dev.older_bytes += mem_size
                 return
-            size, _, stream, fr = block
-            if self.level == _ALL:
+            size, stream, fr = block[0], block[2], block[3]
+            level = self.level
+            if level == _ALL:
                 fr = _stacks.capture_stack(0)
-            elif self.level < _ALLOC:
+            elif level < _ALLOC:
                 fr = None
-            self._entry(dev, "free_requested", mem_ptr, size, stream, fr)
-            self._entry(dev, "free_completed", mem_ptr, size, stream, fr)
+            m = nvtx.thread_ranges.__dict__.get("messages") if nvtx.ranges_used else None
+            nvtx_range = m[-1] if m else None
+            cell = current_cell()
+            t = _now()
+            young = dev.ring.young
+            young.append(("free_requested", mem_ptr, size, stream, t, fr, nvtx_range, cell))
+            young.append(("free_completed", mem_ptr, size, stream, t, fr, nvtx_range, cell))
+            if len(young) >= CHUNK:
+                dev.ring.compact()
         except Exception as exc:  # (CuPy frees in __dealloc__: nothing may escape)
             self._failed(exc)
 
-    def on_segment(self, device: int, mem_size: int, mem_ptr: int) -> None:
-        """``alloc_postprocess``: a ``segment_alloc`` entry, after the ``segment_free``
-        entries of the segments the pool released since (see :meth:`reconcile`)."""
+    def on_segment(self, device_id: int = 0, mem_size: int = 0, mem_ptr: int = 0,
+                   **_: Any) -> None:
+        """``alloc_postprocess`` (CuPy's keywords): a ``segment_alloc`` entry, after the
+        ``segment_free`` entries of the segments the pool released since (see
+        :meth:`reconcile`)."""
         if not mem_ptr:  # the cudaMalloc failed (CuPy frees its cache and retries)
             return
         try:
-            dev = self._device(device, adding=mem_size)
-            self.reconcile(device, adding=mem_size)
+            dev = self._device(device_id, adding=mem_size)
+            self.reconcile(device_id, adding=mem_size)
             stream = self._stream_now()
             fr = _stacks.capture_stack(0) if self.level >= _ALLOC else None
             dev.segments[mem_ptr] = (mem_size, stream, fr)
