@@ -159,7 +159,8 @@ class LanesExplorer(W.VBox):
         Each lane's key (:attr:`~cudalab.memory_tools.trace_lanes.Lane.key`; the cluster
         view: the rank).
     width, lane_height, bins : int
-        The timeline's width and each lane's height in pixels; bins per lane and view
+        The timeline's width (740: with the 220-pixel label column, a notebook's width)
+        and each lane's height in pixels; bins per lane and view
         (default ``width // 2``: two pixels a bin, so a view of 8 lanes stays a few hundred
         KB of SVG; each bin keeps its minimum and maximum, so no peak is lost).
     """
@@ -167,7 +168,7 @@ class LanesExplorer(W.VBox):
     def __init__(self, sources: Mapping[str, Any] | TraceLanes, *,
                  errors: Mapping[str, str] | None = None,
                  devices: Mapping[str, int] | None = None, keys: Mapping[str, Any] | None = None,
-                 width: int = 900, lane_height: int = 64, bins: int | None = None):
+                 width: int = 740, lane_height: int = 64, bins: int | None = None):
         self.width, self.lane_height = int(width), int(lane_height)
         self.bins = int(bins or width // 2)
         if self.width < 50 or self.lane_height < 24 or self.bins < 1:

@@ -132,3 +132,39 @@ def mpi_exports(env: dict[str, str]) -> list[str]:
              "CUDALAB_CLUSTER",
              "CUDALAB_CLUSTER_JOB"]
     return [arg for n in names if n in env for arg in ("-x", n)]
+
+
+# ----------------------------------------------------------------------------- rank snapshots
+MiB = 1 << 20
+#: A trace's first time (microseconds since the epoch).
+T0 = 1_700_000_000_000_000
+FRAMES = [{"filename": "/home/user/train.py", "line": 7, "name": "step"}]
+
+
+def rank_snapshot(rank: int, start_us: int, blocks: int, device: int = 0) -> dict:
+    """A rank's snapshot: one 64 MiB segment at ``start_us``, then ``blocks`` allocations of
+    (rank + 1) MiB 10 us apart, then all freed but the first."""
+    base = 0x7F0000000000 + (rank << 32)
+    entry = {"stream": 0, "frames": FRAMES, "compile_context": "", "user_metadata": ""}
+    trace = [dict(entry, action="segment_alloc", addr=base, size=64 * MiB, time_us=start_us)]
+    size = (rank + 1) * MiB
+    t = start_us
+    for k in range(blocks):
+        t += 10
+        trace.append(dict(entry, action="alloc", addr=base + k * size, size=size, time_us=t))
+    for k in range(1, blocks):
+        t += 10
+        for action in ("free_requested", "free_completed"):
+            trace.append(dict(entry, action=action, addr=base + k * size, size=size, time_us=t))
+    live = [{"address": base, "size": size, "requested_size": size, "state": "active_allocated",
+             "frames": FRAMES},
+            {"address": base + size, "size": 64 * MiB - size, "requested_size": 0,
+             "state": "inactive", "frames": []}]
+    segment = {"device": device, "address": base, "total_size": 64 * MiB, "allocated_size": size,
+               "active_size": size, "requested_size": size, "stream": 0,
+               "segment_type": "large", "segment_pool_id": (0, 0), "is_expandable": False,
+               "frames": [], "blocks": live}
+    traces: list[list[dict]] = [[] for _ in range(device + 1)]
+    traces[device] = trace
+    return {"segments": [segment], "device_traces": traces, "allocator_settings": {},
+            "external_annotations": []}

@@ -16,39 +16,7 @@ from cudalab.memory_tools.samples import DeviceSample  # noqa: E402
 from cudalab.memory_tools.trace_lanes import Lane, TraceLanes, lane, lost_lane, trace_lanes  # noqa: E402
 from cudalab.widgets import LanesExplorer, SnapshotExplorer  # noqa: E402
 from cudalab.widgets.cluster_dashboard import rank_label, rank_lanes  # noqa: E402
-
-MiB = 1 << 20
-T0 = 1_700_000_000_000_000  # microseconds
-FRAMES = [{"filename": "/home/user/train.py", "line": 7, "name": "step"}]
-
-
-def rank_snapshot(rank: int, start_us: int, blocks: int, device: int = 0) -> dict:
-    """A rank's snapshot: one 64 MiB segment at ``start_us``, then ``blocks`` allocations of
-    (rank + 1) MiB 10 us apart, then all freed but the first."""
-    base = 0x7F0000000000 + (rank << 32)
-    entry = {"stream": 0, "frames": FRAMES, "compile_context": "", "user_metadata": ""}
-    trace = [dict(entry, action="segment_alloc", addr=base, size=64 * MiB, time_us=start_us)]
-    size = (rank + 1) * MiB
-    t = start_us
-    for k in range(blocks):
-        t += 10
-        trace.append(dict(entry, action="alloc", addr=base + k * size, size=size, time_us=t))
-    for k in range(1, blocks):
-        t += 10
-        for action in ("free_requested", "free_completed"):
-            trace.append(dict(entry, action=action, addr=base + k * size, size=size, time_us=t))
-    live = [{"address": base, "size": size, "requested_size": size, "state": "active_allocated",
-             "frames": FRAMES},
-            {"address": base + size, "size": 64 * MiB - size, "requested_size": 0,
-             "state": "inactive", "frames": []}]
-    segment = {"device": device, "address": base, "total_size": 64 * MiB, "allocated_size": size,
-               "active_size": size, "requested_size": size, "stream": 0,
-               "segment_type": "large", "segment_pool_id": (0, 0), "is_expandable": False,
-               "frames": [], "blocks": live}
-    traces: list[list[dict]] = [[] for _ in range(device + 1)]
-    traces[device] = trace
-    return {"segments": [segment], "device_traces": traces, "allocator_settings": {},
-            "external_annotations": []}
+from tests.cluster.helpers import T0, MiB, rank_snapshot  # noqa: E402
 
 
 def _last(snap: dict) -> int:
