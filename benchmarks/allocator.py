@@ -11,9 +11,8 @@ In one run, side by side:
   encoder and a ResNet-style conv net, with varying batch sizes) are replayed through
   cudalab's allocator on the simulator; peak reserved is compared with torch's own.
 
-Beside the pair rows, ``cudalab pair / CuPy pair`` per size (issue 37's goal: <= 1.0) where
-CuPy runs. ``--latency-only`` runs the latency rows alone (no traces: the GPU request's quick
-check).
+Beside the pair rows, ``cudalab pair / CuPy pair`` per size (goal: <= 1.0) where CuPy runs.
+``--latency-only`` runs the latency rows alone (no traces: a quick check).
 
     python benchmarks/allocator.py [--json out.json] [--quick] [--latency-only]
     (CUDALAB_BENCH_TRACES=DIR keeps the recorded torch traces there)

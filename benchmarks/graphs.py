@@ -32,7 +32,7 @@ Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
   programmatic dependent launch, the kernel waiting for the previous one) on the float32
   array's 4 KiB, replayed as one graph, GPU time per 1,000 (events, the variants
   interleaved), beside torch's float32 ``fill_`` replay (which kernel and shape ``fill_``
-  should take inside a graph: issue 37's goal is a graph >= 5x eager).
+  should take inside a graph: the goal is a graph >= 5x eager).
 
 On the simulator every number is labelled simulated and torch is skipped.
 
