@@ -345,6 +345,10 @@ def fill_kernel_variants(table: Table, results: dict, quick: bool, simulated: bo
         "u64 grid-stride, 2 blocks of 256 (before)": (FILL_KERNELS[8], 2, 256, two, nbytes // 8,
                                                       False),
         "u32 grid-stride, 4 blocks of 256": (FILL_KERNELS[4], 4, 256, one, nbytes // 4, False),
+        # the floor: one warp that stores nothing (a kernel node's own cost)
+        "v16 storing nothing, 1 block of 32 (the floor)": (VECTOR_FILL_KERNEL, 1, 32, two, 0,
+                                                           False),
+        "v16 storing nothing, programmatic launch": (VECTOR_FILL_KERNEL, 1, 32, two, 0, True),
     }
     s = cudalab.Stream()
     s.wait_stream(cudalab.current_stream())
