@@ -157,10 +157,13 @@ def profile_ticks(args: argparse.Namespace, results: Results) -> None:
     parts: dict[str, list[float]] = {}
     stop = threading.Event()
 
+    walls: dict[str, list[float]] = {}
+
     def timed(name: str, fn: object) -> object:
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         out = fn()  # type: ignore[operator]
         parts.setdefault(name, []).append(time.thread_time() - t0)
+        walls.setdefault(name, []).append(time.perf_counter() - w0)
         return out
 
     def sampler() -> None:
@@ -185,6 +188,9 @@ def profile_ticks(args: argparse.Namespace, results: Results) -> None:
     for name, values in parts.items():
         results[f"one process: a tick's {name}, thread CPU median of {len(values)} (us)"] = \
             1e6 * statistics.median(values)
+    for name in ("NVML figures", "sample (memory_stats + NVML)"):  # (NVML waits in the driver)
+        results[f"one process: a tick's {name}, wall median (us)"] = \
+            1e6 * statistics.median(walls[name])
     # the paired slowdown of this process's step, its own publisher on and paused
     t0 = time.perf_counter()
     for _ in range(20):
