@@ -12,13 +12,15 @@ import operator
 import os
 from collections.abc import Iterable
 
+import numpy as np
+
 from cudalab._driver.base import Nvml
 from cudalab._driver.sim.core import ACTIVITY_KERNEL, SimulatorCore, now
 from cudalab.errors import NvmlError
 
 __all__ = ["SimulatedNvml", "busy_percent"]
 
-_START, _END, _KIND = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+_END = operator.itemgetter(1)
 
 
 def busy_percent(activity: Iterable[tuple[int, int, int]]) -> tuple[int, int]:
@@ -27,22 +29,17 @@ def busy_percent(activity: Iterable[tuple[int, int, int]]) -> tuple[int, int]:
     plus half the kernel time), at least 1% when anything ran."""
     lo = now() - 1_000_000_000
     # the log is appended as work ends (end times ascending): the second's entries are a
-    # tail found by bisection, summed by C-level maps (a busy log holds 4096 entries)
+    # tail found by bisection, then summed as one numpy array (a busy log holds 4096)
     entries = list(activity)
     window = entries[bisect.bisect_left(entries, lo, key=_END):]
-    starts = list(map(_START, window))
-    ends = list(map(_END, window))
-    kernels = list(map(operator.eq, map(_KIND, window), itertools.repeat(ACTIVITY_KERNEL)))
-    # an entry that began before the second counts from its start (few: found in C, then
-    # corrected one by one)
-    early = list(itertools.compress(range(len(window)),
-                                    map(operator.gt, itertools.repeat(lo), starts)))
-    for i in early:
-        starts[i] = lo
-    kern = sum(itertools.compress(ends, kernels)) - sum(itertools.compress(starts, kernels))
-    copy = sum(ends) - sum(starts) - kern
-    any_kern = any(kernels)
-    any_copy = not all(kernels)
+    n = len(window)
+    table = np.fromiter(itertools.chain.from_iterable(window), np.int64, 3 * n).reshape(n, 3)
+    spans = table[:, 1] - np.maximum(table[:, 0], lo)  # (an entry begun before: from lo)
+    kernels = table[:, 2] == ACTIVITY_KERNEL
+    kern = int(spans[kernels].sum())
+    copy = int(spans.sum()) - kern
+    any_kern = bool(kernels.any())
+    any_copy = n > 0 and not bool(kernels.all())
 
     def pct(ns: float, active: bool) -> int:
         return max(1, min(100, round(ns / 1e7))) if active else 0
