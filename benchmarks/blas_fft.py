@@ -19,7 +19,9 @@ Measures, on one GPU (issue 42's numbers):
 GPU times are taken over ``INNER`` calls queued back to back between two events (the mean of
 each), so the host's time to queue one call, which differs between the libraries, is hidden
 behind the GPU's work as in a loop of real work, and is not counted as GPU time (with one call
-per event pair, an idle GPU waits for it: 10-20 us of a 0.2 ms float16 GEMM).
+per event pair, an idle GPU waits for it: 10-20 us of a 0.2 ms float16 GEMM). Host times are
+taken in chunks of ``CHUNK`` calls with the GPU drained between chunks, untimed (a loop the GPU
+cannot keep up with would otherwise time the GPU, and leave a full launch queue to the next).
 torch is imported lazily and its columns are skipped without it. On the simulator only the
 host costs mean anything (the GEMMs and FFTs are numpy).
 """
@@ -31,13 +33,45 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout works uninstalled
-from _harness import Table, environment, interleaved, optional_import, write_json  # noqa: E402
+from _harness import Table, environment, optional_import, write_json  # noqa: E402
 
 #: The benchmark's sections (``--sections``): matmul TFLOPS, the small matmul's host time,
 #: FFT GB/s, the FFT's host time.
 SECTIONS = ("matmul", "host", "fft", "fft-host")
 #: Calls queued between two timing events for a GPU time (see the module's notes).
 INNER = 10
+#: Calls timed between two device synchronizations in a host-time loop (see _host_seconds).
+CHUNK = 100
+
+
+def _host_seconds(loops, number: int, rounds: int, synchronize) -> dict:
+    """Median host seconds per call of each ``loop(count)``, measured round-robin, in chunks of
+    :data:`CHUNK` calls with the device synchronized (untimed) after each chunk and loop.
+
+    Why the chunks: a loop whose calls the GPU runs slower than the host queues them (a 64x64
+    GEMM can take the GPU as long as its host call) fills the launch queue; its later calls
+    then wait for the GPU, and the next loop starts behind a queue of up to a thousand
+    launches. With the GPU drained every ``CHUNK`` calls, each row is the host's own time per
+    call, whatever the loop before it queued.
+    """
+    import statistics
+    import time
+
+    for loop in loops.values():
+        loop(min(number, 1000))
+        synchronize()
+    samples: dict = {key: [] for key in loops}
+    chunks = max(1, number // CHUNK)
+    for _ in range(rounds):
+        for key, loop in loops.items():
+            total = 0.0
+            for _ in range(chunks):
+                t0 = time.perf_counter()
+                loop(CHUNK)
+                total += time.perf_counter() - t0
+                synchronize()
+            samples[key].append(total / (chunks * CHUNK))
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def _parse_args():
@@ -260,8 +294,7 @@ def main() -> None:  # noqa: C901 - one table, section by section
 
             loops["(part) torch.empty((64, 64)) + release"] = loop_torch_alloc
         loops["(part) cudalab GEMM call alone"] = loop_gemm
-        host = interleaved(loops, number=number, rounds=5 if quick else 9)
-        cudalab.synchronize()
+        host = _host_seconds(loops, number, 5 if quick else 9, cudalab.synchronize)
         for label, seconds in host.items():
             results["us"][label] = seconds * 1e6
             note = ""
@@ -340,7 +373,7 @@ def main() -> None:  # noqa: C901 - one table, section by section
                     f(x)
 
             loops["torch fft(256) plan-cache hit"] = fft_torch
-        host = interleaved(loops, number=number, rounds=5 if quick else 9)
+        host = _host_seconds(loops, number, 5 if quick else 9, cudalab.synchronize)
         for label, seconds in host.items():
             results["us"][label] = seconds * 1e6
             note = ""
@@ -353,7 +386,7 @@ def main() -> None:  # noqa: C901 - one table, section by section
         loops = {"cudalab fft(256) max_size=0": fft_ours}
         if torch is not None:
             loops["torch fft(256) max_size=0"] = fft_torch
-        host = interleaved(loops, number=max(50, number // 20), rounds=3)
+        host = _host_seconds(loops, max(CHUNK, number // 20), 3, cudalab.synchronize)
         for label, seconds in host.items():
             results["us"][label] = seconds * 1e6
             t.add(label, seconds * 1e6, "µs", f"every call builds a plan (cache size "

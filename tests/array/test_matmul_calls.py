@@ -366,37 +366,46 @@ def test_a_failed_gemm_raises_from_matmul(monkeypatch, stand_in):
     np.testing.assert_array_equal((x @ x).cpu(), np.full((4, 4), 4, np.float32))
 
 
-def test_a_call_is_resolved_once_per_handle_and_settings_state(monkeypatch):
-    bound = blas.bound_handle(0)
+def _count_resolutions(monkeypatch):
+    """The compute type of each GEMM call matmul resolves, and the handle it is for."""
     made = []
-    real = bound.blas.gemm_call
+    real = _array_matmul._resolve
 
-    def gemm_call(*args):
-        made.append(args[-2])  # the compute type
-        return real(*args)
+    def resolve(plan, bound, state):
+        made.append((_array_matmul._math(plan.kind, state)[0], bound.handle))
+        return real(plan, bound, state)
+
+    monkeypatch.setattr(_array_matmul, "_resolve", resolve)
+    return made
+
+
+def test_a_call_is_resolved_once_per_handle_and_settings_state(monkeypatch):
+    resolved = _count_resolutions(monkeypatch)
+
+    def made():
+        return [compute for compute, _handle in resolved]
 
     _array_matmul.clear_plans()
-    monkeypatch.setattr(bound.blas, "gemm_call", gemm_call)
     x = cudalab.ones((4, 4))
     for _ in range(3):
         x @ x
-    assert made == [blas_seam.COMPUTE_32F]
+    assert made() == [blas_seam.COMPUTE_32F]
     cudalab.set_float32_matmul_precision("high")
     x @ x
     x @ x
-    assert made == [blas_seam.COMPUTE_32F, blas_seam.COMPUTE_32F_FAST_TF32]
+    assert made() == [blas_seam.COMPUTE_32F, blas_seam.COMPUTE_32F_FAST_TF32]
     cudalab.set_float32_matmul_precision("highest")
     np.testing.assert_array_equal((x @ x).cpu(), np.full((4, 4), 4, np.float32))
-    assert made[-1] == blas_seam.COMPUTE_32F and len(made) == 3
+    assert made()[-1] == blas_seam.COMPUTE_32F and len(made()) == 3
     y = cudalab.ones((4, 4), dtype=np.float16)
     cudalab.backends.cuda.matmul.allow_fp16_accumulation = True
     y @ y
     cudalab.backends.cuda.matmul.allow_fp16_accumulation = False
     y @ y
-    assert made[-2:] == [blas_seam.COMPUTE_16F, blas_seam.COMPUTE_32F]
+    assert made()[-2:] == [blas_seam.COMPUTE_16F, blas_seam.COMPUTE_32F]
     _array_matmul.clear_plans()
     x @ x
-    assert len(made) == 6  # a forgotten plan is planned and resolved again
+    assert len(made()) == 6  # a forgotten plan is planned and resolved again
 
 
 def test_the_settings_state_is_replaced_whole():
@@ -482,14 +491,8 @@ def test_a_plan_shared_by_two_threads_calls_through_each_threads_handle(monkeypa
     rng = np.random.default_rng(6)
     a = rng.standard_normal((16, 16)).astype(np.float32)
     da = cudalab.asarray(a)
-    handles = []
-    real = type(blas.bound_handle(0).blas).gemm_call
-
-    def gemm_call(self, handle, *args):
-        handles.append(handle)
-        return real(self, handle, *args)
-
-    monkeypatch.setattr(type(blas.bound_handle(0).blas), "gemm_call", gemm_call)
+    resolved = _count_resolutions(monkeypatch)
+    _array_matmul.clear_plans()
     results = {}
 
     def run(name):
@@ -501,6 +504,7 @@ def test_a_plan_shared_by_two_threads_calls_through_each_threads_handle(monkeypa
     worker.start()
     worker.join()
     run("main")
+    handles = [handle for _compute, handle in resolved]
     assert len(set(handles)) == 2  # each thread's own handle, resolved again for it
     assert len(handles) == 3  # main, worker, main again: once per switch, not per call
     for product in results.values():
