@@ -160,11 +160,11 @@ def cupy_recording(cupy, number: int, rounds: int) -> dict:
         return (time.perf_counter() - t) / number
 
     pairs()  # warm: the pool's segment
-    off, on = [], []
+    off, on, bare = [], [], []
     snapshot_s = 0.0
     for _ in range(rounds):
         off.append(pairs())
-        rec = record_cupy_history(cupy, max_entries=1 << 20)
+        rec = record_cupy_history(cupy, max_entries=1 << 20)  # stacks at allocs and frees
         try:
             on.append(pairs())
             t = time.perf_counter()
@@ -172,10 +172,14 @@ def cupy_recording(cupy, number: int, rounds: int) -> dict:
             snapshot_s = time.perf_counter() - t
         finally:
             rec.stop()
+        with record_cupy_history(cupy, max_entries=1 << 20, stacks=None):
+            bare.append(pairs())
     entries = sum(len(tr) for tr in snap["device_traces"])
     return {"alone_us": statistics.median(off) * 1e6,
-            "recorded_us": statistics.median(on) * 1e6, "snapshot_ms": snapshot_s * 1e3,
-            "snapshot_entries": entries, "pairs": number, "rounds": rounds}
+            "recorded_us": statistics.median(on) * 1e6,
+            "recorded_no_stacks_us": statistics.median(bare) * 1e6,
+            "snapshot_ms": snapshot_s * 1e3, "snapshot_entries": entries, "pairs": number,
+            "rounds": rounds}
 
 
 def cupy_rows(quick: bool) -> tuple[list[tuple], dict]:
@@ -187,7 +191,9 @@ def cupy_rows(quick: bool) -> tuple[list[tuple], dict]:
     return [
         ("cupy.empty(4 KiB) + release, CuPy alone", rec["alone_us"], "µs", "per pair"),
         ("cupy.empty(4 KiB) + release, recorded (CuPy's memory hooks)", rec["recorded_us"],
-         "µs", f"+{rec['recorded_us'] - rec['alone_us']:.2f} µs per pair"),
+         "µs", f"+{rec['recorded_us'] - rec['alone_us']:.2f} µs per pair, stacks of both"),
+        ("cupy.empty(4 KiB) + release, recorded with stacks=None", rec["recorded_no_stacks_us"],
+         "µs", f"+{rec['recorded_no_stacks_us'] - rec['alone_us']:.2f} µs per pair"),
         ("snapshot of the CuPy recording", rec["snapshot_ms"], "ms",
          f"{rec['snapshot_entries']:,} trace entries"),
     ], rec
