@@ -284,21 +284,19 @@ def matmul(input: Any, other: Any, *, out: Any = None) -> Any:
         return _matmul(input, other, out)
     plan = entry.plan
     stream = _streams.current_stream(device)
+    given: Any = out  # (typed Any: isinstance below would narrow ``out`` to the mixin)
     if out is None:
         result = _array_state.output(plan.shape, plan.dtype, device, stream)
-    elif (_is_array(out) and out.dims == plan.shape and out.contiguous and out.element_dtype == plan.dtype
-          and out.device_index == device and not out.read_only):
-        result = out  # (what _matmul checks, each passed)
+    elif (isinstance(out, MatmulMixin) and given.dims == plan.shape and given.contiguous
+          and given.element_dtype == plan.dtype and given.device_index == device
+          and not given.read_only):
+        result = given  # (what _matmul checks, each passed)
     else:
         return _matmul(input, other, out)
     _launch(entry, input.ptr, other.ptr, result.ptr, device, stream)
     if _observe.access_on:  # the stream sanitizer (one flag read while it is off)
         _report_access(stream, plan, input, other, result)
     return result
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, MatmulMixin)
 
 
 def extent(x: ArrayState) -> tuple[int, int]:
