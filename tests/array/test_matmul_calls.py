@@ -327,7 +327,11 @@ def test_matmul_gives_cublas_what_the_simulated_blas_gets(monkeypatch, stand_in,
         pairs[0][0] @ pairs[0][1]
         pairs[0][0] @ pairs[0][1]
         tf32 = stand_in.settings[before:]
-    assert len(stand_in.calls) == len(pairs) + 4 and len(expected) == len(pairs)
+        before = len(stand_in.settings)
+        _array_matmul.clear_workspaces()  # every handle sets its stream and workspace again
+        pairs[0][0] @ pairs[0][1]
+        cleared = [name for name, _ in stand_in.settings[before:]]
+    assert len(stand_in.calls) == len(pairs) + 5 and len(expected) == len(pairs)
     for (name, args), seam, result in zip(stand_in.calls, expected, ours):
         (handle, transa, transb, m, n, k, _alpha, a, lda, stride_a, b, ldb, stride_b, _beta, c,
          ldc, stride_c, batch, data_type, compute, algo) = seam
@@ -348,11 +352,12 @@ def test_matmul_gives_cublas_what_the_simulated_blas_gets(monkeypatch, stand_in,
                               stride_c, batch, compute, algo]
     # the handle's stream, workspace and math mode were set once, then only on a change
     setters = [name for name, _ in stand_in.settings]
-    assert setters.count("cublasSetStream_v2") == 1
-    assert setters.count("cublasSetWorkspace_v2") == 1
+    assert setters.count("cublasSetStream_v2") == 2  # once, and again after clear_workspaces
+    assert setters.count("cublasSetWorkspace_v2") == 2
     assert again == []
     assert [(name, args[1]) for name, args in tf32] == [
         ("cublasSetMathMode", blas_seam.MATH_TF32_TENSOR_OP)]
+    assert cleared == ["cublasSetStream_v2", "cublasSetWorkspace_v2", "cublasSetMathMode"]
 
 
 def test_a_failed_gemm_raises_from_matmul(monkeypatch, stand_in):
