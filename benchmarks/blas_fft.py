@@ -210,11 +210,32 @@ def main() -> None:  # noqa: C901 - one table, section by section
         from cudalab import _array_matmul
         from cudalab._driver import cublas as cublas_module
 
+        # Which cuBLAS call path cudalab's float32 rows take: (CUDALAB_FASTCALL, typed entry
+        # points). A row switches it only where the row before took another (the cached plans
+        # forgotten then, so their calls are resolved again: one slow call per switch, not
+        # per chunk of calls).
+        saved_env = os.environ.get("CUDALAB_FASTCALL")
+        default = (saved_env, cublas_module.TYPED_ENTRY_POINTS)
+        path = {"now": default}
+
+        def use(wanted):
+            if path["now"] != wanted:
+                fastcall, typed = wanted
+                if fastcall is None:
+                    os.environ.pop("CUDALAB_FASTCALL", None)
+                else:
+                    os.environ["CUDALAB_FASTCALL"] = fastcall
+                cublas_module.TYPED_ENTRY_POINTS = typed
+                _array_matmul.clear_plans()
+                path["now"] = wanted
+
         def loop_ours(count, a=small_a, b=small_b):
+            use(default)
             for _ in range(count):
                 a @ b
 
         def loop_out(count, a=small_a, b=small_b, c=small_c, matmul=cudalab.matmul):
+            use(default)
             for _ in range(count):
                 matmul(a, b, out=c)
 
@@ -236,32 +257,18 @@ def main() -> None:  # noqa: C901 - one table, section by section
         if torch is not None:
             loops["torch matmul(a, b, out=c) (64x64)"] = loop_torch_out
 
-        def switched(setting, value):
-            """loop_ours with a call-path switch of cudalab._driver.cublas set during it (the
-            cached plans forgotten around it, so their calls are resolved again)."""
-            def loop(count):
-                saved = getattr(cublas_module, setting) if setting else os.environ.get(value)
-                if setting:
-                    setattr(cublas_module, setting, False)
-                else:
-                    os.environ[value] = "0"
-                _array_matmul.clear_plans()
-                try:
-                    loop_ours(count)
-                finally:
-                    if setting:
-                        setattr(cublas_module, setting, saved)
-                    elif saved is None:
-                        os.environ.pop(value, None)
-                    else:
-                        os.environ[value] = saved
-                    _array_matmul.clear_plans()
+        def switched(wanted):
+            """loop_ours through another call path."""
+            def loop(count, a=small_a, b=small_b):
+                use(wanted)
+                for _ in range(count):
+                    a @ b
             return loop
 
         if not sim:  # the other cuBLAS call paths of cudalab for float32
             if cublas_module.c_calls_available():
-                loops["cudalab a @ b (64x64) via ctypes"] = switched(None, "CUDALAB_FASTCALL")
-            loops["cudalab a @ b (64x64) via cublasGemmEx"] = switched("TYPED_ENTRY_POINTS", None)
+                loops["cudalab a @ b (64x64) via ctypes"] = switched(("0", default[1]))
+            loops["cudalab a @ b (64x64) via cublasGemmEx"] = switched((saved_env, False))
         # the parts of a @ b: the output's allocation and release alone, and the GEMM call
         # alone (the plan's call, resolved as matmul resolves it, into small_c: cuBLAS's own
         # host time plus the call's), so "a @ b" minus these is matmul's Python
@@ -294,7 +301,10 @@ def main() -> None:  # noqa: C901 - one table, section by section
 
             loops["(part) torch.empty((64, 64)) + release"] = loop_torch_alloc
         loops["(part) cudalab GEMM call alone"] = loop_gemm
-        host = _host_seconds(loops, number, 5 if quick else 9, cudalab.synchronize)
+        try:
+            host = _host_seconds(loops, number, 5 if quick else 9, cudalab.synchronize)
+        finally:
+            use(default)
         for label, seconds in host.items():
             results["us"][label] = seconds * 1e6
             note = ""
