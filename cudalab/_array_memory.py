@@ -62,8 +62,11 @@ _FILL_BLOCK3 = (_FILL_BLOCK, 1, 1)
 _FILL_MAX_BLOCKS = 8192
 #: The vector fill kernel's block (threads, one 16-byte vector each): 256 (4 KiB a block).
 _FILL_VECTOR_BLOCK = 256
-#: The largest grid.x a launch takes (2**31 - 1 blocks).
-_MAX_GRID_X = 0x7FFFFFFF
+#: The most bytes one vector fill covers: 2**31 - 1 blocks (a launch's largest grid.x) of
+#: 256 threads, 16 bytes each.
+_MAX_VECTOR_BYTES = 0x7FFFFFFF * _FILL_VECTOR_BLOCK * 16
+#: (grid, block) of a vector fill of up to 256 vectors, by its number of warps (1 to 8).
+_VECTOR_SHAPES = [((1, 1, 1), (32 * max(warps, 1), 1, 1)) for warps in range(9)]
 #: Whether a fill captured into a graph is launched with programmatic dependent launch on a
 #: device of compute capability 9.0+ (each fill kernel then begins while the previous one
 #: ends, and waits for it: see cudalab._kernels.fill). Chosen from the rows "fill kernel
@@ -564,19 +567,18 @@ def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stre
     """
     itemsize = len(pattern)
     nbytes = count * itemsize
-    if not (ptr | nbytes) & 15:
+    if not (ptr | nbytes) & 15 and nbytes <= _MAX_VECTOR_BYTES:
         vectors = nbytes >> 4
-        if vectors <= _FILL_VECTOR_BLOCK:  # one block of whole warps
-            grid, block = 1, (vectors + 31) & ~31
+        if itemsize < 8:
+            pattern = pattern * (8 // itemsize)
+        if vectors <= _FILL_VECTOR_BLOCK:  # one block of whole warps (shapes made once)
+            grid3, block3 = _VECTOR_SHAPES[(vectors + 31) >> 5]
         else:
-            grid, block = -(-vectors // _FILL_VECTOR_BLOCK), _FILL_VECTOR_BLOCK
-        if grid <= _MAX_GRID_X:
-            if itemsize < 8:
-                pattern = pattern * (8 // itemsize)
-            VECTOR_FILL_KERNEL.launch_prepared(
-                (grid, 1, 1), (block, 1, 1), (ptr, int.from_bytes(pattern, "little"), vectors),
-                stream, programmatic)
-            return
+            grid3, block3 = (-(-vectors // _FILL_VECTOR_BLOCK), 1, 1), _FILL_BLOCK3
+        VECTOR_FILL_KERNEL.launch_prepared(
+            grid3, block3, (ptr, int.from_bytes(pattern, "little"), vectors), stream,
+            programmatic)
+        return
     if itemsize < 8 and not (ptr | nbytes) & 7:  # 8 bytes stored a thread
         pattern, count = pattern * (8 // itemsize), nbytes >> 3
     grid = min(-(-count // _FILL_BLOCK), _FILL_MAX_BLOCKS)

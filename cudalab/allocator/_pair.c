@@ -21,7 +21,8 @@
  *     devices.per_thread.device, as the Python function reads it) of exactly the caching
  *     class, its lock free (its TokenLock's token present), ``size`` an int equal to the memo's
  *     request, the memo's block ready, stream=None naming the memo's stream (_hit_none, no
- *     custom current stream in any thread), no pending frees, no history hook;
+ *     custom current stream in any thread; or this thread's current Stream object of the
+ *     device is the memo's), no pending frees, no history hook;
  *   delete(ptr): the sanitizer off, ``ptr`` an int live in the first active allocator (of
  *     exactly the caching class), its block the memo's, used on no other stream, no history hook.
  * Any other call on that allocator calls its malloc or free (as the Python function would,
@@ -40,18 +41,19 @@
 #include <Python.h>
 #include <structmember.h>
 
-#define API 1
+#define API 2
 
 /* The allocator's fields the twins read, in bind()'s order of names. */
 enum {
-    FIELD_HIT_SIZE, FIELD_READY, FIELD_HIT_NONE, FIELD_PENDING, FIELD_LIVE, FIELD_HITS, FIELD_TRACE, FIELD_MEMO, FIELD_LOCK,
-    N_FIELDS
+    FIELD_HIT_SIZE, FIELD_READY, FIELD_HIT_NONE, FIELD_PENDING, FIELD_LIVE, FIELD_HITS,
+    FIELD_TRACE, FIELD_MEMO, FIELD_LOCK, FIELD_TLS_STREAMS, FIELD_HIT_STREAM, N_FIELDS
 };
 
 typedef struct {
     PyTypeObject *allocator_type; /* exactly this class (a strong reference) */
     PyTypeObject *block_type;
     PyTypeObject *lock_type;
+    PyTypeObject *deque_type;     /* collections.deque (pending frees) */
     Py_ssize_t field[N_FIELDS];   /* byte offsets of the allocator's slots */
     Py_ssize_t block_ptr, block_uses, lock_box;
     PyObject *allocators;         /* registry.allocators: a list, never rebound */
@@ -62,6 +64,7 @@ typedef struct {
     PyObject *custom;             /* streams.custom_stream_tokens: a list, never rebound */
     PyObject *py_alloc, *py_delete;
     PyObject *str_sole, *str_access, *str_initialized, *str_device, *str_malloc, *str_free;
+    PyObject *str_streams;
     PyObject *alloc_doc, *delete_doc; /* their UTF-8 buffers are the twins' ml_doc */
     int bound;
 } PairState;
@@ -80,17 +83,44 @@ flag_is_true(PyObject *globals, PyObject *name)
     return PyDict_GetItemWithError(globals, name) == Py_True; /* (borrowed; no error for str keys) */
 }
 
-/* Whether `obj` is an empty container of a C type (the allocator's pending-frees deque):
- * its length read without running Python code. */
+/* Whether `obj` is an empty collections.deque (the allocator's pending frees): exactly that
+ * type (a heap type from 3.12), whose length is C code. */
 static inline int
-empty_builtin(PyObject *obj)
+empty_deque(PyObject *obj)
 {
-    PyTypeObject *type = Py_TYPE(obj);
-    if (type->tp_flags & Py_TPFLAGS_HEAPTYPE || type->tp_as_sequence == NULL ||
-        type->tp_as_sequence->sq_length == NULL) {
+    if (Py_TYPE(obj) != S.deque_type) {
         return 0;
     }
-    return type->tp_as_sequence->sq_length(obj) == 0;
+    Py_ssize_t n = PyObject_Length(obj);
+    if (n < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return n == 0;
+}
+
+/* Whether stream=None names the memo's stream for this thread on `device`: no thread has a
+ * custom current stream and the memo's is the default one (_hit_none), or this thread's
+ * current stream of the device is the memo's Stream object (as Python's pure hit reads them). */
+static inline int
+stream_none_is_memos(PyObject *a, Py_ssize_t device)
+{
+    if (SLOT(a, S.field[FIELD_HIT_NONE]) == Py_True && PyList_GET_SIZE(S.custom) == 0) {
+        return 1;
+    }
+    PyObject *hit_stream = SLOT(a, S.field[FIELD_HIT_STREAM]);
+    if (SLOT(a, S.field[FIELD_TLS_STREAMS]) != Py_True || hit_stream == NULL) {
+        return 0;
+    }
+    PyObject *current = PyObject_GetAttr(S.per_thread, S.str_streams); /* this thread's */
+    if (current == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int same = PyList_CheckExact(current) && device < PyList_GET_SIZE(current) &&
+               PyList_GET_ITEM(current, device) == hit_stream;
+    Py_DECREF(current);
+    return same;
 }
 
 static PyObject *
@@ -142,8 +172,8 @@ pair_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *k
     if (box == NULL || !PyList_CheckExact(box) || PyList_GET_SIZE(box) == 0 /* lock held */ ||
         ready == NULL || !PyList_CheckExact(ready) || PyList_GET_SIZE(ready) == 0 ||
         hit_size == NULL || !PyLong_CheckExact(hit_size) ||
-        SLOT(a, S.field[FIELD_HIT_NONE]) != Py_True || PyList_GET_SIZE(S.custom) != 0 ||
-        pending == NULL || !empty_builtin(pending) ||
+        !stream_none_is_memos(a, device) ||
+        pending == NULL || !empty_deque(pending) ||
         SLOT(a, S.field[FIELD_TRACE]) != Py_None || live == NULL || !PyDict_CheckExact(live) ||
         hits == NULL || !PyLong_CheckExact(hits)) {
         goto method;
@@ -319,7 +349,8 @@ PyDoc_STRVAR(bind_doc,
 "     active, devices_globals, observe_globals, custom, module_name) -> (alloc, delete)\n\n"
 "The twins of py_alloc and py_delete (see the module doc). field_names: the allocator's\n"
 "slots _hit_size, _ready, _hit_none, pending_frees, live, _memo_hits, _trace, memo_block,\n"
-"_lock, in that order; the block's ptr and uses and the lock's _box are read by those names.\n"
+"_lock, _tls_streams, _hit_stream, in that order; the block's ptr and uses and the lock's\n"
+"_box are read by those names.\n"
 "Binding again replaces the state of the earlier twins.");
 
 static PyObject *
@@ -376,6 +407,15 @@ bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     s.str_device = PyUnicode_InternFromString("device");
     s.str_malloc = PyUnicode_InternFromString("malloc");
     s.str_free = PyUnicode_InternFromString("free");
+    s.str_streams = PyUnicode_InternFromString("streams");
+    PyObject *collections = PyImport_ImportModule("collections");
+    PyObject *deque = collections == NULL ? NULL : PyObject_GetAttrString(collections, "deque");
+    Py_XDECREF(collections);
+    if (deque == NULL || !PyType_Check(deque)) {
+        Py_XDECREF(deque);
+        goto fail;
+    }
+    s.deque_type = (PyTypeObject *)deque; /* (a strong reference) */
     s.per_thread = devices_globals == NULL ? NULL : PyDict_GetItemString(devices_globals, "per_thread");
     if (s.per_thread == NULL) {
         PyErr_SetString(PyExc_TypeError, "bind(): cudalab.devices has no per_thread");
@@ -385,6 +425,7 @@ bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     s.delete_doc = twin_doc(py_delete, "caching_allocator_delete(mem_ptr)");
     if (s.str_sole == NULL || s.str_access == NULL || s.str_initialized == NULL ||
         s.str_device == NULL || s.str_malloc == NULL || s.str_free == NULL ||
+        s.str_streams == NULL ||
         s.alloc_doc == NULL || s.delete_doc == NULL) {
         goto fail;
     }
@@ -430,6 +471,8 @@ bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(old.str_device);
         Py_XDECREF(old.str_malloc);
         Py_XDECREF(old.str_free);
+        Py_XDECREF(old.str_streams);
+        Py_XDECREF(old.deque_type);
     }
     alloc_def.ml_meth = (PyCFunction)(void (*)(void))pair_alloc;
     alloc_def.ml_doc = alloc_text;
@@ -449,6 +492,8 @@ fail:
     Py_XDECREF(s.str_device);
     Py_XDECREF(s.str_malloc);
     Py_XDECREF(s.str_free);
+    Py_XDECREF(s.str_streams);
+    Py_XDECREF(s.deque_type);
     Py_XDECREF(s.alloc_doc);
     Py_XDECREF(s.delete_doc);
     return NULL;

@@ -720,7 +720,7 @@ class DeviceCachingAllocator(PairMemo, PrivatePools, SlowPath, Inspection):
 #: The fields of DeviceCachingAllocator that cudalab/allocator/_pair.c reads, in its order:
 #: the pure hit of malloc and the lock-free free of a memo hit, above.
 PAIR_FIELDS = ("_hit_size", "_ready", "_hit_none", "pending_frees", "live", "_memo_hits",
-               "_trace", "memo_block", "_lock")
+               "_trace", "memo_block", "_lock", "_tls_streams", "_hit_stream")
 
 
 def compiled_pair(py_alloc: Callable[..., int], py_delete: Callable[[int], None],
@@ -748,8 +748,8 @@ def compiled_pair(py_alloc: Callable[..., int], py_delete: Callable[[int], None]
         return None
     try:
         api = getattr(_pair, "API", None)
-        if api != 1:
-            raise TypeError(f"API {api!r}, expected 1")
+        if api != 2:
+            raise TypeError(f"API {api!r}, expected 2")
         twins: tuple[Callable[..., int], Callable[[int], None]] = _pair.bind(
             py_alloc, py_delete, DeviceCachingAllocator, PAIR_FIELDS, Block, TokenLock,
             allocators, active, devices_globals, observe_globals, custom, module_name)

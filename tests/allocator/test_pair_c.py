@@ -171,9 +171,10 @@ class _NullTracker:
 
 
 @needs_c
-def test_a_custom_current_stream_takes_the_python_pair():
-    """stream=None means this thread's current stream: with a side stream current somewhere,
-    the memo's stream is not the answer in every thread."""
+def test_a_custom_current_stream_hits_on_this_threads_stream():
+    """stream=None means this thread's current stream: with a side stream current, the hit
+    is made when that Stream object is the memo's (as Python's third pure-hit case), and
+    the memo of the default stream is not handed out on it."""
     _warm_pair()
     s = cudalab.Stream()
     with cudalab.stream(s):
@@ -181,6 +182,14 @@ def test_a_custom_current_stream_takes_the_python_pair():
         p = cm.caching_allocator_alloc(4096)
         assert cm.get_allocator(0).live[p].fl.stream == s.cuda_stream
         cm.caching_allocator_delete(p)
+        _warm_pair()
+        assert _frames_of(lambda: cm.caching_allocator_delete(cm.caching_allocator_alloc(4096))) == []
+        p = cm.caching_allocator_alloc(4096)
+        assert cm.get_allocator(0).live[p].fl.stream == s.cuda_stream
+        cm.caching_allocator_delete(p)
+    p = cm.caching_allocator_alloc(4096)  # the default stream again: not s's block
+    assert cm.get_allocator(0).live[p].fl.stream == cudalab.current_stream().cuda_stream
+    cm.caching_allocator_delete(p)
 
 
 def test_binding_again_gives_working_twins():
