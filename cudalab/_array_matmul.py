@@ -120,14 +120,22 @@ class _Resolved(NamedTuple):
 
 
 class _Entry:
-    """A plan and its last resolved call (None until the first call, and again for another
-    handle or settings state). ``resolved`` is replaced whole (one store), never changed."""
+    """A plan and its last resolved call (made by :func:`_entry`). ``resolved`` is replaced
+    whole (one store), never changed. (No ``__init__``: a method of a class in the array's
+    parts types its ``self`` as the array, tests/array/test_structure.py.)"""
 
     __slots__ = ("plan", "resolved")
 
-    def __init__(self, plan: _Plan) -> None:
-        self.plan = plan
-        self.resolved: _Resolved | None = None
+    plan: _Plan  # the cached plan
+    resolved: _Resolved | None  # None until the first call, and again for another handle or state
+
+
+def _entry(plan: _Plan) -> _Entry:
+    """A new entry of ``plan``, with no resolved call yet."""
+    entry = _Entry()
+    entry.plan = plan
+    entry.resolved = None
+    return entry
 
 
 #: (input dims, strides, dtype, other dims, strides, dtype) -> its plan's entry; only operands
@@ -443,7 +451,7 @@ def _matmul(input: Any, other: Any, out: Any) -> Any:
     plan = _Plan(shape, dtype, data_type, kind, OP_T if col_b else OP_N, OP_T if col_a else OP_N,
                  n, m, k, ldb, 0 if batch_b == 1 else stride_b, lda,
                  0 if batch_a == 1 else stride_a, batch)
-    planned = _Entry(plan)
+    planned = _entry(plan)
     if cacheable and (a_nd > 1 or input.contiguous) and (b_nd > 1 or other.contiguous):
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
