@@ -734,7 +734,8 @@ def test_memset(cb):
         cb.stream_synchronize(s)
         halves = np.zeros(8, np.uint16)
         cb.memcpy(0, halves.ctypes.data, d, 16)
-        assert list(halves[:5]) == [0xFFFF, 0x3C00, 0x3C00, 0x3C00, 0xDEAD]
+        # (0xDEADBEEF little-endian: 0xBEEF, then 0xDEAD)
+        assert list(halves[:6]) == [0xFFFF, 0x3C00, 0x3C00, 0x3C00, 0xBEEF, 0xDEAD]
     finally:
         cb.mem_free(0, d)
 
