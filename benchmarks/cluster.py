@@ -238,8 +238,14 @@ def rank_worker(args: argparse.Namespace) -> int:
     if args.artificial_cost_ms:
         source = CostlySource(records.rank_source(), args.artificial_cost_ms / 1000)
     publisher = serve(args.directory, interval=0.5, source=source)
+    # the first sample opens NVML and reads the device's identity (tens of ms, once): it is
+    # taken before the blocks, and shown on its own row
+    end = time.monotonic() + 10
+    while not publisher.tick_seconds and time.monotonic() < end:
+        time.sleep(0.005)
+    first = publisher.tick_seconds[0] if publisher.tick_seconds else None
     figures = paired_blocks(publisher, args.blocks, steps, size, rank)
-    print(json.dumps({"rank": rank, **figures}), flush=True)
+    print(json.dumps({"rank": rank, "first_tick": first, **figures}), flush=True)
     print("serving", flush=True)
     kept = [base]
     for line in sys.stdin:
@@ -338,6 +344,10 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
         # of 8 processes sharing the CPUs and the GPU), and per sample
         results["publisher thread CPU / step time, worst rank (%)"] = 100 * max(
             r["share"] for r in per_rank)
+        firsts = [r["first_tick"] for r in per_rank if r["first_tick"] is not None]
+        if firsts:
+            results["publisher's first sample (opens NVML, reads the device's identity; "
+                    "before the blocks), CPU, worst rank (ms)"] = 1e3 * max(firsts)
         ticks = [t for r in per_rank for t in r["ticks"]]
         if ticks:
             results["publisher CPU per sample, median of all ranks' samples (us)"] = \
@@ -436,7 +446,8 @@ def rank_figures(data: dict) -> dict:
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     return {"rank": data["rank"], "pairs": pairs, "ratios": ratios,
             "slowdown": statistics.median(ratios), "iqr": q[2] - q[0],
-            "share": data["busy"] / sum(on for on, _ in pairs), "ticks": data["ticks"]}
+            "share": data["busy"] / sum(on for on, _ in pairs), "ticks": data["ticks"],
+            "first_tick": data.get("first_tick")}
 
 
 def noise_floor(per_rank: list[dict], draws: int = 2000, seed: int = 0) -> float:
