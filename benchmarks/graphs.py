@@ -24,8 +24,9 @@ Rows (cudalab, then torch's ``torch.cuda.CUDAGraph`` when torch is importable):
   over eager (goals: every cudalab row <= torch's, the graph >= 5x eager); and cudalab's
   eager fills through the fill kernel (what a fill takes during a capture), beside its
   eager memset (which of the two an eager fill should take, per dtype), and the replay of
-  the same graph captured with programmatic fills (``_array_memory.PROGRAMMATIC_FILLS``:
-  whether fill_ should launch them so); a fifth case,
+  the same graph captured with fill_'s other setting of programmatic fills
+  (``_array_memory.PROGRAMMATIC_FILLS``, on by default on sm_90+; whether fill_ should
+  launch them so); a fifth case,
   float16 starting 2 bytes into its buffer (1,024 elements), takes cuMemsetD16 eagerly
   (float16 elsewhere takes cuMemsetD32 of the doubled pattern);
 * fill kernel variants: 1,000 launches of each fill kernel and launch shape (and with
@@ -281,8 +282,8 @@ def bench_dtype_fills(lib: str, api: dict, table: Table, results: dict, rounds: 
                 with api["kernel_fills"]():
                     kernel_eager = _event_seconds(events, fills, repeat)
             programmatic = None
-            if "programmatic_fills" in api:  # the same graph, its fills launched with PDL
-                with api["programmatic_fills"](True):
+            if "programmatic_fills" in api:  # the same graph, fill_'s other PDL setting
+                with api["programmatic_fills"](None):
                     gp = _capture(api["CUDAGraph"], fills)
                 gp.replay()
                 s.synchronize()
@@ -303,11 +304,12 @@ def bench_dtype_fills(lib: str, api: dict, table: Table, results: dict, rounds: 
                       kernel_eager * 1e6, "µs", f"{kernel_eager / eager:.2f}x the eager fill_")
             results[f"{key}_eager_kernel_us"] = kernel_eager * 1e6
         if programmatic is not None:
-            table.add(f"{lib} {KERNELS} fill_ {name} replay with programmatic fills, GPU{tag}",
-                      programmatic * 1e6, "µs",
+            other = "off" if api["programmatic_default"]() else "on"
+            table.add(f"{lib} {KERNELS} fill_ {name} replay with programmatic fills {other}, "
+                      f"GPU{tag}", programmatic * 1e6, "µs",
                       f"{eager / programmatic:.1f}x faster than eager (goal >= 5x)")
-            results[f"{key}_replay_programmatic_gpu_us"] = programmatic * 1e6
-            results[f"{key}_graph_speedup_programmatic"] = eager / programmatic
+            results[f"{key}_replay_programmatic_{other}_gpu_us"] = programmatic * 1e6
+            results[f"{key}_graph_speedup_programmatic_{other}"] = eager / programmatic
         rounds[f"{lib} fill_ {name}: replay() host time, queue drained"] = (
             functools.partial(_drained_replay_seconds, api["stream"], s, g, replays), replays,
             f"{key}_replay_host_us")
@@ -332,12 +334,12 @@ def fill_kernel_variants(table: Table, results: dict, quick: bool, simulated: bo
     nbytes = x.nbytes
     one = 0x3F800000  # 1.0f
     two = one << 32 | one
-    # label -> (kernel, grid, block, value, count, programmatic dependent launch); the first
-    # is what fill_ takes in a graph (with PROGRAMMATIC_FILLS: the "programmatic" one)
+    # label -> (kernel, grid, block, value, count, programmatic dependent launch); the second
+    # is what fill_ takes in a graph on sm_90+ (the first with CUDALAB_PROGRAMMATIC_FILLS=0)
     variants = {
-        "v16, 1 block of 256 (fill_'s)": (VECTOR_FILL_KERNEL, 1, 256, two, nbytes // 16, False),
-        "v16, 1 block of 256, programmatic launch": (VECTOR_FILL_KERNEL, 1, 256, two,
-                                                     nbytes // 16, True),
+        "v16, 1 block of 256": (VECTOR_FILL_KERNEL, 1, 256, two, nbytes // 16, False),
+        "v16, 1 block of 256, programmatic launch (fill_'s)": (VECTOR_FILL_KERNEL, 1, 256, two,
+                                                               nbytes // 16, True),
         "v16, 2 blocks of 128": (VECTOR_FILL_KERNEL, 2, 128, two, nbytes // 16, False),
         "v16, 2 blocks of 128, programmatic launch": (VECTOR_FILL_KERNEL, 2, 128, two,
                                                       nbytes // 16, True),
@@ -452,15 +454,14 @@ def cudalab_fill_api():
     import numpy as np
 
     import cudalab
-    from cudalab import streams
+    from cudalab import _array_memory, streams
 
     @contextlib.contextmanager
     def programmatic_fills(on):
-        # fill_'s switch for programmatic dependent launch of captured fills
-        from cudalab import _array_memory
-
+        # fill_'s switch for programmatic dependent launch of captured fills (None: the
+        # setting fill_ does not take by default)
         before = _array_memory.PROGRAMMATIC_FILLS
-        _array_memory.PROGRAMMATIC_FILLS = on
+        _array_memory.PROGRAMMATIC_FILLS = (not before) if on is None else on
         try:
             yield
         finally:
@@ -480,7 +481,8 @@ def cudalab_fill_api():
                 (start + FILL_ELEMENTS,), np.dtype(name))[start:],
             "Stream": cudalab.Stream, "stream": cudalab.stream, "CUDAGraph": cudalab.CUDAGraph,
             "Event": cudalab.Event, "synchronize": cudalab.synchronize,
-            "kernel_fills": kernel_fills, "programmatic_fills": programmatic_fills}
+            "kernel_fills": kernel_fills, "programmatic_fills": programmatic_fills,
+            "programmatic_default": lambda: _array_memory.PROGRAMMATIC_FILLS}
 
 
 def torch_fill_api(torch):

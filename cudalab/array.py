@@ -441,11 +441,10 @@ class DeviceArray(OperatorsMixin, MatmulMixin, TransfersMixin, ReductionsMixin, 
     def fill_(self, value: Any) -> DeviceArray:
         """Set every element to ``value`` (converted to the dtype as numpy does). Returns self.
 
-        Eagerly, byte-uniform patterns use cuMemsetD8, 4-byte ones cuMemsetD32, 2-byte ones
-        cuMemsetD32 of the doubled pattern (4-byte aligned) or cuMemsetD16, 8-byte ones
-        cudalab's fill kernels; while a CUDAGraph is being captured, always the fill kernels
-        (a kernel node replays far cheaper than a memset node, as torch's fills are
-        kernels). Runs on the current stream.
+        Eagerly a memset where the pattern allows (D8, D16, D32), else cudalab's fill
+        kernels; while a CUDAGraph is being captured, always the fill kernels (a kernel node
+        replays far cheaper than a memset node, as torch's fills are kernels); see
+        ``_array_memory.fill``. Runs on the current stream.
         """
         # (The checks as two flag reads, the current stream read directly: the "capture,
         # host time per launch (fill_)" row of benchmarks/graphs.py.)

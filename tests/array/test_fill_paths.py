@@ -6,6 +6,10 @@ around the filled range are checked, so a kernel that writes past its range is s
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -218,3 +222,17 @@ def test_programmatic_fills_after_a_join_and_a_copy(monkeypatch):
     expected_y = np.concatenate([np.full(128, 7.0), np.full(128, 2.0), np.full(768, 3.0)])
     np.testing.assert_array_equal(x.numpy(), expected_x.astype(np.float32))
     np.testing.assert_array_equal(y.numpy(), expected_y.astype(np.float32))
+
+
+def test_programmatic_fills_are_on_unless_turned_off():
+    code = "from cudalab import _array_memory as m; print(m.PROGRAMMATIC_FILLS)"
+    seen = {}
+    for value in (None, "0", "1"):
+        env = {k: v for k, v in os.environ.items() if k != "CUDALAB_PROGRAMMATIC_FILLS"}
+        if value is not None:
+            env["CUDALAB_PROGRAMMATIC_FILLS"] = value
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        seen[value] = r.stdout.strip()
+    assert seen == {None: "True", "0": "False", "1": "True"}
