@@ -194,12 +194,16 @@ class LanesExplorer(W.VBox):
         self._cmd.add_class("cudalab-explorer-cmd")
         self._cmd.observe(self._on_command, "value")
         buttons = []
-        for label, cmd, tip in (("−", "zoom 0.5 2", "zoom out"), ("+", "zoom 0.5 0.5", "zoom in"),
-                                ("◀", "pan -0.25", "pan left"), ("▶", "pan 0.25", "pan right"),
-                                ("all", "reset", "every lane's whole trace")):
+        for label, cmd, tip, name in (
+                ("−", "zoom 0.5 2", "zoom out", "zoom-out"),
+                ("+", "zoom 0.5 0.5", "zoom in", "zoom-in"),
+                ("◀", "pan -0.25", "pan left", "pan-left"),
+                ("▶", "pan 0.25", "pan right", "pan-right"),
+                ("all", "reset", "every lane's whole trace", "reset"),
+                ("peak", "peak", "the moment of the highest peak of any lane", "peak")):
             b = W.Button(description=label, tooltip=tip,
                          layout=W.Layout(width="56px" if len(label) > 1 else "40px"))
-            b.add_class(f"cudalab-explorer-{tip.split()[0]}-{tip.split()[-1]}")
+            b.add_class(f"cudalab-lanes-{name}")
             b.on_click(lambda _b, c=cmd: self.command(c))
             buttons.append(b)
         self._live = W.HTML("<i>click a lane to see what was live there then</i>")
@@ -244,7 +248,7 @@ class LanesExplorer(W.VBox):
     def command(self, text: str) -> None:
         """Run one command: ``click F LANE`` (the moment at fraction F of the view, in lane
         LANE), ``zoom F K`` (scale the view by K around fraction F), ``pan D`` (move it by
-        D views), ``reset``."""
+        D views), ``reset``, ``peak`` (:meth:`peak`, picked)."""
         with self._lock:
             parts = text.split()
             lo, hi = map(float, self.lanes.bounds)
@@ -265,9 +269,27 @@ class LanesExplorer(W.VBox):
                 self.window = (na, na + span)
             elif op == "reset":
                 self.window = (lo, hi)
+            elif op == "peak":
+                found = self.peak()
+                if found is not None:
+                    self.pick(*found)
+                return
             else:
                 raise ValueError(f"unknown command {op!r}")
             self._render()
+
+    def peak(self) -> tuple[int, float] | None:
+        """``(lane, time)`` of the highest allocated level of any lane (the first lane and
+        moment reaching it); None when no lane has entries."""
+        best: tuple[int, int, float] | None = None
+        for i, x in enumerate(self.lanes.lanes):
+            if x.views is None or not x.entries:
+                continue
+            levels = x.views.allocated[x.start:x.stop]
+            k = int(np.argmax(levels))
+            if best is None or int(levels[k]) > best[0]:
+                best = (int(levels[k]), i, float(x.views.index.time_us[x.start + k]))
+        return None if best is None else (best[1], best[2])
 
     def pick(self, lane: int, time_us: float) -> int | None:
         """Pick the moment ``time_us`` in lane ``lane``: drawn across every lane, and that

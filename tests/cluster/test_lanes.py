@@ -126,6 +126,13 @@ def test_the_explorer_draws_a_lane_per_rank_and_pans_zooms_and_picks_across_them
     assert ex.pick(2, lo) is None and "before this lane" in ex._live.value  # noqa: SLF001
     with pytest.raises(IndexError, match="4 lanes"):
         ex.pick(4, lo)
+    # the highest peak of any lane: rank 2's, when its 4 blocks of 3 MiB are all live
+    lane_2 = ex.lanes.lanes[2]
+    assert ex.peak() == (2, T0 + 2000 + 40)
+    ex.command("peak")
+    assert ex.moment == (2, T0 + 2000 + 40) and ex.moment_row == lane_2.start + 4
+    assert "data-allocated='12582912'" in ex._live.value  # noqa: SLF001
+    assert LanesExplorer({"x": None}, errors={"x": "gone"}).peak() is None
     with pytest.raises(ValueError, match="unknown command"):
         ex.command("explode")
     bundle = ex._repr_mimebundle_()

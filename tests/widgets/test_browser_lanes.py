@@ -5,7 +5,8 @@ headless Chromium through Playwright, with a live kernel on the simulator (the h
 Four lanes (three ranks' snapshots and one rank that did not answer) are shown; then the
 mouse works as in the single-trace explorer: the wheel over a lane zooms every lane (a new
 SVG from the kernel, its window narrower), a drag pans them, a click on a lane shows that
-lane's live set at that moment, and the lost lane says why it is empty.
+lane's live set at that moment, the peak button picks the highest peak of any lane, and the
+lost lane says why it is empty.
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ def test_lanes_in_jupyterlab(tmp_path, run_lock):
             assert "rank 1 · node7" in moment, moment
             page.wait_for_selector("svg.cudalab-lanes-timeline line.cudalab-explorer-moment",
                                    state="attached")
+            # the peak button: the highest peak of any lane (rank 2 holds 3 MiB blocks)
+            page.locator(".cudalab-lanes-peak").first.click()
+            page.wait_for_selector(".cudalab-lanes-moment[data-lane='2']")
+            assert "rank 2 · node7" in page.locator(".cudalab-explorer-live-panel").inner_text()
             page.locator(".cudalab-explorer-lanes").first.screenshot(
                 path=str(ARTIFACTS / "browser_lanes.png"))
         except Exception:
