@@ -24,7 +24,8 @@ What CuPy's hook API lets a recording see (the note of each snapshot says it too
 
 * **one thread**: CuPy keeps the hooks per thread, so the thread that starts the recording
   (a notebook's main thread) is the one recorded; a block freed in another thread (a data
-  loader's, or the garbage collector running there) stays live in the recording;
+  loader's, or the garbage collector running there) stays live in the recording until the
+  pool hands its address out again, when its free is written (and counted in the note);
 * **only a pool's allocations**: ``cupy.cuda.set_allocator`` with a plain function (RMM,
   ``malloc_managed``) calls no hook; when cudalab's allocator backs CuPy
   (:mod:`cudalab.interop`), CuPy's arrays are cudalab's allocations and cudalab's own
@@ -82,7 +83,8 @@ _now = time.time_ns
 class _Device:
     """What one device's recording knows."""
 
-    __slots__ = ("ring", "blocks", "segments", "before", "older_frees", "older_bytes")
+    __slots__ = ("ring", "blocks", "segments", "before", "older_frees", "older_bytes",
+                 "unseen_frees")
 
     def __init__(self, maxlen: int, before: int | None):
         self.ring = HistoryRing(maxlen)
@@ -95,6 +97,7 @@ class _Device:
         self.before = before
         self.older_frees = 0  # frees of blocks allocated before the recording (not written)
         self.older_bytes = 0  # their bytes
+        self.unseen_frees = 0  # blocks freed in another thread, found when reused
 
 
 def _hook_class(base: type) -> type:
@@ -235,6 +238,9 @@ class CupyRecording:
                     self._entry(dev, "oom", free, mem_size, stream, fr)
                 return
             fr = _stacks.capture_stack(0) if level >= _STATE else None
+            old = dev.blocks.get(mem_ptr)
+            if old is not None:  # the pool hands it out again: it was freed unseen
+                self._freed_unseen(dev, mem_ptr, old)
             dev.blocks[mem_ptr] = (mem_size, size, stream, fr)
             # (the entry written inline, as _entry writes it: the hot path)
             m = nvtx.thread_ranges.__dict__.get("messages") if nvtx.ranges_used else None
@@ -246,6 +252,16 @@ class CupyRecording:
                 dev.ring.compact()
         except Exception as exc:  # (inside CuPy's malloc: never raised into it)
             self._failed(exc)
+
+    def _freed_unseen(self, dev: _Device, ptr: int,
+                      block: tuple[int, int, int, Stack | None]) -> None:
+        """A block the recording holds live comes out of the pool again: another thread
+        freed it (CuPy's hooks are per thread). Its free entries are written now, so the
+        trace stays one the replay reads, and counted (the snapshot's note says so)."""
+        fr = block[3] if self.level >= _ALLOC else None
+        self._entry(dev, "free_requested", ptr, block[0], block[2], fr)
+        self._entry(dev, "free_completed", ptr, block[0], block[2], fr)
+        dev.unseen_frees += 1
 
     def on_free(self, device_id: int = 0, mem_size: int = 0, mem_ptr: int = 0,
                 pmem_id: int = 0, **_: Any) -> None:
@@ -454,6 +470,11 @@ class CupyRecording:
                 parts.append(f"cuda:{p['device']}: {n} free{'s' if n > 1 else ''} "
                              f"({format_bytes(p['older_bytes'])}) of blocks allocated before "
                              "the recording are not in the trace")
+            n = p.get("unseen_frees", 0)
+            if n:
+                parts.append(f"cuda:{p['device']}: {n} block{'s were' if n > 1 else ' was'} "
+                             "freed outside the recorded thread (the free is written when "
+                             "the pool hands the address out again)")
         if self.backing != "pool":
             parts.append("CuPy allocated through another pool than its default one at the "
                          "start: the pool totals are not compared (released segments are "
@@ -486,7 +507,8 @@ class CupyRecording:
                 "device": d,
                 "recorded_used_bytes": sum(b[0] for b in list(dev.blocks.values())),
                 "recorded_segment_bytes": sum(s[0] for s in list(dev.segments.values())),
-                "older_frees": dev.older_frees, "older_bytes": dev.older_bytes}
+                "older_frees": dev.older_frees, "older_bytes": dev.older_bytes,
+                "unseen_frees": dev.unseen_frees}
             if self.active:
                 try:
                     used, total, _ = cupy_pool_figures(self.cupy, d, free_blocks=False)

@@ -243,6 +243,15 @@ def test_only_the_starting_thread_is_recorded(cupy):
         except RuntimeError as exc:
             errors.append(str(exc))
 
+    # a block freed in another thread is found when the pool hands its address out again
+    t = threading.Thread(target=lambda: cupy.free(mine))
+    t.start()
+    t.join()
+    again = cupy.alloc(1 << 20)
+    assert again == mine
+    acts = [(e["action"], e["addr"]) for e in entries(rec.snapshot())]
+    assert acts[-3:] == [("free_requested", mine), ("free_completed", mine), ("alloc", mine)]
+    assert "1 block was freed outside the recorded thread" in rec.snapshot()["cudalab"]["note"]
     t = threading.Thread(target=stop_there)
     t.start()
     t.join()
