@@ -200,7 +200,10 @@ def counterfactuals(device: int, request: int | None, state: DeviceState,
                     ) -> tuple[Any, str]:
     """Replays of the recorded history up to the error, then the failed request, under
     ``settings`` (default :data:`COUNTERFACTUAL_SETTINGS`) on a device of the memory the
-    failing allocator could have had (its reserved bytes plus the free bytes at the error).
+    failing allocator could have had (its reserved bytes plus the free bytes at the error),
+    less the blocks still live that the history does not hold (allocated before it began:
+    the replays start from an empty allocator, so that memory is not theirs to use;
+    ``attrs["before_history"]``).
 
     Returns
     -------
@@ -221,9 +224,10 @@ def counterfactuals(device: int, request: int | None, state: DeviceState,
         return None, "no failed request to replay"
     figures = next((a for a in state.allocators if a.source == (source or "cudalab")), None)
     reserved = figures.reserved if figures is not None else 0
-    capacity = reserved + state.free
+    before = _live_before_history(device, source, trace)
+    capacity = reserved + state.free - before
     if figures is not None and figures.limit is not None:
-        capacity = min(capacity, figures.limit)
+        capacity = min(capacity, figures.limit - before)
     capacity = max(capacity, 1 << 20)
     top = max([e[1] for e in trace if e[0] == "alloc"], default=0)
     trace = [*trace, ("alloc", top + (1 << 40), int(want), 0)]
@@ -243,6 +247,7 @@ def counterfactuals(device: int, request: int | None, state: DeviceState,
     out = out.sort_values(["fits", "peak_reserved"], ascending=[False, True],
                           ignore_index=True)
     out.attrs["capacity"] = capacity
+    out.attrs["before_history"] = before
     out.attrs["entries"] = len(trace)
     out.attrs["request_entry"] = last
     out.attrs["refused"] = df.attrs.get("refused", {})
@@ -253,6 +258,31 @@ def counterfactuals(device: int, request: int | None, state: DeviceState,
             "history (allocated before it began, or outside the allocator) made the "
             "difference")
     return out, note
+
+
+def _live_before_history(device: int, source: str | None,
+                         trace: list[tuple[str, int, int, int]]) -> int:
+    """Bytes of the failing allocator's live blocks that ``trace`` did not allocate (or
+    allocated and freed: an address reused since), i.e. held from before the history."""
+    live: set[int] = set()
+    for action, addr, _, _ in trace:
+        if action == "alloc":
+            live.add(addr)
+        else:
+            live.discard(addr)
+    blocks: list[tuple[int, int]] = []
+    if source == "torch":
+        torch = sys.modules.get("torch")
+        try:
+            for seg in torch.cuda.memory_snapshot() if torch is not None else ():
+                if seg.get("device") == device:
+                    blocks += [(int(b["address"]), int(b["size"])) for b in seg["blocks"]
+                               if b.get("state") == "active_allocated"]
+        except Exception:  # (torch's snapshot unavailable: nothing known to subtract)
+            return 0
+    else:
+        blocks = [(addr, nbytes) for addr, nbytes, _ in live_blocks(device)]
+    return sum(n for addr, n in blocks if addr not in live)
 
 
 # ============================================================================ explain_oom

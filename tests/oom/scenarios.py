@@ -63,7 +63,7 @@ def scaled_device() -> Iterator[int]:
     try:
         yield extra
     finally:
-        BALLAST.clear()
+        BALLAST.pop()  # (this one: an outer scaled_device keeps its own)
         gc.collect()
         cm.empty_cache()
 
