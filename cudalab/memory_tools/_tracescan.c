@@ -772,7 +772,13 @@ static int step(Scanner *s) {
           u = le(p + s->pos, w); s->pos += w;
           if (op == 0x8b && (int32_t)u < 0) return corrupt(s, at);
           if (need(s, (Py_ssize_t)u)) return -1;
-          PyObject *v = u ? _PyLong_FromByteArray(p + s->pos, (size_t)u, 1, 1) : PyLong_FromLong(0);
+          PyObject *v;
+          if (u >= 1 && u <= 8) {  /* (addresses, times: one int64, no byte-array parse) */
+              uint64_t x = le(p + s->pos, (int)u);
+              if (u < 8 && (x >> (8 * u - 1)) & 1) x |= ~0ULL << (8 * u);  /* sign */
+              v = PyLong_FromLongLong((long long)(int64_t)x);
+          } else
+              v = u ? _PyLong_FromByteArray(p + s->pos, (size_t)u, 1, 1) : PyLong_FromLong(0);
           s->pos += (Py_ssize_t)u;
           return push(s, v, 0); }
     case 'G': if (need(s, 8)) return -1;

@@ -252,3 +252,20 @@ def test_a_read_of_some_columns_gives_those_and_defaults_for_the_rest(tmp_path, 
         bad["device_traces"][1][7]["time_us"] = "late"
         path.write_bytes(dumps_snapshot(bad))
         open_trace(path, columns=["addr"])
+
+
+@needs_scanner
+def test_integers_of_every_width_read_exactly(tmp_path):
+    # LONG1 of 1 to 8 bytes is read as one int64 (sign included), wider ones as Python's
+    times = [0, 1, -1, 127, 128, 255, -128, -129, 2**31, -2**31 - 1, 2**40 + 5, -2**40 - 7,
+             2**55, -2**55, 2**63 - 1, -2**63]
+    addrs = [2**63, 2**64 - 1, 139637976977920, 2**32]  # (9 bytes: the wide path; uint64)
+    entries = [{"action": "alloc", "addr": addrs[i % len(addrs)], "size": 512, "stream": 0,
+                "time_us": t, "frames": []} for i, t in enumerate(times)]
+    snap = {"segments": [], "device_traces": [entries]}
+    path = tmp_path / "ints.pickle"
+    path.write_bytes(dumps_snapshot(snap))
+    got = open_trace(path)
+    assert got.time_us.tolist() == times
+    assert got.addr.dtype == np.uint64 and [int(a) for a in got.addr] == \
+        [addrs[i % len(addrs)] for i in range(len(times))]
