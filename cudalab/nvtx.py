@@ -24,6 +24,8 @@ import sys
 import threading
 from typing import Any, Literal
 
+from cudalab import _interrupts
+
 __all__ = [
     "mark",
     "range_push",
@@ -165,6 +167,12 @@ def range_pop() -> int:
     if domain is not None and domain is not _UNSET:
         domain.pop_range()
     return len(stack)
+
+
+# A Ctrl-C inside either waits until it returns: this thread's stack and NVTX's stay paired
+# (an interrupt between NVTX's push and the stack's append, or in the ``finally`` of a
+# collective's range_pop, would leave a range open for ever).
+_interrupts.guard(range_push, range_pop)
 
 
 def range_start(msg: str) -> int:

@@ -263,3 +263,35 @@ def test_private_nvtx_constructors_still_fit():
     attrs = make("hello")
     assert attrs.message.string == "hello"
     assert fallback == []  # the private path was used, not the unbounded-cache fallback
+
+
+# ------------------------------------------------------------------------ Ctrl-C
+@pytest.mark.parametrize("where", ["range_push", "range_pop"])
+def test_ctrl_c_anywhere_in_push_or_pop_keeps_the_stack_and_nvtx_paired(domain, deferring, where):
+    """An interrupt at any line of range_push / range_pop comes after it returns: NVTX's
+    pushes minus pops always equal this thread's stack depth (collectives pop in a
+    ``finally``, where an interrupt inside the pop would leave the range open)."""
+    from tests.helpers.interrupts import count_events, interrupt_at
+
+    code = getattr(cnvtx, where).__code__
+
+    def op():
+        if where == "range_push":
+            cnvtx.range_push("r")
+        else:
+            cnvtx.range_pop()
+
+    def traced(frame):
+        return frame.f_code is code
+
+    cnvtx.range_push("setup")
+    n = count_events(op, traced)
+    assert n >= 3
+    for k in range(1, n + 1):
+        if where == "range_pop":
+            cnvtx.range_push("r")
+        _, exc, tripped = interrupt_at(op, traced, k)
+        assert tripped and isinstance(exc, KeyboardInterrupt), k
+        pushes = sum(c[0] == "push" for c in domain.calls)
+        pops = sum(c[0] == "pop" for c in domain.calls)
+        assert pushes - pops == len(cnvtx.current_ranges()), k
