@@ -166,20 +166,31 @@ def test_round_to_tf32_keeps_ten_mantissa_bits():
 
 
 def _recording(monkeypatch):
-    """Record the compute type and math mode of each GEMM on this thread's handle."""
+    """Record the compute type and math mode of each GEMM on this thread's handle.
+
+    Through the seam's ``gemm_call`` (what matmul's resolved plans call: on a GPU the C call
+    of cudalab._driver.blascall, which never passes through ``gemm``), with the plan cache
+    emptied for the test so that every plan is resolved through the recording."""
     bound = blas.bound_handle(cudalab.current_device())
     calls = []
-    real_gemm, real_mode = bound.blas.gemm, bound.blas.set_math_mode
+    real_gemm_call, real_mode = bound.blas.gemm_call, bound.blas.set_math_mode
 
-    def gemm(*args):
-        calls.append(("gemm", args[-2], args[-1], bound.math_mode))
-        return real_gemm(*args)
+    def gemm_call(*args):
+        call = real_gemm_call(*args)
+        compute_type, algo = args[-2], args[-1]
+
+        def recorded(a, b, c):
+            calls.append(("gemm", compute_type, algo, bound.math_mode))
+            return call(a, b, c)
+
+        return recorded
 
     def set_math_mode(handle, mode):
         calls.append(("mode", mode))
         return real_mode(handle, mode)
 
-    monkeypatch.setattr(bound.blas, "gemm", gemm)
+    monkeypatch.setattr(_array_matmul, "_plans", {})  # (restored after: the plans made here
+    monkeypatch.setattr(bound.blas, "gemm_call", gemm_call)  # hold the recording)
     monkeypatch.setattr(bound.blas, "set_math_mode", set_math_mode)
     return calls
 
