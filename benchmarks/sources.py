@@ -159,8 +159,11 @@ def cupy_recording(cupy, number: int, rounds: int) -> dict:
             del a
         return (time.perf_counter() - t) / number
 
+    class Empty(cupy.cuda.MemoryHook):  # CuPy's own cost of calling any hook
+        name = "benchmark_empty_hook"
+
     pairs()  # warm: the pool's segment
-    off, on, bare = [], [], []
+    off, on, bare, empty_hook = [], [], [], []
     snapshot_s = 0.0
     for _ in range(rounds):
         off.append(pairs())
@@ -174,10 +177,13 @@ def cupy_recording(cupy, number: int, rounds: int) -> dict:
             rec.stop()
         with record_cupy_history(cupy, max_entries=1 << 20, stacks=None):
             bare.append(pairs())
+        with Empty():
+            empty_hook.append(pairs())
     entries = sum(len(tr) for tr in snap["device_traces"])
     return {"alone_us": statistics.median(off) * 1e6,
             "recorded_us": statistics.median(on) * 1e6,
             "recorded_no_stacks_us": statistics.median(bare) * 1e6,
+            "empty_hook_us": statistics.median(empty_hook) * 1e6,
             "snapshot_ms": snapshot_s * 1e3, "snapshot_entries": entries, "pairs": number,
             "rounds": rounds}
 
@@ -194,6 +200,8 @@ def cupy_rows(quick: bool) -> tuple[list[tuple], dict]:
          "µs", f"+{rec['recorded_us'] - rec['alone_us']:.2f} µs per pair, stacks of both"),
         ("cupy.empty(4 KiB) + release, recorded with stacks=None", rec["recorded_no_stacks_us"],
          "µs", f"+{rec['recorded_no_stacks_us'] - rec['alone_us']:.2f} µs per pair"),
+        ("cupy.empty(4 KiB) + release, an empty CuPy MemoryHook", rec["empty_hook_us"], "µs",
+         f"+{rec['empty_hook_us'] - rec['alone_us']:.2f} µs: CuPy's own cost of any hook"),
         ("snapshot of the CuPy recording", rec["snapshot_ms"], "ms",
          f"{rec['snapshot_entries']:,} trace entries"),
     ], rec
