@@ -581,6 +581,9 @@ def main() -> int:
         parser.error(f"--skip: unknown rows {sorted(unknown)}; flag, fetch, gather")
     if args.blocks < 1:
         parser.error("--blocks must be at least 1")
+    if args.block_seconds < 0.5:  # (a shorter block may hold no sample: the median of the
+        # pairs would then miss a cost that comes in ticks)
+        parser.error("--block-seconds must be at least 0.5 (a sample's interval)")
     results = Results()
     with tempfile.TemporaryDirectory(prefix="cudalab-cluster-bench-") as directory:
         args.directory = directory
