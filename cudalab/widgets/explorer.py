@@ -50,6 +50,7 @@ from cudalab.memory_tools.trace_index import TraceIndex, index_snapshot, open_tr
 from cudalab.memory_tools.trace_views import TraceViews
 from cudalab.widgets.explorer_render import (
     live_set_html,
+    saved_bundle,
     search_html,
     segments_for_map,
     timeline_html,
@@ -417,16 +418,10 @@ class SnapshotExplorer(W.VBox):
         return f"SnapshotExplorer({what})"
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        data = super()._repr_mimebundle_(**kwargs) or {}
-        if isinstance(data, tuple):
-            data = data[0]
-        data = dict(data)
-        data["text/plain"] = repr(self)
-        # a static picture for saved notebooks (where no kernel answers)
-        data["text/html"] = (f"<div>{self._summary.value}{self._timeline.value}"
-                             f"{self._live.value if self.moment is not None else ''}"
-                             f"{self._diff.value}</div>")
-        return data
+        return saved_bundle(super()._repr_mimebundle_(**kwargs), repr(self),
+                            f"{self._summary.value}{self._timeline.value}"
+                            f"{self._live.value if self.moment is not None else ''}"
+                            f"{self._diff.value}")
 
     # ----------------------------------------------------------------------- exports
     def _export_row(self) -> W.HBox:

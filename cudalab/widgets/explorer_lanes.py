@@ -33,7 +33,7 @@ import numpy as np
 
 from cudalab._internal import format_bytes
 from cudalab.memory_tools.trace_lanes import TraceLanes, trace_lanes
-from cudalab.widgets.explorer_render import SEND_JS, live_set_html
+from cudalab.widgets.explorer_render import SEND_JS, live_set_html, saved_bundle
 
 __all__ = ["LanesExplorer", "lanes_html"]
 
@@ -325,12 +325,6 @@ class LanesExplorer(W.VBox):
         return f"LanesExplorer({self.lanes!r})"
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        data = super()._repr_mimebundle_(**kwargs) or {}
-        if isinstance(data, tuple):
-            data = data[0]
-        data = dict(data)
-        data["text/plain"] = repr(self)
-        # a static picture for saved notebooks (where no kernel answers)
-        data["text/html"] = (f"<div>{self._summary.value}{self._timeline.value}"
-                             f"{self._live.value if self.moment is not None else ''}</div>")
-        return data
+        return saved_bundle(super()._repr_mimebundle_(**kwargs), repr(self),
+                            f"{self._summary.value}{self._timeline.value}"
+                            f"{self._live.value if self.moment is not None else ''}")

@@ -225,3 +225,15 @@ def segments_for_map(views: TraceViews, row: int, max_segments: int = 200
                     "segment_type": "small" if seg["size"] <= (2 << 20) else "large",
                     "segment_pool_id": (0, 0), "blocks": blocks})
     return out
+
+
+def saved_bundle(data: Any, text: str, picture: str) -> dict[str, Any]:
+    """An explorer's MIME bundle: ``data`` (the widget's own bundle, or its ``(data,
+    metadata)`` pair) with ``text`` as ``text/plain`` and ``picture`` as ``text/html``, the
+    static view a saved notebook shows where no kernel answers."""
+    if isinstance(data, tuple):
+        data = data[0]
+    out = dict(data or {})
+    out["text/plain"] = text
+    out["text/html"] = f"<div>{picture}</div>"
+    return out
