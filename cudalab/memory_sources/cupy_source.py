@@ -26,11 +26,11 @@ from typing import Any
 
 from cudalab.memory_sources.cudalab_source import DeviceFacts
 from cudalab.memory_tools.libraries import (
-    SourceUnavailableError,
     cupy_backing,
     cupy_history_snapshot,
     cupy_module,
     cupy_pool_figures,
+    cupy_with_cuda,
 )
 from cudalab.memory_tools.samples import DeviceSample
 
@@ -61,14 +61,7 @@ class CupySource:
     name = "cupy"
 
     def __init__(self, cupy: Any = None, nvml: bool = True):
-        cupy = cupy_module(explicit=True) if cupy is None else cupy
-        try:
-            available = bool(cupy.cuda.is_available())
-        except Exception:
-            available = False
-        if not available:
-            raise SourceUnavailableError("cupy", "CuPy cannot use CUDA here "
-                                                 "(cupy.cuda.is_available() is False)")
+        cupy = cupy_with_cuda(cupy)
         self._cupy = cupy
         self._nvml = bool(nvml)
         self._facts = DeviceFacts("cupy")

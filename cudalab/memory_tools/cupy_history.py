@@ -570,18 +570,10 @@ def record_cupy_history(cupy: Any = None, *, context: str | None = "all",
         A CuPy recording runs already (stop it first).
     """
     global _current
-    from cudalab.memory_tools.libraries import cupy_module
+    from cudalab.memory_tools.libraries import cupy_with_cuda
 
     _check(context, stacks, max_entries)
-    if cupy is None:
-        cupy = cupy_module(explicit=True)
-    try:
-        available = bool(cupy.cuda.is_available())
-    except Exception:
-        available = False
-    if not available:
-        raise SourceUnavailableError("cupy", "CuPy cannot use CUDA here "
-                                             "(cupy.cuda.is_available() is False)")
+    cupy = cupy_with_cuda(cupy)
     with _start_lock:
         running = _current
         if running is not None and running.active:

@@ -16,7 +16,7 @@ from typing import Any
 from cudalab.identity import Identity
 
 __all__ = ["CUPY_BACKED_BY_CUDALAB", "CUPY_NOT_RECORDING", "PROCESS_NO_RECORDS", "SourceUnavailableError",
-           "auto_snapshot_source", "cupy_backing", "cupy_history_snapshot", "cupy_module",
+           "auto_snapshot_source", "cupy_backing", "cupy_with_cuda", "cupy_history_snapshot", "cupy_module",
            "cupy_pool_figures", "cupy_recording", "source_snapshot", "torch_history_enabled",
            "torch_module", "torch_ready", "torch_snapshot"]
 
@@ -66,6 +66,21 @@ def torch_module(explicit: bool = False) -> Any:
 def cupy_module(explicit: bool = False) -> Any:
     """The user's CuPy module, or None (as :func:`torch_module`)."""
     return _module("cupy", "CuPy", explicit)
+
+
+def cupy_with_cuda(cupy: Any = None) -> Any:
+    """``cupy`` (default: :func:`cupy_module` with ``explicit=True``) when it can use CUDA
+    here; SourceUnavailableError saying why not (what the CuPy source and the CuPy
+    recording both need)."""
+    cupy = cupy_module(explicit=True) if cupy is None else cupy
+    try:
+        available = bool(cupy.cuda.is_available())
+    except Exception:
+        available = False
+    if not available:
+        raise SourceUnavailableError("cupy", "CuPy cannot use CUDA here "
+                                             "(cupy.cuda.is_available() is False)")
+    return cupy
 
 
 def cupy_backing(cupy: Any) -> str:
