@@ -123,6 +123,19 @@ stream_none_is_memos(PyObject *a, Py_ssize_t device)
     return same;
 }
 
+/* obj.name(arg): the allocator's own malloc or free, as the Python function calls it (with
+ * the method's frame: a history hook's stacks count it). */
+static PyObject *
+call_method(PyObject *obj, PyObject *name, PyObject *arg)
+{
+    PyObject *call[2] = {obj, arg};
+    Py_INCREF(obj);
+    PyObject *out = PyObject_VectorcallMethod(name, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                              NULL);
+    Py_DECREF(obj);
+    return out;
+}
+
 static PyObject *
 pair_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
@@ -233,14 +246,7 @@ pair_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *k
 method:
     /* Not a pure hit, on this allocator: its malloc, as the Python function calls it (with
      * its frame: a history hook's stacks count the allocator method's frame). */
-    {
-        PyObject *call[2] = {a, size};
-        Py_INCREF(a);
-        PyObject *out = PyObject_VectorcallMethod(S.str_malloc, call,
-                                                  2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        Py_DECREF(a);
-        return out;
-    }
+    return call_method(a, S.str_malloc, size);
 python:
     return PyObject_Vectorcall(S.py_alloc, args, nargsf, kwnames);
 }
@@ -297,14 +303,7 @@ pair_delete(PyObject *self, PyObject *ptr)
 method:
     /* Live here but not the memo's pure hit: this allocator's free, as the Python function
      * calls it (with its frame, as for malloc above). */
-    {
-        PyObject *call[2] = {a, ptr};
-        Py_INCREF(a);
-        PyObject *out = PyObject_VectorcallMethod(S.str_free, call,
-                                                  2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        Py_DECREF(a);
-        return out;
-    }
+    return call_method(a, S.str_free, ptr);
 python:
     return PyObject_CallOneArg(S.py_delete, ptr);
 }
