@@ -50,6 +50,7 @@ from cudalab.memory_tools.trace_index import TraceIndex, index_snapshot, open_tr
 from cudalab.memory_tools.trace_views import TraceViews
 from cudalab.widgets.explorer_render import (
     live_set_html,
+    run_page_command,
     saved_bundle,
     search_html,
     segments_for_map,
@@ -323,12 +324,7 @@ class SnapshotExplorer(W.VBox):
 
     # ----------------------------------------------------------------------- commands
     def _on_command(self, change: dict[str, Any]) -> None:
-        text = str(change["new"]).rsplit(" ", 1)[0] if change["new"] else ""
-        if text:
-            try:
-                self.command(text)
-            except (ValueError, IndexError):
-                pass  # (a malformed command from the page: nothing to do)
+        run_page_command(change, self.command)
 
     def command(self, text: str) -> None:
         """Run one timeline command: ``click F`` (the moment at fraction F of the view),

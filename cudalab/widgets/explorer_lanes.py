@@ -33,7 +33,12 @@ import numpy as np
 
 from cudalab._internal import format_bytes
 from cudalab.memory_tools.trace_lanes import TraceLanes, trace_lanes
-from cudalab.widgets.explorer_render import SEND_JS, live_set_html, saved_bundle
+from cudalab.widgets.explorer_render import (
+    SEND_JS,
+    live_set_html,
+    run_page_command,
+    saved_bundle,
+)
 
 __all__ = ["LanesExplorer", "lanes_html"]
 
@@ -238,12 +243,7 @@ class LanesExplorer(W.VBox):
 
     # ----------------------------------------------------------------------- commands
     def _on_command(self, change: dict[str, Any]) -> None:
-        text = str(change["new"]).rsplit(" ", 1)[0] if change["new"] else ""
-        if text:
-            try:
-                self.command(text)
-            except (ValueError, IndexError):
-                pass  # (a malformed command from the page: nothing to do)
+        run_page_command(change, self.command)
 
     def command(self, text: str) -> None:
         """Run one command: ``click F LANE`` (the moment at fraction F of the view, in lane

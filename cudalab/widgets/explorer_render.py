@@ -10,6 +10,7 @@ answers with the next tile. Nothing else runs in the browser.
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,8 @@ from cudalab._internal import format_bytes
 from cudalab.memory_tools.trace_views import LiveSet, SearchResult, TraceViews
 from cudalab.memory_tools.user_frames import frames_html
 
-__all__ = ["SEND_JS", "live_set_html", "search_html", "segments_for_map", "timeline_html"]
+__all__ = ["SEND_JS", "live_set_html", "run_page_command", "saved_bundle", "search_html",
+           "segments_for_map", "timeline_html"]
 
 #: The JavaScript of an inline handler that sends ``text`` (a JS expression) to the kernel.
 SEND_JS = ("var i=this.closest('.cudalab-explorer').querySelector("
@@ -237,3 +239,15 @@ def saved_bundle(data: Any, text: str, picture: str) -> dict[str, Any]:
     out["text/plain"] = text
     out["text/html"] = f"<div>{picture}</div>"
     return out
+
+
+def run_page_command(change: dict[str, Any], command: Callable[[str], Any]) -> None:
+    """Run the command a page sent (an explorer's hidden text box, written by :data:`SEND_JS`:
+    ``"<command> <Date.now()>"``, the time making a repeated command a change) through ``command``; a malformed one
+    (ValueError, IndexError) does nothing."""
+    text = str(change["new"]).rsplit(" ", 1)[0] if change["new"] else ""
+    if text:
+        try:
+            command(text)
+        except (ValueError, IndexError):
+            pass  # (a malformed command from the page: nothing to do)
