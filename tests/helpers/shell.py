@@ -13,3 +13,11 @@ def run_cell(shell: Any, source: str) -> tuple[Any, list[str]]:
     with capture_output() as cap:
         result = shell.run_cell(source, store_history=False)
     return result, [o.data.get("text/plain", "") for o in cap.outputs]
+
+
+def run_cell_printing(shell: Any, source: str) -> tuple[Any, str]:
+    """Run ``source`` as a cell, stored in the history as a user's is; (ExecutionResult,
+    what it printed)."""
+    with capture_output() as cap:
+        result = shell.run_cell(source, store_history=True)
+    return result, cap.stdout

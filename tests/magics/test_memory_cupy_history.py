@@ -4,21 +4,13 @@ tests/helpers/fake_allocators.py (its pool calls CuPy's memory hooks)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing import globalipapp
-from IPython.utils.capture import capture_output
 
 import cudalab
 from cudalab.memory_tools import cupy_history
-from tests.helpers.fake_allocators import FakeCupy, get_memory_hooks
-
-
-@pytest.fixture(scope="module")
-def shell():
-    return globalipapp.get_ipython()
+from tests.helpers.fake_allocators import get_memory_hooks
+from tests.helpers.shell import run_cell_printing as run
 
 
 @pytest.fixture
@@ -31,21 +23,6 @@ def ip(shell, monkeypatch):
     rec = cupy_history.current_recording()
     if rec is not None and rec.active:
         rec.stop()
-
-
-@pytest.fixture
-def cupy(monkeypatch, shell):
-    fake = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    shell.user_ns["cupy"] = fake
-    yield fake
-    shell.user_ns.pop("cupy", None)
-
-
-def run(sh, src):
-    with capture_output() as cap:
-        r = sh.run_cell(src, store_history=True)
-    return r, cap.stdout
 
 
 def test_history_of_cupy(ip, cupy, tmp_path):

@@ -7,17 +7,11 @@ import sys
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing import globalipapp
-from IPython.utils.capture import capture_output
 
 import cudalab
 from cudalab.magics.memory_watch_sources import cell_peak
-from tests.helpers.fake_allocators import FakeCupy, FakeTorch
-
-
-@pytest.fixture(scope="module")
-def shell():
-    return globalipapp.get_ipython()
+from tests.helpers.fake_allocators import FakeTorch
+from tests.helpers.shell import run_cell_printing as run
 
 
 @pytest.fixture
@@ -26,30 +20,6 @@ def ip(shell):
     shell.run_line_magic("load_ext", "cudalab")
     yield shell
     shell.run_line_magic("unload_ext", "cudalab")
-
-
-@pytest.fixture
-def torch(monkeypatch, shell):
-    fake = FakeTorch()
-    monkeypatch.setitem(sys.modules, "torch", fake)
-    shell.user_ns["torch"] = fake
-    yield fake
-    shell.user_ns.pop("torch", None)
-
-
-@pytest.fixture
-def cupy(monkeypatch, shell):
-    fake = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    shell.user_ns["cupy"] = fake
-    yield fake
-    shell.user_ns.pop("cupy", None)
-
-
-def run(sh, src):
-    with capture_output() as cap:
-        r = sh.run_cell(src, store_history=True)
-    return r, cap.stdout
 
 
 def _last(sh, name):
