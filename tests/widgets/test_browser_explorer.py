@@ -35,7 +35,9 @@ from tests.widgets.test_browser import (
     _chromium,
     _jupyter_server,
     _new_page,
+    _open_notebook,
     _requirements,
+    _run_first_cell,
 )
 
 ENTRIES = int(os.environ.get("CUDALAB_EXPLORER_BROWSER_ENTRIES", "300000"))
@@ -84,23 +86,10 @@ def _scenario(kind: str, tmp_path: pathlib.Path) -> None:
         page.on("websocket", lambda ws: ws.on(
             "framereceived", lambda data: frames.append(len(data) if data else 0)))
         try:
-            page.goto(f"{url}{fe['path']}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell .cm-content")
-            config = json.loads(page.locator("#jupyter-config-data").text_content())
-            assert config.get("appName") == fe["app"], config.get("appName")
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                                   state="attached")
-            first = page.locator(".jp-Notebook .jp-Cell").first
-            for _ in range(20):  # (the kernel's websocket may not be ready at "idle")
-                first.locator(".cm-content").click()
-                page.keyboard.press("Shift+Enter")
-                try:
-                    page.wait_for_function(
-                        "document.querySelector('.jp-Notebook .jp-Cell .jp-InputPrompt')"
-                        ".innerText.match(/\\[[0-9*]+\\]/) !== null", timeout=3000)
-                    break
-                except Exception:
-                    continue
+            config = _open_notebook(page, url, fe)
+            _run_first_cell(page, lambda: page.wait_for_function(
+                "document.querySelector('.jp-Notebook .jp-Cell .jp-InputPrompt')"
+                ".innerText.match(/\\[[0-9*]+\\]/) !== null", timeout=3000))
             page.wait_for_selector(".jp-OutputArea-output:has-text('trace ready')",
                                    timeout=180_000)
             page.evaluate(_OBSERVE)

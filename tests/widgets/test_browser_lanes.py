@@ -11,7 +11,6 @@ lost lane says why it is empty.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 from tests.widgets.test_browser import (
@@ -20,7 +19,9 @@ from tests.widgets.test_browser import (
     _chromium,
     _jupyter_server,
     _new_page,
+    _open_notebook,
     _requirements,
+    _run_first_cell,
 )
 
 CELLS = [
@@ -46,21 +47,9 @@ def test_lanes_in_jupyterlab(tmp_path, run_lock):
             _chromium() as browser:
         page = _new_page(browser)
         try:
-            page.goto(f"{url}{fe['path']}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell .cm-content")
-            config = json.loads(page.locator("#jupyter-config-data").text_content())
-            assert config.get("appName") == fe["app"], config.get("appName")
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                                   state="attached")
-            first = page.locator(".jp-Notebook .jp-Cell").first
-            for _ in range(20):  # (the kernel's websocket may not be ready at "idle")
-                first.locator(".cm-content").click()
-                page.keyboard.press("Shift+Enter")
-                try:
-                    page.wait_for_selector("svg.cudalab-lanes-timeline", timeout=5000)
-                    break
-                except Exception:
-                    continue
+            _open_notebook(page, url, fe)
+            _run_first_cell(page, lambda: page.wait_for_selector("svg.cudalab-lanes-timeline",
+                                                                 timeout=5000))
             svg = page.locator("svg.cudalab-lanes-timeline").first
             assert svg.get_attribute("data-lanes") == "4"
             labels = page.locator("g.cudalab-lanes-lane").evaluate_all(
