@@ -236,32 +236,27 @@ class SimMemory(SimulatorCore):
         self.submit(s, self._memset8_op, (h, v, n, self._devs[s.device].physical))
 
     def memset_d16_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
-        call = "cuMemsetD16Async"
-        self._device(device, call)
-        s = self.stream_of(stream, call)
-        v = self._fill_value(value, 16, call)
-        n = self._size(count, call)
-        p = self._ptr(ptr, call)
-        if p % 2:
-            raise invalid_value(call, "pointer must be 2-byte aligned")
-        if n == 0:
-            return
-        h = self.checked_address(p, 2 * n, call)
-        self.submit(s, self._memset16_op, (h, v, n, self._devs[s.device].physical))
+        self._memset_items_async(device, ptr, value, count, stream, 2, self._memset16_op)
 
     def memset_d32_async(self, device: int, ptr: int, value: int, count: int, stream: StreamHandle) -> None:
-        call = "cuMemsetD32Async"
+        self._memset_items_async(device, ptr, value, count, stream, 4, self._memset32_op)
+
+    def _memset_items_async(self, device: int, ptr: int, value: int, count: int,
+                            stream: StreamHandle, itemsize: int, op: Any) -> None:
+        """cuMemsetD16Async / cuMemsetD32Async: ``count`` items of ``itemsize`` bytes (2 or
+        4) at ``ptr``, which must be aligned to them, queued on ``stream``."""
+        call = f"cuMemsetD{8 * itemsize}Async"
         self._device(device, call)
         s = self.stream_of(stream, call)
-        v = self._fill_value(value, 32, call)
+        v = self._fill_value(value, 8 * itemsize, call)
         n = self._size(count, call)
         p = self._ptr(ptr, call)
-        if p % 4:
-            raise invalid_value(call, "pointer must be 4-byte aligned")
+        if p % itemsize:
+            raise invalid_value(call, f"pointer must be {itemsize}-byte aligned")
         if n == 0:
             return
-        h = self.checked_address(p, 4 * n, call)
-        self.submit(s, self._memset32_op, (h, v, n, self._devs[s.device].physical))
+        h = self.checked_address(p, itemsize * n, call)
+        self.submit(s, op, (h, v, n, self._devs[s.device].physical))
 
     def pointer_device(self, ptr: int) -> int | None:
         """The ordinal owning ``ptr`` when it lies in a live simulated allocation, else None
