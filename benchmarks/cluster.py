@@ -3,19 +3,31 @@ and gathering every rank's history and snapshot.
 
 Rows:
 
-* **step slowdown**: each rank runs a training-like step (activations allocated, computed
-  on, freed) in blocks of about a second (two samples at 2 Hz), in ``--blocks`` pairs of
-  one block with its publisher publishing (and watched) and one with it paused
-  (``Publisher.paused``: no sample taken nor sent, the thread asleep), the order inside a
-  pair alternating from pair to pair (and starting the other way on odd ranks), so a drift
-  of the machine's speed falls on both sides. A pair's slowdown is its on block's time over
-  its off block's, minus 1; a **rank's slowdown is the median of its pairs'**, and the
-  table gives the median and the worst of the ranks' (goal <= 1 % for every rank), with
-  every rank's line below it (its pairs' median, their spread as the interquartile range,
-  and its publisher thread's CPU time per sample). ``--artificial-cost-ms X`` makes each
-  rank's sampling hold the interpreter for X ms more (a busy loop in the sample source):
-  the harness must then show about ``2 * X / 1000`` of a step (its check that a real
-  slowdown shows);
+* **step slowdown**: every rank runs a training-like step (activations allocated, computed
+  on, freed; each step ends with a synchronize, as a training step ends with its
+  ``loss.item()``) continuously through **aligned wall-clock windows**: once every rank is
+  ready, this process sends them all one schedule (:mod:`_cluster_windows`: a start on the
+  host's monotonic clock a second ahead, and ``2 * --blocks`` windows of ``--block-seconds``,
+  a multiple of the 0.5 s sample interval, so each window holds as many samples), and every
+  rank steps from then until the last window ends, so no rank idles, pauses or stops inside
+  the measured span. Every rank's publisher is toggled (``Publisher.paused``: no sample
+  taken nor sent, the thread asleep) at the same boundaries, all ranks publishing together
+  as in a real job, in pairs of one window publishing (and watched) and one paused, the
+  order alternating from pair to pair (on, off, off, on, ...), so a drift of the machine's
+  speed falls on both sides. A window's figure is its time per step (its seconds over the
+  steps completed in it, the steps straddling its ends counted by the fraction of their time
+  inside it; no settling margin: a toggle is a flag read at the next tick). A pair's
+  slowdown is its on window's time per step over its off window's, minus 1; a **rank's
+  slowdown is the median of its pairs'**, and the table gives the median and the worst of
+  the ranks' (goal <= 1 % for every rank), all ranks' steps pooled, and for each of the
+  three its **noise floor** (the same statistic with every pair's on/off swapped at random,
+  the same pairs on every rank, 95th percentile of 2000 draws), with every rank's line below
+  (its pairs' median, their spread, its steps per window and its publisher thread's CPU per
+  sample and per step: the second, independent estimate of the cost). ``--artificial-cost-ms
+  X`` makes each rank's sampling hold the interpreter for X ms more (a busy loop in the sample
+  source): the harness must then show about ``2 * X / 1000`` of a step where a rank's time is
+  its own (its check that a real slowdown shows; ranks saturating a shared GPU give the stalled
+  time to one another, and on a few loaded CPUs the spin is preempted and costs more);
 * **panel rate**: samples per second the watch receives from each rank (goal 2 Hz);
 * **least-headroom flag**: seconds from a rank's allocation to the watch naming it
   (goal <= 1 s);
@@ -33,8 +45,9 @@ Rows:
 Nothing here has a torch or CuPy equivalent to run beside it (neither ships a multi-rank
 allocator view), so the table has cudalab's column only.
 
-    python benchmarks/cluster.py [--ranks 8] [--entries 100000] [--blocks 16] [--gpu] [--quick]
-                                 [--skip fetch,gather] [--artificial-cost-ms X] [--json out.json]
+    python benchmarks/cluster.py [--ranks 8] [--entries 100000] [--blocks 32] [--gpu] [--quick]
+                                 [--block-seconds 0.5] [--skip fetch,gather]
+                                 [--artificial-cost-ms X] [--json out.json]
 
 Without ``--gpu`` the ranks run on the simulator (``CUDALAB_SIMULATOR=1``); with it they
 share the host's real GPU(s) (rank r on device r % count).
@@ -55,6 +68,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _cluster_windows import (  # noqa: E402
+    SAMPLE_INTERVAL,
+    Schedule,
+    noise_floors,
+    pooled,
+    rank_figures,
+    rank_table,
+    run_windows,
+)
+
 MiB = 1 << 20
 
 
@@ -95,36 +119,6 @@ class CostlySource:
         while time.thread_time() < end:
             pass
         return self.source.sample(device, now)  # type: ignore[attr-defined]
-
-
-def paired_blocks(publisher: object, blocks: int, steps: int, size: int, rank: int) -> dict:
-    """``blocks`` pairs of ``steps`` steps, one block with ``publisher`` publishing and one
-    with it paused, the order alternating per pair (odd ranks off-on first): each pair's
-    (on, off) seconds, the publisher's CPU while on, and its ticks' CPU times."""
-    import cudalab
-
-    pairs: list[tuple[float, float]] = []
-    busy = 0.0
-    ticks: list[float] = []
-    for pair in range(blocks):
-        order = (True, False) if (pair + rank) % 2 == 0 else (False, True)
-        took = {}
-        for publishing in order:
-            publisher.paused = not publishing  # type: ignore[attr-defined]
-            time.sleep(0.02)
-            b0 = publisher.busy_seconds  # type: ignore[attr-defined]
-            n0 = len(publisher.tick_seconds)  # type: ignore[attr-defined]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                _step(size)
-            cudalab.synchronize()
-            took[publishing] = time.perf_counter() - t0
-            if publishing:
-                busy += publisher.busy_seconds - b0  # type: ignore[attr-defined]
-                ticks.extend(list(publisher.tick_seconds)[n0:])  # type: ignore[attr-defined]
-        pairs.append((took[True], took[False]))
-    publisher.paused = False  # type: ignore[attr-defined]
-    return {"pairs": pairs, "busy": busy, "ticks": ticks}
 
 
 def profile_ticks(args: argparse.Namespace, results: Results) -> None:
@@ -192,22 +186,18 @@ def profile_ticks(args: argparse.Namespace, results: Results) -> None:
         results[f"one process: a tick's {name}, wall median (us)"] = \
             1e6 * statistics.median(walls[name])
     # the paired slowdown of this process's step, its own publisher on and paused
-    t0 = time.perf_counter()
-    for _ in range(20):
-        _step(size)
-    cudalab.synchronize()
-    steps = max(int(args.block_seconds / ((time.perf_counter() - t0) / 20)), 10)
     with tempfile.TemporaryDirectory(prefix="cudalab-cluster-profile-") as directory:
-        publisher = serve(directory, interval=0.5)
+        publisher = serve(directory, interval=SAMPLE_INTERVAL)
         try:
-            figures = rank_figures({"rank": 0, **paired_blocks(publisher, args.profile_pairs,
-                                                               steps, size, 0)})
+            schedule = Schedule.ahead(args.block_seconds, args.profile_pairs, lead=0.2)
+            figures = rank_figures({"rank": 0, **run_windows(
+                publisher, schedule, lambda: _step(size), cudalab.synchronize)})
         finally:
             publisher.stop()
-    results[f"one process alone: step slowdown, median of {args.profile_pairs} paired blocks "
-            "(%)"] = 100 * figures["slowdown"]
+    results[f"one process alone: step slowdown, median of {args.profile_pairs} paired "
+            "windows (%)"] = 100 * figures["slowdown"]
     results["one process alone: noise floor (the same with on/off swapped at random, 95th "
-            "percentile) (%)"] = 100 * noise_floor([figures])
+            "percentile) (%)"] = 100 * noise_floors([figures])["worst"]
     results["one process alone: publisher CPU per sample, median (us)"] = 1e6 * statistics.median(
         figures["ticks"]) if figures["ticks"] else 0.0
     del base
@@ -226,25 +216,23 @@ def rank_worker(args: argparse.Namespace) -> int:
     for _ in range(20):
         _step(size)
     cudalab.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        _step(size)
-    cudalab.synchronize()
-    per_step = (time.perf_counter() - t0) / 20
-    steps = max(int(args.block_seconds / per_step), 10)  # blocks of ~block_seconds
     # "without publishing": the publisher paused (no sample taken nor sent; its thread
-    # asleep), so each block measures the steady cost of publishing, not the publisher's start
+    # asleep), so each window measures the steady cost of publishing, not the publisher's start
     source = None
     if args.artificial_cost_ms:
         source = CostlySource(records.rank_source(), args.artificial_cost_ms / 1000)
-    publisher = serve(args.directory, interval=0.5, source=source)
+    publisher = serve(args.directory, interval=SAMPLE_INTERVAL, source=source)
     # the first sample opens NVML and reads the device's identity (tens of ms, once): it is
-    # taken before the blocks, and shown on its own row
+    # taken before the windows, and shown on its own row
     end = time.monotonic() + 10
     while not publisher.tick_seconds and time.monotonic() < end:
         time.sleep(0.005)
     first = publisher.tick_seconds[0] if publisher.tick_seconds else None
-    figures = paired_blocks(publisher, args.blocks, steps, size, rank)
+    # ready: the benchmark's process answers with the schedule every rank shares, once
+    # every rank is ready; the steps run from then until its last window ends
+    print(json.dumps({"ready": rank}), flush=True)
+    schedule = Schedule.from_line(sys.stdin.readline())
+    figures = run_windows(publisher, schedule, lambda: _step(size), cudalab.synchronize)
     print(json.dumps({"rank": rank, "first_tick": first, **figures}), flush=True)
     print("serving", flush=True)
     kept = [base]
@@ -319,35 +307,54 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
                               text=True) for r in range(args.ranks)]
     w = watch(args.directory, job="benchmark")
     try:
+        for p in procs:  # every rank ready (history filled, publisher's first sample taken)
+            line = p.stdout.readline()  # type: ignore[union-attr]
+            assert line.startswith('{"ready"'), line
+        # one schedule for all: every rank steps from now until its last window ends
+        schedule = Schedule.ahead(args.block_seconds, args.blocks)
+        for p in procs:
+            p.stdin.write(schedule.line() + "\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
         per_rank = []
         for p in procs:
             line = p.stdout.readline()  # type: ignore[union-attr]
             per_rank.append(rank_figures(json.loads(line)))
             assert p.stdout.readline().strip() == "serving"  # type: ignore[union-attr]
         slowdowns = [r["slowdown"] for r in per_rank]
-        pairs = len(per_rank[0]["ratios"])
-        how = f"median of each rank's {pairs} paired blocks"
+        how = f"median of each rank's {args.blocks} pairs of {args.block_seconds:g} s windows"
         if args.artificial_cost_ms:
             how += f"; {args.artificial_cost_ms:g} ms of artificial cost per sample"
+        # the noise floors: each statistic when each pair's on/off labels are swapped at
+        # random (what it shows with no effect at all), 95th percentile
+        floors = noise_floors(per_rank)
         results[f"step slowdown, median of ranks ({how}) (%)"] = 100 * statistics.median(
             slowdowns)
+        results["the same, on/off swapped at random in each pair, 95th percentile of 2000 "
+                "draws (noise floor) (%)"] = 100 * floors["median"]
         results[f"step slowdown, worst rank ({how}) (%)"] = 100 * max(slowdowns)
-        # the noise floor: the worst rank's figure when each pair's on/off labels are
-        # swapped at random (what the statistic shows with no effect at all), 95th percentile
         results["the same, worst rank with on/off swapped at random in each pair, 95th "
-                "percentile of 2000 draws (noise floor) (%)"] = 100 * noise_floor(per_rank)
-        on_all = sum(sum(on for on, _ in r["pairs"]) for r in per_rank)
-        off_all = sum(sum(off for _, off in r["pairs"]) for r in per_rank)
-        results["step slowdown, all ranks' blocks pooled (%)"] = 100 * (on_all / off_all - 1)
+                "percentile of 2000 draws (noise floor) (%)"] = 100 * floors["worst"]
+        results["step slowdown, all ranks' steps pooled (%)"] = 100 * pooled(per_rank)
+        results["the same, on/off swapped at random (noise floor) (%)"] = 100 * floors["pooled"]
+        results["steps per window, median over ranks"] = statistics.median(
+            r["steps_per_window"] for r in per_rank)
+        results["publisher toggled after a window's boundary, latest (ms)"] = 1e3 * max(
+            r["late"] for r in per_rank)
         # what publishing itself costs: the publisher thread's CPU time while publishing, a
         # share of the step's time (the bound of the slowdown it can cause, without the noise
-        # of 8 processes sharing the CPUs and the GPU), and per sample
+        # of 8 processes sharing the CPUs and the GPU), and per sample; and a share of the
+        # rank's CPU time (the bound where the CPUs are saturated: a rank then gets a fixed
+        # share of a CPU, and the thread's CPU comes out of it)
         results["publisher thread CPU / step time, worst rank (%)"] = 100 * max(
             r["share"] for r in per_rank)
+        cpu_shares = [r["cpu_share"] for r in per_rank if r["cpu_share"] is not None]
+        if cpu_shares:
+            results["publisher thread CPU / the rank's CPU while publishing, worst rank "
+                    "(%)"] = 100 * max(cpu_shares)
         firsts = [r["first_tick"] for r in per_rank if r["first_tick"] is not None]
         if firsts:
             results["publisher's first sample (opens NVML, reads the device's identity; "
-                    "before the blocks), CPU, worst rank (ms)"] = 1e3 * max(firsts)
+                    "before the windows), CPU, worst rank (ms)"] = 1e3 * max(firsts)
         ticks = [t for r in per_rank for t in r["ticks"]]
         if ticks:
             results["publisher CPU per sample, median of all ranks' samples (us)"] = \
@@ -438,49 +445,6 @@ def lanes_row(got: dict, w: object, results: dict) -> None:
     explorer.close()
 
 
-def rank_figures(data: dict) -> dict:
-    """One rank's slowdown figures from its paired blocks: each pair's on/off - 1, their
-    median (the rank's slowdown), their interquartile range, and its publisher's CPU."""
-    pairs = [tuple(p) for p in data["pairs"]]
-    ratios = sorted(on / off - 1 for on, off in pairs)
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    return {"rank": data["rank"], "pairs": pairs, "ratios": ratios,
-            "slowdown": statistics.median(ratios), "iqr": q[2] - q[0],
-            "share": data["busy"] / sum(on for on, _ in pairs), "ticks": data["ticks"],
-            "first_tick": data.get("first_tick")}
-
-
-def noise_floor(per_rank: list[dict], draws: int = 2000, seed: int = 0) -> float:
-    """The 95th percentile of the worst rank's slowdown when every pair's on and off blocks
-    are swapped at random: how large the worst rank's figure comes out from the blocks'
-    noise alone (the same median of paired ratios, on the same blocks)."""
-    import random
-
-    rng = random.Random(seed)
-    worst = []
-    for _ in range(draws):
-        worst.append(max(statistics.median(
-            (on / off if rng.random() < 0.5 else off / on) - 1 for on, off in r["pairs"])
-            for r in per_rank))
-    worst.sort()
-    return worst[int(0.95 * (draws - 1))]
-
-
-def rank_table(per_rank: list[dict]) -> list[str]:
-    """The per-rank lines of the slowdown: each rank's paired median, the spread of its
-    pairs, and its publisher's CPU per sample."""
-    lines = [f"{'rank':>4} {'pairs':>5} {'slowdown %':>10} {'IQR of pairs %':>14} "
-             f"{'min..max of pairs %':>21} {'pub. CPU/sample us':>18} {'pub. CPU/step %':>15}"]
-    for r in sorted(per_rank, key=lambda r: r["rank"]):
-        ticks = r["ticks"]
-        cpu = f"{1e6 * statistics.median(ticks):.0f}" if ticks else "-"
-        lines.append(f"{r['rank']:>4} {len(r['ratios']):>5} {100 * r['slowdown']:>+10.2f} "
-                     f"{100 * r['iqr']:>14.2f} "
-                     f"{100 * r['ratios'][0]:>+9.1f}..{100 * r['ratios'][-1]:<+10.1f} "
-                     f"{cpu:>18} {100 * r['share']:>15.3f}")
-    return lines
-
-
 def _mpirun() -> list[str] | None:
     text = os.environ.get("CUDALAB_MPIRUN", "").strip()
     if text:
@@ -542,23 +506,24 @@ class Results(dict):
 
     def table(self, name: str, lines: list[str]) -> None:
         self.tables[name] = lines
+        print(f"  . {name}:", *(f"      {line}" for line in lines), sep="\n", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--entries", type=int, default=100_000)
-    parser.add_argument("--blocks", type=int, default=16,
-                        help="pairs of blocks (one publishing, one paused) per rank")
-    parser.add_argument("--block-seconds", type=float, default=1.0,
-                        help="seconds per block (2 samples at 2 Hz)")
+    parser.add_argument("--blocks", type=int, default=32,
+                        help="pairs of windows (one publishing, one paused), every rank's")
+    parser.add_argument("--block-seconds", type=float, default=SAMPLE_INTERVAL,
+                        help="seconds per window, a multiple of 0.5 (one sample at 2 Hz)")
     parser.add_argument("--rate-seconds", type=float, default=4.0)
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--skip", default="",
                         help="rows to leave out, comma-separated: flag, fetch, gather")
     parser.add_argument("--profile-ticks", type=float, default=0.0,
                         help="first, in this process: time a tick's parts for this many "
-                             "seconds beside a busy step, then --profile-pairs paired blocks")
+                             "seconds beside a busy step, then --profile-pairs paired windows")
     parser.add_argument("--profile-pairs", type=int, default=8)
     parser.add_argument("--artificial-cost-ms", type=float, default=0.0,
                         help="hold the interpreter this long more per sample (the harness's "
@@ -579,11 +544,14 @@ def main() -> int:
     unknown = args.skip - {"flag", "fetch", "gather"}
     if unknown:
         parser.error(f"--skip: unknown rows {sorted(unknown)}; flag, fetch, gather")
-    if args.blocks < 1:
-        parser.error("--blocks must be at least 1")
-    if args.block_seconds < 0.5:  # (a shorter block may hold no sample: the median of the
-        # pairs would then miss a cost that comes in ticks)
-        parser.error("--block-seconds must be at least 0.5 (a sample's interval)")
+    if args.blocks < 1 or args.profile_pairs < 1:
+        parser.error("--blocks and --profile-pairs must be at least 1")
+    windows = args.block_seconds / SAMPLE_INTERVAL
+    if not (windows >= 1 and abs(windows - round(windows)) < 1e-9):
+        # (a shorter window may hold no sample, and one of 0.75 s one or two: the median of
+        # the pairs would then miss or blur a cost that comes in ticks)
+        parser.error(f"--block-seconds must be a multiple of {SAMPLE_INTERVAL} (a sample's "
+                     "interval), so that every window holds as many samples")
     results = Results()
     with tempfile.TemporaryDirectory(prefix="cudalab-cluster-bench-") as directory:
         args.directory = directory
