@@ -24,9 +24,10 @@ the machine's speed falls on both sides. The publisher ticks every 0.5 s on its 
 so a window of a multiple of 0.5 s holds exactly that many ticks, on or off.
 
 A pair's slowdown is its on window's time per step over its off window's, minus 1; a rank's
-figure is the median of its pairs'. The noise floor swaps each pair's on and off at random
-(the same pairs on every rank, as the schedule is shared) and takes the 95th percentile of
-the statistic over the draws: what the statistic shows on these windows with no effect.
+figure is the median of its pairs'. The noise floor takes the measured effect out, swaps
+each pair's on and off at random (the same pairs on every rank, as the schedule is shared)
+and takes the 95th percentile of the statistic over the draws: what the statistic shows on
+these windows' noise with no effect.
 
 Nothing here imports cudalab: the step and the synchronize are passed in (the tests run the
 maths on synthetic data).
@@ -199,15 +200,22 @@ def noise_floors(per_rank: list[dict[str, Any]], draws: int = 2000,
     """The 95th percentile of each statistic (``worst``: the worst rank's median of pairs;
     ``median``: the median of ranks'; ``pooled``) when the pairs' on and off windows are
     swapped at random, pair by pair (the same pairs on every rank: they share the
-    schedule): how large each comes out from the windows' noise alone."""
+    schedule), after the measured effect is taken out (each rank's on windows divided by 1 +
+    its median, for the pooled figure by 1 + the pooled figure): how large each comes out
+    from the windows' noise alone, whether or not there is an effect (without taking it out,
+    a real cost c would swap to about +-c and make the floor about c)."""
     if not per_rank:
         raise ValueError("no ranks")
     count = len(per_rank[0]["pairs"])
     if any(len(r["pairs"]) != count for r in per_rank):
         raise ValueError("the ranks' pair counts differ (they share one schedule)")
     rng = random.Random(seed)
-    kept = [[(on / off - 1, off / on - 1) for on, off in r["pairs"]] for r in per_rank]
-    rates = [[(1 / on, 1 / off) for on, off in r["pairs"]] for r in per_rank]
+    kept = []
+    for r in per_rank:
+        effect = 1 + statistics.median(on / off - 1 for on, off in r["pairs"])
+        kept.append([(on / effect / off - 1, off * effect / on - 1) for on, off in r["pairs"]])
+    effect = 1 + pooled(per_rank)
+    rates = [[(effect / on, 1 / off) for on, off in r["pairs"]] for r in per_rank]
     got: dict[str, list[float]] = {"worst": [], "median": [], "pooled": []}
     for _ in range(draws):
         swap = [rng.random() < 0.5 for _ in range(count)]

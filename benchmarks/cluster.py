@@ -20,8 +20,9 @@ Rows:
   slowdown is its on window's time per step over its off window's, minus 1; a **rank's
   slowdown is the median of its pairs'**, and the table gives the median and the worst of
   the ranks' (goal <= 1 % for every rank), all ranks' steps pooled, and for each of the
-  three its **noise floor** (the same statistic with every pair's on/off swapped at random,
-  the same pairs on every rank, 95th percentile of 2000 draws), with every rank's line below
+  three its **noise floor** (the same statistic, the measured effect taken out, with every
+  pair's on/off swapped at random, the same pairs on every rank, 95th percentile of 2000
+  draws: what the windows' noise alone shows), with every rank's line below
   (its pairs' median, their spread, its steps per window and its publisher thread's CPU per
   sample and per step: the second, independent estimate of the cost). ``--artificial-cost-ms
   X`` makes each rank's sampling hold the interpreter for X ms more (a busy loop in the sample
@@ -196,8 +197,8 @@ def profile_ticks(args: argparse.Namespace, results: Results) -> None:
             publisher.stop()
     results[f"one process alone: step slowdown, median of {args.profile_pairs} paired "
             "windows (%)"] = 100 * figures["slowdown"]
-    results["one process alone: noise floor (the same with on/off swapped at random, 95th "
-            "percentile) (%)"] = 100 * noise_floors([figures])["worst"]
+    results["one process alone: noise floor (the effect taken out, on/off swapped at random, "
+            "95th percentile) (%)"] = 100 * noise_floors([figures])["worst"]
     results["one process alone: publisher CPU per sample, median (us)"] = 1e6 * statistics.median(
         figures["ticks"]) if figures["ticks"] else 0.0
     del base
@@ -324,18 +325,18 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
         how = f"median of each rank's {args.blocks} pairs of {args.block_seconds:g} s windows"
         if args.artificial_cost_ms:
             how += f"; {args.artificial_cost_ms:g} ms of artificial cost per sample"
-        # the noise floors: each statistic when each pair's on/off labels are swapped at
-        # random (what it shows with no effect at all), 95th percentile
+        # the noise floors: each statistic, the measured effect taken out, when each pair's
+        # on/off labels are swapped at random (what it shows from the windows' noise alone),
+        # 95th percentile
         floors = noise_floors(per_rank)
+        floor = "noise floor: the effect taken out, on/off swapped at random, 95th pct."
         results[f"step slowdown, median of ranks ({how}) (%)"] = 100 * statistics.median(
             slowdowns)
-        results["the same, on/off swapped at random in each pair, 95th percentile of 2000 "
-                "draws (noise floor) (%)"] = 100 * floors["median"]
+        results[f"the same, {floor} (%)"] = 100 * floors["median"]
         results[f"step slowdown, worst rank ({how}) (%)"] = 100 * max(slowdowns)
-        results["the same, worst rank with on/off swapped at random in each pair, 95th "
-                "percentile of 2000 draws (noise floor) (%)"] = 100 * floors["worst"]
+        results[f"the same, worst rank's {floor} (%)"] = 100 * floors["worst"]
         results["step slowdown, all ranks' steps pooled (%)"] = 100 * pooled(per_rank)
-        results["the same, on/off swapped at random (noise floor) (%)"] = 100 * floors["pooled"]
+        results[f"the same, pooled {floor} (%)"] = 100 * floors["pooled"]
         results["steps per window, median over ranks"] = statistics.median(
             r["steps_per_window"] for r in per_rank)
         results["publisher toggled after a window's boundary, latest (ms)"] = 1e3 * max(
@@ -361,6 +362,8 @@ def run_ranks(args: argparse.Namespace, results: dict) -> None:
                 1e6 * statistics.median(ticks)
             results["publisher CPU per sample, slowest sample (us)"] = 1e6 * max(ticks)
         results.table("per rank", rank_table(per_rank))
+        # every rank's windows, (on, off) seconds per step by pair, for the JSON file
+        results.raw["pairs by rank"] = {r["rank"]: r["pairs"] for r in per_rank}
         end = time.monotonic() + 20
         while len([v for v in w.samples().values() if v]) < args.ranks and time.monotonic() < end:
             time.sleep(0.05)
@@ -498,6 +501,7 @@ class Results(dict):
     def __init__(self) -> None:
         super().__init__()
         self.tables: dict[str, list[str]] = {}
+        self.raw: dict[str, object] = {}  # (written to the JSON file only)
 
     def __setitem__(self, name: str, value: object) -> None:
         super().__setitem__(name, value)
@@ -575,7 +579,7 @@ def main() -> int:
             print(f"    {line}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"where": where, "ranks": args.ranks, **results,
+            json.dump({"where": where, "ranks": args.ranks, **results, **results.raw,
                        "tables": results.tables}, f, indent=1)
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -138,32 +139,41 @@ def test_the_figures_of_pairs():
         windows.rank_figures({"rank": 1, "pairs": [], "busy": 0.0, "ticks": []})
 
 
-def test_the_noise_floor_of_one_pair_is_its_larger_side():
-    floors = windows.noise_floors([{"pairs": [(1.1, 1.0)]}], draws=200)
-    # swapped at random, the one pair shows +10 % or 1/1.1 - 1: its 95th percentile is +10 %
-    assert floors["worst"] == pytest.approx(0.1)
-    assert floors["median"] == pytest.approx(0.1)
-    assert floors["pooled"] == pytest.approx(0.1)
+def test_the_noise_floor_of_noiseless_pairs_is_zero_whatever_their_effect():
+    for effect in (1.0, 1.1):
+        floors = windows.noise_floors([{"pairs": [(effect * 2.0, 2.0)] * 5}] * 3, draws=50)
+        assert floors == pytest.approx({"worst": 0.0, "median": 0.0, "pooled": 0.0}, abs=1e-12)
+
+
+def test_one_noisy_pair_swaps_to_either_side():
+    # two pairs, about +-10 %: their median about 0, and swapped at random the two show
+    # {+-10 %, +-1/1.1 - 1}: the 95th percentile of their median is +10 %
+    floors = windows.noise_floors([{"pairs": [(1.1, 1.0), (1.0, 1.1)]}], draws=400)
+    median = statistics.median([0.1, 1 / 1.1 - 1])
+    assert floors["worst"] == pytest.approx(0.1 - median, rel=0.05)
+
+
+def _ranks(rng, effect, noise=0.02, pairs=40, ranks=8):
+    return [{"rank": r, "busy": 0, "ticks": [],
+             "pairs": [((1 + effect) * rng.gauss(1, noise), rng.gauss(1, noise))
+                       for _ in range(pairs)]} for r in range(ranks)]
 
 
 def test_the_noise_floor_bounds_noise_and_not_an_effect():
-    rng = random.Random(1)
-
-    def ranks(effect):
-        return [{"pairs": [((1 + effect) * rng.gauss(1, 0.02), rng.gauss(1, 0.02))
-                           for _ in range(40)]} for _ in range(8)]
-
-    noise = [windows.rank_figures({"rank": r, "busy": 0, "ticks": [], **d})
-             for r, d in enumerate(ranks(0.0))]
+    noise = [windows.rank_figures(d) for d in _ranks(random.Random(1), 0.0)]
     floors = windows.noise_floors(noise, draws=300)
     assert 0 < floors["pooled"] < floors["worst"]
     assert max(r["slowdown"] for r in noise) < floors["worst"] * 1.5
-    effect = [windows.rank_figures({"rank": r, "busy": 0, "ticks": [], **d})
-              for r, d in enumerate(ranks(0.05))]
-    # a real 5 % shows on every rank above the floor that noise alone gives
-    assert min(r["slowdown"] for r in effect) > floors["worst"]
-    assert windows.pooled(effect) > floors["pooled"] and windows.pooled(noise) < 0.01
     assert windows.noise_floor(noise, draws=300) == floors["worst"]
+    # a real 5 % shows on every rank above the floor, and the floor is the noise's alone:
+    # the same noise with the effect gives the same floors
+    effect = [windows.rank_figures(d) for d in _ranks(random.Random(1), 0.05)]
+    assert min(r["slowdown"] for r in effect) > floors["worst"]
+    assert windows.pooled(effect) > floors["pooled"] and abs(windows.pooled(noise)) < 0.01
+    assert windows.noise_floors(effect, draws=300) == pytest.approx(floors, rel=1e-9)
+    # and more pairs, a lower floor
+    many = [windows.rank_figures(d) for d in _ranks(random.Random(1), 0.0, pairs=400)]
+    assert windows.noise_floors(many, draws=300)["worst"] < floors["worst"] / 2
 
 
 def test_the_noise_floor_wants_ranks_sharing_one_schedule():
