@@ -9,7 +9,10 @@ Rows (µs per operation, cudalab's public API only, so an older BEFORE checkout 
 * ``CUDAGraph.replay()`` of a one-kernel graph (a loop of replays, then a synchronize);
 * history with ``stacks="python"``: the allocator pair in a function, the free on another line,
   while ``_record_memory_history("all", stacks="python")`` records;
-* ``memory_stats()``.
+* ``memory_stats()``;
+* with two devices or more: ``comm.broadcast``, ``reduce_add``, ``scatter`` and ``gather`` of
+  1 KiB between devices 0 and 1 (the host's cost of a collective call, which
+  ``benchmarks/comm.py``'s few rounds cannot resolve to a few per cent).
 
 Each process (a fresh interpreter, its ``cudalab`` imported from one checkout) times every row
 in interleaved rounds and reports the medians; the processes alternate between the BEFORE
@@ -99,6 +102,8 @@ def _loops(sim: bool) -> tuple[dict, dict]:
             "launch: a += b (float32, 1024)": add, "launch: fill_ (int64, 1024, fill kernel)": fill,
             "CUDAGraph.replay (one kernel)": replay,
             'history stacks="python" (alloc+free pair)': history, "memory_stats()": stats}
+    if cudalab.device_count() >= 2:
+        ours.update(_comm_loops(cudalab))
     hooks = {("cudalab", 'history stacks="python" (alloc+free pair)'): (
         lambda: cm._record_memory_history("all", stacks="python", max_entries=100_000),
         lambda: cm._record_memory_history(None))}
@@ -106,6 +111,51 @@ def _loops(sim: bool) -> tuple[dict, dict]:
     if not sim:
         _other_libraries(loops, hooks)
     return loops, hooks
+
+
+#: The collective rows (two devices or more): each call moves 1 KiB between devices 0 and 1,
+#: so the row is the host's cost of the call (``benchmarks/comm.py``'s smallest size, timed
+#: here in the interleaved processes that resolve a few per cent); a loop ends with a
+#: synchronize of both devices, as comm.py's (nccl-tests') method does.
+COMM_ROWS = {"broadcast": "comm.broadcast (1 KiB, devices 0 and 1)",
+             "reduce_add": "comm.reduce_add (1 KiB, devices 0 and 1)",
+             "scatter": "comm.scatter (1 KiB, devices 0 and 1)",
+             "gather": "comm.gather (1 KiB, devices 0 and 1)"}
+COMM_COUNT = 256  # float32 elements: 1 KiB
+
+
+def _comm_rows(broadcast, reduce_add, scatter, gather, x0, x1, sync) -> dict:
+    """One library's collective loops (its comm functions, its arrays on devices 0 and 1)."""
+    calls = {"broadcast": lambda: broadcast(x0, devices=[0, 1]),
+             "reduce_add": lambda: reduce_add([x0, x1], destination=0),
+             "scatter": lambda: scatter(x0, devices=[0, 1]),
+             "gather": lambda: gather([x0, x1], destination=0)}
+
+    def loop_of(call):
+        def loop(k, call=call, sync=sync):
+            for _ in range(k):
+                call()
+            sync()
+        return loop
+
+    return {COMM_ROWS[op]: loop_of(call) for op, call in calls.items()}
+
+
+def _comm_loops(cudalab) -> dict:
+    import numpy as np
+
+    from cudalab import comm
+
+    x0 = cudalab.array.empty((COMM_COUNT,), dtype=np.float32, device=0)
+    x0.fill_(1.0)
+    x1 = cudalab.array.empty((COMM_COUNT,), dtype=np.float32, device=1)
+    x1.fill_(2.0)
+
+    def sync() -> None:
+        for device in (0, 1):
+            cudalab.synchronize(device)
+
+    return _comm_rows(comm.broadcast, comm.reduce_add, comm.scatter, comm.gather, x0, x1, sync)
 
 
 def _other_libraries(loops: dict, hooks: dict) -> None:
@@ -165,6 +215,18 @@ def _other_libraries(loops: dict, hooks: dict) -> None:
 
         ours = loops["cudalab"]
         loops["torch"] = dict(zip(ours, (t_pair, t_record, t_add, t_fill, t_replay, t_history, t_stats)))
+        if torch.cuda.device_count() >= 2 and COMM_ROWS["broadcast"] in ours:
+            import torch.cuda.comm as tcomm
+
+            t0 = torch.ones(COMM_COUNT, dtype=torch.float32, device="cuda:0")
+            t1 = torch.full((COMM_COUNT,), 2.0, dtype=torch.float32, device="cuda:1")
+
+            def t_sync() -> None:
+                for device in (0, 1):
+                    torch.cuda.synchronize(device)
+
+            loops["torch"].update(_comm_rows(tcomm.broadcast, tcomm.reduce_add, tcomm.scatter,
+                                             tcomm.gather, t0, t1, t_sync))
         hooks[("torch", 'history stacks="python" (alloc+free pair)')] = (
             lambda: torch.cuda.memory._record_memory_history("all", stacks="python", max_entries=100_000),
             lambda: torch.cuda.memory._record_memory_history(None))

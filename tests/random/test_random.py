@@ -1199,8 +1199,21 @@ def test_gpu_bit_exact_with_torch(seed, op, dtype):
     for n in GPU_SIZES + GPU_SIZES[::-1]:  # a sequence of calls: non-zero offsets
         ours = _ours_np(fn(n, dtype=dtype))
         theirs = _t2np(tfn(n, device="cuda", dtype=getattr(torch, dtype)))
-        assert np.array_equal(_bits(ours), _bits(theirs)), (op, dtype, seed, n)
+        assert np.array_equal(_bits(ours), _bits(theirs)), (
+            op, dtype, seed, n, _generator_context(torch))
         assert R.get_rng_state().tobytes() == bytes(torch.cuda.get_rng_state().numpy())
+
+
+def _generator_context(torch) -> dict:
+    """What a mismatch with torch depends on besides the seed: each library's current device
+    and its default generators' seeds and offsets (for the failure message)."""
+    devices = range(min(cudalab.device_count(), torch.cuda.device_count()))
+    return {"torch current device": torch.cuda.current_device(),
+            "cudalab current device": cudalab.current_device(),
+            "torch (seed, offset)": [(g.initial_seed(), g.get_offset())
+                                     for g in torch.cuda.default_generators[:len(devices)]],
+            "cudalab (seed, offset)": [(R.default_generators[d].initial_seed(),
+                                        R.default_generators[d].get_offset()) for d in devices]}
 
 
 @pytest.mark.gpu
