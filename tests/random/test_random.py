@@ -1167,6 +1167,11 @@ def _torch():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
+    # torch's current device is the thread's current context, which an earlier test's cudalab
+    # call on device 1 may have left current (docs/torch_differences.md): then torch would
+    # seed device 1 here and draw on device 0 once cudalab's next launch switched back (seen
+    # on a 2-GPU host, after the comm tests). Both libraries start on device 0.
+    torch.cuda.set_device(cudalab.current_device())
     return torch
 
 
