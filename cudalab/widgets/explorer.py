@@ -55,6 +55,7 @@ from cudalab.widgets.explorer_render import (
     search_html,
     segments_for_map,
     timeline_html,
+    view_widgets,
 )
 from cudalab.widgets.snapshot_render import render_segment_map
 
@@ -140,23 +141,13 @@ class SnapshotExplorer(W.VBox):
         self._source = source
         self._other = compare
         self._thread: threading.Thread | None = None
-        self._summary = W.HTML()
-        self._summary.add_class("cudalab-explorer-summary")
-        self._timeline = W.HTML()
-        self._timeline.add_class("cudalab-explorer-tl")
-        self._cmd = W.Text(continuous_update=True, layout=W.Layout(display="none"))
-        self._cmd.add_class("cudalab-explorer-cmd")
-        self._cmd.observe(self._on_command, "value")
-        buttons = []
-        for label, cmd, tip in (("−", "zoom 0.5 2", "zoom out"), ("+", "zoom 0.5 0.5", "zoom in"),
-                                ("◀", "pan -0.25", "pan left"), ("▶", "pan 0.25", "pan right"),
-                                ("all", "reset", "the whole trace"),
-                                ("peak", "peak", "the moment of peak allocated")):
-            b = W.Button(description=label, tooltip=tip,
-                         layout=W.Layout(width="56px" if len(label) > 1 else "40px"))
-            b.add_class(f"cudalab-explorer-{tip.replace(' ', '-')}")
-            b.on_click(lambda _b, c=cmd: self.command(c))
-            buttons.append(b)
+        self._summary, self._timeline, self._cmd, buttons = view_widgets(
+            self._on_command, self.command,
+            tuple((label, cmd, tip, f"cudalab-explorer-{tip.replace(' ', '-')}") for label, cmd, tip in (
+                ("−", "zoom 0.5 2", "zoom out"), ("+", "zoom 0.5 0.5", "zoom in"),
+                ("◀", "pan -0.25", "pan left"), ("▶", "pan 0.25", "pan right"),
+                ("all", "reset", "the whole trace"),
+                ("peak", "peak", "the moment of peak allocated"))))
         self._devices = W.Dropdown(description="device", layout=W.Layout(width="160px"))
         self._devices.observe(self._on_device, "value")
         self._search = W.Text(placeholder="search: frame text, 0xADDRESS, 1MiB-4MiB, >=64MiB",

@@ -38,6 +38,7 @@ from cudalab.widgets.explorer_render import (
     live_set_html,
     run_page_command,
     saved_bundle,
+    view_widgets,
 )
 
 __all__ = ["LanesExplorer", "lanes_html"]
@@ -191,26 +192,15 @@ class LanesExplorer(W.VBox):
         self.tiles_sent = 0
         self._version = 0
         self._lock = threading.RLock()
-        self._summary = W.HTML()
-        self._summary.add_class("cudalab-explorer-summary")
-        self._timeline = W.HTML()
-        self._timeline.add_class("cudalab-explorer-tl")
-        self._cmd = W.Text(continuous_update=True, layout=W.Layout(display="none"))
-        self._cmd.add_class("cudalab-explorer-cmd")
-        self._cmd.observe(self._on_command, "value")
-        buttons = []
-        for label, cmd, tip, name in (
-                ("−", "zoom 0.5 2", "zoom out", "zoom-out"),
-                ("+", "zoom 0.5 0.5", "zoom in", "zoom-in"),
-                ("◀", "pan -0.25", "pan left", "pan-left"),
-                ("▶", "pan 0.25", "pan right", "pan-right"),
-                ("all", "reset", "every lane's whole trace", "reset"),
-                ("peak", "peak", "the moment of the highest peak of any lane", "peak")):
-            b = W.Button(description=label, tooltip=tip,
-                         layout=W.Layout(width="56px" if len(label) > 1 else "40px"))
-            b.add_class(f"cudalab-lanes-{name}")
-            b.on_click(lambda _b, c=cmd: self.command(c))
-            buttons.append(b)
+        self._summary, self._timeline, self._cmd, buttons = view_widgets(
+            self._on_command, self.command, tuple(
+                (label, cmd, tip, f"cudalab-lanes-{name}") for label, cmd, tip, name in (
+                    ("−", "zoom 0.5 2", "zoom out", "zoom-out"),
+                    ("+", "zoom 0.5 0.5", "zoom in", "zoom-in"),
+                    ("◀", "pan -0.25", "pan left", "pan-left"),
+                    ("▶", "pan 0.25", "pan right", "pan-right"),
+                    ("all", "reset", "every lane's whole trace", "reset"),
+                    ("peak", "peak", "the moment of the highest peak of any lane", "peak"))))
         self._live = W.HTML("<i>click a lane to see what was live there then</i>")
         self._live.add_class("cudalab-explorer-live-panel")
         super().__init__([self._summary, W.HBox(buttons), self._timeline, self._cmd,

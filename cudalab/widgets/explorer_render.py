@@ -20,7 +20,7 @@ from cudalab.memory_tools.trace_views import LiveSet, SearchResult, TraceViews
 from cudalab.memory_tools.user_frames import frames_html
 
 __all__ = ["SEND_JS", "live_set_html", "run_page_command", "saved_bundle", "search_html",
-           "segments_for_map", "timeline_html"]
+           "segments_for_map", "timeline_html", "view_widgets"]
 
 #: The JavaScript of an inline handler that sends ``text`` (a JS expression) to the kernel.
 SEND_JS = ("var i=this.closest('.cudalab-explorer').querySelector("
@@ -251,3 +251,29 @@ def run_page_command(change: dict[str, Any], command: Callable[[str], Any]) -> N
             command(text)
         except (ValueError, IndexError):
             pass  # (a malformed command from the page: nothing to do)
+
+
+def view_widgets(on_command: Callable[[dict[str, Any]], Any], command: Callable[[str], Any],
+                 buttons: tuple[tuple[str, str, str, str], ...]) -> tuple[Any, Any, Any, list[Any]]:
+    """The view's widgets both explorers share: the summary and the timeline (HTML), the
+    hidden command box that :data:`SEND_JS` writes into (its CSS class is SEND_JS's selector,
+    made here once so the two cannot drift; ``on_command`` observes its value), and one
+    button per ``(label, command, tooltip, CSS class)`` of ``buttons``, which runs
+    ``command(command text)``."""
+    import ipywidgets as W
+
+    summary = W.HTML()
+    summary.add_class("cudalab-explorer-summary")
+    timeline = W.HTML()
+    timeline.add_class("cudalab-explorer-tl")
+    box = W.Text(continuous_update=True, layout=W.Layout(display="none"))
+    box.add_class("cudalab-explorer-cmd")
+    box.observe(on_command, "value")
+    made = []
+    for label, text, tip, css in buttons:
+        b = W.Button(description=label, tooltip=tip,
+                     layout=W.Layout(width="56px" if len(label) > 1 else "40px"))
+        b.add_class(css)
+        b.on_click(lambda _b, c=text: command(c))
+        made.append(b)
+    return summary, timeline, box, made
