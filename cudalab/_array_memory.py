@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 import threading
 import warnings
 from typing import Any
@@ -66,8 +65,12 @@ _FILL_VECTOR_BLOCK = 256
 #: The most bytes one vector fill covers: 2**31 - 1 blocks (a launch's largest grid.x) of
 #: 256 threads, 16 bytes each.
 _MAX_VECTOR_BYTES = 0x7FFFFFFF * _FILL_VECTOR_BLOCK * 16
-#: (grid, block) of a vector fill of up to 256 vectors, by its number of warps (1 to 8).
-_VECTOR_SHAPES = [((1, 1, 1), (32 * max(warps, 1), 1, 1)) for warps in range(9)]
+#: (grid, block) of a vector fill of up to 4,096 vectors (64 KiB), by its number of warps (1 to
+#: 128), made once: up to 8 warps one block of whole warps, beyond that blocks of 256 threads
+#: (ceil(vectors / 256) of them, what fill_with_kernel computes for larger fills).
+_VECTOR_SHAPES = [((1, 1, 1), (32 * max(warps, 1), 1, 1)) if warps <= 8 else
+                  ((-(-warps // 8), 1, 1), (_FILL_VECTOR_BLOCK, 1, 1)) for warps in range(129)]
+_VECTOR_SHAPES_MAX = 4096  # vectors: the table's last entry (128 warps)
 #: Whether a fill captured into a graph is launched with programmatic dependent launch on a
 #: device of compute capability 9.0+ (each fill kernel then begins while the previous one
 #: ends, and waits for it: see cudalab._kernels.fill). Chosen from the rows of
@@ -443,14 +446,15 @@ def host_transfer(device: int, dst: int, src: int, n: int, stream: _streams.Stre
         _observe.access_tracker.transfer(stream, src if to_host else dst, n, to_host, not pinned)
 
 
-#: Integer dtypes -> (itemsize, min, max, signed), and float32/float64 -> a struct packer:
-#: scalar_bytes converts a Python int or float without numpy for these (the "fills eager" and
-#: "capture, host time per launch" rows of benchmarks/graphs.py). Native byte order, as
-#: numpy's tobytes(), so the two paths cannot drift (tests/runtime/test_array.py compares them).
-_INT_BYTES = {np.dtype(t): (np.dtype(t).itemsize, int(np.iinfo(t).min), int(np.iinfo(t).max),
-                            np.issubdtype(t, np.signedinteger))
-              for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
-                        np.uint64)}
+#: Integer dtypes and float32/float64 -> a struct packer of one item: scalar_bytes converts a
+#: Python int or float without numpy for these (the "fills eager" and "capture, host time per
+#: launch" rows of benchmarks/graphs.py). Native byte order ("="), as numpy's tobytes(), so
+#: the two paths cannot drift (tests/runtime/test_array.py compares them); an integer packer
+#: raises struct.error out of range, and numpy's path then raises the error.
+_INT_PACK = {np.dtype(t): struct.Struct("=" + code).pack
+             for t, code in ((np.int8, "b"), (np.uint8, "B"), (np.int16, "h"), (np.uint16, "H"),
+                             (np.int32, "i"), (np.uint32, "I"), (np.int64, "q"),
+                             (np.uint64, "Q"))}
 _FLOAT_PACK = {np.dtype(np.float32): struct.Struct("=f").pack,
                np.dtype(np.float64): struct.Struct("=d").pack}
 _EXACT_INT_FLOAT = 2**53  # ints up to this convert to float64 exactly, then round once
@@ -467,10 +471,12 @@ def scalar_bytes(value: Any, dtype: np.dtype) -> bytes:
     """
     kind = type(value)
     if kind is int:
-        spec = _INT_BYTES.get(dtype)
-        if spec is not None:
-            if spec[1] <= value <= spec[2]:
-                return value.to_bytes(spec[0], sys.byteorder, signed=spec[3])
+        pack = _INT_PACK.get(dtype)
+        if pack is not None:
+            try:
+                return pack(value)
+            except struct.error:  # out of range: numpy's error, below
+                pass
         elif -_EXACT_INT_FLOAT <= value <= _EXACT_INT_FLOAT:
             pack = _FLOAT_PACK.get(dtype)
             if pack is not None:
@@ -502,47 +508,48 @@ def fill(ptr: int, pattern: bytes, count: int, device: int, stream: _streams.Str
     2-byte one elsewhere ``cuMemsetD16Async``: one driver call, cheaper on the host than a
     kernel launch; 8-byte patterns take the kernel (a memset has no 8-byte form).
     """
-    b = stream.backend
-    h = stream.handle
     itemsize = len(pattern)
-    nbytes = count * itemsize
     if _open_captures and itemsize <= 8:  # (one global read while no graph captures)
         # Some stream is capturing a graph: a kernel node, legal on any stream.
         fill_with_kernel(ptr, pattern, count, stream,  # (it makes the context current)
                          PROGRAMMATIC_FILLS and programmatic_launch(device))
     elif not (byte_uniform := pattern.count(pattern[0]) == itemsize) and itemsize == 8:
-        fill_with_kernel(ptr, pattern, count, stream)
-    elif byte_uniform:
-        null_context(stream)
-        b.memset_d8_async(device, ptr, pattern[0], nbytes, h)
-    elif itemsize == 4 and not ptr & 3:
-        null_context(stream)
-        b.memset_d32_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
-    elif itemsize == 2 and not (ptr | nbytes) & 3:
-        null_context(stream)
-        b.memset_d32_async(device, ptr, int.from_bytes(pattern * 2, "little"), nbytes >> 2, h)
-    elif itemsize == 2 and not ptr & 1:
-        null_context(stream)
-        b.memset_d16_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
-    elif itemsize == 16:
-        if pattern[:8] == pattern[8:]:
-            fill_with_kernel(ptr, pattern[:8], 2 * count, stream)
-        else:
-            # Two different 8-byte halves (complex128 with re != im): write one element,
-            # then double the filled prefix with device-to-device copies (log2(count) copies).
-            fill_with_kernel(ptr, pattern[:8], 1, stream)
-            fill_with_kernel(ptr + 8, pattern[8:], 1, stream)
-            done = 1
-            while done < count:
-                step = min(done, count - done)
-                b.memcpy_async(device, ptr + done * 16, ptr, step * 16, h)
-                done += step
+        fill_with_kernel(ptr, pattern, count, stream)  # (first: the fewest steps to a kernel)
     else:
-        fill_with_kernel(ptr, pattern, count, stream)
+        b = stream.backend
+        h = stream.handle
+        nbytes = count * itemsize
+        if byte_uniform:
+            null_context(stream)
+            b.memset_d8_async(device, ptr, pattern[0], nbytes, h)
+        elif itemsize == 4 and not ptr & 3:
+            null_context(stream)
+            b.memset_d32_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
+        elif itemsize == 2 and not (ptr | nbytes) & 3:
+            null_context(stream)
+            b.memset_d32_async(device, ptr, int.from_bytes(pattern * 2, "little"), nbytes >> 2, h)
+        elif itemsize == 2 and not ptr & 1:
+            null_context(stream)
+            b.memset_d16_async(device, ptr, int.from_bytes(pattern, "little"), count, h)
+        elif itemsize == 16:
+            if pattern[:8] == pattern[8:]:
+                fill_with_kernel(ptr, pattern[:8], 2 * count, stream)
+            else:
+                # Two different 8-byte halves (complex128 with re != im): write one element,
+                # then double the filled prefix with device-to-device copies (log2(count) copies).
+                fill_with_kernel(ptr, pattern[:8], 1, stream)
+                fill_with_kernel(ptr + 8, pattern[8:], 1, stream)
+                done = 1
+                while done < count:
+                    step = min(done, count - done)
+                    b.memcpy_async(device, ptr + done * 16, ptr, step * 16, h)
+                    done += step
+        else:
+            fill_with_kernel(ptr, pattern, count, stream)
     # The stream sanitizer (one flag read while it is off) is told once the fill is queued:
     # in raise mode a race raises after the fill, as torch's CSAN (which runs the operation).
     if _observe.access_on:
-        _observe.access_tracker.access(stream, (), ((ptr, nbytes),), "fill")
+        _observe.access_tracker.access(stream, (), ((ptr, count * itemsize),), "fill")
 
 
 def programmatic_launch(device: int) -> bool:
@@ -569,11 +576,11 @@ def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stre
     """
     itemsize = len(pattern)
     nbytes = count * itemsize
-    if not (ptr | nbytes) & 15 and nbytes <= _MAX_VECTOR_BYTES:
+    if not ptr & 15 and not nbytes & 15 and nbytes <= _MAX_VECTOR_BYTES:  # (two small ints)
         vectors = nbytes >> 4
         if itemsize < 8:
             pattern = pattern * (8 // itemsize)
-        if vectors <= _FILL_VECTOR_BLOCK:  # one block of whole warps (shapes made once)
+        if vectors <= _VECTOR_SHAPES_MAX:  # (the shapes made once)
             grid3, block3 = _VECTOR_SHAPES[(vectors + 31) >> 5]
         else:
             grid3, block3 = (-(-vectors // _FILL_VECTOR_BLOCK), 1, 1), _FILL_BLOCK3

@@ -480,8 +480,13 @@ def run(fn: ElementwiseFunction, inputs: Sequence[Any], extras: Sequence[Any] = 
             device = x.device_index
     if extra_types is None:
         extra_types = tuple(map(type, extras))
-    key = (tuple(key_parts), extra_types, out_dtype,
-           None if out is None else tuple(_operand_key(o) for o in out))
+    if out is None:
+        out_key = None
+    elif len(out) == 1:  # (an in-place operator: no generator, the "a += b" row of house_ab.py)
+        out_key = (_operand_key(out[0]),)
+    else:
+        out_key = tuple([_operand_key(o) for o in out])
+    key = (tuple(key_parts), extra_types, out_dtype, out_key)
     plan = fn._plans.get(key)
     if plan is None:
         if device < 0:
