@@ -264,9 +264,14 @@ def test_message_budget_per_tick(sent, allocations):
         # that a worker still runs may send in the same moment; it was counted once in CI)
         total = sum(size for w, size in sent if id(w) in own)
         assert total > 0  # (the tick's updates are this dashboard's: the filter drops none)
-        worst = max(worst, total / n_dev)
+        if total / n_dev > worst:
+            worst = total / n_dev
+            # what the worst tick sent, widget by widget (a failure says what grew)
+            worst_detail = [(k, type(w).__name__, size, str(getattr(w, "value", ""))[:160])
+                            for w, size in sent if id(w) in own]
         assert all(isinstance(w, W.Widget) for w, _ in sent)
-    assert worst <= 2048, f"{worst:.0f} bytes per device per tick"
+    assert worst <= 2048, (f"{worst:.0f} bytes per device per tick ({n_dev} devices); the "
+                           f"worst tick (tick, widget, bytes, value): {worst_detail}")
     # an idle tick sends only what changed: the status line and nothing per device
     d.chart_interval = 1e9
     d._push(force_chart=False)
