@@ -51,7 +51,11 @@ higher than torch in earlier H100 runs.
 watch on`` called directly (the default threshold 0 prints one line per cell, into a
 buffer here; with a threshold nothing is printed, waited for or read below it), and
 ``run_cell("pass")`` with and without the watch, in paired rounds (median of the per-round
-differences). Target: <= 50 µs.
+differences): cudalab's line alone (``--source cudalab``; target: <= 50 µs), and the default
+``auto``, which adds torch's line while torch holds CUDA (as it does on a GPU host here, after
+the torch rows) and CuPy's while its pool holds memory. torch's line reads torch's counters
+(``torch.cuda.memory_stats_as_nested_dict``) before and after every cell; that call's own
+time is a row beside it.
 
 **``%load_ext cudalab``** in a fresh interpreter (IPython already imported). Target: <= 300 ms.
 
@@ -369,33 +373,54 @@ def main() -> None:
         for _ in range(n):
             ip.run_cell("pass", store_history=False)
 
+    # The watch's modes in paired rounds: off, cudalab's line alone (--source cudalab: the
+    # target), and the default (auto), which adds torch's and CuPy's lines while they hold
+    # CUDA and so reads torch's counters before and after every cell.
+    modes = {"cudalab": "watch on --source cudalab", "auto": "watch on"}
     with contextlib.redirect_stdout(sink):
         direct0 = hooks_direct("0")
         direct_thr = hooks_direct("1TiB")
         cells_loop(50)
-        off, on, diffs = [], [], []
+        off: list[float] = []
+        on: dict[str, list[float]] = {m: [] for m in modes}
+        diffs: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(rounds_w):
             sink.seek(0)
             sink.truncate()
             t0 = time.perf_counter()
             cells_loop(cells)
             a = (time.perf_counter() - t0) / cells
-            ip.run_line_magic("cuda_memory", "watch on")  # threshold 0: a line per cell
-            t0 = time.perf_counter()
-            cells_loop(cells)
-            b = (time.perf_counter() - t0) / cells
-            ip.run_line_magic("cuda_memory", "watch off")
             off.append(a)
-            on.append(b)
-            diffs.append(b - a)
+            for mode, line in modes.items():  # threshold 0: a line per cell
+                ip.run_line_magic("cuda_memory", line)
+                t0 = time.perf_counter()
+                cells_loop(cells)
+                b = (time.perf_counter() - t0) / cells
+                ip.run_line_magic("cuda_memory", "watch off")
+                on[mode].append(b)
+                diffs[mode].append(b - a)
     put("watch hooks, called directly (a line per cell)", direct0,
         "2 records + sync + elapsed_time, format, print")
     put("watch hooks, called directly (--threshold, silent)", direct_thr,
         "1 record; no wait below the threshold")
     put("run_cell('pass') without watch", statistics.median(off))
-    put("run_cell('pass') with watch on", statistics.median(on))
-    put("watch on: added cost per cell", statistics.median(diffs),
+    put("run_cell('pass') with watch on --source cudalab", statistics.median(on["cudalab"]))
+    put("watch on --source cudalab: added cost per cell", statistics.median(diffs["cudalab"]),
         "median of paired rounds; target <= 50 µs")
+    torch_live = torch is not None and torch.cuda.is_initialized()
+    put("run_cell('pass') with watch on (auto)", statistics.median(on["auto"]))
+    put("watch on (auto): added cost per cell", statistics.median(diffs["auto"]),
+        "torch's line too (torch holds CUDA here)" if torch_live else "cudalab's line alone here")
+    if torch_live:
+        stats = torch.cuda.memory_stats_as_nested_dict
+        samples = []
+        for _ in range(rounds_w):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                stats(0)
+            samples.append((time.perf_counter() - t0) / 200)
+        put("torch.cuda.memory_stats_as_nested_dict(0)", statistics.median(samples),
+            "torch's counters: the auto watch reads them twice a cell")
 
     # ------------------------------------------------------------ %load_ext time
     s = load_ext_seconds(3 if quick else 7)

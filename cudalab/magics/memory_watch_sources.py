@@ -29,8 +29,10 @@ figures at the start and the end). Its Δallocated and Δreserved are the differ
 pool's ``used_bytes()`` and ``total_bytes()``.
 
 GPU time: a timing event of the library (``torch.cuda.Event``, ``cupy.cuda.Event``) is
-recorded on its current stream before the cell and after it; ``watch_sync`` decides whether
-the watch waits for the end ("GPU running" otherwise). torch's events are recorded only
+recorded on its current stream before the cell and after it (two events per device, made
+once); ``watch_sync`` decides whether the watch waits for the end ("GPU running" otherwise).
+In ``auto`` a cell that left the library's allocator unchanged prints no line, so its end is
+neither recorded nor waited for (its figures say "GPU n/a"). torch's events are recorded only
 while torch has initialised CUDA, CuPy's only while its pool holds memory (an event would
 create a CUDA context for a CuPy that never ran): "GPU n/a" otherwise.
 """
@@ -42,8 +44,8 @@ from typing import Any, NamedTuple
 
 from cudalab._internal import format_bytes, format_time
 
-__all__ = ["CellMemory", "CupyCellWatch", "LibraryWatches", "TorchCellWatch", "cell_peak",
-           "library_line"]
+__all__ = ["CellMemory", "CupyCellWatch", "LibraryWatches", "TorchCellWatch", "allocator_changed",
+           "cell_peak", "library_line"]
 
 
 class CellMemory(NamedTuple):
@@ -58,6 +60,12 @@ class CellMemory(NamedTuple):
     exact: bool  # whether ``peak`` is exact (False: an upper bound)
     gpu: str  # "GPU 1.2 ms", "GPU running" or "GPU n/a"
     wall: float  # the cell's wall time, seconds
+
+    @property
+    def changed(self) -> bool:
+        """Whether the cell changed this allocator (see :func:`allocator_changed`)."""
+        return allocator_changed(self.allocated_delta, self.reserved_delta, self.peak,
+                                 self.start_allocated, self.exact)
 
     def line(self) -> str:
         """The watch line."""
@@ -96,6 +104,13 @@ def cell_peak(start: int, end: int, start_peak: int, end_peak: int, allocated_in
     return high, high == low
 
 
+def allocator_changed(d_alloc: int, d_res: int, peak: int, start: int, exact: bool) -> bool:
+    """Whether a cell changed an allocator: allocated or reserved bytes moved, or an exact
+    peak rose above the start (a peak that is only a bound, such as CuPy's cached pool bytes,
+    does not say that it did). ``auto`` prints a library's line for such cells only."""
+    return bool(d_alloc or d_res or (exact and peak > start))
+
+
 def library_line(label: str, d_alloc: int, d_res: int, start: int, peak: int, exact: bool,
                  gpu: str, wall: float) -> str:
     """One watch line (the format of cudalab's, with the library in its label)."""
@@ -122,7 +137,16 @@ class TorchCellWatch:
         self.sync = sync  # a callable: whether to wait for the end event (watch_sync)
         self.start: tuple[int, int, int, int, int] | None = None
         self.dev = 0
-        self.event: Any = None
+        self.event: Any = None  # the start event recorded by pre, None when not recorded
+        #: Per device, the (start, end) timing events, made once and recorded every cell.
+        self.events: dict[int, tuple[Any, Any]] = {}
+
+    def _pair(self, device: int) -> tuple[Any, Any]:
+        pair = self.events.get(device)
+        if pair is None:
+            event = self.torch.cuda.Event
+            pair = self.events[device] = (event(enable_timing=True), event(enable_timing=True))
+        return pair
 
     def _counters(self, device: int) -> tuple[int, int, int, int, int]:
         cuda = self.torch.cuda
@@ -148,13 +172,17 @@ class TorchCellWatch:
         d = self.dev = self.device if self.device is not None else int(cuda.current_device())
         self.start = self._counters(d)
         try:
-            ev = cuda.Event(enable_timing=True)
+            ev = self._pair(d)[0]
             ev.record(cuda.current_stream(d))
             self.event = ev
         except Exception:
             self.event = None
 
-    def post(self, wall: float, threshold: int) -> CellMemory | None:
+    def post(self, wall: float, threshold: int, idle_figures_only: bool = False
+             ) -> CellMemory | None:
+        """The cell's figures, None when nothing is to be said (below ``threshold``, or
+        torch did no CUDA work); ``idle_figures_only``: a cell that did not change torch's
+        allocator (``auto`` prints no line for it) reads no GPU time ("GPU n/a")."""
         cuda = self.torch.cuda
         if not cuda.is_initialized():
             return None  # torch did no CUDA work
@@ -170,9 +198,10 @@ class TorchCellWatch:
         if _quiet(threshold, d_alloc, d_res, peak - start[0]):
             return None
         gpu = "GPU n/a"
-        if self.event is not None:
+        if self.event is not None and not (
+                idle_figures_only and not allocator_changed(d_alloc, d_res, peak, start[0], exact)):
             try:
-                stop = cuda.Event(enable_timing=True)
+                stop = self._pair(d)[1]
                 stop.record(cuda.current_stream(d))
                 if self.sync():
                     stop.synchronize()
@@ -194,7 +223,16 @@ class CupyCellWatch:
         self.sync = sync
         self.start = (0, 0)
         self.dev = 0
-        self.event: Any = None
+        self.event: Any = None  # the start event recorded by pre, None when not recorded
+        #: Per device, the (start, end) events, made once and recorded every cell.
+        self.events: dict[int, tuple[Any, Any]] = {}
+
+    def _pair(self, device: int) -> tuple[Any, Any]:
+        pair = self.events.get(device)
+        if pair is None:
+            event = self.cupy.cuda.Event
+            pair = self.events[device] = (event(), event())
+        return pair
 
     def _figures(self, device: int) -> tuple[int, int]:
         cupy = self.cupy
@@ -211,13 +249,17 @@ class CupyCellWatch:
         self.event = None
         if self.start[1] > 0:  # CuPy has a context: an event costs none
             try:
-                ev = cupy.cuda.Event()
+                # (keyed by CuPy's current device: an Event belongs to the device current
+                # when it is made, and is recorded on that device's current stream)
+                ev = self._pair(int(cupy.cuda.runtime.getDevice()))[0]
                 ev.record(cupy.cuda.get_current_stream())
                 self.event = ev
             except Exception:
                 self.event = None
 
-    def post(self, wall: float, threshold: int) -> CellMemory | None:
+    def post(self, wall: float, threshold: int, idle_figures_only: bool = False
+             ) -> CellMemory | None:
+        """As :meth:`TorchCellWatch.post`, for CuPy's pool."""
         cupy = self.cupy
         d = self.dev
         used, total = self._figures(d)
@@ -230,9 +272,10 @@ class CupyCellWatch:
         if _quiet(threshold, d_alloc, d_res, peak - used0):
             return None
         gpu = "GPU n/a"
-        if self.event is not None:
+        if self.event is not None and not (
+                idle_figures_only and not allocator_changed(d_alloc, d_res, peak, used0, exact)):
             try:
-                stop = cupy.cuda.Event()
+                stop = self._pair(int(cupy.cuda.runtime.getDevice()))[1]
                 stop.record(cupy.cuda.get_current_stream())
                 if self.sync():
                     stop.synchronize()
@@ -301,14 +344,11 @@ class LibraryWatches:
         printed = False
         for w in self.watches.values():
             try:
-                cell = self.last[w.name] = w.post(wall, self.threshold)
+                auto = self.names is None
+                cell = self.last[w.name] = w.post(wall, self.threshold, idle_figures_only=auto)
                 line = None if cell is None else cell.line()
-                if cell is not None and self.names is None and not (
-                        cell.allocated_delta or cell.reserved_delta
-                        or (cell.exact and cell.peak > cell.start_allocated)):
-                    # auto: this library's allocator did not change (a peak that is only a
-                    # bound, e.g. CuPy's cached pool bytes, does not say that it did)
-                    line = None
+                if cell is not None and auto and not cell.changed:
+                    line = None  # auto: this library's allocator did not change
             except Exception as exc:  # a library that went away: said, never raised
                 self.last[w.name] = None
                 line = f"[cudalab watch {w.name}] not readable: {type(exc).__name__}: {exc}"

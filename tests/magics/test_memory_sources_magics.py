@@ -111,6 +111,39 @@ def test_auto_watch_shows_torch_and_quiets_an_idle_cudalab(ip, torch):
     run(ip, "%cuda_memory watch off")
 
 
+def test_watch_events_are_made_once_and_an_idle_auto_cell_reads_no_gpu_time(ip, torch,
+                                                                            monkeypatch):
+    """torch's two timing events are made once and recorded every cell; in auto a cell that
+    left torch's allocator unchanged (no line) records no end and reads no GPU time, while a
+    fixed --source torch reads it every cell (its line is printed every cell)."""
+    made = []
+
+    class CountingEvent(torch.cuda.Event):
+        def __init__(self, enable_timing: bool = False):
+            super().__init__(enable_timing)
+            made.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Event", CountingEvent)
+    run(ip, "%cuda_memory watch on")  # auto
+    for cell, changes in (("a_ = torch.cuda.alloc(1 << 20)", True), ("n_ = 1", False),
+                          ("torch.cuda.free(a_)", True), ("n_ = 2", False)):
+        r, out = run(ip, cell)
+        figures = _last(ip, "torch")
+        assert figures.changed == changes, cell
+        assert len(_lines(out, "torch")) == int(changes), out
+        if changes:
+            assert figures.gpu.startswith("GPU ") and figures.gpu != "GPU n/a", figures
+        else:
+            assert figures.gpu == "GPU n/a", figures
+    assert len(made) == 2  # one (start, end) pair for device 0, for every cell
+    run(ip, "%cuda_memory watch off")
+    run(ip, "%cuda_memory watch on --source torch")
+    r, out = run(ip, "n_ = 3")
+    (line,) = _lines(out, "torch")
+    assert "GPU n/a" not in line and "GPU " in line
+    run(ip, "%cuda_memory watch off")
+
+
 def test_auto_watch_leaves_out_a_cupy_pool_that_only_caches(ip, cupy):
     """A CuPy pool that holds cached bytes and no live ones changes nothing in a cell: its
     peak is only a bound (the pool's bytes), so auto prints no CuPy line and cudalab's line
