@@ -121,6 +121,16 @@ def library_line(label: str, d_alloc: int, d_res: int, start: int, peak: int, ex
             f"wall {format_time(wall)}")
 
 
+def _event_pair(events: dict[int, tuple[Any, Any]], device: int, event: Any,
+                **options: Any) -> tuple[Any, Any]:
+    """``device``'s (start, end) timing events from ``events``, made with
+    ``event(**options)`` the first time."""
+    pair = events.get(device)
+    if pair is None:
+        pair = events[device] = (event(**options), event(**options))
+    return pair
+
+
 def _quiet(threshold: int, d_alloc: int, d_res: int, over: int) -> bool:
     return threshold > 0 and abs(d_alloc) < threshold and abs(d_res) < threshold and \
         over < threshold
@@ -142,11 +152,7 @@ class TorchCellWatch:
         self.events: dict[int, tuple[Any, Any]] = {}
 
     def _pair(self, device: int) -> tuple[Any, Any]:
-        pair = self.events.get(device)
-        if pair is None:
-            event = self.torch.cuda.Event
-            pair = self.events[device] = (event(enable_timing=True), event(enable_timing=True))
-        return pair
+        return _event_pair(self.events, device, self.torch.cuda.Event, enable_timing=True)
 
     def _counters(self, device: int) -> tuple[int, int, int, int, int]:
         cuda = self.torch.cuda
@@ -228,11 +234,7 @@ class CupyCellWatch:
         self.events: dict[int, tuple[Any, Any]] = {}
 
     def _pair(self, device: int) -> tuple[Any, Any]:
-        pair = self.events.get(device)
-        if pair is None:
-            event = self.cupy.cuda.Event
-            pair = self.events[device] = (event(), event())
-        return pair
+        return _event_pair(self.events, device, self.cupy.cuda.Event)
 
     def _figures(self, device: int) -> tuple[int, int]:
         cupy = self.cupy
