@@ -277,11 +277,11 @@ class MemoryDashboard(W.VBox):
             p = {"title": W.HTML(), "chart": W.Image(format="png", width=self.chart_size[0],
                                                       height=self.chart_size[1]),
                  "scale": W.HTML(), "mem": W.HTML(layout=W.Layout(width="100%")),
-                 "nvml": W.HTML(), "counts": W.HTML(), "procs": W.HTML()}
+                 "nvml": W.HTML(), "counts": W.HTML(), "pools": W.HTML(), "procs": W.HTML()}
             self._panels.append(p)
             left = W.VBox([p["chart"], W.HBox([p["scale"], legend])],
                           layout=W.Layout(flex="0 0 auto"))
-            right = W.VBox([p["mem"], p["nvml"], p["counts"], p["procs"]],
+            right = W.VBox([p["mem"], p["nvml"], p["counts"], p["pools"], p["procs"]],
                            layout=W.Layout(flex="1 1 320px", min_width="260px",
                                            padding="0 0 0 10px"))
             rows.append(W.VBox([p["title"], W.HBox([left, right],
@@ -475,6 +475,7 @@ class MemoryDashboard(W.VBox):
                      (p["mem"], {"value": self._mem_html(s, cap, level)}),
                      (p["nvml"], {"value": self._nvml_html(dev, s)}),
                      (p["counts"], {"value": self._counts_html(s)}),
+                     (p["pools"], {"value": pools_html(list(s.pools))}),
                      (p["procs"], {"value": self._procs_html(dev, s)})]
         now = time.monotonic()
         every = max(self.interval, 0.5) if self.chart_interval is None else self.chart_interval
@@ -554,7 +555,7 @@ class MemoryDashboard(W.VBox):
                 f'live / {s.allocations_total:,} total &middot; segments {s.segments:,} '
                 f'&middot; <span{red if ooms else ""}>OOMs <b>{ooms}</b></span> &middot; '
                 f'<span{red if retries else ""}>retries <b>{retries}</b></span>'
-                f'{pools_html(list(s.pools))}{note}</div>')
+                f'{note}</div>')
 
     def _procs_html(self, dev: DashboardDevice, s: DeviceSample) -> str:
         if s.nvml_error or s.processes is None:
@@ -717,7 +718,8 @@ class MemoryDashboard(W.VBox):
             rows.append(f'<div style="margin:4px 0">{p["title"].value}'
                         f'<div style="display:flex;gap:10px"><img src="data:image/png;base64,{b64}"'
                         f' width="{w}" height="{h}"/><div style="min-width:260px">'
-                        f'{p["mem"].value}{p["nvml"].value}{p["counts"].value}{p["procs"].value}'
+                        f'{p["mem"].value}{p["nvml"].value}{p["counts"].value}{p["pools"].value}'
+                        f'{p["procs"].value}'
                         f'</div></div></div>')
         if not rows:
             rows.append("<i>No CUDA device is visible.</i>")

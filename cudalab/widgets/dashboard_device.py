@@ -82,13 +82,15 @@ def figures_text(dev: DashboardDevice) -> str:
 
 
 def pools_html(pools: list[dict]) -> str:
-    """The private pools of a device, for its counts line ("" without any): each as its
-    kind (graph or user), id, reserved and allocated bytes, use count."""
+    """The private pools of a device, the line below its counts ("" without any): each as
+    its kind (graph or user), id, reserved and allocated bytes, use count. A widget of its
+    own in the dashboard, so a tick sends it only when a pool changed (not with every
+    allocation count: a device with many pools sent kilobytes a tick)."""
     if not pools:
         return ""
     items = [f'<span class="cudalab-dash-pool" data-kind="{p["kind"]}" '
              f'title="use count {p["use_count"]}{", released" if p["freeable"] else ""}">'
              f'{p["kind"]} pool ({p["id"][0]}, {p["id"][1]}) <b>{format_bytes(p["reserved_bytes"])}</b>'
              f' ({format_bytes(p["allocated_bytes"])} allocated)</span>' for p in pools]
-    return (f' &middot; <span class="cudalab-dash-pools" data-pools="{len(pools)}">'
-            + " &middot; ".join(items) + "</span>")
+    return (f'<div class="cudalab-dash-pools" data-pools="{len(pools)}">private pools: '
+            + " &middot; ".join(items) + "</div>")

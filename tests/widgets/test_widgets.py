@@ -246,9 +246,28 @@ def _widget_tree(widget: W.Widget) -> set[int]:
     return out
 
 
-def test_message_budget_per_tick(sent, allocations):
+@pytest.fixture
+def private_pools():
+    """Eight MemPools on every device, each holding 4 KiB (a device listing its pools, as
+    one that earlier work left holding some); freed afterwards."""
+    held = []
+    for dev in range(cudalab.device_count()):
+        with cudalab.device(dev):  # (a MemPool belongs to the current device)
+            for _ in range(8):
+                pool = cm.MemPool()
+                with cm.use_mem_pool(pool, device=dev):
+                    held.append((pool, cm.caching_allocator_alloc(4096, dev)))
+    yield held
+    for _pool, ptr in held:
+        cm.caching_allocator_delete(ptr)
+    held.clear()
+    cm.empty_cache()
+
+
+def test_message_budget_per_tick(sent, allocations, private_pools):
     n_dev = cudalab.device_count()
     d = MemoryDashboard(start=False, window=600)
+    assert all('data-pools="8"' in p["pools"].value for p in d._panels)  # listed, once
     for _ in range(5):  # warm: titles and static parts were sent at construction
         d.refresh()
     own = _widget_tree(d)

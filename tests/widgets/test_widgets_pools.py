@@ -57,13 +57,46 @@ def test_the_dashboard_lists_the_pools_of_each_device(graph_and_user_pool):
     uid, gid = graph_and_user_pool
     d = MemoryDashboard(start=False)
     d.refresh()
-    counts = d._panels[0]["counts"].value
-    m = re.search(r'class="cudalab-dash-pools" data-pools="(\d+)"', counts)
+    pools = d._panels[0]["pools"].value
+    m = re.search(r'class="cudalab-dash-pools" data-pools="(\d+)"', pools)
     assert m and int(m.group(1)) == 2
-    assert f"graph pool ({gid[0]}, 0) <b>22.0 MiB</b>" in counts
-    assert f"user pool (0, {uid[1]}) <b>2.0 MiB</b>" in counts
+    assert f"graph pool ({gid[0]}, 0) <b>22.0 MiB</b>" in pools
+    assert f"user pool (0, {uid[1]}) <b>2.0 MiB</b>" in pools
+    assert "cudalab-dash-pools" not in d._panels[0]["counts"].value  # (its own widget)
+    assert pools in d.to_html()
     assert d.latest[0]["pools"] == cm.private_pools(0)
     d.close()
+
+
+def test_a_tick_sends_the_pools_line_only_when_a_pool_changed(graph_and_user_pool,
+                                                              monkeypatch):
+    """The pools have a widget of their own: allocations outside them change the counts
+    line every tick, and the pools line is not sent again (it was part of the counts line,
+    so a device with many pools sent kilobytes a tick: the message budget test in CI)."""
+    d = MemoryDashboard(start=False)
+    d.refresh()
+    pools_widget, counts_widget = d._panels[0]["pools"], d._panels[0]["counts"]
+    assert "cudalab-dash-pools" in pools_widget.value
+    sent: list[object] = []
+    send = W.Widget._send
+
+    def record(self, msg, buffers=None):
+        sent.append(self)
+        return send(self, msg, buffers)
+
+    monkeypatch.setattr(W.Widget, "_send", record)
+    ptrs = []
+    try:
+        for k in range(4):
+            ptrs.append(cm.caching_allocator_alloc((k + 1) * MiB, 0))  # the default pool
+            d.refresh()
+            assert any(w is counts_widget for w in sent)  # the counts changed: sent
+            assert not any(w is pools_widget for w in sent)  # the pools did not: not sent
+            sent.clear()
+    finally:
+        for ptr in ptrs:
+            cm.caching_allocator_delete(ptr)
+        d.close()
 
 
 def test_the_viewer_filters_graph_and_user_pools_and_their_history(graph_and_user_pool):
