@@ -228,11 +228,6 @@ def noise_floors(per_rank: list[dict[str, Any]], draws: int = 2000,
     return {name: sorted(values)[int(0.95 * (draws - 1))] for name, values in got.items()}
 
 
-def noise_floor(per_rank: list[dict[str, Any]], draws: int = 2000, seed: int = 0) -> float:
-    """The worst rank's noise floor (:func:`noise_floors`' ``worst``)."""
-    return noise_floors(per_rank, draws, seed)["worst"]
-
-
 def rank_table(per_rank: list[dict[str, Any]]) -> list[str]:
     """The per-rank lines of the slowdown: each rank's paired median, the spread of its
     pairs, its steps per window, and its publisher's CPU per sample."""

@@ -494,6 +494,11 @@ def run_gather(args: argparse.Namespace, results: dict) -> None:
     results["gathered entries as dicts, built on first access (s)"] = data["built_s"]
 
 
+def _shown(value: object) -> str:
+    """A row's value as the table prints it."""
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 class Results(dict):
     """The rows, each printed as soon as it is measured (a run cut short keeps its rows),
     and tables printed after them (:meth:`table`)."""
@@ -505,8 +510,7 @@ class Results(dict):
 
     def __setitem__(self, name: str, value: object) -> None:
         super().__setitem__(name, value)
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        print(f"  . {name}: {shown}", flush=True)
+        print(f"  . {name}: {_shown(value)}", flush=True)
 
     def table(self, name: str, lines: list[str]) -> None:
         self.tables[name] = lines
@@ -571,8 +575,7 @@ def main() -> int:
           f"{took:.0f} s")
     width = max(map(len, results))
     for name, value in results.items():
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        print(f"  {name:<{width}}  {shown}")
+        print(f"  {name:<{width}}  {_shown(value)}")
     for name, lines in results.tables.items():
         print(f"  {name}:")
         for line in lines:

@@ -124,8 +124,14 @@ COMM_ROWS = {"broadcast": "comm.broadcast (1 KiB, devices 0 and 1)",
 COMM_COUNT = 256  # float32 elements: 1 KiB
 
 
-def _comm_rows(broadcast, reduce_add, scatter, gather, x0, x1, sync) -> dict:
-    """One library's collective loops (its comm functions, its arrays on devices 0 and 1)."""
+def _comm_rows(broadcast, reduce_add, scatter, gather, x0, x1, synchronize) -> dict:
+    """One library's collective loops (its comm functions, its arrays on devices 0 and 1,
+    its ``synchronize(device)``)."""
+
+    def sync() -> None:
+        for device in (0, 1):
+            synchronize(device)
+
     calls = {"broadcast": lambda: broadcast(x0, devices=[0, 1]),
              "reduce_add": lambda: reduce_add([x0, x1], destination=0),
              "scatter": lambda: scatter(x0, devices=[0, 1]),
@@ -150,12 +156,8 @@ def _comm_loops(cudalab) -> dict:
     x0.fill_(1.0)
     x1 = cudalab.array.empty((COMM_COUNT,), dtype=np.float32, device=1)
     x1.fill_(2.0)
-
-    def sync() -> None:
-        for device in (0, 1):
-            cudalab.synchronize(device)
-
-    return _comm_rows(comm.broadcast, comm.reduce_add, comm.scatter, comm.gather, x0, x1, sync)
+    return _comm_rows(comm.broadcast, comm.reduce_add, comm.scatter, comm.gather, x0, x1,
+                      cudalab.synchronize)
 
 
 def _other_libraries(loops: dict, hooks: dict) -> None:
@@ -220,13 +222,8 @@ def _other_libraries(loops: dict, hooks: dict) -> None:
 
             t0 = torch.ones(COMM_COUNT, dtype=torch.float32, device="cuda:0")
             t1 = torch.full((COMM_COUNT,), 2.0, dtype=torch.float32, device="cuda:1")
-
-            def t_sync() -> None:
-                for device in (0, 1):
-                    torch.cuda.synchronize(device)
-
             loops["torch"].update(_comm_rows(tcomm.broadcast, tcomm.reduce_add, tcomm.scatter,
-                                             tcomm.gather, t0, t1, t_sync))
+                                             tcomm.gather, t0, t1, torch.cuda.synchronize))
         hooks[("torch", 'history stacks="python" (alloc+free pair)')] = (
             lambda: torch.cuda.memory._record_memory_history("all", stacks="python", max_entries=100_000),
             lambda: torch.cuda.memory._record_memory_history(None))

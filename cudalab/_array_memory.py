@@ -65,12 +65,20 @@ _FILL_VECTOR_BLOCK = 256
 #: The most bytes one vector fill covers: 2**31 - 1 blocks (a launch's largest grid.x) of
 #: 256 threads, 16 bytes each.
 _MAX_VECTOR_BYTES = 0x7FFFFFFF * _FILL_VECTOR_BLOCK * 16
-#: (grid, block) of a vector fill of up to 4,096 vectors (64 KiB), by its number of warps (1 to
-#: 128), made once: up to 8 warps one block of whole warps, beyond that blocks of 256 threads
-#: (ceil(vectors / 256) of them, what fill_with_kernel computes for larger fills).
-_VECTOR_SHAPES = [((1, 1, 1), (32 * max(warps, 1), 1, 1)) if warps <= 8 else
-                  ((-(-warps // 8), 1, 1), (_FILL_VECTOR_BLOCK, 1, 1)) for warps in range(129)]
-_VECTOR_SHAPES_MAX = 4096  # vectors: the table's last entry (128 warps)
+
+
+def _vector_shape(warps: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, block) of a vector fill of ``warps`` warps (ceil(vectors / 32)): up to one
+    block's worth, one block of whole warps; beyond, ceil(vectors / 256) blocks of 256."""
+    per_block = _FILL_VECTOR_BLOCK // 32
+    if warps <= per_block:
+        return (1, 1, 1), (32 * max(warps, 1), 1, 1)
+    return (-(-warps // per_block), 1, 1), (_FILL_VECTOR_BLOCK, 1, 1)
+
+
+#: _vector_shape of 0 to 128 warps (fills up to 64 KiB), made once.
+_VECTOR_SHAPES = [_vector_shape(warps) for warps in range(129)]
+
 #: Whether a fill captured into a graph is launched with programmatic dependent launch on a
 #: device of compute capability 9.0+ (each fill kernel then begins while the previous one
 #: ends, and waits for it: see cudalab._kernels.fill). Chosen from the rows of
@@ -580,10 +588,11 @@ def fill_with_kernel(ptr: int, pattern: bytes, count: int, stream: _streams.Stre
         vectors = nbytes >> 4
         if itemsize < 8:
             pattern = pattern * (8 // itemsize)
-        if vectors <= _VECTOR_SHAPES_MAX:  # (the shapes made once)
-            grid3, block3 = _VECTOR_SHAPES[(vectors + 31) >> 5]
-        else:
-            grid3, block3 = (-(-vectors // _FILL_VECTOR_BLOCK), 1, 1), _FILL_BLOCK3
+        warps = (vectors + 31) >> 5
+        try:
+            grid3, block3 = _VECTOR_SHAPES[warps]
+        except IndexError:  # (beyond 64 KiB)
+            grid3, block3 = _vector_shape(warps)
         VECTOR_FILL_KERNEL.launch_prepared(
             grid3, block3, (ptr, int.from_bytes(pattern, "little"), vectors), stream,
             programmatic)

@@ -50,7 +50,6 @@ from cudalab.memory_tools.trace_index import TraceIndex, index_snapshot, open_tr
 from cudalab.memory_tools.trace_views import TraceViews
 from cudalab.widgets.explorer_render import (
     live_set_html,
-    run_page_command,
     saved_bundle,
     search_html,
     segments_for_map,
@@ -142,7 +141,7 @@ class SnapshotExplorer(W.VBox):
         self._other = compare
         self._thread: threading.Thread | None = None
         self._summary, self._timeline, self._cmd, buttons = view_widgets(
-            self._on_command, self.command,
+            self.command,
             tuple((label, cmd, tip, f"cudalab-explorer-{tip.replace(' ', '-')}") for label, cmd, tip in (
                 ("−", "zoom 0.5 2", "zoom out"), ("+", "zoom 0.5 0.5", "zoom in"),
                 ("◀", "pan -0.25", "pan left"), ("▶", "pan 0.25", "pan right"),
@@ -314,9 +313,6 @@ class SnapshotExplorer(W.VBox):
                               f"({info['segments']} segments){svg}</div>")
 
     # ----------------------------------------------------------------------- commands
-    def _on_command(self, change: dict[str, Any]) -> None:
-        run_page_command(change, self.command)
-
     def command(self, text: str) -> None:
         """Run one timeline command: ``click F`` (the moment at fraction F of the view),
         ``zoom F K`` (scale the view by K around fraction F), ``pan D`` (move it by D views),

@@ -36,7 +36,6 @@ from cudalab.memory_tools.trace_lanes import TraceLanes, trace_lanes
 from cudalab.widgets.explorer_render import (
     SEND_JS,
     live_set_html,
-    run_page_command,
     saved_bundle,
     view_widgets,
 )
@@ -193,7 +192,7 @@ class LanesExplorer(W.VBox):
         self._version = 0
         self._lock = threading.RLock()
         self._summary, self._timeline, self._cmd, buttons = view_widgets(
-            self._on_command, self.command, tuple(
+            self.command, tuple(
                 (label, cmd, tip, f"cudalab-lanes-{name}") for label, cmd, tip, name in (
                     ("−", "zoom 0.5 2", "zoom out", "zoom-out"),
                     ("+", "zoom 0.5 0.5", "zoom in", "zoom-in"),
@@ -232,9 +231,6 @@ class LanesExplorer(W.VBox):
                if lost else "") + "</span>")
 
     # ----------------------------------------------------------------------- commands
-    def _on_command(self, change: dict[str, Any]) -> None:
-        run_page_command(change, self.command)
-
     def command(self, text: str) -> None:
         """Run one command: ``click F LANE`` (the moment at fraction F of the view, in lane
         LANE), ``zoom F K`` (scale the view by K around fraction F), ``pan D`` (move it by

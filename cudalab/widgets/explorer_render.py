@@ -253,13 +253,13 @@ def run_page_command(change: dict[str, Any], command: Callable[[str], Any]) -> N
             pass  # (a malformed command from the page: nothing to do)
 
 
-def view_widgets(on_command: Callable[[dict[str, Any]], Any], command: Callable[[str], Any],
-                 buttons: tuple[tuple[str, str, str, str], ...]) -> tuple[Any, Any, Any, list[Any]]:
+def view_widgets(command: Callable[[str], Any], buttons: tuple[tuple[str, str, str, str], ...]
+                 ) -> tuple[Any, Any, Any, list[Any]]:
     """The view's widgets both explorers share: the summary and the timeline (HTML), the
     hidden command box that :data:`SEND_JS` writes into (its CSS class is SEND_JS's selector,
-    made here once so the two cannot drift; ``on_command`` observes its value), and one
-    button per ``(label, command, tooltip, CSS class)`` of ``buttons``, which runs
-    ``command(command text)``."""
+    made here once so the two cannot drift; what the page writes there runs through
+    :func:`run_page_command`), and one button per ``(label, command, tooltip, CSS class)`` of
+    ``buttons``; both run ``command(command text)``."""
     import ipywidgets as W
 
     summary = W.HTML()
@@ -268,7 +268,7 @@ def view_widgets(on_command: Callable[[dict[str, Any]], Any], command: Callable[
     timeline.add_class("cudalab-explorer-tl")
     box = W.Text(continuous_update=True, layout=W.Layout(display="none"))
     box.add_class("cudalab-explorer-cmd")
-    box.observe(on_command, "value")
+    box.observe(lambda change: run_page_command(change, command), "value")
     made = []
     for label, text, tip, css in buttons:
         b = W.Button(description=label, tooltip=tip,
